@@ -1,0 +1,1 @@
+// Empty translation unit that carries the executables' precompiled LibTorch header.

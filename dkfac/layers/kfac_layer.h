@@ -1,0 +1,96 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "dkfac/math/second_order.h"
+#include "dkfac/nn/kfac_module.h"
+#include "dkfac/options.h"
+
+namespace dkfac {
+
+/// Result of folding one step's captured factors into a layer's running averages.
+enum class FactorUpdate {
+  kUpdated,    ///< both factors updated
+  kMissing,    ///< nothing captured for A or G: the layer did not run forward/backward
+  kNonFinite,  ///< a captured factor held NaN/Inf; running factors left unchanged
+};
+
+/// Second-order state of one layer: eigendecompositions (eigen method) or damped inverses.
+struct SecondOrderState {
+  ComputeMethod method = ComputeMethod::kEigen;
+  math::EigenFactor a_eigen;  // Q_A [a, a], d_A [a]
+  math::EigenFactor g_eigen;  // Q_G [g, g], d_G [g]
+  torch::Tensor denominator;  // 1 / (d_G d_A^T + damping), [g, a]
+  torch::Tensor a_inverse;    // (A + damping_A I)^-1, [a, a]
+  torch::Tensor g_inverse;    // (G + damping_G I)^-1, [g, g]
+
+  /// True once computed.
+  bool defined() const { return denominator.defined() || a_inverse.defined(); }
+  /// V for `grad` [g, a].
+  torch::Tensor precondition(const torch::Tensor& grad) const;
+  /// Bytes held.
+  int64_t memory_bytes() const;
+};
+
+/// K-FAC state and operations of one dkfac::nn layer: running factors, second-order state, and the
+/// layer gradient seen as a [g, a] matrix. Holds no communication; strategies sequence its phases.
+/// The layer shares ownership of its module with the model.
+class KfacLayer {
+ public:
+  /// `module` must implement nn::KfacModule; `name` is its path in the model (e.g. "features.conv1").
+  KfacLayer(std::string name, std::shared_ptr<torch::nn::Module> module);
+
+  const std::string& name() const { return name_; }
+  nn::KfacModule& module() { return *kfac_module_; }
+  const nn::KfacModule& module() const { return *kfac_module_; }
+  int64_t a_dim() const { return kfac_module_->a_dim(); }
+  int64_t g_dim() const { return kfac_module_->g_dim(); }
+
+  /// Turns activation/gradient capture on for the coming forward/backward (factor steps only).
+  void set_capture(bool enabled) { kfac_module_->factor_capture().set_enabled(enabled); }
+  /// Micro-batches captured since the last factor update (min of the A and G counts).
+  int64_t captured_batches() const;
+
+  /// Folds the mean captured factors into the running averages F = alpha F + (1 - alpha) F_batch,
+  /// F starting from I. Consumes the capture whatever the outcome.
+  FactorUpdate update_factors(double alpha);
+  /// Running factors: A [a, a] and G [g, g]; undefined before the first update.
+  const torch::Tensor& a_factor() const { return a_factor_; }
+  const torch::Tensor& g_factor() const { return g_factor_; }
+  /// Replaces the running factors (e.g. with their average over workers).
+  void set_factors(torch::Tensor a_factor, torch::Tensor g_factor);
+
+  /// Recomputes the second-order state from the running factors. On failure (non-convergence,
+  /// NaN) the previous state is kept and the error is rethrown for the caller to report.
+  void compute_second_order(ComputeMethod method, double damping, bool pi_damping);
+  const SecondOrderState& second_order() const { return second_order_; }
+
+  /// True when the weight (and bias) have gradients.
+  bool has_gradient() const;
+  /// The gradient as a matrix [g, a]: weight gradient viewed [g, -1], bias gradient as last column.
+  torch::Tensor gradient() const;
+  /// Writes a [g, a] matrix back into the weight (and bias) gradients.
+  void set_gradient(const torch::Tensor& matrix);
+
+  /// Bytes of factors and second-order state held by this layer.
+  int64_t memory_bytes() const;
+
+  /// Serialises factors and second-order state.
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores what save() wrote; checks the name and shapes.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  std::string name_;
+  std::shared_ptr<torch::nn::Module> module_;  // shared with the model
+  nn::KfacModule* kfac_module_;                // the same object, as its K-FAC interface
+  torch::Tensor a_factor_;                     // A, [a, a]
+  torch::Tensor g_factor_;                     // G, [g, g]
+  SecondOrderState second_order_;
+};
+
+}  // namespace dkfac

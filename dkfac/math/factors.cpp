@@ -1,0 +1,69 @@
+#include "dkfac/math/factors.h"
+
+namespace F = torch::nn::functional;
+
+namespace dkfac::math {
+
+torch::Tensor covariance(const torch::Tensor& x, bool with_bias, double scale) {
+  TORCH_CHECK(x.dim() == 2, "covariance expects a 2-D tensor, got shape ", x.sizes());
+  const auto n = x.size(0);
+  TORCH_CHECK(n > 0, "covariance of an empty batch (0 rows)");
+  const double s = scale * scale / static_cast<double>(n);
+  auto xtx = torch::mm(x.t(), x);
+  // Symmetrise as the reference does: (C + C^T) / 2, scaled in the same pass.
+  auto sym = torch::add(xtx, xtx.t()).mul_(0.5 * s);
+  if (!with_bias) return sym;
+  const auto k = x.size(1);
+  auto cov = torch::empty({k + 1, k + 1}, x.options());
+  cov.slice(0, 0, k).slice(1, 0, k).copy_(sym);
+  auto column = x.sum(0).mul_(s);  // X^T 1 * scale^2 / n
+  cov.slice(0, 0, k).select(1, k).copy_(column);
+  cov.select(0, k).slice(0, 0, k).copy_(column);
+  cov.select(0, k).select(0, k).fill_(s * static_cast<double>(n));
+  return cov;
+}
+
+torch::Tensor linear_a_factor(const torch::Tensor& input, bool with_bias) {
+  TORCH_CHECK(input.dim() >= 1, "Linear input must have at least 1 dimension");
+  return covariance(input.reshape({-1, input.size(-1)}), with_bias);
+}
+
+torch::Tensor linear_g_factor(const torch::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() >= 1, "Linear output gradient must have at least 1 dimension");
+  return covariance(grad_output.reshape({-1, grad_output.size(-1)}));
+}
+
+torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry) {
+  TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
+  auto padded = input;
+  const auto& p = geometry.padding;
+  if (p[0] != 0 || p[1] != 0 || p[2] != 0 || p[3] != 0) {
+    padded = F::pad(input, F::PadFuncOptions({p[0], p[1], p[2], p[3]}).mode(geometry.padding_mode));
+  }
+  const auto& k = geometry.kernel_size;
+  const auto& st = geometry.stride;
+  const auto& d = geometry.dilation;
+  // [B, C*kh*kw, L] with rows ordered (channel, kernel row, kernel column).
+  auto columns = F::unfold(padded, F::UnfoldFuncOptions({k[0], k[1]})
+                                       .dilation({d[0], d[1]})
+                                       .padding(0)
+                                       .stride({st[0], st[1]}));
+  return columns.transpose(1, 2).reshape({-1, columns.size(1)});
+}
+
+torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& geometry,
+                              bool with_bias) {
+  auto patches = conv2d_patches(input, geometry);
+  const auto spatial = patches.size(0) / input.size(0);
+  return covariance(patches, with_bias, 1.0 / static_cast<double>(spatial));
+}
+
+torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() == 4, "Conv2d output gradient must be [B, C, H, W], got shape ",
+              grad_output.sizes());
+  const auto spatial = grad_output.size(2) * grad_output.size(3);
+  auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, grad_output.size(1)});
+  return covariance(y, false, 1.0 / static_cast<double>(spatial));
+}
+
+}  // namespace dkfac::math

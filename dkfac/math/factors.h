@@ -1,0 +1,45 @@
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include <torch/torch.h>
+
+/// Kronecker factors of one mini-batch (SPEC.md section 1, kfac_pytorch v0.4.2 convention).
+/// Pure functions: tensors in, tensors out; no state, no communication. All results are
+/// symmetric, in the dtype of the input.
+namespace dkfac::math {
+
+/// cov(X) = X^T X / n, symmetrised, for X = [x, 1] (bias column appended when `with_bias`)
+/// scaled by `scale`. x: [n, k] -> [k (+1), k (+1)]. The ones column is never materialised.
+torch::Tensor covariance(const torch::Tensor& x, bool with_bias = false, double scale = 1.0);
+
+/// Linear A factor. input: [..., in_features] -> [a, a], a = in_features (+1 with bias).
+torch::Tensor linear_a_factor(const torch::Tensor& input, bool with_bias);
+
+/// Linear G factor. grad_output: [..., out_features] -> [out_features, out_features].
+torch::Tensor linear_g_factor(const torch::Tensor& grad_output);
+
+/// How a Conv2d lays its input out into patches.
+struct Conv2dGeometry {
+  std::array<int64_t, 2> kernel_size{1, 1};
+  std::array<int64_t, 2> stride{1, 1};
+  std::array<int64_t, 2> dilation{1, 1};
+  /// Padding in torch::nn::functional::pad order: {left, right, top, bottom}.
+  std::array<int64_t, 4> padding{0, 0, 0, 0};
+  /// Padding mode of the layer (zeros, reflect, replicate, circular).
+  torch::nn::functional::PadFuncOptions::mode_t padding_mode = torch::kConstant;
+};
+
+/// im2col patches of `input` [B, C, H, W] -> [B * H_out * W_out, C * kh * kw]; each row laid
+/// out like `weight.view(C_out, -1)` (channel, kernel row, kernel column).
+torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry);
+
+/// Conv2d A factor: cov([patches, 1] / S). input: [B, C, H, W] -> [a, a], a = C*kh*kw (+1).
+torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& geometry, bool with_bias);
+
+/// Conv2d G factor: cov(Y / S) with Y the output gradient as [B*S, C_out].
+/// grad_output: [B, C_out, H_out, W_out] -> [C_out, C_out].
+torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output);
+
+}  // namespace dkfac::math

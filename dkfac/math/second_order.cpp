@@ -1,0 +1,103 @@
+#include "dkfac/math/second_order.h"
+
+#include <cmath>
+
+namespace dkfac::math {
+namespace {
+
+bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
+
+// LAPACK's ?syevd reports its workspace size in the matrix's own precision. In float32 the size
+// 1 + 6n + 2n^2 stops being exact past 2^24 (n > 2894) and can round down, and LibTorch 1.13 then
+// fails with "SSYEVD parameter number 8 had an illegal value". Such factors go through float64.
+bool float32_workspace_exact(int64_t n) { return 1 + 6 * n + 2 * n * n <= (int64_t{1} << 24); }
+
+EigenFactor eigh_clamped(const torch::Tensor& factor) {
+  auto [values, vectors] = torch::linalg::eigh(factor, "U");
+  return {vectors, values.clamp_min_(0.0)};
+}
+
+}  // namespace
+
+EigenFactor eigen_decompose(const torch::Tensor& factor) {
+  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
+              "eigen_decompose expects a square matrix, got shape ", factor.sizes());
+  TORCH_CHECK(all_finite(factor), "eigen_decompose: factor of shape ", factor.sizes(),
+              " contains NaN or Inf");
+  EigenFactor result;
+  try {
+    if (factor.scalar_type() == torch::kFloat32 && !float32_workspace_exact(factor.size(0))) {
+      auto wide = eigh_clamped(factor.to(torch::kFloat64));
+      result = {wide.eigenvectors.to(torch::kFloat32), wide.eigenvalues.to(torch::kFloat32)};
+    } else {
+      result = eigh_clamped(factor);
+    }
+  } catch (const c10::Error& first) {
+    TORCH_CHECK(factor.scalar_type() != torch::kFloat64, "eigendecomposition of a ", factor.size(0),
+                "x", factor.size(0), " factor failed: ", first.what_without_backtrace());
+    // Ill-conditioned float32 factors can fail to converge; float64 nearly always succeeds.
+    auto wide = eigh_clamped(factor.to(torch::kFloat64));
+    result = {wide.eigenvectors.to(factor.scalar_type()), wide.eigenvalues.to(factor.scalar_type())};
+  }
+  TORCH_CHECK(all_finite(result.eigenvectors) && all_finite(result.eigenvalues), "eigendecomposition of a ",
+              factor.size(0), "x", factor.size(0), " factor produced NaN or Inf");
+  return result;
+}
+
+torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping) {
+  return torch::outer(g.eigenvalues, a.eigenvalues).add_(damping).reciprocal_();
+}
+
+torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
+                                 const torch::Tensor& grad) {
+  auto rotated = torch::mm(torch::mm(g.eigenvectors.t(), grad), a.eigenvectors);
+  rotated.mul_(denominator);
+  return torch::mm(torch::mm(g.eigenvectors, rotated), a.eigenvectors.t());
+}
+
+torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
+                                 double damping) {
+  return precondition_eigen(a, g, eigen_denominator(a, g, damping), grad);
+}
+
+torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
+  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
+              "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  auto damped = factor.clone();
+  damped.diagonal().add_(damping);
+  auto [l, info] = torch::linalg_cholesky_ex(damped);
+  torch::Tensor inverse;
+  if (info.item<int64_t>() == 0) {
+    inverse = torch::cholesky_inverse(l);
+  } else {
+    // Not numerically positive definite (tiny damping on a singular factor): general inverse.
+    inverse = torch::linalg::inv(damped);
+  }
+  TORCH_CHECK(all_finite(inverse), "inverse of a ", factor.size(0), "x", factor.size(0),
+              " damped factor produced NaN or Inf (damping ", damping, ")");
+  return inverse;
+}
+
+std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor,
+                                     double damping) {
+  const double a_mean = a_factor.trace().item<double>() / static_cast<double>(a_factor.size(0));
+  const double g_mean = g_factor.trace().item<double>() / static_cast<double>(g_factor.size(0));
+  double pi = 1.0;
+  if (a_mean > 0.0 && g_mean > 0.0 && std::isfinite(a_mean) && std::isfinite(g_mean)) {
+    pi = std::sqrt(a_mean / g_mean);
+  }
+  const double root = std::sqrt(damping);
+  return {root * pi, root / pi};
+}
+
+torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
+                                   const torch::Tensor& grad) {
+  return torch::mm(torch::mm(g_inverse, grad), a_inverse);
+}
+
+double kl_clip_scale(double vg_sum, double kl_clip) {
+  if (kl_clip == 0.0 || vg_sum == 0.0) return 1.0;
+  return std::min(1.0, std::sqrt(kl_clip / std::abs(vg_sum)));
+}
+
+}  // namespace dkfac::math

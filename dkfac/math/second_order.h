@@ -1,0 +1,46 @@
+#pragma once
+
+#include <torch/torch.h>
+
+/// Second-order kernels of K-FAC (SPEC.md section 2). Pure functions: tensors in, tensors out.
+/// `grad` is always the layer gradient as a matrix [g, a] (bias gradient as the last column).
+namespace dkfac::math {
+
+/// Symmetric eigendecomposition of one factor.
+struct EigenFactor {
+  torch::Tensor eigenvectors;  // Q, [d, d], columns are eigenvectors
+  torch::Tensor eigenvalues;   // d, [d], ascending, clamped to >= 0
+};
+
+/// Eigendecomposition of a symmetric factor [d, d]. Runs in the factor's dtype and retries in
+/// float64 if LAPACK fails to converge; throws c10::Error if both fail or the result is not finite.
+EigenFactor eigen_decompose(const torch::Tensor& factor);
+
+/// 1 / (d_G d_A^T + damping), [g, a]: the element-wise scaling of the eigen method.
+torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping);
+
+/// V = Q_G [(Q_G^T grad Q_A) * denominator] Q_A^T, with `denominator` from eigen_denominator.
+torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
+                                 const torch::Tensor& grad);
+
+/// Convenience form that builds the denominator for `damping`.
+torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
+                                 double damping);
+
+/// (factor + damping I)^-1 for a symmetric positive semi-definite factor [d, d]; Cholesky based,
+/// with a general inverse as fallback. Throws c10::Error if the result is not finite.
+torch::Tensor damped_inverse(const torch::Tensor& factor, double damping);
+
+/// Damping of A and G for the pi-damped inverse: pi = sqrt((tr(A)/a) / (tr(G)/g)),
+/// returns {sqrt(damping) * pi, sqrt(damping) / pi}. pi = 1 when a trace is not positive.
+std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor, double damping);
+
+/// V = G_inv grad A_inv with G_inv [g, g], A_inv [a, a].
+torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
+                                   const torch::Tensor& grad);
+
+/// KL-clipping scale nu = min(1, sqrt(kl_clip / |vg_sum|)), where vg_sum = sum over layers of
+/// sum(V * grad) * lr^2. Returns 1 when vg_sum is 0 or kl_clip is 0 (clipping off).
+double kl_clip_scale(double vg_sum, double kl_clip);
+
+}  // namespace dkfac::math

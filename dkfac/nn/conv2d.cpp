@@ -1,0 +1,87 @@
+#include "dkfac/nn/conv2d.h"
+
+#include <chrono>
+
+namespace dkfac::nn {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+torch::nn::functional::PadFuncOptions::mode_t to_pad_mode(const torch::nn::detail::conv_padding_mode_t& mode) {
+  if (c10::get_if<torch::enumtype::kReflect>(&mode)) return torch::kReflect;
+  if (c10::get_if<torch::enumtype::kReplicate>(&mode)) return torch::kReplicate;
+  if (c10::get_if<torch::enumtype::kCircular>(&mode)) return torch::kCircular;
+  return torch::kConstant;
+}
+
+}  // namespace
+
+Conv2dImpl::Conv2dImpl(const torch::nn::Conv2dOptions& options) : torch::nn::Conv2dImpl(options) {
+  TORCH_CHECK(options.groups() == 1, "dkfac::nn::Conv2d supports groups=1 only, got groups=", options.groups(),
+              " (use torch::nn::Conv2d for grouped convolutions; they keep their plain gradient)");
+}
+
+math::Conv2dGeometry Conv2dImpl::geometry() const {
+  math::Conv2dGeometry g;
+  const auto& k = *options.kernel_size();
+  const auto& s = *options.stride();
+  const auto& d = *options.dilation();
+  g.kernel_size = {k[0], k[1]};
+  g.stride = {s[0], s[1]};
+  g.dilation = {d[0], d[1]};
+  g.padding_mode = to_pad_mode(options.padding_mode());
+  if (!c10::get_if<torch::enumtype::kZeros>(&options.padding_mode())) {
+    // Non-zero modes: forward pads with exactly this vector, then convolves without padding.
+    const auto& r = _reversed_padding_repeated_twice;
+    g.padding = {r[0], r[1], r[2], r[3]};
+    return g;
+  }
+  c10::visit(c10::overloaded(
+                 [&](torch::enumtype::kValid) { g.padding = {0, 0, 0, 0}; },
+                 [&](torch::enumtype::kSame) {
+                   // Same rule as ATen's 'same' convolution: the odd pixel goes right/bottom.
+                   const int64_t total_h = d[0] * (k[0] - 1);
+                   const int64_t total_w = d[1] * (k[1] - 1);
+                   g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+                 },
+                 [&](const torch::ExpandingArray<2>& pad) { g.padding = {(*pad)[1], (*pad)[1], (*pad)[0], (*pad)[0]}; }),
+             options.padding());
+  return g;
+}
+
+torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
+  auto output = torch::nn::Conv2dImpl::forward(input);
+  if (!capture_->active(is_training())) return output;
+
+  const auto start = std::chrono::steady_clock::now();
+  {
+    torch::NoGradGuard no_grad;
+    auto x = input.dim() == 3 ? input.unsqueeze(0) : input;  // unbatched [C, H, W]
+    capture_->add_a(math::conv2d_a_factor(x.detach(), geometry(), bias.defined()), seconds_since(start));
+  }
+  if (output.requires_grad()) {
+    output.register_hook([capture = capture_](const torch::Tensor& grad) {
+      const auto hook_start = std::chrono::steady_clock::now();
+      torch::NoGradGuard no_grad;
+      auto g = grad.dim() == 3 ? grad.unsqueeze(0) : grad;
+      capture->add_g(math::conv2d_g_factor(g), seconds_since(hook_start));
+    });
+  }
+  return output;
+}
+
+void Conv2dImpl::pretty_print(std::ostream& stream) const {
+  stream << "dkfac::nn::";
+  torch::nn::Conv2dImpl::pretty_print(stream);
+}
+
+int64_t Conv2dImpl::a_dim() const {
+  const auto& k = *options.kernel_size();
+  return options.in_channels() * k[0] * k[1] + (bias.defined() ? 1 : 0);
+}
+
+int64_t Conv2dImpl::g_dim() const { return options.out_channels(); }
+
+}  // namespace dkfac::nn

@@ -1,0 +1,77 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <torch/torch.h>
+
+namespace dkfac::nn {
+
+/// Per-layer accumulator of mini-batch Kronecker factors. The layer's forward adds A factors and
+/// a hook on its output adds G factors while capture is active; the preconditioner takes their
+/// means at each factor update. Shared by the module and by autograd hooks that may outlive it.
+class FactorCapture {
+ public:
+  /// True when the next forward should capture: enabled, module in training mode, grad mode on.
+  bool active(bool training) const { return enabled_ && training && torch::GradMode::is_enabled(); }
+  /// Turned on by the preconditioner before each factor step, off after it.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
+
+  /// Adds one micro-batch factor ([a, a] or [g, g]) and the seconds spent building it.
+  void add_a(const torch::Tensor& a_batch, double seconds);
+  void add_g(const torch::Tensor& g_batch, double seconds);
+
+  /// Micro-batches captured since the last take.
+  int64_t a_count() const;
+  int64_t g_count() const;
+
+  /// Mean of the captured factors (sum / count), or an undefined tensor if none; resets the sum.
+  torch::Tensor take_a();
+  torch::Tensor take_g();
+
+  /// Drops anything captured.
+  void clear();
+
+  /// Seconds spent building factors since construction (forward and backward).
+  double seconds() const;
+
+ private:
+  static void add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch);
+  static torch::Tensor take(torch::Tensor& sum, int64_t& count);
+
+  mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
+  bool enabled_ = false;
+  torch::Tensor a_sum_;  // [a, a]
+  torch::Tensor g_sum_;  // [g, g]
+  int64_t a_count_ = 0;
+  int64_t g_count_ = 0;
+  double seconds_ = 0.0;
+};
+
+/// Interface of modules whose Kronecker factors dkfac can build (dkfac::nn::Linear, Conv2d).
+/// The preconditioner finds such modules in a model by dynamic_cast.
+class KfacModule {
+ public:
+  virtual ~KfacModule() = default;
+
+  /// "Linear" or "Conv2d".
+  virtual std::string kfac_kind() const = 0;
+  /// The weight; its gradient is viewed as [g, a - has_bias].
+  virtual torch::Tensor kfac_weight() const = 0;
+  /// The bias, or an undefined tensor.
+  virtual torch::Tensor kfac_bias() const = 0;
+  /// Factor dimensions: a (input side, +1 with bias) and g (output side).
+  virtual int64_t a_dim() const = 0;
+  virtual int64_t g_dim() const = 0;
+
+  FactorCapture& factor_capture() { return *capture_; }
+  const FactorCapture& factor_capture() const { return *capture_; }
+
+ protected:
+  std::shared_ptr<FactorCapture> capture_ = std::make_shared<FactorCapture>();
+};
+
+}  // namespace dkfac::nn

@@ -1,0 +1,75 @@
+#include "dkfac/options.h"
+
+#include <cmath>
+#include <regex>
+
+#include <c10/util/Exception.h>
+
+namespace dkfac {
+
+void Options::validate() const {
+  TORCH_CHECK(factor_decay_ >= 0.0 && factor_decay_ < 1.0, "factor_decay must be in [0, 1), got ",
+              factor_decay_);
+  TORCH_CHECK(accumulation_steps_ >= 1, "accumulation_steps must be >= 1, got ", accumulation_steps_);
+  TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
+              "pi_damping applies to ComputeMethod::kInverse only, got compute_method=",
+              to_string(compute_method_));
+  for (const auto& pattern : skip_layers_) {
+    try {
+      std::regex check(pattern);
+      (void)check;
+    } catch (const std::regex_error& e) {
+      TORCH_CHECK(false, "skip_layers pattern '", pattern, "' is not a valid regular expression: ",
+                  e.what());
+    }
+  }
+  // Constant schedules are checked now so that a bad value fails at construction, not mid-run.
+  if (lr_.is_constant()) lr_at(0);
+  if (damping_.is_constant()) damping_at(0);
+  if (kl_clip_.is_constant()) kl_clip_at(0);
+  if (factor_update_steps_.is_constant()) factor_update_steps_at(0);
+  if (inv_update_steps_.is_constant()) inv_update_steps_at(0);
+}
+
+double Options::lr_at(int64_t step) const {
+  const double v = lr_(step);
+  TORCH_CHECK(std::isfinite(v) && v >= 0.0, "lr must be finite and >= 0, got ", v, " at step ", step);
+  return v;
+}
+
+double Options::damping_at(int64_t step) const {
+  const double v = damping_(step);
+  TORCH_CHECK(std::isfinite(v) && v > 0.0, "damping must be finite and > 0, got ", v, " at step ", step);
+  return v;
+}
+
+double Options::kl_clip_at(int64_t step) const {
+  const double v = kl_clip_(step);
+  TORCH_CHECK(std::isfinite(v) && v >= 0.0, "kl_clip must be finite and >= 0 (0 disables it), got ", v,
+              " at step ", step);
+  return v;
+}
+
+int64_t Options::factor_update_steps_at(int64_t step) const {
+  const int64_t v = factor_update_steps_(step);
+  TORCH_CHECK(v >= 1, "factor_update_steps must be >= 1, got ", v, " at step ", step);
+  return v;
+}
+
+int64_t Options::inv_update_steps_at(int64_t step) const {
+  const int64_t v = inv_update_steps_(step);
+  TORCH_CHECK(v >= 1, "inv_update_steps must be >= 1, got ", v, " at step ", step);
+  return v;
+}
+
+const char* to_string(ComputeMethod method) {
+  switch (method) {
+    case ComputeMethod::kEigen:
+      return "eigen";
+    case ComputeMethod::kInverse:
+      return "inverse";
+  }
+  return "unknown";
+}
+
+}  // namespace dkfac

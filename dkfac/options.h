@@ -1,0 +1,120 @@
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dkfac {
+
+/// How the second-order state of a layer is computed and applied (SPEC.md section 2).
+enum class ComputeMethod {
+  kEigen,    ///< eigendecompositions of A and G; damping added to the eigenvalue products
+  kInverse,  ///< explicit inverses of (A + damping I) and (G + damping I)
+};
+
+/// What `Preconditioner::step()` does with a registered layer that did not run forward/backward.
+enum class UnusedLayerPolicy {
+  kError,  ///< throw a c10::Error naming the layer (default)
+  kSkip,   ///< leave the layer's plain gradient for this step and warn once
+};
+
+/// A hyper-parameter that is either a constant or a function of the K-FAC step (0-based).
+template <typename T>
+class Schedule {
+ public:
+  /// A constant schedule.
+  Schedule(T value) : fn_([value](int64_t) { return value; }), constant_(true) {}  // NOLINT
+  /// A schedule computed from the step.
+  Schedule(std::function<T(int64_t)> fn) : fn_(std::move(fn)) {}  // NOLINT
+
+  /// The value at K-FAC step `step`.
+  T operator()(int64_t step) const { return fn_(step); }
+  /// True when built from a plain value.
+  bool is_constant() const { return constant_; }
+
+ private:
+  std::function<T(int64_t)> fn_;
+  bool constant_ = false;
+};
+
+#define DKFAC_SCHEDULE_ARG(T, name)                                  \
+ public:                                                             \
+  Options& name(T value) & {                                         \
+    name##_ = Schedule<T>(value);                                    \
+    return *this;                                                    \
+  }                                                                  \
+  Options&& name(T value) && { return std::move(this->name(value)); } \
+  Options& name(std::function<T(int64_t)> fn) & {                    \
+    name##_ = Schedule<T>(std::move(fn));                            \
+    return *this;                                                    \
+  }                                                                  \
+  Options&& name(std::function<T(int64_t)> fn) && {                  \
+    return std::move(this->name(std::move(fn)));                     \
+  }                                                                  \
+  const Schedule<T>& name() const { return name##_; }                \
+                                                                     \
+ private:                                                            \
+  Schedule<T> name##_
+
+#define DKFAC_VALUE_ARG(T, name, default_value)                     \
+ public:                                                            \
+  Options& name(T value) & {                                        \
+    name##_ = std::move(value);                                     \
+    return *this;                                                   \
+  }                                                                 \
+  Options&& name(T value) && { return std::move(this->name(std::move(value))); } \
+  const T& name() const { return name##_; }                         \
+                                                                    \
+ private:                                                           \
+  T name##_ = default_value
+
+/// Hyper-parameters of the K-FAC preconditioner, as a value with chained setters:
+/// `dkfac::Options().lr(0.1).damping(3e-3).factor_update_steps(10).inv_update_steps(100)`.
+/// Schedules (`lr`, `damping`, `kl_clip`, the two intervals) accept a value or a
+/// `std::function<T(int64_t step)>`. Everything is checked once by `validate()`, which the
+/// Preconditioner calls when it is built; schedule values are checked each time they are read.
+class Options {
+  /// Learning rate of the optimizer that applies the gradients; used only by KL clipping.
+  DKFAC_SCHEDULE_ARG(double, lr){0.1};
+  /// Tikhonov damping lambda (> 0).
+  DKFAC_SCHEDULE_ARG(double, damping){0.001};
+  /// KL-clip bound; 0 turns clipping off.
+  DKFAC_SCHEDULE_ARG(double, kl_clip){0.001};
+  /// Steps between factor updates (>= 1). Activations are captured only on these steps.
+  DKFAC_SCHEDULE_ARG(int64_t, factor_update_steps){1};
+  /// Steps between second-order (eigen/inverse) updates (>= 1).
+  DKFAC_SCHEDULE_ARG(int64_t, inv_update_steps){1};
+  /// Running-average decay alpha of the factors, in [0, 1).
+  DKFAC_VALUE_ARG(double, factor_decay, 0.95);
+  /// Forward/backward passes (micro-batches) per optimizer step (>= 1).
+  DKFAC_VALUE_ARG(int64_t, accumulation_steps, 1);
+  /// Eigen (default) or inverse second-order method.
+  DKFAC_VALUE_ARG(ComputeMethod, compute_method, ComputeMethod::kEigen);
+  /// Inverse method only: split damping between A and G with the pi heuristic (DP-KFAC).
+  DKFAC_VALUE_ARG(bool, pi_damping, false);
+  /// ECMAScript regular expressions; a layer whose module name matches any is not preconditioned.
+  DKFAC_VALUE_ARG(std::vector<std::string>, skip_layers, {});
+  /// What to do with a registered layer that did not run before `step()`.
+  DKFAC_VALUE_ARG(UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError);
+
+ public:
+  /// Checks every constant option; throws c10::Error with the offending value.
+  void validate() const;
+
+  /// Reads and checks each schedule at `step`.
+  double lr_at(int64_t step) const;
+  double damping_at(int64_t step) const;
+  double kl_clip_at(int64_t step) const;
+  int64_t factor_update_steps_at(int64_t step) const;
+  int64_t inv_update_steps_at(int64_t step) const;
+};
+
+#undef DKFAC_SCHEDULE_ARG
+#undef DKFAC_VALUE_ARG
+
+/// Readable name of a compute method ("eigen", "inverse").
+const char* to_string(ComputeMethod method);
+
+}  // namespace dkfac

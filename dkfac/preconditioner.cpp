@@ -1,0 +1,262 @@
+#include "dkfac/preconditioner.h"
+
+#include <chrono>
+#include <regex>
+
+namespace dkfac {
+namespace {
+
+constexpr int64_t kFormatVersion = 1;
+
+class Stopwatch {
+ public:
+  /// Adds the elapsed seconds to `*target` when destroyed.
+  explicit Stopwatch(double* target) : target_(target), start_(std::chrono::steady_clock::now()) {}
+  ~Stopwatch() { *target_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  Stopwatch(const Stopwatch&) = delete;
+  Stopwatch& operator=(const Stopwatch&) = delete;
+
+ private:
+  double* target_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
+
+bool matches_any(const std::vector<std::string>& patterns, const std::string& name, const std::string& kind) {
+  for (const auto& pattern : patterns) {
+    const std::regex re(pattern);
+    if (std::regex_search(name, re) || std::regex_search(kind, re)) return true;
+  }
+  return false;
+}
+
+bool all_parameters_require_grad(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters(/*recurse=*/false)) {
+    if (!p.requires_grad()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
+  factors += other.factors;
+  second_order += other.second_order;
+  precondition += other.precondition;
+  apply += other.apply;
+  return *this;
+}
+
+Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options)
+    : model_(std::move(model)), options_(std::move(options)) {
+  TORCH_CHECK(model_ != nullptr, "Preconditioner needs a model, got nullptr");
+  options_.validate();
+  for (const auto& item : model_->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
+    if (kfac_module == nullptr) continue;
+    if (!all_parameters_require_grad(*item.value())) continue;
+    if (matches_any(options_.skip_layers(), item.key(), kfac_module->kfac_kind())) continue;
+    layers_.emplace_back(item.key(), item.value());
+  }
+  TORCH_CHECK(!layers_.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
+              " in the model (", model_->name(), ") after applying skip_layers");
+  arm_capture();
+}
+
+Preconditioner::~Preconditioner() {
+  for (auto& layer : layers_) layer.set_capture(false);
+}
+
+bool Preconditioner::is_factor_step(int64_t step) const {
+  return step % options_.factor_update_steps_at(step) == 0;
+}
+
+bool Preconditioner::is_inverse_step(int64_t step) const { return step % options_.inv_update_steps_at(step) == 0; }
+
+void Preconditioner::step() {
+  last_times_ = PhaseTimes();
+  const bool factor_step = is_factor_step(steps_);
+  auto plan = check_layers(factor_step);
+  if (factor_step) update_factors(plan);
+  if (is_inverse_step(steps_)) compute_second_order(plan);
+  auto preconditioned = precondition(plan);
+  clip_and_apply(plan, preconditioned);
+  total_times_ += last_times_;
+  ++steps_;
+  arm_capture();
+}
+
+std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_step) {
+  std::vector<LayerPlan> plan(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& layer = layers_[i];
+    const int64_t captured = factor_step ? layer.captured_batches() : -1;
+    if ((!factor_step || captured > 0) && layer.has_gradient()) {
+      if (factor_step && captured != options_.accumulation_steps()) {
+        warn_once(layer, "accumulation",
+                  "captured " + std::to_string(captured) + " micro-batches but accumulation_steps is " +
+                      std::to_string(options_.accumulation_steps()) + "; factors are averaged over the " +
+                      std::to_string(captured) + " captured");
+      }
+      continue;
+    }
+    const std::string what = factor_step && captured == 0 ? "did not run forward/backward in training mode"
+                                                          : "has no gradient";
+    TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer '", layer.name(), "' (",
+                layer.module().kfac_kind(), ") ", what, " before Preconditioner::step() at step ", steps_,
+                "; run it in forward/backward, exclude it with Options::skip_layers, or set "
+                "unused_layer_policy(UnusedLayerPolicy::kSkip)");
+    warn_once(layer, "unused", what + "; keeping its plain gradient while it does not run");
+    layer.module().factor_capture().clear();
+    plan[i].usable = false;
+    ++events_.skipped_unused;
+  }
+  return plan;
+}
+
+void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
+  double capture_seconds = 0.0;
+  for (const auto& layer : layers_) capture_seconds += layer.module().factor_capture().seconds();
+  last_times_.factors += capture_seconds - capture_seconds_seen_;
+  capture_seconds_seen_ = capture_seconds;
+
+  Stopwatch watch(&last_times_.factors);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!plan[i].usable) continue;
+    auto& layer = layers_[i];
+    if (layer.update_factors(options_.factor_decay()) == FactorUpdate::kUpdated) continue;
+    warn_once(layer, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
+                               "is kept for this step");
+    plan[i].usable = false;
+    ++events_.fallbacks;
+  }
+}
+
+void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
+  Stopwatch watch(&last_times_.second_order);
+  const double damping = options_.damping_at(steps_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& layer = layers_[i];
+    if (!layer.a_factor().defined()) continue;
+    try {
+      layer.compute_second_order(options_.compute_method(), damping, options_.pi_damping());
+    } catch (const c10::Error& e) {
+      ++events_.second_order_failures;
+      warn_once(layer, "second_order",
+                std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
+    }
+    if (!layer.second_order().defined()) plan[i].usable = false;
+  }
+}
+
+std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& plan) {
+  Stopwatch watch(&last_times_.precondition);
+  std::vector<torch::Tensor> preconditioned(layers_.size());
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& layer = layers_[i];
+    if (!plan[i].usable || !layer.second_order().defined()) {
+      plan[i].usable = false;
+      continue;
+    }
+    auto v = layer.second_order().precondition(layer.gradient());
+    if (!all_finite(v)) {
+      warn_once(layer, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
+                                   "gradient for this step");
+      plan[i].usable = false;
+      ++events_.fallbacks;
+      continue;
+    }
+    preconditioned[i] = std::move(v);
+  }
+  return preconditioned;
+}
+
+void Preconditioner::clip_and_apply(const std::vector<LayerPlan>& plan,
+                                    const std::vector<torch::Tensor>& preconditioned) {
+  Stopwatch watch(&last_times_.apply);
+  torch::NoGradGuard no_grad;
+  double scale = 1.0;
+  const double kl_clip = options_.kl_clip_at(steps_);
+  if (kl_clip > 0.0) {
+    const double lr = options_.lr_at(steps_);
+    double vg_sum = 0.0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (!plan[i].usable) continue;
+      vg_sum += (preconditioned[i] * layers_[i].gradient()).sum().item<double>();
+    }
+    scale = math::kl_clip_scale(vg_sum * lr * lr, kl_clip);
+  }
+  last_kl_scale_ = scale;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!plan[i].usable) continue;
+    layers_[i].set_gradient(scale == 1.0 ? preconditioned[i] : preconditioned[i] * scale);
+  }
+}
+
+void Preconditioner::arm_capture() {
+  const bool capture = is_factor_step(steps_);
+  for (auto& layer : layers_) layer.set_capture(capture);
+}
+
+void Preconditioner::warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message) {
+  if (!warned_.emplace(layer.name(), kind).second) return;
+  TORCH_WARN("dkfac: layer '", layer.name(), "' (", layer.module().kfac_kind(), "), step ", steps_, ": ", message,
+             " (warned once per layer)");
+}
+
+int64_t Preconditioner::memory_bytes() const {
+  int64_t total = 0;
+  for (const auto& layer : layers_) total += layer.memory_bytes();
+  return total;
+}
+
+void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("format_version", c10::IValue(kFormatVersion));
+  archive.write("steps", c10::IValue(steps_));
+  archive.write("num_layers", c10::IValue(static_cast<int64_t>(layers_.size())));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    torch::serialize::OutputArchive nested;
+    layers_[i].save(nested);
+    archive.write("layer" + std::to_string(i), nested);
+  }
+}
+
+void Preconditioner::load(torch::serialize::InputArchive& archive) {
+  c10::IValue version;
+  c10::IValue steps;
+  c10::IValue num_layers;
+  TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
+              "not a dkfac preconditioner checkpoint (no format_version)");
+  TORCH_CHECK(version.toInt() == kFormatVersion, "dkfac preconditioner checkpoint has format version ",
+              version.toInt(), ", this build reads version ", kFormatVersion);
+  archive.read("steps", steps);
+  archive.read("num_layers", num_layers);
+  TORCH_CHECK(num_layers.toInt() == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers.toInt(),
+              " K-FAC layers, the model has ", layers_.size());
+  // Load into copies first so that a damaged checkpoint leaves this preconditioner unchanged.
+  std::vector<KfacLayer> loaded = layers_;
+  for (size_t i = 0; i < loaded.size(); ++i) {
+    torch::serialize::InputArchive nested;
+    archive.read("layer" + std::to_string(i), nested);
+    loaded[i].load(nested);
+  }
+  layers_ = std::move(loaded);
+  steps_ = steps.toInt();
+  for (auto& layer : layers_) layer.module().factor_capture().clear();
+  arm_capture();
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const Preconditioner& preconditioner) {
+  preconditioner.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, Preconditioner& preconditioner) {
+  preconditioner.load(archive);
+  return archive;
+}
+
+}  // namespace dkfac

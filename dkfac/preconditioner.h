@@ -1,0 +1,113 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dkfac/layers/kfac_layer.h"
+#include "dkfac/options.h"
+
+namespace dkfac {
+
+/// Seconds spent in each K-FAC phase.
+struct PhaseTimes {
+  double factors = 0.0;       ///< building factors in forward/backward and folding them into running averages
+  double second_order = 0.0;  ///< eigendecompositions or inverses
+  double precondition = 0.0;  ///< V = preconditioned gradients
+  double apply = 0.0;         ///< KL clipping and writing gradients back
+
+  double total() const { return factors + second_order + precondition + apply; }
+  PhaseTimes& operator+=(const PhaseTimes& other);
+};
+
+/// Counters of what happened to layers, for logs and tests.
+struct LayerEvents {
+  int64_t fallbacks = 0;           ///< layer-steps that kept their plain gradient because of NaN/Inf or failure
+  int64_t skipped_unused = 0;      ///< layer-steps skipped because the layer did not run
+  int64_t second_order_failures = 0;  ///< decompositions/inverses that failed (previous state kept)
+};
+
+/// K-FAC preconditioner for a LibTorch model (single process).
+///
+/// Finds every dkfac::nn::Linear / dkfac::nn::Conv2d in `model` whose parameters all require grad
+/// (minus those matching Options::skip_layers) and, at each `step()`, replaces their gradients by
+/// the preconditioned, KL-clipped gradients of SPEC.md sections 1-2. Call it after
+/// `loss.backward()` (after all accumulation micro-batches) and before the optimizer's `step()`.
+/// Other parameters keep their plain gradients.
+///
+/// Activations and output gradients are captured only on factor-update steps, only in training
+/// mode with grad mode on; evaluation under torch::NoGradGuard captures nothing.
+class Preconditioner {
+ public:
+  /// Registers the model's K-FAC layers and validates `options` (throws c10::Error naming the bad value).
+  explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options());
+  ~Preconditioner();
+  Preconditioner(const Preconditioner&) = delete;
+  Preconditioner& operator=(const Preconditioner&) = delete;
+
+  /// One K-FAC step: update factors (factor steps) -> second order (inverse steps) -> precondition
+  /// -> KL clip -> write gradients. Then arms capture for the next step.
+  void step();
+
+  /// K-FAC steps taken so far (0 before the first step()).
+  int64_t steps() const { return steps_; }
+  /// True if step() number `step` updates factors / second-order state.
+  bool is_factor_step(int64_t step) const;
+  bool is_inverse_step(int64_t step) const;
+
+  const Options& options() const { return options_; }
+  /// The preconditioned layers, in model order.
+  const std::vector<KfacLayer>& layers() const { return layers_; }
+  std::vector<KfacLayer>& layers() { return layers_; }
+
+  /// Phase times of the last step and summed over all steps.
+  const PhaseTimes& last_step_times() const { return last_times_; }
+  const PhaseTimes& total_times() const { return total_times_; }
+  const LayerEvents& events() const { return events_; }
+  /// KL-clip scale nu applied at the last step (1 when clipping is off).
+  double last_kl_scale() const { return last_kl_scale_; }
+  /// Bytes of K-FAC state (factors and second-order state) held now.
+  int64_t memory_bytes() const;
+
+  /// Serialises step count, factors and second-order state (options are the caller's to rebuild).
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Restores what save() wrote into a preconditioner built on the same model with the same options.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  struct LayerPlan {
+    bool usable = true;  // false: keep the plain gradient this step
+  };
+
+  std::vector<LayerPlan> check_layers(bool factor_step);
+  void update_factors(std::vector<LayerPlan>& plan);
+  void compute_second_order(std::vector<LayerPlan>& plan);
+  std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
+  void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
+  void arm_capture();
+  void warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message);
+
+  std::shared_ptr<torch::nn::Module> model_;
+  Options options_;
+  std::vector<KfacLayer> layers_;
+  int64_t steps_ = 0;
+  PhaseTimes last_times_;
+  PhaseTimes total_times_;
+  LayerEvents events_;
+  double last_kl_scale_ = 1.0;
+  double capture_seconds_seen_ = 0.0;
+  std::set<std::pair<std::string, std::string>> warned_;
+};
+
+/// Writes `preconditioner` to an archive (for torch::save).
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const Preconditioner& preconditioner);
+/// Reads `preconditioner` from an archive (for torch::load).
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, Preconditioner& preconditioner);
+
+}  // namespace dkfac

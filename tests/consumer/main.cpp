@@ -1,0 +1,33 @@
+#include <dkfac/dkfac.h>
+
+#include <iostream>
+
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", dkfac::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    fc = register_module("fc", dkfac::nn::Linear(torch::nn::LinearOptions(4 * 8 * 8, 3)));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(torch::relu(conv->forward(x)).flatten(1)); }
+  dkfac::nn::Conv2d conv{nullptr};
+  dkfac::nn::Linear fc{nullptr};
+};
+
+int main() {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  dkfac::Preconditioner kfac(net, dkfac::Options().damping(3e-3));
+  auto x = torch::randn({8, 1, 8, 8});
+  auto y = torch::arange(8) % 3;
+  double first = 0, last = 0;
+  for (int step = 0; step < 5; ++step) {
+    sgd.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    loss.backward();
+    kfac.step();
+    sgd.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  std::cout << "dkfac " << DKFAC_VERSION_STRING << " consumer: loss " << first << " -> " << last << "\n";
+  return last < first ? 0 : 1;
+}

@@ -1,0 +1,127 @@
+#include "dkfac/math/factors.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace dkfac::math {
+namespace {
+
+using dkfac::testing::relative_error;
+
+// SPEC.md section 1 worked check: Linear(2->2, bias), inputs [[1,0],[0,1]].
+TEST(Factors, SpecWorkedLinearAFactor) {
+  auto x = torch::tensor({{1.0, 0.0}, {0.0, 1.0}}, torch::kFloat64);
+  auto a = linear_a_factor(x, /*with_bias=*/true);
+  auto expected = torch::tensor({{.5, 0., .5}, {0., .5, .5}, {.5, .5, 1.}}, torch::kFloat64);
+  EXPECT_TENSOR_NEAR(a, expected, 1e-15);
+  auto running = torch::eye(3, torch::kFloat64) * 0.95 + a * 0.05;
+  auto expected_running = torch::tensor({{.975, 0., .025}, {0., .975, .025}, {.025, .025, 1.}}, torch::kFloat64);
+  EXPECT_TENSOR_NEAR(running, expected_running, 1e-15);
+}
+
+TEST(Factors, CovarianceMatchesDenseDefinition) {
+  torch::manual_seed(1);
+  auto x = torch::randn({37, 5}, torch::kFloat64);
+  auto ones = torch::ones({37, 1}, torch::kFloat64);
+  auto xb = torch::cat({x, ones}, 1) * 0.25;
+  auto expected = torch::mm(xb.t(), xb) / 37.0;
+  EXPECT_TENSOR_NEAR(covariance(x, true, 0.25), expected, 1e-14);
+  EXPECT_TENSOR_NEAR(covariance(x), torch::mm(x.t(), x) / 37.0, 1e-14);
+  auto c = covariance(x.to(torch::kFloat32), true);
+  EXPECT_TRUE(torch::equal(c, c.t())) << "factor must be exactly symmetric";
+}
+
+TEST(Factors, LinearFlattensLeadingDimensions) {
+  torch::manual_seed(2);
+  auto x = torch::randn({3, 4, 6}, torch::kFloat64);
+  auto g = torch::randn({3, 4, 2}, torch::kFloat64);
+  EXPECT_TENSOR_NEAR(linear_a_factor(x, false), covariance(x.reshape({12, 6})), 1e-15);
+  EXPECT_TENSOR_NEAR(linear_g_factor(g), covariance(g.reshape({12, 2})), 1e-15);
+}
+
+// Patches written as plain loops over (b, out row, out col) x (channel, kernel row, kernel col), zero padding.
+torch::Tensor patches_by_loops(const torch::Tensor& input, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph,
+                               int64_t pw, int64_t dh, int64_t dw) {
+  auto x = input.to(torch::kFloat64).contiguous();
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t Ho = (H + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
+  const int64_t Wo = (W + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
+  auto out = torch::zeros({B * Ho * Wo, C * kh * kw}, torch::kFloat64);
+  auto X = x.accessor<double, 4>();
+  auto O = out.accessor<double, 2>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t oy = 0; oy < Ho; ++oy)
+      for (int64_t ox = 0; ox < Wo; ++ox)
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t ky = 0; ky < kh; ++ky)
+            for (int64_t kx = 0; kx < kw; ++kx) {
+              const int64_t y = oy * sh - ph + ky * dh;
+              const int64_t xx = ox * sw - pw + kx * dw;
+              const double v = (y >= 0 && y < H && xx >= 0 && xx < W) ? X[b][c][y][xx] : 0.0;
+              O[(b * Ho + oy) * Wo + ox][(c * kh + ky) * kw + kx] = v;
+            }
+  return out;
+}
+
+struct ConvCase {
+  int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+class ConvFactors : public ::testing::TestWithParam<ConvCase> {};
+
+TEST_P(ConvFactors, PatchesAndFactorsMatchLoops) {
+  const auto p = GetParam();
+  torch::manual_seed(3);
+  auto input = torch::randn({2, 3, 7, 6}, torch::kFloat64);
+  Conv2dGeometry geometry;
+  geometry.kernel_size = {p.kh, p.kw};
+  geometry.stride = {p.sh, p.sw};
+  geometry.dilation = {p.dh, p.dw};
+  geometry.padding = {p.pw, p.pw, p.ph, p.ph};
+  auto expected = patches_by_loops(input, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw);
+  auto patches = conv2d_patches(input, geometry);
+  EXPECT_TENSOR_NEAR(patches, expected, 1e-15);
+
+  // A = cov([P, 1] / S) with S spatial positions per example, written densely.
+  const int64_t S = expected.size(0) / 2;
+  auto with_ones = torch::cat({expected, torch::ones({expected.size(0), 1}, torch::kFloat64)}, 1) / double(S);
+  auto a_expected = torch::mm(with_ones.t(), with_ones) / double(expected.size(0));
+  EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, true), a_expected, 1e-13);
+  auto no_bias = expected / double(S);
+  EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, false), torch::mm(no_bias.t(), no_bias) / double(expected.size(0)),
+                     1e-13);
+}
+
+INSTANTIATE_TEST_SUITE_P(Geometries, ConvFactors,
+                         ::testing::Values(ConvCase{3, 3, 1, 1, 1, 1, 1, 1}, ConvCase{3, 3, 2, 2, 0, 0, 1, 1},
+                                           ConvCase{3, 2, 1, 2, 1, 0, 2, 1}, ConvCase{1, 1, 1, 1, 0, 0, 1, 1},
+                                           ConvCase{2, 3, 2, 1, 2, 1, 1, 2}, ConvCase{3, 3, 1, 1, 2, 2, 2, 2}));
+
+TEST(Factors, ConvGFactorMatchesLoops) {
+  torch::manual_seed(4);
+  auto grad = torch::randn({2, 4, 3, 5}, torch::kFloat64);
+  auto G = grad.accessor<double, 4>();
+  auto expected = torch::zeros({4, 4}, torch::kFloat64);
+  auto E = expected.accessor<double, 2>();
+  const double S = 15.0;
+  const double n = 2 * 15;
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t j = 0; j < 4; ++j) {
+      double sum = 0;
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t y = 0; y < 3; ++y)
+          for (int64_t x = 0; x < 5; ++x) sum += (G[b][i][y][x] / S) * (G[b][j][y][x] / S);
+      E[i][j] = sum / n;
+    }
+  EXPECT_TENSOR_NEAR(conv2d_g_factor(grad), expected, 1e-14);
+}
+
+TEST(Factors, RejectsBadShapes) {
+  EXPECT_THROW(conv2d_g_factor(torch::zeros({2, 3})), c10::Error);
+  EXPECT_THROW(conv2d_patches(torch::zeros({2, 3}), Conv2dGeometry{}), c10::Error);
+  EXPECT_THROW(covariance(torch::zeros({0, 3})), c10::Error);
+}
+
+}  // namespace
+}  // namespace dkfac::math

@@ -1,0 +1,117 @@
+#include <gtest/gtest.h>
+
+#include "dkfac/dkfac.h"
+#include "tests/test_util.h"
+
+namespace dkfac::nn {
+namespace {
+
+namespace F = torch::nn::functional;
+
+TEST(Layers, LinearIsDropInReplacement) {
+  torch::manual_seed(7);
+  torch::nn::Linear reference(torch::nn::LinearOptions(5, 3));
+  torch::manual_seed(7);
+  Linear ours(torch::nn::LinearOptions(5, 3));
+  EXPECT_TRUE(torch::equal(reference->weight, ours->weight));
+  EXPECT_TRUE(torch::equal(reference->bias, ours->bias));
+  auto x = torch::randn({4, 2, 5});
+  EXPECT_TRUE(torch::equal(reference->forward(x), ours->forward(x)));
+  EXPECT_EQ(ours->a_dim(), 6);
+  EXPECT_EQ(ours->g_dim(), 3);
+  Linear no_bias(torch::nn::LinearOptions(5, 3).bias(false));
+  EXPECT_FALSE(no_bias->bias.defined());
+  EXPECT_EQ(no_bias->a_dim(), 5);
+  std::ostringstream printed;
+  printed << *ours;
+  EXPECT_NE(printed.str().find("dkfac::nn::Linear"), std::string::npos);
+}
+
+TEST(Layers, Conv2dIsDropInReplacement) {
+  torch::manual_seed(8);
+  torch::nn::Conv2d reference(torch::nn::Conv2dOptions(2, 4, 3).stride(2).padding(1));
+  torch::manual_seed(8);
+  Conv2d ours(torch::nn::Conv2dOptions(2, 4, 3).stride(2).padding(1));
+  EXPECT_TRUE(torch::equal(reference->weight, ours->weight));
+  EXPECT_TRUE(torch::equal(reference->bias, ours->bias));
+  auto x = torch::randn({3, 2, 9, 8});
+  EXPECT_TRUE(torch::equal(reference->forward(x), ours->forward(x)));
+  EXPECT_EQ(ours->a_dim(), 2 * 9 + 1);
+  EXPECT_EQ(ours->g_dim(), 4);
+}
+
+TEST(Layers, Conv2dRefusesGroups) {
+  try {
+    Conv2d conv(torch::nn::Conv2dOptions(4, 4, 3).groups(2));
+    FAIL() << "groups=2 must be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("groups=2"), std::string::npos) << e.what();
+  }
+}
+
+// Whatever the padding, the patches must reproduce the layer's own forward: out = P W^T + b.
+class ConvGeometry : public ::testing::TestWithParam<int> {};
+
+torch::nn::Conv2dOptions conv_case(int index) {
+  switch (index) {
+    case 0: return torch::nn::Conv2dOptions(3, 4, 3).padding(1);
+    case 1: return torch::nn::Conv2dOptions(3, 4, {3, 2}).stride({2, 1}).padding({1, 0}).dilation({1, 2});
+    case 2: return torch::nn::Conv2dOptions(3, 4, 2).padding(torch::kSame);
+    case 3: return torch::nn::Conv2dOptions(3, 4, {3, 4}).padding(torch::kSame).dilation(2);
+    case 4: return torch::nn::Conv2dOptions(3, 4, 3).padding(torch::kValid).stride(2).bias(false);
+    case 5: return torch::nn::Conv2dOptions(3, 4, 3).padding({1, 2}).padding_mode(torch::kReflect);
+    case 6: return torch::nn::Conv2dOptions(3, 4, 3).padding(1).padding_mode(torch::kCircular).stride(2);
+    default: return torch::nn::Conv2dOptions(3, 4, 3).padding(2).padding_mode(torch::kReplicate).dilation(2);
+  }
+}
+
+TEST_P(ConvGeometry, PatchesReproduceForward) {
+  torch::manual_seed(9);
+  Conv2d conv(conv_case(GetParam()));
+  conv->to(torch::kFloat64);
+  auto x = torch::randn({2, 3, 9, 10}, torch::kFloat64);
+  auto out = conv->forward(x);
+  auto patches = math::conv2d_patches(x, conv->geometry());
+  auto rebuilt = torch::mm(patches, conv->weight.reshape({4, -1}).t());
+  if (conv->bias.defined()) rebuilt = rebuilt + conv->bias;
+  auto expected = out.permute({0, 2, 3, 1}).reshape({-1, 4});
+  EXPECT_TENSOR_NEAR(rebuilt, expected, 1e-12);
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, ConvGeometry, ::testing::Range(0, 8));
+
+TEST(Layers, CapturesOnlyWhenEnabledTrainingAndGradMode) {
+  torch::manual_seed(10);
+  Linear fc(4, 2);
+  auto x = torch::randn({3, 4});
+  fc->forward(x).sum().backward();
+  EXPECT_EQ(fc->factor_capture().a_count(), 0) << "capture is off until a preconditioner enables it";
+
+  fc->factor_capture().set_enabled(true);
+  {
+    torch::NoGradGuard no_grad;
+    fc->forward(x);
+  }
+  EXPECT_EQ(fc->factor_capture().a_count(), 0) << "NoGradGuard must capture nothing";
+  fc->eval();
+  fc->forward(x).sum().backward();
+  EXPECT_EQ(fc->factor_capture().a_count(), 0) << "eval mode must capture nothing";
+  fc->train();
+  fc->forward(x).sum().backward();
+  EXPECT_EQ(fc->factor_capture().a_count(), 1);
+  EXPECT_EQ(fc->factor_capture().g_count(), 1);
+  auto a = fc->factor_capture().take_a();
+  EXPECT_TENSOR_NEAR(a, math::linear_a_factor(x, true), 1e-6);
+  auto g = fc->factor_capture().take_g();
+  EXPECT_TENSOR_NEAR(g, math::linear_g_factor(torch::ones({3, 2})), 1e-6);
+  EXPECT_EQ(fc->factor_capture().a_count(), 0);
+}
+
+TEST(Layers, WorksInsideSequential) {
+  torch::nn::Sequential seq(Conv2d(torch::nn::Conv2dOptions(1, 2, 3)), torch::nn::Flatten(), Linear(2 * 4 * 4, 3));
+  auto out = seq->forward(torch::randn({2, 1, 6, 6}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 3}));
+}
+
+}  // namespace
+}  // namespace dkfac::nn

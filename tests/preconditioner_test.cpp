@@ -1,0 +1,503 @@
+#include "dkfac/preconditioner.h"
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "dkfac/dkfac.h"
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+using dkfac::testing::dense_eigen_reference;
+using dkfac::testing::dense_inverse_reference;
+
+// conv (stride 2, dilation 2) -> relu -> fc1 (bias) on [B, T, F] sequence-like features -> relu -> fc2 (no bias).
+struct TinyNet : torch::nn::Module {
+  TinyNet() {
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).stride(2).padding(2).dilation(2)));
+    fc1 = register_module("fc1", nn::Linear(torch::nn::LinearOptions(3 * 3, 5)));
+    fc2 = register_module("fc2", nn::Linear(torch::nn::LinearOptions(5, 2).bias(false)));
+  }
+  // Intermediate tensors with retained gradients, for the reference.
+  struct Taps {
+    torch::Tensor x, conv_out, fc1_in, fc1_out, fc2_in, fc2_out;
+  };
+  Taps forward_taps(const torch::Tensor& x) {
+    Taps t;
+    t.x = x;
+    t.conv_out = conv->forward(x);                                   // [B, 3, 3, 3]
+    t.fc1_in = torch::relu(t.conv_out).permute({0, 2, 1, 3}).reshape({x.size(0), 3, 9});  // [B, T=3, 9]
+    t.fc1_out = fc1->forward(t.fc1_in);                              // [B, 3, 5]
+    t.fc2_in = torch::relu(t.fc1_out);
+    t.fc2_out = fc2->forward(t.fc2_in);                              // [B, 3, 2]
+    for (auto* o : {&t.conv_out, &t.fc1_out, &t.fc2_out}) o->retain_grad();
+    return t;
+  }
+  torch::Tensor loss(const Taps& t, const torch::Tensor& target) { return (t.fc2_out - target).pow(2).mean(); }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+struct Batch {
+  torch::Tensor x, target;
+};
+
+Batch make_batch(int64_t seed, int64_t b = 4) {
+  torch::manual_seed(seed);
+  return {torch::randn({b, 2, 5, 5}, torch::kFloat64), torch::randn({b, 3, 2}, torch::kFloat64)};
+}
+
+std::shared_ptr<TinyNet> make_net() {
+  torch::manual_seed(42);
+  auto net = std::make_shared<TinyNet>();
+  net->to(torch::kFloat64);
+  return net;
+}
+
+// Everything the reference needs from one forward/backward.
+struct LayerBatch {
+  torch::Tensor a, g, grad;
+};
+
+std::vector<LayerBatch> reference_batch(TinyNet& net, const TinyNet::Taps& t) {
+  std::vector<LayerBatch> out(3);
+  out[0].a = math::conv2d_a_factor(t.x, net.conv->geometry(), true);
+  out[0].g = math::conv2d_g_factor(t.conv_out.grad());
+  out[0].grad = torch::cat({net.conv->weight.grad().reshape({3, -1}), net.conv->bias.grad().reshape({-1, 1})}, 1);
+  out[1].a = math::linear_a_factor(t.fc1_in.detach(), true);
+  out[1].g = math::linear_g_factor(t.fc1_out.grad());
+  out[1].grad = torch::cat({net.fc1->weight.grad(), net.fc1->bias.grad().reshape({-1, 1})}, 1);
+  out[2].a = math::linear_a_factor(t.fc2_in.detach(), false);
+  out[2].g = math::linear_g_factor(t.fc2_out.grad());
+  out[2].grad = net.fc2->weight.grad().clone();
+  return out;
+}
+
+std::vector<torch::Tensor> gradients(TinyNet& net) {
+  return {torch::cat({net.conv->weight.grad().reshape({3, -1}), net.conv->bias.grad().reshape({-1, 1})}, 1),
+          torch::cat({net.fc1->weight.grad(), net.fc1->bias.grad().reshape({-1, 1})}, 1),
+          net.fc2->weight.grad().clone()};
+}
+
+// Reference V for one layer from running factors.
+torch::Tensor reference_v(const torch::Tensor& a, const torch::Tensor& g, const torch::Tensor& grad,
+                          const Options& options, double damping) {
+  if (options.compute_method() == ComputeMethod::kEigen) return dense_eigen_reference(a, g, grad, damping);
+  double da = damping, dg = damping;
+  if (options.pi_damping()) std::tie(da, dg) = math::pi_damping(a, g, damping);
+  return dense_inverse_reference(a, g, grad, da, dg);
+}
+
+std::vector<torch::Tensor> reference_step(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& g,
+                                          const std::vector<torch::Tensor>& grads, const Options& options,
+                                          double damping, double lr, double kl_clip) {
+  std::vector<torch::Tensor> v;
+  double vg = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    v.push_back(reference_v(a[i], g[i], grads[i], options, damping));
+    vg += (v.back() * grads[i]).sum().item<double>() * lr * lr;
+  }
+  const double nu = kl_clip > 0 ? std::min(1.0, std::sqrt(kl_clip / std::abs(vg))) : 1.0;
+  for (auto& t : v) t = t * nu;
+  return v;
+}
+
+class PreconditionerMethods : public ::testing::TestWithParam<int> {
+ protected:
+  Options options() const {
+    Options o = Options().lr(0.1).damping(0.01).factor_decay(0.9).kl_clip(1e-6);
+    if (GetParam() >= 1) o.compute_method(ComputeMethod::kInverse);
+    if (GetParam() == 2) o.pi_damping(true);
+    return o;
+  }
+};
+
+// Two steps with factor/inverse updates every step: running averages from I, every layer kind,
+// KL clipping (active: nu < 1), against dense Kronecker solves.
+TEST_P(PreconditionerMethods, MatchesDenseReferenceOverSteps) {
+  auto net = make_net();
+  const auto opts = options();
+  Preconditioner kfac(net, opts);
+  ASSERT_EQ(kfac.layers().size(), 3u);
+  std::vector<torch::Tensor> a_run(3), g_run(3);
+  for (int64_t step = 0; step < 2; ++step) {
+    auto batch = make_batch(100 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    auto ref = reference_batch(*net, taps);
+    std::vector<torch::Tensor> grads;
+    for (size_t i = 0; i < 3; ++i) {
+      auto a_prev = a_run[i].defined() ? a_run[i] : torch::eye(ref[i].a.size(0), torch::kFloat64);
+      auto g_prev = g_run[i].defined() ? g_run[i] : torch::eye(ref[i].g.size(0), torch::kFloat64);
+      a_run[i] = 0.9 * a_prev + 0.1 * ref[i].a;
+      g_run[i] = 0.9 * g_prev + 0.1 * ref[i].g;
+      grads.push_back(ref[i].grad);
+    }
+    auto expected = reference_step(a_run, g_run, grads, opts, 0.01, 0.1, 1e-6);
+    kfac.step();
+    EXPECT_LT(kfac.last_kl_scale(), 1.0) << "test must exercise KL clipping";
+    auto actual = gradients(*net);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TENSOR_NEAR(actual[i], expected[i], 1e-5) << "layer " << i << " step " << step;
+      EXPECT_TENSOR_NEAR(kfac.layers()[i].a_factor(), a_run[i], 1e-12);
+      EXPECT_TENSOR_NEAR(kfac.layers()[i].g_factor(), g_run[i], 1e-12);
+    }
+  }
+  EXPECT_EQ(kfac.steps(), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, PreconditionerMethods, ::testing::Values(0, 1, 2),
+                         [](const auto& info) {
+                           return std::string(info.param == 0 ? "Eigen" : info.param == 1 ? "Inverse" : "PiInverse");
+                         });
+
+TEST(Preconditioner, Float32MatchesFloat64Reference) {
+  torch::manual_seed(42);
+  auto net = std::make_shared<TinyNet>();
+  Preconditioner kfac(net, Options().damping(0.01).kl_clip(0));
+  auto batch = make_batch(7);
+  auto taps = net->forward_taps(batch.x.to(torch::kFloat32));
+  net->loss(taps, batch.target.to(torch::kFloat32)).backward();
+  auto ref = reference_batch(*net, taps);
+  kfac.step();
+  auto actual = gradients(*net);
+  for (size_t i = 0; i < 3; ++i) {
+    auto a = 0.95 * torch::eye(ref[i].a.size(0)) + 0.05 * ref[i].a;
+    auto g = 0.95 * torch::eye(ref[i].g.size(0)) + 0.05 * ref[i].g;
+    EXPECT_TENSOR_NEAR(actual[i], dense_eigen_reference(a, g, ref[i].grad, 0.01), 1e-4) << "layer " << i;
+  }
+}
+
+TEST(Preconditioner, IntervalsCaptureOnlyOnFactorSteps) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().factor_update_steps(2).inv_update_steps(3).kl_clip(0));
+  std::vector<torch::Tensor> last_eigvecs;
+  for (int64_t step = 0; step < 6; ++step) {
+    auto batch = make_batch(200 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    const bool factor_step = step % 2 == 0;
+    EXPECT_EQ(kfac.is_factor_step(step), factor_step);
+    EXPECT_EQ(net->fc1->factor_capture().a_count(), factor_step ? 1 : 0) << "step " << step;
+    EXPECT_EQ(net->fc1->factor_capture().g_count(), factor_step ? 1 : 0) << "step " << step;
+    auto a_before = kfac.layers()[1].a_factor();
+    kfac.step();
+    if (step > 0 && !factor_step) EXPECT_TRUE(torch::equal(a_before, kfac.layers()[1].a_factor()));
+    auto q = kfac.layers()[1].second_order().a_eigen.eigenvectors;
+    if (step % 3 == 0) {
+      last_eigvecs.push_back(q);
+    } else {
+      EXPECT_TRUE(q.is_same(last_eigvecs.back())) << "second order must only change on inverse steps";
+    }
+  }
+  EXPECT_EQ(last_eigvecs.size(), 2u);
+}
+
+TEST(Preconditioner, ScheduledIntervalsAndDamping) {
+  auto net = make_net();
+  std::vector<double> dampings;
+  Preconditioner kfac(net, Options()
+                               .kl_clip(0)
+                               .factor_update_steps([](int64_t step) -> int64_t { return step < 2 ? 1 : 4; })
+                               .damping([&](int64_t step) {
+                                 dampings.push_back(step);
+                                 return step < 1 ? 0.1 : 0.01;
+                               }));
+  for (int64_t step = 0; step < 4; ++step) {
+    auto batch = make_batch(300 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    EXPECT_EQ(net->fc2->factor_capture().a_count(), step < 2 ? 1 : 0) << "step " << step;
+    kfac.step();
+  }
+  ASSERT_GE(dampings.size(), 4u);
+  auto& so = kfac.layers()[2].second_order();
+  auto expected = math::eigen_denominator(so.a_eigen, so.g_eigen, 0.01);
+  EXPECT_TENSOR_NEAR(so.denominator, expected, 1e-12) << "damping schedule must be read at the step";
+}
+
+TEST(Preconditioner, AccumulationAveragesMicroBatchFactors) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().accumulation_steps(2).kl_clip(0).factor_decay(0.5));
+  std::vector<std::vector<LayerBatch>> refs;
+  for (int micro = 0; micro < 2; ++micro) {
+    auto batch = make_batch(400 + micro, 3);
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    refs.push_back(reference_batch(*net, taps));  // grads are cumulative; only factors are used
+  }
+  auto grads = gradients(*net);
+  kfac.step();
+  auto actual = gradients(*net);
+  for (size_t i = 0; i < 3; ++i) {
+    auto a_batch = (refs[0][i].a + refs[1][i].a) / 2;
+    auto g_batch = (refs[0][i].g + refs[1][i].g) / 2;
+    auto a = 0.5 * torch::eye(a_batch.size(0), torch::kFloat64) + 0.5 * a_batch;
+    auto g = 0.5 * torch::eye(g_batch.size(0), torch::kFloat64) + 0.5 * g_batch;
+    EXPECT_TENSOR_NEAR(kfac.layers()[i].a_factor(), a, 1e-12);
+    EXPECT_TENSOR_NEAR(actual[i], dense_eigen_reference(a, g, grads[i], 0.001), 1e-5);
+  }
+}
+
+TEST(Preconditioner, SkipLayersByPatternKeepsPlainGradient) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().skip_layers({"^fc2$"}));
+  ASSERT_EQ(kfac.layers().size(), 2u);
+  EXPECT_EQ(kfac.layers()[0].name(), "conv");
+  EXPECT_EQ(kfac.layers()[1].name(), "fc1");
+  auto batch = make_batch(5);
+  auto taps = net->forward_taps(batch.x);
+  net->loss(taps, batch.target).backward();
+  auto plain = gradients(*net);
+  EXPECT_EQ(net->fc2->factor_capture().a_count(), 0) << "skipped layers capture nothing";
+  kfac.step();
+  auto after = gradients(*net);
+  EXPECT_TRUE(torch::equal(after[2], plain[2]));
+  EXPECT_FALSE(torch::equal(after[1], plain[1]));
+
+  Preconditioner by_kind(make_net(), Options().skip_layers({"Conv2d"}));
+  EXPECT_EQ(by_kind.layers().size(), 2u);
+  EXPECT_THROW(Preconditioner(make_net(), Options().skip_layers({"."})), c10::Error);
+}
+
+TEST(Preconditioner, FrozenLayersAreNotPreconditioned) {
+  auto net = make_net();
+  net->fc1->weight.set_requires_grad(false);
+  Preconditioner kfac(net, Options());
+  EXPECT_EQ(kfac.layers().size(), 2u);
+}
+
+TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().kl_clip(0));
+  for (int64_t step = 0; step < 2; ++step) {
+    auto batch = make_batch(500 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    auto plain = gradients(*net);
+    auto a_before = kfac.layers()[1].a_factor();
+    if (step == 1) {
+      auto poison = torch::full({10, 10}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64);
+      net->fc1->factor_capture().add_a(poison, 0.0);
+    }
+    kfac.step();
+    auto after = gradients(*net);
+    if (step == 1) {
+      EXPECT_TRUE(torch::equal(after[1], plain[1])) << "poisoned layer keeps its plain gradient";
+      EXPECT_FALSE(torch::equal(after[0], plain[0])) << "other layers are still preconditioned";
+      EXPECT_TRUE(torch::equal(kfac.layers()[1].a_factor(), a_before)) << "NaN never enters the running factor";
+      EXPECT_TRUE(torch::isfinite(kfac.layers()[1].a_factor()).all().item<bool>());
+    }
+  }
+  EXPECT_EQ(kfac.events().fallbacks, 1);
+}
+
+TEST(Preconditioner, NonFiniteGradientIsNotPreconditioned) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options());
+  auto batch = make_batch(9);
+  auto taps = net->forward_taps(batch.x);
+  net->loss(taps, batch.target).backward();
+  net->fc1->weight.mutable_grad()[0][0] = std::numeric_limits<double>::infinity();
+  kfac.step();
+  EXPECT_EQ(kfac.events().fallbacks, 1);
+  // KL clipping must not be poisoned by the bad layer: the others stay finite.
+  EXPECT_TRUE(torch::isfinite(net->conv->weight.grad()).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(net->fc2->weight.grad()).all().item<bool>());
+}
+
+struct NetWithUnused : TinyNet {
+  NetWithUnused() { extra = register_module("extra", nn::Linear(3, 3)); }
+  nn::Linear extra{nullptr};
+};
+
+TEST(Preconditioner, UnusedLayerIsAnErrorNamingIt) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<NetWithUnused>();
+  net->to(torch::kFloat64);
+  Preconditioner kfac(net, Options());
+  auto batch = make_batch(10);
+  auto taps = net->forward_taps(batch.x);
+  net->loss(taps, batch.target).backward();
+  try {
+    kfac.step();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'extra'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Preconditioner, UnusedLayerCanBeSkipped) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<NetWithUnused>();
+  net->to(torch::kFloat64);
+  Preconditioner kfac(net, Options().unused_layer_policy(UnusedLayerPolicy::kSkip));
+  for (int step = 0; step < 2; ++step) {
+    auto batch = make_batch(11 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    auto plain = gradients(*net);
+    kfac.step();
+    EXPECT_FALSE(torch::equal(gradients(*net)[1], plain[1]));
+  }
+  EXPECT_EQ(kfac.events().skipped_unused, 2);
+}
+
+void expect_error_mentions(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    FAIL() << "expected an error mentioning '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(needle), std::string::npos) << e.what_without_backtrace();
+  }
+}
+
+TEST(Preconditioner, BadOptionsCarryTheValue) {
+  auto build = [](Options o) { return [o] { Preconditioner p(make_net(), o); }; };
+  expect_error_mentions(build(Options().factor_decay(1.5)), "factor_decay must be in [0, 1), got 1.5");
+  expect_error_mentions(build(Options().damping(-2.0)), "damping must be finite and > 0, got -2");
+  expect_error_mentions(build(Options().lr(-0.5)), "lr must be finite and >= 0, got -0.5");
+  expect_error_mentions(build(Options().kl_clip(-1.0)), "kl_clip must be finite and >= 0");
+  expect_error_mentions(build(Options().factor_update_steps(0)), "factor_update_steps must be >= 1, got 0");
+  expect_error_mentions(build(Options().inv_update_steps(-3)), "inv_update_steps must be >= 1, got -3");
+  expect_error_mentions(build(Options().accumulation_steps(0)), "accumulation_steps must be >= 1, got 0");
+  expect_error_mentions(build(Options().pi_damping(true)), "pi_damping applies to ComputeMethod::kInverse only");
+  expect_error_mentions(build(Options().skip_layers({"fc("})), "skip_layers pattern 'fc(' is not a valid");
+  expect_error_mentions([] { Preconditioner p(std::make_shared<torch::nn::Module>(), Options()); },
+                        "found no dkfac::nn::Linear or dkfac::nn::Conv2d");
+
+  // A schedule that turns bad mid-run fails at that step, with the step.
+  auto net = make_net();
+  Preconditioner kfac(net, Options().damping([](int64_t step) { return step == 0 ? 0.01 : 0.0; }).kl_clip(0));
+  auto run = [&] {
+    auto batch = make_batch(12);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    kfac.step();
+  };
+  run();
+  expect_error_mentions(run, "damping must be finite and > 0, got 0 at step 1");
+}
+
+TEST(Preconditioner, CheckpointRoundTripGivesSameNextStep) {
+  auto options = Options().factor_update_steps(2).inv_update_steps(3).kl_clip(1e-3);
+  auto net = make_net();
+  Preconditioner kfac(net, options);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto train_step = [](TinyNet& n, Preconditioner& k, torch::optim::SGD& opt, int64_t seed) {
+    auto batch = make_batch(seed);
+    opt.zero_grad();
+    auto taps = n.forward_taps(batch.x);
+    n.loss(taps, batch.target).backward();
+    k.step();
+    opt.step();
+  };
+  for (int64_t s = 0; s < 4; ++s) train_step(*net, kfac, sgd, 600 + s);
+
+  std::stringstream model_bytes, kfac_bytes;
+  torch::save(net, model_bytes);
+  torch::save(kfac, kfac_bytes);
+
+  auto restored = std::make_shared<TinyNet>();
+  restored->to(torch::kFloat64);
+  torch::load(restored, model_bytes);
+  Preconditioner restored_kfac(restored, options);
+  torch::load(restored_kfac, kfac_bytes);
+  EXPECT_EQ(restored_kfac.steps(), 4);
+  torch::optim::SGD restored_sgd(restored->parameters(), torch::optim::SGDOptions(0.1));
+
+  for (int64_t s = 4; s < 7; ++s) {
+    train_step(*net, kfac, sgd, 600 + s);
+    train_step(*restored, restored_kfac, restored_sgd, 600 + s);
+    auto a = gradients(*net);
+    auto b = gradients(*restored);
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "layer " << i << " step " << s;
+  }
+}
+
+TEST(Preconditioner, LoadRejectsAnotherModelAndLeavesStateUnchanged) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options());
+  auto batch = make_batch(13);
+  auto taps = net->forward_taps(batch.x);
+  net->loss(taps, batch.target).backward();
+  kfac.step();
+  std::stringstream bytes;
+  torch::save(kfac, bytes);
+
+  torch::manual_seed(1);
+  auto other = std::make_shared<NetWithUnused>();
+  Preconditioner other_kfac(other, Options());
+  expect_error_mentions([&] { torch::load(other_kfac, bytes); }, "checkpoint holds 3 K-FAC layers, the model has 4");
+  EXPECT_EQ(other_kfac.steps(), 0);
+
+  std::stringstream garbage("this is not a checkpoint");
+  Preconditioner fresh(make_net(), Options());
+  EXPECT_THROW(torch::load(fresh, garbage), c10::Error);
+  EXPECT_EQ(fresh.steps(), 0);
+}
+
+TEST(Preconditioner, ReportsMemoryAndTimes) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options());
+  EXPECT_EQ(kfac.memory_bytes(), 0);
+  auto batch = make_batch(14);
+  auto taps = net->forward_taps(batch.x);
+  net->loss(taps, batch.target).backward();
+  kfac.step();
+  // conv: a=19, g=3; fc1: a=10, g=5; fc2: a=5, g=2. Factors + Q + d + denominator, float64.
+  auto layer_bytes = [](int64_t a, int64_t g) { return 8 * (2 * (a * a + g * g) + a + g + g * a); };
+  EXPECT_EQ(kfac.memory_bytes(), layer_bytes(19, 3) + layer_bytes(10, 5) + layer_bytes(5, 2));
+  EXPECT_GT(kfac.last_step_times().factors, 0.0);
+  EXPECT_GT(kfac.last_step_times().second_order, 0.0);
+  EXPECT_GT(kfac.total_times().total(), 0.0);
+}
+
+// The API of the core issue, exactly as written there.
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", dkfac::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)));
+    fc = register_module("fc", dkfac::nn::Linear(torch::nn::LinearOptions(8 * 28 * 28, 10)));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(torch::relu(conv->forward(x)).flatten(1)); }
+  dkfac::nn::Conv2d conv{nullptr};
+  dkfac::nn::Linear fc{nullptr};
+};
+
+TEST(Preconditioner, DocumentedApiTrainsOnASeparableProblem) {
+  torch::manual_seed(0);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  dkfac::Preconditioner kfac(net, dkfac::Options()
+                                      .lr(0.1)
+                                      .damping(3e-3)
+                                      .factor_decay(0.95)
+                                      .kl_clip(1e-3)
+                                      .factor_update_steps(10)
+                                      .inv_update_steps(100)
+                                      .compute_method(dkfac::ComputeMethod::kEigen));
+  auto x = torch::randn({16, 1, 28, 28});
+  auto y = torch::arange(16) % 10;
+  double first = 0, last = 0;
+  for (int step = 0; step < 12; ++step) {
+    sgd.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    loss.backward();
+    kfac.step();
+    sgd.step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first);
+  EXPECT_EQ(kfac.steps(), 12);
+}
+
+}  // namespace
+}  // namespace dkfac

@@ -1,0 +1,76 @@
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace dkfac::testing {
+
+/// Max |a - b| / max(|b|_max, tiny): relative error normalised by the reference's magnitude.
+inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+  auto a = actual.to(torch::kFloat64);
+  auto e = expected.to(torch::kFloat64);
+  const double scale = std::max(e.abs().max().item<double>(), 1e-30);
+  return (a - e).abs().max().item<double>() / scale;
+}
+
+/// Passes when shapes agree and relative_error(actual, expected) <= rtol; prints both otherwise.
+inline ::testing::AssertionResult tensors_near(const torch::Tensor& actual, const torch::Tensor& expected, double rtol) {
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << "shape " << actual.sizes() << " != expected " << expected.sizes();
+  }
+  const double err = relative_error(actual, expected);
+  if (err <= rtol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "relative error " << err << " > " << rtol << "\nactual:\n"
+                                       << actual << "\nexpected:\n" << expected;
+}
+
+#define EXPECT_TENSOR_NEAR(actual, expected, rtol) \
+  EXPECT_TRUE(::dkfac::testing::tensors_near((actual), (expected), (rtol)))
+
+/// Explicit Kronecker product (A kron G)[i*g + k, j*g + l] = A[i, j] * G[k, l], written as loops.
+inline torch::Tensor kron_loops(const torch::Tensor& a, const torch::Tensor& g) {
+  auto a64 = a.to(torch::kFloat64).contiguous();
+  auto g64 = g.to(torch::kFloat64).contiguous();
+  const int64_t na = a.size(0), ng = g.size(0);
+  auto out = torch::zeros({na * ng, na * ng}, torch::kFloat64);
+  auto A = a64.accessor<double, 2>();
+  auto G = g64.accessor<double, 2>();
+  auto O = out.accessor<double, 2>();
+  for (int64_t i = 0; i < na; ++i)
+    for (int64_t j = 0; j < na; ++j)
+      for (int64_t k = 0; k < ng; ++k)
+        for (int64_t l = 0; l < ng; ++l) O[i * ng + k][j * ng + l] = A[i][j] * G[k][l];
+  return out;
+}
+
+/// Column-major vec of a [g, a] matrix, and its inverse.
+inline torch::Tensor vec(const torch::Tensor& m) { return m.t().contiguous().reshape({-1}); }
+inline torch::Tensor unvec(const torch::Tensor& v, int64_t rows, int64_t cols) {
+  return v.reshape({cols, rows}).t();
+}
+
+/// Dense reference: solve (A kron G + damping I) vec(V) = vec(grad).
+inline torch::Tensor dense_eigen_reference(const torch::Tensor& a, const torch::Tensor& g, const torch::Tensor& grad,
+                                           double damping) {
+  auto k = kron_loops(a, g);
+  k.diagonal().add_(damping);
+  auto v = torch::linalg::solve(k, vec(grad.to(torch::kFloat64)), /*left=*/true);
+  return unvec(v, grad.size(0), grad.size(1));
+}
+
+/// Dense reference: solve ((A + damping_a I) kron (G + damping_g I)) vec(V) = vec(grad).
+inline torch::Tensor dense_inverse_reference(const torch::Tensor& a, const torch::Tensor& g,
+                                             const torch::Tensor& grad, double damping_a, double damping_g) {
+  auto a_d = a.to(torch::kFloat64) + damping_a * torch::eye(a.size(0), torch::kFloat64);
+  auto g_d = g.to(torch::kFloat64) + damping_g * torch::eye(g.size(0), torch::kFloat64);
+  auto v = torch::linalg::solve(kron_loops(a_d, g_d), vec(grad.to(torch::kFloat64)), /*left=*/true);
+  return unvec(v, grad.size(0), grad.size(1));
+}
+
+/// A random symmetric positive semi-definite [n, n] matrix of rank <= rows.
+inline torch::Tensor random_spd(int64_t n, int64_t rows, torch::Dtype dtype) {
+  auto x = torch::randn({rows, n}, dtype);
+  return torch::mm(x.t(), x) / static_cast<double>(rows);
+}
+
+}  // namespace dkfac::testing

@@ -1,0 +1,34 @@
+#pragma once
+
+#include <string>
+
+#include <torch/torch.h>
+
+/// Readers for the IDX files of MNIST and Fashion-MNIST (gzip-compressed or plain).
+namespace dkfac::data {
+
+/// Images of an IDX3 file (magic 0x00000803) as uint8 [N, rows, cols]. Throws c10::Error naming the
+/// file and the defect: wrong magic, zero or absurd dimensions, truncated data, trailing bytes.
+torch::Tensor read_idx_images(const std::string& path);
+
+/// Labels of an IDX1 file (magic 0x00000801) as int64 [N]; every label must be < `num_classes`.
+torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes = 10);
+
+/// A labelled image set: images float32 [N, 1, H, W] normalised with (x/255 - mean) / std, labels int64 [N].
+struct ImageSet {
+  torch::Tensor images;
+  torch::Tensor labels;
+  int64_t size() const { return labels.size(0); }
+};
+
+/// Loads `train` or `t10k` images and labels of an MNIST-style directory (files with or without .gz);
+/// checks that both files hold the same number of examples.
+ImageSet load_mnist_style(const std::string& dir, bool train, double mean, double stddev);
+
+/// Default directory of Debian's dataset-fashion-mnist package.
+constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+/// Normalisation constants of Fashion-MNIST's training set.
+constexpr double kFashionMnistMean = 0.2860;
+constexpr double kFashionMnistStd = 0.3530;
+
+}  // namespace dkfac::data
