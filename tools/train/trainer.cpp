@@ -1,0 +1,414 @@
+#include "tools/train/trainer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace dkfac::train {
+namespace {
+
+namespace F = torch::nn::functional;
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kCheckpointVersion = 1;
+
+bool one_of(const std::string& value, const std::vector<std::string>& valid) {
+  return std::find(valid.begin(), valid.end(), value) != valid.end();
+}
+
+std::string joined(const std::vector<std::string>& values) {
+  std::string out;
+  for (const auto& v : values) out += (out.empty() ? "" : ", ") + v;
+  return out;
+}
+
+void fsync_path(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags);
+  TORCH_CHECK(fd >= 0, "cannot open '", path, "' to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "fsync of '", path, "' failed: ", std::strerror(err));
+}
+
+// Layer shapes of a model, to refuse a checkpoint of another model with a clear message.
+std::string shape_signature(torch::nn::Module& model) {
+  std::ostringstream out;
+  for (const auto& p : model.named_parameters()) out << p.key() << p.value().sizes() << ";";
+  return out.str();
+}
+
+}  // namespace
+
+void TrainConfig::validate() const {
+  TORCH_CHECK(one_of(model, models::model_names()), "--model must be one of ", joined(models::model_names()),
+              ", got '", model, "'");
+  TORCH_CHECK(one_of(dataset, data::dataset_names()), "--dataset must be one of ", joined(data::dataset_names()),
+              ", got '", dataset, "'");
+  TORCH_CHECK(optimizer == "sgd" || optimizer == "adam", "--optimizer must be sgd or adam, got '", optimizer, "'");
+  TORCH_CHECK(lr > 0 && std::isfinite(lr), "--lr must be > 0, got ", lr);
+  TORCH_CHECK(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
+  TORCH_CHECK(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(batch_size >= 1, "--batch-size must be >= 1, got ", batch_size);
+  TORCH_CHECK(epochs >= 1, "--epochs must be >= 1, got ", epochs);
+  TORCH_CHECK(one_of(lr_schedule, {"constant", "step", "cosine"}),
+              "--lr-schedule must be constant, step or cosine, got '", lr_schedule, "'");
+  TORCH_CHECK(warmup_epochs >= 0, "--warmup-epochs must be >= 0, got ", warmup_epochs);
+  TORCH_CHECK(threads >= 0, "--threads must be >= 0, got ", threads);
+  TORCH_CHECK(compute_method == "eigen" || compute_method == "inverse",
+              "--compute-method must be eigen or inverse, got '", compute_method, "'");
+  TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
+  TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
+}
+
+void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write) {
+  const auto target = std::filesystem::path(path);
+  const auto dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  const auto tmp = dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()));
+  try {
+    torch::serialize::OutputArchive archive;
+    write(archive);
+    archive.save_to(tmp.string());
+    fsync_path(tmp.string(), O_RDONLY);
+    std::filesystem::rename(tmp, target);
+    fsync_path(dir.string(), O_RDONLY | O_DIRECTORY);
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    TORCH_CHECK(false, "could not write checkpoint '", path, "' (the previous one, if any, is intact): ", e.what());
+  }
+}
+
+struct Trainer::State {
+  data::Dataset dataset;
+  models::Task task = models::Task::kClassification;
+  torch::nn::Sequential model{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<Preconditioner> kfac;
+  std::ofstream metrics;
+  double current_lr = 0.0;
+  int64_t global_step = 0;
+  int64_t steps_per_epoch = 0;
+  double best_accuracy = 0.0;
+  double wall_offset = 0.0;  // seconds trained before a resume
+  Clock::time_point start;
+  bool terminal = false;
+
+  double wall() const { return wall_offset + std::chrono::duration<double>(Clock::now() - start).count(); }
+  void emit(const nlohmann::json& event) {
+    if (metrics.is_open()) metrics << event.dump() << "\n" << std::flush;
+  }
+};
+
+Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::make_unique<State>()) {
+  config_.validate();
+  if (config_.threads > 0) torch::set_num_threads(config_.threads);
+  auto& s = *state_;
+  s.task = models::model_task(config_.model);
+  s.dataset = data::load_dataset(config_.dataset, config_.data_dir, s.task == models::Task::kReconstruction);
+  s.steps_per_epoch = s.dataset.train.size() / config_.batch_size;
+  TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " is larger than the training set (",
+              s.dataset.train.size(), " examples)");
+  torch::manual_seed(static_cast<uint64_t>(config_.seed));
+  const auto& d = s.dataset;
+  s.model = models::make_model(config_.model, d.channels, d.height, d.width, d.classes);
+  if (config_.optimizer == "sgd") {
+    s.optimizer = std::make_unique<torch::optim::SGD>(
+        s.model->parameters(),
+        torch::optim::SGDOptions(config_.lr).momentum(config_.momentum).weight_decay(config_.weight_decay));
+  } else {
+    s.optimizer = std::make_unique<torch::optim::Adam>(
+        s.model->parameters(), torch::optim::AdamOptions(config_.lr).weight_decay(config_.weight_decay));
+  }
+  if (config_.kfac) {
+    State* state = state_.get();
+    s.kfac = std::make_unique<Preconditioner>(
+        s.model.ptr(), Options()
+                           .lr([state](int64_t) { return state->current_lr; })
+                           .damping(config_.damping)
+                           .factor_decay(config_.factor_decay)
+                           .kl_clip(config_.kl_clip)
+                           .factor_update_steps(config_.factor_update_steps)
+                           .inv_update_steps(config_.inv_update_steps)
+                           .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
+                                                                              : ComputeMethod::kInverse));
+  }
+  s.terminal = ::isatty(::fileno(stdout)) != 0;
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::learning_rate(int64_t epoch, int64_t step_in_epoch) const {
+  const double t = static_cast<double>(epoch) + static_cast<double>(step_in_epoch) / state_->steps_per_epoch;
+  double lr = config_.lr;
+  if (config_.warmup_epochs > 0 && t < config_.warmup_epochs) return lr * (t + 1e-3) / config_.warmup_epochs;
+  const double total = static_cast<double>(config_.epochs);
+  if (config_.lr_schedule == "cosine") {
+    lr *= 0.5 * (1.0 + std::cos(M_PI * std::min(t, total) / total));
+  } else if (config_.lr_schedule == "step") {
+    if (t >= 0.5 * total) lr *= 0.1;
+    if (t >= 0.75 * total) lr *= 0.1;
+  }
+  return lr;
+}
+
+void Trainer::set_learning_rate(double lr) {
+  state_->current_lr = lr;
+  for (auto& group : state_->optimizer->param_groups()) {
+    if (config_.optimizer == "sgd") {
+      static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
+    } else {
+      static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
+    }
+  }
+}
+
+torch::Tensor Trainer::loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const {
+  if (state_->task == models::Task::kReconstruction) {
+    return F::binary_cross_entropy_with_logits(output, x.flatten(1));
+  }
+  return F::cross_entropy(output, y);
+}
+
+Evaluation Trainer::evaluate() {
+  auto& s = *state_;
+  torch::NoGradGuard no_grad;
+  s.model->eval();
+  const auto& test = s.dataset.test;
+  double loss_sum = 0.0;
+  int64_t correct = 0;
+  for (int64_t begin = 0; begin < test.size(); begin += 1000) {
+    const int64_t end = std::min(begin + 1000, test.size());
+    auto x = test.images.slice(0, begin, end);
+    auto y = test.labels.slice(0, begin, end);
+    auto out = s.model->forward(x);
+    loss_sum += loss_of(out, x, y).item<double>() * static_cast<double>(end - begin);
+    if (s.task == models::Task::kClassification) correct += out.argmax(1).eq(y).sum().item<int64_t>();
+  }
+  s.model->train();
+  return {loss_sum / test.size(), static_cast<double>(correct) / test.size()};
+}
+
+void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason) {
+  auto& s = *state_;
+  std::filesystem::create_directories(config_.checkpoint_dir);
+  const auto path = config_.checkpoint_dir + "/checkpoint.pt";
+  save_atomically(path, [&](torch::serialize::OutputArchive& archive) {
+    archive.write("format_version", c10::IValue(kCheckpointVersion));
+    archive.write("model_name", c10::IValue(config_.model));
+    archive.write("dataset", c10::IValue(config_.dataset));
+    archive.write("kfac", c10::IValue(config_.kfac));
+    archive.write("optimizer_name", c10::IValue(config_.optimizer));
+    archive.write("shapes", c10::IValue(shape_signature(*s.model)));
+    archive.write("epoch", c10::IValue(epoch));
+    archive.write("step_in_epoch", c10::IValue(step_in_epoch));
+    archive.write("global_step", c10::IValue(s.global_step));
+    archive.write("best_accuracy", c10::IValue(s.best_accuracy));
+    archive.write("wall_seconds", c10::IValue(s.wall()));
+    archive.write("rng", torch::globalContext().defaultGenerator(torch::kCPU).get_state(), /*is_buffer=*/true);
+    torch::serialize::OutputArchive model, optimizer;
+    s.model->save(model);
+    s.optimizer->save(optimizer);
+    archive.write("model", model);
+    archive.write("optimizer", optimizer);
+    if (s.kfac) {
+      torch::serialize::OutputArchive kfac;
+      s.kfac->save(kfac);
+      archive.write("preconditioner", kfac);
+    }
+  });
+  std::cout << "checkpoint: " << path << " (" << reason << ", epoch " << epoch << ", step " << s.global_step << ")"
+            << std::endl;
+}
+
+bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
+  auto& s = *state_;
+  const auto path = config_.checkpoint_dir + "/checkpoint.pt";
+  if (!std::filesystem::exists(path)) {
+    std::cout << "resume: no checkpoint at " << path << ", starting from scratch" << std::endl;
+    return false;
+  }
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint '", path, "' is damaged or not a dkfac checkpoint: ", e.what_without_backtrace());
+  }
+  auto read = [&](const char* key) {
+    c10::IValue v;
+    TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
+    return v;
+  };
+  TORCH_CHECK(read("format_version").toInt() == kCheckpointVersion, "checkpoint '", path, "' has format version ",
+              read("format_version").toInt(), ", this build reads ", kCheckpointVersion);
+  auto expect = [&](const char* key, const std::string& mine) {
+    const auto theirs = read(key).toStringRef();
+    TORCH_CHECK(theirs == mine, "checkpoint '", path, "' was written with ", key, " '", theirs, "', this run uses '",
+                mine, "'");
+  };
+  expect("model_name", config_.model);
+  expect("dataset", config_.dataset);
+  expect("optimizer_name", config_.optimizer);
+  expect("shapes", shape_signature(*s.model));
+  TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
+              read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
+  torch::serialize::InputArchive model, optimizer;
+  archive.read("model", model);
+  archive.read("optimizer", optimizer);
+  s.model->load(model);
+  s.optimizer->load(optimizer);
+  if (s.kfac) {
+    torch::serialize::InputArchive kfac;
+    archive.read("preconditioner", kfac);
+    s.kfac->load(kfac);
+  }
+  torch::Tensor rng;
+  archive.read("rng", rng, /*is_buffer=*/true);
+  at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
+  generator.set_state(rng);
+  epoch = read("epoch").toInt();
+  step_in_epoch = read("step_in_epoch").toInt();
+  s.global_step = read("global_step").toInt();
+  s.best_accuracy = read("best_accuracy").toDouble();
+  s.wall_offset = read("wall_seconds").toDouble();
+  std::cout << "resume: " << path << " at epoch " << epoch << ", step " << s.global_step << std::endl;
+  return true;
+}
+
+TrainSummary Trainer::run() {
+  auto& s = *state_;
+  TrainSummary summary;
+  if (!config_.metrics.empty()) {
+    const auto parent = std::filesystem::path(config_.metrics).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    s.metrics.open(config_.metrics, config_.resume ? std::ios::app : std::ios::trunc);
+    TORCH_CHECK(s.metrics.good(), "cannot open metrics file '", config_.metrics, "'");
+  }
+  int64_t epoch = 0;
+  int64_t step_in_epoch = 0;
+  if (config_.resume) load_checkpoint(epoch, step_in_epoch);
+  s.start = Clock::now();
+  const int64_t log_every =
+      config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
+  const auto& train = s.dataset.train;
+  std::cout << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size()
+            << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
+            << config_.optimizer << ", batch " << config_.batch_size << ", " << config_.epochs << " epochs, "
+            << torch::get_num_threads() << " threads" << std::endl;
+
+  bool stop = false;
+  Evaluation last_eval;
+  for (; epoch < config_.epochs && !stop; ++epoch, step_in_epoch = 0) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + epoch);
+    auto order = torch::randperm(train.size(), generator);
+    double epoch_loss = 0.0;
+    int64_t epoch_steps = 0;
+    const auto epoch_start = Clock::now();
+    for (; step_in_epoch < s.steps_per_epoch; ++step_in_epoch) {
+      if (config_.max_steps >= 0 && s.global_step >= config_.max_steps) {
+        stop = true;
+        break;
+      }
+      set_learning_rate(learning_rate(epoch, step_in_epoch));
+      auto idx = order.slice(0, step_in_epoch * config_.batch_size, (step_in_epoch + 1) * config_.batch_size);
+      auto x = train.images.index_select(0, idx);
+      auto y = train.labels.index_select(0, idx);
+      if (s.dataset.augment) {
+        auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
+        x = data::augment_crop_flip(x, aug);
+      }
+      s.optimizer->zero_grad();
+      auto loss = loss_of(s.model->forward(x), x, y);
+      loss.backward();
+      if (s.kfac) s.kfac->step();
+      s.optimizer->step();
+      const double loss_value = loss.item<double>();
+      TORCH_CHECK(std::isfinite(loss_value), "training loss became ", loss_value, " at step ", s.global_step,
+                  " (epoch ", epoch, "); lower --lr or raise --damping");
+      summary.step_losses.push_back(loss_value);
+      epoch_loss += loss_value;
+      ++epoch_steps;
+      ++s.global_step;
+      if (s.global_step % log_every == 0) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+        const double rate = epoch_steps * config_.batch_size / std::max(elapsed, 1e-9);
+        const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size / std::max(rate, 1e-9);
+        std::ostringstream line;
+        line << "epoch " << epoch + 1 << "/" << config_.epochs << " step " << step_in_epoch + 1 << "/"
+             << s.steps_per_epoch << " loss " << std::fixed << std::setprecision(4) << loss_value << " lr "
+             << std::setprecision(5) << s.current_lr << " " << std::setprecision(0) << rate << " img/s eta "
+             << std::setprecision(0) << eta << "s";
+        if (s.terminal) {
+          std::cout << "\r" << line.str() << "   " << std::flush;
+        } else {
+          std::cout << line.str() << std::endl;
+        }
+        nlohmann::json event = {{"event", "step"}, {"step", s.global_step}, {"epoch", epoch},
+                                {"loss", loss_value}, {"lr", s.current_lr}, {"wall_time_s", s.wall()}};
+        if (s.kfac) {
+          const auto& t = s.kfac->total_times();
+          event["kfac_time_s"] = {{"factors", t.factors}, {"second_order", t.second_order},
+                                  {"precondition", t.precondition}, {"apply", t.apply}};
+        }
+        s.emit(event);
+      }
+    }
+    if (s.terminal) std::cout << std::endl;
+    if (stop && step_in_epoch < s.steps_per_epoch) {
+      if (!config_.checkpoint_dir.empty()) save_checkpoint(epoch, step_in_epoch, "max steps reached");
+      break;
+    }
+    last_eval = evaluate();
+    s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
+    const double train_loss = epoch_steps > 0 ? epoch_loss / epoch_steps : 0.0;
+    std::cout << "epoch " << epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
+              << std::setprecision(4) << train_loss << ", test loss " << last_eval.loss << ", test accuracy "
+              << std::setprecision(2) << 100.0 * last_eval.accuracy << "%, wall " << std::setprecision(1) << s.wall()
+              << " s" << std::endl;
+    nlohmann::json event = {{"event", "epoch"},           {"epoch", epoch + 1},
+                            {"train_loss", train_loss},   {"test_loss", last_eval.loss},
+                            {"test_accuracy", last_eval.accuracy}, {"wall_time_s", s.wall()},
+                            {"step", s.global_step}};
+    if (s.kfac) event["kfac_time_s"] = s.kfac->total_times().total();
+    s.emit(event);
+    if (!config_.checkpoint_dir.empty() &&
+        ((epoch + 1) % config_.checkpoint_every_epochs == 0 || epoch + 1 == config_.epochs)) {
+      save_checkpoint(epoch + 1, 0, "end of epoch");
+    }
+    summary.epochs = epoch + 1;
+  }
+  summary.steps = s.global_step;
+  summary.best_accuracy = s.best_accuracy;
+  summary.final_accuracy = last_eval.accuracy;
+  summary.final_test_loss = last_eval.loss;
+  summary.wall_seconds = s.wall();
+  summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
+  std::cout << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
+            << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1)
+            << summary.wall_seconds << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
+            << std::endl;
+  nlohmann::json event = {{"event", "summary"},
+                          {"steps", summary.steps},
+                          {"best_test_accuracy", summary.best_accuracy},
+                          {"final_test_accuracy", summary.final_accuracy},
+                          {"final_test_loss", summary.final_test_loss},
+                          {"wall_time_s", summary.wall_seconds},
+                          {"kfac_time_s", summary.kfac_seconds},
+                          {"model", config_.model},
+                          {"dataset", config_.dataset},
+                          {"kfac", config_.kfac}};
+  if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
+  s.emit(event);
+  return summary;
+}
+
+}  // namespace dkfac::train

@@ -1,0 +1,97 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dkfac/dkfac.h"
+#include "tools/data/datasets.h"
+#include "tools/models/models.h"
+
+namespace dkfac::train {
+
+/// Everything `dkfac train` can be told. Defaults are the recipe the README documents.
+struct TrainConfig {
+  std::string model = "cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;  // empty: the dataset's default location
+  std::string optimizer = "sgd";
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  int64_t batch_size = 128;
+  int64_t epochs = 3;
+  int64_t max_steps = -1;  // < 0: no limit
+  std::string lr_schedule = "cosine";
+  double warmup_epochs = 0.0;
+  int64_t seed = 0;
+  int threads = 0;  // 0: LibTorch's default
+  bool kfac = true;
+  double damping = 0.003;
+  double factor_decay = 0.95;
+  double kl_clip = 0.001;
+  int64_t factor_update_steps = 10;
+  int64_t inv_update_steps = 100;
+  std::string compute_method = "eigen";
+  std::string metrics;  // JSON Lines file; empty: none
+  std::string checkpoint_dir;
+  int64_t checkpoint_every_epochs = 1;
+  bool resume = false;
+  int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
+
+  /// Throws c10::Error naming the first bad field and its value.
+  void validate() const;
+};
+
+/// Test-set result.
+struct Evaluation {
+  double loss = 0.0;
+  double accuracy = 0.0;  // fraction in [0, 1]; 0 for reconstruction
+};
+
+/// What a run did.
+struct TrainSummary {
+  int64_t steps = 0;
+  int64_t epochs = 0;
+  double best_accuracy = 0.0;
+  double final_accuracy = 0.0;
+  double final_test_loss = 0.0;
+  double wall_seconds = 0.0;
+  double kfac_seconds = 0.0;
+  std::vector<double> step_losses;  // every training step's loss, in order (this process only)
+};
+
+/// Single-process training loop of `dkfac train`: data, model, SGD/Adam, optional K-FAC, schedules,
+/// progress, metrics, atomic checkpoints and exact resume.
+class Trainer {
+ public:
+  explicit Trainer(TrainConfig config);
+  ~Trainer();
+
+  /// Trains until `epochs` or `max_steps`, whichever comes first.
+  TrainSummary run();
+
+  /// Mean loss and accuracy on the test set, without K-FAC capture or gradients.
+  Evaluation evaluate();
+
+ private:
+  struct State;
+  double learning_rate(int64_t epoch, int64_t step_in_epoch) const;
+  void set_learning_rate(double lr);
+  torch::Tensor loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const;
+  void save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason);
+  bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
+
+  TrainConfig config_;
+  std::unique_ptr<State> state_;
+};
+
+/// Writes `write(archive)` to `path` atomically: a temporary file in the same directory, fsync, rename,
+/// fsync of the directory. On failure the previous file at `path` is untouched and c10::Error is thrown.
+void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write);
+
+}  // namespace dkfac::train
