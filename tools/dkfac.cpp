@@ -27,7 +27,7 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--warmup-epochs", c.warmup_epochs, "linear learning-rate warmup")->capture_default_str();
   app.add_option("--seed", c.seed, "seed of initialisation, shuffling and augmentation")->capture_default_str();
   app.add_option("--threads", c.threads, "intra-op threads (0: LibTorch default)")->capture_default_str();
-  app.add_flag("--kfac,!--no-kfac", c.kfac, "precondition with K-FAC (default on)");
+  app.add_flag("--kfac,!--no-kfac", c.kfac, "K-FAC on (default) or off (plain SGD/Adam)");
   app.add_option("--damping", c.damping, "K-FAC damping")->capture_default_str();
   app.add_option("--factor-decay", c.factor_decay, "K-FAC running-average decay")->capture_default_str();
   app.add_option("--kl-clip", c.kl_clip, "K-FAC KL clip (0: off)")->capture_default_str();

@@ -1,18 +1,23 @@
 #include "dkfac/nn/conv2d.h"
 
 #include <chrono>
+#include <variant>
 
 namespace dkfac::nn {
 namespace {
+
+// LibTorch 1.x options hold c10::variant, 2.x std::variant. With std::get_if visible, an unqualified
+// get_if<T>(&v) also finds c10::get_if by argument-dependent lookup, so one spelling serves both.
+using std::get_if;
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 torch::nn::functional::PadFuncOptions::mode_t to_pad_mode(const torch::nn::detail::conv_padding_mode_t& mode) {
-  if (c10::get_if<torch::enumtype::kReflect>(&mode)) return torch::kReflect;
-  if (c10::get_if<torch::enumtype::kReplicate>(&mode)) return torch::kReplicate;
-  if (c10::get_if<torch::enumtype::kCircular>(&mode)) return torch::kCircular;
+  if (get_if<torch::enumtype::kReflect>(&mode)) return torch::kReflect;
+  if (get_if<torch::enumtype::kReplicate>(&mode)) return torch::kReplicate;
+  if (get_if<torch::enumtype::kCircular>(&mode)) return torch::kCircular;
   return torch::kConstant;
 }
 
@@ -32,22 +37,24 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
   g.stride = {s[0], s[1]};
   g.dilation = {d[0], d[1]};
   g.padding_mode = to_pad_mode(options.padding_mode());
-  if (!c10::get_if<torch::enumtype::kZeros>(&options.padding_mode())) {
+  if (!get_if<torch::enumtype::kZeros>(&options.padding_mode())) {
     // Non-zero modes: forward pads with exactly this vector, then convolves without padding.
     const auto& r = _reversed_padding_repeated_twice;
     g.padding = {r[0], r[1], r[2], r[3]};
     return g;
   }
-  c10::visit(c10::overloaded(
-                 [&](torch::enumtype::kValid) { g.padding = {0, 0, 0, 0}; },
-                 [&](torch::enumtype::kSame) {
-                   // Same rule as ATen's 'same' convolution: the odd pixel goes right/bottom.
-                   const int64_t total_h = d[0] * (k[0] - 1);
-                   const int64_t total_w = d[1] * (k[1] - 1);
-                   g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
-                 },
-                 [&](const torch::ExpandingArray<2>& pad) { g.padding = {(*pad)[1], (*pad)[1], (*pad)[0], (*pad)[0]}; }),
-             options.padding());
+  const auto& padding = options.padding();
+  if (get_if<torch::enumtype::kValid>(&padding) != nullptr) {
+    g.padding = {0, 0, 0, 0};
+  } else if (get_if<torch::enumtype::kSame>(&padding) != nullptr) {
+    // Same rule as ATen's 'same' convolution: the odd pixel goes right/bottom.
+    const int64_t total_h = d[0] * (k[0] - 1);
+    const int64_t total_w = d[1] * (k[1] - 1);
+    g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+  } else {
+    const auto& pad = **get_if<torch::ExpandingArray<2>>(&padding);
+    g.padding = {pad[1], pad[1], pad[0], pad[0]};
+  }
   return g;
 }
 

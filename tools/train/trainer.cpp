@@ -12,6 +12,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 namespace dkfac::train {
 namespace {
@@ -111,7 +112,9 @@ struct Trainer::State {
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::make_unique<State>()) {
   config_.validate();
-  if (config_.threads > 0) torch::set_num_threads(config_.threads);
+  // LibTorch may start with one intra-op thread; use every core unless told otherwise.
+  torch::set_num_threads(config_.threads > 0 ? config_.threads
+                                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
   auto& s = *state_;
   s.task = models::model_task(config_.model);
   s.dataset = data::load_dataset(config_.dataset, config_.data_dir, s.task == models::Task::kReconstruction);
@@ -365,6 +368,11 @@ TrainSummary Trainer::run() {
     if (s.terminal) std::cout << std::endl;
     if (stop && step_in_epoch < s.steps_per_epoch) {
       if (!config_.checkpoint_dir.empty()) save_checkpoint(epoch, step_in_epoch, "max steps reached");
+      last_eval = evaluate();
+      s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
+      std::cout << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed
+                << std::setprecision(4) << last_eval.loss << ", test accuracy " << std::setprecision(2)
+                << 100.0 * last_eval.accuracy << "%" << std::endl;
       break;
     }
     last_eval = evaluate();

@@ -1,0 +1,186 @@
+// The training loop of `dkfac train`: determinism, exact resume, checkpoint safety, option errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tools/plot/plot.h"
+#include "tools/train/trainer.h"
+
+namespace dkfac::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("dkfac-trainer-test-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  TrainConfig config() const {
+    TrainConfig c;
+    c.model = "mlp";
+    c.dataset = "synthetic";
+    c.batch_size = 64;
+    c.epochs = 1;
+    c.threads = 1;
+    c.lr = 0.05;
+    c.damping = 0.1;
+    c.factor_update_steps = 3;
+    c.inv_update_steps = 7;
+    c.log_every = 1000;
+    return c;
+  }
+  fs::path dir_;
+};
+
+TEST_F(TrainerTest, SameSeedSameLosses) {
+  auto c = config();
+  c.max_steps = 12;
+  auto a = Trainer(c).run();
+  auto b = Trainer(c).run();
+  ASSERT_EQ(a.step_losses.size(), 12u);
+  EXPECT_EQ(a.step_losses, b.step_losses);
+  c.seed = 1;
+  auto other = Trainer(c).run();
+  EXPECT_NE(other.step_losses, a.step_losses);
+}
+
+TEST_F(TrainerTest, ResumeContinuesTheSameTrajectory) {
+  for (bool kfac : {true, false}) {
+    auto c = config();
+    c.kfac = kfac;
+    c.optimizer = kfac ? "sgd" : "adam";
+    c.max_steps = 20;
+    const auto straight = Trainer(c).run().step_losses;
+
+    c.checkpoint_dir = (dir_ / (kfac ? "kfac" : "adam")).string();
+    c.max_steps = 10;
+    const auto first = Trainer(c).run().step_losses;
+    ASSERT_TRUE(fs::exists(c.checkpoint_dir + "/checkpoint.pt"));
+    c.max_steps = 20;
+    c.resume = true;
+    const auto second = Trainer(c).run().step_losses;
+    ASSERT_EQ(first.size(), 10u);
+    ASSERT_EQ(second.size(), 10u);
+    for (size_t i = 0; i < 10; ++i) {
+      EXPECT_EQ(first[i], straight[i]) << "step " << i;
+      EXPECT_EQ(second[i], straight[10 + i]) << "step " << 10 + i << (kfac ? " (K-FAC)" : " (Adam)");
+    }
+  }
+}
+
+TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
+  auto c = config();
+  c.checkpoint_dir = dir_.string();
+  c.max_steps = 2;
+  Trainer(c).run();
+  const auto path = dir_ / "checkpoint.pt";
+  const auto size = fs::file_size(path);
+  c.model = "cnn";
+  c.resume = true;
+  try {
+    Trainer(c).run();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("written with model_name 'mlp', this run uses 'cnn'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(fs::file_size(path), size);
+
+  // A damaged file is reported as such.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a checkpoint";
+  c.model = "mlp";
+  try {
+    Trainer(c).run();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is damaged or not a dkfac checkpoint"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TrainerTest, AtomicSaveLeavesThePreviousFileOnFailure) {
+  const auto path = (dir_ / "state.pt").string();
+  save_atomically(path, [](torch::serialize::OutputArchive& a) { a.write("x", torch::ones({3})); });
+  const auto before = fs::file_size(path);
+  EXPECT_THROW(save_atomically(path,
+                               [](torch::serialize::OutputArchive& a) {
+                                 a.write("x", torch::zeros({100}));
+                                 throw std::runtime_error("disk full");
+                               }),
+               c10::Error);
+  EXPECT_EQ(fs::file_size(path), before);
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  torch::Tensor x;
+  in.read("x", x);
+  EXPECT_TRUE(torch::equal(x, torch::ones({3})));
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename(), "state.pt") << "temporary file left behind";
+  }
+}
+
+TEST_F(TrainerTest, MetricsAreJsonLinesWithStepEpochAndSummary) {
+  auto c = config();
+  c.metrics = (dir_ / "m.jsonl").string();
+  c.log_every = 16;
+  c.dataset = "synthetic";
+  auto summary = Trainer(c).run();
+  std::ifstream in(c.metrics);
+  std::string line;
+  std::map<std::string, int> counts;
+  nlohmann::json last;
+  while (std::getline(in, line)) {
+    last = nlohmann::json::parse(line);
+    counts[last.at("event").get<std::string>()]++;
+    if (last["event"] == "step") {
+      for (const char* key : {"step", "loss", "lr", "wall_time_s"}) EXPECT_TRUE(last.contains(key)) << key;
+    }
+    if (last["event"] == "epoch") {
+      for (const char* key : {"epoch", "train_loss", "test_loss", "test_accuracy", "wall_time_s"}) {
+        EXPECT_TRUE(last.contains(key)) << key;
+      }
+    }
+  }
+  EXPECT_EQ(counts["step"], 128 / 16);
+  EXPECT_EQ(counts["epoch"], 1);
+  EXPECT_EQ(last["event"], "summary");
+  EXPECT_DOUBLE_EQ(last["best_test_accuracy"].get<double>(), summary.best_accuracy);
+  EXPECT_GT(summary.best_accuracy, 0.2) << "synthetic labels are learnable";
+
+  auto curve = plot::read_curve(c.metrics);
+  EXPECT_EQ(curve.epoch.size(), 1u);
+  EXPECT_EQ(curve.label, "m");
+}
+
+TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
+  auto expect = [](TrainConfig c, const std::string& needle) {
+    try {
+      c.validate();
+      FAIL() << needle;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  TrainConfig c;
+  c.model = "vgg";
+  expect(c, "--model must be one of mlp, cnn, resnet20, autoencoder, got 'vgg'");
+  c = TrainConfig();
+  c.batch_size = 0;
+  expect(c, "--batch-size must be >= 1, got 0");
+  c = TrainConfig();
+  c.lr_schedule = "linear";
+  expect(c, "--lr-schedule must be constant, step or cosine, got 'linear'");
+  c = TrainConfig();
+  c.resume = true;
+  expect(c, "--resume needs --checkpoint-dir");
+}
+
+}  // namespace
+}  // namespace dkfac::train
