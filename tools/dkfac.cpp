@@ -31,6 +31,8 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--damping", c.damping, "K-FAC damping")->capture_default_str();
   app.add_option("--factor-decay", c.factor_decay, "K-FAC running-average decay")->capture_default_str();
   app.add_option("--kl-clip", c.kl_clip, "K-FAC KL clip (0: off)")->capture_default_str();
+  app.add_flag("--kl-clip-follows-lr,!--kl-clip-fixed", c.kl_clip_follows_lr,
+               "scale the KL-clip bound by (lr / base lr)^2 (default) or keep it fixed (kfac_pytorch)");
   app.add_option("--factor-update-steps", c.factor_update_steps, "steps between factor updates")
       ->capture_default_str();
   app.add_option("--inv-update-steps", c.inv_update_steps, "steps between eigendecompositions/inverses")

@@ -1,5 +1,7 @@
 #include "tools/train/trainer.h"
 
+#include "tools/common/threads.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -112,9 +114,7 @@ struct Trainer::State {
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::make_unique<State>()) {
   config_.validate();
-  // LibTorch may start with one intra-op thread; use every core unless told otherwise.
-  torch::set_num_threads(config_.threads > 0 ? config_.threads
-                                             : std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+  threads_ = tools::configure_threads(config_.threads);
   auto& s = *state_;
   s.task = models::model_task(config_.model);
   s.dataset = data::load_dataset(config_.dataset, config_.data_dir, s.task == models::Task::kReconstruction);
@@ -139,7 +139,13 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::m
                            .lr([state](int64_t) { return state->current_lr; })
                            .damping(config_.damping)
                            .factor_decay(config_.factor_decay)
-                           .kl_clip(config_.kl_clip)
+                           .kl_clip([state, this](int64_t) {
+                             // While clipping is active the update length is sqrt(kl_clip / vg), whatever
+                             // the lr; scaling the bound with (lr / base lr)^2 lets the lr schedule act.
+                             if (!config_.kl_clip_follows_lr) return config_.kl_clip;
+                             const double ratio = state->current_lr / config_.lr;
+                             return config_.kl_clip * ratio * ratio;
+                           })
                            .factor_update_steps(config_.factor_update_steps)
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
@@ -306,7 +312,7 @@ TrainSummary Trainer::run() {
   std::cout << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size()
             << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
             << config_.optimizer << ", batch " << config_.batch_size << ", " << config_.epochs << " epochs, "
-            << torch::get_num_threads() << " threads" << std::endl;
+            << threads_ << std::endl;
 
   bool stop = false;
   Evaluation last_eval;

@@ -31,9 +31,10 @@ struct TrainConfig {
   int64_t seed = 0;
   int threads = 0;  // 0: LibTorch's default
   bool kfac = true;
-  double damping = 0.003;
+  double damping = 0.3;
   double factor_decay = 0.95;
   double kl_clip = 0.001;
+  bool kl_clip_follows_lr = true;  // scale the KL bound by (lr / base lr)^2 so schedules shrink K-FAC steps
   int64_t factor_update_steps = 10;
   int64_t inv_update_steps = 100;
   std::string compute_method = "eigen";
@@ -87,6 +88,7 @@ class Trainer {
   bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
 
   TrainConfig config_;
+  std::string threads_;  // thread setup, for the log
   std::unique_ptr<State> state_;
 };
 
