@@ -14,6 +14,8 @@ void Options::validate() const {
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to ComputeMethod::kInverse only, got compute_method=",
               to_string(compute_method_));
+  TORCH_CHECK(grad_worker_fraction_ > 0.0 && grad_worker_fraction_ <= 1.0,
+              "grad_worker_fraction must be in (0, 1], got ", grad_worker_fraction_);
   for (const auto& pattern : skip_layers_) {
     try {
       std::regex check(pattern);

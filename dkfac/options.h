@@ -98,6 +98,15 @@ class Options {
   DKFAC_VALUE_ARG(std::vector<std::string>, skip_layers, {});
   /// What to do with a registered layer that did not run before `step()`.
   DKFAC_VALUE_ARG(UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError);
+  /// Distributed (KAISA): fraction f of ranks that precondition each layer, W = max(1, round(P f)).
+  /// 1 = COMM-OPT, 1/P = MEM-OPT, in between HYBRID-OPT. Ignored without a communicator.
+  DKFAC_VALUE_ARG(double, grad_worker_fraction, 1.0);
+  /// Distributed: send symmetric matrices (factors, inverses) as upper triangles.
+  DKFAC_VALUE_ARG(bool, symmetric_comm, false);
+  /// Distributed: balance second-order work by compute (dim^3, default) or memory (dim^2).
+  DKFAC_VALUE_ARG(bool, balance_memory, false);
+  /// Distributed: decompose A and G of a layer on the same rank (default) or on separate ranks.
+  DKFAC_VALUE_ARG(bool, colocate_factors, true);
 
  public:
   /// Checks every constant option; throws c10::Error with the offending value.

@@ -1,6 +1,7 @@
 #include "dkfac/preconditioner.h"
 
 #include <chrono>
+#include <limits>
 #include <regex>
 
 namespace dkfac {
@@ -48,7 +49,8 @@ PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
   return *this;
 }
 
-Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options)
+Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
+                               std::shared_ptr<comm::Communicator> communicator)
     : model_(std::move(model)), options_(std::move(options)) {
   TORCH_CHECK(model_ != nullptr, "Preconditioner needs a model, got nullptr");
   options_.validate();
@@ -61,6 +63,9 @@ Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options
   }
   TORCH_CHECK(!layers_.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
               " in the model (", model_->name(), ") after applying skip_layers");
+  if (communicator != nullptr && communicator->size() > 1) {
+    strategy_ = std::make_unique<strategy::Kaisa>(std::move(communicator), layers_, options_);
+  }
   arm_capture();
 }
 
@@ -122,10 +127,18 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   capture_seconds_seen_ = capture_seconds;
 
   Stopwatch watch(&last_times_.factors);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (plan[i].usable) batches[i] = layers_[i].take_factor_batches();
+  }
+  // Averaged before the NaN check, so that every rank takes the same decision.
+  if (strategy_) strategy_->reduce_factors(batches);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!plan[i].usable) continue;
     auto& layer = layers_[i];
-    if (layer.update_factors(options_.factor_decay()) == FactorUpdate::kUpdated) continue;
+    if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay()) == FactorUpdate::kUpdated) {
+      continue;
+    }
     warn_once(layer, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
                                "is kept for this step");
     plan[i].usable = false;
@@ -139,14 +152,20 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!layer.a_factor().defined()) continue;
+    const bool a_part = !strategy_ || strategy_->computes_a(i);
+    const bool g_part = !strategy_ || strategy_->computes_g(i);
+    if (!a_part && !g_part) continue;
     try {
-      layer.compute_second_order(options_.compute_method(), damping, options_.pi_damping());
+      layer.compute_second_order(options_.compute_method(), damping, options_.pi_damping(), a_part, g_part);
     } catch (const c10::Error& e) {
       ++events_.second_order_failures;
       warn_once(layer, "second_order",
                 std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
     }
-    if (!layer.second_order().defined()) plan[i].usable = false;
+  }
+  if (strategy_) strategy_->share_second_order(layers_, options_.compute_method(), damping);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].second_order().defined() && (!strategy_ || strategy_->preconditions(i))) plan[i].usable = false;
   }
 }
 
@@ -156,11 +175,24 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    if (!plan[i].usable || !layer.second_order().defined()) {
+    const bool mine = !strategy_ || strategy_->preconditions(i);
+    if (mine && plan[i].usable && layer.second_order().defined()) {
+      preconditioned[i] = layer.second_order().precondition(layer.gradient());
+    } else if (strategy_) {
+      // Receivers get V by broadcast; a grad worker that cannot precondition sends NaN so that
+      // every rank of the row falls back to the plain gradient together.
+      preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(),
+                                      layer.module().kfac_weight().options());
+    }
+  }
+  if (strategy_) strategy_->share_gradients(preconditioned);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& layer = layers_[i];
+    if (!plan[i].usable || !preconditioned[i].defined()) {
       plan[i].usable = false;
       continue;
     }
-    auto v = layer.second_order().precondition(layer.gradient());
+    auto& v = preconditioned[i];
     if (!all_finite(v)) {
       warn_once(layer, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
                                    "gradient for this step");
@@ -168,7 +200,6 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
       ++events_.fallbacks;
       continue;
     }
-    preconditioned[i] = std::move(v);
   }
   return preconditioned;
 }

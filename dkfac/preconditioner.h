@@ -11,6 +11,7 @@
 
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
+#include "dkfac/strategy/kaisa.h"
 
 namespace dkfac {
 
@@ -45,7 +46,11 @@ struct LayerEvents {
 class Preconditioner {
  public:
   /// Registers the model's K-FAC layers and validates `options` (throws c10::Error naming the bad value).
-  explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options());
+  /// With a `communicator` (every rank constructs its preconditioner with the same model and options),
+  /// factors are averaged over ranks and work is placed by KAISA with Options::grad_worker_fraction;
+  /// gradients must already be averaged over ranks when step() is called.
+  explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options(),
+                          std::shared_ptr<comm::Communicator> communicator = nullptr);
   ~Preconditioner();
   Preconditioner(const Preconditioner&) = delete;
   Preconditioner& operator=(const Preconditioner&) = delete;
@@ -61,6 +66,8 @@ class Preconditioner {
   bool is_inverse_step(int64_t step) const;
 
   const Options& options() const { return options_; }
+  /// The distributed strategy, or nullptr in a single process.
+  const strategy::Kaisa* strategy() const { return strategy_.get(); }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   std::vector<KfacLayer>& layers() { return layers_; }
@@ -102,6 +109,7 @@ class Preconditioner {
   double last_kl_scale_ = 1.0;
   double capture_seconds_seen_ = 0.0;
   std::set<std::pair<std::string, std::string>> warned_;
+  std::unique_ptr<strategy::Kaisa> strategy_;
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

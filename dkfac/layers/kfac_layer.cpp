@@ -1,4 +1,5 @@
 #include "dkfac/layers/kfac_layer.h"
+#include <limits>
 
 namespace dkfac {
 namespace {
@@ -43,11 +44,20 @@ int64_t KfacLayer::captured_batches() const {
   return std::min(capture.a_count(), capture.g_count());
 }
 
-FactorUpdate KfacLayer::update_factors(double alpha) {
+std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {
   auto& capture = kfac_module_->factor_capture();
   auto a_batch = capture.take_a();
   auto g_batch = capture.take_g();
+  return {a_batch, g_batch};
+}
+
+FactorUpdate KfacLayer::update_factors(double alpha) {
+  auto [a_batch, g_batch] = take_factor_batches();
   if (!a_batch.defined() || !g_batch.defined()) return FactorUpdate::kMissing;
+  return fold_factors(a_batch, g_batch, alpha);
+}
+
+FactorUpdate KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha) {
   if (!all_finite(a_batch) || !all_finite(g_batch)) return FactorUpdate::kNonFinite;
   a_factor_ = running_average(a_factor_, a_batch, alpha);
   g_factor_ = running_average(g_factor_, g_batch, alpha);
@@ -60,23 +70,52 @@ void KfacLayer::set_factors(torch::Tensor a_factor, torch::Tensor g_factor) {
   g_factor_ = std::move(g_factor);
 }
 
-void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping) {
+void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
+                                     bool g_part) {
   TORCH_INTERNAL_ASSERT(a_factor_.defined() && g_factor_.defined(), "layer '", name_,
                         "': second order requested before any factor update");
-  SecondOrderState next;
+  SecondOrderState next = second_order_.method == method ? second_order_ : SecondOrderState();
   next.method = method;
   if (method == ComputeMethod::kEigen) {
-    next.a_eigen = math::eigen_decompose(a_factor_);
-    next.g_eigen = math::eigen_decompose(g_factor_);
-    next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
+    if (a_part) next.a_eigen = math::eigen_decompose(a_factor_);
+    if (g_part) next.g_eigen = math::eigen_decompose(g_factor_);
+    if (a_part && g_part) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
   } else {
     double a_damping = damping;
     double g_damping = damping;
     if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping(a_factor_, g_factor_, damping);
-    next.a_inverse = math::damped_inverse(a_factor_, a_damping);
-    next.g_inverse = math::damped_inverse(g_factor_, g_damping);
+    if (a_part) next.a_inverse = math::damped_inverse(a_factor_, a_damping);
+    if (g_part) next.g_inverse = math::damped_inverse(g_factor_, g_damping);
   }
   second_order_ = std::move(next);  // only replaced once everything succeeded
+}
+
+SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
+  auto& s = second_order_;
+  if (s.method != method) s = SecondOrderState();
+  s.method = method;
+  const auto options = kfac_module_->kfac_weight().options();
+  const int64_t a = a_dim();
+  const int64_t g = g_dim();
+  auto ensure = [&](torch::Tensor& t, at::IntArrayRef shape) {
+    // NaN, not garbage: if the computing rank has nothing to send, receivers fall back cleanly.
+    if (!t.defined() || t.sizes() != shape) t = torch::full(shape, std::numeric_limits<double>::quiet_NaN(), options);
+  };
+  if (method == ComputeMethod::kEigen) {
+    ensure(s.a_eigen.eigenvectors, {a, a});
+    ensure(s.a_eigen.eigenvalues, {a});
+    ensure(s.g_eigen.eigenvectors, {g, g});
+    ensure(s.g_eigen.eigenvalues, {g});
+  } else {
+    ensure(s.a_inverse, {a, a});
+    ensure(s.g_inverse, {g, g});
+  }
+  return s;
+}
+
+void KfacLayer::finish_second_order(double damping) {
+  auto& s = second_order_;
+  if (s.method == ComputeMethod::kEigen) s.denominator = math::eigen_denominator(s.a_eigen, s.g_eigen, damping);
 }
 
 bool KfacLayer::has_gradient() const {

@@ -58,6 +58,10 @@ class KfacLayer {
   /// Folds the mean captured factors into the running averages F = alpha F + (1 - alpha) F_batch,
   /// F starting from I. Consumes the capture whatever the outcome.
   FactorUpdate update_factors(double alpha);
+  /// The mean captured factors {A_batch [a, a], G_batch [g, g]} (undefined if none); resets the capture.
+  std::pair<torch::Tensor, torch::Tensor> take_factor_batches();
+  /// F = alpha F + (1 - alpha) F_batch for both factors; kNonFinite leaves them unchanged.
+  FactorUpdate fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
   /// Running factors: A [a, a] and G [g, g]; undefined before the first update.
   const torch::Tensor& a_factor() const { return a_factor_; }
   const torch::Tensor& g_factor() const { return g_factor_; }
@@ -66,8 +70,14 @@ class KfacLayer {
 
   /// Recomputes the second-order state from the running factors. On failure (non-convergence,
   /// NaN) the previous state is kept and the error is rethrown for the caller to report.
-  void compute_second_order(ComputeMethod method, double damping, bool pi_damping);
+  /// With `a_part`/`g_part` false, that factor's part is left for a broadcast to fill in (distributed).
+  void compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
+                            bool g_part = true);
   const SecondOrderState& second_order() const { return second_order_; }
+  /// For strategies that receive parts by broadcast: shapes them (allocating empty tensors where
+  /// missing) for `method`, then, after the broadcast, `finish_second_order` rebuilds the denominator.
+  SecondOrderState& prepare_second_order(ComputeMethod method);
+  void finish_second_order(double damping);
 
   /// True when the weight (and bias) have gradients.
   bool has_gradient() const;

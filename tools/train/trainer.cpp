@@ -322,6 +322,7 @@ TrainSummary Trainer::run() {
     double epoch_loss = 0.0;
     int64_t epoch_steps = 0;
     const auto epoch_start = Clock::now();
+    auto last_draw = epoch_start;
     for (; step_in_epoch < s.steps_per_epoch; ++step_in_epoch) {
       if (config_.max_steps >= 0 && s.global_step >= config_.max_steps) {
         stop = true;
@@ -347,20 +348,32 @@ TrainSummary Trainer::run() {
       epoch_loss += loss_value;
       ++epoch_steps;
       ++s.global_step;
-      if (s.global_step % log_every == 0) {
-        const double elapsed = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+      const bool log_step = s.global_step % log_every == 0;
+      const auto now = Clock::now();
+      if (log_step || (s.terminal && now - last_draw > std::chrono::milliseconds(200))) {
+        last_draw = now;
+        const double elapsed = std::chrono::duration<double>(now - epoch_start).count();
         const double rate = epoch_steps * config_.batch_size / std::max(elapsed, 1e-9);
         const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size / std::max(rate, 1e-9);
         std::ostringstream line;
-        line << "epoch " << epoch + 1 << "/" << config_.epochs << " step " << step_in_epoch + 1 << "/"
-             << s.steps_per_epoch << " loss " << std::fixed << std::setprecision(4) << loss_value << " lr "
-             << std::setprecision(5) << s.current_lr << " " << std::setprecision(0) << rate << " img/s eta "
-             << std::setprecision(0) << eta << "s";
+        if (s.terminal) {
+          constexpr int kWidth = 30;
+          const int filled = static_cast<int>(kWidth * (step_in_epoch + 1) / s.steps_per_epoch);
+          line << "epoch " << epoch + 1 << "/" << config_.epochs << " [" << std::string(filled, '#')
+               << std::string(kWidth - filled, '.') << "] ";
+        } else {
+          line << "epoch " << epoch + 1 << "/" << config_.epochs << " ";
+        }
+        line << "step " << step_in_epoch + 1 << "/" << s.steps_per_epoch << " loss " << std::fixed
+             << std::setprecision(4) << loss_value << " lr " << std::setprecision(5) << s.current_lr << " "
+             << std::setprecision(0) << rate << " img/s eta " << std::setprecision(0) << eta << "s";
         if (s.terminal) {
           std::cout << "\r" << line.str() << "   " << std::flush;
         } else {
           std::cout << line.str() << std::endl;
         }
+      }
+      if (log_step) {
         nlohmann::json event = {{"event", "step"}, {"step", s.global_step}, {"epoch", epoch},
                                 {"loss", loss_value}, {"lr", s.current_lr}, {"wall_time_s", s.wall()}};
         if (s.kfac) {

@@ -1,0 +1,119 @@
+#include "dkfac/assign/assignment.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace dkfac::assign {
+namespace {
+
+double cost(int64_t dim, Balance balance) {
+  const double d = static_cast<double>(dim);
+  return balance == Balance::kCompute ? d * d * d : d * d;
+}
+
+size_t argmin(const std::vector<double>& values, const std::vector<int>& among) {
+  size_t best = 0;
+  for (size_t i = 1; i < among.size(); ++i) {
+    if (values[among[i]] < values[among[best]]) best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+std::vector<std::vector<int>> Assignment::columns() const {
+  const int per_row = world_size / grad_workers;
+  std::vector<std::vector<int>> out(per_row);
+  for (int rank = 0; rank < world_size; ++rank) out[rank % per_row].push_back(rank);
+  return out;
+}
+
+std::vector<std::vector<int>> Assignment::rows() const {
+  const int per_row = world_size / grad_workers;
+  std::vector<std::vector<int>> out(grad_workers);
+  for (int rank = 0; rank < world_size; ++rank) out[rank / per_row].push_back(rank);
+  return out;
+}
+
+bool Assignment::is_grad_worker(size_t layer, int rank) const {
+  const auto& w = layers.at(layer).grad_workers;
+  return std::binary_search(w.begin(), w.end(), rank);
+}
+
+int Assignment::grad_source_for(size_t layer, int rank) const {
+  return layers.at(layer).grad_workers.at(row_of(rank));
+}
+
+std::string Assignment::to_string(const std::vector<LayerShape>& shapes) const {
+  std::ostringstream out;
+  out << "KAISA assignment: P=" << world_size << " W=" << grad_workers << " (" << world_size / grad_workers
+      << " columns)\n";
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& l = layers[i];
+    out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));
+    if (i < shapes.size()) out << " [a=" << shapes[i].a_dim << ", g=" << shapes[i].g_dim << "]";
+    out << ": A on " << l.a_worker << ", G on " << l.g_worker << ", grad workers {";
+    for (size_t k = 0; k < l.grad_workers.size(); ++k) out << (k ? "," : "") << l.grad_workers[k];
+    out << "}\n";
+  }
+  return out.str();
+}
+
+int grad_worker_count(int world_size, double grad_worker_fraction) {
+  TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  TORCH_CHECK(grad_worker_fraction > 0.0 && grad_worker_fraction <= 1.0, "grad_worker_fraction must be in (0, 1], got ",
+              grad_worker_fraction);
+  const int w = std::max(1, static_cast<int>(std::lround(world_size * grad_worker_fraction)));
+  TORCH_CHECK(world_size % w == 0, "grad_worker_fraction ", grad_worker_fraction, " gives W=", w,
+              " gradient workers, which does not divide the world size ", world_size);
+  return w;
+}
+
+Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
+                        Balance balance, bool colocate) {
+  Assignment out;
+  out.world_size = world_size;
+  out.grad_workers = grad_worker_count(world_size, grad_worker_fraction);
+  out.layers.resize(layers.size());
+  const auto columns = out.columns();
+  std::vector<double> column_load(columns.size(), 0.0);
+  std::vector<double> rank_load(world_size, 0.0);
+
+  std::vector<size_t> order(layers.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+    return cost(layers[x].a_dim, balance) + cost(layers[x].g_dim, balance) >
+           cost(layers[y].a_dim, balance) + cost(layers[y].g_dim, balance);
+  });
+  std::vector<int> column_ids(columns.size());
+  std::iota(column_ids.begin(), column_ids.end(), 0);
+  for (size_t index : order) {
+    const double a_cost = cost(layers[index].a_dim, balance);
+    const double g_cost = cost(layers[index].g_dim, balance);
+    const size_t c = argmin(column_load, column_ids);
+    column_load[c] += a_cost + g_cost;
+    auto& l = out.layers[index];
+    l.grad_workers = columns[c];
+    if (colocate) {
+      const int rank = columns[c][argmin(rank_load, columns[c])];
+      l.a_worker = l.g_worker = rank;
+      rank_load[rank] += a_cost + g_cost;
+    } else {
+      // Larger factor first, so that the smaller one fills the other rank.
+      const bool a_first = a_cost >= g_cost;
+      int& first = a_first ? l.a_worker : l.g_worker;
+      int& second = a_first ? l.g_worker : l.a_worker;
+      first = columns[c][argmin(rank_load, columns[c])];
+      rank_load[first] += a_first ? a_cost : g_cost;
+      second = columns[c][argmin(rank_load, columns[c])];
+      rank_load[second] += a_first ? g_cost : a_cost;
+    }
+  }
+  return out;
+}
+
+}  // namespace dkfac::assign

@@ -1,0 +1,117 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+/// Collective communication for dkfac over c10d process groups (Gloo on CPU). The only part of
+/// dkfac that includes c10d headers is communicator.cpp; everything else sees this interface.
+namespace dkfac::comm {
+
+/// An in-flight collective. Move-only; `wait()` is the visible synchronisation point and throws
+/// c10::Error naming the operation when it fails or times out (e.g. a peer died).
+class Handle {
+ public:
+  Handle();
+  ~Handle();
+  Handle(Handle&&) noexcept;
+  Handle& operator=(Handle&&) noexcept;
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  /// Blocks until the collective is done; then applies any post-processing (e.g. the 1/n of a mean).
+  void wait();
+
+ private:
+  friend class Communicator;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Waits for every handle, in order.
+void wait_all(std::vector<Handle>& handles);
+
+/// Calls and payload bytes of one phase, as seen by this rank (a collective's payload counts once
+/// per call on every participating rank).
+struct Traffic {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+
+/// How ranks meet: a TCPStore hosted by rank 0 at host:port.
+struct RendezvousOptions {
+  std::string host = "127.0.0.1";
+  int port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  /// Bound on rendezvous and on every collective: a lost peer becomes an error after this long.
+  std::chrono::milliseconds timeout{60000};
+};
+
+/// A key-value store shared by ranks that run as threads of one process (tests, examples).
+class InProcessStore {
+ public:
+  InProcessStore();
+  ~InProcessStore();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Group handle: 0 is the world.
+using GroupId = int;
+constexpr GroupId kWorld = 0;
+
+/// One rank's endpoint: the world group plus subgroups, and per-phase traffic counters.
+class Communicator {
+ public:
+  /// Joins `options.world_size` ranks over TCP (Gloo on the loopback or the host's interface).
+  static std::shared_ptr<Communicator> connect(const RendezvousOptions& options);
+  /// Joins ranks that are threads of this process and share `store`.
+  static std::shared_ptr<Communicator> connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
+                                                          int world_size,
+                                                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  /// Creates a subgroup of `ranks` (ascending). Every rank must call it with the same arguments in
+  /// the same order; ranks outside the group get an id they must not use for collectives.
+  GroupId new_group(const std::vector<int>& ranks);
+  /// Global ranks of a group, ascending.
+  const std::vector<int>& members(GroupId group) const;
+  bool contains(GroupId group, int rank) const;
+
+  /// Starts an in-place average of `tensor` over `group`; counted under `phase`.
+  Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase);
+  /// Starts an in-place sum.
+  Handle allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase);
+  /// Starts a broadcast of `tensor` from global rank `root` to `group`.
+  Handle broadcast(torch::Tensor tensor, int root, GroupId group, const std::string& phase);
+  /// Blocks until every rank of the world arrives.
+  void barrier();
+
+  /// Traffic per phase since construction.
+  std::map<std::string, Traffic> traffic() const;
+
+ private:
+  struct Impl;
+  Communicator(std::unique_ptr<Impl> impl, int rank, int size);
+  void count(const std::string& phase, const torch::Tensor& tensor);
+
+  std::unique_ptr<Impl> impl_;
+  int rank_;
+  int size_;
+  mutable std::mutex traffic_mutex_;
+  std::map<std::string, Traffic> traffic_;
+};
+
+}  // namespace dkfac::comm

@@ -1,0 +1,189 @@
+// Distributed K-FAC on real Gloo process groups (ranks as threads of this process) against the
+// single-process reference of SPEC.md section 3: factors = mean of the ranks' local factors,
+// gradient = mean of the ranks' gradients.
+#include "dkfac/strategy/kaisa.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "dkfac/dkfac.h"
+#include "tests/test_util.h"
+
+namespace dkfac::strategy {
+namespace {
+
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)));
+    fc1 = register_module("fc1", nn::Linear(3 * 5 * 5, 6));
+    fc2 = register_module("fc2", nn::Linear(torch::nn::LinearOptions(6, 4).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2->forward(torch::tanh(fc1->forward(torch::relu(conv->forward(x)).flatten(1))));
+  }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+std::shared_ptr<Net> make_net() {
+  torch::manual_seed(42);
+  auto net = std::make_shared<Net>();
+  net->to(torch::kFloat64);
+  return net;
+}
+
+torch::Tensor local_loss(Net& net, int64_t step, int rank) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * step + rank);
+  auto x = torch::randn({3, 2, 5, 5}, g, torch::kFloat64);
+  auto y = torch::randn({3, 4}, g, torch::kFloat64);
+  return (net.forward(x) - y).pow(2).mean();
+}
+
+std::vector<torch::Tensor> grads_of(Net& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+/// Runs `body(rank, communicator)` on `world` threads joined by an in-process store.
+void run_ranks(int world, const std::function<void(int, std::shared_ptr<comm::Communicator>)>& body) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30)));
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+constexpr int64_t kSteps = 3;
+
+Options base_options(ComputeMethod method, bool symmetric, double fraction) {
+  return Options()
+      .lr(0.1)
+      .damping(0.01)
+      .kl_clip(1e-3)
+      .factor_update_steps(1)
+      .inv_update_steps(2)
+      .compute_method(method)
+      .symmetric_comm(symmetric)
+      .grad_worker_fraction(fraction);
+}
+
+// Reference: one process, the P local batches as accumulation micro-batches, gradient averaged.
+std::vector<std::vector<torch::Tensor>> reference(int world, const Options& options) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options(options).accumulation_steps(world));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<std::vector<torch::Tensor>> out;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    sgd.zero_grad();
+    for (int rank = 0; rank < world; ++rank) local_loss(*net, step, rank).backward();
+    for (auto& p : net->parameters()) p.mutable_grad().div_(world);
+    kfac.step();
+    out.push_back(grads_of(*net));
+    sgd.step();
+  }
+  return out;
+}
+
+using Param = std::tuple<int, int, ComputeMethod, bool>;  // world, fraction index, method, symmetric
+class KaisaEquivalence : public ::testing::TestWithParam<Param> {};
+
+TEST_P(KaisaEquivalence, MatchesSingleProcessReference) {
+  const auto [world, fraction_index, method, symmetric] = GetParam();
+  const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
+  const auto options = base_options(method, symmetric, fraction);
+  const auto expected = reference(world, options);
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
+  std::vector<std::map<std::string, comm::Traffic>> traffic(world);
+  std::vector<int64_t> memory(world);
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, options, communicator);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      sgd.zero_grad();
+      local_loss(*net, step, rank).backward();
+      std::vector<comm::Handle> handles;
+      for (auto& p : net->parameters()) handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
+      comm::wait_all(handles);
+      kfac.step();
+      got[rank].push_back(grads_of(*net));
+      sgd.step();
+    }
+    traffic[rank] = communicator->traffic();
+    memory[rank] = kfac.memory_bytes();
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < expected[step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
+        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
+      }
+    }
+  }
+  if (world == 1) return;
+
+  // Communication contract (float64 = 8 bytes): factors every step, upper triangles when symmetric.
+  const std::vector<std::pair<int64_t, int64_t>> dims = {{2 * 9 + 1, 3}, {75 + 1, 6}, {6, 4}};  // (a, g)
+  auto sym = [&](int64_t n) { return symmetric ? n * (n + 1) / 2 : n * n; };
+  int64_t factor_bytes = 0;
+  for (auto [a, g] : dims) factor_bytes += 8 * (sym(a) + sym(g));
+  const int w = assign::grad_worker_count(world, fraction);
+  auto assignment = assign::assign_kaisa({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, world, fraction);
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * factor_bytes) << "rank " << rank;
+    int64_t second_order = 0;
+    int64_t gradients = 0;
+    int64_t held = 0;
+    for (size_t l = 0; l < dims.size(); ++l) {
+      const auto [a, g] = dims[l];
+      const bool holder = assignment.is_grad_worker(l, rank);
+      if (holder && w > 1) {
+        second_order += 8 * (method == ComputeMethod::kEigen ? a * a + a + g * g + g : sym(a) + sym(g));
+      }
+      if (w < world) gradients += 8 * g * a;
+      held += 8 * (a * a + g * g);  // factors on every rank
+      if (holder) held += 8 * (method == ComputeMethod::kEigen ? a * a + a + g * g + g + g * a : a * a + g * g);
+    }
+    const int64_t inverse_steps = (kSteps + 1) / 2;  // steps 0 and 2
+    EXPECT_EQ(traffic[rank]["second_order"].bytes, inverse_steps * second_order) << "rank " << rank;
+    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * gradients) << "rank " << rank;
+    EXPECT_EQ(memory[rank], held) << "rank " << rank;
+  }
+}
+
+std::string name(const ::testing::TestParamInfo<Param>& info) {
+  const auto [world, fraction, method, symmetric] = info.param;
+  const char* f = fraction == 0 ? "MemOpt" : fraction == 1 ? "Hybrid" : "CommOpt";
+  return "P" + std::to_string(world) + f + (method == ComputeMethod::kEigen ? "Eigen" : "Inverse") +
+         (symmetric ? "Triangle" : "Full");
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, KaisaEquivalence,
+                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Values(0, 1, 2),
+                                            ::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
+                                            ::testing::Bool()),
+                         name);
+
+TEST(TrianglePacking, RoundTrip) {
+  auto m = torch::randn({5, 5}, torch::kFloat64);
+  m = m + m.t();
+  auto packed = pack_upper(m);
+  EXPECT_EQ(packed.numel(), 15);
+  EXPECT_TRUE(torch::equal(unpack_upper(packed, 5), m));
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
