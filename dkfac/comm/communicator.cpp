@@ -124,7 +124,7 @@ GroupId Communicator::new_group(const std::vector<int>& ranks) {
   TORCH_CHECK(!ranks.empty() && std::is_sorted(ranks.begin(), ranks.end()), "group ranks must be non-empty and ascending");
   TORCH_CHECK(ranks.front() >= 0 && ranks.back() < size_, "group ranks must be in [0, ", size_, ")");
   const GroupId id = static_cast<GroupId>(impl_->groups.size());
-  Impl::Group group{ranks, nullptr};
+  Impl::Group group{ranks, {}};
   const auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it != ranks.end()) {
     group.pg = impl_->make_group("dkfac/group" + std::to_string(id) + "/", static_cast<int>(it - ranks.begin()),

@@ -100,6 +100,7 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
   auto ensure = [&](torch::Tensor& t, at::IntArrayRef shape) {
     // NaN, not garbage: if the computing rank has nothing to send, receivers fall back cleanly.
     if (!t.defined() || t.sizes() != shape) t = torch::full(shape, std::numeric_limits<double>::quiet_NaN(), options);
+    t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
   };
   if (method == ComputeMethod::kEigen) {
     ensure(s.a_eigen.eigenvectors, {a, a});

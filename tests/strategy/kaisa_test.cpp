@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
 #include <thread>
 
 #include "dkfac/dkfac.h"
@@ -27,6 +28,9 @@ struct Net : torch::nn::Module {
 };
 
 std::shared_ptr<Net> make_net() {
+  // Ranks are threads: seeding the global generator and drawing the initial weights must not interleave.
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(42);
   auto net = std::make_shared<Net>();
   net->to(torch::kFloat64);
