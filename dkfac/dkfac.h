@@ -3,6 +3,8 @@
 /// dkfac: distributed K-FAC preconditioning for LibTorch. Include this header to get everything a
 /// training loop needs: dkfac::nn::Linear / Conv2d, dkfac::Options and dkfac::Preconditioner.
 
+#include "dkfac/assign/assignment.h"
+#include "dkfac/comm/communicator.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/math/factors.h"
 #include "dkfac/math/second_order.h"
@@ -11,4 +13,5 @@
 #include "dkfac/nn/linear.h"
 #include "dkfac/options.h"
 #include "dkfac/preconditioner.h"
+#include "dkfac/strategy/kaisa.h"
 #include "dkfac/version.h"

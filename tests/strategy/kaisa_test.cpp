@@ -191,3 +191,36 @@ TEST(TrianglePacking, RoundTrip) {
 
 }  // namespace
 }  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+// A rank that stops answering turns into an error on the others within the configured timeout.
+TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::string message;
+  double seconds = 0;
+  std::thread silent([&] {
+    auto c = comm::Communicator::connect_in_process(store, 1, 2, std::chrono::seconds(2));
+    (void)c;  // joins the world, then never takes part in a collective
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+  });
+  {
+    auto c = comm::Communicator::connect_in_process(store, 0, 2, std::chrono::seconds(2));
+    auto t = torch::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto h = c->allreduce_mean(t, comm::kWorld, "factors");
+      h.wait();
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  silent.join();
+  EXPECT_NE(message.find("allreduce of 4 elements (factors) over 2 ranks failed"), std::string::npos) << message;
+  EXPECT_LT(seconds, 10.0);
+}
+
+}  // namespace
+}  // namespace dkfac::strategy

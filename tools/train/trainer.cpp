@@ -1,6 +1,7 @@
 #include "tools/train/trainer.h"
 
 #include "tools/common/threads.h"
+#include "dkfac/comm/communicator.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -112,14 +113,19 @@ struct Trainer::State {
   }
 };
 
-Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::make_unique<State>()) {
+Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator)
+    : config_(std::move(config)), communicator_(std::move(communicator)), state_(std::make_unique<State>()) {
   config_.validate();
+  if (communicator_) {
+    rank_ = communicator_->rank();
+    world_ = communicator_->size();
+  }
   threads_ = tools::configure_threads(config_.threads);
   auto& s = *state_;
   s.task = models::model_task(config_.model);
   s.dataset = data::load_dataset(config_.dataset, config_.data_dir, s.task == models::Task::kReconstruction);
-  s.steps_per_epoch = s.dataset.train.size() / config_.batch_size;
-  TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " is larger than the training set (",
+  s.steps_per_epoch = s.dataset.train.size() / (config_.batch_size * world_);
+  TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " x ", world_, " ranks is larger than the training set (",
               s.dataset.train.size(), " examples)");
   torch::manual_seed(static_cast<uint64_t>(config_.seed));
   const auto& d = s.dataset;
@@ -149,7 +155,10 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)), state_(std::m
                            .factor_update_steps(config_.factor_update_steps)
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
-                                                                              : ComputeMethod::kInverse));
+                                                                              : ComputeMethod::kInverse)
+                           .grad_worker_fraction(config_.grad_worker_fraction)
+                           .symmetric_comm(config_.symmetric_comm),
+        communicator_);
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
 }
@@ -207,10 +216,38 @@ Evaluation Trainer::evaluate() {
   return {loss_sum / test.size(), static_cast<double>(correct) / test.size()};
 }
 
+std::string Trainer::checkpoint_path() const {
+  // Each rank keeps its own file: with grad_worker_fraction < 1 ranks hold different K-FAC state.
+  return config_.checkpoint_dir + (world_ == 1 ? "/checkpoint.pt" : "/checkpoint-rank" + std::to_string(rank_) + ".pt");
+}
+
+std::ostream& Trainer::log() const {
+  if (world_ > 1) std::cout << "[rank " << rank_ << "] ";
+  return std::cout;
+}
+
+void Trainer::average_gradients() {
+  if (!communicator_ || world_ == 1) return;
+  // One flat bucket per step: a single allreduce instead of one per parameter.
+  std::vector<torch::Tensor> grads;
+  for (auto& p : state_->model->parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  std::vector<torch::Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  auto bucket = torch::cat(flat);
+  communicator_->allreduce_mean(bucket, comm::kWorld, "data_parallel").wait();
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(bucket.slice(0, offset, offset + g.numel()).view_as(g));
+    offset += g.numel();
+  }
+}
+
 void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason) {
   auto& s = *state_;
   std::filesystem::create_directories(config_.checkpoint_dir);
-  const auto path = config_.checkpoint_dir + "/checkpoint.pt";
+  const auto path = checkpoint_path();
   save_atomically(path, [&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
     archive.write("model_name", c10::IValue(config_.model));
@@ -235,15 +272,15 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
       archive.write("preconditioner", kfac);
     }
   });
-  std::cout << "checkpoint: " << path << " (" << reason << ", epoch " << epoch << ", step " << s.global_step << ")"
+  log() << "checkpoint: " << path << " (" << reason << ", epoch " << epoch << ", step " << s.global_step << ")"
             << std::endl;
 }
 
 bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   auto& s = *state_;
-  const auto path = config_.checkpoint_dir + "/checkpoint.pt";
+  const auto path = checkpoint_path();
   if (!std::filesystem::exists(path)) {
-    std::cout << "resume: no checkpoint at " << path << ", starting from scratch" << std::endl;
+    log() << "resume: no checkpoint at " << path << ", starting from scratch" << std::endl;
     return false;
   }
   torch::serialize::InputArchive archive;
@@ -289,14 +326,14 @@ bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
   s.wall_offset = read("wall_seconds").toDouble();
-  std::cout << "resume: " << path << " at epoch " << epoch << ", step " << s.global_step << std::endl;
+  log() << "resume: " << path << " at epoch " << epoch << ", step " << s.global_step << std::endl;
   return true;
 }
 
 TrainSummary Trainer::run() {
   auto& s = *state_;
   TrainSummary summary;
-  if (!config_.metrics.empty()) {
+  if (!config_.metrics.empty() && rank_ == 0) {
     const auto parent = std::filesystem::path(config_.metrics).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent);
     s.metrics.open(config_.metrics, config_.resume ? std::ios::app : std::ios::trunc);
@@ -309,10 +346,11 @@ TrainSummary Trainer::run() {
   const int64_t log_every =
       config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
   const auto& train = s.dataset.train;
-  std::cout << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size()
+  log() << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size()
             << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
             << config_.optimizer << ", batch " << config_.batch_size << ", " << config_.epochs << " epochs, "
-            << threads_ << std::endl;
+            << threads_ << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
+                                              std::to_string(config_.batch_size * world_) + ")" : std::string()) << std::endl;
 
   bool stop = false;
   Evaluation last_eval;
@@ -329,7 +367,9 @@ TrainSummary Trainer::run() {
         break;
       }
       set_learning_rate(learning_rate(epoch, step_in_epoch));
-      auto idx = order.slice(0, step_in_epoch * config_.batch_size, (step_in_epoch + 1) * config_.batch_size);
+      // Rank r reads its own disjoint slice of the global batch.
+      const int64_t begin = (step_in_epoch * world_ + rank_) * config_.batch_size;
+      auto idx = order.slice(0, begin, begin + config_.batch_size);
       auto x = train.images.index_select(0, idx);
       auto y = train.labels.index_select(0, idx);
       if (s.dataset.augment) {
@@ -339,6 +379,7 @@ TrainSummary Trainer::run() {
       s.optimizer->zero_grad();
       auto loss = loss_of(s.model->forward(x), x, y);
       loss.backward();
+      average_gradients();
       if (s.kfac) s.kfac->step();
       s.optimizer->step();
       const double loss_value = loss.item<double>();
@@ -350,11 +391,12 @@ TrainSummary Trainer::run() {
       ++s.global_step;
       const bool log_step = s.global_step % log_every == 0;
       const auto now = Clock::now();
-      if (log_step || (s.terminal && now - last_draw > std::chrono::milliseconds(200))) {
+      if (rank_ == 0 && (log_step || (s.terminal && now - last_draw > std::chrono::milliseconds(200)))) {
         last_draw = now;
         const double elapsed = std::chrono::duration<double>(now - epoch_start).count();
-        const double rate = epoch_steps * config_.batch_size / std::max(elapsed, 1e-9);
-        const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size / std::max(rate, 1e-9);
+        const double rate = epoch_steps * config_.batch_size * world_ / std::max(elapsed, 1e-9);
+        const double eta =
+            (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size * world_ / std::max(rate, 1e-9);
         std::ostringstream line;
         if (s.terminal) {
           constexpr int kWidth = 30;
@@ -370,7 +412,7 @@ TrainSummary Trainer::run() {
         if (s.terminal) {
           std::cout << "\r" << line.str() << "   " << std::flush;
         } else {
-          std::cout << line.str() << std::endl;
+          log() << line.str() << std::endl;
         }
       }
       if (log_step) {
@@ -384,12 +426,12 @@ TrainSummary Trainer::run() {
         s.emit(event);
       }
     }
-    if (s.terminal) std::cout << std::endl;
+    if (s.terminal && rank_ == 0) std::cout << std::endl;
     if (stop && step_in_epoch < s.steps_per_epoch) {
       if (!config_.checkpoint_dir.empty()) save_checkpoint(epoch, step_in_epoch, "max steps reached");
       last_eval = evaluate();
       s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
-      std::cout << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed
+      log() << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed
                 << std::setprecision(4) << last_eval.loss << ", test accuracy " << std::setprecision(2)
                 << 100.0 * last_eval.accuracy << "%" << std::endl;
       break;
@@ -397,7 +439,7 @@ TrainSummary Trainer::run() {
     last_eval = evaluate();
     s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
     const double train_loss = epoch_steps > 0 ? epoch_loss / epoch_steps : 0.0;
-    std::cout << "epoch " << epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
+    log() << "epoch " << epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
               << std::setprecision(4) << train_loss << ", test loss " << last_eval.loss << ", test accuracy "
               << std::setprecision(2) << 100.0 * last_eval.accuracy << "%, wall " << std::setprecision(1) << s.wall()
               << " s" << std::endl;
@@ -419,7 +461,7 @@ TrainSummary Trainer::run() {
   summary.final_test_loss = last_eval.loss;
   summary.wall_seconds = s.wall();
   summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
-  std::cout << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
+  log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
             << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1)
             << summary.wall_seconds << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
             << std::endl;
@@ -434,6 +476,12 @@ TrainSummary Trainer::run() {
                           {"dataset", config_.dataset},
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
+  if (communicator_) {
+    event["world_size"] = world_;
+    nlohmann::json traffic = nlohmann::json::object();
+    for (const auto& [phase, t] : communicator_->traffic()) traffic[phase] = t.bytes;
+    event["comm_bytes"] = traffic;  // this rank (rank 0); other ranks print theirs in their summary line
+  }
   s.emit(event);
   return summary;
 }

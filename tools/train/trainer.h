@@ -43,6 +43,10 @@ struct TrainConfig {
   int64_t checkpoint_every_epochs = 1;
   bool resume = false;
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
+  // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
+  std::string strategy = "kaisa";
+  double grad_worker_fraction = 1.0;
+  bool symmetric_comm = false;
 
   /// Throws c10::Error naming the first bad field and its value.
   void validate() const;
@@ -70,7 +74,8 @@ struct TrainSummary {
 /// progress, metrics, atomic checkpoints and exact resume.
 class Trainer {
  public:
-  explicit Trainer(TrainConfig config);
+  /// Single process without `communicator`; rank `communicator->rank()` of a data-parallel job with it.
+  explicit Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator = nullptr);
   ~Trainer();
 
   /// Trains until `epochs` or `max_steps`, whichever comes first.
@@ -85,9 +90,15 @@ class Trainer {
   void set_learning_rate(double lr);
   torch::Tensor loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const;
   void save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason);
+  std::string checkpoint_path() const;
+  void average_gradients();
+  std::ostream& log() const;
   bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
 
   TrainConfig config_;
+  std::shared_ptr<comm::Communicator> communicator_;
+  int rank_ = 0;
+  int world_ = 1;
   std::string threads_;  // thread setup, for the log
   std::unique_ptr<State> state_;
 };
