@@ -12,6 +12,7 @@ echo "== 2 ranks, KAISA hybrid, triangles"
 cat "$tmp/out.txt"
 grep -q '"world_size":2' "$tmp/m.jsonl" || { echo "FAIL: no world_size 2 in the summary"; exit 1; }
 grep -q '"factors":' "$tmp/m.jsonl" || { echo "FAIL: no factor traffic in the summary"; exit 1; }
+grep -q '"ranks":\[{"comm_bytes"' "$tmp/m.jsonl" || { echo "FAIL: no per-rank table in the summary"; exit 1; }
 acc0=$(grep '^\[rank 0\] summary' "$tmp/out.txt" | sed 's/.*best test accuracy \([0-9.]*\)%.*/\1/')
 acc1=$(grep '^\[rank 1\] summary' "$tmp/out.txt" | sed 's/.*best test accuracy \([0-9.]*\)%.*/\1/')
 [[ -n "$acc0" && "$acc0" == "$acc1" ]] || { echo "FAIL: ranks disagree: '$acc0' vs '$acc1'"; exit 1; }
@@ -38,4 +39,21 @@ cat "$tmp/kill.txt" | tail -5
 grep -q 'rank 1 failed (killed by signal 9)' "$tmp/kill.txt" || { echo "FAIL: lost rank not named"; exit 1; }
 (( elapsed < 60 )) || { echo "FAIL: took ${elapsed}s"; exit 1; }
 echo "job ended ${elapsed}s after the kill, exit $rc"
-echo "2 passed, 0 failed"
+
+echo "== ranks started with different options"
+port=$(( 20000 + RANDOM % 20000 ))
+RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$dkfac" train --model mlp --dataset synthetic \
+  --max-steps 2 --lr 0.05 --timeout 20 > "$tmp/r0.txt" 2>&1 &
+r0=$!
+set +e
+RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$dkfac" train --model mlp --dataset synthetic \
+  --max-steps 2 --lr 0.1 --timeout 20 > "$tmp/r1.txt" 2>&1
+rc1=$?
+wait "$r0"
+rc0=$?
+set -e
+cat "$tmp/r0.txt" "$tmp/r1.txt"
+[[ $rc0 -ne 0 && $rc1 -ne 0 ]] || { echo "FAIL: mismatched ranks must both fail ($rc0, $rc1)"; exit 1; }
+grep -q -- '--lr is 0.1 on rank 1 but 0.05 on rank 0' "$tmp/r1.txt" || { echo "FAIL: rank 1 does not name --lr"; exit 1; }
+grep -q 'rank(s) 1 differ from rank 0' "$tmp/r0.txt" || { echo "FAIL: rank 0 does not name rank 1"; exit 1; }
+echo "3 passed, 0 failed"

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -119,6 +120,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   if (communicator_) {
     rank_ = communicator_->rank();
     world_ = communicator_->size();
+    check_same_options();
   }
   threads_ = tools::configure_threads(config_.threads);
   auto& s = *state_;
@@ -214,6 +216,51 @@ Evaluation Trainer::evaluate() {
   }
   s.model->train();
   return {loss_sum / test.size(), static_cast<double>(correct) / test.size()};
+}
+
+nlohmann::json to_json(const TrainConfig& c) {
+  // Everything that must agree between ranks (threads may differ).
+  return {{"model", c.model}, {"dataset", c.dataset}, {"data-dir", c.data_dir}, {"optimizer", c.optimizer},
+          {"lr", c.lr}, {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"batch-size", c.batch_size},
+          {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", c.lr_schedule},
+          {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
+          {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
+          {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
+          {"compute-method", c.compute_method}, {"checkpoint-dir", c.checkpoint_dir},
+          {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"resume", c.resume}, {"strategy", c.strategy},
+          {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm}};
+}
+
+void Trainer::check_same_options() {
+  // Rank 0's options go to every rank; any difference stops every rank, naming the option.
+  const std::string mine = to_json(config_).dump();
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
+  communicator_->broadcast(length, 0, comm::kWorld, "setup").wait();
+  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
+  if (rank_ == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
+  communicator_->broadcast(bytes, 0, comm::kWorld, "setup").wait();
+  const auto reference = nlohmann::json::parse(
+      std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel())));
+  const auto own = to_json(config_);
+  std::string difference;
+  for (const auto& [key, value] : own.items()) {
+    if (!reference.contains(key) || reference.at(key) != value) {
+      difference = "--" + key + " is " + value.dump() + " on rank " + std::to_string(rank_) + " but " +
+                   (reference.contains(key) ? reference.at(key).dump() : std::string("unset")) + " on rank 0";
+      break;
+    }
+  }
+  auto flags = torch::zeros({world_}, torch::kInt64);
+  flags[rank_] = difference.empty() ? 0 : 1;
+  communicator_->allreduce_sum(flags, comm::kWorld, "setup").wait();
+  TORCH_CHECK(difference.empty(), "ranks were started with different options: ", difference);
+  if (flags.sum().item<int64_t>() > 0) {
+    std::string ranks;
+    for (int r = 0; r < world_; ++r) {
+      if (flags[r].item<int64_t>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    TORCH_CHECK(false, "ranks were started with different options: rank(s) ", ranks, " differ from rank 0");
+  }
 }
 
 std::string Trainer::checkpoint_path() const {
@@ -477,10 +524,26 @@ TrainSummary Trainer::run() {
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
   if (communicator_) {
+    // Every rank's traffic per phase and K-FAC memory, gathered to rank 0 with one sum.
+    const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "setup"};
+    auto table = torch::zeros({world_, static_cast<int64_t>(phases.size()) + 1}, torch::kFloat64);
+    const auto traffic = communicator_->traffic();
+    for (size_t k = 0; k < phases.size(); ++k) {
+      const auto it = traffic.find(phases[k]);
+      table[rank_][static_cast<int64_t>(k)] = it == traffic.end() ? 0.0 : static_cast<double>(it->second.bytes);
+    }
+    table[rank_][static_cast<int64_t>(phases.size())] = s.kfac ? static_cast<double>(s.kfac->memory_bytes()) : 0.0;
+    communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
     event["world_size"] = world_;
-    nlohmann::json traffic = nlohmann::json::object();
-    for (const auto& [phase, t] : communicator_->traffic()) traffic[phase] = t.bytes;
-    event["comm_bytes"] = traffic;  // this rank (rank 0); other ranks print theirs in their summary line
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int r = 0; r < world_; ++r) {
+      nlohmann::json bytes = nlohmann::json::object();
+      for (size_t k = 0; k < phases.size(); ++k) bytes[phases[k]] = table[r][static_cast<int64_t>(k)].item<int64_t>();
+      ranks.push_back({{"rank", r},
+                       {"comm_bytes", bytes},
+                       {"kfac_memory_bytes", table[r][static_cast<int64_t>(phases.size())].item<int64_t>()}});
+    }
+    event["ranks"] = ranks;
   }
   s.emit(event);
   return summary;
