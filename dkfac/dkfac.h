@@ -13,5 +13,6 @@
 #include "dkfac/nn/linear.h"
 #include "dkfac/options.h"
 #include "dkfac/preconditioner.h"
+#include "dkfac/strategy/data_parallel.h"
 #include "dkfac/strategy/kaisa.h"
 #include "dkfac/version.h"

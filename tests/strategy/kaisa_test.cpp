@@ -224,3 +224,44 @@ TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
 
 }  // namespace
 }  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+class DataParallelTest : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+// Overlapped, bucketed averaging equals the mean of the ranks' gradients, for any bucket size.
+TEST_P(DataParallelTest, AveragesGradientsOverRanks) {
+  const auto [world, bucket_bytes] = GetParam();
+  std::vector<std::vector<torch::Tensor>> local(world);
+  for (int rank = 0; rank < world; ++rank) {
+    auto net = make_net();
+    local_loss(*net, 0, rank).backward();
+    local[rank] = grads_of(*net);
+  }
+  std::vector<std::vector<torch::Tensor>> got(world);
+  size_t buckets = 0;
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    DataParallel dp(net->parameters(), communicator, bucket_bytes);
+    for (int repeat = 0; repeat < 2; ++repeat) {  // buffers are reused across steps
+      net->zero_grad();
+      local_loss(*net, 0, rank).backward();
+      dp.synchronize();
+    }
+    got[rank] = grads_of(*net);
+    if (rank == 0) buckets = dp.buckets();
+  });
+  for (size_t p = 0; p < local[0].size(); ++p) {
+    auto mean = torch::zeros_like(local[0][p]);
+    for (int rank = 0; rank < world; ++rank) mean += local[rank][p] / world;
+    for (int rank = 0; rank < world; ++rank) EXPECT_TENSOR_NEAR(got[rank][p], mean, 1e-12) << "param " << p;
+  }
+  EXPECT_EQ(buckets > 1, bucket_bytes < 1024) << buckets << " buckets";
+}
+
+INSTANTIATE_TEST_SUITE_P(Buckets, DataParallelTest,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(int64_t{200}, int64_t{1} << 20)));
+
+}  // namespace
+}  // namespace dkfac::strategy

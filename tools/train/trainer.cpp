@@ -99,6 +99,7 @@ struct Trainer::State {
   torch::nn::Sequential model{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<Preconditioner> kfac;
+  std::unique_ptr<strategy::DataParallel> data_parallel;  // gradient averaging over ranks, overlapped with backward
   std::ofstream metrics;
   double current_lr = 0.0;
   int64_t global_step = 0;
@@ -139,6 +140,9 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   } else {
     s.optimizer = std::make_unique<torch::optim::Adam>(
         s.model->parameters(), torch::optim::AdamOptions(config_.lr).weight_decay(config_.weight_decay));
+  }
+  if (communicator_ && world_ > 1) {
+    s.data_parallel = std::make_unique<strategy::DataParallel>(s.model->parameters(), communicator_);
   }
   if (config_.kfac) {
     State* state = state_.get();
@@ -271,24 +275,6 @@ std::string Trainer::checkpoint_path() const {
 std::ostream& Trainer::log() const {
   if (world_ > 1) std::cout << "[rank " << rank_ << "] ";
   return std::cout;
-}
-
-void Trainer::average_gradients() {
-  if (!communicator_ || world_ == 1) return;
-  // One flat bucket per step: a single allreduce instead of one per parameter.
-  std::vector<torch::Tensor> grads;
-  for (auto& p : state_->model->parameters()) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  std::vector<torch::Tensor> flat;
-  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
-  auto bucket = torch::cat(flat);
-  communicator_->allreduce_mean(bucket, comm::kWorld, "data_parallel").wait();
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(bucket.slice(0, offset, offset + g.numel()).view_as(g));
-    offset += g.numel();
-  }
 }
 
 void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason) {
@@ -426,7 +412,7 @@ TrainSummary Trainer::run() {
       s.optimizer->zero_grad();
       auto loss = loss_of(s.model->forward(x), x, y);
       loss.backward();
-      average_gradients();
+      if (s.data_parallel) s.data_parallel->synchronize();  // buckets already in flight since backward
       if (s.kfac) s.kfac->step();
       s.optimizer->step();
       const double loss_value = loss.item<double>();

@@ -91,7 +91,6 @@ class Trainer {
   torch::Tensor loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const;
   void save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason);
   std::string checkpoint_path() const;
-  void average_gradients();
   void check_same_options();
   std::ostream& log() const;
   bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
