@@ -53,7 +53,12 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/checkpoint.pt if it exists");
   app.add_option("--log-every", c.log_every, "steps between progress lines (0: ~10 per epoch)")
       ->capture_default_str();
-  app.add_option("--strategy", c.strategy, "distributed K-FAC strategy: kaisa")->capture_default_str();
+  app.add_option("--strategy", c.strategy,
+                 "kaisa (--grad-worker-fraction) | dkfac (SC20, = kaisa f=1) | dkfac-lw (SC20 layer-wise, = kaisa f=1/P)")
+      ->capture_default_str();
+  app.add_flag("--balance-memory", c.balance_memory, "place second-order work by dim^2 (memory) instead of dim^3");
+  app.add_flag("!--separate-factors,--colocate-factors", c.colocate_factors,
+               "decompose A and G of a layer on different ranks (default: colocated)");
   app.add_option("--grad-worker-fraction", c.grad_worker_fraction,
                  "KAISA: 1 = comm-opt, 0.5 = hybrid-opt, 1/P = mem-opt")
       ->capture_default_str();
@@ -201,10 +206,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (*train) {
-      if (train_config.strategy != "kaisa") {
-        std::cerr << "dkfac: error: --strategy must be kaisa, got '" << train_config.strategy << "'" << std::endl;
-        return 1;
-      }
       if (nproc > 1) return launch_local(train_config, nproc, timeout_s);
       return run_rank(train_config, job_from_environment().value_or(Job{}), timeout_s);
     } else if (*plot) {

@@ -17,6 +17,11 @@ acc0=$(grep '^\[rank 0\] summary' "$tmp/out.txt" | sed 's/.*best test accuracy \
 acc1=$(grep '^\[rank 1\] summary' "$tmp/out.txt" | sed 's/.*best test accuracy \([0-9.]*\)%.*/\1/')
 [[ -n "$acc0" && "$acc0" == "$acc1" ]] || { echo "FAIL: ranks disagree: '$acc0' vs '$acc1'"; exit 1; }
 
+echo "== 2 ranks, SC20 layer-wise, separate factors, memory balance"
+"$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 6 --log-every 3 \
+  --strategy dkfac-lw --separate-factors --balance-memory > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
+grep -q '^\[rank 1\] summary' "$tmp/lw.txt" || { echo "FAIL: dkfac-lw run did not finish"; cat "$tmp/lw.txt"; exit 1; }
+
 echo "== 3 ranks, one killed"
 "$dkfac" train --nproc 3 --model mlp --dataset synthetic --epochs 100 --log-every 1 --timeout 20 \
   > "$tmp/kill.txt" 2>&1 &
@@ -56,4 +61,4 @@ cat "$tmp/r0.txt" "$tmp/r1.txt"
 [[ $rc0 -ne 0 && $rc1 -ne 0 ]] || { echo "FAIL: mismatched ranks must both fail ($rc0, $rc1)"; exit 1; }
 grep -q -- '--lr is 0.1 on rank 1 but 0.05 on rank 0' "$tmp/r1.txt" || { echo "FAIL: rank 1 does not name --lr"; exit 1; }
 grep -q 'rank(s) 1 differ from rank 0' "$tmp/r0.txt" || { echo "FAIL: rank 0 does not name rank 1"; exit 1; }
-echo "3 passed, 0 failed"
+echo "4 passed, 0 failed"

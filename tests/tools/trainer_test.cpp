@@ -180,6 +180,19 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c = TrainConfig();
   c.resume = true;
   expect(c, "--resume needs --checkpoint-dir");
+  c = TrainConfig();
+  c.strategy = "spd";
+  expect(c, "--strategy must be kaisa, dkfac or dkfac-lw, got 'spd'");
+}
+
+TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
+  TrainConfig c;
+  c.grad_worker_fraction = 0.5;
+  EXPECT_EQ(c.fraction_for(4), 0.5);
+  c.strategy = "dkfac";
+  EXPECT_EQ(c.fraction_for(4), 1.0);
+  c.strategy = "dkfac-lw";
+  EXPECT_EQ(c.fraction_for(4), 0.25);
 }
 
 }  // namespace

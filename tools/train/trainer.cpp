@@ -73,6 +73,16 @@ void TrainConfig::validate() const {
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
+  TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw"}), "--strategy must be kaisa, dkfac or dkfac-lw, got '",
+              strategy, "'");
+  TORCH_CHECK(grad_worker_fraction > 0 && grad_worker_fraction <= 1, "--grad-worker-fraction must be in (0, 1], got ",
+              grad_worker_fraction);
+}
+
+double TrainConfig::fraction_for(int world) const {
+  if (strategy == "dkfac") return 1.0;
+  if (strategy == "dkfac-lw") return 1.0 / world;
+  return grad_worker_fraction;
 }
 
 void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write) {
@@ -162,8 +172,10 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
                                                                               : ComputeMethod::kInverse)
-                           .grad_worker_fraction(config_.grad_worker_fraction)
-                           .symmetric_comm(config_.symmetric_comm),
+                           .grad_worker_fraction(config_.fraction_for(world_))
+                           .symmetric_comm(config_.symmetric_comm)
+                           .balance_memory(config_.balance_memory)
+                           .colocate_factors(config_.colocate_factors),
         communicator_);
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
@@ -232,7 +244,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
           {"compute-method", c.compute_method}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"resume", c.resume}, {"strategy", c.strategy},
-          {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm}};
+          {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
+          {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};
 }
 
 void Trainer::check_same_options() {

@@ -47,6 +47,12 @@ struct TrainConfig {
   std::string strategy = "kaisa";
   double grad_worker_fraction = 1.0;
   bool symmetric_comm = false;
+  bool balance_memory = false;    // KAISA placement by dim^2 instead of dim^3
+  bool colocate_factors = true;   // A and G of a layer on one rank
+
+  /// The KAISA grad-worker fraction that `strategy` means for `world` ranks: kaisa -> grad_worker_fraction,
+  /// dkfac (SC20 KFAC-opt) -> 1, dkfac-lw (SC20 layer-wise: the owner preconditions and shares V) -> 1/world.
+  double fraction_for(int world) const;
 
   /// Throws c10::Error naming the first bad field and its value.
   void validate() const;
