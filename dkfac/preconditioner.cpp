@@ -176,13 +176,14 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     const bool mine = !strategy_ || strategy_->preconditions(i);
+    const auto options = layer.module().kfac_weight().options();
     if (mine && plan[i].usable && layer.second_order().defined()) {
       preconditioned[i] = layer.second_order().precondition(layer.gradient());
+    } else if (mine && strategy_) {
+      // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
+      preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(), options);
     } else if (strategy_) {
-      // Receivers get V by broadcast; a grad worker that cannot precondition sends NaN so that
-      // every rank of the row falls back to the plain gradient together.
-      preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(),
-                                      layer.module().kfac_weight().options());
+      preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
   if (strategy_) strategy_->share_gradients(preconditioned);

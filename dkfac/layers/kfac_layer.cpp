@@ -1,4 +1,5 @@
 #include "dkfac/layers/kfac_layer.h"
+
 #include <limits>
 
 namespace dkfac {

@@ -74,8 +74,8 @@ class KfacLayer {
   void compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
                             bool g_part = true);
   const SecondOrderState& second_order() const { return second_order_; }
-  /// For strategies that receive parts by broadcast: shapes them (allocating empty tensors where
-  /// missing) for `method`, then, after the broadcast, `finish_second_order` rebuilds the denominator.
+  /// For strategies that receive parts by broadcast: shapes them for `method` (NaN-filled where missing,
+  /// contiguous), then, after the broadcast, `finish_second_order` rebuilds the denominator.
   SecondOrderState& prepare_second_order(ComputeMethod method);
   void finish_second_order(double damping);
 

@@ -35,30 +35,24 @@ Kaisa::Kaisa(std::shared_ptr<comm::Communicator> communicator, const std::vector
   }
 }
 
-comm::Handle Kaisa::share(torch::Tensor& tensor, bool symmetric, int root, comm::GroupId group, const char* phase,
+comm::Handle Kaisa::start(torch::Tensor& tensor, bool symmetric, const std::function<comm::Handle(torch::Tensor)>& op,
                           std::vector<std::function<void()>>& finish) {
-  if (!symmetric || !symmetric_comm_) return communicator_->broadcast(tensor, root, group, phase);
+  if (!symmetric || !symmetric_comm_) return op(tensor);
   auto packed = pack_upper(tensor);
   const int64_t n = tensor.size(0);
   finish.push_back([&tensor, packed, n] { tensor = unpack_upper(packed, n); });
-  return communicator_->broadcast(packed, root, group, phase);
+  return op(packed);
 }
 
 void Kaisa::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
+  const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, "factors"); };
   for (auto& [a, g] : batches) {
     for (torch::Tensor* t : {&a, &g}) {
       if (!t->defined()) continue;
       *t = t->contiguous();
-      if (!symmetric_comm_) {
-        handles.push_back(communicator_->allreduce_mean(*t, comm::kWorld, "factors"));
-        continue;
-      }
-      auto packed = pack_upper(*t);
-      const int64_t n = t->size(0);
-      handles.push_back(communicator_->allreduce_mean(packed, comm::kWorld, "factors"));
-      finish.push_back([t, packed, n] { *t = unpack_upper(packed, n); });
+      handles.push_back(start(*t, /*symmetric=*/true, allreduce, finish));
     }
   }
   comm::wait_all(handles);
@@ -75,14 +69,17 @@ void Kaisa::share_second_order(std::vector<KfacLayer>& layers, ComputeMethod met
     const auto& plan = assignment_.layers[i];
     const auto group = column_groups_[assignment_.column_of(plan.a_worker)];
     auto& state = layers[i].prepare_second_order(method);
+    const auto from = [this, group](int root) {
+      return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, "second_order"); };
+    };
     if (method == ComputeMethod::kEigen) {
-      handles.push_back(share(state.a_eigen.eigenvectors, false, plan.a_worker, group, "second_order", finish));
-      handles.push_back(share(state.a_eigen.eigenvalues, false, plan.a_worker, group, "second_order", finish));
-      handles.push_back(share(state.g_eigen.eigenvectors, false, plan.g_worker, group, "second_order", finish));
-      handles.push_back(share(state.g_eigen.eigenvalues, false, plan.g_worker, group, "second_order", finish));
+      handles.push_back(start(state.a_eigen.eigenvectors, false, from(plan.a_worker), finish));
+      handles.push_back(start(state.a_eigen.eigenvalues, false, from(plan.a_worker), finish));
+      handles.push_back(start(state.g_eigen.eigenvectors, false, from(plan.g_worker), finish));
+      handles.push_back(start(state.g_eigen.eigenvalues, false, from(plan.g_worker), finish));
     } else {
-      handles.push_back(share(state.a_inverse, true, plan.a_worker, group, "second_order", finish));
-      handles.push_back(share(state.g_inverse, true, plan.g_worker, group, "second_order", finish));
+      handles.push_back(start(state.a_inverse, true, from(plan.a_worker), finish));
+      handles.push_back(start(state.g_inverse, true, from(plan.g_worker), finish));
     }
     shared.push_back(i);
   }

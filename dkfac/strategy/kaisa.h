@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -42,7 +43,9 @@ class Kaisa {
   void share_gradients(std::vector<torch::Tensor>& preconditioned);
 
  private:
-  comm::Handle share(torch::Tensor& tensor, bool symmetric, int root, comm::GroupId group, const char* phase,
+  /// Starts `op` on `tensor`, or on its packed upper triangle when `symmetric` and symmetric_comm is
+  /// on; in that case `finish` gets the step that unpacks the result back into `tensor`.
+  comm::Handle start(torch::Tensor& tensor, bool symmetric, const std::function<comm::Handle(torch::Tensor)>& op,
                      std::vector<std::function<void()>>& finish);
 
   std::shared_ptr<comm::Communicator> communicator_;

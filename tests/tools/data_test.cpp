@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tests/test_util.h"
 #include "tools/data/datasets.h"
 #include "tools/data/idx.h"
 
@@ -15,12 +16,6 @@ namespace fs = std::filesystem;
 
 class DataFiles : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("dkfac-data-test-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
 
   static std::vector<uint8_t> be32(uint32_t v) {
     return {uint8_t(v >> 24), uint8_t(v >> 16), uint8_t(v >> 8), uint8_t(v)};
@@ -63,7 +58,8 @@ class DataFiles : public ::testing::Test {
       for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
     }
   }
-  fs::path dir_;
+  dkfac::testing::ScratchDir scratch_{"dkfac-data-test"};
+  const fs::path& dir_ = scratch_.path();
 };
 
 TEST_F(DataFiles, ReadsPlainAndGzipIdx) {

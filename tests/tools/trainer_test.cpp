@@ -5,6 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "tests/test_util.h"
 #include "tools/plot/plot.h"
 #include "tools/train/trainer.h"
 
@@ -15,13 +16,6 @@ namespace fs = std::filesystem;
 
 class TrainerTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("dkfac-trainer-test-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
 
   TrainConfig config() const {
     TrainConfig c;
@@ -37,7 +31,8 @@ class TrainerTest : public ::testing::Test {
     c.log_every = 1000;
     return c;
   }
-  fs::path dir_;
+  dkfac::testing::ScratchDir scratch_{"dkfac-trainer-test"};
+  const fs::path& dir_ = scratch_.path();
 };
 
 TEST_F(TrainerTest, SameSeedSameLosses) {

@@ -4,6 +4,8 @@
 #include <fstream>
 #include <iterator>
 
+#include <c10/util/StringUtil.h>
+
 namespace dkfac::data {
 namespace {
 
@@ -76,15 +78,9 @@ Dataset load_dataset(const std::string& name, const std::string& dir, bool raw_p
     const std::string path = dir.empty() ? kFashionMnistDir : dir;
     const double mean = name == "mnist" ? 0.1307 : kFashionMnistMean;
     const double stddev = name == "mnist" ? 0.3081 : kFashionMnistStd;
-    auto raw_train = load_mnist_style(path, true, 0.0, 1.0);
-    auto raw_test = load_mnist_style(path, false, 0.0, 1.0);
-    // load_mnist_style scaled to [0, 1]; normalise here unless raw pixels are wanted.
-    auto fix = [&](ImageSet s) {
-      if (!raw_pixels) s.images = (s.images - mean) / stddev;
-      return s;
-    };
-    d.train = fix(raw_train);
-    d.test = fix(raw_test);
+    // Mean 0 and std 1 leave the pixels in [0, 1] (autoencoder targets).
+    d.train = load_mnist_style(path, true, raw_pixels ? 0.0 : mean, raw_pixels ? 1.0 : stddev);
+    d.test = load_mnist_style(path, false, raw_pixels ? 0.0 : mean, raw_pixels ? 1.0 : stddev);
     return d;
   }
   if (name == "cifar10") {
@@ -102,9 +98,7 @@ Dataset load_dataset(const std::string& name, const std::string& dir, bool raw_p
     return d;
   }
   if (name == "synthetic") return synthetic_dataset(8192, 1024, 0);
-  std::string valid;
-  for (const auto& n : dataset_names()) valid += (valid.empty() ? "" : ", ") + n;
-  TORCH_CHECK(false, "unknown dataset '", name, "'; valid datasets: ", valid);
+  TORCH_CHECK(false, "unknown dataset '", name, "'; valid datasets: ", c10::Join(", ", dataset_names()));
 }
 
 torch::Tensor augment_crop_flip(const torch::Tensor& images, at::Generator& generator) {

@@ -2,6 +2,8 @@
 
 #include "dkfac/dkfac.h"
 
+#include <c10/util/StringUtil.h>
+
 namespace dkfac::models {
 namespace {
 
@@ -88,9 +90,7 @@ torch::nn::Sequential make_model(const std::string& name, int64_t channels, int6
   }
   if (name == "resnet20") return resnet20(channels, classes);
   if (name == "autoencoder") return autoencoder(channels * height * width);
-  std::string valid;
-  for (const auto& n : model_names()) valid += (valid.empty() ? "" : ", ") + n;
-  TORCH_CHECK(false, "unknown model '", name, "'; valid models: ", valid);
+  TORCH_CHECK(false, "unknown model '", name, "'; valid models: ", c10::Join(", ", model_names()));
 }
 
 }  // namespace dkfac::models

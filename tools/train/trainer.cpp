@@ -18,6 +18,8 @@
 #include <sstream>
 #include <thread>
 
+#include <c10/util/StringUtil.h>
+
 namespace dkfac::train {
 namespace {
 
@@ -27,12 +29,6 @@ constexpr int64_t kCheckpointVersion = 1;
 
 bool one_of(const std::string& value, const std::vector<std::string>& valid) {
   return std::find(valid.begin(), valid.end(), value) != valid.end();
-}
-
-std::string joined(const std::vector<std::string>& values) {
-  std::string out;
-  for (const auto& v : values) out += (out.empty() ? "" : ", ") + v;
-  return out;
 }
 
 void fsync_path(const std::string& path, int flags) {
@@ -54,9 +50,9 @@ std::string shape_signature(torch::nn::Module& model) {
 }  // namespace
 
 void TrainConfig::validate() const {
-  TORCH_CHECK(one_of(model, models::model_names()), "--model must be one of ", joined(models::model_names()),
+  TORCH_CHECK(one_of(model, models::model_names()), "--model must be one of ", c10::Join(", ", models::model_names()),
               ", got '", model, "'");
-  TORCH_CHECK(one_of(dataset, data::dataset_names()), "--dataset must be one of ", joined(data::dataset_names()),
+  TORCH_CHECK(one_of(dataset, data::dataset_names()), "--dataset must be one of ", c10::Join(", ", data::dataset_names()),
               ", got '", dataset, "'");
   TORCH_CHECK(optimizer == "sgd" || optimizer == "adam", "--optimizer must be sgd or adam, got '", optimizer, "'");
   TORCH_CHECK(lr > 0 && std::isfinite(lr), "--lr must be > 0, got ", lr);
@@ -250,7 +246,8 @@ nlohmann::json to_json(const TrainConfig& c) {
 
 void Trainer::check_same_options() {
   // Rank 0's options go to every rank; any difference stops every rank, naming the option.
-  const std::string mine = to_json(config_).dump();
+  const auto own = to_json(config_);
+  const std::string mine = own.dump();
   auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
   communicator_->broadcast(length, 0, comm::kWorld, "setup").wait();
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
@@ -258,7 +255,6 @@ void Trainer::check_same_options() {
   communicator_->broadcast(bytes, 0, comm::kWorld, "setup").wait();
   const auto reference = nlohmann::json::parse(
       std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel())));
-  const auto own = to_json(config_);
   std::string difference;
   for (const auto& [key, value] : own.items()) {
     if (!reference.contains(key) || reference.at(key) != value) {
