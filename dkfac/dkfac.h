@@ -4,6 +4,7 @@
 /// training loop needs: dkfac::nn::Linear / Conv2d, dkfac::Options and dkfac::Preconditioner.
 
 #include "dkfac/assign/assignment.h"
+#include "dkfac/assign/plan.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/math/factors.h"
@@ -14,5 +15,6 @@
 #include "dkfac/options.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/strategy/data_parallel.h"
-#include "dkfac/strategy/kaisa.h"
+#include "dkfac/strategy/distributed.h"
+#include "dkfac/strategy/spd.h"
 #include "dkfac/version.h"

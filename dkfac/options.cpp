@@ -16,6 +16,13 @@ void Options::validate() const {
               to_string(compute_method_));
   TORCH_CHECK(grad_worker_fraction_ > 0.0 && grad_worker_fraction_ <= 1.0,
               "grad_worker_fraction must be in (0, 1], got ", grad_worker_fraction_);
+  TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
+              "Strategy::kKaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
+  TORCH_CHECK(spd_redundant_dim_ >= -1, "spd_redundant_dim must be -1 (measured) or >= 0, got ", spd_redundant_dim_);
+  TORCH_CHECK(spd_profile_steps_ >= 1, "spd_profile_steps must be >= 1, got ", spd_profile_steps_);
+  for (int64_t size : spd_fusion_) {
+    TORCH_CHECK(size >= 1, "spd_fusion group sizes must be >= 1, got ", size);
+  }
   for (const auto& pattern : skip_layers_) {
     try {
       std::regex check(pattern);
@@ -70,6 +77,18 @@ const char* to_string(ComputeMethod method) {
       return "eigen";
     case ComputeMethod::kInverse:
       return "inverse";
+  }
+  return "unknown";
+}
+
+const char* to_string(Strategy strategy) {
+  switch (strategy) {
+    case Strategy::kKaisa:
+      return "kaisa";
+    case Strategy::kSpd:
+      return "spd";
+    case Strategy::kDp:
+      return "dp";
   }
   return "unknown";
 }

@@ -20,6 +20,14 @@ enum class UnusedLayerPolicy {
   kSkip,   ///< leave the layer's plain gradient for this step and warn once
 };
 
+/// Which published distributed K-FAC system places and moves the work (SPEC.md section 3).
+/// Ignored in a single process.
+enum class Strategy {
+  kKaisa,  ///< KAISA (SC21); grad_worker_fraction 1 is SC20's D-KFAC, 1/P its layer-wise variant
+  kSpd,    ///< SPD-KFAC (ICDCS'21): pipelined, fused factor allreduce; small factors decomposed everywhere
+  kDp,     ///< DP-KFAC: one owner per layer builds its factors from its own batch; V broadcast every step
+};
+
 /// A hyper-parameter that is either a constant or a function of the K-FAC step (0-based).
 template <typename T>
 class Schedule {
@@ -107,6 +115,18 @@ class Options {
   DKFAC_VALUE_ARG(bool, balance_memory, false);
   /// Distributed: decompose A and G of a layer on the same rank (default) or on separate ranks.
   DKFAC_VALUE_ARG(bool, colocate_factors, true);
+  /// Distributed: the system that places and moves K-FAC work. kSpd and kDp need grad_worker_fraction 1
+  /// (they fix their own placement); kSpd always sends symmetric matrices as upper triangles.
+  DKFAC_VALUE_ARG(Strategy, strategy, Strategy::kKaisa);
+  /// SPD-KFAC: factors of dimension <= this are decomposed on every rank instead of broadcast;
+  /// -1 (default) chooses it from the measured decomposition and broadcast times.
+  DKFAC_VALUE_ARG(int64_t, spd_redundant_dim, -1);
+  /// SPD-KFAC: factor steps profiled (each factor sent alone) before the fusion grouping is chosen (>= 1).
+  DKFAC_VALUE_ARG(int64_t, spd_profile_steps, 3);
+  /// SPD-KFAC: forces the fusion grouping, as sizes of consecutive groups in ready order (A factors
+  /// in layer order, then G factors in reverse layer order); they must sum to 2 x layers. Empty
+  /// (default): chosen from the alpha-beta model after the profiled steps.
+  DKFAC_VALUE_ARG(std::vector<int64_t>, spd_fusion, {});
 
  public:
   /// Checks every constant option; throws c10::Error with the offending value.
@@ -125,5 +145,7 @@ class Options {
 
 /// Readable name of a compute method ("eigen", "inverse").
 const char* to_string(ComputeMethod method);
+/// Readable name of a strategy ("kaisa", "spd", "dp").
+const char* to_string(Strategy strategy);
 
 }  // namespace dkfac

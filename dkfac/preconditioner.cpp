@@ -64,7 +64,7 @@ Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options
   TORCH_CHECK(!layers_.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
               " in the model (", model_->name(), ") after applying skip_layers");
   if (communicator != nullptr && communicator->size() > 1) {
-    strategy_ = std::make_unique<strategy::Kaisa>(std::move(communicator), layers_, options_);
+    strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   }
   arm_capture();
 }
@@ -96,9 +96,10 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
   std::vector<LayerPlan> plan(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const int64_t captured = factor_step ? layer.captured_batches() : -1;
-    if ((!factor_step || captured > 0) && layer.has_gradient()) {
-      if (factor_step && captured != options_.accumulation_steps()) {
+    const bool builds = !strategy_ || strategy_->builds_factors(i);  // DP-KFAC: owners only
+    const int64_t captured = factor_step && builds ? layer.captured_batches() : -1;
+    if (captured != 0 && layer.has_gradient()) {
+      if (captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(layer, "accumulation",
                   "captured " + std::to_string(captured) + " micro-batches but accumulation_steps is " +
                       std::to_string(options_.accumulation_steps()) + "; factors are averaged over the " +
@@ -106,7 +107,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
       }
       continue;
     }
-    const std::string what = factor_step && captured == 0 ? "did not run forward/backward in training mode"
+    const std::string what = captured == 0 ? "did not run forward/backward in training mode"
                                                           : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer '", layer.name(), "' (",
                 layer.module().kfac_kind(), ") ", what, " before Preconditioner::step() at step ", steps_,
@@ -128,13 +129,14 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
 
   Stopwatch watch(&last_times_.factors);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
+  const auto builds = [this](size_t i) { return !strategy_ || strategy_->builds_factors(i); };
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable) batches[i] = layers_[i].take_factor_batches();
+    if (plan[i].usable && builds(i)) batches[i] = layers_[i].take_factor_batches();
   }
   // Averaged before the NaN check, so that every rank takes the same decision.
   if (strategy_) strategy_->reduce_factors(batches);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable) continue;
+    if (!plan[i].usable || !builds(i)) continue;
     auto& layer = layers_[i];
     if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay()) == FactorUpdate::kUpdated) {
       continue;
@@ -229,7 +231,10 @@ void Preconditioner::clip_and_apply(const std::vector<LayerPlan>& plan,
 
 void Preconditioner::arm_capture() {
   const bool capture = is_factor_step(steps_);
-  for (auto& layer : layers_) layer.set_capture(capture);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    layers_[i].set_capture(capture && (!strategy_ || strategy_->builds_factors(i)));
+  }
+  if (capture && strategy_) strategy_->arm_factor_step(options_.accumulation_steps());
 }
 
 void Preconditioner::warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message) {

@@ -11,7 +11,7 @@
 
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
-#include "dkfac/strategy/kaisa.h"
+#include "dkfac/strategy/distributed.h"
 
 namespace dkfac {
 
@@ -47,8 +47,8 @@ class Preconditioner {
  public:
   /// Registers the model's K-FAC layers and validates `options` (throws c10::Error naming the bad value).
   /// With a `communicator` (every rank constructs its preconditioner with the same model and options),
-  /// factors are averaged over ranks and work is placed by KAISA with Options::grad_worker_fraction;
-  /// gradients must already be averaged over ranks when step() is called.
+  /// work is placed and factors move as Options::strategy says (KAISA with grad_worker_fraction,
+  /// SPD-KFAC or DP-KFAC); gradients must already be averaged over ranks when step() is called.
   explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options(),
                           std::shared_ptr<comm::Communicator> communicator = nullptr);
   ~Preconditioner();
@@ -67,7 +67,7 @@ class Preconditioner {
 
   const Options& options() const { return options_; }
   /// The distributed strategy, or nullptr in a single process.
-  const strategy::Kaisa* strategy() const { return strategy_.get(); }
+  const strategy::Distributed* strategy() const { return strategy_.get(); }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   std::vector<KfacLayer>& layers() { return layers_; }
@@ -109,7 +109,7 @@ class Preconditioner {
   double last_kl_scale_ = 1.0;
   double capture_seconds_seen_ = 0.0;
   std::set<std::pair<std::string, std::string>> warned_;
-  std::unique_ptr<strategy::Kaisa> strategy_;
+  std::unique_ptr<strategy::Distributed> strategy_;
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

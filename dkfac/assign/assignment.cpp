@@ -50,13 +50,14 @@ int Assignment::grad_source_for(size_t layer, int rank) const {
 
 std::string Assignment::to_string(const std::vector<LayerShape>& shapes) const {
   std::ostringstream out;
-  out << "KAISA assignment: P=" << world_size << " W=" << grad_workers << " (" << world_size / grad_workers
+  const auto where = [](int rank) { return rank == kEveryRank ? std::string("every rank") : std::to_string(rank); };
+  out << system << " assignment: P=" << world_size << " W=" << grad_workers << " (" << world_size / grad_workers
       << " columns)\n";
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& l = layers[i];
     out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));
     if (i < shapes.size()) out << " [a=" << shapes[i].a_dim << ", g=" << shapes[i].g_dim << "]";
-    out << ": A on " << l.a_worker << ", G on " << l.g_worker << ", grad workers {";
+    out << ": A on " << where(l.a_worker) << ", G on " << where(l.g_worker) << ", grad workers {";
     for (size_t k = 0; k < l.grad_workers.size(); ++k) out << (k ? "," : "") << l.grad_workers[k];
     out << "}\n";
   }
@@ -114,6 +115,106 @@ Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, d
     }
   }
   return out;
+}
+
+Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int64_t redundant_dim) {
+  TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  Assignment out;
+  out.system = "SPD-KFAC";
+  out.world_size = world_size;
+  out.grad_workers = world_size;
+  out.layers.resize(layers.size());
+  std::vector<int> everyone(world_size);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  // Factors as (dimension, layer, is_a), largest first; ties keep layer order, A before G.
+  struct Factor {
+    int64_t dim;
+    size_t layer;
+    bool is_a;
+  };
+  std::vector<Factor> factors;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    out.layers[i].grad_workers = everyone;
+    factors.push_back({layers[i].a_dim, i, true});
+    factors.push_back({layers[i].g_dim, i, false});
+  }
+  std::stable_sort(factors.begin(), factors.end(), [](const Factor& x, const Factor& y) { return x.dim > y.dim; });
+  std::vector<double> load(world_size, 0.0);
+  for (const auto& f : factors) {
+    int worker = kEveryRank;
+    if (f.dim > redundant_dim) {
+      worker = everyone[argmin(load, everyone)];
+      load[worker] += cost(f.dim, Balance::kCompute);
+    }
+    (f.is_a ? out.layers[f.layer].a_worker : out.layers[f.layer].g_worker) = worker;
+  }
+  return out;
+}
+
+Assignment assign_dp(const std::vector<LayerShape>& layers, int world_size) {
+  Assignment out = assign_kaisa(layers, world_size, 1.0 / world_size, Balance::kCompute, /*colocate=*/true);
+  out.system = "DP-KFAC";
+  return out;
+}
+
+AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds) {
+  TORCH_CHECK(bytes.size() == seconds.size() && bytes.size() >= 2, "alpha-beta fit needs >= 2 (bytes, seconds) pairs");
+  const double n = static_cast<double>(bytes.size());
+  const double mean_x = std::accumulate(bytes.begin(), bytes.end(), 0.0) / n;
+  const double mean_y = std::accumulate(seconds.begin(), seconds.end(), 0.0) / n;
+  double sxx = 0.0;
+  double sxy = 0.0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    sxx += (bytes[i] - mean_x) * (bytes[i] - mean_x);
+    sxy += (bytes[i] - mean_x) * (seconds[i] - mean_y);
+  }
+  TORCH_CHECK(sxx > 0.0, "alpha-beta fit needs at least two distinct message sizes");
+  AlphaBeta out;
+  out.beta = std::max(0.0, sxy / sxx);
+  out.alpha = std::max(0.0, mean_y - out.beta * mean_x);
+  return out;
+}
+
+int64_t redundant_dim_threshold(double seconds_per_cubed_dim, const AlphaBeta& link, double bytes_per_entry) {
+  // (c d^3 - alpha - beta b d^2) / d^2 increases with d: once a dimension fails, every larger one does.
+  int64_t best = 0;
+  for (int64_t d = 1; d <= (int64_t{1} << 16); ++d) {
+    const double x = static_cast<double>(d);
+    if (seconds_per_cubed_dim * x * x * x > link.seconds(bytes_per_entry * x * x)) break;
+    best = d;
+  }
+  return best;
+}
+
+std::vector<int64_t> fuse_groups(const std::vector<double>& ready_seconds, const std::vector<int64_t>& bytes,
+                                 const AlphaBeta& link) {
+  TORCH_CHECK(ready_seconds.size() == bytes.size(), "fuse_groups: ", ready_seconds.size(), " ready times for ",
+              bytes.size(), " tensors");
+  std::vector<int64_t> groups;
+  if (bytes.empty()) return groups;
+  double link_free = 0.0;  // when the previous group's collective ends
+  double group_ready = ready_seconds[0];
+  double group_bytes = static_cast<double>(bytes[0]);
+  int64_t group_size = 1;
+  for (size_t i = 1; i < bytes.size(); ++i) {
+    const double b = static_cast<double>(bytes[i]);
+    const double current_end = std::max(group_ready, link_free) + link.seconds(group_bytes);
+    const double separate_end = std::max(ready_seconds[i], current_end) + link.seconds(b);
+    const double merged_end = std::max(ready_seconds[i], link_free) + link.seconds(group_bytes + b);
+    if (merged_end <= separate_end) {
+      group_ready = std::max(group_ready, ready_seconds[i]);
+      group_bytes += b;
+      ++group_size;
+    } else {
+      groups.push_back(group_size);
+      link_free = current_end;
+      group_ready = ready_seconds[i];
+      group_bytes = b;
+      group_size = 1;
+    }
+  }
+  groups.push_back(group_size);
+  return groups;
 }
 
 }  // namespace dkfac::assign

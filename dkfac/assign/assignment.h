@@ -19,17 +19,22 @@ struct LayerShape {
   std::string name;
   int64_t a_dim = 0;
   int64_t g_dim = 0;
+  int64_t rows_per_sample = 1;  ///< rows each sample adds to the factors' input matrices (conv: H_out W_out)
 };
+
+/// A factor decomposed redundantly by every rank (SPD-KFAC's small factors): nothing is broadcast.
+constexpr int kEveryRank = -1;
 
 /// Where one layer's K-FAC work runs.
 struct LayerAssignment {
-  int a_worker = 0;               ///< rank that decomposes/inverts A
-  int g_worker = 0;               ///< rank that decomposes/inverts G
+  int a_worker = 0;               ///< rank that decomposes/inverts A, or kEveryRank
+  int g_worker = 0;               ///< rank that decomposes/inverts G, or kEveryRank
   std::vector<int> grad_workers;  ///< ranks that precondition this layer (its KAISA column), ascending
 };
 
 /// KAISA's W x (P/W) grid and the per-layer placement.
 struct Assignment {
+  std::string system = "KAISA";  ///< which placement made it: "KAISA", "SPD-KFAC", "DP-KFAC"
   int world_size = 1;
   int grad_workers = 1;  ///< W: ranks per column (gradient workers per layer)
   std::vector<LayerAssignment> layers;
@@ -57,5 +62,37 @@ int grad_worker_count(int world_size, double grad_worker_fraction);
 /// (`colocate`) or each factor separately. Ties go to the lowest index.
 Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
                         Balance balance = Balance::kCompute, bool colocate = true);
+
+/// SPD-KFAC placement: every rank preconditions every layer (W = P). Factors (A and G separately) are
+/// taken largest first; one of dimension <= `redundant_dim` is decomposed by every rank (kEveryRank),
+/// a larger one goes to the rank with the least dim^3 load so far (ties to the lowest rank).
+Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int64_t redundant_dim);
+
+/// DP-KFAC placement: each layer has one owner (A and G together, W = 1), greedy largest-first on the
+/// least dim^3-loaded rank. The owner alone builds the layer's factors, decomposes and preconditions.
+Assignment assign_dp(const std::vector<LayerShape>& layers, int world_size);
+
+/// Transport cost model t(bytes) = alpha + beta * bytes (seconds).
+struct AlphaBeta {
+  double alpha = 0.0;
+  double beta = 0.0;
+  double seconds(double bytes) const { return alpha + beta * bytes; }
+};
+
+/// Least-squares fit of t = alpha + beta * bytes to measured (bytes, seconds) pairs; alpha and beta
+/// are clamped at 0. Needs at least two distinct sizes.
+AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
+
+/// SPD-KFAC's redundancy threshold: the largest dimension d (0 if none) for which decomposing a d x d
+/// factor (seconds_per_cubed_dim * d^3) costs no more than broadcasting its result of
+/// `bytes_per_entry * d^2` bytes under `link`.
+int64_t redundant_dim_threshold(double seconds_per_cubed_dim, const AlphaBeta& link, double bytes_per_entry);
+
+/// SPD-KFAC's dynamic tensor fusion. Tensors become ready in order at `ready_seconds` (non-decreasing)
+/// with `bytes` each; collectives run one at a time on one link. Walking the tensors in order, the next
+/// tensor joins the current group when sending the merged group finishes no later than sending the
+/// current group now and the next tensor after it. Returns the sizes of consecutive groups.
+std::vector<int64_t> fuse_groups(const std::vector<double>& ready_seconds, const std::vector<int64_t>& bytes,
+                                 const AlphaBeta& link);
 
 }  // namespace dkfac::assign

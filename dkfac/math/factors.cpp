@@ -66,4 +66,18 @@ torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
   return covariance(y, false, 1.0 / static_cast<double>(spatial));
 }
 
+torch::Tensor pack_upper(const torch::Tensor& matrix) {
+  const int64_t n = matrix.size(0);
+  auto idx = torch::triu_indices(n, n, 0, torch::TensorOptions().dtype(torch::kLong).device(matrix.device()));
+  return matrix.index({idx[0], idx[1]}).contiguous();
+}
+
+torch::Tensor unpack_upper(const torch::Tensor& packed, int64_t n) {
+  auto idx = torch::triu_indices(n, n, 0, torch::TensorOptions().dtype(torch::kLong).device(packed.device()));
+  auto out = torch::empty({n, n}, packed.options());
+  out.index_put_({idx[0], idx[1]}, packed);
+  out.index_put_({idx[1], idx[0]}, packed);
+  return out;
+}
+
 }  // namespace dkfac::math

@@ -60,6 +60,7 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::Conv2dImpl::forward(input);
+  rows_per_sample_ = output.size(-1) * output.size(-2);
   if (!capture_->active(is_training())) return output;
 
   const auto start = std::chrono::steady_clock::now();

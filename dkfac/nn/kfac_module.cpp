@@ -22,15 +22,44 @@ torch::Tensor FactorCapture::take(torch::Tensor& sum, int64_t& count) {
 }
 
 void FactorCapture::add_a(const torch::Tensor& a_batch, double seconds) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  add(a_sum_, a_count_, a_batch);
-  seconds_ += seconds;
+  Listener listener;
+  int64_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    add(a_sum_, a_count_, a_batch);
+    seconds_ += seconds;
+    listener = listener_;
+    count = a_count_;
+  }
+  if (listener) listener(/*is_a=*/true, count);
 }
 
 void FactorCapture::add_g(const torch::Tensor& g_batch, double seconds) {
+  Listener listener;
+  int64_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    add(g_sum_, g_count_, g_batch);
+    seconds_ += seconds;
+    listener = listener_;
+    count = g_count_;
+  }
+  if (listener) listener(/*is_a=*/false, count);
+}
+
+torch::Tensor FactorCapture::mean_a() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  add(g_sum_, g_count_, g_batch);
-  seconds_ += seconds;
+  return a_count_ == 0 ? torch::Tensor() : a_sum_ / static_cast<double>(a_count_);
+}
+
+torch::Tensor FactorCapture::mean_g() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return g_count_ == 0 ? torch::Tensor() : g_sum_ / static_cast<double>(g_count_);
+}
+
+void FactorCapture::set_listener(Listener listener) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  listener_ = std::move(listener);
 }
 
 int64_t FactorCapture::a_count() const {

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,8 +33,17 @@ class FactorCapture {
   torch::Tensor take_a();
   torch::Tensor take_g();
 
+  /// Mean of the captured factors without resetting (undefined if none).
+  torch::Tensor mean_a() const;
+  torch::Tensor mean_g() const;
+
   /// Drops anything captured.
   void clear();
+
+  /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
+  /// A and how many micro-batches that factor now holds. SPD-KFAC starts allreduces from it.
+  using Listener = std::function<void(bool is_a, int64_t count)>;
+  void set_listener(Listener listener);
 
   /// Seconds spent building factors since construction (forward and backward).
   double seconds() const;
@@ -49,6 +59,7 @@ class FactorCapture {
   int64_t a_count_ = 0;
   int64_t g_count_ = 0;
   double seconds_ = 0.0;
+  Listener listener_;
 };
 
 /// Interface of modules whose Kronecker factors dkfac can build (dkfac::nn::Linear, Conv2d).
@@ -67,11 +78,16 @@ class KfacModule {
   virtual int64_t a_dim() const = 0;
   virtual int64_t g_dim() const = 0;
 
+  /// Rows each sample adds to the factor's input matrix in the last forward: output positions
+  /// H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in] inputs).
+  int64_t rows_per_sample() const { return rows_per_sample_; }
+
   FactorCapture& factor_capture() { return *capture_; }
   const FactorCapture& factor_capture() const { return *capture_; }
 
  protected:
   std::shared_ptr<FactorCapture> capture_ = std::make_shared<FactorCapture>();
+  int64_t rows_per_sample_ = 1;
 };
 
 }  // namespace dkfac::nn

@@ -17,6 +17,7 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& options) : torch::nn::Lin
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::LinearImpl::forward(input);
+  rows_per_sample_ = input.dim() > 2 ? input.numel() / (input.size(0) * input.size(-1)) : 1;
   if (!capture_->active(is_training())) return output;
 
   const auto start = std::chrono::steady_clock::now();

@@ -74,5 +74,77 @@ TEST(Assignment, RejectsBadFractions) {
   EXPECT_EQ(grad_worker_count(1, 0.5), 1);
 }
 
+// SPD-KFAC: factors largest first; small ones everywhere, large ones on the least dim^3-loaded rank.
+TEST(SpdAssignment, SmallFactorsEverywhereLargeOnesBalanced) {
+  // Factors by dim: l1.A 30, l2.A 20, l2.G 20, l0.A 10, l1.G 8, l3.A 5, l0.G 4, l3.G 3.
+  auto a = assign_spd(kLayers, 2, /*redundant_dim=*/8);
+  EXPECT_EQ(a.system, "SPD-KFAC");
+  EXPECT_EQ(a.grad_workers, 2);
+  EXPECT_EQ(a.layers[1].a_worker, 0);  // 30^3 = 27000 on rank 0
+  EXPECT_EQ(a.layers[2].a_worker, 1);  // 8000 on rank 1
+  EXPECT_EQ(a.layers[2].g_worker, 1);  // 16000 < 27000: rank 1 again
+  EXPECT_EQ(a.layers[0].a_worker, 1);  // 17000 < 27000: rank 1
+  for (auto [layer, is_a] : std::vector<std::pair<int, bool>>{{1, false}, {3, true}, {0, false}, {3, false}}) {
+    EXPECT_EQ(is_a ? a.layers[layer].a_worker : a.layers[layer].g_worker, kEveryRank) << layer << is_a;
+  }
+  for (const auto& l : a.layers) EXPECT_EQ(l.grad_workers, (std::vector<int>{0, 1})) << "every rank preconditions";
+  EXPECT_NE(a.to_string(kLayers).find("l3 [a=5, g=3]: A on every rank, G on every rank"), std::string::npos)
+      << a.to_string(kLayers);
+  // Threshold 0: nothing redundant; threshold above every dimension: nothing broadcast.
+  for (const auto& l : assign_spd(kLayers, 4, 0).layers) EXPECT_TRUE(l.a_worker >= 0 && l.g_worker >= 0);
+  for (const auto& l : assign_spd(kLayers, 4, 30).layers) EXPECT_TRUE(l.a_worker == kEveryRank && l.g_worker == kEveryRank);
+}
+
+// DP-KFAC: one owner per layer (W = 1), LPT on dim^3 of A and G together.
+TEST(DpAssignment, OneOwnerPerLayer) {
+  auto a = assign_dp(kLayers, 2);
+  EXPECT_EQ(a.system, "DP-KFAC");
+  EXPECT_EQ(a.grad_workers, 1);
+  // Costs: l1 27512 -> rank 0; l2 16000 -> rank 1; l0 1064 -> rank 1; l3 152 -> rank 1 (17064 < 27512).
+  const std::vector<int> owners = {1, 0, 1, 1};
+  for (size_t i = 0; i < owners.size(); ++i) {
+    EXPECT_EQ(a.layers[i].a_worker, owners[i]) << i;
+    EXPECT_EQ(a.layers[i].g_worker, owners[i]) << i;
+    EXPECT_EQ(a.layers[i].grad_workers, std::vector<int>{owners[i]}) << i;
+    EXPECT_EQ(a.grad_source_for(i, 1 - owners[i]), owners[i]) << "the owner broadcasts V to everyone";
+  }
+}
+
+TEST(AlphaBeta, FitsALineAndRefusesOneSize) {
+  auto link = fit_alpha_beta({0, 1000, 2000, 4000}, {1e-5, 2e-5, 3e-5, 5e-5});
+  EXPECT_NEAR(link.alpha, 1e-5, 1e-12);
+  EXPECT_NEAR(link.beta, 1e-8, 1e-15);
+  EXPECT_NEAR(link.seconds(3000), 4e-5, 1e-12);
+  auto clamped = fit_alpha_beta({100, 200}, {2e-5, 1e-5});  // noise giving a negative slope
+  EXPECT_EQ(clamped.beta, 0.0);
+  EXPECT_THROW(fit_alpha_beta({100, 100}, {1e-5, 2e-5}), c10::Error);
+}
+
+TEST(RedundantThreshold, LargestDimensionCheaperToDecomposeThanToBroadcast) {
+  // c d^3 <= alpha + beta b d^2 with c = 1e-9, alpha = 1e-3, beta b = 0: d^3 <= 1e6 -> d = 100.
+  EXPECT_EQ(redundant_dim_threshold(1e-9, {1e-3, 0.0}, 4.0), 100);
+  // alpha = 0, beta b = 4e-7: c d <= 4e-7 -> d <= 400.
+  EXPECT_EQ(redundant_dim_threshold(1e-9, {0.0, 1e-7}, 4.0), 400);
+  // Decomposition far more expensive than any broadcast: nothing is redundant.
+  EXPECT_EQ(redundant_dim_threshold(1.0, {1e-6, 1e-9}, 4.0), 0);
+}
+
+TEST(Fusion, MergesWhenWaitingBeatsAStartUp) {
+  // Start-up dominates (alpha 1 ms, tensors 1 us apart, tiny payloads): one group.
+  EXPECT_EQ(fuse_groups({0, 1e-6, 2e-6, 3e-6}, {8, 8, 8, 8}, {1e-3, 1e-9}), (std::vector<int64_t>{4}));
+  // Tensors far apart (10 ms) compared with alpha (1 us): each goes alone, overlapping compute.
+  EXPECT_EQ(fuse_groups({0, 1e-2, 2e-2}, {8, 8, 8}, {1e-6, 1e-9}), (std::vector<int64_t>{1, 1, 1}));
+  // Worked by hand, alpha = 1 ms, beta = 0, ready at 0, 0.5, 5, 5.2 ms (end times in ms):
+  //   {0} alone ends 1, the next alone then ends 2; merged ends 1.5 -> merge.
+  //   {0,1} alone ends 1.5, the next alone then ends 6; merged ends 6 -> merge (a tie merges).
+  //   {0,1,2} alone ends 6, the next alone then ends 7; merged ends 6.2 -> merge: one group of 4.
+  EXPECT_EQ(fuse_groups({0, 5e-4, 5e-3, 5.2e-3}, {8, 8, 8, 8}, {1e-3, 0.0}), (std::vector<int64_t>{4}));
+  // With a large payload, splitting lets the first part travel while the rest is computed:
+  // beta 1 ns/B, 4 MB each (4 ms), alpha 0.1 ms, ready 0 and 4 ms:
+  //   alone: 0 + 4.1 = 4.1, then max(4, 4.1) + 4.1 = 8.2; merged: 4 + 8.1 = 12.1 -> separate.
+  EXPECT_EQ(fuse_groups({0, 4e-3}, {4000000, 4000000}, {1e-4, 1e-9}), (std::vector<int64_t>{1, 1}));
+  EXPECT_TRUE(fuse_groups({}, {}, {}).empty());
+}
+
 }  // namespace
 }  // namespace dkfac::assign

@@ -69,14 +69,22 @@ void TrainConfig::validate() const {
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
-  TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw"}), "--strategy must be kaisa, dkfac or dkfac-lw, got '",
-              strategy, "'");
+  TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw", "spd", "dp"}),
+              "--strategy must be kaisa, dkfac, dkfac-lw, spd or dp, got '", strategy, "'");
+  TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == "kaisa", "--grad-worker-fraction applies to --strategy kaisa "
+              "only, got ", grad_worker_fraction, " with --strategy ", strategy);
   TORCH_CHECK(grad_worker_fraction > 0 && grad_worker_fraction <= 1, "--grad-worker-fraction must be in (0, 1], got ",
               grad_worker_fraction);
 }
 
+Strategy TrainConfig::library_strategy() const {
+  if (strategy == "spd") return Strategy::kSpd;
+  if (strategy == "dp") return Strategy::kDp;
+  return Strategy::kKaisa;
+}
+
 double TrainConfig::fraction_for(int world) const {
-  if (strategy == "dkfac") return 1.0;
+  if (strategy != "kaisa" && strategy != "dkfac-lw") return 1.0;
   if (strategy == "dkfac-lw") return 1.0 / world;
   return grad_worker_fraction;
 }
@@ -168,6 +176,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
                                                                               : ComputeMethod::kInverse)
+                           .strategy(config_.library_strategy())
                            .grad_worker_fraction(config_.fraction_for(world_))
                            .symmetric_comm(config_.symmetric_comm)
                            .balance_memory(config_.balance_memory)
@@ -175,6 +184,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
         communicator_);
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
+  if (s.kfac && s.kfac->strategy() && rank_ == 0) log() << s.kfac->strategy()->describe(s.kfac->layers()) << std::flush;
 }
 
 Trainer::~Trainer() = default;
@@ -422,7 +432,12 @@ TrainSummary Trainer::run() {
       auto loss = loss_of(s.model->forward(x), x, y);
       loss.backward();
       if (s.data_parallel) s.data_parallel->synchronize();  // buckets already in flight since backward
-      if (s.kfac) s.kfac->step();
+      if (s.kfac) {
+        const auto* pipeline = s.kfac->strategy() ? s.kfac->strategy()->pipeline() : nullptr;
+        const bool profiling = pipeline && pipeline->profiling();
+        s.kfac->step();
+        if (profiling && !pipeline->profiling() && rank_ == 0) log() << pipeline->describe() << std::endl;
+      }
       s.optimizer->step();
       const double loss_value = loss.item<double>();
       TORCH_CHECK(std::isfinite(loss_value), "training loss became ", loss_value, " at step ", s.global_step,
@@ -519,24 +534,39 @@ TrainSummary Trainer::run() {
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
   if (communicator_) {
-    // Every rank's traffic per phase and K-FAC memory, gathered to rank 0 with one sum.
-    const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "setup"};
-    auto table = torch::zeros({world_, static_cast<int64_t>(phases.size()) + 1}, torch::kFloat64);
+    // Every rank's traffic per phase, K-FAC memory and K-FAC phase times, gathered to rank 0 with one sum.
+    const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "calibration",
+                                             "setup"};
+    const auto n = static_cast<int64_t>(phases.size());
+    auto table = torch::zeros({world_, n + 6}, torch::kFloat64);
     const auto traffic = communicator_->traffic();
     for (size_t k = 0; k < phases.size(); ++k) {
       const auto it = traffic.find(phases[k]);
       table[rank_][static_cast<int64_t>(k)] = it == traffic.end() ? 0.0 : static_cast<double>(it->second.bytes);
     }
-    table[rank_][static_cast<int64_t>(phases.size())] = s.kfac ? static_cast<double>(s.kfac->memory_bytes()) : 0.0;
+    const PhaseTimes times = s.kfac ? s.kfac->total_times() : PhaseTimes();
+    table[rank_][n] = s.kfac ? static_cast<double>(s.kfac->memory_bytes()) : 0.0;
+    table[rank_][n + 1] = times.factors;
+    table[rank_][n + 2] = times.second_order;
+    table[rank_][n + 3] = times.precondition;
+    table[rank_][n + 4] = times.apply;
+    table[rank_][n + 5] = summary.wall_seconds;
     communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
     event["world_size"] = world_;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < world_; ++r) {
       nlohmann::json bytes = nlohmann::json::object();
       for (size_t k = 0; k < phases.size(); ++k) bytes[phases[k]] = table[r][static_cast<int64_t>(k)].item<int64_t>();
+      auto row = table[r];
       ranks.push_back({{"rank", r},
                        {"comm_bytes", bytes},
-                       {"kfac_memory_bytes", table[r][static_cast<int64_t>(phases.size())].item<int64_t>()}});
+                       {"kfac_memory_bytes", row[n].item<int64_t>()},
+                       {"kfac_time_s",
+                        {{"factors", row[n + 1].item<double>()},
+                         {"second_order", row[n + 2].item<double>()},
+                         {"precondition", row[n + 3].item<double>()},
+                         {"apply", row[n + 4].item<double>()}}},
+                       {"wall_time_s", row[n + 5].item<double>()}});
     }
     event["ranks"] = ranks;
   }

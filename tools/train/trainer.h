@@ -51,8 +51,11 @@ struct TrainConfig {
   bool colocate_factors = true;   // A and G of a layer on one rank
 
   /// The KAISA grad-worker fraction that `strategy` means for `world` ranks: kaisa -> grad_worker_fraction,
+  /// spd, dp -> 1 (they place their own work),
   /// dkfac (SC20 KFAC-opt) -> 1, dkfac-lw (SC20 layer-wise: the owner preconditions and shares V) -> 1/world.
   double fraction_for(int world) const;
+  /// The library strategy `strategy` names: spd -> kSpd, dp -> kDp, the others -> kKaisa.
+  Strategy library_strategy() const;
 
   /// Throws c10::Error naming the first bad field and its value.
   void validate() const;

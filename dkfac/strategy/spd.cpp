@@ -1,0 +1,238 @@
+#include "dkfac/strategy/spd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+#include "dkfac/math/factors.h"
+#include "dkfac/math/second_order.h"
+
+namespace dkfac::strategy {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  TORCH_INTERNAL_ASSERT(!values.empty());
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+/// Averages `values` over the ranks of `group` (in place).
+void average_over(comm::Communicator& communicator, comm::GroupId group, std::vector<double>& values) {
+  auto t = torch::tensor(values, torch::kFloat64);
+  communicator.allreduce_mean(t, group, "calibration").wait();
+  for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
+}
+
+}  // namespace
+
+assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group) {
+  constexpr int kRepeats = 5;
+  const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18};  // float32 elements: 4 B, 64 KiB, 1 MiB
+  std::vector<double> bytes;
+  std::vector<double> seconds;
+  for (int64_t n : sizes) {
+    auto t = torch::zeros({n}, torch::kFloat32);
+    communicator.allreduce_sum(t, group, "calibration").wait();  // warm-up
+    std::vector<double> runs;
+    for (int r = 0; r < kRepeats; ++r) {
+      const auto start = std::chrono::steady_clock::now();
+      communicator.allreduce_sum(t, group, "calibration").wait();
+      runs.push_back(seconds_since(start));
+    }
+    bytes.push_back(static_cast<double>(n * 4));
+    seconds.push_back(median(runs));
+  }
+  average_over(communicator, group, seconds);
+  return assign::fit_alpha_beta(bytes, seconds);
+}
+
+double measure_decomposition(comm::Communicator& communicator, ComputeMethod method, torch::Dtype dtype) {
+  constexpr int64_t kDim = 256;
+  constexpr int kRepeats = 3;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto x = torch::randn({kDim, kDim}, gen, torch::TensorOptions().dtype(dtype));
+  auto spd = x.matmul(x.t()) / kDim + torch::eye(kDim, x.options());
+  std::vector<double> runs;
+  for (int r = 0; r < kRepeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    if (method == ComputeMethod::kEigen) {
+      (void)math::eigen_decompose(spd);
+    } else {
+      (void)math::damped_inverse(spd, 1e-3);
+    }
+    runs.push_back(seconds_since(start));
+  }
+  std::vector<double> per_cubed_dim = {median(runs) / static_cast<double>(kDim * kDim * kDim)};
+  average_over(communicator, comm::kWorld, per_cubed_dim);
+  return per_cubed_dim[0];
+}
+
+FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
+                               const Options& options, assign::AlphaBeta link)
+    : communicator_(std::move(communicator)), num_layers_(layers.size()), link_(link),
+      profile_steps_(options.spd_profile_steps()) {
+  std::vector<int> everyone(communicator_->size());
+  std::iota(everyone.begin(), everyone.end(), 0);
+  group_id_ = communicator_->new_group(everyone);
+  for (auto& layer : layers) captures_.push_back(&layer.module().factor_capture());
+  const int64_t element = layers.empty() ? 4 : layers[0].module().kfac_weight().element_size();
+  slot_bytes_.resize(2 * num_layers_);
+  for (size_t slot = 0; slot < slot_bytes_.size(); ++slot) {
+    const auto& layer = layers[layer_of(slot)];
+    const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
+    slot_bytes_[slot] = element * n * (n + 1) / 2;
+  }
+  if (!options.spd_fusion().empty()) {
+    const int64_t total = std::accumulate(options.spd_fusion().begin(), options.spd_fusion().end(), int64_t{0});
+    TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "spd_fusion group sizes sum to ", total,
+                " but the model has ", 2 * num_layers_, " factors (2 per K-FAC layer)");
+    set_grouping(options.spd_fusion());
+    profile_steps_ = 0;
+  } else {
+    set_grouping(std::vector<int64_t>(2 * num_layers_, 1));
+  }
+  for (size_t i = 0; i < captures_.size(); ++i) {
+    captures_[i]->set_listener([this, i](bool a, int64_t count) {
+      on_ready(a ? i : 2 * num_layers_ - 1 - i, count);
+    });
+  }
+  arm(options.accumulation_steps());
+}
+
+FactorPipeline::~FactorPipeline() {
+  for (auto* capture : captures_) capture->set_listener(nullptr);
+}
+
+void FactorPipeline::set_grouping(const std::vector<int64_t>& sizes) {
+  grouping_ = sizes;
+  group_of_slot_.clear();
+  for (size_t g = 0; g < sizes.size(); ++g) group_of_slot_.insert(group_of_slot_.end(), sizes[g], g);
+}
+
+void FactorPipeline::arm(int64_t micro_batches) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  micro_batches_ = micro_batches;
+  groups_.clear();
+  groups_.resize(grouping_.size());
+  size_t slot = 0;
+  for (size_t g = 0; g < grouping_.size(); ++g) {
+    for (int64_t k = 0; k < grouping_[g]; ++k) groups_[g].slots.push_back(slot++);
+  }
+  ready_tensor_.assign(2 * num_layers_, torch::Tensor());
+  ready_seconds_.assign(2 * num_layers_, std::numeric_limits<double>::quiet_NaN());
+  any_ready_ = false;
+}
+
+void FactorPipeline::on_ready(size_t slot, int64_t count) {
+  std::lock_guard<std::mutex> lock(mutex_);  // the capture's own lock is never held while this runs
+  if (count != micro_batches_) return;
+  auto* capture = captures_[layer_of(slot)];
+  auto packed = math::pack_upper(is_a(slot) ? capture->mean_a() : capture->mean_g());
+  if (!any_ready_) {
+    first_ready_ = std::chrono::steady_clock::now();
+    any_ready_ = true;
+  }
+  ready_seconds_[slot] = seconds_since(first_ready_);
+  ready_tensor_[slot] = std::move(packed);
+  auto& group = groups_[group_of_slot_[slot]];
+  if (group.started) return;
+  std::vector<torch::Tensor> tensors;
+  for (size_t s : group.slots) {
+    if (!ready_tensor_[s].defined()) return;  // the group waits for its last member
+    tensors.push_back(ready_tensor_[s]);
+  }
+  start(group, tensors);
+}
+
+void FactorPipeline::start(Group& group, const std::vector<torch::Tensor>& tensors) {
+  group.started = true;
+  if (tensors.empty()) return;
+  group.buffer = tensors.size() == 1 ? tensors[0].contiguous() : torch::cat(tensors);
+  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, "factors");
+}
+
+void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
+  TORCH_INTERNAL_ASSERT(batches.size() == num_layers_);
+  auto local = [&](size_t slot) -> torch::Tensor& {
+    auto& pair = batches[layer_of(slot)];
+    return is_a(slot) ? pair.first : pair.second;
+  };
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Groups whose slots did not all fire (a layer that did not run, fewer micro-batches than expected)
+  // start now with the members that exist; every rank runs the same model, so they agree on which.
+  for (auto& group : groups_) {
+    if (group.started) continue;
+    std::vector<torch::Tensor> tensors;
+    std::vector<size_t> present;
+    for (size_t s : group.slots) {
+      if (!local(s).defined()) continue;
+      tensors.push_back(math::pack_upper(local(s)));
+      present.push_back(s);
+    }
+    group.slots = present;
+    start(group, tensors);
+  }
+  for (auto& group : groups_) {
+    if (!group.buffer.defined()) continue;
+    group.handle.wait();
+    int64_t offset = 0;
+    for (size_t s : group.slots) {
+      auto& target = local(s);
+      TORCH_CHECK(target.defined(), "SPD-KFAC: factor slot ", s, " was sent but this rank captured no local factor");
+      const int64_t n = target.size(0);
+      const int64_t length = n * (n + 1) / 2;
+      target = math::unpack_upper(group.buffer.narrow(0, offset, length), n);
+      offset += length;
+    }
+  }
+  if (profiling()) {
+    ready_history_.push_back(ready_seconds_);
+    if (++profiled_steps_ == profile_steps_) choose_grouping();
+  }
+}
+
+void FactorPipeline::choose_grouping() {
+  // Median ready time per slot over the profiled steps; a slot that never fired counts as last.
+  std::vector<double> ready(2 * num_layers_, 0.0);
+  for (size_t s = 0; s < ready.size(); ++s) {
+    std::vector<double> seen;
+    for (const auto& step : ready_history_) {
+      if (!std::isnan(step[s])) seen.push_back(step[s]);
+    }
+    ready[s] = seen.empty() ? std::numeric_limits<double>::infinity() : median(seen);
+  }
+  const double last = std::accumulate(ready.begin(), ready.end(), 0.0, [](double m, double v) {
+    return std::isfinite(v) ? std::max(m, v) : m;
+  });
+  for (auto& r : ready) r = std::isfinite(r) ? r : last;
+  average_over(*communicator_, group_id_, ready);  // every rank decides from the same numbers
+  for (size_t s = 1; s < ready.size(); ++s) ready[s] = std::max(ready[s], ready[s - 1]);  // listeners fire in order
+  set_grouping(assign::fuse_groups(ready, slot_bytes_, link_));
+  ready_history_.clear();
+}
+
+std::string FactorPipeline::describe() const {
+  std::ostringstream out;
+  out << "SPD-KFAC factor fusion (alpha " << link_.alpha * 1e6 << " us, beta " << link_.beta * 1e9 << " ns/B): ";
+  if (profiling()) {
+    out << "profiling step " << profiled_steps_ + 1 << " of " << profile_steps_ << ", each factor sent alone";
+    return out.str();
+  }
+  out << grouping_.size() << " collectives for " << slot_bytes_.size() << " factors, bytes per group [";
+  size_t slot = 0;
+  for (size_t g = 0; g < grouping_.size(); ++g) {
+    int64_t bytes = 0;
+    for (int64_t k = 0; k < grouping_[g]; ++k) bytes += slot_bytes_[slot++];
+    out << (g ? ", " : "") << bytes;
+  }
+  out << "]";
+  return out.str();
+}
+
+}  // namespace dkfac::strategy

@@ -1,0 +1,550 @@
+// Distributed K-FAC on real Gloo process groups (ranks as threads of this process) against the
+// single-process reference of SPEC.md section 3: factors = mean of the ranks' local factors,
+// gradient = mean of the ranks' gradients.
+#include "dkfac/strategy/distributed.h"
+
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <thread>
+
+#include "dkfac/dkfac.h"
+#include "tests/test_util.h"
+
+namespace dkfac::strategy {
+namespace {
+
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)));
+    fc1 = register_module("fc1", nn::Linear(3 * 5 * 5, 6));
+    fc2 = register_module("fc2", nn::Linear(torch::nn::LinearOptions(6, 4).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2->forward(torch::tanh(fc1->forward(torch::relu(conv->forward(x)).flatten(1))));
+  }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+std::shared_ptr<Net> make_net() {
+  // Ranks are threads: seeding the global generator and drawing the initial weights must not interleave.
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(42);
+  auto net = std::make_shared<Net>();
+  net->to(torch::kFloat64);
+  return net;
+}
+
+torch::Tensor local_loss(Net& net, int64_t step, int rank) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * step + rank);
+  auto x = torch::randn({3, 2, 5, 5}, g, torch::kFloat64);
+  auto y = torch::randn({3, 4}, g, torch::kFloat64);
+  return (net.forward(x) - y).pow(2).mean();
+}
+
+std::vector<torch::Tensor> grads_of(Net& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(p.grad().clone());
+  return out;
+}
+
+/// Runs `body(rank, communicator)` on `world` threads joined by an in-process store.
+void run_ranks(int world, const std::function<void(int, std::shared_ptr<comm::Communicator>)>& body) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30)));
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+constexpr int64_t kSteps = 3;
+
+Options base_options(ComputeMethod method, bool symmetric, double fraction) {
+  return Options()
+      .lr(0.1)
+      .damping(0.01)
+      .kl_clip(1e-3)
+      .factor_update_steps(1)
+      .inv_update_steps(2)
+      .compute_method(method)
+      .symmetric_comm(symmetric)
+      .grad_worker_fraction(fraction);
+}
+
+// Reference: one process, the P local batches as accumulation micro-batches, gradient averaged.
+std::vector<std::vector<torch::Tensor>> reference(int world, const Options& options) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options(options).accumulation_steps(world));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<std::vector<torch::Tensor>> out;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    sgd.zero_grad();
+    for (int rank = 0; rank < world; ++rank) local_loss(*net, step, rank).backward();
+    for (auto& p : net->parameters()) p.mutable_grad().div_(world);
+    kfac.step();
+    out.push_back(grads_of(*net));
+    sgd.step();
+  }
+  return out;
+}
+
+using Param = std::tuple<int, int, ComputeMethod, bool>;  // world, fraction index, method, symmetric
+class KaisaEquivalence : public ::testing::TestWithParam<Param> {};
+
+TEST_P(KaisaEquivalence, MatchesSingleProcessReference) {
+  const auto [world, fraction_index, method, symmetric] = GetParam();
+  const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
+  const auto options = base_options(method, symmetric, fraction);
+  const auto expected = reference(world, options);
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
+  std::vector<std::map<std::string, comm::Traffic>> traffic(world);
+  std::vector<int64_t> memory(world);
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, options, communicator);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      sgd.zero_grad();
+      local_loss(*net, step, rank).backward();
+      std::vector<comm::Handle> handles;
+      for (auto& p : net->parameters()) handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
+      comm::wait_all(handles);
+      kfac.step();
+      got[rank].push_back(grads_of(*net));
+      sgd.step();
+    }
+    traffic[rank] = communicator->traffic();
+    memory[rank] = kfac.memory_bytes();
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < expected[step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
+        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
+      }
+    }
+  }
+  if (world == 1) return;
+
+  // Communication contract (float64 = 8 bytes): factors every step, upper triangles when symmetric.
+  const std::vector<std::pair<int64_t, int64_t>> dims = {{2 * 9 + 1, 3}, {75 + 1, 6}, {6, 4}};  // (a, g)
+  auto sym = [&](int64_t n) { return symmetric ? n * (n + 1) / 2 : n * n; };
+  int64_t factor_bytes = 0;
+  for (auto [a, g] : dims) factor_bytes += 8 * (sym(a) + sym(g));
+  const int w = assign::grad_worker_count(world, fraction);
+  auto assignment = assign::assign_kaisa({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, world, fraction);
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * factor_bytes) << "rank " << rank;
+    int64_t second_order = 0;
+    int64_t gradients = 0;
+    int64_t held = 0;
+    for (size_t l = 0; l < dims.size(); ++l) {
+      const auto [a, g] = dims[l];
+      const bool holder = assignment.is_grad_worker(l, rank);
+      if (holder && w > 1) {
+        second_order += 8 * (method == ComputeMethod::kEigen ? a * a + a + g * g + g : sym(a) + sym(g));
+      }
+      if (w < world) gradients += 8 * g * a;
+      held += 8 * (a * a + g * g);  // factors on every rank
+      if (holder) held += 8 * (method == ComputeMethod::kEigen ? a * a + a + g * g + g + g * a : a * a + g * g);
+    }
+    const int64_t inverse_steps = (kSteps + 1) / 2;  // steps 0 and 2
+    EXPECT_EQ(traffic[rank]["second_order"].bytes, inverse_steps * second_order) << "rank " << rank;
+    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * gradients) << "rank " << rank;
+    EXPECT_EQ(memory[rank], held) << "rank " << rank;
+  }
+}
+
+std::string name(const ::testing::TestParamInfo<Param>& info) {
+  const auto [world, fraction, method, symmetric] = info.param;
+  const char* f = fraction == 0 ? "MemOpt" : fraction == 1 ? "Hybrid" : "CommOpt";
+  return "P" + std::to_string(world) + f + (method == ComputeMethod::kEigen ? "Eigen" : "Inverse") +
+         (symmetric ? "Triangle" : "Full");
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, KaisaEquivalence,
+                         ::testing::Combine(::testing::Values(1, 2, 4), ::testing::Values(0, 1, 2),
+                                            ::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
+                                            ::testing::Bool()),
+                         name);
+
+TEST(TrianglePacking, RoundTrip) {
+  auto m = torch::randn({5, 5}, torch::kFloat64);
+  m = m + m.t();
+  auto packed = math::pack_upper(m);
+  EXPECT_EQ(packed.numel(), 15);
+  EXPECT_TRUE(torch::equal(math::unpack_upper(packed, 5), m));
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+// A rank that stops answering turns into an error on the others within the configured timeout.
+TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::string message;
+  double seconds = 0;
+  std::thread silent([&] {
+    auto c = comm::Communicator::connect_in_process(store, 1, 2, std::chrono::seconds(2));
+    (void)c;  // joins the world, then never takes part in a collective
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+  });
+  {
+    auto c = comm::Communicator::connect_in_process(store, 0, 2, std::chrono::seconds(2));
+    auto t = torch::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto h = c->allreduce_mean(t, comm::kWorld, "factors");
+      h.wait();
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  silent.join();
+  EXPECT_NE(message.find("allreduce of 4 elements (factors) over 2 ranks failed"), std::string::npos) << message;
+  EXPECT_LT(seconds, 10.0);
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+class DataParallelTest : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
+
+// Overlapped, bucketed averaging equals the mean of the ranks' gradients, for any bucket size.
+TEST_P(DataParallelTest, AveragesGradientsOverRanks) {
+  const auto [world, bucket_bytes] = GetParam();
+  std::vector<std::vector<torch::Tensor>> local(world);
+  for (int rank = 0; rank < world; ++rank) {
+    auto net = make_net();
+    local_loss(*net, 0, rank).backward();
+    local[rank] = grads_of(*net);
+  }
+  std::vector<std::vector<torch::Tensor>> got(world);
+  size_t buckets = 0;
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    DataParallel dp(net->parameters(), communicator, bucket_bytes);
+    for (int repeat = 0; repeat < 2; ++repeat) {  // buffers are reused across steps
+      net->zero_grad();
+      local_loss(*net, 0, rank).backward();
+      dp.synchronize();
+    }
+    got[rank] = grads_of(*net);
+    if (rank == 0) buckets = dp.buckets();
+  });
+  for (size_t p = 0; p < local[0].size(); ++p) {
+    auto mean = torch::zeros_like(local[0][p]);
+    for (int rank = 0; rank < world; ++rank) mean += local[rank][p] / world;
+    for (int rank = 0; rank < world; ++rank) EXPECT_TENSOR_NEAR(got[rank][p], mean, 1e-12) << "param " << p;
+  }
+  EXPECT_EQ(buckets > 1, bucket_bytes < 1024) << buckets << " buckets";
+}
+
+INSTANTIATE_TEST_SUITE_P(Buckets, DataParallelTest,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(int64_t{200}, int64_t{1} << 20)));
+
+}  // namespace
+}  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+// Runs `world` ranks of `options` for kSteps steps on the test model; returns per rank, per step, the
+// gradients after kfac.step(). `inspect` sees each rank's preconditioner and communicator at the end;
+// `after_backward` runs on each rank after backward, before the gradient allreduce and kfac.step().
+using Inspect = std::function<void(int, Preconditioner&, comm::Communicator&)>;
+std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
+    int world, const Options& options, const Inspect& inspect = nullptr,
+    const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr) {
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, options, communicator);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      sgd.zero_grad();
+      local_loss(*net, step, rank).backward();
+      if (after_backward) after_backward(rank, step, kfac, *communicator);
+      std::vector<comm::Handle> handles;
+      for (auto& p : net->parameters()) {
+        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
+      }
+      comm::wait_all(handles);
+      kfac.step();
+      got[rank].push_back(grads_of(*net));
+      sgd.step();
+    }
+    if (inspect) inspect(rank, kfac, *communicator);
+  });
+  return got;
+}
+
+void expect_matches(const std::vector<std::vector<std::vector<torch::Tensor>>>& got,
+                    const std::vector<std::vector<torch::Tensor>>& expected) {
+  for (size_t rank = 0; rank < got.size(); ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < expected[step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
+        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
+      }
+    }
+  }
+}
+
+// Factor slots in SPD-KFAC's ready order for the test model: A of conv, fc1, fc2, then G of fc2, fc1, conv.
+const std::vector<int64_t> kSlotDims = {19, 76, 6, 4, 6, 3};
+int64_t packed_bytes(const std::vector<int64_t>& dims) {
+  int64_t total = 0;
+  for (int64_t n : dims) total += 8 * n * (n + 1) / 2;
+  return total;
+}
+
+struct SpdCase {
+  int world;
+  ComputeMethod method;
+  std::vector<int64_t> fusion;  // empty: measured after one profiled step
+  int64_t redundant_dim;        // -1: measured
+};
+
+class SpdEquivalence : public ::testing::TestWithParam<SpdCase> {};
+
+// Whatever the grouping and placement, SPD-KFAC gives D-KFAC's (= the reference's) gradients; its
+// factor allreduces are already started when backward returns, one per fusion group.
+TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
+  const auto& c = GetParam();
+  const auto options = base_options(c.method, /*symmetric=*/false, 1.0)
+                           .strategy(Strategy::kSpd)
+                           .spd_fusion(c.fusion)
+                           .spd_redundant_dim(c.redundant_dim)
+                           .spd_profile_steps(1);
+  std::vector<std::string> descriptions(c.world);
+  std::vector<std::map<std::string, comm::Traffic>> traffic(c.world);
+  std::vector<int64_t> calls_before_step(kSteps);
+  std::vector<std::vector<int64_t>> groupings(c.world);
+  const auto got = run_distributed(
+      c.world, options,
+      [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
+        descriptions[rank] = kfac.strategy()->describe(kfac.layers());
+        traffic[rank] = communicator.traffic();
+        groupings[rank] = kfac.strategy()->pipeline()->grouping();
+        auto reference = assign::assign_spd({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, c.world,
+                                            c.redundant_dim < 0 ? 0 : c.redundant_dim);
+        if (c.redundant_dim >= 0) {
+          for (size_t l = 0; l < 3; ++l) {
+            EXPECT_EQ(kfac.strategy()->assignment().layers[l].a_worker, reference.layers[l].a_worker);
+            EXPECT_EQ(kfac.strategy()->assignment().layers[l].g_worker, reference.layers[l].g_worker);
+          }
+        }
+      },
+      [&](int rank, int64_t step, Preconditioner&, comm::Communicator& communicator) {
+        if (rank == 0) calls_before_step[step] = communicator.traffic()["factors"].calls;
+      });
+  expect_matches(got, reference(c.world, options));
+
+  // Factors travel as upper triangles, every step, in as many collectives as there are groups.
+  for (int rank = 0; rank < c.world; ++rank) {
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * packed_bytes(kSlotDims)) << descriptions[rank];
+    EXPECT_EQ(groupings[rank], groupings[0]) << "every rank must choose the same grouping";
+  }
+  const int64_t first_groups = c.fusion.empty() ? 6 : static_cast<int64_t>(c.fusion.size());
+  EXPECT_EQ(calls_before_step[0], first_groups) << "allreduces start during forward/backward";
+  EXPECT_EQ(calls_before_step[1], first_groups + static_cast<int64_t>(groupings[0].size()));
+  if (!c.fusion.empty()) EXPECT_EQ(groupings[0], c.fusion);
+  EXPECT_NE(descriptions[0].find("SPD-KFAC assignment"), std::string::npos) << descriptions[0];
+  if (c.fusion.empty()) EXPECT_NE(descriptions[0].find("alpha"), std::string::npos) << descriptions[0];
+}
+
+std::string spd_name(const ::testing::TestParamInfo<SpdCase>& info) {
+  const auto& c = info.param;
+  std::string fusion = c.fusion.empty() ? "Measured" : "";
+  for (int64_t g : c.fusion) fusion += std::to_string(g);
+  return "P" + std::to_string(c.world) + (c.method == ComputeMethod::kEigen ? "Eigen" : "Inverse") + "Groups" +
+         fusion + "Redundant" + (c.redundant_dim < 0 ? "Measured" : std::to_string(c.redundant_dim));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GroupingsAndPlacements, SpdEquivalence,
+    ::testing::Values(SpdCase{2, ComputeMethod::kEigen, {1, 1, 1, 1, 1, 1}, 0},
+                      SpdCase{2, ComputeMethod::kInverse, {6}, 6},
+                      SpdCase{4, ComputeMethod::kEigen, {2, 3, 1}, 6},
+                      SpdCase{4, ComputeMethod::kInverse, {3, 3}, 0},
+                      SpdCase{4, ComputeMethod::kInverse, {1, 5}, 1000},
+                      SpdCase{2, ComputeMethod::kEigen, {}, -1},
+                      SpdCase{4, ComputeMethod::kInverse, {}, -1}),
+    spd_name);
+
+TEST(SpdOptions, ForcedGroupingMustCoverEveryFactor) {
+  try {
+    run_distributed(2, base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kSpd).spd_fusion({2, 2}));
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("spd_fusion group sizes sum to 4 but the model has 6 factors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// DP-KFAC reference: one process; each layer's factors come from its owner's batch only (capture
+// switched per batch), the gradient is the mean over all batches.
+std::vector<std::vector<torch::Tensor>> dp_reference(int world, const Options& options,
+                                                     const assign::Assignment& owners) {
+  auto net = make_net();
+  Preconditioner kfac(net, options);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  std::vector<std::vector<torch::Tensor>> out;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    sgd.zero_grad();
+    for (int rank = 0; rank < world; ++rank) {
+      for (size_t l = 0; l < kfac.layers().size(); ++l) {
+        kfac.layers()[l].set_capture(kfac.is_factor_step(step) && owners.layers[l].a_worker == rank);
+      }
+      local_loss(*net, step, rank).backward();
+    }
+    for (auto& p : net->parameters()) p.mutable_grad().div_(world);
+    kfac.step();
+    out.push_back(grads_of(*net));
+    sgd.step();
+  }
+  return out;
+}
+
+using DpParam = std::tuple<int, int>;  // world, method (0 eigen, 1 inverse, 2 pi-damped inverse)
+class DpEquivalence : public ::testing::TestWithParam<DpParam> {};
+
+// DP-KFAC = single-process K-FAC on the owner's batch; no factor or second-order traffic; only V
+// travels; non-owners hold no factors and never capture.
+TEST_P(DpEquivalence, MatchesOwnerLocalReference) {
+  const auto [world, method_index] = GetParam();
+  const auto method = method_index == 0 ? ComputeMethod::kEigen : ComputeMethod::kInverse;
+  const auto options = base_options(method, false, 1.0).strategy(Strategy::kDp).pi_damping(method_index == 2);
+  const auto owners = assign::assign_dp({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, world);
+  const std::vector<std::pair<int64_t, int64_t>> dims = {{19, 3}, {76, 6}, {6, 4}};
+  std::vector<std::map<std::string, comm::Traffic>> traffic(world);
+  const auto got = run_distributed(
+      world, options,
+      [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
+        traffic[rank] = communicator.traffic();
+        int64_t held = 0;
+        for (size_t l = 0; l < dims.size(); ++l) {
+          const bool owner = owners.layers[l].a_worker == rank;
+          const auto& layer = kfac.layers()[l];
+          EXPECT_EQ(layer.a_factor().defined(), owner) << "rank " << rank << " layer " << l;
+          EXPECT_EQ(layer.second_order().defined(), owner) << "rank " << rank << " layer " << l;
+          EXPECT_FALSE(layer.module().factor_capture().enabled() && !owner) << "non-owners never capture";
+          const auto [a, g] = dims[l];
+          if (owner) held += 8 * (a * a + g * g + (method == ComputeMethod::kEigen ? a * a + a + g * g + g + g * a
+                                                                                   : a * a + g * g));
+        }
+        EXPECT_EQ(kfac.memory_bytes(), held) << "rank " << rank;
+      },
+      [&](int rank, int64_t, Preconditioner& kfac, comm::Communicator&) {
+        for (size_t l = 0; l < dims.size(); ++l) {
+          if (owners.layers[l].a_worker != rank) {
+            EXPECT_EQ(kfac.layers()[l].captured_batches(), 0) << "rank " << rank << " captured layer " << l;
+          }
+        }
+      });
+  expect_matches(got, dp_reference(world, options, owners));
+  int64_t v_bytes = 0;
+  for (auto [a, g] : dims) v_bytes += 8 * g * a;
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(traffic[rank]["factors"].calls, 0) << "rank " << rank;
+    EXPECT_EQ(traffic[rank]["second_order"].calls, 0) << "rank " << rank;
+    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * v_bytes) << "rank " << rank;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, DpEquivalence, ::testing::Combine(::testing::Values(2, 4), ::testing::Values(0, 1, 2)));
+
+TEST(StrategyOptions, FractionIsForKaisaOnly) {
+  EXPECT_THROW(Options().strategy(Strategy::kDp).grad_worker_fraction(0.5).validate(), c10::Error);
+  EXPECT_NO_THROW(Options().strategy(Strategy::kSpd).validate());
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+struct PlanCase {
+  std::string name;
+  Options options;
+  assign::PlanInputs::Flow flow;
+};
+
+class PlanPredictsCounters : public ::testing::TestWithParam<int> {};
+
+// assign::predict from layer shapes alone equals what 4 ranks measure: bytes per phase and K-FAC memory.
+TEST_P(PlanPredictsCounters, BytesAndMemoryPerRank) {
+  constexpr int kWorld = 4;
+  using Flow = assign::PlanInputs::Flow;
+  const std::vector<PlanCase> cases = {
+      {"kaisa-hybrid-triangles", base_options(ComputeMethod::kInverse, true, 0.5), Flow::kKaisa},
+      {"kaisa-mem-opt-eigen", base_options(ComputeMethod::kEigen, false, 0.25), Flow::kKaisa},
+      {"spd", base_options(ComputeMethod::kInverse, false, 1.0).strategy(Strategy::kSpd).spd_redundant_dim(6).spd_fusion({6}),
+       Flow::kSpd},
+      {"dp", base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kDp), Flow::kDp}};
+  const auto& c = cases[GetParam()];
+  std::vector<std::map<std::string, comm::Traffic>> traffic(kWorld);
+  std::vector<int64_t> memory(kWorld);
+  std::vector<assign::LayerShape> shapes;
+  assign::Assignment assignment;
+  run_distributed(kWorld, c.options, [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
+    traffic[rank] = communicator.traffic();
+    memory[rank] = kfac.memory_bytes();
+    if (rank != 0) return;
+    for (const auto& layer : kfac.layers()) {
+      shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.module().rows_per_sample()});
+    }
+    assignment = kfac.strategy()->assignment();
+  });
+  assign::PlanInputs inputs;
+  inputs.flow = c.flow;
+  inputs.eigen = c.options.compute_method() == ComputeMethod::kEigen;
+  inputs.symmetric_comm = c.options.symmetric_comm();
+  inputs.element_bytes = 8;
+  inputs.batch_size = 3;
+  EXPECT_EQ(shapes[0].rows_per_sample, 25) << "conv 5x5 output positions";
+  const auto plan = assign::predict(assignment, shapes, inputs);
+  const int64_t inverse_steps = (kSteps + 1) / 2;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * plan[rank].factor_bytes) << c.name << " rank " << rank;
+    EXPECT_EQ(traffic[rank]["second_order"].bytes, inverse_steps * plan[rank].second_order_bytes)
+        << c.name << " rank " << rank;
+    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * plan[rank].gradient_bytes) << c.name << " rank " << rank;
+    EXPECT_EQ(memory[rank], plan[rank].memory_bytes) << c.name << " rank " << rank;
+  }
+  if (c.flow == Flow::kDp) {
+    // Factor construction: each rank builds only its own layers' factors.
+    double total = 0;
+    for (const auto& r : plan) total += r.factor_flops;
+    const double all = 2.0 * 3 * ((19.0 * 19 + 3 * 3) * 25 + (76.0 * 76 + 6 * 6) + (6.0 * 6 + 4 * 4));
+    EXPECT_DOUBLE_EQ(total, all);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, PlanPredictsCounters, ::testing::Range(0, 4));
+
+}  // namespace
+}  // namespace dkfac::strategy
