@@ -46,6 +46,7 @@ PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
   second_order += other.second_order;
   precondition += other.precondition;
   apply += other.apply;
+  communication += other.communication;
   return *this;
 }
 
@@ -134,7 +135,7 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
     if (plan[i].usable && builds(i)) batches[i] = layers_[i].take_factor_batches();
   }
   // Averaged before the NaN check, so that every rank takes the same decision.
-  if (strategy_) strategy_->reduce_factors(batches);
+  if (strategy_) time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!plan[i].usable || !builds(i)) continue;
     auto& layer = layers_[i];
@@ -165,7 +166,10 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
                 std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
     }
   }
-  if (strategy_) strategy_->share_second_order(layers_, options_.compute_method(), damping);
+  if (strategy_) {
+    time_communication(&last_times_.second_order,
+                       [&] { strategy_->share_second_order(layers_, options_.compute_method(), damping); });
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && (!strategy_ || strategy_->preconditions(i))) plan[i].usable = false;
   }
@@ -188,7 +192,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
       preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
-  if (strategy_) strategy_->share_gradients(preconditioned);
+  if (strategy_) time_communication(&last_times_.precondition, [&] { strategy_->share_gradients(preconditioned); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!plan[i].usable || !preconditioned[i].defined()) {
@@ -235,6 +239,16 @@ void Preconditioner::arm_capture() {
     layers_[i].set_capture(capture && (!strategy_ || strategy_->builds_factors(i)));
   }
   if (capture && strategy_) strategy_->arm_factor_step(options_.accumulation_steps());
+}
+
+void Preconditioner::time_communication(double* phase, const std::function<void()>& collective) {
+  double seconds = 0.0;
+  {
+    Stopwatch watch(&seconds);
+    collective();
+  }
+  last_times_.communication += seconds;
+  *phase -= seconds;  // the phase's own stopwatch adds the whole span when it ends
 }
 
 void Preconditioner::warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message) {

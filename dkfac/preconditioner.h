@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -21,8 +22,9 @@ struct PhaseTimes {
   double second_order = 0.0;  ///< eigendecompositions or inverses
   double precondition = 0.0;  ///< V = preconditioned gradients
   double apply = 0.0;         ///< KL clipping and writing gradients back
+  double communication = 0.0;  ///< waiting for K-FAC collectives (factors, second order, V); not in the others
 
-  double total() const { return factors + second_order + precondition + apply; }
+  double total() const { return factors + second_order + precondition + apply + communication; }
   PhaseTimes& operator+=(const PhaseTimes& other);
 };
 
@@ -97,6 +99,8 @@ class Preconditioner {
   std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
   void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
   void arm_capture();
+  /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
+  void time_communication(double* phase, const std::function<void()>& collective);
   void warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message);
 
   std::shared_ptr<torch::nn::Module> model_;

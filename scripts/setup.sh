@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev libopenblas0-pthread zlib1g-dev
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libspdlog-dev
-  dataset-fashion-mnist gnuplot-nox procps
+  dataset-fashion-mnist gnuplot-nox procps python3
 )
 
 missing=()

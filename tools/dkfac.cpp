@@ -55,6 +55,8 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--checkpoint-every-epochs", c.checkpoint_every_epochs, "epochs between checkpoints")
       ->capture_default_str();
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/checkpoint.pt if it exists");
+  app.add_option("--eval-examples", c.eval_examples, "evaluate on the first N test examples (0: all)")
+      ->capture_default_str();
   app.add_option("--log-every", c.log_every, "steps between progress lines (0: ~10 per epoch)")
       ->capture_default_str();
   app.add_option("--strategy", c.strategy,

@@ -82,11 +82,11 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
   group_id_ = communicator_->new_group(everyone);
   for (auto& layer : layers) captures_.push_back(&layer.module().factor_capture());
   const int64_t element = layers.empty() ? 4 : layers[0].module().kfac_weight().element_size();
-  slot_bytes_.resize(2 * num_layers_);
-  for (size_t slot = 0; slot < slot_bytes_.size(); ++slot) {
+  for (size_t slot = 0; slot < 2 * num_layers_; ++slot) {
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
-    slot_bytes_[slot] = element * n * (n + 1) / 2;
+    slot_dims_.push_back(n);
+    slot_bytes_.push_back(element * n * (n + 1) / 2);
   }
   if (!options.spd_fusion().empty()) {
     const int64_t total = std::accumulate(options.spd_fusion().begin(), options.spd_fusion().end(), int64_t{0});
@@ -183,11 +183,10 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     group.handle.wait();
     int64_t offset = 0;
     for (size_t s : group.slots) {
-      auto& target = local(s);
-      TORCH_CHECK(target.defined(), "SPD-KFAC: factor slot ", s, " was sent but this rank captured no local factor");
-      const int64_t n = target.size(0);
+      const int64_t n = slot_dims_[s];
       const int64_t length = n * (n + 1) / 2;
-      target = math::unpack_upper(group.buffer.narrow(0, offset, length), n);
+      // A layer the preconditioner set aside this step (no gradient) took no batch: its average is dropped.
+      if (local(s).defined()) local(s) = math::unpack_upper(group.buffer.narrow(0, offset, length), n);
       offset += length;
     }
   }

@@ -77,6 +77,7 @@ class FactorPipeline {
   comm::GroupId group_id_;
   std::vector<nn::FactorCapture*> captures_;  // per layer; owned by the model's modules
   size_t num_layers_;
+  std::vector<int64_t> slot_dims_;   // factor dimension per slot
   std::vector<int64_t> slot_bytes_;  // packed triangle bytes per slot
   assign::AlphaBeta link_;
   int64_t profile_steps_;

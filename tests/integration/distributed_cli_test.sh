@@ -22,6 +22,19 @@ echo "== 2 ranks, SC20 layer-wise, separate factors, memory balance"
   --strategy dkfac-lw --separate-factors --balance-memory > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
 grep -q '^\[rank 1\] summary' "$tmp/lw.txt" || { echo "FAIL: dkfac-lw run did not finish"; cat "$tmp/lw.txt"; exit 1; }
 
+echo "== 2 ranks, SPD-KFAC: measured placement, fusion chosen after profiling and logged"
+"$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 8 --log-every 4 \
+  --strategy spd --factor-update-steps 1 --inv-update-steps 2 > "$tmp/spd.txt" 2>&1 || { cat "$tmp/spd.txt"; exit 1; }
+grep -q 'SPD-KFAC assignment: P=2' "$tmp/spd.txt" || { echo "FAIL: no SPD-KFAC assignment logged"; cat "$tmp/spd.txt"; exit 1; }
+grep -q 'SPD-KFAC factor fusion .*collectives for 6 factors' "$tmp/spd.txt" \
+  || { echo "FAIL: no fusion grouping logged"; cat "$tmp/spd.txt"; exit 1; }
+
+echo "== 2 ranks, DP-KFAC: no factor or second-order traffic"
+"$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 6 --log-every 3 \
+  --strategy dp --metrics "$tmp/dp.jsonl" > "$tmp/dp.txt" 2>&1 || { cat "$tmp/dp.txt"; exit 1; }
+grep -q '"factors":0,"gradients":[1-9][0-9]*,"second_order":0' "$tmp/dp.jsonl" \
+  || { echo "FAIL: DP-KFAC moved factors or second-order state"; tail -1 "$tmp/dp.jsonl"; exit 1; }
+
 echo "== 3 ranks, one killed"
 "$dkfac" train --nproc 3 --model mlp --dataset synthetic --epochs 100 --log-every 1 --timeout 20 \
   > "$tmp/kill.txt" 2>&1 &

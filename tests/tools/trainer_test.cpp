@@ -176,8 +176,15 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c.resume = true;
   expect(c, "--resume needs --checkpoint-dir");
   c = TrainConfig();
-  c.strategy = "spd";
-  expect(c, "--strategy must be kaisa, dkfac or dkfac-lw, got 'spd'");
+  c.strategy = "hogwild";
+  expect(c, "--strategy must be kaisa, dkfac, dkfac-lw, spd or dp, got 'hogwild'");
+  c = TrainConfig();
+  c.strategy = "dp";
+  c.grad_worker_fraction = 0.5;
+  expect(c, "--grad-worker-fraction applies to --strategy kaisa only, got 0.5 with --strategy dp");
+  c = TrainConfig();
+  c.eval_examples = -1;
+  expect(c, "--eval-examples must be >= 0, got -1");
 }
 
 TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
@@ -188,6 +195,12 @@ TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
   EXPECT_EQ(c.fraction_for(4), 1.0);
   c.strategy = "dkfac-lw";
   EXPECT_EQ(c.fraction_for(4), 0.25);
+  EXPECT_EQ(c.library_strategy(), Strategy::kKaisa);
+  c.strategy = "spd";
+  EXPECT_EQ(c.fraction_for(4), 1.0);
+  EXPECT_EQ(c.library_strategy(), Strategy::kSpd);
+  c.strategy = "dp";
+  EXPECT_EQ(c.library_strategy(), Strategy::kDp);
 }
 
 }  // namespace

@@ -69,6 +69,7 @@ void TrainConfig::validate() const {
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
+  TORCH_CHECK(eval_examples >= 0, "--eval-examples must be >= 0, got ", eval_examples);
   TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw", "spd", "dp"}),
               "--strategy must be kaisa, dkfac, dkfac-lw, spd or dp, got '", strategy, "'");
   TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == "kaisa", "--grad-worker-fraction applies to --strategy kaisa "
@@ -226,10 +227,11 @@ Evaluation Trainer::evaluate() {
   torch::NoGradGuard no_grad;
   s.model->eval();
   const auto& test = s.dataset.test;
+  const int64_t size = config_.eval_examples > 0 ? std::min(config_.eval_examples, test.size()) : test.size();
   double loss_sum = 0.0;
   int64_t correct = 0;
-  for (int64_t begin = 0; begin < test.size(); begin += 1000) {
-    const int64_t end = std::min(begin + 1000, test.size());
+  for (int64_t begin = 0; begin < size; begin += 1000) {
+    const int64_t end = std::min(begin + 1000, size);
     auto x = test.images.slice(0, begin, end);
     auto y = test.labels.slice(0, begin, end);
     auto out = s.model->forward(x);
@@ -237,7 +239,7 @@ Evaluation Trainer::evaluate() {
     if (s.task == models::Task::kClassification) correct += out.argmax(1).eq(y).sum().item<int64_t>();
   }
   s.model->train();
-  return {loss_sum / test.size(), static_cast<double>(correct) / test.size()};
+  return {loss_sum / size, static_cast<double>(correct) / size};
 }
 
 nlohmann::json to_json(const TrainConfig& c) {
@@ -478,7 +480,8 @@ TrainSummary Trainer::run() {
         if (s.kfac) {
           const auto& t = s.kfac->total_times();
           event["kfac_time_s"] = {{"factors", t.factors}, {"second_order", t.second_order},
-                                  {"precondition", t.precondition}, {"apply", t.apply}};
+                                  {"precondition", t.precondition}, {"apply", t.apply},
+                                  {"communication", t.communication}};
         }
         s.emit(event);
       }
@@ -538,7 +541,7 @@ TrainSummary Trainer::run() {
     const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "calibration",
                                              "setup"};
     const auto n = static_cast<int64_t>(phases.size());
-    auto table = torch::zeros({world_, n + 6}, torch::kFloat64);
+    auto table = torch::zeros({world_, n + 7}, torch::kFloat64);
     const auto traffic = communicator_->traffic();
     for (size_t k = 0; k < phases.size(); ++k) {
       const auto it = traffic.find(phases[k]);
@@ -551,6 +554,7 @@ TrainSummary Trainer::run() {
     table[rank_][n + 3] = times.precondition;
     table[rank_][n + 4] = times.apply;
     table[rank_][n + 5] = summary.wall_seconds;
+    table[rank_][n + 6] = times.communication;
     communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
     event["world_size"] = world_;
     nlohmann::json ranks = nlohmann::json::array();
@@ -565,7 +569,8 @@ TrainSummary Trainer::run() {
                         {{"factors", row[n + 1].item<double>()},
                          {"second_order", row[n + 2].item<double>()},
                          {"precondition", row[n + 3].item<double>()},
-                         {"apply", row[n + 4].item<double>()}}},
+                         {"apply", row[n + 4].item<double>()},
+                         {"communication", row[n + 6].item<double>()}}},
                        {"wall_time_s", row[n + 5].item<double>()}});
     }
     event["ranks"] = ranks;

@@ -43,6 +43,7 @@ struct TrainConfig {
   int64_t checkpoint_every_epochs = 1;
   bool resume = false;
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
+  int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
   std::string strategy = "kaisa";
   double grad_worker_fraction = 1.0;

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Strategy benchmark: every distributed K-FAC strategy with N local processes on the reference models.
+
+For each model and strategy it runs `dkfac train --nproc N` for a fixed number of steps (factors and
+second-order state updated every step by default, so every step is a second-order update), several
+times, and prints per strategy and per rank: K-FAC phase times per step (factor construction,
+decomposition, preconditioning), bytes per phase per step, K-FAC memory, and the median step time over
+the repeats. Then the ratios the issue targets: DP-KFAC vs D-KFAC and SPD-KFAC vs D-KFAC.
+
+    python3 bench/strategies.py                        # cnn and resnet20, 4 processes, 3 repeats
+    python3 bench/strategies.py --models cnn --repeats 1 --json runs/strategies.json
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+STRATEGIES = [
+    ("dkfac", ["--strategy", "dkfac"]),  # D-KFAC = KAISA comm-opt (f = 1)
+    ("kaisa-hybrid", ["--strategy", "kaisa", "--grad-worker-fraction", "0.5"]),
+    ("dkfac-lw", ["--strategy", "dkfac-lw"]),  # KAISA mem-opt (f = 1/P)
+    ("spd", ["--strategy", "spd"]),
+    ("dp", ["--strategy", "dp"]),
+]
+KFAC_PHASES = ["factors", "second_order", "gradients"]
+
+
+def run_once(binary, model, strategy_args, args, metrics):
+    cmd = [binary, "train", "--nproc", str(args.nproc), "--model", model, "--batch-size", str(args.batch_size),
+           "--max-steps", str(args.steps), "--log-every", "1", "--eval-examples", "1000",
+           "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps),
+           "--compute-method", args.compute_method, "--metrics", metrics] + strategy_args
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        sys.exit("benchmark run failed: " + " ".join(cmd) + "\n" + done.stdout[-3000:])
+    events = [json.loads(line) for line in open(metrics)]
+    steps = [e for e in events if e["event"] == "step"]
+    summary = [e for e in events if e["event"] == "summary"][-1]
+    # Step time: median of rank 0's step-to-step wall time, skipping the first warm-up steps.
+    walls = [e["wall_time_s"] for e in steps]
+    deltas = [b - a for a, b in zip(walls, walls[1:])][args.warmup:]
+    return statistics.median(deltas), summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--binary", default="./build/dkfac")
+    parser.add_argument("--models", default="cnn,resnet20")
+    parser.add_argument("--strategies", default=",".join(name for name, _ in STRATEGIES))
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="first step intervals left out of the step time")
+    parser.add_argument("--factor-steps", type=int, default=1)
+    parser.add_argument("--inv-steps", type=int, default=1)
+    parser.add_argument("--compute-method", default="inverse")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    version = subprocess.run([args.binary, "--version"], stdout=subprocess.PIPE, text=True).stdout.strip()
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    print(f"# {version}; {platform.platform()}; {cpu}; {os.cpu_count()} cores")
+    print(f"# {args.nproc} local processes x batch {args.batch_size}, 1 LibTorch thread each, Gloo on loopback; "
+          f"factors every {args.factor_steps}, second order every {args.inv_steps} steps, {args.compute_method}; "
+          f"{args.steps} steps, median step time over {args.repeats} runs (first {args.warmup} intervals skipped); "
+          f"phase times and bytes are per step, averaged over the run; "
+          f"comm ms = waiting for K-FAC collectives (not in the other phases)")
+    wanted = args.strategies.split(",")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            results[model] = {}
+            for name, strategy_args in STRATEGIES:
+                if name not in wanted:
+                    continue
+                times, summaries = [], []
+                for r in range(args.repeats):
+                    t, s = run_once(args.binary, model, strategy_args, args, os.path.join(tmp, f"{model}-{name}-{r}.jsonl"))
+                    times.append(t)
+                    summaries.append(s)
+                results[model][name] = {"step_time_s": statistics.median(times), "step_times_s": times,
+                                        "summary": summaries[times.index(statistics.median(times))] if args.repeats % 2 else summaries[-1]}
+            print_model(model, results[model], args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"version": version, "cpu": cpu, "args": vars(args), "results": results}, f, indent=2)
+
+
+def per_rank(entry):
+    s = entry["summary"]
+    steps = s["steps"]
+    rows = []
+    for r in s["ranks"]:
+        t = r["kfac_time_s"]
+        rows.append({"rank": r["rank"], "factors_ms": 1e3 * t["factors"] / steps,
+                     "second_order_ms": 1e3 * t["second_order"] / steps,
+                     "precondition_ms": 1e3 * t["precondition"] / steps,
+                     "comm_ms": 1e3 * t["communication"] / steps,
+                     "bytes": {k: r["comm_bytes"].get(k, 0) // steps for k in ["data_parallel"] + KFAC_PHASES},
+                     "kfac_bytes": sum(r["comm_bytes"].get(k, 0) for k in KFAC_PHASES) / steps,
+                     "memory": r["kfac_memory_bytes"]})
+    return rows
+
+
+def print_model(model, res, args):
+    print(f"\n## {model}")
+    print(f"{'strategy':<13}{'rank':>5}{'factor ms':>11}{'decomp ms':>11}{'precond ms':>12}"
+          f"{'comm ms':>9}{'DP B':>11}{'factor B':>11}{'2nd-ord B':>11}{'V B':>10}{'memory B':>11}{'step ms':>10}")
+    for name, entry in res.items():
+        for row in per_rank(entry):
+            b = row["bytes"]
+            print(f"{name:<13}{row['rank']:>5}{row['factors_ms']:>11.1f}{row['second_order_ms']:>11.1f}"
+                  f"{row['precondition_ms']:>12.1f}{row['comm_ms']:>9.1f}{b['data_parallel']:>11}{b['factors']:>11}{b['second_order']:>11}"
+                  f"{b['gradients']:>10}{row['memory']:>11}{1e3 * entry['step_time_s']:>10.1f}")
+    if "dkfac" in res and "dp" in res:
+        d, p = per_rank(res["dkfac"]), per_rank(res["dp"])
+        mx = lambda rows, k: max(r[k] for r in rows)
+        print(f"DP-KFAC vs D-KFAC (max over ranks, per step): factor construction "
+              f"{mx(d, 'factors_ms') / max(mx(p, 'factors_ms'), 1e-9):.2f}x lower, K-FAC communication "
+              f"{mx(d, 'kfac_bytes') / max(mx(p, 'kfac_bytes'), 1):.2f}x lower, K-FAC memory "
+              f"{mx(d, 'memory') / max(mx(p, 'memory'), 1):.2f}x lower")
+    if "dkfac" in res and "spd" in res:
+        d, s = res["dkfac"]["step_time_s"], res["spd"]["step_time_s"]
+        print(f"SPD-KFAC vs D-KFAC step time: {1e3 * s:.1f} ms vs {1e3 * d:.1f} ms ({100 * (1 - s / d):+.1f}% lower)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
