@@ -67,14 +67,17 @@ torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   {
     torch::NoGradGuard no_grad;
     auto x = input.dim() == 3 ? input.unsqueeze(0) : input;  // unbatched [C, H, W]
-    capture_->add_a(math::conv2d_a_factor(x.detach(), geometry(), bias.defined()), seconds_since(start));
+    // Built before timing stops: argument evaluation order is unspecified.
+    auto a_batch = math::conv2d_a_factor(x.detach(), geometry(), bias.defined());
+    capture_->add_a(a_batch, seconds_since(start));
   }
   if (output.requires_grad()) {
     output.register_hook([capture = capture_](const torch::Tensor& grad) {
       const auto hook_start = std::chrono::steady_clock::now();
       torch::NoGradGuard no_grad;
       auto g = grad.dim() == 3 ? grad.unsqueeze(0) : grad;
-      capture->add_g(math::conv2d_g_factor(g), seconds_since(hook_start));
+      auto g_batch = math::conv2d_g_factor(g);
+      capture->add_g(g_batch, seconds_since(hook_start));
     });
   }
   return output;

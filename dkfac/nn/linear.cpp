@@ -23,14 +23,17 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   const auto start = std::chrono::steady_clock::now();
   {
     torch::NoGradGuard no_grad;
-    capture_->add_a(math::linear_a_factor(input.detach(), bias.defined()), seconds_since(start));
+    // Built before timing stops: argument evaluation order is unspecified.
+    auto a_batch = math::linear_a_factor(input.detach(), bias.defined());
+    capture_->add_a(a_batch, seconds_since(start));
   }
   if (output.requires_grad()) {
     // The hook holds the capture, not the module: it stays valid if the module goes first.
     output.register_hook([capture = capture_](const torch::Tensor& grad) {
       const auto hook_start = std::chrono::steady_clock::now();
       torch::NoGradGuard no_grad;
-      capture->add_g(math::linear_g_factor(grad), seconds_since(hook_start));
+      auto g_batch = math::linear_g_factor(grad);
+      capture->add_g(g_batch, seconds_since(hook_start));
     });
   }
   return output;
