@@ -83,8 +83,9 @@ def main():
                     t, s = run_once(args.binary, model, strategy_args, args, os.path.join(tmp, f"{model}-{name}-{r}.jsonl"))
                     times.append(t)
                     summaries.append(s)
-                results[model][name] = {"step_time_s": statistics.median(times), "step_times_s": times,
-                                        "summary": summaries[times.index(statistics.median(times))] if args.repeats % 2 else summaries[-1]}
+                median_run = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
+                results[model][name] = {"step_time_s": times[median_run], "step_times_s": times,
+                                        "summary": summaries[median_run]}
             print_model(model, results[model], args)
     if args.json:
         with open(args.json, "w") as f:
@@ -126,7 +127,8 @@ def print_model(model, res, args):
               f"{mx(d, 'memory') / max(mx(p, 'memory'), 1):.2f}x lower")
     if "dkfac" in res and "spd" in res:
         d, s = res["dkfac"]["step_time_s"], res["spd"]["step_time_s"]
-        print(f"SPD-KFAC vs D-KFAC step time: {1e3 * s:.1f} ms vs {1e3 * d:.1f} ms ({100 * (1 - s / d):+.1f}% lower)")
+        change = f"{100 * (1 - s / d):.1f}% faster" if s <= d else f"{100 * (s / d - 1):.1f}% slower"
+        print(f"SPD-KFAC vs D-KFAC step time: {1e3 * s:.1f} ms vs {1e3 * d:.1f} ms ({change})")
     sys.stdout.flush()
 
 

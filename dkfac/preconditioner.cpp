@@ -97,8 +97,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
   std::vector<LayerPlan> plan(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const bool builds = !strategy_ || strategy_->builds_factors(i);  // DP-KFAC: owners only
-    const int64_t captured = factor_step && builds ? layer.captured_batches() : -1;
+    const int64_t captured = factor_step && builds_factors(i) ? layer.captured_batches() : -1;
     if (captured != 0 && layer.has_gradient()) {
       if (captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(layer, "accumulation",
@@ -130,14 +129,13 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
 
   Stopwatch watch(&last_times_.factors);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
-  const auto builds = [this](size_t i) { return !strategy_ || strategy_->builds_factors(i); };
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable && builds(i)) batches[i] = layers_[i].take_factor_batches();
+    if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
   }
   // Averaged before the NaN check, so that every rank takes the same decision.
   if (strategy_) time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable || !builds(i)) continue;
+    if (!plan[i].usable || !builds_factors(i)) continue;
     auto& layer = layers_[i];
     if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay()) == FactorUpdate::kUpdated) {
       continue;
@@ -236,7 +234,7 @@ void Preconditioner::clip_and_apply(const std::vector<LayerPlan>& plan,
 void Preconditioner::arm_capture() {
   const bool capture = is_factor_step(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    layers_[i].set_capture(capture && (!strategy_ || strategy_->builds_factors(i)));
+    layers_[i].set_capture(capture && builds_factors(i));
   }
   if (capture && strategy_) strategy_->arm_factor_step(options_.accumulation_steps());
 }

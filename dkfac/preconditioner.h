@@ -99,6 +99,8 @@ class Preconditioner {
   std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
   void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
   void arm_capture();
+  /// True when this rank captures and builds layer `i`'s factors (every layer, except under DP-KFAC).
+  bool builds_factors(size_t i) const { return !strategy_ || strategy_->builds_factors(i); }
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double* phase, const std::function<void()>& collective);
   void warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message);

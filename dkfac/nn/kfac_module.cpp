@@ -13,48 +13,44 @@ void FactorCapture::add(torch::Tensor& sum, int64_t& count, const torch::Tensor&
   ++count;
 }
 
-torch::Tensor FactorCapture::take(torch::Tensor& sum, int64_t& count) {
+torch::Tensor FactorCapture::mean(const torch::Tensor& sum, int64_t count) {
   if (count == 0) return {};
-  auto mean = count == 1 ? sum : sum / static_cast<double>(count);
+  return count == 1 ? sum : sum / static_cast<double>(count);
+}
+
+torch::Tensor FactorCapture::take(torch::Tensor& sum, int64_t& count) {
+  auto mean = FactorCapture::mean(sum, count);
   sum = torch::Tensor();
   count = 0;
   return mean;
 }
 
-void FactorCapture::add_a(const torch::Tensor& a_batch, double seconds) {
+void FactorCapture::add_and_notify(bool is_a, const torch::Tensor& batch, double seconds) {
   Listener listener;
   int64_t count = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    add(a_sum_, a_count_, a_batch);
+    int64_t& n = is_a ? a_count_ : g_count_;
+    add(is_a ? a_sum_ : g_sum_, n, batch);
     seconds_ += seconds;
     listener = listener_;
-    count = a_count_;
+    count = n;
   }
-  if (listener) listener(/*is_a=*/true, count);
+  if (listener) listener(is_a, count);
 }
 
-void FactorCapture::add_g(const torch::Tensor& g_batch, double seconds) {
-  Listener listener;
-  int64_t count = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    add(g_sum_, g_count_, g_batch);
-    seconds_ += seconds;
-    listener = listener_;
-    count = g_count_;
-  }
-  if (listener) listener(/*is_a=*/false, count);
-}
+void FactorCapture::add_a(const torch::Tensor& a_batch, double seconds) { add_and_notify(true, a_batch, seconds); }
+
+void FactorCapture::add_g(const torch::Tensor& g_batch, double seconds) { add_and_notify(false, g_batch, seconds); }
 
 torch::Tensor FactorCapture::mean_a() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return a_count_ == 0 ? torch::Tensor() : a_sum_ / static_cast<double>(a_count_);
+  return mean(a_sum_, a_count_);
 }
 
 torch::Tensor FactorCapture::mean_g() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return g_count_ == 0 ? torch::Tensor() : g_sum_ / static_cast<double>(g_count_);
+  return mean(g_sum_, g_count_);
 }
 
 void FactorCapture::set_listener(Listener listener) {

@@ -50,7 +50,10 @@ class FactorCapture {
 
  private:
   static void add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch);
+  static torch::Tensor mean(const torch::Tensor& sum, int64_t count);
   static torch::Tensor take(torch::Tensor& sum, int64_t& count);
+  /// Adds under the lock, then calls the listener outside it.
+  void add_and_notify(bool is_a, const torch::Tensor& batch, double seconds);
 
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
   bool enabled_ = false;

@@ -101,6 +101,48 @@ std::vector<std::vector<torch::Tensor>> reference(int world, const Options& opti
   return out;
 }
 
+// Runs `world` ranks of `options` for kSteps steps on the test model; returns per rank, per step, the
+// gradients after kfac.step(). `inspect` sees each rank's preconditioner and communicator at the end;
+// `after_backward` runs on each rank after backward, before the gradient allreduce and kfac.step().
+using Inspect = std::function<void(int, Preconditioner&, comm::Communicator&)>;
+std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
+    int world, const Options& options, const Inspect& inspect = nullptr,
+    const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr) {
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
+  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, options, communicator);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      sgd.zero_grad();
+      local_loss(*net, step, rank).backward();
+      if (after_backward) after_backward(rank, step, kfac, *communicator);
+      std::vector<comm::Handle> handles;
+      for (auto& p : net->parameters()) {
+        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
+      }
+      comm::wait_all(handles);
+      kfac.step();
+      got[rank].push_back(grads_of(*net));
+      sgd.step();
+    }
+    if (inspect) inspect(rank, kfac, *communicator);
+  });
+  return got;
+}
+
+void expect_matches(const std::vector<std::vector<std::vector<torch::Tensor>>>& got,
+                    const std::vector<std::vector<torch::Tensor>>& expected) {
+  for (size_t rank = 0; rank < got.size(); ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < expected[step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
+        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
+      }
+    }
+  }
+}
+
 using Param = std::tuple<int, int, ComputeMethod, bool>;  // world, fraction index, method, symmetric
 class KaisaEquivalence : public ::testing::TestWithParam<Param> {};
 
@@ -109,34 +151,13 @@ TEST_P(KaisaEquivalence, MatchesSingleProcessReference) {
   const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
   const auto options = base_options(method, symmetric, fraction);
   const auto expected = reference(world, options);
-  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
   std::vector<std::map<std::string, comm::Traffic>> traffic(world);
   std::vector<int64_t> memory(world);
-  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
-    auto net = make_net();
-    Preconditioner kfac(net, options, communicator);
-    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
-    for (int64_t step = 0; step < kSteps; ++step) {
-      sgd.zero_grad();
-      local_loss(*net, step, rank).backward();
-      std::vector<comm::Handle> handles;
-      for (auto& p : net->parameters()) handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
-      comm::wait_all(handles);
-      kfac.step();
-      got[rank].push_back(grads_of(*net));
-      sgd.step();
-    }
-    traffic[rank] = communicator->traffic();
+  const auto got = run_distributed(world, options, [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
+    traffic[rank] = communicator.traffic();
     memory[rank] = kfac.memory_bytes();
   });
-  for (int rank = 0; rank < world; ++rank) {
-    for (int64_t step = 0; step < kSteps; ++step) {
-      for (size_t p = 0; p < expected[step].size(); ++p) {
-        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
-        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
-      }
-    }
-  }
+  expect_matches(got, expected);
   if (world == 1) return;
 
   // Communication contract (float64 = 8 bytes): factors every step, upper triangles when symmetric.
@@ -268,48 +289,6 @@ INSTANTIATE_TEST_SUITE_P(Buckets, DataParallelTest,
 
 namespace dkfac::strategy {
 namespace {
-
-// Runs `world` ranks of `options` for kSteps steps on the test model; returns per rank, per step, the
-// gradients after kfac.step(). `inspect` sees each rank's preconditioner and communicator at the end;
-// `after_backward` runs on each rank after backward, before the gradient allreduce and kfac.step().
-using Inspect = std::function<void(int, Preconditioner&, comm::Communicator&)>;
-std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
-    int world, const Options& options, const Inspect& inspect = nullptr,
-    const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr) {
-  std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
-  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
-    auto net = make_net();
-    Preconditioner kfac(net, options, communicator);
-    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
-    for (int64_t step = 0; step < kSteps; ++step) {
-      sgd.zero_grad();
-      local_loss(*net, step, rank).backward();
-      if (after_backward) after_backward(rank, step, kfac, *communicator);
-      std::vector<comm::Handle> handles;
-      for (auto& p : net->parameters()) {
-        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
-      }
-      comm::wait_all(handles);
-      kfac.step();
-      got[rank].push_back(grads_of(*net));
-      sgd.step();
-    }
-    if (inspect) inspect(rank, kfac, *communicator);
-  });
-  return got;
-}
-
-void expect_matches(const std::vector<std::vector<std::vector<torch::Tensor>>>& got,
-                    const std::vector<std::vector<torch::Tensor>>& expected) {
-  for (size_t rank = 0; rank < got.size(); ++rank) {
-    for (int64_t step = 0; step < kSteps; ++step) {
-      for (size_t p = 0; p < expected[step].size(); ++p) {
-        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << "rank " << rank << " step " << step << " param " << p;
-        EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << "ranks must end with identical gradients";
-      }
-    }
-  }
-}
 
 // Factor slots in SPD-KFAC's ready order for the test model: A of conv, fc1, fc2, then G of fc2, fc1, conv.
 const std::vector<int64_t> kSlotDims = {19, 76, 6, 4, 6, 3};
