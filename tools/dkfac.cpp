@@ -1,4 +1,4 @@
-// The dkfac command line: `dkfac train`, `dkfac plan` and `dkfac plot`.
+// The dkfac command line: `dkfac train`, `dkfac plan`, `dkfac bench` and `dkfac plot`.
 #include <CLI/CLI.hpp>
 #include <netinet/in.h>
 #include <nlohmann/json.hpp>
@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <optional>
@@ -15,6 +16,8 @@
 #include <thread>
 
 #include "dkfac/dkfac.h"
+#include "tools/bench/bench.h"
+#include "tools/common/threads.h"
 #include "tools/models/models.h"
 #include "tools/plot/plot.h"
 #include "tools/train/trainer.h"
@@ -271,9 +274,75 @@ int run_plan(const PlanConfig& c) {
   return 0;
 }
 
+struct BenchCli {
+  dkfac::bench::BenchConfig config;
+  std::vector<std::string> intervals = {"1,10", "10,100"};
+  std::string json;
+  bool no_steps = false;
+  bool no_kernels = false;
+  int blas_threads = 1;
+  std::string allocator;
+};
+
+/// `dkfac bench`: SGD against K-FAC per phase, and the kernels against the sgemm peak, in one run.
+int run_bench(BenchCli cli) {
+  auto& c = cli.config;
+  c.intervals.clear();
+  for (const auto& text : cli.intervals) {
+    const auto comma = text.find(',');
+    TORCH_CHECK(comma != std::string::npos, "--intervals takes FACTOR,INVERSE pairs such as 10,100, got '", text, "'");
+    int64_t f = 0, i = 0;
+    try {
+      f = std::stoll(text.substr(0, comma));
+      i = std::stoll(text.substr(comma + 1));
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, "--intervals takes FACTOR,INVERSE pairs such as 10,100, got '", text, "'");
+    }
+    TORCH_CHECK(f > 0 && i > 0, "--intervals must be positive, got '", text, "'");
+    c.intervals.emplace_back(f, i);
+  }
+  for (const auto& m : c.models) {
+    TORCH_CHECK(m == "mlp" || m == "cnn" || m == "resnet20", "--models takes mlp, cnn, resnet20, got '", m, "'");
+  }
+  c.steps = !cli.no_steps;
+  c.kernels = !cli.no_kernels;
+  const auto threads = dkfac::tools::configure_threads(c.threads, cli.blas_threads);
+  auto env = dkfac::bench::environment(c);
+  env["threads"] = threads;
+  env["allocator"] = cli.allocator;
+  std::cout << "bench: " << env.dump() << std::endl;
+  nlohmann::json out = {{"environment", env}};
+  std::string tables;
+  if (c.steps) {
+    const auto steps = dkfac::bench::run_steps(c, std::cerr);
+    out["steps"] = dkfac::bench::to_json(steps);
+    tables += dkfac::bench::format_steps(steps) + "\n";
+  }
+  if (c.kernels) {
+    const auto kernels = dkfac::bench::run_kernels(c, std::cerr);
+    out["kernels"] = dkfac::bench::to_json(kernels);
+    tables += dkfac::bench::format_kernels(kernels);
+  }
+  std::cout << tables << std::flush;
+  if (!cli.json.empty()) {
+    std::ofstream file(cli.json);
+    TORCH_CHECK(file, "cannot write --json file '", cli.json, "'");
+    file << out.dump(2) << std::endl;
+    std::cout << "bench: " << cli.json << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // OpenMP's worker threads otherwise spin for milliseconds after every parallel region, on the cores the
+  // next single-threaded BLAS call needs (K-FAC's preconditioning took 15 instead of 10 ms per cnn step,
+  // docs/PERFORMANCE.md). The OpenMP runtime reads the variable when it loads, so set it and start again;
+  // a value the user set is kept.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && ::setenv("OMP_WAIT_POLICY", "passive", 1) == 0) {
+    ::execv("/proc/self/exe", argv);  // returns only on failure: then run with the runtime's default
+  }
   CLI::App app{"dkfac: distributed K-FAC training for LibTorch"};
   app.set_version_flag("--version", std::string("dkfac ") + DKFAC_VERSION_STRING);
   app.require_subcommand(1);
@@ -304,6 +373,29 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plan->add_flag("--json", plan_config.json, "print JSON instead of tables");
 
+  BenchCli bench_cli;
+  auto* bench = app.add_subcommand("bench", "time SGD and K-FAC steps per phase, and the K-FAC kernels against sgemm");
+  bench->add_option("--models", bench_cli.config.models, "mlp cnn resnet20")->capture_default_str();
+  bench->add_option("--batch-size", bench_cli.config.batch_size, "examples per step")->capture_default_str();
+  bench->add_option("--intervals", bench_cli.intervals, "FACTOR,INVERSE update intervals")->capture_default_str();
+  bench->add_option("--methods", bench_cli.config.methods, "eigen inverse")->capture_default_str();
+  bench->add_option("--cycles", bench_cli.config.cycles, "inverse periods measured per K-FAC configuration")
+      ->capture_default_str();
+  bench->add_option("--warmup", bench_cli.config.warmup_steps, "unmeasured steps first")->capture_default_str();
+  bench->add_option("--damping", bench_cli.config.damping, "K-FAC damping")->capture_default_str();
+  bench->add_option("--threads", bench_cli.config.threads, "intra-op threads (0: every core)")->capture_default_str();
+  bench->add_option("--kernel-dims", bench_cli.config.kernel_dims, "factor dimensions of the kernel benchmark")
+      ->capture_default_str();
+  bench->add_option("--kernel-rows", bench_cli.config.kernel_rows, "activation rows a factor is built from")
+      ->capture_default_str();
+  bench->add_option("--kernel-repeats", bench_cli.config.kernel_repeats, "timed calls per kernel and size")
+      ->capture_default_str();
+  bench->add_option("--blas-threads", bench_cli.blas_threads, "OpenBLAS threads (0: as many as --threads)")
+      ->capture_default_str();
+  bench->add_flag("--no-steps", bench_cli.no_steps, "skip the per-step benchmark");
+  bench->add_flag("--no-kernels", bench_cli.no_kernels, "skip the kernel benchmark");
+  bench->add_option("--json", bench_cli.json, "also write the results as JSON to this file");
+
   std::vector<std::string> plot_inputs;
   std::string plot_output = "curves.png";
   auto* plot = app.add_subcommand("plot", "plot test accuracy and loss of metrics files against epochs and time");
@@ -312,12 +404,15 @@ int main(int argc, char** argv) {
   plot->add_option("-o,--output", plot_output, "PNG to write")->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
+  bench_cli.allocator = dkfac::tools::configure_allocator();
   try {
     if (*train) {
       if (nproc > 1) return launch_local(train_config, nproc, timeout_s);
       return run_rank(train_config, job_from_environment().value_or(Job{}), timeout_s);
     } else if (*plan) {
       return run_plan(plan_config);
+    } else if (*bench) {
+      return run_bench(bench_cli);
     } else if (*plot) {
       dkfac::plot::plot_metrics(plot_inputs, plot_output);
       std::cout << "plot: " << plot_output << std::endl;

@@ -1,17 +1,25 @@
 #include "dkfac/math/factors.h"
 
+#include "dkfac/math/gemm.h"
+
 namespace F = torch::nn::functional;
 
 namespace dkfac::math {
+namespace {
+
+// Inputs with fewer channels build their patches with unfold: a channels-last copy would move
+// runs of fewer than this many floats.
+constexpr int64_t kChannelsLastMin = 8;
+
+}  // namespace
 
 torch::Tensor covariance(const torch::Tensor& x, bool with_bias, double scale) {
   TORCH_CHECK(x.dim() == 2, "covariance expects a 2-D tensor, got shape ", x.sizes());
   const auto n = x.size(0);
   TORCH_CHECK(n > 0, "covariance of an empty batch (0 rows)");
   const double s = scale * scale / static_cast<double>(n);
-  auto xtx = torch::mm(x.t(), x);
-  // Symmetrise as the reference does: (C + C^T) / 2, scaled in the same pass.
-  auto sym = torch::add(xtx, xtx.t()).mul_(0.5 * s);
+  // gram() is exactly symmetric, so the reference's (C + C^T) / 2 reduces to the scaling.
+  auto sym = gram(x).mul_(s);
   if (!with_bias) return sym;
   const auto k = x.size(1);
   auto cov = torch::empty({k + 1, k + 1}, x.options());
@@ -53,16 +61,58 @@ torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& g
 
 torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& geometry,
                               bool with_bias) {
-  auto patches = conv2d_patches(input, geometry);
-  const auto spatial = patches.size(0) / input.size(0);
-  return covariance(patches, with_bias, 1.0 / static_cast<double>(spatial));
+  TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
+  const int64_t channels = input.size(1);
+  if (channels < kChannelsLastMin) {
+    auto patches = conv2d_patches(input, geometry);
+    const auto spatial = patches.size(0) / input.size(0);
+    return covariance(patches, with_bias, 1.0 / static_cast<double>(spatial));
+  }
+  // One copy from a channels-last view builds the patches with columns in (kernel row, kernel column,
+  // channel) order; unfold + transpose would copy twice. The factor is then permuted to the
+  // (channel, kernel row, kernel column) order of conv2d_patches, which costs dim^2, not rows * dim.
+  auto padded = input;
+  const auto& p = geometry.padding;
+  if (p[0] != 0 || p[1] != 0 || p[2] != 0 || p[3] != 0) {
+    padded = F::pad(input, F::PadFuncOptions({p[0], p[1], p[2], p[3]}).mode(geometry.padding_mode));
+  }
+  const auto& k = geometry.kernel_size;
+  const auto& st = geometry.stride;
+  const auto& dl = geometry.dilation;
+  const int64_t batch = padded.size(0), height = padded.size(2), width = padded.size(3);
+  const int64_t out_h = (height - dl[0] * (k[0] - 1) - 1) / st[0] + 1;
+  const int64_t out_w = (width - dl[1] * (k[1] - 1) - 1) / st[1] + 1;
+  TORCH_CHECK(out_h > 0 && out_w > 0, "Conv2d input ", input.sizes(), " is smaller than its kernel");
+  const auto nhwc = padded.permute({0, 2, 3, 1}).contiguous();
+  const int64_t row = width * channels;
+  const auto patches = nhwc.as_strided({batch, out_h, out_w, k[0], k[1], channels},
+                                       {height * row, row * st[0], channels * st[1], row * dl[0],
+                                        channels * dl[1], 1})
+                           .reshape({batch * out_h * out_w, k[0] * k[1] * channels});
+  auto cov = covariance(patches, with_bias, 1.0 / static_cast<double>(out_h * out_w));
+  const int64_t columns = k[0] * k[1] * channels;
+  auto order = torch::arange(columns, torch::TensorOptions().dtype(torch::kLong).device(input.device()))
+                   .view({k[0], k[1], channels})
+                   .permute({2, 0, 1})
+                   .reshape({-1});
+  if (with_bias) order = torch::cat({order, torch::full({1}, columns, order.options())});
+  return cov.index_select(0, order).index_select(1, order);
 }
 
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
   TORCH_CHECK(grad_output.dim() == 4, "Conv2d output gradient must be [B, C, H, W], got shape ",
               grad_output.sizes());
+  const int64_t batch = grad_output.size(0), channels = grad_output.size(1);
   const auto spatial = grad_output.size(2) * grad_output.size(3);
-  auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, grad_output.size(1)});
+  if (channels <= spatial && grad_output.is_contiguous()) {
+    // Sum over the batch of Y_b Y_b^T with Y_b [C, H*W] as stored: no transposed copy of the gradient,
+    // and the batched product's output [B, C, C] is no larger than that copy would be.
+    const auto y = grad_output.view({batch, channels, spatial});
+    auto c = torch::bmm(y, y.transpose(1, 2)).sum(0);
+    const double s = 1.0 / (static_cast<double>(spatial) * spatial * static_cast<double>(batch * spatial));
+    return torch::add(c, c.t()).mul_(0.5 * s);
+  }
+  auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, channels});
   return covariance(y, false, 1.0 / static_cast<double>(spatial));
 }
 

@@ -1,5 +1,7 @@
 #include "dkfac/math/second_order.h"
 
+#include "dkfac/math/gemm.h"
+
 #include <cmath>
 
 namespace dkfac::math {
@@ -50,9 +52,9 @@ torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, doub
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad) {
-  auto rotated = torch::mm(torch::mm(g.eigenvectors.t(), grad), a.eigenvectors);
+  auto rotated = parallel_mm(parallel_mm(g.eigenvectors.t(), grad), a.eigenvectors);
   rotated.mul_(denominator);
-  return torch::mm(torch::mm(g.eigenvectors, rotated), a.eigenvectors.t());
+  return parallel_mm(parallel_mm(g.eigenvectors, rotated), a.eigenvectors.t());
 }
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
@@ -92,7 +94,7 @@ std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch:
 
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
                                    const torch::Tensor& grad) {
-  return torch::mm(torch::mm(g_inverse, grad), a_inverse);
+  return parallel_mm(parallel_mm(g_inverse, grad), a_inverse);
 }
 
 double kl_clip_scale(double vg_sum, double kl_clip) {

@@ -1,4 +1,5 @@
 #include "dkfac/math/factors.h"
+#include "dkfac/math/gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -73,24 +74,28 @@ class ConvFactors : public ::testing::TestWithParam<ConvCase> {};
 TEST_P(ConvFactors, PatchesAndFactorsMatchLoops) {
   const auto p = GetParam();
   torch::manual_seed(3);
-  auto input = torch::randn({2, 3, 7, 6}, torch::kFloat64);
-  Conv2dGeometry geometry;
-  geometry.kernel_size = {p.kh, p.kw};
-  geometry.stride = {p.sh, p.sw};
-  geometry.dilation = {p.dh, p.dw};
-  geometry.padding = {p.pw, p.pw, p.ph, p.ph};
-  auto expected = patches_by_loops(input, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw);
-  auto patches = conv2d_patches(input, geometry);
-  EXPECT_TENSOR_NEAR(patches, expected, 1e-15);
+  // 3 channels: patches by unfold; 9: by the channels-last copy and a permuted factor.
+  for (int64_t channels : {3, 9}) {
+    SCOPED_TRACE("channels " + std::to_string(channels));
+    auto input = torch::randn({2, channels, 7, 6}, torch::kFloat64);
+    Conv2dGeometry geometry;
+    geometry.kernel_size = {p.kh, p.kw};
+    geometry.stride = {p.sh, p.sw};
+    geometry.dilation = {p.dh, p.dw};
+    geometry.padding = {p.pw, p.pw, p.ph, p.ph};
+    auto expected = patches_by_loops(input, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw);
+    auto patches = conv2d_patches(input, geometry);
+    EXPECT_TENSOR_NEAR(patches, expected, 1e-15);
 
-  // A = cov([P, 1] / S) with S spatial positions per example, written densely.
-  const int64_t S = expected.size(0) / 2;
-  auto with_ones = torch::cat({expected, torch::ones({expected.size(0), 1}, torch::kFloat64)}, 1) / double(S);
-  auto a_expected = torch::mm(with_ones.t(), with_ones) / double(expected.size(0));
-  EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, true), a_expected, 1e-13);
-  auto no_bias = expected / double(S);
-  EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, false), torch::mm(no_bias.t(), no_bias) / double(expected.size(0)),
-                     1e-13);
+    // A = cov([P, 1] / S) with S spatial positions per example, written densely.
+    const int64_t S = expected.size(0) / 2;
+    auto with_ones = torch::cat({expected, torch::ones({expected.size(0), 1}, torch::kFloat64)}, 1) / double(S);
+    auto a_expected = torch::mm(with_ones.t(), with_ones) / double(expected.size(0));
+    EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, true), a_expected, 1e-13);
+    auto no_bias = expected / double(S);
+    EXPECT_TENSOR_NEAR(conv2d_a_factor(input, geometry, false),
+                       torch::mm(no_bias.t(), no_bias) / double(expected.size(0)), 1e-13);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Geometries, ConvFactors,
@@ -98,23 +103,51 @@ INSTANTIATE_TEST_SUITE_P(Geometries, ConvFactors,
                                            ConvCase{3, 2, 1, 2, 1, 0, 2, 1}, ConvCase{1, 1, 1, 1, 0, 0, 1, 1},
                                            ConvCase{2, 3, 2, 1, 2, 1, 1, 2}, ConvCase{3, 3, 1, 1, 2, 2, 2, 2}));
 
-TEST(Factors, ConvGFactorMatchesLoops) {
-  torch::manual_seed(4);
-  auto grad = torch::randn({2, 4, 3, 5}, torch::kFloat64);
+// G = sum over examples and positions of (g / S)(g / S)^T / n, written as loops.
+torch::Tensor g_factor_by_loops(const torch::Tensor& grad) {
+  const int64_t B = grad.size(0), C = grad.size(1), H = grad.size(2), W = grad.size(3);
   auto G = grad.accessor<double, 4>();
-  auto expected = torch::zeros({4, 4}, torch::kFloat64);
+  auto expected = torch::zeros({C, C}, torch::kFloat64);
   auto E = expected.accessor<double, 2>();
-  const double S = 15.0;
-  const double n = 2 * 15;
-  for (int64_t i = 0; i < 4; ++i)
-    for (int64_t j = 0; j < 4; ++j) {
+  const double S = double(H * W);
+  const double n = double(B * H * W);
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j = 0; j < C; ++j) {
       double sum = 0;
-      for (int64_t b = 0; b < 2; ++b)
-        for (int64_t y = 0; y < 3; ++y)
-          for (int64_t x = 0; x < 5; ++x) sum += (G[b][i][y][x] / S) * (G[b][j][y][x] / S);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t y = 0; y < H; ++y)
+          for (int64_t x = 0; x < W; ++x) sum += (G[b][i][y][x] / S) * (G[b][j][y][x] / S);
       E[i][j] = sum / n;
     }
-  EXPECT_TENSOR_NEAR(conv2d_g_factor(grad), expected, 1e-14);
+  return expected;
+}
+
+TEST(Factors, ConvGFactorMatchesLoops) {
+  torch::manual_seed(4);
+  // Fewer channels than positions (batched product), more (transposed copy), and a non-contiguous gradient.
+  for (auto grad : {torch::randn({2, 4, 3, 5}, torch::kFloat64), torch::randn({2, 6, 1, 2}, torch::kFloat64),
+                    torch::randn({2, 5, 3, 4}, torch::kFloat64).transpose(2, 3)}) {
+    SCOPED_TRACE("gradient " + c10::str(grad.sizes()));
+    EXPECT_TENSOR_NEAR(conv2d_g_factor(grad), g_factor_by_loops(grad), 1e-14);
+  }
+}
+
+// gram() and parallel_mm() split large products over threads and multiply only the upper block triangle:
+// they must equal the plain product, and gram() must be exactly symmetric.
+TEST(Gemm, GramAndParallelProductMatchPlainProducts) {
+  torch::manual_seed(5);
+  for (auto dims : {std::array<int64_t, 2>{37, 5}, std::array<int64_t, 2>{300, 129}, std::array<int64_t, 2>{513, 260}}) {
+    SCOPED_TRACE("x " + std::to_string(dims[0]) + "x" + std::to_string(dims[1]));
+    auto x = torch::randn({dims[0], dims[1]}, torch::kFloat64);
+    auto g = gram(x);
+    EXPECT_TENSOR_NEAR(g, torch::mm(x.t(), x), 1e-11);
+    EXPECT_TRUE(torch::equal(g, g.t()));
+    auto y = torch::randn({dims[1], 301}, torch::kFloat64);
+    EXPECT_TENSOR_NEAR(parallel_mm(x, y), torch::mm(x, y), 1e-11);
+    EXPECT_TENSOR_NEAR(parallel_mm(y.t(), x.t()), torch::mm(y.t(), x.t()), 1e-11);  // transposed views
+  }
+  EXPECT_THROW(parallel_mm(torch::zeros({2, 3}), torch::zeros({2, 3})), c10::Error);
+  EXPECT_THROW(gram(torch::zeros({2, 3, 4})), c10::Error);
 }
 
 TEST(Factors, RejectsBadShapes) {

@@ -1,0 +1,114 @@
+#include "dkfac/math/gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace dkfac::math {
+namespace {
+
+// Below this many multiply-adds a product is not worth splitting.
+constexpr double kMinSplitWork = 4e6;
+
+// Runs fn(0) ... fn(tasks - 1), spread over this thread and LibTorch's inter-op pool (at::launch).
+// The caller claims tasks too and waits only for tasks a pool thread has claimed, so it never waits for
+// a pool that is busy (or that it runs on). at::parallel_for would need this file built with OpenMP, and a
+// second OpenMP runtime next to the one of a pip LibTorch.
+void run_tasks(int64_t tasks, int helpers, const std::function<void(int64_t)>& fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    int64_t done = 0;
+    std::exception_ptr error;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, tasks](const std::function<void(int64_t)>& body) {
+    for (int64_t t; (t = shared->next.fetch_add(1)) < tasks;) {
+      std::exception_ptr error;
+      try {
+        body(t);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(shared->mutex);
+      if (error && !shared->error) shared->error = error;
+      if (++shared->done == tasks) shared->done_cv.notify_all();
+    }
+  };
+  // `fn` lives on the caller's stack: a helper that starts after every task was claimed never calls it.
+  for (int h = 0; h < helpers; ++h) at::launch([work, &fn] { work(fn); });
+  work(fn);
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  shared->done_cv.wait(lock, [&] { return shared->done == tasks; });
+  if (shared->error) std::rethrow_exception(shared->error);
+}
+
+}  // namespace
+
+torch::Tensor gram(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "gram expects a 2-D tensor, got shape ", x.sizes());
+  const int64_t n = x.size(0);
+  const int64_t d = x.size(1);
+  const int threads = at::get_num_threads();
+  if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinSplitWork) {
+    auto c = torch::mm(x.t(), x);
+    return torch::add(c, c.t()).mul_(0.5);
+  }
+  // Row block b of the output covers rows [s_b, s_{b+1}) and columns [s_b, d); its work is proportional
+  // to the trapezoid's area, equal for every block when (d - s_b)^2 = d^2 (1 - b / blocks).
+  const int64_t blocks = std::max(4, 2 * threads);
+  std::vector<int64_t> start(blocks + 1);
+  for (int64_t b = 0; b <= blocks; ++b) {
+    start[b] = static_cast<int64_t>(std::llround(d * (1.0 - std::sqrt(1.0 - static_cast<double>(b) / blocks))));
+  }
+  start[blocks] = d;
+  auto out = torch::empty({d, d}, x.options());
+  const auto xt = x.t();
+  run_tasks(blocks, threads - 1, [&](int64_t b) {
+    const int64_t s = start[b];
+    const int64_t e = start[b + 1];
+    if (e <= s) return;
+    auto target = out.slice(0, s, e).slice(1, s, d);
+    torch::mm_out(target, xt.slice(0, s, e), x.slice(1, s, d));
+  });
+  // Mirror the strictly lower blocks from the upper ones; the diagonal blocks are symmetrised in place.
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t s = start[b];
+    const int64_t e = start[b + 1];
+    if (e <= s) continue;
+    if (e < d) out.slice(0, e, d).slice(1, s, e).copy_(out.slice(0, s, e).slice(1, e, d).t());
+    auto diagonal = out.slice(0, s, e).slice(1, s, e);
+    diagonal.copy_(torch::add(diagonal, diagonal.t()).mul_(0.5));
+  }
+  return out;
+}
+
+torch::Tensor parallel_mm(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "mm expects [m, k] @ [k, n], got ",
+              a.sizes(), " and ", b.sizes());
+  const int64_t m = a.size(0);
+  const int threads = at::get_num_threads();
+  const double work = static_cast<double>(m) * a.size(1) * b.size(1);
+  if (!a.is_cpu() || threads < 2 || m < 2 * threads || work < kMinSplitWork) return torch::mm(a, b);
+  auto out = torch::empty({m, b.size(1)}, a.options());
+  const int64_t rows = (m + threads - 1) / threads;
+  run_tasks(threads, threads - 1, [&](int64_t t) {
+    const int64_t s = t * rows;
+    const int64_t e = std::min(m, s + rows);
+    if (e <= s) return;
+    auto target = out.slice(0, s, e);
+    torch::mm_out(target, a.slice(0, s, e), b);
+  });
+  return out;
+}
+
+}  // namespace dkfac::math
