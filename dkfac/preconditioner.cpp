@@ -93,6 +93,21 @@ void Preconditioner::step() {
   arm_capture();
 }
 
+void Preconditioner::discard_step() {
+  const bool factor_step = is_factor_step(steps_);
+  auto plan = check_layers(factor_step);
+  if (factor_step) {
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
+    }
+    // The other ranks reduce this step's factors too (SPD has already started during backward).
+    if (strategy_) strategy_->reduce_factors(batches);
+  }
+  for (auto& layer : layers_) layer.module().factor_capture().clear();
+  arm_capture();
+}
+
 std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_step) {
   std::vector<LayerPlan> plan(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {

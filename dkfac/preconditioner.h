@@ -61,6 +61,12 @@ class Preconditioner {
   /// -> KL clip -> write gradients. Then arms capture for the next step.
   void step();
 
+  /// Drops the current step without touching gradients, factors or the step counter, for a training loop
+  /// that skips a step (e.g. a non-finite loss). Factors captured in forward/backward are discarded; on a
+  /// factor step of a distributed preconditioner the factor collectives still run, so every rank must call
+  /// it for the same step. Capture stays armed for the step that replaces it.
+  void discard_step();
+
   /// K-FAC steps taken so far (0 before the first step()).
   int64_t steps() const { return steps_; }
   /// True if step() number `step` updates factors / second-order state.

@@ -57,6 +57,13 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--checkpoint-dir", c.checkpoint_dir, "directory for checkpoint.pt (written atomically)");
   app.add_option("--checkpoint-every-epochs", c.checkpoint_every_epochs, "epochs between checkpoints")
       ->capture_default_str();
+  app.add_option("--checkpoint-every-steps", c.checkpoint_every_steps,
+                 "also checkpoint every N steps (0: only at epoch ends)")
+      ->capture_default_str();
+  app.add_option("--on-nan-loss", c.on_nan_loss,
+                 "stop: end with an error before a non-finite loss or gradient reaches the weights; skip: drop "
+                 "that step and go on")
+      ->capture_default_str();
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/checkpoint.pt if it exists");
   app.add_option("--eval-examples", c.eval_examples, "evaluate on the first N test examples (0: all)")
       ->capture_default_str();
@@ -132,6 +139,13 @@ int run_rank(dkfac::train::TrainConfig config, const Job& job, int timeout_s) {
     options.world_size = job.world;
     options.timeout = std::chrono::seconds(timeout_s);
     communicator = dkfac::comm::Communicator::connect(options);
+    // The main thread may be blocked in a collective that no longer completes: end the process here.
+    communicator->on_lost_rank([rank = job.rank](const std::string& message) {
+      std::cout << std::flush;
+      std::cerr << "[rank " << rank << "] dkfac: error: " << message << "; stopping (the last checkpoint is intact)"
+                << std::endl;
+      std::_Exit(1);
+    });
     if (config.threads == 0) {
       config.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / job.world);
     }
@@ -336,12 +350,13 @@ int run_bench(BenchCli cli) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // OpenMP's worker threads otherwise spin for milliseconds after every parallel region, on the cores the
-  // next single-threaded BLAS call needs (K-FAC's preconditioning took 15 instead of 10 ms per cnn step,
-  // docs/PERFORMANCE.md). The OpenMP runtime reads the variable when it loads, so set it and start again;
-  // a value the user set is kept.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr && ::setenv("OMP_WAIT_POLICY", "passive", 1) == 0) {
-    ::execv("/proc/self/exe", argv);  // returns only on failure: then run with the runtime's default
+  // GNU OpenMP's worker threads spin for milliseconds after every parallel region, on the cores that the
+  // next single-threaded BLAS call of K-FAC needs; a shorter spin made the cnn's K-FAC step 10% faster and
+  // cost SGD nothing measurable (docs/PERFORMANCE.md). The runtime reads its settings when it loads, so
+  // set the variable and start again. A wait policy or spin count the user chose is kept.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr && std::getenv("GOMP_SPINCOUNT") == nullptr &&
+      ::setenv("GOMP_SPINCOUNT", "20000", 1) == 0) {
+    ::execv("/proc/self/exe", argv);  // returns only on failure: then run with the runtime's defaults
   }
   CLI::App app{"dkfac: distributed K-FAC training for LibTorch"};
   app.set_version_flag("--version", std::string("dkfac ") + DKFAC_VERSION_STRING);

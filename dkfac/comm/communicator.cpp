@@ -8,15 +8,20 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdlib>
 #include <functional>
+#include <iomanip>
+#include <sstream>
+#include <thread>
 
 namespace dkfac::comm {
 
 struct Handle::Impl {
   c10::intrusive_ptr<c10d::Work> work;
-  std::function<void()> after;  // runs once the collective completed
-  std::string what;             // for error messages
+  std::function<void()> after;          // runs once the collective completed
+  std::string what;                     // for error messages
+  std::function<std::string()> diagnose;  // which ranks went silent, for error messages
 };
 
 Handle::Handle() = default;
@@ -30,8 +35,10 @@ void Handle::wait() {
   try {
     impl->work->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dkfac: ", impl->what, " failed (a peer died, stopped answering or the timeout passed): ",
-                e.what());
+    const std::string silent = impl->diagnose ? impl->diagnose() : std::string();
+    TORCH_CHECK(false, "dkfac: ", impl->what, " failed (",
+                silent.empty() ? "a peer died, stopped answering or the timeout passed" : "lost " + silent,
+                "): ", e.what());
   }
   if (impl->after) impl->after();
 }
@@ -50,6 +57,8 @@ InProcessStore::~InProcessStore() = default;
 
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Store> watch_store;  // the watchdog's own client of a TCPStore
+  std::string address = "this process";          // where the store lives, for messages
   std::chrono::milliseconds timeout;
   std::shared_ptr<::gloo::transport::Device> device;
   struct Group {
@@ -83,9 +92,155 @@ Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size)
   std::vector<int> all(size);
   for (int r = 0; r < size; ++r) all[r] = r;
   impl_->groups.push_back({all, impl_->make_group("dkfac/world/", rank, size)});
+  start_watchdog();
 }
 
-Communicator::~Communicator() = default;
+// Heartbeats through the store. The thread owns its own store client where the store is a TCPStore, so
+// that a blocking store call of the main thread (group creation) never delays a heartbeat.
+struct Communicator::Watchdog {
+  using Clock = std::chrono::steady_clock;
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds interval{1000};
+  std::chrono::milliseconds timeout{60000};
+  std::string store_address;  // for messages
+
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stopping = false;
+  std::vector<std::string> last_value;
+  std::vector<Clock::time_point> last_change;
+  std::string store_error;
+  std::function<void(const std::string&)> on_lost;
+  bool reported = false;
+  std::thread thread;
+
+  static std::string key(int r) { return "dkfac/heartbeat/" + std::to_string(r); }
+
+  void start() {
+    last_value.assign(size, "");
+    last_change.assign(size, Clock::now());
+    thread = std::thread([this] { run(); });
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stopping = true;
+    }
+    wake.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+
+  void run() {
+    int64_t beat = 0;
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!stopping) {
+      lock.unlock();
+      std::string error;
+      std::vector<std::string> seen(size);
+      try {
+        const auto value = std::to_string(++beat);
+        store->set(key(rank), std::vector<uint8_t>(value.begin(), value.end()));
+        for (int r = 0; r < size; ++r) {
+          if (r == rank || !store->check({key(r)})) continue;
+          const auto bytes = store->get(key(r));
+          seen[r] = std::string(bytes.begin(), bytes.end());
+        }
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      lock.lock();
+      const auto now = Clock::now();
+      if (!error.empty() && store_error.empty()) store_error = error;
+      for (int r = 0; r < size; ++r) {
+        if (r == rank || seen[r].empty() || seen[r] == last_value[r]) continue;
+        last_value[r] = seen[r];
+        last_change[r] = now;
+      }
+      std::string lost;
+      if (!store_error.empty() && rank != 0) {
+        lost = "rank 0 (the rendezvous store it hosts at " + store_address + " stopped answering: " + store_error + ")";
+      } else {
+        lost = silent_locked(timeout, now);
+      }
+      if (!lost.empty() && !reported && on_lost) {
+        reported = true;
+        auto callback = on_lost;
+        lock.unlock();
+        callback("rank " + std::to_string(rank) + " lost " + lost);
+        lock.lock();
+      }
+      wake.wait_for(lock, interval, [this] { return stopping; });
+    }
+  }
+
+  std::string silent_locked(std::chrono::milliseconds silent_for, Clock::time_point now) const {
+    std::ostringstream out;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
+      const auto quiet = now - last_change[r];
+      if (quiet < silent_for) continue;
+      out << (out.tellp() > 0 ? ", " : "") << "rank " << r << " (no heartbeat for " << std::fixed
+          << std::setprecision(1) << std::chrono::duration<double>(quiet).count() << " s)";
+    }
+    return out.str();
+  }
+
+  // After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile.
+  std::string diagnose() {
+    const auto since = Clock::now();
+    std::unique_lock<std::mutex> lock(mutex);
+    wake.wait_for(lock, 3 * interval, [this] { return stopping; });
+    if (!store_error.empty() && rank != 0) return "rank 0 (its rendezvous store stopped answering)";
+    std::ostringstream out;
+    for (int r = 0; r < size; ++r) {
+      // A live rank beats every interval; allow one interval for this thread to notice.
+      if (r == rank || last_change[r] > since + interval) continue;
+      out << (out.tellp() > 0 ? ", " : "") << "rank " << r << " (no heartbeat for " << std::fixed
+          << std::setprecision(1) << std::chrono::duration<double>(Clock::now() - last_change[r]).count() << " s)";
+    }
+    return out.str();
+  }
+};
+
+Communicator::~Communicator() {
+  if (watchdog_) watchdog_->stop();
+}
+
+std::string Communicator::silent_ranks(std::chrono::milliseconds silent_for) const {
+  if (!watchdog_) return "";
+  std::lock_guard<std::mutex> lock(watchdog_->mutex);
+  return watchdog_->silent_locked(silent_for, Watchdog::Clock::now());
+}
+
+void Communicator::on_lost_rank(std::function<void(const std::string&)> callback) {
+  if (!watchdog_) return;
+  std::lock_guard<std::mutex> lock(watchdog_->mutex);
+  watchdog_->on_lost = std::move(callback);
+}
+
+std::function<std::string()> Communicator::diagnosis() const {
+  if (!watchdog_) return nullptr;
+  return [weak = std::weak_ptr<Watchdog>(watchdog_)] {
+    auto watchdog = weak.lock();
+    return watchdog ? watchdog->diagnose() : std::string();
+  };
+}
+
+void Communicator::start_watchdog() {
+  if (size_ == 1) return;
+  watchdog_ = std::make_shared<Watchdog>();
+  watchdog_->store = impl_->watch_store ? impl_->watch_store : impl_->store;
+  watchdog_->rank = rank_;
+  watchdog_->size = size_;
+  watchdog_->timeout = impl_->timeout;
+  watchdog_->interval = std::max(std::chrono::milliseconds(50), std::min(std::chrono::milliseconds(1000),
+                                                                          impl_->timeout / 10));
+  watchdog_->store_address = impl_->address;
+  watchdog_->start();
+}
 
 std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& options) {
   TORCH_CHECK(options.world_size >= 1, "world size must be >= 1, got ", options.world_size);
@@ -106,6 +261,20 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
     TORCH_CHECK(false, "rank ", options.rank, ": rendezvous at ", options.host, ":", options.port, " with ",
                 options.world_size, " ranks failed within ", options.timeout.count(), " ms: ", e.what());
   }
+  if (options.world_size > 1) {
+    // Joined once every rank is in, so it does not count as one of the workers the store waits for.
+    c10d::TCPStoreOptions client = store_options;
+    client.isServer = false;
+    client.waitWorkers = false;
+    client.numWorkers = c10::nullopt;
+    try {
+      impl->watch_store = c10::make_intrusive<c10d::TCPStore>(options.host, client);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", options.rank, ": second connection to the rendezvous store at ", options.host, ":",
+                  options.port, " failed: ", e.what());
+    }
+  }
+  impl->address = options.host + ":" + std::to_string(options.port);
   impl->device = make_device(options.host);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), options.rank, options.world_size));
 }
@@ -158,6 +327,7 @@ Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, const st
   std::vector<torch::Tensor> tensors{tensor};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->allreduce(tensors);
+  h.impl_->diagnose = diagnosis();
   h.impl_->what = "allreduce of " + std::to_string(tensor.numel()) + " elements (" + phase + ") over " +
                   std::to_string(g.members.size()) + " ranks";
   return h;
@@ -184,6 +354,7 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, co
   std::vector<torch::Tensor> tensors{tensor};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->broadcast(tensors, options);
+  h.impl_->diagnose = diagnosis();
   h.impl_->what = "broadcast of " + std::to_string(tensor.numel()) + " elements (" + phase + ") from rank " +
                   std::to_string(root);
   return h;

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -102,6 +103,17 @@ class Communicator {
   /// Traffic per phase since construction.
   std::map<std::string, Traffic> traffic() const;
 
+  /// Every rank publishes a heartbeat in the rendezvous store (from a thread, every min(1 s, timeout / 10))
+  /// and watches the others'. The ranks whose heartbeat has not moved for `silent_for`, as
+  /// "rank 2 (no heartbeat for 3.1 s)", comma-separated; empty when every rank is alive. A failed
+  /// collective's error carries this diagnosis.
+  std::string silent_ranks(std::chrono::milliseconds silent_for) const;
+
+  /// Called once, from the watchdog thread, with a message naming the lost rank when a rank has been
+  /// silent for the timeout or the store (hosted by rank 0) stopped answering. A training program ends
+  /// the process there; the main thread may be blocked in a collective that no longer completes.
+  void on_lost_rank(std::function<void(const std::string&)> callback);
+
  private:
   struct Impl;
   Communicator(std::unique_ptr<Impl> impl, int rank, int size);
@@ -110,6 +122,10 @@ class Communicator {
   std::unique_ptr<Impl> impl_;
   int rank_;
   int size_;
+  struct Watchdog;
+  std::shared_ptr<Watchdog> watchdog_;
+  void start_watchdog();
+  std::function<std::string()> diagnosis() const;
   mutable std::mutex traffic_mutex_;
   std::map<std::string, Traffic> traffic_;
 };

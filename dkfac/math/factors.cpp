@@ -11,6 +11,30 @@ namespace {
 // runs of fewer than this many floats.
 constexpr int64_t kChannelsLastMin = 8;
 
+// [sym, column; column^T, s n]: the factor of [X, 1] from sym = s X^T X and column = s X^T 1.
+torch::Tensor with_bias_border(const torch::Tensor& sym, const torch::Tensor& column, double s, int64_t n) {
+  const auto k = sym.size(0);
+  auto cov = torch::empty({k + 1, k + 1}, sym.options());
+  cov.slice(0, 0, k).slice(1, 0, k).copy_(sym);
+  cov.slice(0, 0, k).select(1, k).copy_(column);
+  cov.select(0, k).slice(0, 0, k).copy_(column);
+  cov.select(0, k).select(0, k).fill_(s * static_cast<double>(n));
+  return cov;
+}
+
+// covariance() of X = the rows of every u_b^T for u [B, k, L] (the layout unfold and a conv output gradient
+// have), as sum_b u_b u_b^T: no transposed copy of u. Worth it while the [B, k, k] products are no larger
+// than u, i.e. k <= L.
+torch::Tensor batched_covariance(const torch::Tensor& u, bool with_bias, double scale) {
+  const int64_t n = u.size(0) * u.size(2);
+  TORCH_CHECK(n > 0, "covariance of an empty batch (0 rows)");
+  const double s = scale * scale / static_cast<double>(n);
+  auto c = torch::bmm(u, u.transpose(1, 2)).sum(0);
+  auto sym = torch::add(c, c.t()).mul_(0.5 * s);
+  if (!with_bias) return sym;
+  return with_bias_border(sym, u.sum(torch::IntArrayRef{0, 2}).mul_(s), s, n);
+}
+
 }  // namespace
 
 torch::Tensor covariance(const torch::Tensor& x, bool with_bias, double scale) {
@@ -21,14 +45,7 @@ torch::Tensor covariance(const torch::Tensor& x, bool with_bias, double scale) {
   // gram() is exactly symmetric, so the reference's (C + C^T) / 2 reduces to the scaling.
   auto sym = gram(x).mul_(s);
   if (!with_bias) return sym;
-  const auto k = x.size(1);
-  auto cov = torch::empty({k + 1, k + 1}, x.options());
-  cov.slice(0, 0, k).slice(1, 0, k).copy_(sym);
-  auto column = x.sum(0).mul_(s);  // X^T 1 * scale^2 / n
-  cov.slice(0, 0, k).select(1, k).copy_(column);
-  cov.select(0, k).slice(0, 0, k).copy_(column);
-  cov.select(0, k).select(0, k).fill_(s * static_cast<double>(n));
-  return cov;
+  return with_bias_border(sym, x.sum(0).mul_(s), s, n);  // X^T 1 * scale^2 / n
 }
 
 torch::Tensor linear_a_factor(const torch::Tensor& input, bool with_bias) {
@@ -41,21 +58,28 @@ torch::Tensor linear_g_factor(const torch::Tensor& grad_output) {
   return covariance(grad_output.reshape({-1, grad_output.size(-1)}));
 }
 
-torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry) {
+namespace {
+
+torch::Tensor padded_input(const torch::Tensor& input, const Conv2dGeometry& geometry) {
   TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
-  auto padded = input;
   const auto& p = geometry.padding;
-  if (p[0] != 0 || p[1] != 0 || p[2] != 0 || p[3] != 0) {
-    padded = F::pad(input, F::PadFuncOptions({p[0], p[1], p[2], p[3]}).mode(geometry.padding_mode));
-  }
+  if (p[0] == 0 && p[1] == 0 && p[2] == 0 && p[3] == 0) return input;
+  return F::pad(input, F::PadFuncOptions({p[0], p[1], p[2], p[3]}).mode(geometry.padding_mode));
+}
+
+// unfold's patches [B, C*kh*kw, L], rows ordered (channel, kernel row, kernel column).
+torch::Tensor unfolded_patches(const torch::Tensor& input, const Conv2dGeometry& geometry) {
+  const auto padded = padded_input(input, geometry);
   const auto& k = geometry.kernel_size;
   const auto& st = geometry.stride;
   const auto& d = geometry.dilation;
-  // [B, C*kh*kw, L] with rows ordered (channel, kernel row, kernel column).
-  auto columns = F::unfold(padded, F::UnfoldFuncOptions({k[0], k[1]})
-                                       .dilation({d[0], d[1]})
-                                       .padding(0)
-                                       .stride({st[0], st[1]}));
+  return F::unfold(padded, F::UnfoldFuncOptions({k[0], k[1]}).dilation({d[0], d[1]}).padding(0).stride({st[0], st[1]}));
+}
+
+}  // namespace
+
+torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry) {
+  auto columns = unfolded_patches(input, geometry);
   return columns.transpose(1, 2).reshape({-1, columns.size(1)});
 }
 
@@ -64,18 +88,16 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
   TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
   const int64_t channels = input.size(1);
   if (channels < kChannelsLastMin) {
-    auto patches = conv2d_patches(input, geometry);
-    const auto spatial = patches.size(0) / input.size(0);
-    return covariance(patches, with_bias, 1.0 / static_cast<double>(spatial));
+    const auto columns = unfolded_patches(input, geometry);
+    const auto spatial = columns.size(2);
+    if (columns.size(1) <= spatial) return batched_covariance(columns, with_bias, 1.0 / static_cast<double>(spatial));
+    return covariance(columns.transpose(1, 2).reshape({-1, columns.size(1)}), with_bias,
+                      1.0 / static_cast<double>(spatial));
   }
   // One copy from a channels-last view builds the patches with columns in (kernel row, kernel column,
   // channel) order; unfold + transpose would copy twice. The factor is then permuted to the
   // (channel, kernel row, kernel column) order of conv2d_patches, which costs dim^2, not rows * dim.
-  auto padded = input;
-  const auto& p = geometry.padding;
-  if (p[0] != 0 || p[1] != 0 || p[2] != 0 || p[3] != 0) {
-    padded = F::pad(input, F::PadFuncOptions({p[0], p[1], p[2], p[3]}).mode(geometry.padding_mode));
-  }
+  const auto padded = padded_input(input, geometry);
   const auto& k = geometry.kernel_size;
   const auto& st = geometry.stride;
   const auto& dl = geometry.dilation;
@@ -107,10 +129,7 @@ torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
   if (channels <= spatial && grad_output.is_contiguous()) {
     // Sum over the batch of Y_b Y_b^T with Y_b [C, H*W] as stored: no transposed copy of the gradient,
     // and the batched product's output [B, C, C] is no larger than that copy would be.
-    const auto y = grad_output.view({batch, channels, spatial});
-    auto c = torch::bmm(y, y.transpose(1, 2)).sum(0);
-    const double s = 1.0 / (static_cast<double>(spatial) * spatial * static_cast<double>(batch * spatial));
-    return torch::add(c, c.t()).mul_(0.5 * s);
+    return batched_covariance(grad_output.view({batch, channels, spatial}), false, 1.0 / static_cast<double>(spatial));
   }
   auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, channels});
   return covariance(y, false, 1.0 / static_cast<double>(spatial));

@@ -1,6 +1,10 @@
 // The training loop of `dkfac train`: determinism, exact resume, checkpoint safety, option errors.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/resource.h>
+
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -89,15 +93,145 @@ TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
   }
   EXPECT_EQ(fs::file_size(path), size);
 
-  // A damaged file is reported as such.
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a checkpoint";
+  // Another layout (strategy, world, placement) is refused the same way.
   c.model = "mlp";
+  c.strategy = "dkfac-lw";
   try {
     Trainer(c).run();
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("is damaged or not a dkfac checkpoint"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("was written with layout 'world 1, rank 0, strategy kaisa"), std::string::npos)
+        << e.what();
   }
+  EXPECT_EQ(fs::file_size(path), size);
+
+  // A foreign file is reported as such.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a checkpoint";
+  c.strategy = "kaisa";
+  try {
+    Trainer(c).run();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a dkfac checkpoint (no DKFACCKP header)"), std::string::npos)
+        << e.what();
+  }
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Every defect of the envelope is named before the archive reader sees a byte of it.
+TEST_F(TrainerTest, DamagedCheckpointsAreRefusedWithTheDefect) {
+  const auto path = (dir_ / "state.pt").string();
+  save_atomically(path, [](torch::serialize::OutputArchive& a) { a.write("x", torch::arange(64)); });
+  const auto good = read_bytes(path);
+  torch::Tensor x;
+  parse_checkpoint(good, "good").read("x", x);
+  EXPECT_TRUE(torch::equal(x, torch::arange(64)));
+
+  auto expect = [](const std::string& bytes, const std::string& needle) {
+    try {
+      parse_checkpoint(bytes, "f.pt");
+      ADD_FAILURE() << "accepted; expected: " << needle;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto flipped = good;
+  flipped[good.size() / 2] ^= 0x10;
+  expect(flipped, "checkpoint 'f.pt' is damaged: checksum mismatch");
+  expect(good.substr(0, good.size() - 7), "checkpoint 'f.pt' is truncated: ");
+  expect(good + "xyz", "checkpoint 'f.pt' has 3 bytes after its payload");
+  expect(good.substr(0, 10), "'f.pt' is not a dkfac checkpoint (no DKFACCKP header)");
+  expect("", "'f.pt' is not a dkfac checkpoint (no DKFACCKP header)");
+  auto version = good;
+  version[8] = 9;
+  expect(version, "checkpoint 'f.pt' has envelope version 9, this build reads 1");
+  try {
+    load_verified((dir_ / "missing.pt").string());
+    ADD_FAILURE() << "a missing file was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot open checkpoint '"), std::string::npos) << e.what();
+  }
+}
+
+// A disk that fills up while the checkpoint is written (simulated with RLIMIT_FSIZE) leaves the previous
+// checkpoint as it was and no temporary file.
+TEST_F(TrainerTest, FullDiskKeepsThePreviousCheckpoint) {
+  const auto path = (dir_ / "state.pt").string();
+  save_atomically(path, [](torch::serialize::OutputArchive& a) { a.write("x", torch::ones({3})); });
+  const auto before = read_bytes(path);
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto* previous_handler = ::signal(SIGXFSZ, SIG_IGN);  // write() then fails with EFBIG instead of killing us
+  struct rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string message;
+  try {
+    save_atomically(path, [](torch::serialize::OutputArchive& a) { a.write("x", torch::zeros({100000})); });
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, previous_handler);
+  EXPECT_NE(message.find("could not write checkpoint '" + path + "' (the previous one, if any, is intact): writing"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(read_bytes(path), before);
+  for (const auto& entry : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename(), "state.pt") << "temporary file left behind";
+  }
+}
+
+// A diverging run stops before a non-finite loss reaches the weights, or skips such steps when asked.
+TEST_F(TrainerTest, NonFiniteLossStopsOrIsSkipped) {
+  auto c = config();
+  c.kfac = false;
+  c.lr = 1e12;
+  c.lr_schedule = "constant";
+  c.max_steps = 8;
+  try {
+    Trainer(c).run();
+    FAIL() << "a diverging run finished";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("training loss or gradient became non-finite"), std::string::npos) << what;
+    EXPECT_NE(what.find("the weights were not updated"), std::string::npos) << what;
+    EXPECT_NE(what.find("--on-nan-loss skip"), std::string::npos) << what;
+  }
+  for (bool kfac : {false, true}) {
+    c.kfac = kfac;
+    c.on_nan_loss = "skip";
+    const auto summary = Trainer(c).run();
+    EXPECT_EQ(summary.steps, 8);
+    EXPECT_GT(summary.skipped_steps, 0);
+    EXPECT_EQ(summary.step_losses.size() + summary.skipped_steps, 8u);
+    for (double loss : summary.step_losses) EXPECT_TRUE(std::isfinite(loss));
+  }
+}
+
+// Checkpoints every N steps resume mid-epoch onto the same trajectory.
+TEST_F(TrainerTest, StepCheckpointsResumeMidEpoch) {
+  auto c = config();
+  c.max_steps = 14;
+  const auto straight = Trainer(c).run().step_losses;
+  c.checkpoint_dir = dir_.string();
+  c.checkpoint_every_steps = 5;
+  c.max_steps = 12;  // stops (and checkpoints) at 12; periodic checkpoints were written at 5 and 10
+  ::testing::internal::CaptureStdout();
+  Trainer(c).run();
+  const auto log = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(log.find("(every 5 steps, epoch 0, step 5)"), std::string::npos) << log;
+  EXPECT_NE(log.find("(every 5 steps, epoch 0, step 10)"), std::string::npos) << log;
+  c.max_steps = 14;
+  c.resume = true;
+  const auto resumed = Trainer(c).run().step_losses;
+  ASSERT_EQ(resumed.size(), 2u);
+  EXPECT_EQ(resumed[0], straight[12]);
+  EXPECT_EQ(resumed[1], straight[13]);
 }
 
 TEST_F(TrainerTest, AtomicSaveLeavesThePreviousFileOnFailure) {
@@ -111,8 +245,7 @@ TEST_F(TrainerTest, AtomicSaveLeavesThePreviousFileOnFailure) {
                                }),
                c10::Error);
   EXPECT_EQ(fs::file_size(path), before);
-  torch::serialize::InputArchive in;
-  in.load_from(path);
+  auto in = load_verified(path);
   torch::Tensor x;
   in.read("x", x);
   EXPECT_TRUE(torch::equal(x, torch::ones({3})));
@@ -185,6 +318,12 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c = TrainConfig();
   c.eval_examples = -1;
   expect(c, "--eval-examples must be >= 0, got -1");
+  c = TrainConfig();
+  c.on_nan_loss = "ignore";
+  expect(c, "--on-nan-loss must be stop or skip, got 'ignore'");
+  c = TrainConfig();
+  c.checkpoint_every_steps = -2;
+  expect(c, "--checkpoint-every-steps must be >= 0, got -2");
 }
 
 TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {

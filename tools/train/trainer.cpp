@@ -25,19 +25,10 @@ namespace {
 
 namespace F = torch::nn::functional;
 using Clock = std::chrono::steady_clock;
-constexpr int64_t kCheckpointVersion = 1;
+constexpr int64_t kCheckpointVersion = 2;  // 2: layout entry, DKFACCKP envelope
 
 bool one_of(const std::string& value, const std::vector<std::string>& valid) {
   return std::find(valid.begin(), valid.end(), value) != valid.end();
-}
-
-void fsync_path(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "' to sync it: ", std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "fsync of '", path, "' failed: ", std::strerror(err));
 }
 
 // Layer shapes of a model, to refuse a checkpoint of another model with a clear message.
@@ -68,6 +59,9 @@ void TrainConfig::validate() const {
               "--compute-method must be eigen or inverse, got '", compute_method, "'");
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
+  TORCH_CHECK(on_nan_loss == "stop" || on_nan_loss == "skip", "--on-nan-loss must be stop or skip, got '",
+              on_nan_loss, "'");
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
   TORCH_CHECK(eval_examples >= 0, "--eval-examples must be >= 0, got ", eval_examples);
   TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw", "spd", "dp"}),
@@ -88,24 +82,6 @@ double TrainConfig::fraction_for(int world) const {
   if (strategy != "kaisa" && strategy != "dkfac-lw") return 1.0;
   if (strategy == "dkfac-lw") return 1.0 / world;
   return grad_worker_fraction;
-}
-
-void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write) {
-  const auto target = std::filesystem::path(path);
-  const auto dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
-  const auto tmp = dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()));
-  try {
-    torch::serialize::OutputArchive archive;
-    write(archive);
-    archive.save_to(tmp.string());
-    fsync_path(tmp.string(), O_RDONLY);
-    std::filesystem::rename(tmp, target);
-    fsync_path(dir.string(), O_RDONLY | O_DIRECTORY);
-  } catch (const std::exception& e) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    TORCH_CHECK(false, "could not write checkpoint '", path, "' (the previous one, if any, is intact): ", e.what());
-  }
 }
 
 struct Trainer::State {
@@ -251,7 +227,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
           {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
           {"compute-method", c.compute_method}, {"checkpoint-dir", c.checkpoint_dir},
-          {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"resume", c.resume}, {"strategy", c.strategy},
+          {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
+          {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"strategy", c.strategy},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
           {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};
 }
@@ -288,6 +265,71 @@ void Trainer::check_same_options() {
   }
 }
 
+// One decision for every rank: a step is dropped (or training stops) when any rank's loss or its averaged
+// gradient is not finite, so that the ranks' collectives stay in step.
+bool Trainer::step_is_finite(const torch::Tensor& loss) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> largest{loss.detach().abs().reshape({1})};
+  for (const auto& p : state_->model->parameters()) {
+    if (p.grad().defined()) largest.push_back(p.grad().abs().max().reshape({1}));
+  }
+  bool finite = torch::isfinite(torch::cat(largest).max()).item<bool>();
+  if (communicator_ && world_ > 1) {
+    auto bad = torch::full({1}, finite ? 0.0f : 1.0f);
+    communicator_->allreduce_sum(bad, comm::kWorld, "finite-check").wait();
+    finite = bad.item<float>() == 0.0f;
+  }
+  return finite;
+}
+
+// The checkpoint to resume from: this rank's newest; with several ranks, the newest step for which every
+// rank has a checkpoint (current or .prev), so that all continue from the same step. Empty: start afresh.
+std::string Trainer::choose_checkpoint() {
+  std::vector<std::string> files;
+  std::vector<int64_t> steps;
+  for (const auto& file : {checkpoint_path(), checkpoint_path() + ".prev"}) {
+    if (!std::filesystem::exists(file)) continue;
+    c10::IValue step;
+    auto archive = load_verified(file);
+    TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
+                "' has no 'global_step' entry");
+    files.push_back(file);
+    steps.push_back(step.toInt());
+  }
+  if (!communicator_ || world_ == 1) return files.empty() ? "" : files.front();
+  auto table = torch::zeros({world_, 2}, torch::kInt64);  // step + 1 of every rank's files; 0: none
+  for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
+  communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
+  auto has = [&](int r, int64_t step) {
+    return table[r][0].item<int64_t>() == step + 1 || table[r][1].item<int64_t>() == step + 1;
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    bool everywhere = true;
+    for (int r = 0; r < world_; ++r) everywhere = everywhere && has(r, steps[i]);
+    if (everywhere) return files[i];
+  }
+  if (table.sum().item<int64_t>() == 0) return "";  // no rank has a checkpoint
+  std::ostringstream found;
+  for (int r = 0; r < world_; ++r) {
+    found << (r ? "; " : "") << "rank " << r << ":";
+    for (int i = 0; i < 2; ++i) {
+      const auto v = table[r][i].item<int64_t>();
+      if (v > 0) found << " step " << v - 1;
+    }
+  }
+  TORCH_CHECK(false, "the ranks' checkpoints in '", config_.checkpoint_dir, "' have no step in common (", found.str(),
+              "); resume needs a checkpoint of the same step on every rank");
+}
+
+std::string Trainer::layout() const {
+  // What decides which K-FAC state a rank holds: a checkpoint of another layout cannot be resumed.
+  std::ostringstream out;
+  out << "world " << world_ << ", rank " << rank_ << ", strategy " << config_.strategy << ", grad-worker-fraction "
+      << config_.fraction_for(world_) << ", " << (config_.colocate_factors ? "colocated" : "separate") << " factors, "
+      << (config_.balance_memory ? "memory" : "compute") << " balance";
+  return out.str();
+}
+
 std::string Trainer::checkpoint_path() const {
   // Each rank keeps its own file: with grad_worker_fraction < 1 ranks hold different K-FAC state.
   return config_.checkpoint_dir + (world_ == 1 ? "/checkpoint.pt" : "/checkpoint-rank" + std::to_string(rank_) + ".pt");
@@ -302,6 +344,9 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
   auto& s = *state_;
   std::filesystem::create_directories(config_.checkpoint_dir);
   const auto path = checkpoint_path();
+  // The previous checkpoint stays as .prev: ranks killed while writing a step's checkpoints can then
+  // still resume together from the step before.
+  if (std::filesystem::exists(path)) std::filesystem::rename(path, path + ".prev");
   save_atomically(path, [&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
     archive.write("model_name", c10::IValue(config_.model));
@@ -309,6 +354,7 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
     archive.write("kfac", c10::IValue(config_.kfac));
     archive.write("optimizer_name", c10::IValue(config_.optimizer));
     archive.write("shapes", c10::IValue(shape_signature(*s.model)));
+    archive.write("layout", c10::IValue(layout()));
     archive.write("epoch", c10::IValue(epoch));
     archive.write("step_in_epoch", c10::IValue(step_in_epoch));
     archive.write("global_step", c10::IValue(s.global_step));
@@ -332,17 +378,12 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
 
 bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   auto& s = *state_;
-  const auto path = checkpoint_path();
-  if (!std::filesystem::exists(path)) {
-    log() << "resume: no checkpoint at " << path << ", starting from scratch" << std::endl;
+  const auto path = choose_checkpoint();
+  if (path.empty()) {
+    log() << "resume: no checkpoint at " << checkpoint_path() << ", starting from scratch" << std::endl;
     return false;
   }
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "checkpoint '", path, "' is damaged or not a dkfac checkpoint: ", e.what_without_backtrace());
-  }
+  auto archive = load_verified(path);
   auto read = [&](const char* key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
@@ -351,7 +392,9 @@ bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   TORCH_CHECK(read("format_version").toInt() == kCheckpointVersion, "checkpoint '", path, "' has format version ",
               read("format_version").toInt(), ", this build reads ", kCheckpointVersion);
   auto expect = [&](const char* key, const std::string& mine) {
-    const auto theirs = read(key).toStringRef();
+    const auto value = read(key);
+    TORCH_CHECK(value.isString(), "checkpoint '", path, "' has a damaged '", key, "' entry");
+    const auto theirs = value.toStringRef();
     TORCH_CHECK(theirs == mine, "checkpoint '", path, "' was written with ", key, " '", theirs, "', this run uses '",
                 mine, "'");
   };
@@ -359,6 +402,7 @@ bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   expect("dataset", config_.dataset);
   expect("optimizer_name", config_.optimizer);
   expect("shapes", shape_signature(*s.model));
+  expect("layout", layout());
   TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
               read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
   torch::serialize::InputArchive model, optimizer;
@@ -434,6 +478,21 @@ TrainSummary Trainer::run() {
       auto loss = loss_of(s.model->forward(x), x, y);
       loss.backward();
       if (s.data_parallel) s.data_parallel->synchronize();  // buckets already in flight since backward
+      if (!step_is_finite(loss)) {
+        TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
+                    loss.item<double>(), ") at step ", s.global_step, " (epoch ", epoch + 1,
+                    "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
+                    "checkpoint, or pass --on-nan-loss skip to drop such steps");
+        if (s.kfac) s.kfac->discard_step();
+        s.optimizer->zero_grad();
+        ++summary.skipped_steps;
+        log() << "warning: skipped step " << s.global_step << " (epoch " << epoch + 1
+              << "): non-finite loss or gradient (--on-nan-loss skip); " << summary.skipped_steps
+              << " skipped so far" << std::endl;
+        s.emit({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", epoch}});
+        ++s.global_step;
+        continue;
+      }
       if (s.kfac) {
         const auto* pipeline = s.kfac->strategy() ? s.kfac->strategy()->pipeline() : nullptr;
         const bool profiling = pipeline && pipeline->profiling();
@@ -442,8 +501,6 @@ TrainSummary Trainer::run() {
       }
       s.optimizer->step();
       const double loss_value = loss.item<double>();
-      TORCH_CHECK(std::isfinite(loss_value), "training loss became ", loss_value, " at step ", s.global_step,
-                  " (epoch ", epoch, "); lower --lr or raise --damping");
       summary.step_losses.push_back(loss_value);
       epoch_loss += loss_value;
       ++epoch_steps;
@@ -484,6 +541,10 @@ TrainSummary Trainer::run() {
                                   {"communication", t.communication}};
         }
         s.emit(event);
+      }
+      if (config_.checkpoint_every_steps > 0 && !config_.checkpoint_dir.empty() &&
+          s.global_step % config_.checkpoint_every_steps == 0 && step_in_epoch + 1 < s.steps_per_epoch) {
+        save_checkpoint(epoch, step_in_epoch + 1, "every " + std::to_string(config_.checkpoint_every_steps) + " steps");
       }
     }
     if (s.terminal && rank_ == 0) std::cout << std::endl;

@@ -11,6 +11,7 @@
 #include "dkfac/dkfac.h"
 #include "tools/data/datasets.h"
 #include "tools/models/models.h"
+#include "tools/train/checkpoint.h"
 
 namespace dkfac::train {
 
@@ -41,6 +42,8 @@ struct TrainConfig {
   std::string metrics;  // JSON Lines file; empty: none
   std::string checkpoint_dir;
   int64_t checkpoint_every_epochs = 1;
+  int64_t checkpoint_every_steps = 0;  // 0: only at epoch ends (and --max-steps)
+  std::string on_nan_loss = "stop";    // stop | skip: what a non-finite loss or gradient does
   bool resume = false;
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
@@ -72,6 +75,7 @@ struct Evaluation {
 struct TrainSummary {
   int64_t steps = 0;
   int64_t epochs = 0;
+  int64_t skipped_steps = 0;  // steps dropped for a non-finite loss or gradient (--on-nan-loss skip)
   double best_accuracy = 0.0;
   double final_accuracy = 0.0;
   double final_test_loss = 0.0;
@@ -101,7 +105,10 @@ class Trainer {
   torch::Tensor loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const;
   void save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason);
   std::string checkpoint_path() const;
+  std::string layout() const;
   void check_same_options();
+  bool step_is_finite(const torch::Tensor& loss);
+  std::string choose_checkpoint();
   std::ostream& log() const;
   bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
 
@@ -113,8 +120,5 @@ class Trainer {
   std::unique_ptr<State> state_;
 };
 
-/// Writes `write(archive)` to `path` atomically: a temporary file in the same directory, fsync, rename,
-/// fsync of the directory. On failure the previous file at `path` is untouched and c10::Error is thrown.
-void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write);
 
 }  // namespace dkfac::train

@@ -1,0 +1,132 @@
+#include "tools/train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace dkfac::train {
+namespace {
+
+constexpr char kMagic[8] = {'D', 'K', 'F', 'A', 'C', 'C', 'K', 'P'};
+constexpr size_t kHeaderBytes = 24;
+
+void put_le(std::string& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+}
+
+uint64_t get_le(const std::string& in, size_t offset, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
+  return value;
+}
+
+uint32_t crc32_of(const char* data, size_t size) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  while (size > 0) {  // zlib takes uInt lengths
+    const auto chunk = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
+    data += chunk;
+    size -= chunk;
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+// write(2) of everything, with errno's text on failure (ENOSPC: "No space left on device").
+void write_all(int fd, const std::string& bytes, const std::string& path) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "writing '", path, "' failed: ", std::strerror(n < 0 ? errno : ENOSPC));
+    done += static_cast<size_t>(n);
+  }
+}
+
+void fsync_path(const std::string& path, int flags) {
+  const int fd = ::open(path.c_str(), flags);
+  TORCH_CHECK(fd >= 0, "cannot open '", path, "' to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "fsync of '", path, "' failed: ", std::strerror(err));
+}
+
+}  // namespace
+
+void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write) {
+  const auto target = std::filesystem::path(path);
+  const auto dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  const auto tmp = dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()));
+  int fd = -1;
+  try {
+    torch::serialize::OutputArchive archive;
+    write(archive);
+    std::ostringstream payload_stream;
+    archive.save_to(payload_stream);
+    const std::string payload = payload_stream.str();
+    std::string header(kMagic, sizeof(kMagic));
+    put_le(header, kEnvelopeVersion, 4);
+    put_le(header, payload.size(), 8);
+    put_le(header, crc32_of(payload.data(), payload.size()), 4);
+
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd >= 0, "cannot create '", tmp.string(), "': ", std::strerror(errno));
+    write_all(fd, header, tmp.string());
+    write_all(fd, payload, tmp.string());
+    TORCH_CHECK(::fsync(fd) == 0, "fsync of '", tmp.string(), "' failed: ", std::strerror(errno));
+    const int rc = ::close(fd);
+    fd = -1;
+    TORCH_CHECK(rc == 0, "closing '", tmp.string(), "' failed: ", std::strerror(errno));
+    std::filesystem::rename(tmp, target);
+    fsync_path(dir.string(), O_RDONLY | O_DIRECTORY);
+  } catch (const std::exception& e) {
+    if (fd >= 0) ::close(fd);
+    std::error_code ignored;
+    std::filesystem::remove(tmp, ignored);
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "could not write checkpoint '", path, "' (the previous one, if any, is intact): ",
+                c10_error ? c10_error->what_without_backtrace() : e.what());
+  }
+}
+
+torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name) {
+  TORCH_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
+              "'", name, "' is not a dkfac checkpoint (no DKFACCKP header)");
+  const auto version = get_le(bytes, 8, 4);
+  TORCH_CHECK(version == kEnvelopeVersion, "checkpoint '", name, "' has envelope version ", version,
+              ", this build reads ", kEnvelopeVersion);
+  const uint64_t size = get_le(bytes, 12, 8);
+  const uint64_t available = bytes.size() - kHeaderBytes;
+  TORCH_CHECK(size <= available, "checkpoint '", name, "' is truncated: ", available, " of ", size,
+              " payload bytes");
+  TORCH_CHECK(size == available, "checkpoint '", name, "' has ", available - size, " bytes after its payload");
+  const auto expected = static_cast<uint32_t>(get_le(bytes, 20, 4));
+  const auto actual = crc32_of(bytes.data() + kHeaderBytes, size);
+  TORCH_CHECK(actual == expected, "checkpoint '", name, "' is damaged: checksum mismatch");
+  torch::serialize::InputArchive archive;
+  std::istringstream payload(bytes.substr(kHeaderBytes));
+  try {
+    archive.load_from(payload);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint '", name, "' passed its checksum but its archive does not load: ",
+                e.what_without_backtrace());
+  }
+  return archive;
+}
+
+torch::serialize::InputArchive load_verified(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "cannot open checkpoint '", path, "': ", std::strerror(errno));
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  TORCH_CHECK(!in.bad(), "reading checkpoint '", path, "' failed: ", std::strerror(errno));
+  return parse_checkpoint(bytes.str(), path);
+}
+
+}  // namespace dkfac::train
