@@ -6,7 +6,8 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev libopenblas0-pthread zlib1g-dev
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libspdlog-dev
-  dataset-fashion-mnist gnuplot-nox procps python3
+  dataset-fashion-mnist gnuplot-nox procps python3 iproute2
+  clang libclang-rt-14-dev
 )
 
 missing=()

@@ -176,16 +176,24 @@ struct Communicator::Watchdog {
     }
   }
 
-  std::string silent_locked(std::chrono::milliseconds silent_for, Clock::time_point now) const {
+  // "rank 2 (no heartbeat for 5.8 s), rank 1 (...)": the longest silent first, which is the rank that was
+  // lost first when the others stopped because of it.
+  std::string describe(std::vector<int> ranks, Clock::time_point now) const {
+    std::stable_sort(ranks.begin(), ranks.end(), [this](int a, int b) { return last_change[a] < last_change[b]; });
     std::ostringstream out;
-    for (int r = 0; r < size; ++r) {
-      if (r == rank) continue;
-      const auto quiet = now - last_change[r];
-      if (quiet < silent_for) continue;
+    for (int r : ranks) {
       out << (out.tellp() > 0 ? ", " : "") << "rank " << r << " (no heartbeat for " << std::fixed
-          << std::setprecision(1) << std::chrono::duration<double>(quiet).count() << " s)";
+          << std::setprecision(1) << std::chrono::duration<double>(now - last_change[r]).count() << " s)";
     }
     return out.str();
+  }
+
+  std::string silent_locked(std::chrono::milliseconds silent_for, Clock::time_point now) const {
+    std::vector<int> silent;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank && now - last_change[r] >= silent_for) silent.push_back(r);
+    }
+    return describe(silent, now);
   }
 
   // After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile.
@@ -194,14 +202,12 @@ struct Communicator::Watchdog {
     std::unique_lock<std::mutex> lock(mutex);
     wake.wait_for(lock, 3 * interval, [this] { return stopping; });
     if (!store_error.empty() && rank != 0) return "rank 0 (its rendezvous store stopped answering)";
-    std::ostringstream out;
+    std::vector<int> silent;
     for (int r = 0; r < size; ++r) {
       // A live rank beats every interval; allow one interval for this thread to notice.
-      if (r == rank || last_change[r] > since + interval) continue;
-      out << (out.tellp() > 0 ? ", " : "") << "rank " << r << " (no heartbeat for " << std::fixed
-          << std::setprecision(1) << std::chrono::duration<double>(Clock::now() - last_change[r]).count() << " s)";
+      if (r != rank && last_change[r] <= since + interval) silent.push_back(r);
     }
-    return out.str();
+    return describe(silent, Clock::now());
   }
 };
 

@@ -22,18 +22,18 @@ start_ranks() {
   done
 }
 
-wait_for_step() {  # file, step
+wait_for() {  # file, progress text ("epoch 2/10 step 2/": step 2 of the second epoch)
   for _ in $(seq 1 240); do
-    grep -q "step $2/" "$1" 2>/dev/null && return 0
+    grep -q "$2" "$1" 2>/dev/null && return 0
     sleep 0.25
   done
-  echo "FAIL: never reached step $2"; cat "$1"; exit 1
+  echo "FAIL: never reached '$2'"; cat "$1"; exit 1
 }
 
 for victim in 2 0; do
   echo "== 3 ranks under an external launcher, rank $victim killed"
   start_ranks "lost$victim" --epochs 100 --timeout 15
-  wait_for_step "$tmp/lost$victim.0.txt" 3
+  wait_for "$tmp/lost$victim.0.txt" "step 3/"
   start=$(date +%s)
   kill -9 "${pids[$victim]}"
   for r in 0 1 2; do
@@ -50,15 +50,15 @@ done
 
 echo "== kill and resume: same trajectory as an uninterrupted run"
 steps=200
-"$dkfac" train --nproc 3 --model mlp --dataset synthetic --epochs 1 --max-steps $steps --log-every 1 \
+"$dkfac" train --nproc 3 --model mlp --dataset synthetic --epochs 10 --max-steps $steps --log-every 1 \
   --metrics "$tmp/straight.jsonl" > "$tmp/straight.txt" 2>&1 || { cat "$tmp/straight.txt"; exit 1; }
-start_ranks cut --epochs 1 --max-steps $steps --checkpoint-dir "$tmp/ckpt" --checkpoint-every-steps 5 \
+start_ranks cut --epochs 10 --max-steps $steps --checkpoint-dir "$tmp/ckpt" --checkpoint-every-steps 5 \
   --metrics "$tmp/cut.jsonl"
-wait_for_step "$tmp/cut.0.txt" 23
+wait_for "$tmp/cut.0.txt" "epoch 2/10 step 2/"  # global step 23 of 21-step epochs
 kill -9 "${pids[1]}"
 for r in 0 2; do wait "${pids[$r]}" || true; done
 ls "$tmp/ckpt"
-start_ranks resumed --epochs 1 --max-steps $steps --checkpoint-dir "$tmp/ckpt" --checkpoint-every-steps 5 \
+start_ranks resumed --epochs 10 --max-steps $steps --checkpoint-dir "$tmp/ckpt" --checkpoint-every-steps 5 \
   --metrics "$tmp/cut.jsonl" --resume
 for r in 0 1 2; do wait "${pids[$r]}" || { echo "FAIL: resumed rank $r"; cat "$tmp/resumed.$r.txt"; exit 1; }; done
 grep 'resume:' "$tmp/resumed.0.txt"

@@ -149,6 +149,15 @@ TEST_F(TrainerTest, DamagedCheckpointsAreRefusedWithTheDefect) {
   auto version = good;
   version[8] = 9;
   expect(version, "checkpoint 'f.pt' has envelope version 9, this build reads 1");
+  // Found by fuzzing: an intact envelope around an archive that LibTorch's reader rejects with a
+  // torch::jit::ErrorReport (not a c10::Error) must still end in a message, not std::terminate.
+  try {
+    load_verified(DKFAC_TEST_DATA_DIR "/archive_type_error.ckpt");
+    ADD_FAILURE() << "a malformed archive was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("passed its checksum but its archive does not load"), std::string::npos)
+        << e.what();
+  }
   try {
     load_verified((dir_ / "missing.pt").string());
     ADD_FAILURE() << "a missing file was accepted";

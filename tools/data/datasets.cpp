@@ -36,21 +36,26 @@ const std::vector<std::string>& dataset_names() {
   return names;
 }
 
+ImageSet parse_cifar10(const std::vector<uint8_t>& bytes, const std::string& name) {
+  const auto n = static_cast<int64_t>(bytes.size());
+  TORCH_CHECK(n > 0 && n % kCifarRecord == 0, "CIFAR-10 file '", name, "' has ", n,
+              " bytes, not a positive multiple of the ", kCifarRecord, "-byte record");
+  auto records = torch::from_blob(const_cast<uint8_t*>(bytes.data()), {n / kCifarRecord, kCifarRecord}, torch::kUInt8)
+                     .clone();
+  auto label = records.select(1, 0).to(torch::kInt64);
+  const int64_t max_label = label.max().item<int64_t>();
+  TORCH_CHECK(max_label < 10, "CIFAR-10 file '", name, "': label ", max_label, " at record ",
+              label.argmax().item<int64_t>(), " is out of range [0, 10)");
+  return {records.slice(1, 1).reshape({-1, 3, 32, 32}), label};
+}
+
 ImageSet read_cifar10(const std::vector<std::string>& files) {
   std::vector<torch::Tensor> images, labels;
   for (const auto& path : files) {
     TORCH_CHECK(std::filesystem::exists(path), "CIFAR-10 file '", path, "' does not exist");
-    auto bytes = read_bytes(path);
-    const auto n = static_cast<int64_t>(bytes.size());
-    TORCH_CHECK(n > 0 && n % kCifarRecord == 0, "CIFAR-10 file '", path, "' has ", n,
-                " bytes, not a positive multiple of the ", kCifarRecord, "-byte record");
-    auto records = torch::from_blob(bytes.data(), {n / kCifarRecord, kCifarRecord}, torch::kUInt8).clone();
-    auto label = records.select(1, 0).to(torch::kInt64);
-    const int64_t max_label = label.max().item<int64_t>();
-    TORCH_CHECK(max_label < 10, "CIFAR-10 file '", path, "': label ", max_label, " at record ",
-                label.argmax().item<int64_t>(), " is out of range [0, 10)");
-    images.push_back(records.slice(1, 1).reshape({-1, 3, 32, 32}));
-    labels.push_back(label);
+    auto set = parse_cifar10(read_bytes(path), path);
+    images.push_back(set.images);
+    labels.push_back(set.labels);
   }
   return {torch::cat(images), torch::cat(labels)};
 }

@@ -33,6 +33,8 @@ Dataset load_dataset(const std::string& name, const std::string& dir, bool raw_p
 /// CIFAR-10 binary batch files (each record: 1 label byte + 3072 pixel bytes) -> raw uint8 images
 /// [N, 3, 32, 32] and labels [N]. Checks lengths and label range.
 ImageSet read_cifar10(const std::vector<std::string>& files);
+/// One CIFAR-10 file's bytes -> raw uint8 images [N, 3, 32, 32] and labels; `name` appears in the messages.
+ImageSet parse_cifar10(const std::vector<uint8_t>& bytes, const std::string& name);
 
 /// A learnable synthetic set: Gaussian images, labels from a fixed random linear teacher.
 Dataset synthetic_dataset(int64_t train_size, int64_t test_size, int64_t seed);

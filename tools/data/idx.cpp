@@ -68,26 +68,30 @@ std::string find_file(const std::string& dir, const std::string& stem) {
 
 }  // namespace
 
-torch::Tensor read_idx_images(const std::string& path) {
-  auto bytes = read_file(path);
-  auto shape = parse_header(bytes, path, 0x00000803, 3);
+torch::Tensor parse_idx_images(const std::vector<uint8_t>& bytes, const std::string& name) {
+  auto shape = parse_header(bytes, name, 0x00000803, 3);
   auto images = torch::empty(shape, torch::kUInt8);
   std::memcpy(images.data_ptr<uint8_t>(), bytes.data() + 16, static_cast<size_t>(images.numel()));
   return images;
 }
 
-torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes) {
-  auto bytes = read_file(path);
-  auto shape = parse_header(bytes, path, 0x00000801, 1);
+torch::Tensor parse_idx_labels(const std::vector<uint8_t>& bytes, const std::string& name, int64_t num_classes) {
+  auto shape = parse_header(bytes, name, 0x00000801, 1);
   auto labels = torch::empty(shape, torch::kInt64);
   auto* out = labels.data_ptr<int64_t>();
   for (int64_t i = 0; i < shape[0]; ++i) {
     const int64_t label = bytes[8 + static_cast<size_t>(i)];
-    TORCH_CHECK(label < num_classes, "dataset file '", path, "': label ", label, " at index ", i,
+    TORCH_CHECK(label < num_classes, "dataset file '", name, "': label ", label, " at index ", i,
                 " is out of range [0, ", num_classes, ")");
     out[i] = label;
   }
   return labels;
+}
+
+torch::Tensor read_idx_images(const std::string& path) { return parse_idx_images(read_file(path), path); }
+
+torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes) {
+  return parse_idx_labels(read_file(path), path, num_classes);
 }
 
 ImageSet load_mnist_style(const std::string& dir, bool train, double mean, double stddev) {

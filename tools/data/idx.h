@@ -1,6 +1,8 @@
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -13,6 +15,10 @@ torch::Tensor read_idx_images(const std::string& path);
 
 /// Labels of an IDX1 file (magic 0x00000801) as int64 [N]; every label must be < `num_classes`.
 torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes = 10);
+
+/// What the readers do with a file's (decompressed) bytes; `name` appears in the messages.
+torch::Tensor parse_idx_images(const std::vector<uint8_t>& bytes, const std::string& name);
+torch::Tensor parse_idx_labels(const std::vector<uint8_t>& bytes, const std::string& name, int64_t num_classes = 10);
 
 /// A labelled image set: images float32 [N, 1, H, W] normalised with (x/255 - mean) / std, labels int64 [N].
 struct ImageSet {

@@ -116,6 +116,8 @@ torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const 
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "checkpoint '", name, "' passed its checksum but its archive does not load: ",
                 e.what_without_backtrace());
+  } catch (const std::exception& e) {  // LibTorch's archive reader also throws torch::jit::ErrorReport (found by fuzzing)
+    TORCH_CHECK(false, "checkpoint '", name, "' passed its checksum but its archive does not load: ", e.what());
   }
   return archive;
 }
