@@ -76,5 +76,9 @@ missing = [s for s in range(1, steps + 1) if s not in cut]
 assert not missing, f"FAIL: steps {missing} missing after the resume"
 diff = [(s, straight[s], cut[s]) for s in range(1, steps + 1) if straight[s] != cut[s]]
 assert not diff, f"FAIL: trajectories differ at {diff[:3]}"
-print(f"{steps} steps: killed at step >= 23, resumed from the last step checkpoint, every loss equal to the uninterrupted run")
+def final_crc(path):
+    return [e for e in map(json.loads, open(path)) if e.get("event") == "summary"][-1]["parameters_crc32"]
+assert final_crc(sys.argv[1]) == final_crc(sys.argv[2]), "FAIL: final parameters differ"
+print(f"{steps} steps: killed at step >= 23, resumed from the last step checkpoint, every loss and the final "
+      f"parameters (crc32 {final_crc(sys.argv[1]):08x}) equal to the uninterrupted run")
 PY

@@ -20,19 +20,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-if ! { command -v ip >/dev/null && ip netns add "$ns_a" 2>/dev/null; }; then
-  echo "SKIP: cannot create network namespaces here (needs root and iproute2)"
+setup_network() {
+  command -v ip >/dev/null &&
+    ip netns add "$ns_a" && ip netns add "$ns_b" &&
+    ip link add "$veth_a" type veth peer name "$veth_b" &&
+    ip link set "$veth_a" netns "$ns_a" && ip link set "$veth_b" netns "$ns_b" &&
+    ip -n "$ns_a" addr add "$addr_a/24" dev "$veth_a" && ip -n "$ns_b" addr add "$addr_b/24" dev "$veth_b" &&
+    ip -n "$ns_a" link set lo up && ip -n "$ns_b" link set lo up &&
+    ip -n "$ns_a" link set "$veth_a" up && ip -n "$ns_b" link set "$veth_b" up
+}
+if ! setup_network 2> "$tmp/network.txt"; then
+  echo "SKIP: cannot set up two network namespaces joined by a veth pair here (needs root and iproute2): $(cat "$tmp/network.txt")"
   exit 77
 fi
-ip netns add "$ns_b"
-ip link add "$veth_a" type veth peer name "$veth_b"
-ip link set "$veth_a" netns "$ns_a"
-ip link set "$veth_b" netns "$ns_b"
-ip -n "$ns_a" addr add "$addr_a/24" dev "$veth_a"
-ip -n "$ns_b" addr add "$addr_b/24" dev "$veth_b"
-for ns in "$ns_a" "$ns_b"; do ip -n "$ns" link set lo up; done
-ip -n "$ns_a" link set "$veth_a" up
-ip -n "$ns_b" link set "$veth_b" up
 echo "namespaces $ns_a ($addr_a) and $ns_b ($addr_b) joined by $veth_a-$veth_b"
 
 port=29411

@@ -15,6 +15,7 @@
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <zlib.h>
 #include <sstream>
 #include <thread>
 
@@ -36,6 +37,18 @@ std::string shape_signature(torch::nn::Module& model) {
   std::ostringstream out;
   for (const auto& p : model.named_parameters()) out << p.key() << p.value().sizes() << ";";
   return out.str();
+}
+
+// CRC-32 of the bytes of every parameter and buffer, in registration order.
+uint32_t parameters_crc32(torch::nn::Module& model) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  auto add = [&](const torch::Tensor& t) {
+    const auto bytes = t.detach().to(torch::kCPU).contiguous();
+    crc = ::crc32(crc, static_cast<const Bytef*>(bytes.data_ptr()), static_cast<uInt>(bytes.nbytes()));
+  };
+  for (const auto& p : model.parameters()) add(p);
+  for (const auto& b : model.buffers()) add(b);
+  return static_cast<uint32_t>(crc);
 }
 
 }  // namespace
@@ -582,6 +595,7 @@ TrainSummary Trainer::run() {
   summary.final_test_loss = last_eval.loss;
   summary.wall_seconds = s.wall();
   summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
+  summary.parameters_crc32 = parameters_crc32(*s.model);
   log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
             << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1)
             << summary.wall_seconds << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
@@ -593,6 +607,7 @@ TrainSummary Trainer::run() {
                           {"final_test_loss", summary.final_test_loss},
                           {"wall_time_s", summary.wall_seconds},
                           {"kfac_time_s", summary.kfac_seconds},
+                          {"parameters_crc32", summary.parameters_crc32},
                           {"model", config_.model},
                           {"dataset", config_.dataset},
                           {"kfac", config_.kfac}};

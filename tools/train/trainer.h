@@ -81,6 +81,7 @@ struct TrainSummary {
   double final_test_loss = 0.0;
   double wall_seconds = 0.0;
   double kfac_seconds = 0.0;
+  uint32_t parameters_crc32 = 0;    // CRC-32 of every parameter and buffer's bytes: equal iff bit-identical
   std::vector<double> step_losses;  // every training step's loss, in order (this process only)
 };
 
