@@ -298,6 +298,36 @@ TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
   EXPECT_EQ(kfac.events().fallbacks, 1);
 }
 
+// A finite factor whose decomposition fails (here: entries so large that the damping is absorbed and the
+// damped factor is exactly singular) keeps the layer's previous second-order state, with a warning.
+TEST(Preconditioner, FailedDecompositionKeepsThePreviousState) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse));
+  torch::Tensor inverse_before;
+  for (int64_t step = 0; step < 2; ++step) {
+    auto batch = make_batch(700 + step);
+    net->zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    auto plain = gradients(*net);
+    if (step == 1) {
+      inverse_before = kfac.layers()[1].second_order().a_inverse.clone();
+      auto huge = torch::full({10, 10}, std::numeric_limits<double>::max(), torch::kFloat64);
+      net->fc1->factor_capture().add_a(huge, 0.0);
+    }
+    kfac.step();
+    if (step == 1) {
+      const auto& layer = kfac.layers()[1];
+      EXPECT_TRUE(torch::isfinite(layer.a_factor()).all().item<bool>()) << "the factor itself is finite";
+      EXPECT_TRUE(torch::equal(layer.second_order().a_inverse, inverse_before)) << "previous state kept";
+      auto after = gradients(*net);
+      EXPECT_TRUE(torch::isfinite(after[1]).all().item<bool>());
+      EXPECT_FALSE(torch::equal(after[1], plain[1])) << "still preconditioned, with the previous state";
+    }
+  }
+  EXPECT_EQ(kfac.events().second_order_failures, 1);
+}
+
 TEST(Preconditioner, NonFiniteGradientIsNotPreconditioned) {
   auto net = make_net();
   Preconditioner kfac(net, Options());

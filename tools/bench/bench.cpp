@@ -239,7 +239,7 @@ std::string format_steps(const std::vector<StepResult>& results) {
   out << "Per step, ms: mean / median / p90 over the measured steps (mean = amortised over whole inverse periods)\n";
   out << std::left << std::setw(10) << "model" << std::setw(20) << "optimizer" << std::right << std::setw(7)
       << "steps";
-  for (const auto& phase : kPhases) out << std::setw(phase == "step" ? 24 : 20) << phase;
+  for (const auto& phase : kPhases) out << std::setw(phase == "step" ? 26 : 22) << phase;
   out << std::setw(10) << "x SGD" << "\n";
   for (const auto& r : results) {
     const std::string name = r.optimizer == "sgd" ? "sgd"
@@ -249,7 +249,7 @@ std::string format_steps(const std::vector<StepResult>& results) {
         << r.measured_steps;
     for (const auto& phase : kPhases) {
       const auto& s = r.phases.at(phase);
-      out << std::setw(phase == "step" ? 24 : 20) << ms(s.mean) + " / " + ms(s.median) + " / " + ms(s.p90);
+      out << std::setw(phase == "step" ? 26 : 22) << ms(s.mean) + " / " + ms(s.median) + " / " + ms(s.p90);
     }
     out << std::setw(10) << std::fixed << std::setprecision(2) << r.ratio_to_sgd << "\n";
     out.unsetf(std::ios::fixed);
