@@ -96,9 +96,16 @@ Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size)
 }
 
 // Heartbeats through the store. The thread owns its own store client where the store is a TCPStore, so
-// that a blocking store call of the main thread (group creation) never delays a heartbeat.
+// that a blocking store call of the main thread (group creation) never delays a heartbeat; only this
+// thread touches that client.
+//
+// The first rank to diagnose a loss publishes it under kLostKey, and every other rank reports that
+// diagnosis instead of its own: when rank 3 dies and rank 0 stops because of it, rank 1 must still say
+// "lost rank 3", not "lost rank 0". Rank 0 hosts the store, so after a loss it lingers until the other
+// ranks have stopped beating (they have read the diagnosis) or a few intervals have passed.
 struct Communicator::Watchdog {
   using Clock = std::chrono::steady_clock;
+  static constexpr const char* kLostKey = "dkfac/lost";
   c10::intrusive_ptr<c10d::Store> store;
   int rank = 0;
   int size = 1;
@@ -112,11 +119,16 @@ struct Communicator::Watchdog {
   std::vector<std::string> last_value;
   std::vector<Clock::time_point> last_change;
   std::string store_error;
+  std::string remote_lost;  // another rank's published diagnosis, "rank 3 (...) (reported by rank 0)"
+  std::string to_publish;   // this rank's diagnosis, written to the store by the thread
+  bool published = false;
+  bool failure_seen = false;
   std::function<void(const std::string&)> on_lost;
   bool reported = false;
   std::thread thread;
 
   static std::string key(int r) { return "dkfac/heartbeat/" + std::to_string(r); }
+  static std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
 
   void start() {
     last_value.assign(size, "");
@@ -133,46 +145,101 @@ struct Communicator::Watchdog {
     if (thread.joinable()) thread.join();
   }
 
+  // One round with the store, without the lock: publish a pending diagnosis, beat, read the others'
+  // heartbeats and any published diagnosis; then record what was seen.
+  void poll(int64_t beat) {
+    std::string publish_now;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!to_publish.empty() && !published) publish_now = to_publish;
+      published = published || !publish_now.empty();
+    }
+    std::string error, lost_value;
+    std::vector<std::string> seen(size);
+    try {
+      if (!publish_now.empty() && !store->check({kLostKey})) {
+        store->set(kLostKey, bytes(std::to_string(rank) + "|" + publish_now));
+      }
+      store->set(key(rank), bytes(std::to_string(beat)));
+      for (int r = 0; r < size; ++r) {
+        if (r == rank || !store->check({key(r)})) continue;
+        const auto value = store->get(key(r));
+        seen[r] = std::string(value.begin(), value.end());
+      }
+      if (store->check({kLostKey})) {
+        const auto value = store->get(kLostKey);
+        lost_value.assign(value.begin(), value.end());
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto now = Clock::now();
+    if (!error.empty() && store_error.empty()) store_error = error;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank || seen[r].empty() || seen[r] == last_value[r]) continue;
+      last_value[r] = seen[r];
+      last_change[r] = now;
+    }
+    const auto bar = lost_value.find('|');
+    if (bar != std::string::npos && remote_lost.empty() && lost_value.substr(0, bar) != std::to_string(rank)) {
+      remote_lost = lost_value.substr(bar + 1) + " (reported by rank " + lost_value.substr(0, bar) + ")";
+      failure_seen = true;
+    }
+    wake.notify_all();
+  }
+
+  // Rank 0 after a loss: keeps the store up until every other rank has stopped beating or a few intervals
+  // (at least 2 s) have passed, so that the others can read the published diagnosis.
+  void linger(int64_t& beat) {
+    const auto deadline = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2), 5 * interval);
+    while (Clock::now() < deadline) {
+      poll(++beat);
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        const auto now = Clock::now();
+        bool all_quiet = true;
+        for (int r = 0; r < size; ++r) all_quiet = all_quiet && (r == rank || now - last_change[r] >= 2 * interval);
+        if (all_quiet) return;
+      }
+      std::this_thread::sleep_for(interval / 2);
+    }
+  }
+
   void run() {
     int64_t beat = 0;
     std::unique_lock<std::mutex> lock(mutex);
     while (!stopping) {
       lock.unlock();
-      std::string error;
-      std::vector<std::string> seen(size);
-      try {
-        const auto value = std::to_string(++beat);
-        store->set(key(rank), std::vector<uint8_t>(value.begin(), value.end()));
-        for (int r = 0; r < size; ++r) {
-          if (r == rank || !store->check({key(r)})) continue;
-          const auto bytes = store->get(key(r));
-          seen[r] = std::string(bytes.begin(), bytes.end());
-        }
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
+      poll(++beat);
       lock.lock();
-      const auto now = Clock::now();
-      if (!error.empty() && store_error.empty()) store_error = error;
-      for (int r = 0; r < size; ++r) {
-        if (r == rank || seen[r].empty() || seen[r] == last_value[r]) continue;
-        last_value[r] = seen[r];
-        last_change[r] = now;
-      }
       std::string lost;
-      if (!store_error.empty() && rank != 0) {
+      if (!remote_lost.empty()) {
+        lost = remote_lost;
+      } else if (!store_error.empty() && rank != 0) {
         lost = "rank 0 (the rendezvous store it hosts at " + store_address + " stopped answering: " + store_error + ")";
       } else {
-        lost = silent_locked(timeout, now);
+        lost = silent_locked(timeout, Clock::now());
+        if (!lost.empty() && to_publish.empty()) to_publish = lost;
       }
       if (!lost.empty() && !reported && on_lost) {
         reported = true;
+        failure_seen = true;
         auto callback = on_lost;
         lock.unlock();
+        poll(++beat);  // publishes this rank's diagnosis before the callback ends the process
+        if (rank == 0) linger(beat);
         callback("rank " + std::to_string(rank) + " lost " + lost);
         lock.lock();
       }
       wake.wait_for(lock, interval, [this] { return stopping; });
+    }
+    // Stopping after a failed collective: publish the diagnosis and, on rank 0, keep the store up a little.
+    const bool after_failure = failure_seen && !reported;
+    lock.unlock();
+    if (after_failure) {
+      poll(++beat);
+      if (rank == 0) linger(beat);
     }
   }
 
@@ -196,18 +263,24 @@ struct Communicator::Watchdog {
     return describe(silent, now);
   }
 
-  // After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile.
+  // After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile,
+  // or the diagnosis another rank published first. The result is published for the other ranks.
   std::string diagnose() {
     const auto since = Clock::now();
     std::unique_lock<std::mutex> lock(mutex);
-    wake.wait_for(lock, 3 * interval, [this] { return stopping; });
+    failure_seen = true;
+    wake.wait_for(lock, 3 * interval, [this] { return stopping || !remote_lost.empty(); });
+    if (!remote_lost.empty()) return remote_lost;
     if (!store_error.empty() && rank != 0) return "rank 0 (its rendezvous store stopped answering)";
     std::vector<int> silent;
     for (int r = 0; r < size; ++r) {
       // A live rank beats every interval; allow one interval for this thread to notice.
       if (r != rank && last_change[r] <= since + interval) silent.push_back(r);
     }
-    return describe(silent, Clock::now());
+    auto found = describe(silent, Clock::now());
+    if (!found.empty() && to_publish.empty()) to_publish = found;
+    wake.notify_all();
+    return found;
   }
 };
 
