@@ -48,7 +48,7 @@ start_job() {
   done
 }
 
-echo "| cycle | killed rank | at step | resumed from step | survivors stopped after | message |"
+echo "| cycle | this start resumed from step | killed rank | at step | survivors stopped after (max) | message (one survivor) |"
 echo "|---|---|---|---|---|---|"
 start=$(date +%s)
 for cycle in $(seq 1 "$cycles"); do
@@ -73,7 +73,7 @@ for cycle in $(seq 1 "$cycles"); do
     grep -q "rank $victim" <<< "$line" || { echo "FAIL: rank $r does not name rank $victim: $line"; exit 1; }
     message=${line:0:110}
   done
-  echo "| $cycle | $victim | $at | $resumed | ${worst} s | \`$message\` |"
+  echo "| $cycle | $resumed | $victim | $at | ${worst} s | \`$message\` |"
 done
 start_job
 for r in 0 1 2 3; do wait "${pids[$r]}" || { echo "FAIL: final resumed rank $r"; tail "$tmp/cut.$r.txt"; exit 1; }; done

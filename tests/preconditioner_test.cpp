@@ -49,6 +49,15 @@ Batch make_batch(int64_t seed, int64_t b = 4) {
   return {torch::randn({b, 2, 5, 5}, torch::kFloat64), torch::randn({b, 3, 2}, torch::kFloat64)};
 }
 
+// zero_grad, forward on make_batch(seed) and backward: the start of every step below.
+TinyNet::Taps zero_grad_and_backward(TinyNet& net, int64_t seed) {
+  auto batch = make_batch(seed);
+  net.zero_grad();
+  auto taps = net.forward_taps(batch.x);
+  net.loss(taps, batch.target).backward();
+  return taps;
+}
+
 std::shared_ptr<TinyNet> make_net() {
   torch::manual_seed(42);
   auto net = std::make_shared<TinyNet>();
@@ -123,10 +132,7 @@ TEST_P(PreconditionerMethods, MatchesDenseReferenceOverSteps) {
   ASSERT_EQ(kfac.layers().size(), 3u);
   std::vector<torch::Tensor> a_run(3), g_run(3);
   for (int64_t step = 0; step < 2; ++step) {
-    auto batch = make_batch(100 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    auto taps = zero_grad_and_backward(*net, 100 + step);
     auto ref = reference_batch(*net, taps);
     std::vector<torch::Tensor> grads;
     for (size_t i = 0; i < 3; ++i) {
@@ -176,10 +182,7 @@ TEST(Preconditioner, IntervalsCaptureOnlyOnFactorSteps) {
   Preconditioner kfac(net, Options().factor_update_steps(2).inv_update_steps(3).kl_clip(0));
   std::vector<torch::Tensor> last_eigvecs;
   for (int64_t step = 0; step < 6; ++step) {
-    auto batch = make_batch(200 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 200 + step);
     const bool factor_step = step % 2 == 0;
     EXPECT_EQ(kfac.is_factor_step(step), factor_step);
     EXPECT_EQ(net->fc1->factor_capture().a_count(), factor_step ? 1 : 0) << "step " << step;
@@ -208,10 +211,7 @@ TEST(Preconditioner, ScheduledIntervalsAndDamping) {
                                  return step < 1 ? 0.1 : 0.01;
                                }));
   for (int64_t step = 0; step < 4; ++step) {
-    auto batch = make_batch(300 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 300 + step);
     EXPECT_EQ(net->fc2->factor_capture().a_count(), step < 2 ? 1 : 0) << "step " << step;
     kfac.step();
   }
@@ -276,10 +276,7 @@ TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
   auto net = make_net();
   Preconditioner kfac(net, Options().kl_clip(0));
   for (int64_t step = 0; step < 2; ++step) {
-    auto batch = make_batch(500 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 500 + step);
     auto plain = gradients(*net);
     auto a_before = kfac.layers()[1].a_factor();
     if (step == 1) {
@@ -305,10 +302,7 @@ TEST(Preconditioner, FailedDecompositionKeepsThePreviousState) {
   Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse));
   torch::Tensor inverse_before;
   for (int64_t step = 0; step < 2; ++step) {
-    auto batch = make_batch(700 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 700 + step);
     auto plain = gradients(*net);
     if (step == 1) {
       inverse_before = kfac.layers()[1].second_order().a_inverse.clone();
@@ -369,10 +363,7 @@ TEST(Preconditioner, UnusedLayerCanBeSkipped) {
   net->to(torch::kFloat64);
   Preconditioner kfac(net, Options().unused_layer_policy(UnusedLayerPolicy::kSkip));
   for (int step = 0; step < 2; ++step) {
-    auto batch = make_batch(11 + step);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 11 + step);
     auto plain = gradients(*net);
     kfac.step();
     EXPECT_FALSE(torch::equal(gradients(*net)[1], plain[1]));
@@ -407,10 +398,7 @@ TEST(Preconditioner, BadOptionsCarryTheValue) {
   auto net = make_net();
   Preconditioner kfac(net, Options().damping([](int64_t step) { return step == 0 ? 0.01 : 0.0; }).kl_clip(0));
   auto run = [&] {
-    auto batch = make_batch(12);
-    net->zero_grad();
-    auto taps = net->forward_taps(batch.x);
-    net->loss(taps, batch.target).backward();
+    zero_grad_and_backward(*net, 12);
     kfac.step();
   };
   run();
