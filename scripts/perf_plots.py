@@ -34,7 +34,7 @@ def phases_plot(steps, out, tmp):
         cols = ", ".join(f"'{data}' using {i + 2}:xtic(1) title '{p}'" for i, p in enumerate(PHASES))
         panels.append(f"set title '{model}'\nplot {cols}")
     body = "\n".join(panels)
-    gnuplot(f"""set terminal pngcairo size 1500,600 noenhanced
+    gnuplot(f"""set terminal pngcairo size 1500,700 noenhanced
 set output '{out}'
 set style data histograms
 set style histogram rowstacked
@@ -42,7 +42,7 @@ set style fill solid 0.85 border -1
 set boxwidth 0.75
 set ylabel 'mean ms per step (amortised over inverse periods)'
 set xtics rotate by -40
-set key top left opaque box font ',9'
+set key below font ',9' maxrows 3
 set multiplot layout 1,{len(models)} title 'dkfac bench: time per step by phase, batch 128'
 {body}
 unset multiplot
