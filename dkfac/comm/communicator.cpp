@@ -226,8 +226,11 @@ struct Communicator::Watchdog {
         reported = true;
         failure_seen = true;
         auto callback = on_lost;
+        // Publish this rank's own diagnosis before the callback ends the process; not through a store that
+        // already failed, whose every call waits for the timeout again.
+        const bool publish = !to_publish.empty() && !published && store_error.empty();
         lock.unlock();
-        poll(++beat);  // publishes this rank's diagnosis before the callback ends the process
+        if (publish) poll(++beat);
         if (rank == 0) linger(beat);
         callback("rank " + std::to_string(rank) + " lost " + lost);
         lock.lock();
@@ -236,11 +239,10 @@ struct Communicator::Watchdog {
     }
     // Stopping after a failed collective: publish the diagnosis and, on rank 0, keep the store up a little.
     const bool after_failure = failure_seen && !reported;
+    const bool publish = after_failure && !to_publish.empty() && !published && store_error.empty();
     lock.unlock();
-    if (after_failure) {
-      poll(++beat);
-      if (rank == 0) linger(beat);
-    }
+    if (publish) poll(++beat);
+    if (after_failure && rank == 0) linger(beat);
   }
 
   // "rank 2 (no heartbeat for 5.8 s), rank 1 (...)": the longest silent first, which is the rank that was
