@@ -222,7 +222,7 @@ struct Communicator::Watchdog {
         lost = silent_locked(timeout, Clock::now());
         if (!lost.empty() && to_publish.empty()) to_publish = lost;
       }
-      if (!lost.empty() && !reported && on_lost) {
+      if (!lost.empty() && !reported && on_lost && !stopping) {
         reported = true;
         failure_seen = true;
         auto callback = on_lost;
@@ -243,6 +243,26 @@ struct Communicator::Watchdog {
     lock.unlock();
     if (publish) poll(++beat);
     if (after_failure && rank == 0) linger(beat);
+    if (!after_failure && !reported) finish();
+  }
+
+  // A clean shutdown: every rank marks itself done, and rank 0, which hosts the store, keeps it up until
+  // all have (at most max(2 s, 5 intervals)), so that no rank's last heartbeat finds the store gone and
+  // takes a finished job for a lost rank 0.
+  void finish() {
+    try {
+      store->set("dkfac/done/" + std::to_string(rank), bytes("1"));
+      if (rank != 0) return;
+      const auto deadline = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2), 5 * interval);
+      for (int r = 1; r < size; ++r) {
+        while (!store->check({"dkfac/done/" + std::to_string(r)})) {
+          if (Clock::now() >= deadline) return;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      }
+    } catch (const std::exception&) {
+      // The store is gone or unreachable: nothing left to coordinate.
+    }
   }
 
   // "rank 2 (no heartbeat for 5.8 s), rank 1 (...)": the longest silent first, which is the rank that was
