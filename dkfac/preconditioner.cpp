@@ -97,15 +97,22 @@ void Preconditioner::discard_step() {
   const bool factor_step = is_factor_step(steps_);
   auto plan = check_layers(factor_step);
   if (factor_step) {
-    std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
-    }
+    auto batches = take_factor_batches(plan);
     // The other ranks reduce this step's factors too (SPD has already started during backward).
     if (strategy_) strategy_->reduce_factors(batches);
   }
   for (auto& layer : layers_) layer.module().factor_capture().clear();
   arm_capture();
+}
+
+// This step's captured (A, G) batches of the layers that build factors here; undefined for the others.
+std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor_batches(
+    const std::vector<LayerPlan>& plan) {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
+  }
+  return batches;
 }
 
 std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_step) {
@@ -143,10 +150,7 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   capture_seconds_seen_ = capture_seconds;
 
   Stopwatch watch(&last_times_.factors);
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
-  }
+  auto batches = take_factor_batches(plan);
   // Averaged before the NaN check, so that every rank takes the same decision.
   if (strategy_) time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
   for (size_t i = 0; i < layers_.size(); ++i) {

@@ -101,6 +101,7 @@ class Preconditioner {
 
   std::vector<LayerPlan> check_layers(bool factor_step);
   void update_factors(std::vector<LayerPlan>& plan);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerPlan>& plan);
   void compute_second_order(std::vector<LayerPlan>& plan);
   std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
   void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);

@@ -4,8 +4,6 @@
 // DKFAC_FUZZ_WRITE_SEED=<file> writes a small valid checkpoint (the seed in fuzz/corpus/checkpoint) and exits.
 // DKFAC_FUZZ_FIX_ENVELOPE=1 rewrites each input's payload size and checksum before loading it, so that the
 // mutations reach LibTorch's archive reader instead of stopping at the checksum.
-#include <zlib.h>
-
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -15,10 +13,6 @@
 namespace {
 
 bool fix_envelope = false;
-
-void put_le(std::string& bytes, size_t offset, uint64_t value, int count) {
-  for (int i = 0; i < count; ++i) bytes[offset + i] = static_cast<char>((value >> (8 * i)) & 0xff);
-}
 
 }  // namespace
 
@@ -37,10 +31,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string bytes(reinterpret_cast<const char*>(data), size);
-  if (fix_envelope && bytes.size() >= 24) {
-    const auto payload = reinterpret_cast<const Bytef*>(bytes.data() + 24);
-    put_le(bytes, 12, bytes.size() - 24, 8);
-    put_le(bytes, 20, ::crc32(::crc32(0L, Z_NULL, 0), payload, static_cast<uInt>(bytes.size() - 24)), 4);
+  if (fix_envelope && bytes.size() >= dkfac::train::kEnvelopeBytes) {
+    // Keep the input's magic and version, give its payload a matching size and checksum.
+    const auto payload = bytes.substr(dkfac::train::kEnvelopeBytes);
+    bytes = bytes.substr(0, 12) + dkfac::train::envelope_header(payload).substr(12) + payload;
   }
   try {
     auto archive = dkfac::train::parse_checkpoint(bytes, "fuzz.ckpt");

@@ -14,7 +14,7 @@ trap 'kill -9 "${pids[@]}" 2>/dev/null || true; rm -rf "$tmp"' EXIT
 RANDOM=$seed
 common=(--model mlp --dataset synthetic --epochs 100000 --max-steps "$steps" --log-every 10 --timeout 20)
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+source tests/integration/lib.sh
 last_step() { python3 - "$1" <<'PY'
 import json, sys
 step = 0
@@ -78,20 +78,5 @@ done
 start_job
 for r in 0 1 2 3; do wait "${pids[$r]}" || { echo "FAIL: final resumed rank $r"; tail "$tmp/cut.$r.txt"; exit 1; }; done
 echo "interrupted run: $(( $(date +%s) - start )) s in $((cycles + 1)) starts"
-python3 - "$tmp/straight.jsonl" "$tmp/cut.jsonl" <<'PY'
-import json, sys
-def read(path):
-    losses, summary = {}, None
-    for e in map(json.loads, open(path)):
-        if e.get("event") == "step":
-            losses[e["step"]] = e["loss"]
-        elif e.get("event") == "summary":
-            summary = e
-    return losses, summary
-(a, sa), (b, sb) = read(sys.argv[1]), read(sys.argv[2])
-diff = [s for s in a if b.get(s) != a[s]]
-assert not diff, f"FAIL: {len(diff)} logged losses differ, first at step {diff[0]}"
-assert sa["parameters_crc32"] == sb["parameters_crc32"], "FAIL: final parameters differ"
-print(f"soak: {len(a)} logged losses equal, final parameters equal (crc32 {sa['parameters_crc32']:08x}), "
-      f"final test accuracy {100 * sb['final_test_accuracy']:.2f}%")
-PY
+echo -n "soak: "
+compare_runs "$tmp/straight.jsonl" "$tmp/cut.jsonl" --same-parameters

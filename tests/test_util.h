@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -28,6 +30,17 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
+
+/// `fn` must throw a c10::Error whose message (without backtrace) contains every one of `needles`.
+inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning '" << needles.front() << "'";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
+  }
+}
 
 /// Max |a - b| / max(|b|_max, tiny): relative error normalised by the reference's magnitude.
 inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {

@@ -189,10 +189,15 @@ struct Communicator::Watchdog {
     wake.notify_all();
   }
 
+  // How long rank 0 keeps the store up for the others, after a loss or at a clean end.
+  Clock::time_point grace_deadline() const {
+    return Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2), 5 * interval);
+  }
+
   // Rank 0 after a loss: keeps the store up until every other rank has stopped beating or a few intervals
   // (at least 2 s) have passed, so that the others can read the published diagnosis.
   void linger(int64_t& beat) {
-    const auto deadline = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2), 5 * interval);
+    const auto deadline = grace_deadline();
     while (Clock::now() < deadline) {
       poll(++beat);
       {
@@ -253,7 +258,7 @@ struct Communicator::Watchdog {
     try {
       store->set("dkfac/done/" + std::to_string(rank), bytes("1"));
       if (rank != 0) return;
-      const auto deadline = Clock::now() + std::max<Clock::duration>(std::chrono::seconds(2), 5 * interval);
+      const auto deadline = grace_deadline();
       for (int r = 1; r < size; ++r) {
         while (!store->check({"dkfac/done/" + std::to_string(r)})) {
           if (Clock::now() >= deadline) return;

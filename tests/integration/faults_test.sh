@@ -8,7 +8,7 @@ tmp=$(mktemp -d)
 pids=()
 trap 'kill -9 "${pids[@]}" 2>/dev/null || true; rm -rf "$tmp"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+source "$(dirname "$0")/lib.sh"
 
 # Starts 3 ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); extra args go to train.
 start_ranks() {
@@ -62,23 +62,5 @@ start_ranks resumed --epochs 10 --max-steps $steps --checkpoint-dir "$tmp/ckpt" 
   --metrics "$tmp/cut.jsonl" --resume
 for r in 0 1 2; do wait "${pids[$r]}" || { echo "FAIL: resumed rank $r"; cat "$tmp/resumed.$r.txt"; exit 1; }; done
 grep 'resume:' "$tmp/resumed.0.txt"
-python3 - "$tmp/straight.jsonl" "$tmp/cut.jsonl" $steps <<'PY'
-import json, sys
-def losses(path):
-    out = {}
-    for line in open(path):
-        e = json.loads(line)
-        if e.get("event") == "step":
-            out[e["step"]] = e["loss"]  # after a resume the re-run steps overwrite the lost ones
-    return out
-straight, cut, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
-missing = [s for s in range(1, steps + 1) if s not in cut]
-assert not missing, f"FAIL: steps {missing} missing after the resume"
-diff = [(s, straight[s], cut[s]) for s in range(1, steps + 1) if straight[s] != cut[s]]
-assert not diff, f"FAIL: trajectories differ at {diff[:3]}"
-def final_crc(path):
-    return [e for e in map(json.loads, open(path)) if e.get("event") == "summary"][-1]["parameters_crc32"]
-assert final_crc(sys.argv[1]) == final_crc(sys.argv[2]), "FAIL: final parameters differ"
-print(f"{steps} steps: killed at step >= 23, resumed from the last step checkpoint, every loss and the final "
-      f"parameters (crc32 {final_crc(sys.argv[1]):08x}) equal to the uninterrupted run")
-PY
+echo -n "$steps steps, killed at step >= 23 and resumed from the last step checkpoint: "
+compare_runs "$tmp/straight.jsonl" "$tmp/cut.jsonl" --steps $steps --same-parameters

@@ -6,6 +6,7 @@
 # Needs root (ip netns); skipped with a message (ctest exit code 77) when namespaces cannot be created.
 set -euo pipefail
 dkfac="$1"
+source "$(dirname "$0")/lib.sh"
 id=$$
 ns_a="dkfac_a_$id" ns_b="dkfac_b_$id" veth_a="dka$((id % 100000))" veth_b="dkb$((id % 100000))"
 subnet="10.213.$((id % 250)).0"
@@ -56,16 +57,8 @@ steps=40
   --metrics "$tmp/local.jsonl" > "$tmp/local.txt" 2>&1 || { cat "$tmp/local.txt"; exit 1; }
 start_ranks veth --epochs 3 --max-steps $steps --metrics "$tmp/veth.jsonl"
 for r in 0 1 2 3; do wait "${pids[$r]}" || { echo "FAIL: rank $r"; cat "$tmp/veth.$r.txt"; exit 1; }; done
-python3 - "$tmp/local.jsonl" "$tmp/veth.jsonl" $steps <<'PY'
-import json, sys
-def losses(path):
-    return {e["step"]: e["loss"] for e in map(json.loads, open(path)) if e.get("event") == "step"}
-local, veth, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
-assert len(veth) == steps, f"FAIL: {len(veth)} of {steps} steps logged"
-worst = max(abs(local[s] - veth[s]) / max(abs(local[s]), 1e-12) for s in range(1, steps + 1))
-assert worst <= 1e-6, f"FAIL: losses differ by up to {worst:.3g} relative"
-print(f"{steps} steps across two namespaces: losses equal to one host (max relative difference {worst:.1g})")
-PY
+echo -n "$steps steps across two namespaces against one host: "
+compare_runs "$tmp/local.jsonl" "$tmp/veth.jsonl" --steps $steps --rtol 1e-6
 
 echo "== link cut: every rank ends non-zero within the timeout"
 timeout_s=15

@@ -13,6 +13,7 @@ namespace dkfac::data {
 namespace {
 
 namespace fs = std::filesystem;
+using dkfac::testing::expect_error;
 
 class DataFiles : public ::testing::Test {
  protected:
@@ -48,15 +49,6 @@ class DataFiles : public ::testing::Test {
       std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     }
     return path;
-  }
-  static void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
-    try {
-      fn();
-      FAIL() << "expected an error";
-    } catch (const c10::Error& e) {
-      const std::string msg = e.what_without_backtrace();
-      for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
-    }
   }
   dkfac::testing::ScratchDir scratch_{"dkfac-data-test"};
   const fs::path& dir_ = scratch_.path();

@@ -14,7 +14,6 @@ namespace dkfac::train {
 namespace {
 
 constexpr char kMagic[8] = {'D', 'K', 'F', 'A', 'C', 'C', 'K', 'P'};
-constexpr size_t kHeaderBytes = 24;
 
 void put_le(std::string& out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
@@ -24,17 +23,6 @@ uint64_t get_le(const std::string& in, size_t offset, int bytes) {
   uint64_t value = 0;
   for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
   return value;
-}
-
-uint32_t crc32_of(const char* data, size_t size) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
-  while (size > 0) {  // zlib takes uInt lengths
-    const auto chunk = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
-    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(data), chunk);
-    data += chunk;
-    size -= chunk;
-  }
-  return static_cast<uint32_t>(crc);
 }
 
 // write(2) of everything, with errno's text on failure (ENOSPC: "No space left on device").
@@ -59,6 +47,26 @@ void fsync_path(const std::string& path, int flags) {
 
 }  // namespace
 
+uint32_t crc32_of(const void* data, size_t size, uint32_t crc) {
+  auto bytes = static_cast<const Bytef*>(data);
+  uLong value = crc;
+  while (size > 0) {  // zlib takes uInt lengths
+    const auto chunk = static_cast<uInt>(std::min<size_t>(size, 1u << 30));
+    value = ::crc32(value, bytes, chunk);
+    bytes += chunk;
+    size -= chunk;
+  }
+  return static_cast<uint32_t>(value);
+}
+
+std::string envelope_header(const std::string& payload) {
+  std::string header(kMagic, sizeof(kMagic));
+  put_le(header, kEnvelopeVersion, 4);
+  put_le(header, payload.size(), 8);
+  put_le(header, crc32_of(payload.data(), payload.size()), 4);
+  return header;
+}
+
 void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write) {
   const auto target = std::filesystem::path(path);
   const auto dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
@@ -70,10 +78,7 @@ void save_atomically(const std::string& path, const std::function<void(torch::se
     std::ostringstream payload_stream;
     archive.save_to(payload_stream);
     const std::string payload = payload_stream.str();
-    std::string header(kMagic, sizeof(kMagic));
-    put_le(header, kEnvelopeVersion, 4);
-    put_le(header, payload.size(), 8);
-    put_le(header, crc32_of(payload.data(), payload.size()), 4);
+    const std::string header = envelope_header(payload);
 
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     TORCH_CHECK(fd >= 0, "cannot create '", tmp.string(), "': ", std::strerror(errno));
@@ -96,21 +101,21 @@ void save_atomically(const std::string& path, const std::function<void(torch::se
 }
 
 torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name) {
-  TORCH_CHECK(bytes.size() >= kHeaderBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
+  TORCH_CHECK(bytes.size() >= kEnvelopeBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
               "'", name, "' is not a dkfac checkpoint (no DKFACCKP header)");
   const auto version = get_le(bytes, 8, 4);
   TORCH_CHECK(version == kEnvelopeVersion, "checkpoint '", name, "' has envelope version ", version,
               ", this build reads ", kEnvelopeVersion);
   const uint64_t size = get_le(bytes, 12, 8);
-  const uint64_t available = bytes.size() - kHeaderBytes;
+  const uint64_t available = bytes.size() - kEnvelopeBytes;
   TORCH_CHECK(size <= available, "checkpoint '", name, "' is truncated: ", available, " of ", size,
               " payload bytes");
   TORCH_CHECK(size == available, "checkpoint '", name, "' has ", available - size, " bytes after its payload");
   const auto expected = static_cast<uint32_t>(get_le(bytes, 20, 4));
-  const auto actual = crc32_of(bytes.data() + kHeaderBytes, size);
+  const auto actual = crc32_of(bytes.data() + kEnvelopeBytes, size);
   TORCH_CHECK(actual == expected, "checkpoint '", name, "' is damaged: checksum mismatch");
   torch::serialize::InputArchive archive;
-  std::istringstream payload(bytes.substr(kHeaderBytes));
+  std::istringstream payload(bytes.substr(kEnvelopeBytes));
   try {
     archive.load_from(payload);
   } catch (const c10::Error& e) {

@@ -18,6 +18,13 @@
 namespace dkfac::train {
 
 constexpr uint32_t kEnvelopeVersion = 1;
+constexpr size_t kEnvelopeBytes = 24;
+
+/// zlib's CRC-32 of `size` bytes, continuing from `crc` (0 to start), for any size.
+uint32_t crc32_of(const void* data, size_t size, uint32_t crc = 0);
+
+/// The 24 envelope bytes that go before `payload`.
+std::string envelope_header(const std::string& payload);
 
 /// Writes `write(archive)` to `path` atomically: a temporary file in the same directory, fsync, rename,
 /// fsync of the directory. On any failure (a full disk included) the previous file at `path` is untouched,

@@ -14,8 +14,8 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
-#include <zlib.h>
 #include <sstream>
 #include <thread>
 
@@ -41,14 +41,14 @@ std::string shape_signature(torch::nn::Module& model) {
 
 // CRC-32 of the bytes of every parameter and buffer, in registration order.
 uint32_t parameters_crc32(torch::nn::Module& model) {
-  uLong crc = ::crc32(0L, Z_NULL, 0);
+  uint32_t crc = 0;
   auto add = [&](const torch::Tensor& t) {
     const auto bytes = t.detach().to(torch::kCPU).contiguous();
-    crc = ::crc32(crc, static_cast<const Bytef*>(bytes.data_ptr()), static_cast<uInt>(bytes.nbytes()));
+    crc = crc32_of(bytes.data_ptr(), bytes.nbytes(), crc);
   };
   for (const auto& p : model.parameters()) add(p);
   for (const auto& b : model.buffers()) add(b);
-  return static_cast<uint32_t>(crc);
+  return crc;
 }
 
 }  // namespace
@@ -296,9 +296,11 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
 }
 
 // The checkpoint to resume from: this rank's newest; with several ranks, the newest step for which every
-// rank has a checkpoint (current or .prev), so that all continue from the same step. Empty: start afresh.
-std::string Trainer::choose_checkpoint() {
+// rank has a checkpoint (current or .prev), so that all continue from the same step. Returns the file and
+// its archive, read and verified once; nullopt: start afresh.
+std::optional<std::pair<std::string, torch::serialize::InputArchive>> Trainer::choose_checkpoint() {
   std::vector<std::string> files;
+  std::vector<torch::serialize::InputArchive> archives;
   std::vector<int64_t> steps;
   for (const auto& file : {checkpoint_path(), checkpoint_path() + ".prev"}) {
     if (!std::filesystem::exists(file)) continue;
@@ -307,9 +309,13 @@ std::string Trainer::choose_checkpoint() {
     TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
                 "' has no 'global_step' entry");
     files.push_back(file);
+    archives.push_back(std::move(archive));
     steps.push_back(step.toInt());
   }
-  if (!communicator_ || world_ == 1) return files.empty() ? "" : files.front();
+  if (!communicator_ || world_ == 1) {
+    if (files.empty()) return std::nullopt;
+    return std::make_pair(files.front(), std::move(archives.front()));
+  }
   auto table = torch::zeros({world_, 2}, torch::kInt64);  // step + 1 of every rank's files; 0: none
   for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
   communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
@@ -319,9 +325,9 @@ std::string Trainer::choose_checkpoint() {
   for (size_t i = 0; i < steps.size(); ++i) {
     bool everywhere = true;
     for (int r = 0; r < world_; ++r) everywhere = everywhere && has(r, steps[i]);
-    if (everywhere) return files[i];
+    if (everywhere) return std::make_pair(files[i], std::move(archives[i]));
   }
-  if (table.sum().item<int64_t>() == 0) return "";  // no rank has a checkpoint
+  if (table.sum().item<int64_t>() == 0) return std::nullopt;  // no rank has a checkpoint
   std::ostringstream found;
   for (int r = 0; r < world_; ++r) {
     found << (r ? "; " : "") << "rank " << r << ":";
@@ -358,8 +364,15 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
   std::filesystem::create_directories(config_.checkpoint_dir);
   const auto path = checkpoint_path();
   // The previous checkpoint stays as .prev: ranks killed while writing a step's checkpoints can then
-  // still resume together from the step before.
-  if (std::filesystem::exists(path)) std::filesystem::rename(path, path + ".prev");
+  // still resume together from the step before. A second link (a copy where links are not supported), so
+  // that `path` itself stays in place until save_atomically's rename replaces it.
+  if (std::filesystem::exists(path)) {
+    const auto prev = path + ".prev";
+    std::filesystem::remove(prev);
+    std::error_code linked;
+    std::filesystem::create_hard_link(path, prev, linked);
+    if (linked) std::filesystem::copy_file(path, prev);
+  }
   save_atomically(path, [&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
     archive.write("model_name", c10::IValue(config_.model));
@@ -391,12 +404,13 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
 
 bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   auto& s = *state_;
-  const auto path = choose_checkpoint();
-  if (path.empty()) {
+  auto chosen = choose_checkpoint();
+  if (!chosen) {
     log() << "resume: no checkpoint at " << checkpoint_path() << ", starting from scratch" << std::endl;
     return false;
   }
-  auto archive = load_verified(path);
+  const auto path = chosen->first;
+  auto& archive = chosen->second;
   auto read = [&](const char* key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
@@ -556,7 +570,8 @@ TrainSummary Trainer::run() {
         s.emit(event);
       }
       if (config_.checkpoint_every_steps > 0 && !config_.checkpoint_dir.empty() &&
-          s.global_step % config_.checkpoint_every_steps == 0 && step_in_epoch + 1 < s.steps_per_epoch) {
+          s.global_step % config_.checkpoint_every_steps == 0 && step_in_epoch + 1 < s.steps_per_epoch &&
+          (config_.max_steps < 0 || s.global_step < config_.max_steps)) {  // else "max steps reached" writes it
         save_checkpoint(epoch, step_in_epoch + 1, "every " + std::to_string(config_.checkpoint_every_steps) + " steps");
       }
     }

@@ -109,7 +109,7 @@ class Trainer {
   std::string layout() const;
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
-  std::string choose_checkpoint();
+  std::optional<std::pair<std::string, torch::serialize::InputArchive>> choose_checkpoint();
   std::ostream& log() const;
   bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
 
