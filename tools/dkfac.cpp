@@ -79,6 +79,9 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--grad-worker-fraction", c.grad_worker_fraction,
                  "KAISA: 1 = comm-opt, 0.5 = hybrid-opt, 1/P = mem-opt")
       ->capture_default_str();
+  app.add_option("--skip-layers", c.skip_layers,
+                 "layers K-FAC leaves alone: regular expressions matched against module names (as the strategy "
+                 "log prints them) or kinds (Linear, Conv2d)");
   app.add_flag("--symmetric-comm", c.symmetric_comm, "send symmetric factors as upper triangles");
 }
 

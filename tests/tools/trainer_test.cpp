@@ -52,6 +52,25 @@ TEST_F(TrainerTest, SameSeedSameLosses) {
   EXPECT_NE(other.step_losses, a.step_losses);
 }
 
+TEST_F(TrainerTest, SkipLayersLeavesMatchingLayersOutOfKfac) {
+  auto c = config();
+  c.max_steps = 6;
+  const auto full = Trainer(c).run().step_losses;
+  c.skip_layers = {"^1$"};  // the mlp's first Linear (Sequential index 1)
+  const auto skipped = Trainer(c).run().step_losses;
+  c.kfac = false;
+  const auto sgd = Trainer(c).run().step_losses;
+  ASSERT_EQ(skipped.size(), 6u);
+  EXPECT_EQ(skipped.front(), full.front()) << "same model before the first update";
+  EXPECT_NE(skipped.back(), full.back()) << "layer 1 was still preconditioned";
+  EXPECT_NE(skipped.back(), sgd.back()) << "layers 3 and 5 were not preconditioned";
+  c.kfac = true;
+  c.skip_layers = {"Linear"};
+  expect_error([&] { Trainer(c).run(); }, {"no dkfac::nn::Linear or dkfac::nn::Conv2d layer", "after applying skip_layers"});
+  c.skip_layers = {"^1$", "("};
+  expect_error([&] { Trainer(c).run(); }, {"skip_layers pattern '(' is not a valid regular expression"});
+}
+
 TEST_F(TrainerTest, ResumeContinuesTheSameTrajectory) {
   for (bool kfac : {true, false}) {
     auto c = config();

@@ -166,6 +166,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
                                                                               : ComputeMethod::kInverse)
+                           .skip_layers(config_.skip_layers)
                            .strategy(config_.library_strategy())
                            .grad_worker_fraction(config_.fraction_for(world_))
                            .symmetric_comm(config_.symmetric_comm)
@@ -174,7 +175,16 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
         communicator_);
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
-  if (s.kfac && s.kfac->strategy() && rank_ == 0) log() << s.kfac->strategy()->describe(s.kfac->layers()) << std::flush;
+  if (s.kfac && rank_ == 0) {
+    log() << "K-FAC layers (name kind A x G):";
+    for (const auto& layer : s.kfac->layers()) {
+      log() << (&layer == &s.kfac->layers().front() ? " " : ", ") << layer.name() << " " << layer.module().kfac_kind() << " "
+            << layer.a_dim() << "x" << layer.g_dim();
+    }
+    log() << "\n";
+    if (s.kfac->strategy()) log() << s.kfac->strategy()->describe(s.kfac->layers());
+    log() << std::flush;
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -239,7 +249,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
           {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
           {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
-          {"compute-method", c.compute_method}, {"checkpoint-dir", c.checkpoint_dir},
+          {"compute-method", c.compute_method}, {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"strategy", c.strategy},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
