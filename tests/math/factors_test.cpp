@@ -103,6 +103,54 @@ INSTANTIATE_TEST_SUITE_P(Geometries, ConvFactors,
                                            ConvCase{3, 2, 1, 2, 1, 0, 2, 1}, ConvCase{1, 1, 1, 1, 0, 0, 1, 1},
                                            ConvCase{2, 3, 2, 1, 2, 1, 1, 2}, ConvCase{3, 3, 1, 1, 2, 2, 2, 2}));
 
+// Stride 1 in height takes the row-shift path (no im2col matrix). Its edge cases: inputs so small that no row
+// is shared by every block of a shift (height 1 and 2 with 3 x 3 and 5 x 5 kernels), dilation, a stride in
+// width, non-zero padding modes; against the covariance of the im2col patches written out densely.
+TEST(Factors, ConvAFactorWithoutIm2colMatchesPatches) {
+  torch::manual_seed(5);
+  struct Case {
+    int64_t height, width, kh, kw, dh, dw, sw, pad;
+    torch::nn::functional::PadFuncOptions::mode_t mode;
+  };
+  const std::vector<Case> cases = {
+      {1, 5, 3, 3, 1, 1, 1, 1, torch::kConstant},  {2, 3, 3, 3, 1, 1, 1, 1, torch::kConstant},
+      {2, 2, 5, 5, 1, 1, 1, 2, torch::kConstant},  {3, 4, 5, 3, 1, 1, 1, 2, torch::kConstant},
+      {9, 7, 3, 3, 2, 1, 2, 2, torch::kConstant},  {6, 6, 3, 3, 1, 1, 1, 1, torch::kReflect},
+      {5, 8, 3, 2, 1, 2, 1, 1, torch::kReplicate}, {4, 5, 2, 3, 1, 1, 1, 0, torch::kConstant},
+      {12, 10, 3, 3, 1, 1, 1, 0, torch::kConstant}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c10::str("input ", c.height, "x", c.width, ", kernel ", c.kh, "x", c.kw, ", dilation ", c.dh, "x",
+                          c.dw, ", stride 1x", c.sw, ", padding ", c.pad));
+    auto input = torch::randn({3, 8, c.height, c.width}, torch::kFloat64);
+    Conv2dGeometry geometry;
+    geometry.kernel_size = {c.kh, c.kw};
+    geometry.stride = {1, c.sw};
+    geometry.dilation = {c.dh, c.dw};
+    geometry.padding = {c.pad, c.pad, c.pad, c.pad};
+    geometry.padding_mode = c.mode;
+    const auto patches = conv2d_patches(input, geometry);
+    const double S = double(patches.size(0) / 3);
+    for (bool bias : {true, false}) {
+      auto rows = bias ? torch::cat({patches, torch::ones({patches.size(0), 1}, torch::kFloat64)}, 1) : patches;
+      rows = rows / S;
+      const auto expected = torch::mm(rows.t(), rows) / double(patches.size(0));
+      const auto a = conv2d_a_factor(input, geometry, bias);
+      EXPECT_TENSOR_NEAR(a, expected, 1e-13);
+      EXPECT_TRUE(torch::equal(a, a.t())) << "not exactly symmetric";
+    }
+  }
+  // float32 at the cnn's conv2 shape: the same factor as the dense product within float rounding.
+  auto input = torch::randn({16, 32, 14, 14});
+  Conv2dGeometry geometry;
+  geometry.kernel_size = {3, 3};
+  geometry.padding = {1, 1, 1, 1};
+  const auto patches = conv2d_patches(input.to(torch::kFloat64), geometry) / 196.0;
+  const auto rows = torch::cat({patches, torch::ones({patches.size(0), 1}, torch::kFloat64) / 196.0}, 1);
+  const auto expected = torch::mm(rows.t(), rows) / double(patches.size(0));
+  const auto a = conv2d_a_factor(input, geometry, true);
+  EXPECT_LT((a.to(torch::kFloat64) - expected).abs().max().item<double>(), 1e-6 * expected.abs().max().item<double>());
+}
+
 // G = sum over examples and positions of (g / S)(g / S)^T / n, written as loops.
 torch::Tensor g_factor_by_loops(const torch::Tensor& grad) {
   const int64_t B = grad.size(0), C = grad.size(1), H = grad.size(2), W = grad.size(3);
