@@ -36,6 +36,8 @@ struct Conv2dGeometry {
 torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry);
 
 /// Conv2d A factor: cov([patches, 1] / S). input: [B, C, H, W] -> [a, a], a = C*kh*kw (+1).
+/// With stride 1 in height (and C >= 8, kh > 1) it is built from products of kernel-row shifts of the
+/// input instead of the patch matrix (kh products of width kw*C instead of one of width kh*kw*C).
 torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& geometry, bool with_bias);
 
 /// Conv2d G factor: cov(Y / S) with Y the output gradient as [B*S, C_out].

@@ -73,18 +73,18 @@ void mirror_tiles(T* m, int64_t d, int threads) {
   });
 }
 
+}  // namespace
+
 void mirror_upper(torch::Tensor& m, int threads) {
-  TORCH_INTERNAL_ASSERT(m.dim() == 2 && m.size(0) == m.size(1) && m.is_contiguous());
-  if (m.scalar_type() == torch::kFloat32) {
-    mirror_tiles(m.data_ptr<float>(), m.size(0), threads);
-  } else if (m.scalar_type() == torch::kFloat64) {
-    mirror_tiles(m.data_ptr<double>(), m.size(0), threads);
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == m.size(1), "mirror_upper expects a square matrix, got ", m.sizes());
+  if (m.is_cpu() && m.is_contiguous() && m.scalar_type() == torch::kFloat32) {
+    mirror_tiles(m.data_ptr<float>(), m.size(0), std::max(1, threads));
+  } else if (m.is_cpu() && m.is_contiguous() && m.scalar_type() == torch::kFloat64) {
+    mirror_tiles(m.data_ptr<double>(), m.size(0), std::max(1, threads));
   } else {
     m.copy_(m.triu() + m.triu(1).t());
   }
 }
-
-}  // namespace
 
 torch::Tensor gram(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "gram expects a 2-D tensor, got shape ", x.sizes());

@@ -14,6 +14,10 @@ namespace dkfac::math {
 /// equal work, at least two per thread) and mirrored, so large factors cost about half a GEMM.
 torch::Tensor gram(const torch::Tensor& x);
 
+/// Copies the strict upper triangle of the square matrix `m` onto its lower triangle, in place (cache-sized
+/// tiles over `threads` threads for contiguous CPU float/double).
+void mirror_upper(torch::Tensor& m, int threads = 1);
+
 /// a @ b for 2-D a [m, k] and b [k, n], row blocks of `a` on separate threads.
 torch::Tensor parallel_mm(const torch::Tensor& a, const torch::Tensor& b);
 

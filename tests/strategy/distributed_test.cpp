@@ -210,6 +210,24 @@ TEST(TrianglePacking, RoundTrip) {
   EXPECT_TRUE(torch::equal(math::unpack_upper(packed, 5), m));
 }
 
+// The row copies against the gather by triu_indices they replace (row-major upper triangle), for both
+// dtypes, sizes around the mirror's 32 x 32 tiles, and a transposed (non-contiguous) input.
+TEST(TrianglePacking, MatchesTriuIndicesOrder) {
+  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
+    for (int64_t n : {1, 2, 31, 33, 70}) {
+      SCOPED_TRACE(c10::str(dtype, " n ", n));
+      auto m = torch::randn({n, n}, dtype);
+      m = m + m.t();
+      const auto idx = torch::triu_indices(n, n);
+      const auto expected = m.index({idx[0], idx[1]});
+      EXPECT_TRUE(torch::equal(math::pack_upper(m), expected));
+      EXPECT_TRUE(torch::equal(math::pack_upper(m.t()), expected));
+      EXPECT_TRUE(torch::equal(math::unpack_upper(expected, n), m));
+    }
+  }
+  EXPECT_THROW(math::unpack_upper(torch::zeros({5}), 3), c10::Error);
+}
+
 }  // namespace
 }  // namespace dkfac::strategy
 
