@@ -32,8 +32,11 @@ void average_over(comm::Communicator& communicator, comm::GroupId group, std::ve
 }  // namespace
 
 assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group) {
-  constexpr int kRepeats = 5;
-  const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18};  // float32 elements: 4 B, 64 KiB, 1 MiB
+  // Start-up timings are noisy where ranks share cores (a 4 B allreduce took 6-9 ms with 4 processes on 2
+  // cores, and 5 repeats of sizes up to 1 MiB fitted beta anywhere from 0 to 2.3 ns/B): 9 repeats, and sizes
+  // up to 4 MiB so that the slope rests on messages whose transfer dominates their start-up.
+  constexpr int kRepeats = 9;
+  const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18, 1 << 20};  // float32: 4 B, 64 KiB, 1 MiB, 4 MiB
   std::vector<double> bytes;
   std::vector<double> seconds;
   for (int64_t n : sizes) {
