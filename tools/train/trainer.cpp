@@ -176,14 +176,15 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
   if (s.kfac && rank_ == 0) {
-    log() << "K-FAC layers (name kind A x G):";
+    // One line (log() prefixes every call with the rank in a distributed job).
+    std::ostringstream layers;
+    layers << "K-FAC layers (name kind A x G):";
     for (const auto& layer : s.kfac->layers()) {
-      log() << (&layer == &s.kfac->layers().front() ? " " : ", ") << layer.name() << " " << layer.module().kfac_kind() << " "
-            << layer.a_dim() << "x" << layer.g_dim();
+      layers << (&layer == &s.kfac->layers().front() ? " " : ", ") << layer.name() << " "
+             << layer.module().kfac_kind() << " " << layer.a_dim() << "x" << layer.g_dim();
     }
-    log() << "\n";
-    if (s.kfac->strategy()) log() << s.kfac->strategy()->describe(s.kfac->layers());
-    log() << std::flush;
+    log() << layers.str() << "\n";
+    if (s.kfac->strategy()) log() << s.kfac->strategy()->describe(s.kfac->layers()) << std::flush;
   }
 }
 
