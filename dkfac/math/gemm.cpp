@@ -92,7 +92,9 @@ torch::Tensor gram(const torch::Tensor& x) {
   const int64_t d = x.size(1);
   const int threads = at::get_num_threads();
   if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinSplitWork) {
-    auto c = torch::mm(x.t(), x);
+    // Too narrow or too small for the block triangle to pay; parallel_mm still spreads a large narrow
+    // product (many rows, d < 128) over the threads, and leaves small ones to torch::mm.
+    auto c = parallel_mm(x.t(), x);
     return torch::add(c, c.t()).mul_(0.5);
   }
   // Row block b of the output covers rows [s_b, s_{b+1}) and columns [s_b, d); its work is proportional
