@@ -8,8 +8,14 @@
 namespace dkfac {
 
 void Options::validate() const {
-  TORCH_CHECK(factor_decay_ >= 0.0 && factor_decay_ < 1.0, "factor_decay must be in [0, 1), got ",
-              factor_decay_);
+  auto check_dtype = [](const char* what, const std::optional<c10::ScalarType>& dtype) {
+    if (!dtype) return;
+    TORCH_CHECK(*dtype == c10::kFloat || *dtype == c10::kDouble || *dtype == c10::kBFloat16, what, " ",
+                c10::toString(*dtype), " is not supported: use float32, float64 or bfloat16 (LibTorch on CPU has no ",
+                "float16 matrix products or decompositions)");
+  };
+  check_dtype("factor_dtype", factor_dtype_);
+  check_dtype("inv_dtype", inv_dtype_);
   TORCH_CHECK(accumulation_steps_ >= 1, "accumulation_steps must be >= 1, got ", accumulation_steps_);
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to ComputeMethod::kInverse only, got compute_method=",
@@ -36,6 +42,7 @@ void Options::validate() const {
   if (lr_.is_constant()) lr_at(0);
   if (damping_.is_constant()) damping_at(0);
   if (kl_clip_.is_constant()) kl_clip_at(0);
+  if (factor_decay_.is_constant()) factor_decay_at(0);
   if (factor_update_steps_.is_constant()) factor_update_steps_at(0);
   if (inv_update_steps_.is_constant()) inv_update_steps_at(0);
 }
@@ -59,6 +66,12 @@ double Options::kl_clip_at(int64_t step) const {
   return v;
 }
 
+double Options::factor_decay_at(int64_t step) const {
+  const double v = factor_decay_(step);
+  TORCH_CHECK(std::isfinite(v) && v >= 0.0 && v <= 1.0, "factor_decay must be in [0, 1], got ", v, " at step ", step);
+  return v;
+}
+
 int64_t Options::factor_update_steps_at(int64_t step) const {
   const int64_t v = factor_update_steps_(step);
   TORCH_CHECK(v >= 1, "factor_update_steps must be >= 1, got ", v, " at step ", step);
@@ -79,6 +92,10 @@ const char* to_string(ComputeMethod method) {
       return "inverse";
   }
   return "unknown";
+}
+
+c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarType inv_dtype) {
+  return factor_dtype == c10::kDouble || inv_dtype == c10::kDouble ? c10::kDouble : c10::kFloat;
 }
 
 const char* to_string(Strategy strategy) {

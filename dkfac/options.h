@@ -2,9 +2,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <c10/core/ScalarType.h>
 
 namespace dkfac {
 
@@ -94,12 +97,25 @@ class Options {
   DKFAC_SCHEDULE_ARG(int64_t, factor_update_steps){1};
   /// Steps between second-order (eigen/inverse) updates (>= 1).
   DKFAC_SCHEDULE_ARG(int64_t, inv_update_steps){1};
-  /// Running-average decay alpha of the factors, in [0, 1).
-  DKFAC_VALUE_ARG(double, factor_decay, 0.95);
+  /// Running-average decay alpha of the factors, in [0, 1].
+  DKFAC_SCHEDULE_ARG(double, factor_decay){0.95};
   /// Forward/backward passes (micro-batches) per optimizer step (>= 1).
   DKFAC_VALUE_ARG(int64_t, accumulation_steps, 1);
   /// Eigen (default) or inverse second-order method.
   DKFAC_VALUE_ARG(ComputeMethod, compute_method, ComputeMethod::kEigen);
+  /// Eigen method: compute 1 / (d_G d_A^T + damping) once per second-order update (default, with that
+  /// update's damping) or at every step with the step's damping (false; differs only for damping schedules).
+  DKFAC_VALUE_ARG(bool, compute_eigenvalue_outer_product, true);
+  /// Storage (and computation) dtype of captured and running factors; nullopt keeps the activations'
+  /// dtype. float16 cannot be used on CPU (no half-precision matmul there).
+  DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, factor_dtype, std::nullopt);
+  /// Storage dtype of second-order state (eigendecompositions, inverses) and of preconditioning; nullopt
+  /// keeps the factors' dtype. Decompositions run in float64 when the factors or this dtype are float64,
+  /// otherwise in float32, and the results are stored in this dtype.
+  DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, inv_dtype, std::nullopt);
+  /// Current loss scale of a mixed-precision gradient scaler, read at each G capture: G is built from
+  /// grad_output / scale. Empty (default): no scaling.
+  DKFAC_VALUE_ARG(std::function<double()>, grad_scaler, nullptr);
   /// Inverse method only: split damping between A and G with the pi heuristic (DP-KFAC).
   DKFAC_VALUE_ARG(bool, pi_damping, false);
   /// ECMAScript regular expressions; a layer whose module name matches any is not preconditioned.
@@ -136,6 +152,7 @@ class Options {
   double lr_at(int64_t step) const;
   double damping_at(int64_t step) const;
   double kl_clip_at(int64_t step) const;
+  double factor_decay_at(int64_t step) const;
   int64_t factor_update_steps_at(int64_t step) const;
   int64_t inv_update_steps_at(int64_t step) const;
 };
@@ -145,6 +162,9 @@ class Options {
 
 /// Readable name of a compute method ("eigen", "inverse").
 const char* to_string(ComputeMethod method);
+/// The dtype second-order work is computed in for factors of `factor_dtype` stored as `inv_dtype`.
+c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarType inv_dtype);
+
 /// Readable name of a strategy ("kaisa", "spd", "dp").
 const char* to_string(Strategy strategy);
 

@@ -1,5 +1,7 @@
 #include "dkfac/preconditioner.h"
 
+#include "dkfac/nn/kfac_module.h"
+
 #include <chrono>
 #include <limits>
 #include <regex>
@@ -50,20 +52,45 @@ PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
   return *this;
 }
 
-Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
-                               std::shared_ptr<comm::Communicator> communicator)
-    : model_(std::move(model)), options_(std::move(options)) {
-  TORCH_CHECK(model_ != nullptr, "Preconditioner needs a model, got nullptr");
-  options_.validate();
-  for (const auto& item : model_->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+namespace {
+
+// The dkfac::nn modules of `model` whose parameters all require grad and that skip_layers keeps.
+std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>& model,
+                                       const std::vector<std::string>& skip_layers) {
+  TORCH_CHECK(model != nullptr, "Preconditioner needs a model, got nullptr");
+  std::vector<LayerBinding> bindings;
+  for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
     if (kfac_module == nullptr) continue;
     if (!all_parameters_require_grad(*item.value())) continue;
-    if (matches_any(options_.skip_layers(), item.key(), kfac_module->kfac_kind())) continue;
-    layers_.emplace_back(item.key(), item.value());
+    if (matches_any(skip_layers, item.key(), kfac_module->kfac_kind())) continue;
+    bindings.push_back({item.key(), kfac_module->kfac_weight(), kfac_module->kfac_bias(),
+                        kfac_module->shared_factor_capture()});
   }
-  TORCH_CHECK(!layers_.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
-              " in the model (", model_->name(), ") after applying skip_layers");
+  TORCH_CHECK(!bindings.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
+              " in the model (", model->name(), ") after applying skip_layers");
+  return bindings;
+}
+
+}  // namespace
+
+Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
+                               std::shared_ptr<comm::Communicator> communicator)
+    : Preconditioner(bind_modules(model, options.skip_layers()), std::move(options), std::move(communicator)) {
+  model_ = std::move(model);
+}
+
+Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options,
+                               std::shared_ptr<comm::Communicator> communicator)
+    : options_(std::move(options)) {
+  options_.validate();
+  TORCH_CHECK(!layers.empty(), "Preconditioner needs at least one layer to precondition");
+  for (auto& binding : layers) {
+    binding.capture->set_factor_dtype(options_.factor_dtype());
+    binding.capture->set_grad_scale(options_.grad_scaler());
+    layers_.emplace_back(std::move(binding));
+    layers_.back().set_dtypes(options_.factor_dtype(), options_.inv_dtype());
+  }
   if (communicator != nullptr && communicator->size() > 1) {
     strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   }
@@ -101,7 +128,29 @@ void Preconditioner::discard_step() {
     // The other ranks reduce this step's factors too (SPD has already started during backward).
     if (strategy_) strategy_->reduce_factors(batches);
   }
-  for (auto& layer : layers_) layer.module().factor_capture().clear();
+  for (auto& layer : layers_) layer.capture().clear();
+  arm_capture();
+}
+
+void Preconditioner::update_second_order() {
+  std::vector<LayerPlan> plan(layers_.size());
+  compute_second_order(plan);
+}
+
+void Preconditioner::reset_batch() {
+  for (auto& layer : layers_) layer.capture().clear();
+}
+
+void Preconditioner::load_layer_states(int64_t steps,
+                                       const std::vector<std::map<std::string, torch::Tensor>>& states) {
+  TORCH_CHECK(steps >= 0, "steps must be >= 0, got ", steps);
+  TORCH_CHECK(states.size() == layers_.size(), "state holds ", states.size(), " K-FAC layers, the model has ",
+              layers_.size());
+  std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
+  for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], options_.compute_method());
+  layers_ = std::move(loaded);
+  steps_ = steps;
+  reset_batch();
   arm_capture();
 }
 
@@ -132,11 +181,11 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
     const std::string what = captured == 0 ? "did not run forward/backward in training mode"
                                                           : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer '", layer.name(), "' (",
-                layer.module().kfac_kind(), ") ", what, " before Preconditioner::step() at step ", steps_,
+                to_string(layer.kind()), ") ", what, " before Preconditioner::step() at step ", steps_,
                 "; run it in forward/backward, exclude it with Options::skip_layers, or set "
                 "unused_layer_policy(UnusedLayerPolicy::kSkip)");
     warn_once(layer, "unused", what + "; keeping its plain gradient while it does not run");
-    layer.module().factor_capture().clear();
+    layer.capture().clear();
     plan[i].usable = false;
     ++events_.skipped_unused;
   }
@@ -145,7 +194,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
 
 void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   double capture_seconds = 0.0;
-  for (const auto& layer : layers_) capture_seconds += layer.module().factor_capture().seconds();
+  for (const auto& layer : layers_) capture_seconds += layer.capture().seconds();
   last_times_.factors += capture_seconds - capture_seconds_seen_;
   capture_seconds_seen_ = capture_seconds;
 
@@ -156,7 +205,7 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!plan[i].usable || !builds_factors(i)) continue;
     auto& layer = layers_[i];
-    if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay()) == FactorUpdate::kUpdated) {
+    if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay_at(steps_)) == FactorUpdate::kUpdated) {
       continue;
     }
     warn_once(layer, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
@@ -199,8 +248,11 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     const bool mine = !strategy_ || strategy_->preconditions(i);
-    const auto options = layer.module().kfac_weight().options();
+    const auto options = layer.weight().options();
     if (mine && plan[i].usable && layer.second_order().defined()) {
+      if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
+        layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
+      }
       preconditioned[i] = layer.second_order().precondition(layer.gradient());
     } else if (mine && strategy_) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
@@ -270,7 +322,7 @@ void Preconditioner::time_communication(double* phase, const std::function<void(
 
 void Preconditioner::warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message) {
   if (!warned_.emplace(layer.name(), kind).second) return;
-  TORCH_WARN("dkfac: layer '", layer.name(), "' (", layer.module().kfac_kind(), "), step ", steps_, ": ", message,
+  TORCH_WARN("dkfac: layer '", layer.name(), "' (", to_string(layer.kind()), "), step ", steps_, ": ", message,
              " (warned once per layer)");
 }
 
@@ -312,7 +364,7 @@ void Preconditioner::load(torch::serialize::InputArchive& archive) {
   }
   layers_ = std::move(loaded);
   steps_ = steps.toInt();
-  for (auto& layer : layers_) layer.module().factor_capture().clear();
+  for (auto& layer : layers_) layer.capture().clear();
   arm_capture();
 }
 

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -53,6 +54,11 @@ class Preconditioner {
   /// SPD-KFAC or DP-KFAC); gradients must already be averaged over ranks when step() is called.
   explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options(),
                           std::shared_ptr<comm::Communicator> communicator = nullptr);
+  /// Preconditions `layers` as registered by a front end (the Python package binds torch.nn modules
+  /// this way), in this order; Options::skip_layers is not applied (the front end chose the layers).
+  /// Their captures must be fed by the front end's hooks.
+  Preconditioner(std::vector<LayerBinding> layers, Options options,
+                 std::shared_ptr<comm::Communicator> communicator = nullptr);
   ~Preconditioner();
   Preconditioner(const Preconditioner&) = delete;
   Preconditioner& operator=(const Preconditioner&) = delete;
@@ -66,6 +72,17 @@ class Preconditioner {
   /// factor step of a distributed preconditioner the factor collectives still run, so every rank must call
   /// it for the same step. Capture stays armed for the step that replaces it.
   void discard_step();
+
+  /// Recomputes the second-order state from the current factors now, outside step() (collective: every
+  /// rank calls it), e.g. after factors were loaded from a checkpoint that holds factors only.
+  void update_second_order();
+
+  /// Drops whatever the hooks captured since the last factor update.
+  void reset_batch();
+
+  /// Restores the step count and each layer's KfacLayer::state() (a missing second-order state is
+  /// left undefined). Checks every layer first and changes nothing on error.
+  void load_layer_states(int64_t steps, const std::vector<std::map<std::string, torch::Tensor>>& states);
 
   /// K-FAC steps taken so far (0 before the first step()).
   int64_t steps() const { return steps_; }

@@ -8,6 +8,7 @@ packages=(
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev libspdlog-dev
   dataset-fashion-mnist gnuplot-nox procps python3 iproute2
   clang libclang-rt-14-dev
+  python3-torch python3-torchvision python3-pytest pybind11-dev python3-dev openmpi-bin
 )
 
 missing=()

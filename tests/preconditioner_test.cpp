@@ -373,7 +373,7 @@ TEST(Preconditioner, UnusedLayerCanBeSkipped) {
 
 TEST(Preconditioner, BadOptionsCarryTheValue) {
   auto build = [](Options o) { return [o] { Preconditioner p(make_net(), o); }; };
-  testing::expect_error(build(Options().factor_decay(1.5)), {"factor_decay must be in [0, 1), got 1.5"});
+  testing::expect_error(build(Options().factor_decay(1.5)), {"factor_decay must be in [0, 1], got 1.5"});
   testing::expect_error(build(Options().damping(-2.0)), {"damping must be finite and > 0, got -2"});
   testing::expect_error(build(Options().lr(-0.5)), {"lr must be finite and >= 0, got -0.5"});
   testing::expect_error(build(Options().kl_clip(-1.0)), {"kl_clip must be finite and >= 0"});

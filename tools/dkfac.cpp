@@ -236,7 +236,7 @@ int run_plan(const PlanConfig& c) {
   dkfac::Preconditioner kfac(model.ptr());  // single process: only to list the K-FAC layers
   std::vector<dkfac::assign::LayerShape> shapes;
   for (const auto& layer : kfac.layers()) {
-    shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.module().rows_per_sample()});
+    shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
   }
   struct Row {
     std::string name;

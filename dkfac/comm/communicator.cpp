@@ -59,18 +59,19 @@ struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Store> watch_store;  // the watchdog's own client of a TCPStore
   std::string address = "this process";          // where the store lives, for messages
+  std::string prefix = "dkfac/";                   // of every key this communicator's groups write
   std::chrono::milliseconds timeout;
   std::shared_ptr<::gloo::transport::Device> device;
   struct Group {
     std::vector<int> members;
-    c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;  // null on ranks outside the group
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null on ranks outside the group
   };
   std::vector<Group> groups;
 
   c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(const std::string& prefix, int rank, int size) {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices.push_back(device);
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(this->prefix + prefix, store);
     return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
   }
 };
@@ -81,18 +82,24 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& host) 
   if (const char* ifname = std::getenv("DKFAC_GLOO_IFNAME")) {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
+  // torch.distributed's own variable, so that groups next to a torch.distributed job use its interface.
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
   if (host == "127.0.0.1" || host == "localhost") return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
 }  // namespace
 
-Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size)
+Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog)
     : impl_(std::move(impl)), rank_(rank), size_(size) {
-  std::vector<int> all(size);
-  for (int r = 0; r < size; ++r) all[r] = r;
-  impl_->groups.push_back({all, impl_->make_group("dkfac/world/", rank, size)});
-  start_watchdog();
+  if (impl_->groups.empty()) {
+    std::vector<int> all(size);
+    for (int r = 0; r < size; ++r) all[r] = r;
+    impl_->groups.push_back({all, impl_->make_group("world/", rank, size)});
+  }
+  if (watchdog) start_watchdog();
 }
 
 // Heartbeats through the store. The thread owns its own store client where the store is a TCPStore, so
@@ -395,6 +402,26 @@ std::shared_ptr<Communicator> Communicator::connect_in_process(const std::shared
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, world_size));
 }
 
+std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                               c10::intrusive_ptr<c10d::Store> store,
+                                                               const std::string& prefix,
+                                                               std::chrono::milliseconds timeout) {
+  TORCH_CHECK(group, "from_process_group needs a process group, got None");
+  TORCH_CHECK(store, "from_process_group needs the store its subgroups meet through, got None");
+  auto impl = std::make_unique<Impl>();
+  impl->store = std::move(store);
+  impl->timeout = timeout;
+  impl->prefix = prefix;
+  impl->address = "the process group's store";
+  const int rank = group->getRank();
+  const int size = group->getSize();
+  std::vector<int> all(size);
+  for (int r = 0; r < size; ++r) all[r] = r;
+  impl->groups.push_back({all, std::move(group)});
+  if (size > 1) impl->device = make_device("");
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, /*watchdog=*/false));
+}
+
 GroupId Communicator::new_group(const std::vector<int>& ranks) {
   TORCH_CHECK(!ranks.empty() && std::is_sorted(ranks.begin(), ranks.end()), "group ranks must be non-empty and ascending");
   TORCH_CHECK(ranks.front() >= 0 && ranks.back() < size_, "group ranks must be in [0, ", size_, ")");
@@ -402,7 +429,7 @@ GroupId Communicator::new_group(const std::vector<int>& ranks) {
   Impl::Group group{ranks, {}};
   const auto it = std::find(ranks.begin(), ranks.end(), rank_);
   if (it != ranks.end()) {
-    group.pg = impl_->make_group("dkfac/group" + std::to_string(id) + "/", static_cast<int>(it - ranks.begin()),
+    group.pg = impl_->make_group("group" + std::to_string(id) + "/", static_cast<int>(it - ranks.begin()),
                                  static_cast<int>(ranks.size()));
   }
   impl_->groups.push_back(std::move(group));

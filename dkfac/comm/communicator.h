@@ -9,7 +9,13 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/intrusive_ptr.h>
 #include <torch/torch.h>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+}  // namespace c10d
 
 /// Collective communication for dkfac over c10d process groups (Gloo on CPU). The only part of
 /// dkfac that includes c10d headers is communicator.cpp; everything else sees this interface.
@@ -77,6 +83,15 @@ class Communicator {
   static std::shared_ptr<Communicator> connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
                                                           int world_size,
                                                           std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  /// Wraps a process group created elsewhere (torch.distributed's default group, or one a LibTorch
+  /// program built) with no second rendezvous: its collectives are the world's. dkfac's subgroups (KAISA
+  /// columns and rows) are new Gloo groups meeting through `store` under `prefix`, which must be the same
+  /// on every rank of `group` and unique among the communicators built on that store. No heartbeat
+  /// watchdog runs: failures surface as the group's own collective errors and timeouts.
+  static std::shared_ptr<Communicator> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                          c10::intrusive_ptr<c10d::Store> store,
+                                                          const std::string& prefix,
+                                                          std::chrono::milliseconds timeout);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -116,7 +131,7 @@ class Communicator {
 
  private:
   struct Impl;
-  Communicator(std::unique_ptr<Impl> impl, int rank, int size);
+  Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog = true);
   void count(const std::string& phase, const torch::Tensor& tensor);
 
   std::unique_ptr<Impl> impl_;

@@ -1,6 +1,7 @@
 #include "dkfac/layers/kfac_layer.h"
 
 #include <limits>
+#include <set>
 
 namespace dkfac {
 namespace {
@@ -24,8 +25,11 @@ void check_shape(const std::string& layer, const char* what, const torch::Tensor
 
 torch::Tensor SecondOrderState::precondition(const torch::Tensor& grad) const {
   TORCH_INTERNAL_ASSERT(defined(), "precondition() before the second-order state was computed");
-  if (method == ComputeMethod::kEigen) return math::precondition_eigen(a_eigen, g_eigen, denominator, grad);
-  return math::precondition_inverse(a_inverse, g_inverse, grad);
+  const auto dtype = method == ComputeMethod::kEigen ? a_eigen.eigenvectors.scalar_type() : a_inverse.scalar_type();
+  const auto g = grad.scalar_type() == dtype ? grad : grad.to(dtype);
+  auto v = method == ComputeMethod::kEigen ? math::precondition_eigen(a_eigen, g_eigen, denominator, g)
+                                           : math::precondition_inverse(a_inverse, g_inverse, g);
+  return v.scalar_type() == grad.scalar_type() ? v : v.to(grad.scalar_type());
 }
 
 int64_t SecondOrderState::memory_bytes() const {
@@ -33,20 +37,30 @@ int64_t SecondOrderState::memory_bytes() const {
          bytes_of(g_eigen.eigenvalues) + bytes_of(denominator) + bytes_of(a_inverse) + bytes_of(g_inverse);
 }
 
-KfacLayer::KfacLayer(std::string name, std::shared_ptr<torch::nn::Module> module)
-    : name_(std::move(name)), module_(std::move(module)) {
-  kfac_module_ = dynamic_cast<nn::KfacModule*>(module_.get());
-  TORCH_CHECK(kfac_module_ != nullptr, "layer '", name_, "' (", module_->name(),
-              ") is not a dkfac::nn module; use dkfac::nn::Linear or dkfac::nn::Conv2d");
+KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
+  const auto& b = binding_;
+  TORCH_CHECK(b.weight.defined() && b.capture != nullptr, "layer '", b.name, "' needs a weight and a factor capture");
+  const auto& geometry = b.capture->geometry();
+  const int64_t expected_dim = geometry.kind == LayerKind::kLinear ? 2 : 4;
+  TORCH_CHECK(b.weight.dim() == expected_dim, "layer '", b.name, "' (", to_string(geometry.kind), "): weight has shape ",
+              b.weight.sizes(), ", expected ", expected_dim, " dimensions");
+  TORCH_CHECK(b.bias.defined() == geometry.has_bias && (!b.bias.defined() || b.bias.numel() == b.weight.size(0)),
+              "layer '", b.name, "': bias does not match the weight's ", b.weight.size(0), " outputs");
+  a_dim_ = b.weight.numel() / b.weight.size(0) + (b.bias.defined() ? 1 : 0);
+}
+
+void KfacLayer::set_dtypes(std::optional<torch::ScalarType> factor_dtype, std::optional<torch::ScalarType> inv_dtype) {
+  factor_dtype_ = factor_dtype;
+  inv_dtype_ = inv_dtype;
 }
 
 int64_t KfacLayer::captured_batches() const {
-  const auto& capture = kfac_module_->factor_capture();
+  const auto& capture = *binding_.capture;
   return std::min(capture.a_count(), capture.g_count());
 }
 
 std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {
-  auto& capture = kfac_module_->factor_capture();
+  auto& capture = *binding_.capture;
   auto a_batch = capture.take_a();
   auto g_batch = capture.take_g();
   return {a_batch, g_batch};
@@ -73,20 +87,26 @@ void KfacLayer::set_factors(torch::Tensor a_factor, torch::Tensor g_factor) {
 
 void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
                                      bool g_part) {
-  TORCH_INTERNAL_ASSERT(a_factor_.defined() && g_factor_.defined(), "layer '", name_,
+  TORCH_INTERNAL_ASSERT(a_factor_.defined() && g_factor_.defined(), "layer '", name(),
                         "': second order requested before any factor update");
   SecondOrderState next = second_order_.method == method ? second_order_ : SecondOrderState();
   next.method = method;
+  // Computed in float32 or float64 (decomposition_dtype), stored in the second-order dtype.
+  const auto store = second_order_dtype();
+  const auto work = decomposition_dtype(a_factor_.scalar_type(), store);
+  auto in = [work](const torch::Tensor& t) { return t.scalar_type() == work ? t : t.to(work); };
+  auto out = [store](const torch::Tensor& t) { return t.scalar_type() == store ? t : t.to(store); };
   if (method == ComputeMethod::kEigen) {
-    if (a_part) next.a_eigen = math::eigen_decompose(a_factor_);
-    if (g_part) next.g_eigen = math::eigen_decompose(g_factor_);
+    auto stored = [&](const math::EigenFactor& e) { return math::EigenFactor{out(e.eigenvectors), out(e.eigenvalues)}; };
+    if (a_part) next.a_eigen = stored(math::eigen_decompose(in(a_factor_)));
+    if (g_part) next.g_eigen = stored(math::eigen_decompose(in(g_factor_)));
     if (a_part && g_part) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
   } else {
     double a_damping = damping;
     double g_damping = damping;
     if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping(a_factor_, g_factor_, damping);
-    if (a_part) next.a_inverse = math::damped_inverse(a_factor_, a_damping);
-    if (g_part) next.g_inverse = math::damped_inverse(g_factor_, g_damping);
+    if (a_part) next.a_inverse = out(math::damped_inverse(in(a_factor_), a_damping));
+    if (g_part) next.g_inverse = out(math::damped_inverse(in(g_factor_), g_damping));
   }
   second_order_ = std::move(next);  // only replaced once everything succeeded
 }
@@ -95,7 +115,7 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
   auto& s = second_order_;
   if (s.method != method) s = SecondOrderState();
   s.method = method;
-  const auto options = kfac_module_->kfac_weight().options();
+  const auto options = binding_.weight.options().dtype(second_order_dtype());
   const int64_t a = a_dim();
   const int64_t g = g_dim();
   auto ensure = [&](torch::Tensor& t, at::IntArrayRef shape) {
@@ -121,21 +141,21 @@ void KfacLayer::finish_second_order(double damping) {
 }
 
 bool KfacLayer::has_gradient() const {
-  auto bias = kfac_module_->kfac_bias();
-  return kfac_module_->kfac_weight().grad().defined() && (!bias.defined() || bias.grad().defined());
+  const auto& bias = binding_.bias;
+  return binding_.weight.grad().defined() && (!bias.defined() || bias.grad().defined());
 }
 
 torch::Tensor KfacLayer::gradient() const {
-  auto weight_grad = kfac_module_->kfac_weight().grad();
+  auto weight_grad = binding_.weight.grad();
   auto matrix = weight_grad.reshape({weight_grad.size(0), -1});
-  auto bias = kfac_module_->kfac_bias();
+  const auto& bias = binding_.bias;
   if (!bias.defined()) return matrix;
   return torch::cat({matrix, bias.grad().reshape({-1, 1})}, 1);
 }
 
 void KfacLayer::set_gradient(const torch::Tensor& matrix) {
-  auto weight_grad = kfac_module_->kfac_weight().mutable_grad();
-  auto bias = kfac_module_->kfac_bias();
+  auto weight_grad = binding_.weight.mutable_grad();
+  const auto& bias = binding_.bias;
   const int64_t columns = weight_grad.numel() / weight_grad.size(0);
   torch::NoGradGuard no_grad;
   weight_grad.copy_(matrix.slice(1, 0, columns).reshape(weight_grad.sizes()));
@@ -146,56 +166,80 @@ int64_t KfacLayer::memory_bytes() const {
   return bytes_of(a_factor_) + bytes_of(g_factor_) + second_order_.memory_bytes();
 }
 
-void KfacLayer::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("name", c10::IValue(name_));
-  archive.write("method", c10::IValue(static_cast<int64_t>(second_order_.method)));
-  auto write = [&](const char* key, const torch::Tensor& t) {
-    if (t.defined()) archive.write(key, t, /*is_buffer=*/true);
+std::map<std::string, torch::Tensor> KfacLayer::state() const {
+  std::map<std::string, torch::Tensor> state;
+  auto put = [&](const char* key, const torch::Tensor& t) {
+    if (t.defined()) state[key] = t;
   };
-  write("a_factor", a_factor_);
-  write("g_factor", g_factor_);
-  write("a_eigenvectors", second_order_.a_eigen.eigenvectors);
-  write("a_eigenvalues", second_order_.a_eigen.eigenvalues);
-  write("g_eigenvectors", second_order_.g_eigen.eigenvectors);
-  write("g_eigenvalues", second_order_.g_eigen.eigenvalues);
-  write("denominator", second_order_.denominator);
-  write("a_inverse", second_order_.a_inverse);
-  write("g_inverse", second_order_.g_inverse);
+  put("a_factor", a_factor_);
+  put("g_factor", g_factor_);
+  put("a_eigenvectors", second_order_.a_eigen.eigenvectors);
+  put("a_eigenvalues", second_order_.a_eigen.eigenvalues);
+  put("g_eigenvectors", second_order_.g_eigen.eigenvectors);
+  put("g_eigenvalues", second_order_.g_eigen.eigenvalues);
+  put("denominator", second_order_.denominator);
+  put("a_inverse", second_order_.a_inverse);
+  put("g_inverse", second_order_.g_inverse);
+  return state;
+}
+
+void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, ComputeMethod method) {
+  auto get = [&](const char* key) {
+    const auto it = state.find(key);
+    return it == state.end() || !it->second.defined() ? torch::Tensor() : it->second.to(binding_.weight.device());
+  };
+  for (const auto& [key, tensor] : state) {
+    static const std::set<std::string> known{"a_factor",      "g_factor",      "a_eigenvectors",
+                                             "a_eigenvalues", "g_eigenvectors", "g_eigenvalues",
+                                             "denominator",   "a_inverse",     "g_inverse"};
+    TORCH_CHECK(known.count(key) == 1, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
+  }
+  const int64_t a = a_dim();
+  const int64_t g = g_dim();
+  torch::Tensor a_factor = get("a_factor");
+  torch::Tensor g_factor = get("g_factor");
+  check_shape(name(), "A factor", a_factor, {a, a});
+  check_shape(name(), "G factor", g_factor, {g, g});
+  SecondOrderState next;
+  next.method = method;
+  next.a_eigen = {get("a_eigenvectors"), get("a_eigenvalues")};
+  next.g_eigen = {get("g_eigenvectors"), get("g_eigenvalues")};
+  next.denominator = get("denominator");
+  next.a_inverse = get("a_inverse");
+  next.g_inverse = get("g_inverse");
+  check_shape(name(), "Q_A", next.a_eigen.eigenvectors, {a, a});
+  check_shape(name(), "d_A", next.a_eigen.eigenvalues, {a});
+  check_shape(name(), "Q_G", next.g_eigen.eigenvectors, {g, g});
+  check_shape(name(), "d_G", next.g_eigen.eigenvalues, {g});
+  check_shape(name(), "eigenvalue denominator", next.denominator, {g, a});
+  check_shape(name(), "A inverse", next.a_inverse, {a, a});
+  check_shape(name(), "G inverse", next.g_inverse, {g, g});
+  a_factor_ = a_factor;
+  g_factor_ = g_factor;
+  second_order_ = std::move(next);
+}
+
+void KfacLayer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("name", c10::IValue(name()));
+  archive.write("method", c10::IValue(static_cast<int64_t>(second_order_.method)));
+  for (const auto& [key, tensor] : state()) archive.write(key, tensor, /*is_buffer=*/true);
 }
 
 void KfacLayer::load(torch::serialize::InputArchive& archive) {
-  c10::IValue name;
-  archive.read("name", name);
-  TORCH_CHECK(name.isString() && name.toStringRef() == name_, "checkpoint holds K-FAC layer '",
-              name.isString() ? name.toStringRef() : std::string("?"), "' where the model has '", name_, "'");
+  c10::IValue saved_name;
+  archive.read("name", saved_name);
+  TORCH_CHECK(saved_name.isString() && saved_name.toStringRef() == name(), "checkpoint holds K-FAC layer '",
+              saved_name.isString() ? saved_name.toStringRef() : std::string("?"), "' where the model has '", name(),
+              "'");
   c10::IValue method;
   archive.read("method", method);
-  auto read = [&](const char* key) {
+  std::map<std::string, torch::Tensor> state;
+  for (const char* key : {"a_factor", "g_factor", "a_eigenvectors", "a_eigenvalues", "g_eigenvectors",
+                          "g_eigenvalues", "denominator", "a_inverse", "g_inverse"}) {
     torch::Tensor t;
-    if (!archive.try_read(key, t, /*is_buffer=*/true)) return torch::Tensor();
-    return t.to(kfac_module_->kfac_weight().device());
-  };
-  const int64_t a = a_dim();
-  const int64_t g = g_dim();
-  torch::Tensor a_factor = read("a_factor");
-  torch::Tensor g_factor = read("g_factor");
-  check_shape(name_, "A factor", a_factor, {a, a});
-  check_shape(name_, "G factor", g_factor, {g, g});
-  SecondOrderState state;
-  state.method = static_cast<ComputeMethod>(method.toInt());
-  state.a_eigen = {read("a_eigenvectors"), read("a_eigenvalues")};
-  state.g_eigen = {read("g_eigenvectors"), read("g_eigenvalues")};
-  state.denominator = read("denominator");
-  state.a_inverse = read("a_inverse");
-  state.g_inverse = read("g_inverse");
-  check_shape(name_, "Q_A", state.a_eigen.eigenvectors, {a, a});
-  check_shape(name_, "Q_G", state.g_eigen.eigenvectors, {g, g});
-  check_shape(name_, "eigenvalue denominator", state.denominator, {g, a});
-  check_shape(name_, "A inverse", state.a_inverse, {a, a});
-  check_shape(name_, "G inverse", state.g_inverse, {g, g});
-  a_factor_ = a_factor;
-  g_factor_ = g_factor;
-  second_order_ = std::move(state);
+    if (archive.try_read(key, t, /*is_buffer=*/true)) state[key] = t;
+  }
+  load_state(state, static_cast<ComputeMethod>(method.toInt()));
 }
 
 }  // namespace dkfac

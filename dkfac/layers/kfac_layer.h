@@ -1,13 +1,15 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
 
 #include "dkfac/math/second_order.h"
-#include "dkfac/nn/kfac_module.h"
+#include "dkfac/layers/factor_capture.h"
 #include "dkfac/options.h"
 
 namespace dkfac {
@@ -30,28 +32,46 @@ struct SecondOrderState {
 
   /// True once computed.
   bool defined() const { return denominator.defined() || a_inverse.defined(); }
-  /// V for `grad` [g, a].
+  /// V for `grad` [g, a], computed in the state's dtype and returned in the gradient's.
   torch::Tensor precondition(const torch::Tensor& grad) const;
   /// Bytes held.
   int64_t memory_bytes() const;
 };
 
-/// K-FAC state and operations of one dkfac::nn layer: running factors, second-order state, and the
-/// layer gradient seen as a [g, a] matrix. Holds no communication; strategies sequence its phases.
-/// The layer shares ownership of its module with the model.
+/// One layer as the core sees it, whichever front end registered it: the C++ API binds each
+/// dkfac::nn module of a model, the Python package each torch.nn.Linear / Conv2d it hooks.
+struct LayerBinding {
+  std::string name;    ///< path in the model, e.g. "layer1.0.conv1"
+  torch::Tensor weight;  ///< Linear [g, in_features], Conv2d [g, C_in, kh, kw]; shares the model's parameter
+  torch::Tensor bias;    ///< [g], or undefined
+  std::shared_ptr<FactorCapture> capture;  ///< fed by the front end's hooks; knows the layer kind
+};
+
+/// K-FAC state and operations of one layer: running factors, second-order state, and the layer
+/// gradient seen as a [g, a] matrix. Holds no communication; strategies sequence its phases.
 class KfacLayer {
  public:
-  /// `module` must implement nn::KfacModule; `name` is its path in the model (e.g. "features.conv1").
-  KfacLayer(std::string name, std::shared_ptr<torch::nn::Module> module);
+  /// Checks the binding (weight and capture present, shapes consistent with the layer kind).
+  explicit KfacLayer(LayerBinding binding);
 
-  const std::string& name() const { return name_; }
-  nn::KfacModule& module() { return *kfac_module_; }
-  const nn::KfacModule& module() const { return *kfac_module_; }
-  int64_t a_dim() const { return kfac_module_->a_dim(); }
-  int64_t g_dim() const { return kfac_module_->g_dim(); }
+  const std::string& name() const { return binding_.name; }
+  LayerKind kind() const { return binding_.capture->geometry().kind; }
+  const torch::Tensor& weight() const { return binding_.weight; }
+  const torch::Tensor& bias() const { return binding_.bias; }
+  FactorCapture& capture() { return *binding_.capture; }
+  const FactorCapture& capture() const { return *binding_.capture; }
+  /// a = weight columns (+1 with bias), g = weight rows.
+  int64_t a_dim() const { return a_dim_; }
+  int64_t g_dim() const { return binding_.weight.size(0); }
+
+  /// Storage dtypes (Options::factor_dtype, inv_dtype); nullopt: the weight's dtype, the factors' dtype.
+  void set_dtypes(std::optional<torch::ScalarType> factor_dtype, std::optional<torch::ScalarType> inv_dtype);
+  /// dtype of the running factors and of the second-order state.
+  torch::ScalarType factor_dtype() const { return factor_dtype_.value_or(binding_.weight.scalar_type()); }
+  torch::ScalarType second_order_dtype() const { return inv_dtype_.value_or(factor_dtype()); }
 
   /// Turns activation/gradient capture on for the coming forward/backward (factor steps only).
-  void set_capture(bool enabled) { kfac_module_->factor_capture().set_enabled(enabled); }
+  void set_capture(bool enabled) { binding_.capture->set_enabled(enabled); }
   /// Micro-batches captured since the last factor update (min of the A and G counts).
   int64_t captured_batches() const;
 
@@ -89,15 +109,23 @@ class KfacLayer {
   /// Bytes of factors and second-order state held by this layer.
   int64_t memory_bytes() const;
 
+  /// Factors and second-order state by name ("a_factor", "g_factor", "a_eigenvectors", "a_eigenvalues",
+  /// "g_eigenvectors", "g_eigenvalues", "denominator", "a_inverse", "g_inverse"); only those held.
+  std::map<std::string, torch::Tensor> state() const;
+  /// Restores what state() returned (moved to the weight's device); checks every shape and refuses
+  /// unknown entries, leaving the layer unchanged on error.
+  void load_state(const std::map<std::string, torch::Tensor>& state, ComputeMethod method);
+
   /// Serialises factors and second-order state.
   void save(torch::serialize::OutputArchive& archive) const;
   /// Restores what save() wrote; checks the name and shapes.
   void load(torch::serialize::InputArchive& archive);
 
  private:
-  std::string name_;
-  std::shared_ptr<torch::nn::Module> module_;  // shared with the model
-  nn::KfacModule* kfac_module_;                // the same object, as its K-FAC interface
+  LayerBinding binding_;
+  int64_t a_dim_;
+  std::optional<torch::ScalarType> factor_dtype_;
+  std::optional<torch::ScalarType> inv_dtype_;
   torch::Tensor a_factor_;                     // A, [a, a]
   torch::Tensor g_factor_;                     // G, [g, g]
   SecondOrderState second_order_;

@@ -1,6 +1,5 @@
 #include "dkfac/nn/conv2d.h"
 
-#include <chrono>
 #include <variant>
 
 namespace dkfac::nn {
@@ -9,10 +8,6 @@ namespace {
 // LibTorch 1.x options hold c10::variant, 2.x std::variant. With std::get_if visible, an unqualified
 // get_if<T>(&v) also finds c10::get_if by argument-dependent lookup, so one spelling serves both.
 using std::get_if;
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 torch::nn::functional::PadFuncOptions::mode_t to_pad_mode(const torch::nn::detail::conv_padding_mode_t& mode) {
   if (get_if<torch::enumtype::kReflect>(&mode)) return torch::kReflect;
@@ -26,6 +21,7 @@ torch::nn::functional::PadFuncOptions::mode_t to_pad_mode(const torch::nn::detai
 Conv2dImpl::Conv2dImpl(const torch::nn::Conv2dOptions& options) : torch::nn::Conv2dImpl(options) {
   TORCH_CHECK(options.groups() == 1, "dkfac::nn::Conv2d supports groups=1 only, got groups=", options.groups(),
               " (use torch::nn::Conv2d for grouped convolutions; they keep their plain gradient)");
+  capture_ = std::make_shared<FactorCapture>(LayerGeometry{LayerKind::kConv2d, options.bias(), geometry()});
 }
 
 math::Conv2dGeometry Conv2dImpl::geometry() const {
@@ -60,25 +56,12 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::Conv2dImpl::forward(input);
-  rows_per_sample_ = output.size(-1) * output.size(-2);
+  capture_->set_rows_per_sample(output.size(-1) * output.size(-2));
   if (!capture_->active(is_training())) return output;
 
-  const auto start = std::chrono::steady_clock::now();
-  {
-    torch::NoGradGuard no_grad;
-    auto x = input.dim() == 3 ? input.unsqueeze(0) : input;  // unbatched [C, H, W]
-    // Built before timing stops: argument evaluation order is unspecified.
-    auto a_batch = math::conv2d_a_factor(x.detach(), geometry(), bias.defined());
-    capture_->add_a(a_batch, seconds_since(start));
-  }
+  capture_->capture_input(input);
   if (output.requires_grad()) {
-    output.register_hook([capture = capture_](const torch::Tensor& grad) {
-      const auto hook_start = std::chrono::steady_clock::now();
-      torch::NoGradGuard no_grad;
-      auto g = grad.dim() == 3 ? grad.unsqueeze(0) : grad;
-      auto g_batch = math::conv2d_g_factor(g);
-      capture->add_g(g_batch, seconds_since(hook_start));
-    });
+    output.register_hook([capture = capture_](const torch::Tensor& grad) { capture->capture_output_grad(grad); });
   }
   return output;
 }

@@ -26,7 +26,6 @@ class Conv2dImpl : public torch::nn::Conv2dImpl, public KfacModule {
   /// The patch layout this layer's forward uses (kernel, stride, dilation, explicit padding).
   math::Conv2dGeometry geometry() const;
 
-  std::string kfac_kind() const override { return "Conv2d"; }
   torch::Tensor kfac_weight() const override { return weight; }
   torch::Tensor kfac_bias() const override { return bias; }
   int64_t a_dim() const override;

@@ -21,7 +21,6 @@ class LinearImpl : public torch::nn::LinearImpl, public KfacModule {
 
   void pretty_print(std::ostream& stream) const override;
 
-  std::string kfac_kind() const override { return "Linear"; }
   torch::Tensor kfac_weight() const override { return weight; }
   torch::Tensor kfac_bias() const override { return bias; }
   int64_t a_dim() const override;

@@ -31,7 +31,7 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
       std::ostringstream m;
       if (measure) m << "link alpha " << link.alpha * 1e6 << " us, beta " << link.beta * 1e9 << " ns/B; ";
       if (redundant < 0) {
-        const auto dtype = layers.front().module().kfac_weight().scalar_type();
+        const auto dtype = layers.front().weight().scalar_type();
         const double per_cubed = measure_decomposition(*communicator_, options.compute_method(), dtype);
         // What a broadcast carries per d^2: eigenvectors (d^2, plus d eigenvalues), or an upper triangle.
         const double element = static_cast<double>(c10::elementSize(dtype));

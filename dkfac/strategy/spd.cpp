@@ -83,8 +83,8 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
   std::vector<int> everyone(communicator_->size());
   std::iota(everyone.begin(), everyone.end(), 0);
   group_id_ = communicator_->new_group(everyone);
-  for (auto& layer : layers) captures_.push_back(&layer.module().factor_capture());
-  const int64_t element = layers.empty() ? 4 : layers[0].module().kfac_weight().element_size();
+  for (auto& layer : layers) captures_.push_back(&layer.capture());
+  const int64_t element = layers.empty() ? 4 : layers[0].weight().element_size();
   for (size_t slot = 0; slot < 2 * num_layers_; ++slot) {
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();

@@ -75,7 +75,7 @@ class FactorPipeline {
 
   std::shared_ptr<comm::Communicator> communicator_;
   comm::GroupId group_id_;
-  std::vector<nn::FactorCapture*> captures_;  // per layer; owned by the model's modules
+  std::vector<FactorCapture*> captures_;  // per layer; shared with the front end's hooks
   size_t num_layers_;
   std::vector<int64_t> slot_dims_;   // factor dimension per slot
   std::vector<int64_t> slot_bytes_;  // packed triangle bytes per slot

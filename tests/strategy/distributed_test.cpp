@@ -488,7 +488,7 @@ TEST_P(DpEquivalence, MatchesOwnerLocalReference) {
           const auto& layer = kfac.layers()[l];
           EXPECT_EQ(layer.a_factor().defined(), owner) << "rank " << rank << " layer " << l;
           EXPECT_EQ(layer.second_order().defined(), owner) << "rank " << rank << " layer " << l;
-          EXPECT_FALSE(layer.module().factor_capture().enabled() && !owner) << "non-owners never capture";
+          EXPECT_FALSE(layer.capture().enabled() && !owner) << "non-owners never capture";
           const auto [a, g] = dims[l];
           if (owner) held += 8 * (a * a + g * g + (method == ComputeMethod::kEigen ? a * a + a + g * g + g + g * a
                                                                                    : a * a + g * g));
@@ -553,7 +553,7 @@ TEST_P(PlanPredictsCounters, BytesAndMemoryPerRank) {
     memory[rank] = kfac.memory_bytes();
     if (rank != 0) return;
     for (const auto& layer : kfac.layers()) {
-      shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.module().rows_per_sample()});
+      shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
     }
     assignment = kfac.strategy()->assignment();
   });

@@ -181,7 +181,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
     layers << "K-FAC layers (name kind A x G):";
     for (const auto& layer : s.kfac->layers()) {
       layers << (&layer == &s.kfac->layers().front() ? " " : ", ") << layer.name() << " "
-             << layer.module().kfac_kind() << " " << layer.a_dim() << "x" << layer.g_dim();
+             << dkfac::to_string(layer.kind()) << " " << layer.a_dim() << "x" << layer.g_dim();
     }
     log() << layers.str() << "\n";
     if (s.kfac->strategy()) log() << s.kfac->strategy()->describe(s.kfac->layers()) << std::flush;

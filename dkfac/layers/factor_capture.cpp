@@ -1,6 +1,56 @@
-#include "dkfac/nn/kfac_module.h"
+#include "dkfac/layers/factor_capture.h"
 
-namespace dkfac::nn {
+#include <chrono>
+#include <cmath>
+
+namespace dkfac {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+const char* to_string(LayerKind kind) { return kind == LayerKind::kLinear ? "Linear" : "Conv2d"; }
+
+FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {}
+
+torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t) const {
+  return factor_dtype_ && t.scalar_type() != *factor_dtype_ ? t.to(*factor_dtype_) : t;
+}
+
+void FactorCapture::capture_input(const torch::Tensor& input) {
+  const auto start = std::chrono::steady_clock::now();
+  torch::NoGradGuard no_grad;
+  auto x = in_factor_dtype(input.detach());
+  torch::Tensor a_batch;
+  if (geometry_.kind == LayerKind::kLinear) {
+    a_batch = math::linear_a_factor(x, geometry_.has_bias);
+  } else {
+    a_batch = math::conv2d_a_factor(x.dim() == 3 ? x.unsqueeze(0) : x, geometry_.conv, geometry_.has_bias);
+  }
+  add_a(a_batch, seconds_since(start));  // built before timing stops: argument evaluation order is unspecified
+}
+
+void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
+  const auto start = std::chrono::steady_clock::now();
+  torch::NoGradGuard no_grad;
+  auto g = in_factor_dtype(grad_output.detach());
+  if (grad_scale_) {
+    const double scale = grad_scale_();
+    TORCH_CHECK(std::isfinite(scale) && scale > 0.0, "grad scaler returned ", scale,
+                "; the loss scale must be a positive finite number");
+    if (scale != 1.0) g = g / scale;
+  }
+  torch::Tensor g_batch;
+  if (geometry_.kind == LayerKind::kLinear) {
+    g_batch = math::linear_g_factor(g);
+  } else {
+    g_batch = math::conv2d_g_factor(g.dim() == 3 ? g.unsqueeze(0) : g);
+  }
+  add_g(g_batch, seconds_since(start));
+}
 
 void FactorCapture::add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch) {
   if (count == 0) {
@@ -91,4 +141,4 @@ double FactorCapture::seconds() const {
   return seconds_;
 }
 
-}  // namespace dkfac::nn
+}  // namespace dkfac

@@ -1,0 +1,118 @@
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "dkfac/math/factors.h"
+
+namespace dkfac {
+
+/// The layer kinds whose Kronecker factors dkfac builds (docs/MATH.md section 1).
+enum class LayerKind {
+  kLinear,  ///< y = x W^T + b over any leading dimensions
+  kConv2d,  ///< 2-D convolution, groups = 1, any stride, dilation, padding and padding mode
+};
+
+/// "Linear" or "Conv2d" (the names skip_layers patterns and messages use).
+const char* to_string(LayerKind kind);
+
+/// How one layer turns what its front end captured into factors: its kind, whether it has a bias,
+/// and for Conv2d the patch geometry its forward uses.
+struct LayerGeometry {
+  LayerKind kind = LayerKind::kLinear;
+  bool has_bias = false;
+  math::Conv2dGeometry conv;  ///< Conv2d only
+};
+
+/// Per-layer accumulator of mini-batch Kronecker factors, fed the same way by either front end: the
+/// C++ dkfac::nn modules call `capture_input` from their forward and `capture_output_grad` from a hook
+/// on their output; the Python package calls them from torch module and tensor hooks. The preconditioner
+/// takes their means at each factor update. Shared by the layer, its module and autograd hooks that may
+/// outlive both.
+class FactorCapture {
+ public:
+  explicit FactorCapture(LayerGeometry geometry = {});
+
+  const LayerGeometry& geometry() const { return geometry_; }
+
+  /// True when the next forward should capture: enabled, module in training mode, grad mode on.
+  bool active(bool training) const { return enabled_ && training && torch::GradMode::is_enabled(); }
+  /// Turned on by the preconditioner before each factor step, off after it.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
+
+  /// Builds the A factor of one micro-batch from the layer's input and adds it. Linear: input
+  /// [..., in_features]; Conv2d: [B, C, H, W] or unbatched [C, H, W]. Runs without autograd.
+  void capture_input(const torch::Tensor& input);
+  /// Builds the G factor of one micro-batch from the gradient of the layer's output and adds it.
+  /// Linear: [..., out_features]; Conv2d: [B, C_out, H_out, W_out] or [C_out, H_out, W_out].
+  /// The gradient is divided by the grad scale first, when one is set (mixed-precision loss scaling).
+  void capture_output_grad(const torch::Tensor& grad_output);
+
+  /// Rows each sample adds to the factor's input matrix in the last forward (whether or not it captured):
+  /// output positions H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in]).
+  /// The front end's forward sets it; plans use it to predict factor FLOPs.
+  int64_t rows_per_sample() const { return rows_per_sample_; }
+  void set_rows_per_sample(int64_t rows) { rows_per_sample_ = rows; }
+
+  /// Storage dtype of captured factors (Options::factor_dtype); nullopt keeps the activations' dtype.
+  void set_factor_dtype(std::optional<torch::ScalarType> dtype) { factor_dtype_ = dtype; }
+  /// Current loss scale of a mixed-precision gradient scaler; G is built from grad_output / scale.
+  void set_grad_scale(std::function<double()> scale) { grad_scale_ = std::move(scale); }
+
+  /// Adds one micro-batch factor ([a, a] or [g, g]) and the seconds spent building it.
+  void add_a(const torch::Tensor& a_batch, double seconds);
+  void add_g(const torch::Tensor& g_batch, double seconds);
+
+  /// Micro-batches captured since the last take.
+  int64_t a_count() const;
+  int64_t g_count() const;
+
+  /// Mean of the captured factors (sum / count), or an undefined tensor if none; resets the sum.
+  torch::Tensor take_a();
+  torch::Tensor take_g();
+
+  /// Mean of the captured factors without resetting (undefined if none).
+  torch::Tensor mean_a() const;
+  torch::Tensor mean_g() const;
+
+  /// Drops anything captured.
+  void clear();
+
+  /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
+  /// A and how many micro-batches that factor now holds. SPD-KFAC starts allreduces from it.
+  using Listener = std::function<void(bool is_a, int64_t count)>;
+  void set_listener(Listener listener);
+
+  /// Seconds spent building factors since construction (forward and backward).
+  double seconds() const;
+
+ private:
+  static void add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch);
+  static torch::Tensor mean(const torch::Tensor& sum, int64_t count);
+  static torch::Tensor take(torch::Tensor& sum, int64_t& count);
+  /// Adds under the lock, then calls the listener outside it.
+  void add_and_notify(bool is_a, const torch::Tensor& batch, double seconds);
+  torch::Tensor in_factor_dtype(const torch::Tensor& t) const;
+
+  LayerGeometry geometry_;
+  std::optional<torch::ScalarType> factor_dtype_;
+  std::function<double()> grad_scale_;
+  mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
+  bool enabled_ = false;
+  std::atomic<int64_t> rows_per_sample_{1};
+  torch::Tensor a_sum_;  // [a, a]
+  torch::Tensor g_sum_;  // [g, g]
+  int64_t a_count_ = 0;
+  int64_t g_count_ = 0;
+  double seconds_ = 0.0;
+  Listener listener_;
+};
+
+}  // namespace dkfac

@@ -1,0 +1,189 @@
+// dkfac._C: the Python front end's door into the C++ core. It binds layer captures (fed by torch module
+// hooks), the options, the preconditioner and a communicator built on torch.distributed's process group.
+// Everything numeric runs in the core; this file only converts arguments.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/extension.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <string>
+
+#include "dkfac/comm/communicator.h"
+#include "dkfac/preconditioner.h"
+#include "dkfac/version.h"
+
+namespace py = pybind11;
+
+namespace dkfac {
+namespace {
+
+torch::nn::functional::PadFuncOptions::mode_t pad_mode(const std::string& mode) {
+  if (mode == "zeros") return torch::kConstant;
+  if (mode == "reflect") return torch::kReflect;
+  if (mode == "replicate") return torch::kReplicate;
+  if (mode == "circular") return torch::kCircular;
+  TORCH_CHECK(false, "Conv2d padding_mode '", mode, "' is not one of zeros, reflect, replicate, circular");
+}
+
+using Pair = std::array<int64_t, 2>;
+
+// The patch layout of a torch.nn.Conv2d, by the same rules as torch's forward: a string padding
+// ('valid', 'same': the odd pixel right/bottom), numbers, and for non-zero modes the module's own
+// `_reversed_padding_repeated_twice` {left, right, top, bottom}.
+math::Conv2dGeometry conv2d_geometry(Pair kernel, Pair stride, Pair dilation, const py::object& padding,
+                                     const std::string& padding_mode, std::array<int64_t, 4> reversed_padding) {
+  math::Conv2dGeometry g;
+  g.kernel_size = kernel;
+  g.stride = stride;
+  g.dilation = dilation;
+  g.padding_mode = pad_mode(padding_mode);
+  if (padding_mode != "zeros") {
+    g.padding = reversed_padding;
+  } else if (py::isinstance<py::str>(padding)) {
+    const auto spec = padding.cast<std::string>();
+    if (spec == "valid") {
+      g.padding = {0, 0, 0, 0};
+    } else if (spec == "same") {
+      const int64_t total_h = dilation[0] * (kernel[0] - 1);
+      const int64_t total_w = dilation[1] * (kernel[1] - 1);
+      g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+    } else {
+      TORCH_CHECK(false, "Conv2d padding '", spec, "' is not 'valid', 'same' or numbers");
+    }
+  } else {
+    const auto pad = padding.cast<Pair>();
+    g.padding = {pad[1], pad[1], pad[0], pad[0]};
+  }
+  return g;
+}
+
+template <typename T>
+Schedule<T> schedule(const py::object& value) {
+  if (PyCallable_Check(value.ptr())) return Schedule<T>(value.cast<std::function<T(int64_t)>>());
+  return Schedule<T>(value.cast<T>());
+}
+
+// Options from the keyword dictionary the Python package builds (validated there for the names and
+// meanings kfac_pytorch users know; the core checks values again and names them).
+Options make_options(const py::dict& kw) {
+  Options o;
+  o.lr(schedule<double>(kw["lr"])).damping(schedule<double>(kw["damping"]))
+      .kl_clip(schedule<double>(kw["kl_clip"])).factor_decay(schedule<double>(kw["factor_decay"]))
+      .factor_update_steps(schedule<int64_t>(kw["factor_update_steps"]))
+      .inv_update_steps(schedule<int64_t>(kw["inv_update_steps"]));
+  o.accumulation_steps(kw["accumulation_steps"].cast<int64_t>());
+  o.compute_method(kw["compute_method"].cast<std::string>() == "inverse" ? ComputeMethod::kInverse
+                                                                          : ComputeMethod::kEigen);
+  o.compute_eigenvalue_outer_product(kw["compute_eigenvalue_outer_product"].cast<bool>());
+  o.pi_damping(kw["pi_damping"].cast<bool>());
+  o.unused_layer_policy(kw["unused_layer_policy"].cast<std::string>() == "skip" ? UnusedLayerPolicy::kSkip
+                                                                                 : UnusedLayerPolicy::kError);
+  o.grad_worker_fraction(kw["grad_worker_fraction"].cast<double>());
+  o.symmetric_comm(kw["symmetry_aware"].cast<bool>());
+  o.balance_memory(kw["assignment_strategy"].cast<std::string>() == "memory");
+  o.colocate_factors(kw["colocate_factors"].cast<bool>());
+  const auto strategy = kw["strategy"].cast<std::string>();
+  o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
+  if (!kw["factor_dtype"].is_none()) o.factor_dtype(kw["factor_dtype"].cast<at::ScalarType>());
+  if (!kw["inv_dtype"].is_none()) o.inv_dtype(kw["inv_dtype"].cast<at::ScalarType>());
+  if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<std::function<double()>>());
+  if (!kw["spd_redundant_dim"].is_none()) o.spd_redundant_dim(kw["spd_redundant_dim"].cast<int64_t>());
+  return o;
+}
+
+std::map<std::string, double> phase_seconds(const PhaseTimes& t) {
+  return {{"factors", t.factors}, {"second_order", t.second_order}, {"precondition", t.precondition},
+          {"apply", t.apply},     {"communication", t.communication}};
+}
+
+}  // namespace
+}  // namespace dkfac
+
+PYBIND11_MODULE(_C, m) {
+  using namespace dkfac;
+  m.doc() = "dkfac's C++ core (used by the dkfac package; not a public API)";
+  m.attr("__version__") = DKFAC_VERSION_STRING;
+  m.attr("torch_library") = DKFAC_TORCH_LIBRARY;
+
+  py::class_<FactorCapture, std::shared_ptr<FactorCapture>>(m, "FactorCapture")
+      .def_property_readonly("enabled", &FactorCapture::enabled)
+      .def("capture_input", &FactorCapture::capture_input, py::call_guard<py::gil_scoped_release>())
+      .def("capture_output_grad", &FactorCapture::capture_output_grad)
+      .def("set_rows_per_sample", &FactorCapture::set_rows_per_sample)
+      .def_property_readonly("a_count", &FactorCapture::a_count)
+      .def_property_readonly("g_count", &FactorCapture::g_count)
+      .def("pending_bytes", [](const FactorCapture& c) {
+        auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * int64_t(t.element_size()) : 0; };
+        return std::make_pair(bytes(c.mean_a()), bytes(c.mean_g()));
+      });
+
+  m.def("linear_capture", [](bool has_bias) {
+    return std::make_shared<FactorCapture>(LayerGeometry{LayerKind::kLinear, has_bias, {}});
+  });
+  m.def("conv2d_capture",
+        [](bool has_bias, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride, std::array<int64_t, 2> dilation,
+           const py::object& padding, const std::string& padding_mode, std::array<int64_t, 4> reversed_padding) {
+          return std::make_shared<FactorCapture>(LayerGeometry{
+              LayerKind::kConv2d, has_bias, conv2d_geometry(kernel, stride, dilation, padding, padding_mode,
+                                                            reversed_padding)});
+        });
+
+  py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
+      .def_property_readonly("rank", &comm::Communicator::rank)
+      .def_property_readonly("size", &comm::Communicator::size)
+      .def("traffic", [](const comm::Communicator& c) {
+        std::map<std::string, std::pair<int64_t, int64_t>> out;
+        for (const auto& [phase, t] : c.traffic()) out[phase] = {t.calls, t.bytes};
+        return out;
+      });
+  m.def(
+      "communicator",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::intrusive_ptr<c10d::Store>& store,
+         const std::string& prefix, double timeout_seconds) {
+        return comm::Communicator::from_process_group(
+            group, store, prefix, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Preconditioner>(m, "Preconditioner")
+      .def(py::init([](const std::vector<std::tuple<std::string, torch::Tensor, c10::optional<torch::Tensor>,
+                                                    std::shared_ptr<FactorCapture>>>& layers,
+                       const py::dict& options, std::shared_ptr<comm::Communicator> communicator) {
+             std::vector<LayerBinding> bindings;
+             for (const auto& [name, weight, bias, capture] : layers) {
+               bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture});
+             }
+             auto o = make_options(options);
+             py::gil_scoped_release release;  // collective under a communicator (SPD measures the link)
+             return std::make_unique<Preconditioner>(std::move(bindings), std::move(o), std::move(communicator));
+           }),
+           py::arg("layers"), py::arg("options"), py::arg("communicator") = nullptr)
+      .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
+      .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
+      .def("reset_batch", &Preconditioner::reset_batch)
+      .def_property_readonly("steps", &Preconditioner::steps)
+      .def("is_factor_step", &Preconditioner::is_factor_step)
+      .def("memory_bytes", &Preconditioner::memory_bytes)
+      .def_property_readonly("last_kl_scale", &Preconditioner::last_kl_scale)
+      .def("last_step_times", [](const Preconditioner& p) { return phase_seconds(p.last_step_times()); })
+      .def("total_times", [](const Preconditioner& p) { return phase_seconds(p.total_times()); })
+      .def("layer_states",
+           [](const Preconditioner& p) {
+             std::vector<std::map<std::string, torch::Tensor>> states;
+             for (const auto& layer : p.layers()) states.push_back(layer.state());
+             return states;
+           })
+      .def("load_layer_states", &Preconditioner::load_layer_states)
+      .def("describe", [](const Preconditioner& p) {
+        return p.strategy() == nullptr ? std::string("single process") : p.strategy()->describe(p.layers());
+      })
+      .def("events", [](const Preconditioner& p) {
+        const auto& e = p.events();
+        return std::map<std::string, int64_t>{{"fallbacks", e.fallbacks},
+                                              {"skipped_unused", e.skipped_unused},
+                                              {"second_order_failures", e.second_order_failures}};
+      });
+}
