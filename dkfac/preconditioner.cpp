@@ -76,7 +76,8 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
 
 Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
                                std::shared_ptr<comm::Communicator> communicator)
-    : Preconditioner(bind_modules(model, options.skip_layers()), std::move(options), std::move(communicator)) {
+    : Preconditioner(bind_modules(model, options.skip_layers()), options, std::move(communicator)) {
+  // `options` is copied, not moved: the arguments' evaluation order is unspecified.
   model_ = std::move(model);
 }
 

@@ -60,6 +60,15 @@ math::Conv2dGeometry conv2d_geometry(Pair kernel, Pair stride, Pair dilation, co
   return g;
 }
 
+// Storage dtypes arrive as torch's names ("float32", "float64", "bfloat16", "float16").
+c10::ScalarType dtype_named(const std::string& option, const std::string& name) {
+  if (name == "float32") return c10::kFloat;
+  if (name == "float64") return c10::kDouble;
+  if (name == "bfloat16") return c10::kBFloat16;
+  if (name == "float16") return c10::kHalf;
+  TORCH_CHECK(false, option, " torch.", name, " is not a floating-point dtype dkfac can store factors in");
+}
+
 template <typename T>
 Schedule<T> schedule(const py::object& value) {
   if (PyCallable_Check(value.ptr())) return Schedule<T>(value.cast<std::function<T(int64_t)>>());
@@ -87,8 +96,8 @@ Options make_options(const py::dict& kw) {
   o.colocate_factors(kw["colocate_factors"].cast<bool>());
   const auto strategy = kw["strategy"].cast<std::string>();
   o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
-  if (!kw["factor_dtype"].is_none()) o.factor_dtype(kw["factor_dtype"].cast<at::ScalarType>());
-  if (!kw["inv_dtype"].is_none()) o.inv_dtype(kw["inv_dtype"].cast<at::ScalarType>());
+  if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));
+  if (!kw["inv_dtype"].is_none()) o.inv_dtype(dtype_named("inv_dtype", kw["inv_dtype"].cast<std::string>()));
   if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<std::function<double()>>());
   if (!kw["spd_redundant_dim"].is_none()) o.spd_redundant_dim(kw["spd_redundant_dim"].cast<int64_t>());
   return o;
