@@ -1,0 +1,71 @@
+// The C++ API's run of the Python tests' "cnn" scenario, for test_cpp_api.py: reads the initial weights,
+// the batches and the K-FAC settings that Python wrote with torch.save, trains with dkfac::nn modules and
+// dkfac::Preconditioner, and writes every step's preconditioned gradients with torch::pickle_save.
+#include <fstream>
+#include <iostream>
+#include <iterator>
+
+#include <torch/torch.h>
+
+#include "dkfac/dkfac.h"
+
+namespace {
+
+struct Cnn : torch::nn::Module {
+  Cnn() {
+    conv0 = register_module("0", dkfac::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
+    conv2 = register_module("2", dkfac::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3).stride(2).bias(false)));
+    fc = register_module("5", dkfac::nn::Linear(4 * 3 * 3, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(conv2->forward(torch::relu(conv0->forward(x))));
+    return fc->forward(h.flatten(1));
+  }
+  dkfac::nn::Conv2d conv0{nullptr}, conv2{nullptr};
+  dkfac::nn::Linear fc{nullptr};
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::cerr << "usage: cpp_reference INPUT.pt OUTPUT.pt\n";
+    return 2;
+  }
+  std::ifstream in(argv[1], std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto spec = torch::pickle_load(bytes).toGenericDict();
+  const auto method = spec.at("method").toStringRef() == "inverse" ? dkfac::ComputeMethod::kInverse
+                                                                   : dkfac::ComputeMethod::kEigen;
+  auto model = std::make_shared<Cnn>();
+  {
+    torch::NoGradGuard no_grad;
+    auto weights = spec.at("weights").toList();
+    auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(weights.get(i).toTensor());
+  }
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  dkfac::Preconditioner kfac(model, dkfac::Options()
+                                        .factor_update_steps(spec.at("factor_update_steps").toInt())
+                                        .inv_update_steps(spec.at("inv_update_steps").toInt())
+                                        .damping(spec.at("damping").toDouble())
+                                        .lr(0.1)
+                                        .kl_clip(0.001)
+                                        .compute_method(method)
+                                        .inv_dtype(torch::kFloat32));
+  auto inputs = spec.at("inputs").toList();
+  auto targets = spec.at("targets").toList();
+  c10::List<torch::Tensor> grads;
+  for (size_t step = 0; step < inputs.size(); ++step) {
+    sgd.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(model->forward(inputs.get(step).toTensor()),
+                                                     targets.get(step).toTensor());
+    loss.backward();
+    kfac.step();
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    sgd.step();
+  }
+  auto out = torch::pickle_save(c10::IValue(grads));
+  std::ofstream(argv[2], std::ios::binary).write(out.data(), static_cast<std::streamsize>(out.size()));
+  return 0;
+}
