@@ -1,0 +1,50 @@
+"""One rank of test_distributed.py: trains the "cnn" scenario under torch.distributed (gloo) with DDP and
+dkfac, on this rank's shard of each global batch, and saves every step's preconditioned gradients.
+
+Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import dkfac
+import scenarios
+
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+def main() -> None:
+    output, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    explicit_group = kwargs.pop('explicit_group', False)
+    dist.init_process_group('gloo')
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn'))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if explicit_group:
+        kwargs['process_group'] = dist.new_group(list(range(size)))
+    preconditioner = dkfac.KFACPreconditioner(model, **kwargs)
+    shard = GLOBAL_BATCH // size
+    grads, params = [], []
+    for step in range(STEPS):
+        params.append([p.detach().clone() for p in model.parameters()])
+        x, y = scenarios.batch('cnn', step, size=GLOBAL_BATCH)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[rank * shard:(rank + 1) * shard]),
+                                                 y[rank * shard:(rank + 1) * shard])
+        loss.backward()
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    torch.save({'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
+                'state': preconditioner.state_dict()}, output)
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,141 @@
+"""dkfac under torch.distributed (gloo, DDP) against a single-process reference, for every strategy.
+
+Each run starts P worker processes (tests/python/distributed_worker.py) that train the "cnn" scenario on
+their shards of each global batch. KAISA (every grad-worker fraction) and SPD-KFAC must equal one process
+whose factors average the per-shard factors and whose gradient averages the per-shard gradients (the
+shards as accumulation micro-batches, gradients divided by P); DP-KFAC must equal, layer by layer, one
+process whose factors come from the layer owner's shard only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dkfac
+import scenarios
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GLOBAL_BATCH, STEPS = 16, 4
+COMMON = dict(factor_update_steps=1, inv_update_steps=2, damping=0.003, lr=0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
+    port = free_port()
+    procs = []
+    for rank in range(size):
+        env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
+                   PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), PYTHONWARNINGS='ignore',
+                   OMP_NUM_THREADS='1')
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, 'distributed_worker.py'),
+                                       str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f'rank {rank} of {size} did not finish in 240 s')
+        outputs.append(out)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
+    return [torch.load(tmp_path / f'rank{rank}.pt') for rank in range(size)]
+
+
+def reference(size: int, kwargs: dict, factor_shard: int | None = None,
+              teacher: list | None = None) -> list[list[torch.Tensor]]:
+    """One process: factors from every shard (as micro-batches) or only from `factor_shard`; averaged gradient.
+
+    With `teacher` (the distributed run's parameters before each step) every step starts from those
+    parameters instead of the reference's own trajectory.
+    """
+    model = scenarios.make_model('cnn')
+    plain = copy.deepcopy(model)  # computes the averaged gradient without capturing
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ('strategy', 'grad_worker_fraction', 'spd_redundant_dim')}
+    micro = size if factor_shard is None else 1
+    preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=micro, **kwargs)
+    shard = GLOBAL_BATCH // size
+    grads = []
+    for step in range(STEPS):
+        if teacher is not None:
+            with torch.no_grad():
+                for p, t in zip(model.parameters(), teacher[step]):
+                    p.copy_(t)
+        x, y = scenarios.batch('cnn', step, size=GLOBAL_BATCH)
+        parts = [(x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard]) for r in range(size)]
+        plain.load_state_dict(model.state_dict())
+        plain.zero_grad()
+        for px, py in parts:
+            torch.nn.functional.cross_entropy(plain(px), py).backward()
+        optimizer.zero_grad()
+        for px, py in parts if factor_shard is None else [parts[factor_shard]]:
+            torch.nn.functional.cross_entropy(model(px), py).backward()
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), plain.parameters()):
+                p.grad.copy_(q.grad / size)
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return grads
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+CASES = [
+    (2, dict(strategy='kaisa', grad_worker_fraction=1.0)),
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.5, compute_method='inverse')),
+    (2, dict(strategy='kaisa', grad_worker_fraction=1.0, symmetry_aware=True, explicit_group=True)),
+    (2, dict(strategy='spd')),
+    (4, dict(strategy='kaisa', grad_worker_fraction=1.0)),
+    (4, dict(strategy='kaisa', grad_worker_fraction=0.5)),
+    (4, dict(strategy='kaisa', grad_worker_fraction=0.25, compute_method='inverse')),
+    (4, dict(strategy='spd', compute_method='inverse')),
+]
+
+
+@pytest.mark.parametrize('size,kwargs', CASES, ids=[f'{s}-{"-".join(map(str, k.values()))}' for s, k in CASES])
+def test_equals_single_process_reference(size, kwargs, tmp_path):
+    results = run_workers(size, {**COMMON, **kwargs}, tmp_path)
+    assert results[0]['layers'] == ['module.0', 'module.2', 'module.5'], 'DDP names layers as kfac_pytorch does'
+    expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
+    for rank, result in enumerate(results):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
+@pytest.mark.parametrize('size', [2, 4])
+def test_dp_kfac_equals_the_owners_local_factors(size, tmp_path):
+    kwargs = {**COMMON, 'kl_clip': 0.0}  # no clipping: layers are independent, each checked on its own
+    results = run_workers(size, {**kwargs, 'strategy': 'dp'}, tmp_path)
+    # Each layer's factors come from its owner's shard alone; the reference for shard r follows the
+    # distributed run's parameters, so that a layer matches it at every step exactly when r owns the layer.
+    references = [reference(size, kwargs, factor_shard=r, teacher=results[0]['params']) for r in range(size)]
+    params_of_layer = [[0, 1], [2], [3, 4]]  # conv0 weight, bias; conv2 weight; linear weight, bias
+    for rank, result in enumerate(results):
+        for layer, params in enumerate(params_of_layer):
+            owners = [r for r in range(size)
+                      if all(close(result['grads'][s][i], references[r][s][i]) for s in range(STEPS) for i in params)]
+            assert len(owners) == 1, f'rank {rank}: layer {layer} matches shards {owners}, not exactly its owner\'s'
+    # Everyone agrees on V (the owner broadcasts it).
+    for result in results[1:]:
+        for s in range(STEPS):
+            assert all(torch.equal(a, b) for a, b in zip(result['grads'][s], results[0]['grads'][s]))
