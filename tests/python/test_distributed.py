@@ -96,7 +96,8 @@ def reference(size: int, kwargs: dict, factor_shard: int | None = None,
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    """Equal to float32 round-off, relative to the tensor's norm (collectives sum in another order)."""
+    return bool((a - b).norm() <= 1e-4 * b.norm() + 1e-8)
 
 
 CASES = [
@@ -124,7 +125,10 @@ def test_equals_single_process_reference(size, kwargs, tmp_path):
 
 @pytest.mark.parametrize('size', [2, 4])
 def test_dp_kfac_equals_the_owners_local_factors(size, tmp_path):
-    kwargs = {**COMMON, 'kl_clip': 0.0}  # no clipping: layers are independent, each checked on its own
+    # No clipping: layers are independent, each checked on its own. No running average either (decay 0):
+    # each step's factors are that step's shard alone, so shards differ clearly. Such rank-deficient
+    # factors make eigenvectors of the null space arbitrary, which the inverse method does not see.
+    kwargs = {**COMMON, 'kl_clip': 0.0, 'factor_decay': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1}
     results = run_workers(size, {**kwargs, 'strategy': 'dp'}, tmp_path)
     # Each layer's factors come from its owner's shard alone; the reference for shard r follows the
     # distributed run's parameters, so that a layer matches it at every step exactly when r owns the layer.
