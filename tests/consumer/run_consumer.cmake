@@ -22,3 +22,19 @@ execute_process(COMMAND ${WORK_DIR}/build/consumer RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
 endif()
+
+# The installed Python package: <prefix>/lib/python3.X/dist-packages/dkfac imports and preconditions.
+if(DKFAC_PYTHON)
+  file(GLOB package ${prefix}/lib/python3*/dist-packages/dkfac/__init__.py)
+  if(NOT package)
+    message(FATAL_ERROR "cmake --install put no dkfac package under ${prefix}/lib/python3*/dist-packages")
+  endif()
+  get_filename_component(package_dir ${package} DIRECTORY)
+  get_filename_component(site_dir ${package_dir} DIRECTORY)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env PYTHONPATH=${site_dir} ${DKFAC_PYTHON} -c
+    "import dkfac, torch; m = torch.nn.Linear(3, 2); p = dkfac.KFACPreconditioner(m); m(torch.ones(4, 3)).sum().backward(); p.step(); assert dkfac.__file__.startswith('${site_dir}'), dkfac.__file__; print('installed dkfac', dkfac.__version__, 'from', dkfac.__file__)"
+    RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "the installed Python package failed: ${rc}")
+  endif()
+endif()
