@@ -53,6 +53,10 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--inv-update-steps", c.inv_update_steps, "steps between eigendecompositions/inverses")
       ->capture_default_str();
   app.add_option("--compute-method", c.compute_method, "eigen | inverse")->capture_default_str();
+  app.add_option("--factor-dtype", c.factor_dtype,
+                 "storage dtype of K-FAC factors: float32 | float64 | bfloat16 (default: the model's)");
+  app.add_option("--inv-dtype", c.inv_dtype,
+                 "storage dtype of eigendecompositions/inverses: float32 | float64 | bfloat16 (default: the factors')");
   app.add_option("--metrics", c.metrics, "write JSON Lines metrics to this file");
   app.add_option("--checkpoint-dir", c.checkpoint_dir, "directory for checkpoint.pt (written atomically)");
   app.add_option("--checkpoint-every-epochs", c.checkpoint_every_epochs, "epochs between checkpoints")

@@ -450,6 +450,16 @@ void Communicator::count(const std::string& phase, const torch::Tensor& tensor) 
   t.bytes += tensor.numel() * static_cast<int64_t>(tensor.element_size());
 }
 
+namespace {
+
+// Gloo has no bfloat16 arithmetic: such tensors travel as float32 (exact: every bfloat16 is a float32),
+// and the result is rounded back into the caller's tensor when the collective completes.
+torch::Tensor on_the_wire(const torch::Tensor& tensor) {
+  return tensor.scalar_type() == torch::kBFloat16 ? tensor.to(torch::kFloat32) : tensor;
+}
+
+}  // namespace
+
 Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase) {
   auto& g = impl_->groups.at(group);
   TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", phase, ")");
@@ -457,19 +467,26 @@ Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, const st
   Handle h;
   if (g.members.size() == 1) return h;
   count(phase, tensor);
-  std::vector<torch::Tensor> tensors{tensor};
+  auto wire = on_the_wire(tensor);
+  std::vector<torch::Tensor> tensors{wire};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->allreduce(tensors);
   h.impl_->diagnose = diagnosis();
   h.impl_->what = "allreduce of " + std::to_string(tensor.numel()) + " elements (" + phase + ") over " +
                   std::to_string(g.members.size()) + " ranks";
+  if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;
 }
 
 Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase) {
   Handle h = allreduce_sum(tensor, group, phase);
   const auto n = static_cast<double>(impl_->groups.at(group).members.size());
-  if (h.impl_) h.impl_->after = [tensor, n]() mutable { tensor.div_(n); };
+  if (h.impl_) {
+    h.impl_->after = [tensor, n, copy_back = std::move(h.impl_->after)]() mutable {
+      if (copy_back) copy_back();
+      tensor.div_(n);
+    };
+  }
   return h;
 }
 
@@ -484,12 +501,14 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, co
   count(phase, tensor);
   c10d::BroadcastOptions options;
   options.rootRank = static_cast<int64_t>(it - g.members.begin());
-  std::vector<torch::Tensor> tensors{tensor};
+  auto wire = on_the_wire(tensor);
+  std::vector<torch::Tensor> tensors{wire};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->broadcast(tensors, options);
   h.impl_->diagnose = diagnosis();
   h.impl_->what = "broadcast of " + std::to_string(tensor.numel()) + " elements (" + phase + ") from rank " +
                   std::to_string(root);
+  if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;
 }
 

@@ -12,7 +12,8 @@ int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * stat
 
 // F = alpha F + (1 - alpha) F_batch with F = I before the first update.
 torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha) {
-  auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options());
+  // eye() has no bfloat16 kernel on CPU: build the identity in float32 and convert.
+  auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
   return base.mul(alpha).add_(batch, 1.0 - alpha);
 }
 

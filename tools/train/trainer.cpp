@@ -28,6 +28,12 @@ namespace F = torch::nn::functional;
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kCheckpointVersion = 2;  // 2: layout entry, DKFACCKP envelope
 
+// "float32" | "float64" | "bfloat16" (validated by TrainConfig::validate), or nullopt for "".
+std::optional<torch::ScalarType> dtype_option(const std::string& name) {
+  if (name.empty()) return std::nullopt;
+  return name == "float64" ? torch::kFloat64 : name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+}
+
 bool one_of(const std::string& value, const std::vector<std::string>& valid) {
   return std::find(valid.begin(), valid.end(), value) != valid.end();
 }
@@ -70,6 +76,10 @@ void TrainConfig::validate() const {
   TORCH_CHECK(threads >= 0, "--threads must be >= 0, got ", threads);
   TORCH_CHECK(compute_method == "eigen" || compute_method == "inverse",
               "--compute-method must be eigen or inverse, got '", compute_method, "'");
+  for (const auto& [flag, value] : {std::pair{"--factor-dtype", factor_dtype}, std::pair{"--inv-dtype", inv_dtype}}) {
+    TORCH_CHECK(value.empty() || one_of(value, {"float32", "float64", "bfloat16"}), flag,
+                " must be float32, float64 or bfloat16, got '", value, "'");
+  }
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
@@ -167,6 +177,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
                                                                               : ComputeMethod::kInverse)
                            .skip_layers(config_.skip_layers)
+                           .factor_dtype(dtype_option(config_.factor_dtype))
+                           .inv_dtype(dtype_option(config_.inv_dtype))
                            .strategy(config_.library_strategy())
                            .grad_worker_fraction(config_.fraction_for(world_))
                            .symmetric_comm(config_.symmetric_comm)
@@ -250,7 +262,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
           {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
           {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
-          {"compute-method", c.compute_method}, {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
+          {"compute-method", c.compute_method}, {"factor-dtype", c.factor_dtype}, {"inv-dtype", c.inv_dtype},
+          {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"strategy", c.strategy},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},

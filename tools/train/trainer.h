@@ -39,6 +39,8 @@ struct TrainConfig {
   int64_t factor_update_steps = 10;
   int64_t inv_update_steps = 100;
   std::string compute_method = "inverse";  // same accuracy as eigen on the cnn, half the preconditioning time
+  std::string factor_dtype;  // float32 | float64 | bfloat16; empty: the model's dtype
+  std::string inv_dtype;     // same choices; empty: the factors' dtype
   std::vector<std::string> skip_layers;  // regular expressions: matching layers keep their plain gradient
   std::string metrics;  // JSON Lines file; empty: none
   std::string checkpoint_dir;
