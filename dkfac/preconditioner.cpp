@@ -182,9 +182,9 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
     const std::string what = captured == 0 ? "did not run forward/backward in training mode"
                                                           : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer '", layer.name(), "' (",
-                to_string(layer.kind()), ") ", what, " before Preconditioner::step() at step ", steps_,
-                "; run it in forward/backward, exclude it with Options::skip_layers, or set "
-                "unused_layer_policy(UnusedLayerPolicy::kSkip)");
+                to_string(layer.kind()), ") ", what, " before step() at step ", steps_,
+                "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "
+                "skip (UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
     warn_once(layer, "unused", what + "; keeping its plain gradient while it does not run");
     layer.capture().clear();
     plan[i].usable = false;

@@ -1,0 +1,256 @@
+"""The Python front end's own behaviour: arguments, layer registration on stock and torchvision models,
+Conv2d geometry against a dense reference, dtypes, the grad scaler, state dicts and bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dkfac
+
+
+def tiny_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(*size, generator=g)
+        optimizer.zero_grad()
+        (model(x).pow(2).mean() * scale).backward()
+        if scale != 1.0:
+            for p in model.parameters():
+                p.grad.div_(scale)  # what GradScaler.unscale_ does before the preconditioner runs
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return grads
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(damping=0), 'damping must be > 0'),
+    (dict(damping='x'), 'damping must be a number or a callable'),
+    (dict(factor_decay=1.5), r'factor_decay must be \[0, 1\]'),
+    (dict(factor_update_steps=0), 'factor_update_steps must be > 0'),
+    (dict(accumulation_steps=0), 'accumulation_steps must be an int > 0'),
+    (dict(allreduce_bucket_cap_mb=-1), 'allreduce_bucket_cap_mb must be >= 0'),
+    (dict(compute_method='svd'), "compute_method must be one of 'eigen', 'inverse'"),
+    (dict(assignment_strategy='time'), "assignment_strategy must be one of 'compute', 'memory'"),
+    (dict(colocate_factors=False), 'colocate_factors must be True to use compute_eigenvalue_outer_product'),
+    (dict(grad_worker_fraction=1.5), r'grad_worker_fraction must be in \[0, 1\]'),
+    (dict(strategy='horovod'), "strategy must be one of 'kaisa', 'spd', 'dp'"),
+    (dict(unused_layer_policy='ignore'), "unused_layer_policy must be 'error' or 'skip'"),
+    (dict(pi_damping=True), "pi_damping applies to compute_method='inverse' only"),
+    (dict(factor_dtype=torch.int32), 'factor_dtype must be a floating-point torch.dtype'),
+    (dict(skip_layers=['(']), "skip_layers pattern '\\(' is not a valid regular expression"),
+    (dict(skip_layers=['.*']), 'found no torch.nn.Linear or torch.nn.Conv2d layer'),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        dkfac.KFACPreconditioner(tiny_mlp(), **kwargs)
+
+
+def test_unknown_argument_is_named():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dampening'"):
+        dkfac.KFACPreconditioner(tiny_mlp(), dampening=0.1)
+
+
+def test_grad_scaler_type_is_checked():
+    with pytest.raises(TypeError, match='grad_scaler must have get_scale'):
+        dkfac.KFACPreconditioner(tiny_mlp(), grad_scaler=3.0)
+
+
+def test_float16_factors_are_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match='factor_dtype Half is not supported'):
+        dkfac.KFACPreconditioner(tiny_mlp(), factor_dtype=torch.float16)
+
+
+def test_bad_schedule_value_names_the_option_and_step():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model, damping=lambda step: -1.0)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match='damping must be finite and > 0, got -1 at step 0'):
+        p.step()
+
+
+def test_grad_scaler_unscales_g():
+    class Scaler:
+        def get_scale(self):
+            return 1024.0
+
+    model = tiny_mlp()
+    plain_model = copy.deepcopy(model)
+    plain = train(plain_model, dkfac.KFACPreconditioner(plain_model, inv_update_steps=2), 4)
+    scaled_model = copy.deepcopy(model)
+    scaled = train(scaled_model, dkfac.KFACPreconditioner(scaled_model, inv_update_steps=2, grad_scaler=Scaler()), 4,
+                   scale=1024.0)
+    for a_step, b_step in zip(plain, scaled):
+        for a, b in zip(a_step, b_step):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    # Without the scaler, G would be 1024^2 too large and the preconditioned gradient different.
+    wrong_model = copy.deepcopy(model)
+    wrong = train(wrong_model, dkfac.KFACPreconditioner(wrong_model, inv_update_steps=2, kl_clip=0), 1, scale=1024.0)
+    assert not torch.allclose(wrong[0][0], plain[0][0], rtol=1e-2)
+
+
+def test_state_dict_round_trip_is_exact():
+    model = tiny_mlp()
+    kwargs = dict(factor_update_steps=2, inv_update_steps=3)
+    straight_model = copy.deepcopy(model)
+    straight = train(straight_model, dkfac.KFACPreconditioner(straight_model, **kwargs), 7)
+    first = copy.deepcopy(model)
+    p = dkfac.KFACPreconditioner(first, **kwargs)
+    train(first, p, 4)
+    saved = copy.deepcopy(p.state_dict())
+    assert saved['steps'] == 4 and set(saved['layers']) == {'0', '2'}
+    resumed_model = copy.deepcopy(first)
+    resumed = dkfac.KFACPreconditioner(resumed_model, **kwargs)
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 4
+    rest = train(resumed_model, resumed, 3, start=4)
+    for a_step, b_step in zip(straight[4:], rest):
+        for a, b in zip(a_step, b_step):
+            assert torch.equal(a, b)
+
+
+def test_state_dict_errors_name_the_problem():
+    p = dkfac.KFACPreconditioner(tiny_mlp())
+    with pytest.raises(KeyError, match="no 'steps' entry"):
+        p.load_state_dict({})
+    with pytest.raises(ValueError, match='does not register'):
+        p.load_state_dict({'steps': 0, 'layers': {'0': {'A': None, 'G': None}, 'x': {'A': None, 'G': None}}})
+    with pytest.raises(RuntimeError, match="layer '0': A factor has shape"):
+        p.load_state_dict({'steps': 0, 'layers': {'0': {'A': torch.eye(3), 'G': None}, '2': {'A': None, 'G': None}}})
+    assert p.steps == 0
+
+
+def test_memory_usage_and_reset_batch():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model)
+    assert p.memory_usage()['total'] == 0
+    model(torch.ones(2, 4)).sum().backward()
+    assert p.memory_usage()['a_batch'] == 4 * (25 + 49) and p.memory_usage()['g_batch'] == 4 * (36 + 9)
+    p.reset_batch()
+    assert p.memory_usage()['a_batch'] == 0
+    model(torch.ones(2, 4)).sum().backward()
+    p.step()
+    usage = p.memory_usage()
+    assert usage['a_factors'] == 4 * (25 + 49) and usage['g_factors'] == 4 * (36 + 9)
+    assert usage['total'] == sum(v for k, v in usage.items() if k != 'total') > 0
+
+
+def test_float64_second_order_on_a_float32_model():
+    model = tiny_mlp()
+    m32 = copy.deepcopy(model)
+    p32 = train(m32, dkfac.KFACPreconditioner(m32), 1)
+    m = copy.deepcopy(model)
+    p = dkfac.KFACPreconditioner(m, factor_dtype=torch.float64, inv_dtype=torch.float64)
+    p64 = train(m, p, 1)
+    states = p._core.layer_states()
+    assert states[0]['a_factor'].dtype == torch.float64 and states[0]['a_eigenvectors'].dtype == torch.float64
+    assert all(g.dtype == torch.float32 for g in p64[0]), 'gradients keep the parameters\' dtype'
+    for a, b in zip(p32[0], p64[0]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_bfloat16_factors_halve_factor_memory():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model, factor_dtype=torch.bfloat16, inv_dtype=torch.bfloat16)
+    train(model, p, 2)
+    usage = p.memory_usage()
+    assert usage['a_factors'] == 2 * (25 + 49) and usage['a_inverses'] > 0
+    assert all(torch.isfinite(q.grad).all() for q in model.parameters())
+
+
+def dense_conv_a_factor(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A = cov([patches, 1] / S) with patches taken by F.unfold from the input as the layer pads it."""
+    if conv.padding_mode != 'zeros':
+        x = torch.nn.functional.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode)
+        padding = 0
+    elif conv.padding == 'same':
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        x = torch.nn.functional.pad(x, (total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2))
+        padding = 0
+    elif conv.padding == 'valid':
+        padding = 0
+    else:
+        padding = conv.padding
+    cols = torch.nn.functional.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride)
+    rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    if conv.bias is not None:
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], 1)
+    spatial = cols.shape[2]
+    rows = rows / spatial
+    return rows.t() @ rows / rows.shape[0]
+
+
+@pytest.mark.parametrize('options', [
+    dict(padding=1), dict(padding='same', dilation=2), dict(padding='valid', stride=2), dict(padding=(2, 1),
+         padding_mode='reflect'), dict(padding=1, padding_mode='circular', bias=False), dict(padding=1, padding_mode='replicate',
+         stride=(2, 1)), dict(kernel_size=(3, 2), padding='same', dilation=(1, 2)),
+])
+def test_conv2d_factors_match_a_dense_unfold_reference(options):
+    options = dict(options)
+    kernel = options.pop('kernel_size', 3)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, kernel, **options).double()
+    model = torch.nn.Sequential(conv)
+    p = dkfac.KFACPreconditioner(model, factor_decay=0.0, inv_dtype=torch.float64)
+    x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    p.step()
+    a_factor = p._core.layer_states()[0]['a_factor']
+    torch.testing.assert_close(a_factor, dense_conv_a_factor(conv, x), rtol=1e-10, atol=1e-12)
+
+
+def test_grouped_conv_keeps_its_plain_gradient_with_a_warning():
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="layer '0' is a grouped Conv2d"):
+        p = dkfac.KFACPreconditioner(model)
+    assert [name for name, _ in p.layers] == ['2']
+
+
+def test_torchvision_resnet_layers_and_a_step():
+    torchvision = pytest.importorskip('torchvision')
+    model = torchvision.models.resnet18(num_classes=10)
+    # Keep the factors small enough for a unit test: the widest layers are skipped by name.
+    p = dkfac.KFACPreconditioner(model, skip_layers=[r'^layer[34]\.'], compute_method='inverse')
+    names = [name for name, _ in p.layers]
+    assert names[:3] == ['conv1', 'layer1.0.conv1', 'layer1.0.conv2'] and names[-1] == 'fc'
+    assert 'layer2.0.downsample.0' in names and not any(n.startswith('layer3') for n in names)
+    x = torch.randn(2, 3, 32, 32)
+    torch.nn.functional.cross_entropy(model(x), torch.tensor([1, 2])).backward()
+    before = model.conv1.weight.grad.clone()
+    p.step()
+    assert not torch.equal(model.conv1.weight.grad, before)
+    assert torch.equal(model.layer3[0].conv1.weight.grad, model.layer3[0].conv1.weight.grad)
+
+
+def test_nothing_is_captured_in_eval_or_no_grad():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model)
+    with torch.no_grad():
+        model(torch.ones(2, 4))
+    model.eval()
+    model(torch.ones(2, 4)).sum().backward()
+    assert p.memory_usage()['a_batch'] == 0
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        model(torch.ones(2, 4)).sum().backward()
+    assert p.memory_usage()['a_batch'] > 0
+
+
+def test_unused_layer_error_names_it():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model)
+    model[0](torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="K-FAC layer '2' \\(Linear\\) did not run forward/backward"):
+        p.step()
