@@ -55,9 +55,10 @@ PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
 namespace {
 
 // The dkfac::nn modules of `model` whose parameters all require grad and that skip_layers keeps.
-std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>& model,
-                                       const std::vector<std::string>& skip_layers) {
+std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>& model, const Options& options) {
   TORCH_CHECK(model != nullptr, "Preconditioner needs a model, got nullptr");
+  options.validate();  // before the skip_layers patterns are used
+  const auto& skip_layers = options.skip_layers();
   std::vector<LayerBinding> bindings;
   for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
@@ -76,7 +77,7 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
 
 Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
                                std::shared_ptr<comm::Communicator> communicator)
-    : Preconditioner(bind_modules(model, options.skip_layers()), options, std::move(communicator)) {
+    : Preconditioner(bind_modules(model, options), options, std::move(communicator)) {
   // `options` is copied, not moved: the arguments' evaluation order is unspecified.
   model_ = std::move(model);
 }
