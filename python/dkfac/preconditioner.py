@@ -315,35 +315,14 @@ class KFACPreconditioner:
         value = getattr(self, '_' + name)
         return value(self.steps) if callable(value) else value
 
-    @property
-    def damping(self) -> float:
-        """Damping at the current step."""
-        return self._value('damping')
-
-    @property
-    def factor_decay(self) -> float:
-        """Factor running-average decay at the current step."""
-        return self._value('factor_decay')
-
-    @property
-    def kl_clip(self) -> float:
-        """KL-clip bound at the current step (0: off)."""
-        return self._value('kl_clip')
-
-    @property
-    def lr(self) -> float:
-        """Learning rate KL clipping uses at the current step."""
-        return self._value('lr')
-
-    @property
-    def factor_update_steps(self) -> int:
-        """Steps between factor updates, at the current step."""
-        return self._value('factor_update_steps')
-
-    @property
-    def inv_update_steps(self) -> int:
-        """Steps between second-order updates, at the current step."""
-        return self._value('inv_update_steps')
+    damping = property(lambda self: self._value('damping'), doc='Damping at the current step.')
+    factor_decay = property(lambda self: self._value('factor_decay'), doc='Factor decay at the current step.')
+    kl_clip = property(lambda self: self._value('kl_clip'), doc='KL-clip bound at the current step (0: off).')
+    lr = property(lambda self: self._value('lr'), doc='Learning rate KL clipping uses at the current step.')
+    factor_update_steps = property(lambda self: self._value('factor_update_steps'),
+                                   doc='Steps between factor updates, at the current step.')
+    inv_update_steps = property(lambda self: self._value('inv_update_steps'),
+                                doc='Steps between second-order updates, at the current step.')
 
     @property
     def steps(self) -> int:
