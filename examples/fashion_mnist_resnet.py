@@ -339,7 +339,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         optimizer.load_state_dict(checkpoint['optimizer'])
         lr_scheduler.load_state_dict(checkpoint['lr_scheduler'])
         if preconditioner is not None and checkpoint['preconditioner'] is not None:
-            preconditioner.load_state_dict(checkpoint['preconditioner'])
+            state = dict(checkpoint['preconditioner'])
+            if world > 1:
+                # Rank 0 saved the checkpoint. Every rank recomputes the second-order state from the saved
+                # factors (a collective): dkfac 0.1.0 would restore rank 0's own state exactly on rank 0
+                # only and recompute on the others, which then wait for rank 0 forever.
+                state.pop('dkfac', None)
+            preconditioner.load_state_dict(state)
         log(args, f'resumed from epoch {resume_epoch}')
 
     sampler = torch.utils.data.distributed.DistributedSampler(
@@ -405,7 +411,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lr_scheduler.step()
         if kfac_scheduler is not None:
             kfac_scheduler.step(step=epoch)
-        if args.log_dir and args.verbose and (epoch % args.checkpoint_freq == 0 or epoch == args.epochs):
+        whole_epoch = batch + 1 == steps_per_epoch  # --max-steps may have stopped it early
+        if args.log_dir and args.verbose and whole_epoch and (epoch % args.checkpoint_freq == 0 or epoch == args.epochs):
             torch.save({
                 'model': net.state_dict(),
                 'optimizer': optimizer.state_dict(),
