@@ -24,6 +24,8 @@ void Options::validate() const {
               "grad_worker_fraction must be in (0, 1], got ", grad_worker_fraction_);
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
               "Strategy::kKaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
+  TORCH_CHECK(std::isfinite(allreduce_bucket_cap_mb_) && allreduce_bucket_cap_mb_ >= 0.0,
+              "allreduce_bucket_cap_mb must be >= 0, got ", allreduce_bucket_cap_mb_);
   TORCH_CHECK(spd_redundant_dim_ >= -1, "spd_redundant_dim must be -1 (measured) or >= 0, got ", spd_redundant_dim_);
   TORCH_CHECK(spd_profile_steps_ >= 1, "spd_profile_steps must be >= 1, got ", spd_profile_steps_);
   for (int64_t size : spd_fusion_) {

@@ -131,6 +131,13 @@ class Options {
   DKFAC_VALUE_ARG(bool, balance_memory, false);
   /// Distributed: decompose A and G of a layer on the same rank (default) or on separate ranks.
   DKFAC_VALUE_ARG(bool, colocate_factors, true);
+  /// Distributed (KAISA): start each factor's allreduce from the capture hooks as soon as it is final
+  /// (A in forward, G in backward), bucketed, overlapped with the rest of forward/backward, and wait in
+  /// step(); false reduces every factor inside step(). Same results either way (kfac_pytorch's default).
+  DKFAC_VALUE_ARG(bool, update_factors_in_hook, true);
+  /// Distributed (KAISA, in hooks): largest factor bucket in MiB (factors are packed into one collective
+  /// in ready order up to this size); 0 sends each factor alone. kfac_pytorch's default, 25.
+  DKFAC_VALUE_ARG(double, allreduce_bucket_cap_mb, 25.0);
   /// Distributed: the system that places and moves K-FAC work. kSpd and kDp need grad_worker_fraction 1
   /// (they fix their own placement); kSpd always sends symmetric matrices as upper triangles.
   DKFAC_VALUE_ARG(Strategy, strategy, Strategy::kKaisa);

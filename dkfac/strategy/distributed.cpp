@@ -56,6 +56,9 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
   }
   if (strategy_ == Strategy::kSpd) {
     pipeline_ = std::make_unique<FactorPipeline>(communicator_, layers, options, link);
+  } else if (strategy_ == Strategy::kKaisa && options.update_factors_in_hook()) {
+    pipeline_ = std::make_unique<FactorPipeline>(communicator_, layers, options, link,
+                                                 FactorPipeline::Mode::kKaisaBuckets);
   }
 }
 

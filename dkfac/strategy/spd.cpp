@@ -77,21 +77,29 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 }
 
 FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                               const Options& options, assign::AlphaBeta link)
-    : communicator_(std::move(communicator)), num_layers_(layers.size()), link_(link),
+                               const Options& options, assign::AlphaBeta link, Mode mode)
+    : communicator_(std::move(communicator)),
+      mode_(mode),
+      triangles_(mode == Mode::kSpdFusion || options.symmetric_comm()),
+      num_layers_(layers.size()),
+      link_(link),
       profile_steps_(options.spd_profile_steps()) {
   std::vector<int> everyone(communicator_->size());
   std::iota(everyone.begin(), everyone.end(), 0);
   group_id_ = communicator_->new_group(everyone);
   for (auto& layer : layers) captures_.push_back(&layer.capture());
-  const int64_t element = layers.empty() ? 4 : layers[0].weight().element_size();
+  const int64_t element = layers.empty() ? 4 : static_cast<int64_t>(c10::elementSize(layers[0].factor_dtype()));
   for (size_t slot = 0; slot < 2 * num_layers_; ++slot) {
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
     slot_dims_.push_back(n);
-    slot_bytes_.push_back(element * n * (n + 1) / 2);
+    slot_bytes_.push_back(element * packed_length(n));
   }
-  if (!options.spd_fusion().empty()) {
+  if (mode == Mode::kKaisaBuckets) {
+    const auto cap = static_cast<int64_t>(options.allreduce_bucket_cap_mb() * 1024 * 1024);
+    set_grouping(assign::bucket_groups(slot_bytes_, cap));
+    profile_steps_ = 0;
+  } else if (!options.spd_fusion().empty()) {
     const int64_t total = std::accumulate(options.spd_fusion().begin(), options.spd_fusion().end(), int64_t{0});
     TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "spd_fusion group sizes sum to ", total,
                 " but the model has ", 2 * num_layers_, " factors (2 per K-FAC layer)");
@@ -136,7 +144,7 @@ void FactorPipeline::on_ready(size_t slot, int64_t count) {
   std::lock_guard<std::mutex> lock(mutex_);  // the capture's own lock is never held while this runs
   if (count != micro_batches_) return;
   auto* capture = captures_[layer_of(slot)];
-  auto packed = math::pack_upper(is_a(slot) ? capture->mean_a() : capture->mean_g());
+  auto packed = pack(is_a(slot) ? capture->mean_a() : capture->mean_g());
   if (!any_ready_) {
     first_ready_ = std::chrono::steady_clock::now();
     any_ready_ = true;
@@ -175,7 +183,7 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     std::vector<size_t> present;
     for (size_t s : group.slots) {
       if (!local(s).defined()) continue;
-      tensors.push_back(math::pack_upper(local(s)));
+      tensors.push_back(pack(local(s)));
       present.push_back(s);
     }
     group.slots = present;
@@ -187,9 +195,9 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     int64_t offset = 0;
     for (size_t s : group.slots) {
       const int64_t n = slot_dims_[s];
-      const int64_t length = n * (n + 1) / 2;
+      const int64_t length = packed_length(n);
       // A layer the preconditioner set aside this step (no gradient) took no batch: its average is dropped.
-      if (local(s).defined()) local(s) = math::unpack_upper(group.buffer.narrow(0, offset, length), n);
+      if (local(s).defined()) local(s) = unpack(group.buffer.narrow(0, offset, length), n);
       offset += length;
     }
   }
@@ -219,14 +227,30 @@ void FactorPipeline::choose_grouping() {
   ready_history_.clear();
 }
 
+torch::Tensor FactorPipeline::pack(const torch::Tensor& factor) const {
+  return triangles_ ? math::pack_upper(factor) : factor.contiguous().view(-1);
+}
+
+torch::Tensor FactorPipeline::unpack(const torch::Tensor& packed, int64_t n) const {
+  return triangles_ ? math::unpack_upper(packed, n) : packed.reshape({n, n});
+}
+
 std::string FactorPipeline::describe() const {
   std::ostringstream out;
-  out << "SPD-KFAC factor fusion (alpha " << link_.alpha * 1e6 << " us, beta " << link_.beta * 1e9 << " ns/B): ";
+  if (mode_ == Mode::kKaisaBuckets) {
+    out << "factor allreduce from the capture hooks in " << grouping_.size() << " bucket(s) for "
+        << slot_bytes_.size() << " factors (" << (triangles_ ? "upper triangles" : "full matrices")
+        << "), bytes per bucket [";
+  } else {
+    out << "SPD-KFAC factor fusion (alpha " << link_.alpha * 1e6 << " us, beta " << link_.beta * 1e9 << " ns/B): ";
+  }
   if (profiling()) {
     out << "profiling step " << profiled_steps_ + 1 << " of " << profile_steps_ << ", each factor sent alone";
     return out.str();
   }
-  out << grouping_.size() << " collectives for " << slot_bytes_.size() << " factors, bytes per group [";
+  if (mode_ == Mode::kSpdFusion) {
+    out << grouping_.size() << " collectives for " << slot_bytes_.size() << " factors, bytes per group [";
+  }
   size_t slot = 0;
   for (size_t g = 0; g < grouping_.size(); ++g) {
     int64_t bytes = 0;

@@ -35,10 +35,19 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 /// The first `Options::spd_profile_steps` factor steps send each factor alone and record when each
 /// became ready; the grouping is then chosen by assign::fuse_groups from the ready times (averaged
 /// over ranks) and the measured alpha-beta model, and kept. Grouping changes speed, never results.
+///
+/// KAISA (Options::update_factors_in_hook) runs the same pipeline with kfac_pytorch's grouping instead:
+/// fixed buckets of at most Options::allreduce_bucket_cap_mb in ready order, full matrices unless
+/// Options::symmetric_comm, no profiling.
 class FactorPipeline {
  public:
+  /// How factors are grouped and sent.
+  enum class Mode {
+    kSpdFusion,   ///< SPD-KFAC: profile, then fuse by the alpha-beta model; upper triangles
+    kKaisaBuckets,  ///< KAISA: fixed buckets by size; triangles only with symmetric_comm
+  };
   FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                 const Options& options, assign::AlphaBeta link);
+                 const Options& options, assign::AlphaBeta link, Mode mode = Mode::kSpdFusion);
   ~FactorPipeline();
   FactorPipeline(const FactorPipeline&) = delete;
   FactorPipeline& operator=(const FactorPipeline&) = delete;
@@ -70,15 +79,22 @@ class FactorPipeline {
   /// Packs the listed slots' tensors into one buffer and starts its allreduce. Caller holds mutex_.
   void start(Group& group, const std::vector<torch::Tensor>& tensors);
   void choose_grouping();
+  /// A factor as sent: its upper triangle, or the whole matrix flattened.
+  torch::Tensor pack(const torch::Tensor& factor) const;
+  /// Inverse of pack for a slot of dimension `n`.
+  torch::Tensor unpack(const torch::Tensor& packed, int64_t n) const;
+  int64_t packed_length(int64_t n) const { return triangles_ ? n * (n + 1) / 2 : n * n; }
   size_t layer_of(size_t slot) const { return slot < num_layers_ ? slot : 2 * num_layers_ - 1 - slot; }
   bool is_a(size_t slot) const { return slot < num_layers_; }
 
   std::shared_ptr<comm::Communicator> communicator_;
+  Mode mode_;
+  bool triangles_;
   comm::GroupId group_id_;
   std::vector<FactorCapture*> captures_;  // per layer; shared with the front end's hooks
   size_t num_layers_;
   std::vector<int64_t> slot_dims_;   // factor dimension per slot
-  std::vector<int64_t> slot_bytes_;  // packed triangle bytes per slot
+  std::vector<int64_t> slot_bytes_;  // bytes sent per slot
   assign::AlphaBeta link_;
   int64_t profile_steps_;
   int64_t profiled_steps_ = 0;

@@ -220,6 +220,8 @@ class KFACPreconditioner:
             symmetry_aware=symmetry_aware,
             assignment_strategy=assignment_strategy.name.lower(),
             colocate_factors=colocate_factors,
+            update_factors_in_hook=bool(update_factors_in_hook),
+            allreduce_bucket_cap_mb=float(allreduce_bucket_cap_mb),
             strategy=strategy,
             factor_dtype=None if factor_dtype is None else _DTYPES[factor_dtype],
             inv_dtype=None if inv_dtype is None else _DTYPES[inv_dtype],

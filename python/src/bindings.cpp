@@ -94,6 +94,8 @@ Options make_options(const py::dict& kw) {
   o.symmetric_comm(kw["symmetry_aware"].cast<bool>());
   o.balance_memory(kw["assignment_strategy"].cast<std::string>() == "memory");
   o.colocate_factors(kw["colocate_factors"].cast<bool>());
+  o.update_factors_in_hook(kw["update_factors_in_hook"].cast<bool>());
+  o.allreduce_bucket_cap_mb(kw["allreduce_bucket_cap_mb"].cast<double>());
   const auto strategy = kw["strategy"].cast<std::string>();
   o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
   if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));

@@ -202,6 +202,59 @@ INSTANTIATE_TEST_SUITE_P(Grid, KaisaEquivalence,
                                             ::testing::Bool()),
                          name);
 
+// KAISA's factor allreduce from the capture hooks, bucketed (Options::update_factors_in_hook, the default),
+// against the same job reducing every factor inside step(): bit for bit at 2 ranks (a sum of two values does
+// not depend on order), within round-off at 4 (Gloo's ring sums bucket elements in another order). The
+// number of factor collectives per factor step is the number of buckets.
+using HookParam = std::tuple<int, int, double>;  // world, fraction index, bucket cap in MiB
+class KaisaInHook : public ::testing::TestWithParam<HookParam> {};
+
+TEST_P(KaisaInHook, EqualsReductionInStep) {
+  const auto [world, fraction_index, cap_mb] = GetParam();
+  const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
+  const auto in_step = base_options(ComputeMethod::kEigen, false, fraction).update_factors_in_hook(false);
+  const auto in_hook = base_options(ComputeMethod::kEigen, false, fraction).allreduce_bucket_cap_mb(cap_mb);
+  std::vector<std::map<std::string, comm::Traffic>> step_traffic(world), hook_traffic(world);
+  const auto expected = run_distributed(world, in_step, [&](int rank, Preconditioner&, comm::Communicator& c) {
+    step_traffic[rank] = c.traffic();
+  });
+  std::string described;
+  const auto got = run_distributed(world, in_hook, [&](int rank, Preconditioner& kfac, comm::Communicator& c) {
+    hook_traffic[rank] = c.traffic();
+    if (rank == 0) described = kfac.strategy()->describe(kfac.layers());
+  });
+  for (int rank = 0; rank < world; ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < expected[rank][step].size(); ++p) {
+        if (world == 2) {
+          EXPECT_TRUE(torch::equal(got[rank][step][p], expected[rank][step][p])) << "rank " << rank << " step " << step;
+        } else {
+          EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], 1e-9) << "rank " << rank << " step " << step;
+        }
+      }
+    }
+    EXPECT_EQ(hook_traffic[rank]["factors"].bytes, step_traffic[rank]["factors"].bytes) << "same payload";
+    // 6 factors of 19, 3, 76, 6, 6, 4 dims in float64: 2.9 KiB .. 46 KiB each, 59 KiB in all.
+    const int64_t buckets = cap_mb == 0 ? 6 : cap_mb < 0.04 ? 3 : 1;
+    EXPECT_EQ(hook_traffic[rank]["factors"].calls, kSteps * buckets) << "cap " << cap_mb << " MiB";
+    EXPECT_EQ(step_traffic[rank]["factors"].calls, kSteps * 6);
+  }
+  EXPECT_NE(described.find("factor allreduce from the capture hooks in " + std::to_string(cap_mb == 0 ? 6 : cap_mb < 0.04 ? 3 : 1) + " bucket"),
+            std::string::npos) << described;
+}
+
+INSTANTIATE_TEST_SUITE_P(Buckets, KaisaInHook,
+                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(0, 1, 2),
+                                            ::testing::Values(0.0, 0.03, 25.0)));
+
+TEST(BucketGroups, PacksInReadyOrderUpToTheCap) {
+  EXPECT_EQ(assign::bucket_groups({10, 10, 10, 10}, 25), (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(assign::bucket_groups({10, 30, 5, 5}, 25), (std::vector<int64_t>{1, 1, 2})) << "too big: alone";
+  EXPECT_EQ(assign::bucket_groups({1, 2, 3}, 0), (std::vector<int64_t>{1, 1, 1})) << "cap 0: each alone";
+  EXPECT_EQ(assign::bucket_groups({1, 2, 3}, 1 << 20), (std::vector<int64_t>{3}));
+  EXPECT_TRUE(assign::bucket_groups({}, 10).empty());
+}
+
 TEST(TrianglePacking, RoundTrip) {
   auto m = torch::randn({5, 5}, torch::kFloat64);
   m = m + m.t();
