@@ -11,7 +11,7 @@
 
 namespace dkfac {
 
-/// How the second-order state of a layer is computed and applied (SPEC.md section 2).
+/// How the second-order state of a layer is computed and applied (docs/MATH.md section 2).
 enum class ComputeMethod {
   kEigen,    ///< eigendecompositions of A and G; damping added to the eigenvalue products
   kInverse,  ///< explicit inverses of (A + damping I) and (G + damping I)
@@ -23,7 +23,7 @@ enum class UnusedLayerPolicy {
   kSkip,   ///< leave the layer's plain gradient for this step and warn once
 };
 
-/// Which published distributed K-FAC system places and moves the work (SPEC.md section 3).
+/// Which published distributed K-FAC system places and moves the work (docs/MATH.md section 5).
 /// Ignored in a single process.
 enum class Strategy {
   kKaisa,  ///< KAISA (SC21); grad_worker_fraction 1 is SC20's D-KFAC, 1/P its layer-wise variant

@@ -40,7 +40,7 @@ struct LayerEvents {
 ///
 /// Finds every dkfac::nn::Linear / dkfac::nn::Conv2d in `model` whose parameters all require grad
 /// (minus those matching Options::skip_layers) and, at each `step()`, replaces their gradients by
-/// the preconditioned, KL-clipped gradients of SPEC.md sections 1-2. Call it after
+/// the preconditioned, KL-clipped gradients of docs/MATH.md sections 1-4. Call it after
 /// `loss.backward()` (after all accumulation micro-batches) and before the optimizer's `step()`.
 /// Other parameters keep their plain gradients.
 ///

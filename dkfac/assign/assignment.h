@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-/// Placement of K-FAC work on workers (SPEC.md section 3). Pure data and pure functions: no
+/// Placement of K-FAC work on workers (docs/MATH.md section 5). Pure data and pure functions: no
 /// communication, no tensors; printable and testable without any process.
 namespace dkfac::assign {
 

@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-/// Kronecker factors of one mini-batch (SPEC.md section 1, kfac_pytorch v0.4.2 convention).
+/// Kronecker factors of one mini-batch (docs/MATH.md section 1, kfac_pytorch v0.4.2 convention).
 /// Pure functions: tensors in, tensors out; no state, no communication. All results are
 /// symmetric, in the dtype of the input.
 namespace dkfac::math {

@@ -2,7 +2,7 @@
 
 #include <torch/torch.h>
 
-/// Second-order kernels of K-FAC (SPEC.md section 2). Pure functions: tensors in, tensors out.
+/// Second-order kernels of K-FAC (docs/MATH.md section 2). Pure functions: tensors in, tensors out.
 /// `grad` is always the layer gradient as a matrix [g, a] (bias gradient as the last column).
 namespace dkfac::math {
 

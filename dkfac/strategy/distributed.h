@@ -16,9 +16,10 @@
 
 namespace dkfac::strategy {
 
-/// Distributed K-FAC over a communicator, for the three systems of Options::strategy (SPEC.md
-/// section 3). All share KAISA's W x (P/W) grid and differ in placement and in how factors move:
-/// - KAISA (SC21; f = 1 is SC20's D-KFAC): factor allreduce over the world after backward,
+/// Distributed K-FAC over a communicator, for the three systems of Options::strategy (docs/MATH.md
+/// section 5). All share KAISA's W x (P/W) grid and differ in placement and in how factors move:
+/// - KAISA (SC21; f = 1 is SC20's D-KFAC): factor allreduce over the world, from the capture hooks in
+///   buckets (Options::update_factors_in_hook) or after backward,
 ///   second-order broadcast inside columns when W > 1, V broadcast along rows when W < P.
 /// - SPD-KFAC: W = P; factor allreduce pipelined from capture time and fused (FactorPipeline); factors
 ///   below a measured size are decomposed by every rank, larger ones broadcast as upper triangles.

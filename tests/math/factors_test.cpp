@@ -10,7 +10,7 @@ namespace {
 
 using dkfac::testing::relative_error;
 
-// SPEC.md section 1 worked check: Linear(2->2, bias), inputs [[1,0],[0,1]].
+// docs/MATH.md section 1.6 worked check: Linear(2->2, bias), inputs [[1,0],[0,1]].
 TEST(Factors, SpecWorkedLinearAFactor) {
   auto x = torch::tensor({{1.0, 0.0}, {0.0, 1.0}}, torch::kFloat64);
   auto a = linear_a_factor(x, /*with_bias=*/true);

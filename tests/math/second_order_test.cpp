@@ -11,7 +11,7 @@ using dkfac::testing::dense_eigen_reference;
 using dkfac::testing::dense_inverse_reference;
 using dkfac::testing::random_spd;
 
-// SPEC.md section 2 worked example.
+// docs/MATH.md section 2.5 worked example.
 struct Worked {
   torch::Tensor grad = torch::tensor({{1.0, 2.0}, {3.0, 4.0}}, torch::kFloat64);
   torch::Tensor a = torch::diag(torch::tensor({2.0, 0.5}, torch::kFloat64));

@@ -1,5 +1,5 @@
 // Distributed K-FAC on real Gloo process groups (ranks as threads of this process) against the
-// single-process reference of SPEC.md section 3: factors = mean of the ranks' local factors,
+// single-process reference of docs/MATH.md section 5.5: factors = mean of the ranks' local factors,
 // gradient = mean of the ranks' gradients.
 #include "dkfac/strategy/distributed.h"
 
