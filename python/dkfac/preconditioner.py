@@ -416,6 +416,10 @@ class KFACPreconditioner:
         exact = (isinstance(ours, dict) and ours.get('format_version') == _STATE_FORMAT
                  and ours.get('compute_method') == self.compute_method.name.lower()
                  and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank)
+        if self._communicator is not None:
+            # Exact restore is rank-local (each rank's own second-order state); the recompute is collective,
+            # so every rank must take the same branch: exact only if it is exact everywhere.
+            exact = self._communicator.all_true(bool(exact))
         if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
             raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
         if 'layers' in state_dict:

@@ -145,6 +145,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
       .def_property_readonly("rank", &comm::Communicator::rank)
       .def_property_readonly("size", &comm::Communicator::size)
+      .def(
+          "all_true",
+          [](comm::Communicator& c, bool flag) {
+            // How many ranks say no; one tiny collective so that every rank takes the same branch.
+            auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::kFloat64);
+            auto handle = c.allreduce_sum(no, comm::kWorld, "control");
+            handle.wait();
+            return no.item<double>() == 0.0;
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def("traffic", [](const comm::Communicator& c) {
         std::map<std::string, std::pair<int64_t, int64_t>> out;
         for (const auto& [phase, t] : c.traffic()) out[phase] = {t.calls, t.bytes};

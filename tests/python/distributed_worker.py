@@ -6,6 +6,7 @@ Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -22,6 +23,7 @@ STEPS = 4
 def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     explicit_group = kwargs.pop('explicit_group', False)
+    resume = kwargs.pop('resume', None)  # 'own' or 'rank0': reload a state dict after the run, one more step
     dist.init_process_group('gloo')
     rank, size = dist.get_rank(), dist.get_world_size()
     model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn'))
@@ -41,7 +43,23 @@ def main() -> None:
         preconditioner.step()
         grads.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
-    torch.save({'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
+    extra = {}
+    if resume:
+        states = [None] * size
+        dist.all_gather_object(states, preconditioner.state_dict())
+        twin = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model.module))
+        twin_preconditioner = dkfac.KFACPreconditioner(twin, **kwargs)
+        twin_preconditioner.load_state_dict(states[rank] if resume == 'own' else states[0])
+        x, y = scenarios.batch('cnn', STEPS, size=GLOBAL_BATCH)
+        after = []
+        for m, p in ((model, preconditioner), (twin, twin_preconditioner)):
+            m.zero_grad()
+            torch.nn.functional.cross_entropy(m(x[rank * shard:(rank + 1) * shard]),
+                                              y[rank * shard:(rank + 1) * shard]).backward()
+            p.step()
+            after.append([q.grad.clone() for q in m.parameters()])
+        extra = {'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
+    torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict()}, output)
     dist.destroy_process_group()
 

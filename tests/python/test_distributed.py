@@ -143,3 +143,18 @@ def test_dp_kfac_equals_the_owners_local_factors(size, tmp_path):
     for result in results[1:]:
         for s in range(STEPS):
             assert all(torch.equal(a, b) for a, b in zip(result['grads'][s], results[0]['grads'][s]))
+
+
+@pytest.mark.parametrize('source', ['own', 'rank0'])
+def test_state_dict_resume_under_torch_distributed(source, tmp_path):
+    """Each rank reloading its own state dict continues bit for bit; all reloading rank 0's recompute the
+    second-order state together (a collective: no rank may skip it) and continue."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'grad_worker_fraction': 0.5, 'inv_update_steps': 3, 'resume': source}
+    results = run_workers(2, kwargs, tmp_path)
+    for rank, result in enumerate(results):
+        assert result['resumed_steps'] == STEPS + 1
+        for a, b in zip(result['resumed'], result['continued']):
+            if source == 'own':
+                assert torch.equal(a, b), f'rank {rank}: exact resume differs by {(a - b).abs().max()}'
+            else:
+                assert torch.isfinite(a).all()
