@@ -18,8 +18,9 @@ on the same sequence of batch-128 Fashion-MNIST batches:
 * per-step splits for every method (forward+backward, preconditioner.step(), optimizer), and dkfac's
   per-phase times from ``phase_times()`` (mean per step, median, p90).
 
-    /usr/bin/python3 bench/python_step.py --kfac-pytorch-src /path/to/kfac_pytorch   # full, ~6-8 min on 2 cores
-    /usr/bin/python3 bench/python_step.py --quick                                  # ~1 min
+    /usr/bin/python3 bench/python_step.py --kfac-pytorch-src /path/to/kfac_pytorch   # full, ~8 min on 2 cores
+    /usr/bin/python3 bench/python_step.py --quick                                  # ~40 s (~80 s with kfac_pytorch)
+    /usr/bin/python3 bench/python_step.py --quick --blas-threads 1 ...             # OpenBLAS at 1 thread, as the C++ tools
     /usr/bin/python3 bench/python_step.py --models cnn --intervals 1,10 --json out.json
 """
 
