@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,6 +24,26 @@ constexpr double kMinSplitWork = 4e6;
 // The caller claims tasks too and waits only for tasks a pool thread has claimed, so it never waits for
 // a pool that is busy (or that it runs on). at::parallel_for would need this file built with OpenMP, and a
 // second OpenMP runtime next to the one of a pip LibTorch.
+// Threads of the BLAS library itself, or 1 when it cannot be asked. OpenBLAS is found among the libraries
+// already loaded (the Python extension is loaded RTLD_LOCAL, so a global dlsym would not see it).
+int blas_threads() {
+  using GetThreads = int (*)();
+  static const GetThreads get = [] {
+    for (const char* name : {"libopenblas.so.0", "libblas.so.3", "libopenblas.so"}) {
+      if (void* handle = ::dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
+        if (auto* f = reinterpret_cast<GetThreads>(::dlsym(handle, "openblas_get_num_threads"))) return f;
+      }
+    }
+    return reinterpret_cast<GetThreads>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  }();
+  return get != nullptr ? std::max(1, get()) : 1;
+}
+
+// Tasks to split a product into: LibTorch's threads when each BLAS call runs on one thread; one when BLAS
+// is itself multi-threaded (splitting then would run threads x BLAS threads on the cores: in a Python
+// process, where OpenBLAS keeps its default of one thread per core, that made preconditioning slower).
+int split_threads() { return blas_threads() > 1 ? 1 : at::get_num_threads(); }
+
 void run_tasks(int64_t tasks, int helpers, const std::function<void(int64_t)>& fn) {
   struct Shared {
     std::atomic<int64_t> next{0};
@@ -90,7 +112,7 @@ torch::Tensor gram(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "gram expects a 2-D tensor, got shape ", x.sizes());
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
-  const int threads = at::get_num_threads();
+  const int threads = split_threads();
   if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinSplitWork) {
     // Too narrow or too small for the block triangle to pay; parallel_mm still spreads a large narrow
     // product (many rows, d < 128) over the threads, and leaves small ones to torch::mm.
@@ -122,7 +144,7 @@ torch::Tensor parallel_mm(const torch::Tensor& a, const torch::Tensor& b) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "mm expects [m, k] @ [k, n], got ",
               a.sizes(), " and ", b.sizes());
   const int64_t m = a.size(0);
-  const int threads = at::get_num_threads();
+  const int threads = split_threads();
   const double work = static_cast<double>(m) * a.size(1) * b.size(1);
   if (!a.is_cpu() || threads < 2 || m < 2 * threads || work < kMinSplitWork) return torch::mm(a, b);
   auto out = torch::empty({m, b.size(1)}, a.options());
