@@ -229,7 +229,7 @@ def lr_factor(world_size: int, warmup_epochs: int, decay: list[int]):
 def make_preconditioner(kfac: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         args: argparse.Namespace) -> tuple[Any, Any]:
     """(preconditioner, K-FAC parameter scheduler), or (None, None) with --kfac-inv-update-steps 0."""
-    if args.kfac_inv_update_steps <= 0:
+    if kfac is None or args.kfac_inv_update_steps <= 0:
         return None, None
     fractions = {
         'comm-opt': kfac.enums.DistributedStrategy.COMM_OPT,
@@ -304,10 +304,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
-    kfac = import_backend(args)
-
+    kfac = import_backend(args) if args.kfac_inv_update_steps > 0 else None  # plain SGD needs neither package
+    using = (f'K-FAC backend {args.kfac_backend} {getattr(kfac, "__version__", "")} from {Path(kfac.__file__).parent}'
+             if kfac is not None else 'no K-FAC')
     log(args, f'world size {world}, backend {args.backend}, torch {torch.__version__}, {threads} threads per worker, '
-        f'K-FAC backend {args.kfac_backend} {getattr(kfac, "__version__", "")} from {Path(kfac.__file__).parent}')
+        + using)
 
     train_images, train_labels = load_split(args.data_dir, 'train')
     val_images, val_labels = load_split(args.data_dir, 'val')
