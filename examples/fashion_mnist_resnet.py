@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             state = dict(checkpoint['preconditioner'])
             if world > 1:
                 # Rank 0 saved the checkpoint. Every rank recomputes the second-order state from the saved
-                # factors (a collective): dkfac 0.1.0 would restore rank 0's own state exactly on rank 0
-                # only and recompute on the others, which then wait for rank 0 forever.
+                # factors (a collective). dkfac builds before commit e94febc restored rank 0's own state
+                # exactly on rank 0 only and recomputed on the others, which then waited for rank 0 forever.
                 state.pop('dkfac', None)
             preconditioner.load_state_dict(state)
         log(args, f'resumed from epoch {resume_epoch}')
