@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import gzip
 import json
 import math
@@ -434,6 +435,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary['kfac_phase_mean_ms'] = {k: 1000 * v / len(step_times) for k, v in sorted(phase_sums.items())}
     log(args, f'\nTraining time: {datetime.timedelta(seconds=round(time.time() - started))}')
     log(args, 'final: ' + json.dumps(summary, sort_keys=True))
+    # Teardown order matters with torch 1.13: the DDP Reducer must not be the last owner of the Gloo process
+    # group, or its destructor joins Gloo's worker threads while holding the GIL, and a worker that is
+    # releasing a finished collective's Python tensor waits for the GIL forever (a hang at exit, seen in
+    # about 1 of 4 two-worker runs). Drop the model, optimizer and preconditioner first; then the group.
+    del model, optimizer, lr_scheduler, preconditioner, kfac_scheduler
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return summary
