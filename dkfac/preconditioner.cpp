@@ -91,7 +91,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     binding.capture->set_factor_dtype(options_.factor_dtype());
     binding.capture->set_grad_scale(options_.grad_scaler());
     layers_.emplace_back(std::move(binding));
-    layers_.back().set_dtypes(options_.factor_dtype(), options_.inv_dtype());
+    layers_.back().set_inv_dtype(options_.inv_dtype());
   }
   if (communicator != nullptr && communicator->size() > 1) {
     strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);

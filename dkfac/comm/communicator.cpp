@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iomanip>
+#include <numeric>
 #include <sstream>
 #include <thread>
 
@@ -90,15 +91,17 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& host) 
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+std::vector<int> all_ranks(int size) {
+  std::vector<int> all(size);
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
+
 }  // namespace
 
 Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog)
     : impl_(std::move(impl)), rank_(rank), size_(size) {
-  if (impl_->groups.empty()) {
-    std::vector<int> all(size);
-    for (int r = 0; r < size; ++r) all[r] = r;
-    impl_->groups.push_back({all, impl_->make_group("world/", rank, size)});
-  }
+  if (impl_->groups.empty()) impl_->groups.push_back({all_ranks(size), impl_->make_group("world/", rank, size)});
   if (watchdog) start_watchdog();
 }
 
@@ -415,9 +418,7 @@ std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_pt
   impl->address = "the process group's store";
   const int rank = group->getRank();
   const int size = group->getSize();
-  std::vector<int> all(size);
-  for (int r = 0; r < size; ++r) all[r] = r;
-  impl->groups.push_back({all, std::move(group)});
+  impl->groups.push_back({all_ranks(size), std::move(group)});
   if (size > 1) impl->device = make_device("");
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, /*watchdog=*/false));
 }

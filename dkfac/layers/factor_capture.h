@@ -63,6 +63,7 @@ class FactorCapture {
 
   /// Storage dtype of captured factors (Options::factor_dtype); nullopt keeps the activations' dtype.
   void set_factor_dtype(std::optional<torch::ScalarType> dtype) { factor_dtype_ = dtype; }
+  const std::optional<torch::ScalarType>& factor_dtype() const { return factor_dtype_; }
   /// Current loss scale of a mixed-precision gradient scaler; G is built from grad_output / scale.
   void set_grad_scale(std::function<double()> scale) { grad_scale_ = std::move(scale); }
 

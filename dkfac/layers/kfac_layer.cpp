@@ -1,7 +1,8 @@
 #include "dkfac/layers/kfac_layer.h"
 
+#include <algorithm>
+#include <array>
 #include <limits>
-#include <set>
 
 namespace dkfac {
 namespace {
@@ -16,6 +17,11 @@ torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor&
   auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
   return base.mul(alpha).add_(batch, 1.0 - alpha);
 }
+
+// Every entry KfacLayer::state() may hold, in save order.
+constexpr std::array<const char*, 9> kStateKeys = {"a_factor",       "g_factor",      "a_eigenvectors",
+                                                   "a_eigenvalues",  "g_eigenvectors", "g_eigenvalues",
+                                                   "denominator",    "a_inverse",     "g_inverse"};
 
 void check_shape(const std::string& layer, const char* what, const torch::Tensor& t, at::IntArrayRef expected) {
   TORCH_CHECK(!t.defined() || t.sizes() == expected, "checkpoint for layer '", layer, "': ", what, " has shape ",
@@ -50,10 +56,7 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
   a_dim_ = b.weight.numel() / b.weight.size(0) + (b.bias.defined() ? 1 : 0);
 }
 
-void KfacLayer::set_dtypes(std::optional<torch::ScalarType> factor_dtype, std::optional<torch::ScalarType> inv_dtype) {
-  factor_dtype_ = factor_dtype;
-  inv_dtype_ = inv_dtype;
-}
+void KfacLayer::set_inv_dtype(std::optional<torch::ScalarType> inv_dtype) { inv_dtype_ = inv_dtype; }
 
 int64_t KfacLayer::captured_batches() const {
   const auto& capture = *binding_.capture;
@@ -190,10 +193,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     return it == state.end() || !it->second.defined() ? torch::Tensor() : it->second.to(binding_.weight.device());
   };
   for (const auto& [key, tensor] : state) {
-    static const std::set<std::string> known{"a_factor",      "g_factor",      "a_eigenvectors",
-                                             "a_eigenvalues", "g_eigenvectors", "g_eigenvalues",
-                                             "denominator",   "a_inverse",     "g_inverse"};
-    TORCH_CHECK(known.count(key) == 1, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
+    const bool known = std::find(kStateKeys.begin(), kStateKeys.end(), key) != kStateKeys.end();
+    TORCH_CHECK(known, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
   }
   const int64_t a = a_dim();
   const int64_t g = g_dim();
@@ -235,8 +236,7 @@ void KfacLayer::load(torch::serialize::InputArchive& archive) {
   c10::IValue method;
   archive.read("method", method);
   std::map<std::string, torch::Tensor> state;
-  for (const char* key : {"a_factor", "g_factor", "a_eigenvectors", "a_eigenvalues", "g_eigenvectors",
-                          "g_eigenvalues", "denominator", "a_inverse", "g_inverse"}) {
+  for (const char* key : kStateKeys) {
     torch::Tensor t;
     if (archive.try_read(key, t, /*is_buffer=*/true)) state[key] = t;
   }

@@ -64,10 +64,12 @@ class KfacLayer {
   int64_t a_dim() const { return a_dim_; }
   int64_t g_dim() const { return binding_.weight.size(0); }
 
-  /// Storage dtypes (Options::factor_dtype, inv_dtype); nullopt: the weight's dtype, the factors' dtype.
-  void set_dtypes(std::optional<torch::ScalarType> factor_dtype, std::optional<torch::ScalarType> inv_dtype);
-  /// dtype of the running factors and of the second-order state.
-  torch::ScalarType factor_dtype() const { return factor_dtype_.value_or(binding_.weight.scalar_type()); }
+  /// Storage dtype of the second-order state (Options::inv_dtype); nullopt: the factors' dtype.
+  void set_inv_dtype(std::optional<torch::ScalarType> inv_dtype);
+  /// dtype of the running factors (the capture's factor dtype, else the weight's) and of the second-order state.
+  torch::ScalarType factor_dtype() const {
+    return binding_.capture->factor_dtype().value_or(binding_.weight.scalar_type());
+  }
   torch::ScalarType second_order_dtype() const { return inv_dtype_.value_or(factor_dtype()); }
 
   /// Turns activation/gradient capture on for the coming forward/backward (factor steps only).
@@ -124,7 +126,6 @@ class KfacLayer {
  private:
   LayerBinding binding_;
   int64_t a_dim_;
-  std::optional<torch::ScalarType> factor_dtype_;
   std::optional<torch::ScalarType> inv_dtype_;
   torch::Tensor a_factor_;                     // A, [a, a]
   torch::Tensor g_factor_;                     // G, [g, g]

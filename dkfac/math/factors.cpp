@@ -153,6 +153,12 @@ std::pair<torch::Tensor, torch::Tensor> row_shift_patch_sums(const torch::Tensor
 
 }  // namespace
 
+std::array<int64_t, 4> conv2d_same_padding(std::array<int64_t, 2> kernel_size, std::array<int64_t, 2> dilation) {
+  const int64_t total_h = dilation[0] * (kernel_size[0] - 1);
+  const int64_t total_w = dilation[1] * (kernel_size[1] - 1);
+  return {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+}
+
 torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry) {
   auto columns = unfolded_patches(input, geometry);
   return columns.transpose(1, 2).reshape({-1, columns.size(1)});

@@ -31,6 +31,10 @@ struct Conv2dGeometry {
   torch::nn::functional::PadFuncOptions::mode_t padding_mode = torch::kConstant;
 };
 
+/// Padding {left, right, top, bottom} of a 'same' convolution, by ATen's rule: the total d (k - 1) per
+/// dimension is split with the odd pixel on the right/bottom.
+std::array<int64_t, 4> conv2d_same_padding(std::array<int64_t, 2> kernel_size, std::array<int64_t, 2> dilation);
+
 /// im2col patches of `input` [B, C, H, W] -> [B * H_out * W_out, C * kh * kw]; each row laid
 /// out like `weight.view(C_out, -1)` (channel, kernel row, kernel column).
 torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry);

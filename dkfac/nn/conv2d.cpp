@@ -43,10 +43,7 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
   if (get_if<torch::enumtype::kValid>(&padding) != nullptr) {
     g.padding = {0, 0, 0, 0};
   } else if (get_if<torch::enumtype::kSame>(&padding) != nullptr) {
-    // Same rule as ATen's 'same' convolution: the odd pixel goes right/bottom.
-    const int64_t total_h = d[0] * (k[0] - 1);
-    const int64_t total_w = d[1] * (k[1] - 1);
-    g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+    g.padding = math::conv2d_same_padding(g.kernel_size, g.dilation);
   } else {
     const auto& pad = **get_if<torch::ExpandingArray<2>>(&padding);
     g.padding = {pad[1], pad[1], pad[0], pad[0]};

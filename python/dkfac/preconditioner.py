@@ -191,7 +191,7 @@ class KFACPreconditioner:
         self._rank = rank
         self._world_size = size
 
-        self._names, self._modules, self._captures, self._handles = [], [], [], []
+        self._names, self._modules, self._captures = [], [], []
         self._register(model)
 
         communicator = None
@@ -201,11 +201,10 @@ class KFACPreconditioner:
                 raise ValueError(f"process_group uses the {backend!r} backend; dkfac's CPU build communicates "
                                  "through Gloo groups (init_process_group('gloo'))")
             store = dist.distributed_c10d._get_default_store()
-            ranks = dist.get_process_group_ranks(group) if hasattr(dist, 'get_process_group_ranks') else list(range(size))
+            ranks = dist.get_process_group_ranks(group)
             prefix = f'dkfac/py{next(_communicators)}/{ranks[0]}-{ranks[-1]}-{len(ranks)}/'
             seconds = timeout if timeout is not None else dist.default_pg_timeout.total_seconds()
-            communicator = _C.communicator(dist.distributed_c10d._get_default_group() if process_group is None
-                                           else group, store, prefix, float(seconds))
+            communicator = _C.communicator(group, store, prefix, float(seconds))  # group.WORLD is the default group
         self._communicator = communicator
 
         owner = weakref.ref(self)
@@ -257,18 +256,14 @@ class KFACPreconditioner:
             self._names.append(name)
             self._modules.append(module)
             self._captures.append(capture)
-            self._handles.append(module.register_forward_hook(self._forward_hook(capture)))
+            module.register_forward_hook(self._forward_hook(capture))
+            a = module.weight[0].numel() + (module.bias is not None)
+            g = module.weight.shape[0]
             logger.log(self._loglevel, 'dkfac: registered %s (%s): A %d x %d, G %d x %d', name,
-                       module.__class__.__name__, *self._dims(module), *self._dims(module)[2:])
+                       module.__class__.__name__, a, a, g, g)
         if not self._names:
             raise ValueError('KFACPreconditioner found no torch.nn.Linear or torch.nn.Conv2d layer to precondition in '
                              f'{type(model).__name__} (after skip_layers={self.skip_layers!r} and frozen parameters)')
-
-    @staticmethod
-    def _dims(module: torch.nn.Module) -> tuple[int, int, int, int]:
-        a = module.weight[0].numel() + (module.bias is not None)
-        g = module.weight.shape[0]
-        return a, a, g, g
 
     @staticmethod
     def _forward_hook(capture: Any) -> Callable:
@@ -411,8 +406,9 @@ class KFACPreconditioner:
         if 'steps' not in state_dict:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
         steps = int(state_dict['steps'])
-        current = self._core.layer_states()
         ours = state_dict.get('dkfac')
+        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
+            raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
         exact = (isinstance(ours, dict) and ours.get('format_version') == _STATE_FORMAT
                  and ours.get('compute_method') == self.compute_method.name.lower()
                  and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank)
@@ -420,8 +416,6 @@ class KFACPreconditioner:
             # Exact restore is rank-local (each rank's own second-order state); the recompute is collective,
             # so every rank must take the same branch: exact only if it is exact everywhere.
             exact = self._communicator.all_true(bool(exact))
-        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
-            raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
         if 'layers' in state_dict:
             layers = state_dict['layers']
             if len(layers) != len(self._names):
@@ -443,7 +437,7 @@ class KFACPreconditioner:
                 warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
                               'skipping it', stacklevel=2)
             compute_inverses = False
-            states = current
+            states = self._core.layer_states()
         for name in _SCHEDULED:
             if name in state_dict:
                 setattr(self, '_' + name, state_dict[name])

@@ -47,9 +47,7 @@ math::Conv2dGeometry conv2d_geometry(Pair kernel, Pair stride, Pair dilation, co
     if (spec == "valid") {
       g.padding = {0, 0, 0, 0};
     } else if (spec == "same") {
-      const int64_t total_h = dilation[0] * (kernel[0] - 1);
-      const int64_t total_w = dilation[1] * (kernel[1] - 1);
-      g.padding = {total_w / 2, total_w - total_w / 2, total_h / 2, total_h - total_h / 2};
+      g.padding = math::conv2d_same_padding(kernel, dilation);
     } else {
       TORCH_CHECK(false, "Conv2d padding '", spec, "' is not 'valid', 'same' or numbers");
     }

@@ -254,3 +254,11 @@ def test_unused_layer_error_names_it():
     model[0](torch.ones(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="K-FAC layer '2' \\(Linear\\) did not run forward/backward"):
         p.step()
+
+
+def test_registration_is_logged_at_loglevel(caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger='dkfac'):
+        dkfac.KFACPreconditioner(tiny_mlp(), loglevel=logging.INFO)
+    assert 'registered 0 (Linear): A 5 x 5, G 6 x 6' in caplog.text
+    assert 'registered 2 (Linear): A 7 x 7, G 3 x 3' in caplog.text
