@@ -6,6 +6,7 @@
 #include "dkfac/assign/assignment.h"
 #include "dkfac/assign/plan.h"
 #include "dkfac/comm/communicator.h"
+#include "dkfac/comm/environment.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/math/factors.h"
 #include "dkfac/math/second_order.h"

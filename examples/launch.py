@@ -12,6 +12,11 @@ settings ``torchrun --standalone`` would use on one node: a rendezvous on this h
 c10d with --rdzv-backend c10d), no restarts, a short monitor interval. Elsewhere, ``torchrun
 --nproc_per_node=N SCRIPT ARGS`` does the same.
 
+With --no-python (torchrun's flag of the same name) the workers run SCRIPT itself, an executable such as
+``dkfac train``: ``examples/launch.py --no-python --nproc-per-node 2 dkfac train --model cnn``.
+--max-restarts N lets the agent restart failed workers up to N times (TORCHELASTIC_RESTART_COUNT counts
+them; ``dkfac train`` resumes from its --checkpoint-dir on a restart).
+
 Like torchrun, it sets OMP_NUM_THREADS for the workers when it is not set (to cores / N here, torchrun
 uses 1). Exit status: 0 when every worker succeeded, 1 otherwise (the failing worker's error is printed).
 """
@@ -44,7 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--log-dir', default=None,
                         help='directory for the agent\'s per-worker error files (default: a temporary one)')
     parser.add_argument('--timeout', type=int, default=300, help='rendezvous timeout in seconds')
-    parser.add_argument('script', help='the Python script each worker runs')
+    parser.add_argument('--max-restarts', '--max_restarts', type=int, default=0,
+                        help='how often the agent restarts failed workers before giving up')
+    parser.add_argument('--no-python', '--no_python', action='store_true',
+                        help='run SCRIPT as an executable instead of with this Python')
+    parser.add_argument('script', help='the Python script (or with --no-python the program) each worker runs')
     parser.add_argument('script_args', nargs=argparse.REMAINDER, help='arguments for the script')
     return parser.parse_args(argv)
 
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=f'127.0.0.1:{port}',
         rdzv_configs={'rank': 0, 'timeout': args.timeout} if args.rdzv_backend == 'static' else {'timeout': args.timeout},
-        max_restarts=0,
+        max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         start_method='spawn',
         log_dir=args.log_dir,
@@ -74,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         tee=Std.NONE,
     )
     try:
-        elastic_launch(config, sys.executable)('-u', args.script, *args.script_args)
+        if args.no_python:
+            elastic_launch(config, args.script)(*args.script_args)
+        else:
+            elastic_launch(config, sys.executable)('-u', args.script, *args.script_args)
     except ChildFailedError as error:
         print(error.format_msg(), file=sys.stderr)
         return 1

@@ -89,36 +89,11 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_flag("--symmetric-comm", c.symmetric_comm, "send symmetric factors as upper triangles");
 }
 
-// The job this process belongs to: --nproc (we launch), or a launcher's environment.
-struct Job {
-  int rank = 0;
-  int world = 1;
-  std::string host = "127.0.0.1";
-  int port = 29500;
+// Where the rendezvous is when a launcher's environment leaves it open (flags beat the environment).
+struct RendezvousFlags {
+  std::string master_addr;
+  int master_port = 0;
 };
-
-std::optional<Job> job_from_environment() {
-  auto get = [](const char* name) -> std::optional<std::string> {
-    const char* v = std::getenv(name);
-    return v ? std::optional<std::string>(v) : std::nullopt;
-  };
-  Job job;
-  if (auto r = get("RANK"), w = get("WORLD_SIZE"); r && w) {  // torchrun
-    job.rank = std::stoi(*r);
-    job.world = std::stoi(*w);
-  } else if (auto r = get("OMPI_COMM_WORLD_RANK"), w = get("OMPI_COMM_WORLD_SIZE"); r && w) {  // mpirun
-    job.rank = std::stoi(*r);
-    job.world = std::stoi(*w);
-  } else if (auto r = get("SLURM_PROCID"), w = get("SLURM_NTASKS"); r && w) {  // srun
-    job.rank = std::stoi(*r);
-    job.world = std::stoi(*w);
-  } else {
-    return std::nullopt;
-  }
-  if (auto a = get("MASTER_ADDR")) job.host = *a;
-  if (auto p = get("MASTER_PORT")) job.port = std::stoi(*p);
-  return job;
-}
 
 int free_loopback_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -136,16 +111,23 @@ int free_loopback_port() {
   return port;
 }
 
-int run_rank(dkfac::train::TrainConfig config, const Job& job, int timeout_s) {
+int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
   std::shared_ptr<dkfac::comm::Communicator> communicator;
-  if (job.world > 1) {
-    dkfac::comm::RendezvousOptions options;
-    options.host = job.host;
-    options.port = job.port;
-    options.rank = job.rank;
-    options.world_size = job.world;
-    options.timeout = std::chrono::seconds(timeout_s);
-    communicator = dkfac::comm::Communicator::connect(options);
+  if (job.restart_count > 0) {
+    // torch's elastic agent restarted the workers after a failure: continue from the last checkpoint.
+    TORCH_CHECK(!config.checkpoint_dir.empty(), "the elastic agent restarted this job (restart ", job.restart_count,
+                ") but it has no --checkpoint-dir to resume from; a restart would silently start over. Pass "
+                "--checkpoint-dir so that restarts resume, or launch with max_restarts=0");
+    config.resume = true;
+  }
+  if (job.world_size > 1) {
+    if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
+      std::cout << "[rank 0] launch: " << job.world_size << " ranks from " << dkfac::comm::to_string(job.launcher)
+                << ", rendezvous at " << job.host << ":" << job.port << (job.agent_store ? " (the agent's store)" : "")
+                << (job.restart_count > 0 ? ", restart " + std::to_string(job.restart_count) + ": resuming" : "")
+                << std::endl;
+    }
+    communicator = dkfac::comm::Communicator::connect(job.rendezvous(std::chrono::seconds(timeout_s)));
     // The main thread may be blocked in a collective that no longer completes: end the process here.
     communicator->on_lost_rank([rank = job.rank](const std::string& message) {
       std::cout << std::flush;
@@ -154,7 +136,7 @@ int run_rank(dkfac::train::TrainConfig config, const Job& job, int timeout_s) {
       std::_Exit(1);
     });
     if (config.threads == 0) {
-      config.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / job.world);
+      config.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / job.local_world_size);
     }
   }
   dkfac::train::Trainer trainer(config, communicator);
@@ -163,16 +145,30 @@ int run_rank(dkfac::train::TrainConfig config, const Job& job, int timeout_s) {
   return 0;
 }
 
+/// This process's job: the launcher's environment, with --master-addr/--master-port applied.
+dkfac::comm::JobEnvironment job_of_this_process(const RendezvousFlags& flags) {
+  auto job = dkfac::comm::read_job_environment([&flags](const std::string& name) -> std::optional<std::string> {
+    // The flags stand in for the variables, so that every launcher reads them alike.
+    if (name == "MASTER_ADDR" && !flags.master_addr.empty()) return flags.master_addr;
+    if (name == "MASTER_PORT" && flags.master_port > 0) return std::to_string(flags.master_port);
+    const char* value = std::getenv(name.c_str());
+    return value ? std::optional<std::string>(value) : std::nullopt;
+  });
+  return job;
+}
+
 // Forks `nproc` workers on this machine; if one fails, stops the others and reports which.
 int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout_s) {
-  Job job;
-  job.world = nproc;
+  dkfac::comm::JobEnvironment job;
+  job.world_size = nproc;
+  job.local_world_size = nproc;
   job.port = free_loopback_port();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < nproc; ++rank) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       job.rank = rank;
+      job.local_rank = rank;
       int rc = 1;
       try {
         rc = run_rank(config, job, timeout_s);
@@ -377,6 +373,14 @@ int main(int argc, char** argv) {
   train->add_option("--nproc", nproc, "local worker processes (TCPStore rendezvous on a free loopback port)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  RendezvousFlags rendezvous_flags;
+  train->add_option("--master-addr", rendezvous_flags.master_addr,
+                    "host of rank 0's rendezvous store under a launcher (default: MASTER_ADDR; Slurm: the first "
+                    "node of the job; else 127.0.0.1)");
+  train->add_option("--master-port", rendezvous_flags.master_port,
+                    "port of the rendezvous store (default: MASTER_PORT; Slurm: 20000 + SLURM_JOB_ID mod 10000; "
+                    "else 29500)")
+      ->check(CLI::Range(1, 65535));
   train->add_option("--timeout", timeout_s, "seconds before a silent peer is an error")->capture_default_str()
       ->check(CLI::Range(1, 3600));
 
@@ -430,7 +434,17 @@ int main(int argc, char** argv) {
   try {
     if (*train) {
       if (nproc > 1) return launch_local(train_config, nproc, timeout_s);
-      return run_rank(train_config, job_from_environment().value_or(Job{}), timeout_s);
+      const auto job = job_of_this_process(rendezvous_flags);
+      if (job.world_size == 1) return run_rank(train_config, job, timeout_s);
+      // Errors of a launched rank carry its rank: a launcher interleaves every rank's output.
+      try {
+        return run_rank(train_config, job, timeout_s);
+      } catch (const c10::Error& e) {
+        std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what_without_backtrace() << std::endl;
+      } catch (const std::exception& e) {
+        std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what() << std::endl;
+      }
+      return 1;
     } else if (*plan) {
       return run_plan(plan_config);
     } else if (*bench) {

@@ -349,6 +349,8 @@ void Communicator::start_watchdog() {
   if (size_ == 1) return;
   watchdog_ = std::make_shared<Watchdog>();
   watchdog_->store = impl_->watch_store ? impl_->watch_store : impl_->store;
+  // Heartbeat keys live under this communicator's prefix when it is not the default (a restarted job).
+  if (impl_->prefix != "dkfac/") watchdog_->store = c10::make_intrusive<c10d::PrefixStore>(impl_->prefix, watchdog_->store);
   watchdog_->rank = rank_;
   watchdog_->size = size_;
   watchdog_->timeout = impl_->timeout;
@@ -358,39 +360,79 @@ void Communicator::start_watchdog() {
   watchdog_->start();
 }
 
+namespace {
+
+// Runs `connect` on its own thread and waits at most `timeout` plus a second: a TCPStore client whose
+// peer accepts the connection but never answers (a port taken by another service) can block in a read
+// that its own timeout does not cover. The thread is left behind on timeout; it holds only its socket.
+c10::intrusive_ptr<c10d::Store> bounded_store(std::function<c10::intrusive_ptr<c10d::Store>()> connect,
+                                              std::chrono::milliseconds timeout, const std::string& what) {
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable done;
+    bool finished = false;
+    c10::intrusive_ptr<c10d::Store> store;
+    std::string error;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, connect = std::move(connect)] {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::string error;
+    try {
+      store = connect();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->store = std::move(store);
+    shared->error = std::move(error);
+    shared->finished = true;
+    shared->done.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  const bool finished = shared->done.wait_for(lock, timeout + std::chrono::seconds(1), [&] { return shared->finished; });
+  TORCH_CHECK(finished, what, " did not complete within ", timeout.count(),
+              " ms: no rendezvous store answered there (is another service listening on that port?)");
+  TORCH_CHECK(shared->error.empty(), what, " failed: ", shared->error);
+  return shared->store;
+}
+
+}  // namespace
+
 std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& options) {
   TORCH_CHECK(options.world_size >= 1, "world size must be >= 1, got ", options.world_size);
   TORCH_CHECK(options.rank >= 0 && options.rank < options.world_size, "rank ", options.rank,
               " is outside the world of size ", options.world_size);
   TORCH_CHECK(options.port > 0 && options.port < 65536, "rendezvous port must be in 1..65535, got ", options.port);
+  TORCH_CHECK(!options.key_prefix.empty(), "the store key prefix must not be empty");
   auto impl = std::make_unique<Impl>();
   impl->timeout = options.timeout;
+  impl->prefix = options.key_prefix;
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(options.port);
-  store_options.isServer = options.rank == 0;
-  store_options.numWorkers = options.world_size;
-  store_options.waitWorkers = true;
+  store_options.isServer = options.rank == 0 && !options.external_store;
+  // An external store (the elastic agent's) counts no workers: Gloo's own rendezvous waits for all ranks.
+  store_options.numWorkers = options.external_store ? c10::nullopt : c10::optional<std::size_t>(options.world_size);
+  store_options.waitWorkers = !options.external_store;
   store_options.timeout = options.timeout;
-  try {
-    impl->store = c10::make_intrusive<c10d::TCPStore>(options.host, store_options);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", options.rank, ": rendezvous at ", options.host, ":", options.port, " with ",
-                options.world_size, " ranks failed within ", options.timeout.count(), " ms: ", e.what());
-  }
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  impl->store = bounded_store([host = options.host, store_options] { return c10::make_intrusive<c10d::TCPStore>(host, store_options); },
+                              options.timeout,
+                              "rank " + std::to_string(options.rank) + ": rendezvous at " + where + " with " +
+                                  std::to_string(options.world_size) + " ranks" +
+                                  (options.external_store ? " (the launcher's store)" : ""));
   if (options.world_size > 1) {
     // Joined once every rank is in, so it does not count as one of the workers the store waits for.
     c10d::TCPStoreOptions client = store_options;
     client.isServer = false;
     client.waitWorkers = false;
     client.numWorkers = c10::nullopt;
-    try {
-      impl->watch_store = c10::make_intrusive<c10d::TCPStore>(options.host, client);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "rank ", options.rank, ": second connection to the rendezvous store at ", options.host, ":",
-                  options.port, " failed: ", e.what());
-    }
+    impl->watch_store = bounded_store([host = options.host, client] { return c10::make_intrusive<c10d::TCPStore>(host, client); },
+                                      options.timeout,
+                                      "rank " + std::to_string(options.rank) +
+                                          ": second connection to the rendezvous store at " + where);
   }
-  impl->address = options.host + ":" + std::to_string(options.port);
+  impl->address = where;
   impl->device = make_device(options.host);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), options.rank, options.world_size));
 }

@@ -59,6 +59,12 @@ struct RendezvousOptions {
   int world_size = 1;
   /// Bound on rendezvous and on every collective: a lost peer becomes an error after this long.
   std::chrono::milliseconds timeout{60000};
+  /// The store already runs at host:port (torch's elastic agent hosts one): every rank, rank 0 too,
+  /// connects to it as a client instead of rank 0 hosting it.
+  bool external_store = false;
+  /// Prefix of every key dkfac writes into the store; a store that outlives the workers (the agent's)
+  /// needs a new one per attempt.
+  std::string key_prefix = "dkfac/";
 };
 
 /// A key-value store shared by ranks that run as threads of one process (tests, examples).
@@ -79,6 +85,9 @@ class Communicator {
  public:
   /// Joins `options.world_size` ranks over TCP (Gloo on the loopback or the host's interface).
   static std::shared_ptr<Communicator> connect(const RendezvousOptions& options);
+  /// Joins the job the launcher's environment describes (torch's elastic agent, RANK/WORLD_SIZE,
+  /// mpirun, Slurm: see comm/environment.h); a single process when there is none.
+  static std::shared_ptr<Communicator> from_environment(std::chrono::milliseconds timeout = std::chrono::seconds(60));
   /// Joins ranks that are threads of this process and share `store`.
   static std::shared_ptr<Communicator> connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
                                                           int world_size,

@@ -64,3 +64,20 @@ for r in 0 1 2; do wait "${pids[$r]}" || { echo "FAIL: resumed rank $r"; cat "$t
 grep 'resume:' "$tmp/resumed.0.txt"
 echo -n "$steps steps, killed at step >= 23 and resumed from the last step checkpoint: "
 compare_runs "$tmp/straight.jsonl" "$tmp/cut.jsonl" --steps $steps --same-parameters
+
+echo "== a rank pointed at a port that is not a rendezvous store: an error within --timeout"
+port=$(free_port)
+python3 -m http.server "$port" --bind 127.0.0.1 > /dev/null 2>&1 &
+server=$!
+for _ in $(seq 1 50); do python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null && break; sleep 0.1; done
+start=$(date +%s)
+set +e
+RANK=1 WORLD_SIZE=2 MASTER_PORT=$port timeout 120 "$dkfac" train --model mlp --dataset synthetic --timeout 5 > "$tmp/garbage.txt" 2>&1
+rc=$?
+set -e
+kill "$server"
+elapsed=$(( $(date +%s) - start ))
+cat "$tmp/garbage.txt"
+[[ $rc -ne 0 && $rc -ne 124 ]] || { echo "FAIL: exit $rc (124: hung past 120 s)"; exit 1; }
+grep -q 'did not complete within 5000 ms: no rendezvous store answered' "$tmp/garbage.txt" || { echo "FAIL: no reason"; exit 1; }
+(( elapsed < 30 )) || { echo "FAIL: took ${elapsed}s with --timeout 5"; exit 1; }
