@@ -33,7 +33,12 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--lr", c.lr, "base learning rate")->capture_default_str();
   app.add_option("--momentum", c.momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", c.weight_decay, "L2 weight decay")->capture_default_str();
-  app.add_option("--batch-size", c.batch_size, "examples per step")->capture_default_str();
+  app.add_option("--batch-size", c.batch_size, "examples per rank per step (the global batch is this x ranks)")
+      ->capture_default_str();
+  app.add_option("--accumulation-steps", c.accumulation_steps,
+                 "split each step's batch into this many micro-batches whose gradients accumulate before one "
+                 "allreduce and one K-FAC/optimizer step (DDP's no_sync)")
+      ->capture_default_str();
   app.add_option("--epochs", c.epochs, "passes over the training set")->capture_default_str();
   app.add_option("--max-steps", c.max_steps, "stop after this many steps in total (-1: no limit)")
       ->capture_default_str();

@@ -486,6 +486,22 @@ bool Communicator::contains(GroupId group, int rank) const {
   return std::binary_search(m.begin(), m.end(), rank);
 }
 
+void Communicator::add_traffic(const std::string& phase, int64_t calls, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  auto& t = traffic_[phase];
+  t.calls += calls;
+  t.bytes += bytes;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> Communicator::process_group(GroupId group) const {
+  return impl_->groups.at(group).pg;
+}
+
+std::string Communicator::diagnose_failure() const {
+  const auto diagnose = diagnosis();
+  return diagnose ? diagnose() : std::string();
+}
+
 void Communicator::count(const std::string& phase, const torch::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];

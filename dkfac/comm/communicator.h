@@ -126,6 +126,16 @@ class Communicator {
 
   /// Traffic per phase since construction.
   std::map<std::string, Traffic> traffic() const;
+  /// Counts collectives run on `process_group()` by another engine (DDP's reducer) under `phase`.
+  void add_traffic(const std::string& phase, int64_t calls, int64_t bytes);
+
+  /// The c10d process group of `group` (null on ranks outside it), for engines that run their own
+  /// collectives on it, such as c10d::Reducer.
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group(GroupId group) const;
+
+  /// After a collective failed outside a Handle (e.g. in another engine): waits a few heartbeats and
+  /// names the ranks that went silent, as a failed Handle's message does; empty when none did.
+  std::string diagnose_failure() const;
 
   /// Every rank publishes a heartbeat in the rendezvous store (from a thread, every min(1 s, timeout / 10))
   /// and watches the others'. The ranks whose heartbeat has not moved for `silent_for`, as

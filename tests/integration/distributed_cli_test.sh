@@ -35,6 +35,18 @@ echo "== 2 ranks, DP-KFAC: no factor or second-order traffic"
 grep -q '"factors":0,"gradients":[1-9][0-9]*,"second_order":0' "$tmp/dp.jsonl" \
   || { echo "FAIL: DP-KFAC moved factors or second-order state"; tail -1 "$tmp/dp.jsonl"; exit 1; }
 
+echo "== --accumulation-steps 4 (micro-batches of 16) equals batch 64, K-FAC and plain SGD"
+source "$(dirname "$0")/lib.sh"
+for kfac in --kfac --no-kfac; do
+  for k in 1 4; do
+    "$dkfac" train --nproc 2 --model cnn --dataset synthetic --max-steps 12 --batch-size 64 --log-every 1 $kfac \
+      --factor-update-steps 1 --inv-update-steps 3 --accumulation-steps $k --metrics "$tmp/acc$k.jsonl" > "$tmp/acc$k.txt" 2>&1 \
+      || { cat "$tmp/acc$k.txt"; exit 1; }
+  done
+  echo -n "$kfac: "
+  compare_runs "$tmp/acc1.jsonl" "$tmp/acc4.jsonl" --steps 12 --rtol 1e-4
+done
+
 echo "== 3 ranks, one killed"
 "$dkfac" train --nproc 3 --model mlp --dataset synthetic --epochs 100 --log-every 1 --timeout 20 \
   > "$tmp/kill.txt" 2>&1 &
@@ -74,4 +86,4 @@ cat "$tmp/r0.txt" "$tmp/r1.txt"
 [[ $rc0 -ne 0 && $rc1 -ne 0 ]] || { echo "FAIL: mismatched ranks must both fail ($rc0, $rc1)"; exit 1; }
 grep -q -- '--lr is 0.1 on rank 1 but 0.05 on rank 0' "$tmp/r1.txt" || { echo "FAIL: rank 1 does not name --lr"; exit 1; }
 grep -q 'rank(s) 1 differ from rank 0' "$tmp/r0.txt" || { echo "FAIL: rank 0 does not name rank 1"; exit 1; }
-echo "4 passed, 0 failed"
+echo "5 passed, 0 failed"

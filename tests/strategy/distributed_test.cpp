@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "dkfac/dkfac.h"
+#include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
 namespace dkfac::strategy {
@@ -50,25 +51,7 @@ std::vector<torch::Tensor> grads_of(Net& net) {
   return out;
 }
 
-/// Runs `body(rank, communicator)` on `world` threads joined by an in-process store.
-void run_ranks(int world, const std::function<void(int, std::shared_ptr<comm::Communicator>)>& body) {
-  auto store = std::make_shared<comm::InProcessStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(world);
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30)));
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using testing::run_ranks;
 
 constexpr int64_t kSteps = 3;
 
@@ -354,47 +337,6 @@ TEST(Communicator, LostRankIsNamed) {
   std::lock_guard<std::mutex> lock(mutex);
   EXPECT_NE(lost.find("rank 0 lost rank 1 (no heartbeat for"), std::string::npos) << lost;
 }
-
-}  // namespace
-}  // namespace dkfac::strategy
-
-namespace dkfac::strategy {
-namespace {
-
-class DataParallelTest : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
-
-// Overlapped, bucketed averaging equals the mean of the ranks' gradients, for any bucket size.
-TEST_P(DataParallelTest, AveragesGradientsOverRanks) {
-  const auto [world, bucket_bytes] = GetParam();
-  std::vector<std::vector<torch::Tensor>> local(world);
-  for (int rank = 0; rank < world; ++rank) {
-    auto net = make_net();
-    local_loss(*net, 0, rank).backward();
-    local[rank] = grads_of(*net);
-  }
-  std::vector<std::vector<torch::Tensor>> got(world);
-  size_t buckets = 0;
-  run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
-    auto net = make_net();
-    DataParallel dp(net->parameters(), communicator, bucket_bytes);
-    for (int repeat = 0; repeat < 2; ++repeat) {  // buffers are reused across steps
-      net->zero_grad();
-      local_loss(*net, 0, rank).backward();
-      dp.synchronize();
-    }
-    got[rank] = grads_of(*net);
-    if (rank == 0) buckets = dp.buckets();
-  });
-  for (size_t p = 0; p < local[0].size(); ++p) {
-    auto mean = torch::zeros_like(local[0][p]);
-    for (int rank = 0; rank < world; ++rank) mean += local[rank][p] / world;
-    for (int rank = 0; rank < world; ++rank) EXPECT_TENSOR_NEAR(got[rank][p], mean, 1e-12) << "param " << p;
-  }
-  EXPECT_EQ(buckets > 1, bucket_bytes < 1024) << buckets << " buckets";
-}
-
-INSTANTIATE_TEST_SUITE_P(Buckets, DataParallelTest,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::Values(int64_t{200}, int64_t{1} << 20)));
 
 }  // namespace
 }  // namespace dkfac::strategy

@@ -69,6 +69,10 @@ void TrainConfig::validate() const {
   TORCH_CHECK(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
   TORCH_CHECK(weight_decay >= 0, "--weight-decay must be >= 0, got ", weight_decay);
   TORCH_CHECK(batch_size >= 1, "--batch-size must be >= 1, got ", batch_size);
+  TORCH_CHECK(accumulation_steps >= 1, "--accumulation-steps must be >= 1, got ", accumulation_steps);
+  TORCH_CHECK(batch_size % accumulation_steps == 0, "--batch-size ", batch_size,
+              " must be a multiple of --accumulation-steps ", accumulation_steps,
+              " (each step is that many micro-batches of equal size)");
   TORCH_CHECK(epochs >= 1, "--epochs must be >= 1, got ", epochs);
   TORCH_CHECK(one_of(lr_schedule, {"constant", "step", "cosine"}),
               "--lr-schedule must be constant, step or cosine, got '", lr_schedule, "'");
@@ -113,7 +117,7 @@ struct Trainer::State {
   torch::nn::Sequential model{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<Preconditioner> kfac;
-  std::unique_ptr<strategy::DataParallel> data_parallel;  // gradient averaging over ranks, overlapped with backward
+  std::unique_ptr<parallel::DataParallel> data_parallel;  // DDP's reducer: gradient averaging overlapped with backward
   std::ofstream metrics;
   double current_lr = 0.0;
   int64_t global_step = 0;
@@ -155,9 +159,6 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
     s.optimizer = std::make_unique<torch::optim::Adam>(
         s.model->parameters(), torch::optim::AdamOptions(config_.lr).weight_decay(config_.weight_decay));
   }
-  if (communicator_ && world_ > 1) {
-    s.data_parallel = std::make_unique<strategy::DataParallel>(s.model->parameters(), communicator_);
-  }
   if (config_.kfac) {
     State* state = state_.get();
     s.kfac = std::make_unique<Preconditioner>(
@@ -173,6 +174,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                              return config_.kl_clip * ratio * ratio;
                            })
                            .factor_update_steps(config_.factor_update_steps)
+                           .accumulation_steps(config_.accumulation_steps)
                            .inv_update_steps(config_.inv_update_steps)
                            .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
                                                                               : ComputeMethod::kInverse)
@@ -236,6 +238,7 @@ torch::Tensor Trainer::loss_of(const torch::Tensor& output, const torch::Tensor&
 
 Evaluation Trainer::evaluate() {
   auto& s = *state_;
+  if (s.data_parallel) s.data_parallel->broadcast_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;
   s.model->eval();
   const auto& test = s.dataset.test;
@@ -258,6 +261,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   // Everything that must agree between ranks (threads may differ).
   return {{"model", c.model}, {"dataset", c.dataset}, {"data-dir", c.data_dir}, {"optimizer", c.optimizer},
           {"lr", c.lr}, {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"batch-size", c.batch_size},
+          {"accumulation-steps", c.accumulation_steps},
           {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", c.lr_schedule},
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
           {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
@@ -491,6 +495,11 @@ TrainSummary Trainer::run() {
   int64_t epoch = 0;
   int64_t step_in_epoch = 0;
   if (config_.resume) load_checkpoint(epoch, step_in_epoch);
+  if (communicator_ && world_ > 1) {
+    // After the checkpoint is loaded (Module::load would detach the reducer's hooks). Rank 0's
+    // parameters and buffers go to every rank here.
+    s.data_parallel = std::make_unique<parallel::DataParallel>(*s.model, communicator_);
+  }
   s.start = Clock::now();
   const int64_t log_every =
       config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
@@ -526,9 +535,22 @@ TrainSummary Trainer::run() {
         x = data::augment_crop_flip(x, aug);
       }
       s.optimizer->zero_grad();
-      auto loss = loss_of(s.model->forward(x), x, y);
-      loss.backward();
-      if (s.data_parallel) s.data_parallel->synchronize();  // buckets already in flight since backward
+      // K micro-batches of B/K: each loss / K, gradients accumulate, averaged over ranks with the last.
+      const int64_t k_steps = config_.accumulation_steps;
+      const int64_t micro = config_.batch_size / k_steps;
+      torch::Tensor loss;  // the step's loss: the sum of the micro-batches' losses / K
+      for (int64_t k = 0; k < k_steps; ++k) {
+        if (s.data_parallel && k == 0) s.data_parallel->broadcast_buffers();
+        auto xk = k_steps == 1 ? x : x.slice(0, k * micro, (k + 1) * micro);
+        auto yk = k_steps == 1 ? y : y.slice(0, k * micro, (k + 1) * micro);
+        auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
+        if (s.data_parallel) {
+          s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
+        } else {
+          micro_loss.backward();
+        }
+        loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
+      }
       if (!step_is_finite(loss)) {
         TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
                     loss.item<double>(), ") at step ", s.global_step, " (epoch ", epoch + 1,

@@ -24,7 +24,8 @@ struct TrainConfig {
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 5e-4;
-  int64_t batch_size = 128;
+  int64_t batch_size = 128;          // examples per rank per step
+  int64_t accumulation_steps = 1;    // micro-batches of batch_size / accumulation_steps per step
   int64_t epochs = 3;
   int64_t max_steps = -1;  // < 0: no limit
   std::string lr_schedule = "cosine";

@@ -1,0 +1,101 @@
+// The second translation unit that includes c10d (after comm/communicator.cpp): DDP's reducer needs the
+// process group itself.
+#define USE_C10D_GLOO 1
+#include "dkfac/parallel/data_parallel.h"
+
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+namespace dkfac::parallel {
+
+namespace {
+
+std::vector<torch::Tensor> trainable(const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : parameters) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
+}
+
+constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;  // DDP's broadcast_bucket_size
+
+}  // namespace
+
+DataParallel::DataParallel(torch::nn::Module& model, std::shared_ptr<comm::Communicator> communicator,
+                           DataParallelOptions options)
+    : DataParallel(model.parameters(), model.buffers(), std::move(communicator), options) {}
+
+DataParallel::DataParallel(std::vector<torch::Tensor> parameters, std::vector<torch::Tensor> buffers,
+                           std::shared_ptr<comm::Communicator> communicator, DataParallelOptions options)
+    : parameters_(trainable(parameters)),
+      buffers_(std::move(buffers)),
+      communicator_(std::move(communicator)),
+      options_(options) {
+  TORCH_CHECK(communicator_ != nullptr, "DataParallel needs a communicator");
+  TORCH_CHECK(options_.bucket_cap_mb > 0, "DataParallel: bucket_cap_mb must be > 0, got ", options_.bucket_cap_mb);
+  TORCH_CHECK(!parameters_.empty(), "DataParallel: the model has no parameter that requires a gradient");
+  auto group = communicator_->process_group(comm::kWorld);
+  // Same parameter count, shapes and dtypes on every rank, or an error naming the first difference.
+  c10d::verify_params_across_processes(group, parameters_, c10::nullopt);
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> state = parameters;
+    for (const auto& b : buffers_) state.push_back(b);
+    c10d::broadcast_coalesced(group, state, kBroadcastBucketBytes, 0);
+  }
+  const auto cap = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+  // As DDP: buckets assigned in registration order with a small first bucket, then reversed, so that
+  // the parameters backward reaches first (the last layers) fill the first bucket.
+  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
+      parameters_, {static_cast<size_t>(std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap)), static_cast<size_t>(cap)},
+      std::vector<bool>(parameters_.size(), false));
+  std::reverse(indices.begin(), indices.end());
+  std::reverse(limits.begin(), limits.end());
+  buckets_ = indices.size();
+  for (const auto& p : parameters_) gradient_bytes_ += p.numel() * static_cast<int64_t>(p.element_size());
+  reducer_ = std::make_shared<c10d::Reducer>(parameters_, std::move(indices), std::move(limits), group,
+                                             std::vector<bool>(parameters_.size(), false), cap,
+                                             /*find_unused_parameters=*/true, /*gradient_as_bucket_view=*/false,
+                                             std::unordered_map<size_t, std::string>(),
+                                             std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap));
+  for (const auto& p : parameters_) accumulators_.push_back(torch::autograd::impl::grad_accumulator(p).get());
+}
+
+DataParallel::~DataParallel() = default;
+
+void DataParallel::broadcast_buffers() {
+  if (!options_.broadcast_buffers || buffers_.empty()) return;
+  torch::NoGradGuard no_grad;
+  c10d::broadcast_coalesced(communicator_->process_group(comm::kWorld), buffers_, kBroadcastBucketBytes, 0);
+  int64_t bytes = 0;
+  for (const auto& b : buffers_) bytes += b.numel() * static_cast<int64_t>(b.element_size());
+  communicator_->add_traffic("data_parallel", 1, bytes);
+}
+
+void DataParallel::backward(const torch::Tensor& loss, bool average) {
+  if (!average) {
+    loss.backward();  // the reducer's hooks stay idle: gradients accumulate in .grad
+    return;
+  }
+  for (size_t k = 0; k < parameters_.size(); ++k) {
+    // A parameter whose accumulator changed (Module::load after construction) would silently stay local.
+    TORCH_CHECK(torch::autograd::impl::grad_accumulator(parameters_[k]).get() == accumulators_[k],
+                "DataParallel: parameter ", k, " was replaced after DataParallel was built (e.g. by Module::load); "
+                "its gradient would not be averaged. Build DataParallel after loading the model");
+  }
+  try {
+    reducer_->prepare_for_forward();
+    reducer_->prepare_for_backward({loss});  // finds parameters outside the loss's graph (see the header)
+    loss.backward();  // the reducer waits for its last bucket in autograd's final callback
+  } catch (const std::exception& e) {
+    const std::string silent = communicator_->diagnose_failure();
+    TORCH_CHECK(false, "dkfac: gradient allreduce (data_parallel) over ", communicator_->size(), " ranks failed (",
+                silent.empty() ? "a peer died, stopped answering or the timeout passed" : "lost " + silent,
+                "): ", e.what());
+  }
+  communicator_->add_traffic("data_parallel", static_cast<int64_t>(buckets_), gradient_bytes_);
+}
+
+}  // namespace dkfac::parallel
