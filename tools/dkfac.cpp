@@ -3,11 +3,14 @@
 #include <netinet/in.h>
 #include <nlohmann/json.hpp>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -162,16 +165,47 @@ dkfac::comm::JobEnvironment job_of_this_process(const RendezvousFlags& flags) {
   return job;
 }
 
-// Forks `nproc` workers on this machine; if one fails, stops the others and reports which.
+// The launcher's record of a SIGINT/SIGTERM, set by its handler and read by its wait loop.
+volatile std::sig_atomic_t g_launcher_signal = 0;
+extern "C" void record_launcher_signal(int signal) { g_launcher_signal = signal; }
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")" +
+           (sig == SIGKILL ? "; if nothing sent it, the kernel may have run out of memory (see dmesg)" : "");
+  }
+  return "exit " + std::to_string(WEXITSTATUS(status));
+}
+
+// Forks `nproc` workers on this machine and waits for them. The first worker to fail is named with its
+// reason, and the others get SIGTERM and, after a grace period, SIGKILL (a stopped or hung worker too).
+// SIGINT/SIGTERM to the launcher go to every worker, with the same escalation. Workers die with the
+// launcher (PR_SET_PDEATHSIG), so none is left behind even if the launcher itself is killed.
 int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kGrace = std::chrono::seconds(5);
   dkfac::comm::JobEnvironment job;
   job.world_size = nproc;
   job.local_world_size = nproc;
   job.port = free_loopback_port();
+  struct sigaction action {};
+  action.sa_handler = record_launcher_signal;
+  sigemptyset(&action.sa_mask);
+  struct sigaction previous_int {}, previous_term {};
+  ::sigaction(SIGINT, &action, &previous_int);
+  ::sigaction(SIGTERM, &action, &previous_term);
+  const pid_t launcher = ::getpid();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < nproc; ++rank) {
     const pid_t pid = ::fork();
     if (pid == 0) {
+      // Default actions, even where the launcher's were "ignore" (a shell's background job ignores
+      // SIGINT): a signal the launcher forwards must stop the worker.
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) std::_Exit(1);  // the launcher died before prctl took effect
       job.rank = rank;
       job.local_rank = rank;
       int rc = 1;
@@ -184,27 +218,59 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
       }
       std::_Exit(rc);
     }
+    TORCH_CHECK(pid > 0, "cannot start worker ", rank, ": fork failed (", std::strerror(errno), ")");
     pids.push_back(pid);
   }
+  std::vector<bool> running(pids.size(), true);
+  size_t live = pids.size();
   int failed_rank = -1;
-  int failed_status = 0;
-  for (size_t done = 0; done < pids.size(); ++done) {
+  std::string failure;
+  int received = 0;
+  std::optional<Clock::time_point> kill_at;  // when the workers still running get SIGKILL
+  auto stop_all = [&](int sig) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (running[r]) ::kill(pids[r], sig);
+    }
+  };
+  while (live > 0) {
+    if (g_launcher_signal != 0 && received == 0) {
+      received = g_launcher_signal;
+      stop_all(received);
+      if (!kill_at) kill_at = Clock::now() + kGrace;
+    }
+    if (kill_at && Clock::now() >= *kill_at) {
+      stop_all(SIGKILL);
+      kill_at = Clock::time_point::max();
+    }
     int status = 0;
-    const pid_t pid = ::wait(&status);
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
     const auto it = std::find(pids.begin(), pids.end(), pid);
-    const int rank = static_cast<int>(it - pids.begin());
+    if (it == pids.end()) continue;
+    const auto rank = static_cast<size_t>(it - pids.begin());
+    running[rank] = false;
+    --live;
     const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && failed_rank < 0) {
-      failed_rank = rank;
-      failed_status = status;
-      for (pid_t other : pids) ::kill(other, SIGTERM);
+    if (!ok && failed_rank < 0 && received == 0) {
+      failed_rank = static_cast<int>(rank);
+      failure = describe_status(status);
+      stop_all(SIGTERM);
+      kill_at = Clock::now() + kGrace;
     }
   }
+  ::sigaction(SIGINT, &previous_int, nullptr);
+  ::sigaction(SIGTERM, &previous_term, nullptr);
+  if (received != 0) {
+    std::cerr << "dkfac: stopped by signal " << received << " (" << strsignal(received) << "); passed it to the "
+              << nproc << " workers" << (config.checkpoint_dir.empty() ? "" : "; the last checkpoint is intact")
+              << std::endl;
+    return 128 + received;
+  }
   if (failed_rank >= 0) {
-    std::cerr << "dkfac: rank " << failed_rank << " failed ("
-              << (WIFSIGNALED(failed_status) ? "killed by signal " + std::to_string(WTERMSIG(failed_status))
-                                             : "exit " + std::to_string(WEXITSTATUS(failed_status)))
-              << "); stopped the other ranks" << std::endl;
+    std::cerr << "dkfac: rank " << failed_rank << " failed (" << failure << "); stopped the other ranks" << std::endl;
     return 1;
   }
   return 0;

@@ -66,7 +66,7 @@ set -e
 elapsed=$(( $(date +%s) - start ))
 cat "$tmp/kill.txt" | tail -5
 [[ $rc -ne 0 ]] || { echo "FAIL: job exited 0 after a worker was killed"; exit 1; }
-grep -q 'rank 1 failed (killed by signal 9)' "$tmp/kill.txt" || { echo "FAIL: lost rank not named"; exit 1; }
+grep -q 'rank 1 failed (killed by signal 9 (Killed)' "$tmp/kill.txt" || { echo "FAIL: lost rank not named"; exit 1; }
 (( elapsed < 60 )) || { echo "FAIL: took ${elapsed}s"; exit 1; }
 echo "job ended ${elapsed}s after the kill, exit $rc"
 
