@@ -287,6 +287,13 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c.batch_size = 0;
   expect(c, "--batch-size must be >= 1, got 0");
   c = TrainConfig();
+  c.max_steps = -5;
+  expect(c, "--max-steps must be >= 0 (or -1: no limit), got -5");
+  c = TrainConfig();
+  c.batch_size = 64;
+  c.accumulation_steps = 3;
+  expect(c, "--batch-size 64 must be a multiple of --accumulation-steps 3");
+  c = TrainConfig();
   c.lr_schedule = "linear";
   expect(c, "--lr-schedule must be constant, step or cosine, got 'linear'");
   c = TrainConfig();

@@ -74,6 +74,7 @@ void TrainConfig::validate() const {
               " must be a multiple of --accumulation-steps ", accumulation_steps,
               " (each step is that many micro-batches of equal size)");
   TORCH_CHECK(epochs >= 1, "--epochs must be >= 1, got ", epochs);
+  TORCH_CHECK(max_steps >= -1, "--max-steps must be >= 0 (or -1: no limit), got ", max_steps);
   TORCH_CHECK(one_of(lr_schedule, {"constant", "step", "cosine"}),
               "--lr-schedule must be constant, step or cosine, got '", lr_schedule, "'");
   TORCH_CHECK(warmup_epochs >= 0, "--warmup-epochs must be >= 0, got ", warmup_epochs);
