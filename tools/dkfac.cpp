@@ -130,10 +130,7 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
   }
   if (job.world_size > 1) {
     if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
-      std::cout << "[rank 0] launch: " << job.world_size << " ranks from " << dkfac::comm::to_string(job.launcher)
-                << ", rendezvous at " << job.host << ":" << job.port << (job.agent_store ? " (the agent's store)" : "")
-                << (job.restart_count > 0 ? ", restart " + std::to_string(job.restart_count) + ": resuming" : "")
-                << std::endl;
+      std::cout << "[rank 0] launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
     }
     communicator = dkfac::comm::Communicator::connect(job.rendezvous(std::chrono::seconds(timeout_s)));
     // The main thread may be blocked in a collective that no longer completes: end the process here.
@@ -153,16 +150,28 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
   return 0;
 }
 
+/// run_rank for one rank of several: its errors carry its rank, since a launcher interleaves every rank's
+/// output. Returns the exit code.
+int run_launched_rank(const dkfac::train::TrainConfig& config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
+  try {
+    return run_rank(config, job, timeout_s);
+  } catch (const c10::Error& e) {
+    std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what() << std::endl;
+  }
+  return 1;
+}
+
 /// This process's job: the launcher's environment, with --master-addr/--master-port applied.
 dkfac::comm::JobEnvironment job_of_this_process(const RendezvousFlags& flags) {
-  auto job = dkfac::comm::read_job_environment([&flags](const std::string& name) -> std::optional<std::string> {
+  return dkfac::comm::read_job_environment([&flags](const std::string& name) -> std::optional<std::string> {
     // The flags stand in for the variables, so that every launcher reads them alike.
     if (name == "MASTER_ADDR" && !flags.master_addr.empty()) return flags.master_addr;
     if (name == "MASTER_PORT" && flags.master_port > 0) return std::to_string(flags.master_port);
     const char* value = std::getenv(name.c_str());
     return value ? std::optional<std::string>(value) : std::nullopt;
   });
-  return job;
 }
 
 // The launcher's record of a SIGINT/SIGTERM, set by its handler and read by its wait loop.
@@ -208,15 +217,7 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
       if (::getppid() != launcher) std::_Exit(1);  // the launcher died before prctl took effect
       job.rank = rank;
       job.local_rank = rank;
-      int rc = 1;
-      try {
-        rc = run_rank(config, job, timeout_s);
-      } catch (const c10::Error& e) {
-        std::cerr << "[rank " << rank << "] dkfac: error: " << e.what_without_backtrace() << std::endl;
-      } catch (const std::exception& e) {
-        std::cerr << "[rank " << rank << "] dkfac: error: " << e.what() << std::endl;
-      }
-      std::_Exit(rc);
+      std::_Exit(run_launched_rank(config, job, timeout_s));
     }
     TORCH_CHECK(pid > 0, "cannot start worker ", rank, ": fork failed (", std::strerror(errno), ")");
     pids.push_back(pid);
@@ -507,15 +508,7 @@ int main(int argc, char** argv) {
       if (nproc > 1) return launch_local(train_config, nproc, timeout_s);
       const auto job = job_of_this_process(rendezvous_flags);
       if (job.world_size == 1) return run_rank(train_config, job, timeout_s);
-      // Errors of a launched rank carry its rank: a launcher interleaves every rank's output.
-      try {
-        return run_rank(train_config, job, timeout_s);
-      } catch (const c10::Error& e) {
-        std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what_without_backtrace() << std::endl;
-      } catch (const std::exception& e) {
-        std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what() << std::endl;
-      }
-      return 1;
+      return run_launched_rank(train_config, job, timeout_s);
     } else if (*plan) {
       return run_plan(plan_config);
     } else if (*bench) {

@@ -179,13 +179,12 @@ JobEnvironment read_job_environment() {
 
 std::string JobEnvironment::describe() const {
   std::ostringstream out;
-  out << "rank " << rank << " of " << world_size << " (" << to_string(launcher);
+  out << world_size << " ranks from " << to_string(launcher);
   if (launcher != Launcher::kNone) {
-    out << ", local rank " << local_rank << " of " << local_world_size << ", rendezvous at " << host << ":" << port;
-    if (agent_store) out << " in the agent's store";
+    out << ", rendezvous at " << host << ":" << port;
+    if (agent_store) out << " (the agent's store)";
     if (restart_count > 0) out << ", restart " << restart_count;
   }
-  out << ")";
   return out.str();
 }
 

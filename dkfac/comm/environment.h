@@ -40,7 +40,7 @@ struct JobEnvironment {
   /// store that outlives the workers carry it, so that a restart never reads the previous attempt's.
   int restart_count = 0;
 
-  /// "rank 1 of 4 (torch elastic agent, local rank 1, rendezvous at node1:29500, agent's store)".
+  /// "4 ranks from torch elastic agent, rendezvous at node1:29500 (the agent's store), restart 1".
   std::string describe() const;
   /// The rendezvous this environment asks for, with `timeout` on every wait.
   RendezvousOptions rendezvous(std::chrono::milliseconds timeout) const;

@@ -46,20 +46,21 @@ DataParallel::DataParallel(std::vector<torch::Tensor> parameters, std::vector<to
     c10d::broadcast_coalesced(group, state, kBroadcastBucketBytes, 0);
   }
   const auto cap = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+  const int64_t first_cap = std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap);
   // As DDP: buckets assigned in registration order with a small first bucket, then reversed, so that
   // the parameters backward reaches first (the last layers) fill the first bucket.
   auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
-      parameters_, {static_cast<size_t>(std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap)), static_cast<size_t>(cap)},
+      parameters_, {static_cast<size_t>(first_cap), static_cast<size_t>(cap)},
       std::vector<bool>(parameters_.size(), false));
   std::reverse(indices.begin(), indices.end());
   std::reverse(limits.begin(), limits.end());
   buckets_ = indices.size();
-  for (const auto& p : parameters_) gradient_bytes_ += p.numel() * static_cast<int64_t>(p.element_size());
+  for (const auto& p : parameters_) gradient_bytes_ += static_cast<int64_t>(p.nbytes());
+  for (const auto& b : buffers_) buffer_bytes_ += static_cast<int64_t>(b.nbytes());
   reducer_ = std::make_shared<c10d::Reducer>(parameters_, std::move(indices), std::move(limits), group,
                                              std::vector<bool>(parameters_.size(), false), cap,
                                              /*find_unused_parameters=*/true, /*gradient_as_bucket_view=*/false,
-                                             std::unordered_map<size_t, std::string>(),
-                                             std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap));
+                                             std::unordered_map<size_t, std::string>(), first_cap);
   for (const auto& p : parameters_) accumulators_.push_back(torch::autograd::impl::grad_accumulator(p).get());
 }
 
@@ -69,9 +70,7 @@ void DataParallel::broadcast_buffers() {
   if (!options_.broadcast_buffers || buffers_.empty()) return;
   torch::NoGradGuard no_grad;
   c10d::broadcast_coalesced(communicator_->process_group(comm::kWorld), buffers_, kBroadcastBucketBytes, 0);
-  int64_t bytes = 0;
-  for (const auto& b : buffers_) bytes += b.numel() * static_cast<int64_t>(b.element_size());
-  communicator_->add_traffic("data_parallel", 1, bytes);
+  communicator_->add_traffic("data_parallel", 1, buffer_bytes_);
 }
 
 void DataParallel::backward(const torch::Tensor& loss, bool average) {

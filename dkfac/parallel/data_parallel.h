@@ -70,7 +70,7 @@ class DataParallel {
   /// and nothing is communicated (DDP's no_sync()). A failed allreduce is an error naming the silent ranks.
   void backward(const torch::Tensor& loss, bool average = true);
 
-  /// Gradient buckets of the first step (the reducer re-buckets once, in the order gradients arrived).
+  /// Gradient buckets (a fixed layout: see above).
   size_t buckets() const { return buckets_; }
 
  private:
@@ -81,7 +81,8 @@ class DataParallel {
   std::shared_ptr<c10d::Reducer> reducer_;
   std::vector<const void*> accumulators_;  // each parameter's gradient accumulator the reducer hooks into
   size_t buckets_ = 0;
-  int64_t gradient_bytes_ = 0;
+  int64_t gradient_bytes_ = 0;  // of the parameters, counted per averaged backward
+  int64_t buffer_bytes_ = 0;    // of the buffers, counted per broadcast_buffers()
 };
 
 }  // namespace dkfac::parallel

@@ -542,8 +542,8 @@ TrainSummary Trainer::run() {
       torch::Tensor loss;  // the step's loss: the sum of the micro-batches' losses / K
       for (int64_t k = 0; k < k_steps; ++k) {
         if (s.data_parallel && k == 0) s.data_parallel->broadcast_buffers();
-        auto xk = k_steps == 1 ? x : x.slice(0, k * micro, (k + 1) * micro);
-        auto yk = k_steps == 1 ? y : y.slice(0, k * micro, (k + 1) * micro);
+        auto xk = x.slice(0, k * micro, (k + 1) * micro);
+        auto yk = y.slice(0, k * micro, (k + 1) * micro);
         auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
         if (s.data_parallel) {
           s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
