@@ -1,0 +1,23 @@
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+
+/// The subcommands of the `dkfac` executable, one file each. Each registers its flags on the parent
+/// application and returns what runs it once the command line has been parsed (its exit code).
+namespace dkfac::cli {
+
+struct Command {
+  CLI::App* app;           // the subcommand, parsed when app->parsed()
+  // Runs it once parsed, given the allocator setup's description; returns the exit code.
+  std::function<int(const std::string& allocator)> run;
+};
+
+Command add_train_command(CLI::App& app);  // train.cpp (its --nproc launcher: launch.cpp)
+Command add_plan_command(CLI::App& app);   // plan.cpp
+Command add_bench_command(CLI::App& app);  // bench.cpp
+Command add_plot_command(CLI::App& app);   // plot.cpp
+
+}  // namespace dkfac::cli

@@ -1,0 +1,20 @@
+#pragma once
+
+#include "dkfac/comm/environment.h"
+#include "tools/train/trainer.h"
+
+/// `dkfac train --nproc N`: N workers forked on this machine, supervised until they end.
+namespace dkfac::cli {
+
+/// Runs one rank of a job started by a launcher (this one or another) and returns its exit code. Its
+/// errors carry its rank, since a launcher interleaves every rank's output. Defined in train.cpp.
+int run_launched_rank(const train::TrainConfig& config, const comm::JobEnvironment& job, int timeout_s);
+
+/// Forks `nproc` workers with a TCPStore rendezvous on a free loopback port and waits for them. The
+/// first worker to fail is named with its reason, and the others get SIGTERM and, after a grace period,
+/// SIGKILL (a stopped or hung worker too). SIGINT/SIGTERM to the launcher go to every worker, with the
+/// same escalation. Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind even if the
+/// launcher itself is killed. Returns the exit code: 0, 1 (a worker failed) or 128 + signal.
+int launch_local(const train::TrainConfig& config, int nproc, int timeout_s);
+
+}  // namespace dkfac::cli
