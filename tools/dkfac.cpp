@@ -4,12 +4,27 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <string>
 
 #include <c10/util/Exception.h>
 
 #include "dkfac/version.h"
 #include "tools/cli/commands.h"
 #include "tools/common/threads.h"
+
+namespace {
+
+// `text` as a POSIX shell reads it back: bare when safe, else in single quotes.
+std::string shell_quoted(const std::string& text) {
+  const bool safe = !text.empty() && text.find_first_not_of(
+      "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") == std::string::npos;
+  if (safe) return text;
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // GNU OpenMP's worker threads spin for milliseconds after every parallel region, on the cores that the
@@ -30,10 +45,12 @@ int main(int argc, char** argv) {
       dkfac::cli::add_plot_command(app),
   };
   CLI11_PARSE(app, argc, argv);
-  const std::string allocator = dkfac::tools::configure_allocator();  // every command, before its first tensor
+  dkfac::cli::Invocation invocation;
+  invocation.allocator = dkfac::tools::configure_allocator();  // every command, before its first tensor
+  for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + shell_quoted(argv[i]);
   try {
     for (const auto& command : commands) {
-      if (command.app->parsed()) return command.run(allocator);
+      if (command.app->parsed()) return command.run(invocation);
     }
   } catch (const c10::Error& e) {
     std::cerr << "dkfac: error: " << e.what_without_backtrace() << std::endl;

@@ -61,7 +61,8 @@ elapsed=$(( $(date +%s) - start ))
 tail -3 "$tmp/hung.txt"
 [[ $rc -ne 0 ]] || fail "exit 0 with a hung worker"
 grep -q "lost rank 1" "$tmp/hung.txt" || fail "rank 0 did not name rank 1"
-grep -q "dkfac: rank 0 failed (exit 1); stopped the other ranks" "$tmp/hung.txt" || fail "launcher did not name the first failure"
+grep -q "dkfac: error: rank 1 stopped responding (rank 0 reported: .*lost rank 1" "$tmp/hung.txt" \
+  || fail "launcher did not name the hung rank as the root cause"
 all_gone "${workers[@]}" || fail "the stopped worker was left behind"
 (( elapsed <= 30 )) || fail "took ${elapsed}s with --timeout 5"
 echo "launcher exit $rc after ${elapsed}s, stopped worker killed"

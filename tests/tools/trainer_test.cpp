@@ -213,8 +213,8 @@ TEST_F(TrainerTest, StepCheckpointsResumeMidEpoch) {
   ::testing::internal::CaptureStdout();
   Trainer(c).run();
   const auto log = ::testing::internal::GetCapturedStdout();
-  EXPECT_NE(log.find("(every 5 steps, epoch 0, step 5)"), std::string::npos) << log;
-  EXPECT_NE(log.find("(every 5 steps, epoch 0, step 10)"), std::string::npos) << log;
+  EXPECT_NE(log.find("(every 5 steps, in epoch 1, step 5)"), std::string::npos) << log;
+  EXPECT_NE(log.find("(every 5 steps, in epoch 1, step 10)"), std::string::npos) << log;
   c.max_steps = 14;
   c.resume = true;
   const auto resumed = Trainer(c).run().step_losses;

@@ -96,8 +96,8 @@ Command add_bench_command(CLI::App& app) {
   bench->add_flag("--no-kernels", cli->no_kernels, "skip the kernel benchmark");
   bench->add_option("--json", cli->json, "also write the results as JSON to this file");
 
-  return {bench, [cli](const std::string& allocator) {
-    cli->allocator = allocator;
+  return {bench, [cli](const Invocation& invocation) {
+    cli->allocator = invocation.allocator;
     return run_bench(*cli);
   }};
 }

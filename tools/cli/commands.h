@@ -9,10 +9,15 @@
 /// application and returns what runs it once the command line has been parsed (its exit code).
 namespace dkfac::cli {
 
+/// What every command is run with, besides its flags.
+struct Invocation {
+  std::string allocator;     ///< the allocator setup (tools::configure_allocator)
+  std::string command_line;  ///< the command as typed, arguments shell-quoted where needed
+};
+
 struct Command {
   CLI::App* app;           // the subcommand, parsed when app->parsed()
-  // Runs it once parsed, given the allocator setup's description; returns the exit code.
-  std::function<int(const std::string& allocator)> run;
+  std::function<int(const Invocation&)> run;  // runs it once parsed; returns the exit code
 };
 
 Command add_train_command(CLI::App& app);  // train.cpp (its --nproc launcher: launch.cpp)

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <iostream>
 #include <optional>
+#include <regex>
 #include <thread>
 #include <vector>
 
@@ -38,22 +39,86 @@ int free_loopback_port() {
 
 // The launcher's record of a SIGINT/SIGTERM, set by its handler and read by its wait loop.
 volatile std::sig_atomic_t g_launcher_signal = 0;
+
+// A worker's end of its report pipe to the launcher (-1: not a launch_local worker).
+int g_report_fd = -1;
+
+// What the launcher knows of one worker.
+struct Worker {
+  pid_t pid = 0;
+  int report_fd = -1;  // the launcher's end of the report pipe
+  bool running = true;
+  std::string status;  // how it ended
+  bool failed = false;
+  bool stopped_by_launcher = false;  // it was still running when the launcher sent SIGTERM/SIGKILL
+  std::string report;  // "E message", "L message" or "J message", as report_to_launcher wrote it
+};
+
+void drain_report(Worker& worker) {
+  char buffer[4096];
+  ssize_t n = 0;
+  while ((n = ::read(worker.report_fd, buffer, sizeof(buffer))) > 0) worker.report.append(buffer, n);
+  ::close(worker.report_fd);
+  worker.report_fd = -1;
+  while (!worker.report.empty() && worker.report.back() == '\n') worker.report.pop_back();
+}
+
+// One line naming the failure that caused the others: a rank's own error or unexplained death first (in
+// the order they ended); else the rank that another reported lost (a hung or stopped rank).
+std::string root_cause(const std::vector<Worker>& workers, const std::vector<int>& failure_order) {
+  auto describe = [&](int rank) {
+    const auto& w = workers[rank];
+    std::string line = "rank " + std::to_string(rank) + " failed (" + w.status + ")";
+    if (w.report.size() > 2) line += ": " + w.report.substr(2);
+    return line;
+  };
+  for (int rank : failure_order) {
+    const auto& w = workers[rank];
+    if (w.report.rfind("E ", 0) == 0 || (w.report.empty() && !w.stopped_by_launcher)) return describe(rank);
+  }
+  static const std::regex kLost("lost rank ([0-9]+)");
+  for (int rank : failure_order) {
+    const auto& report = workers[rank].report;
+    std::smatch m;
+    if (report.rfind("L ", 0) != 0) continue;
+    if (std::regex_search(report, m, kLost)) {
+      const int lost = std::stoi(m[1].str());
+      if (lost >= 0 && lost < static_cast<int>(workers.size()) && lost != rank) {
+        return "rank " + std::to_string(lost) + " stopped responding (rank " + std::to_string(rank) +
+               " reported: " + report.substr(2) + "; rank " + std::to_string(lost) + " then " +
+               (workers[lost].status.empty() ? "ran on" : workers[lost].status) + ")";
+      }
+    }
+    return describe(rank);
+  }
+  return failure_order.empty() ? std::string("a rank failed") : describe(failure_order.front());
+}
+
 extern "C" void record_launcher_signal(int signal) { g_launcher_signal = signal; }
 
-std::string describe_status(int status) {
+// How a worker ended; `signalled` when the launcher had sent it SIGTERM/SIGKILL.
+std::string describe_status(int status, bool signalled) {
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
     return "killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")" +
-           (sig == SIGKILL ? "; if nothing sent it, the kernel may have run out of memory (see dmesg)" : "");
+           (signalled ? " from the launcher"
+            : sig == SIGKILL ? "; if nothing sent it, the kernel may have run out of memory (see dmesg)" : "");
   }
   return "exit " + std::to_string(WEXITSTATUS(status));
 }
 
 }  // namespace
 
+bool report_to_launcher(LauncherReport kind, const std::string& message) {
+  if (g_report_fd < 0) return false;
+  const std::string line = std::string(kind == LauncherReport::kError ? "E " : kind == LauncherReport::kLostPeer ? "L " : "J ") + message + "\n";
+  return ::write(g_report_fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+}
+
 int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout_s) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kGrace = std::chrono::seconds(5);
+  config.validate();  // a bad option is reported once, here, not by every worker
   dkfac::comm::JobEnvironment job;
   job.world_size = nproc;
   job.local_world_size = nproc;
@@ -65,8 +130,10 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
   ::sigaction(SIGINT, &action, &previous_int);
   ::sigaction(SIGTERM, &action, &previous_term);
   const pid_t launcher = ::getpid();
-  std::vector<pid_t> pids;
+  std::vector<Worker> workers(nproc);
   for (int rank = 0; rank < nproc; ++rank) {
+    int report[2];
+    TORCH_CHECK(::pipe(report) == 0, "cannot start worker ", rank, ": pipe failed (", std::strerror(errno), ")");
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Default actions, even where the launcher's were "ignore" (a shell's background job ignores
@@ -75,22 +142,29 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
       ::signal(SIGTERM, SIG_DFL);
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != launcher) std::_Exit(1);  // the launcher died before prctl took effect
+      for (int r = 0; r < rank; ++r) ::close(workers[r].report_fd);
+      ::close(report[0]);
+      g_report_fd = report[1];
       job.rank = rank;
       job.local_rank = rank;
       std::_Exit(run_launched_rank(config, job, timeout_s));
     }
+    ::close(report[1]);
+    if (pid < 0) ::close(report[0]);
     TORCH_CHECK(pid > 0, "cannot start worker ", rank, ": fork failed (", std::strerror(errno), ")");
-    pids.push_back(pid);
+    workers[rank].pid = pid;
+    workers[rank].report_fd = report[0];
   }
-  std::vector<bool> running(pids.size(), true);
-  size_t live = pids.size();
-  int failed_rank = -1;
-  std::string failure;
+  size_t live = workers.size();
+  std::vector<int> failure_order;  // ranks that failed, in the order they ended
   int received = 0;
   std::optional<Clock::time_point> kill_at;  // when the workers still running get SIGKILL
   auto stop_all = [&](int sig) {
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (running[r]) ::kill(pids[r], sig);
+    for (auto& w : workers) {
+      if (w.running) {
+        ::kill(w.pid, sig);
+        w.stopped_by_launcher = true;
+      }
     }
   };
   while (live > 0) {
@@ -109,17 +183,20 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       continue;
     }
-    const auto it = std::find(pids.begin(), pids.end(), pid);
-    if (it == pids.end()) continue;
-    const auto rank = static_cast<size_t>(it - pids.begin());
-    running[rank] = false;
+    const auto it = std::find_if(workers.begin(), workers.end(), [pid](const Worker& w) { return w.pid == pid; });
+    if (it == workers.end()) continue;
+    auto& worker = *it;
+    worker.running = false;
+    worker.status = describe_status(status, worker.stopped_by_launcher);
+    drain_report(worker);
     --live;
-    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    if (!ok && failed_rank < 0 && received == 0) {
-      failed_rank = static_cast<int>(rank);
-      failure = describe_status(status);
-      stop_all(SIGTERM);
-      kill_at = Clock::now() + kGrace;
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+      worker.failed = true;
+      failure_order.push_back(static_cast<int>(it - workers.begin()));
+      if (!kill_at) {
+        stop_all(SIGTERM);
+        kill_at = Clock::now() + kGrace;
+      }
     }
   }
   ::sigaction(SIGINT, &previous_int, nullptr);
@@ -130,8 +207,8 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
               << std::endl;
     return 128 + received;
   }
-  if (failed_rank >= 0) {
-    std::cerr << "dkfac: rank " << failed_rank << " failed (" << failure << "); stopped the other ranks" << std::endl;
+  if (!failure_order.empty()) {
+    std::cerr << "dkfac: error: " << root_cause(workers, failure_order) << "; stopped the other ranks" << std::endl;
     return 1;
   }
   return 0;

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <string>
+
 #include "dkfac/comm/environment.h"
 #include "tools/train/trainer.h"
 
@@ -10,11 +12,23 @@ namespace dkfac::cli {
 /// errors carry its rank, since a launcher interleaves every rank's output. Defined in train.cpp.
 int run_launched_rank(const train::TrainConfig& config, const comm::JobEnvironment& job, int timeout_s);
 
+/// Why a worker is failing, as it tells its launcher (the launcher names the root cause from these).
+enum class LauncherReport {
+  kError,     ///< this rank's own error
+  kLostPeer,  ///< this rank lost another (the message names it)
+  kJobError,  ///< an error every rank reaches (train::JobError): rank 0 reports it for the job
+};
+
+/// In a worker of launch_local(): sends `message` to the launcher, which prints the root cause once for
+/// the job. Returns false in any other process (then the caller prints it). Safe from any thread.
+bool report_to_launcher(LauncherReport kind, const std::string& message);
+
 /// Forks `nproc` workers with a TCPStore rendezvous on a free loopback port and waits for them. The
 /// first worker to fail is named with its reason, and the others get SIGTERM and, after a grace period,
 /// SIGKILL (a stopped or hung worker too). SIGINT/SIGTERM to the launcher go to every worker, with the
 /// same escalation. Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind even if the
-/// launcher itself is killed. Returns the exit code: 0, 1 (a worker failed) or 128 + signal.
+/// launcher itself is killed. The failure it names is the root cause: a rank's own error or death before
+/// a rank that only lost a peer. Returns the exit code: 0, 1 (a worker failed) or 128 + signal.
 int launch_local(const train::TrainConfig& config, int nproc, int timeout_s);
 
 }  // namespace dkfac::cli

@@ -116,7 +116,7 @@ Command add_plan_command(CLI::App& app) {
       ->capture_default_str();
   plan->add_flag("--json", config->json, "print JSON instead of tables");
 
-  return {plan, [config](const std::string&) { return run_plan(*config); }};
+  return {plan, [config](const Invocation&) { return run_plan(*config); }};
 }
 
 }  // namespace dkfac::cli

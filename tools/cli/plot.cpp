@@ -17,7 +17,7 @@ Command add_plot_command(CLI::App& app) {
       CLI::ExistingFile);
   plot->add_option("-o,--output", flags->output, "PNG to write")->capture_default_str();
 
-  return {plot, [flags](const std::string&) {
+  return {plot, [flags](const Invocation&) {
     dkfac::plot::plot_metrics(flags->inputs, flags->output);
     std::cout << "plot: " << flags->output << std::endl;
     return 0;

@@ -24,17 +24,20 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
                 ") but it has no --checkpoint-dir to resume from; a restart would silently start over. Pass "
                 "--checkpoint-dir so that restarts resume, or launch with max_restarts=0");
     config.resume = true;
+    config.overwrite = false;
   }
   if (job.world_size > 1) {
     if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
-      std::cout << "[rank 0] launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
+      std::cout << "launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
     }
     communicator = dkfac::comm::Communicator::connect(job.rendezvous(std::chrono::seconds(timeout_s)));
     // The main thread may be blocked in a collective that no longer completes: end the process here.
     communicator->on_lost_rank([rank = job.rank](const std::string& message) {
       std::cout << std::flush;
-      std::cerr << "[rank " << rank << "] dkfac: error: " << message << "; stopping (the last checkpoint is intact)"
-                << std::endl;
+      if (!report_to_launcher(LauncherReport::kLostPeer, message)) {
+        std::cerr << "[rank " << rank << "] dkfac: error: " << message << "; stopping (the last checkpoint is intact)"
+                  << std::endl;
+      }
       std::_Exit(1);
     });
     if (config.threads == 0) {
@@ -42,20 +45,38 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
     }
   }
   dkfac::train::Trainer trainer(config, communicator);
-  trainer.run();
-  if (!config.metrics.empty() && job.rank == 0) std::cout << "metrics: " << config.metrics << std::endl;
+  const auto summary = trainer.run();
+  if (!config.metrics.empty() && job.rank == 0 && !summary.already_complete) {
+    std::cout << "metrics: " << config.metrics << std::endl;
+  }
   return 0;
 }
 
 }  // namespace
 
 int run_launched_rank(const dkfac::train::TrainConfig& config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
+  std::string error;
   try {
+    try {
+      config.validate();
+    } catch (const c10::Error& e) {
+      throw dkfac::train::JobError(e.what_without_backtrace());
+    }
     return run_rank(config, job, timeout_s);
+  } catch (const dkfac::train::JobError& e) {
+    if (job.rank != 0) {  // rank 0 says it for the job
+      report_to_launcher(LauncherReport::kJobError, e.what());
+      return 1;
+    }
+    error = e.what();
   } catch (const c10::Error& e) {
-    std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what_without_backtrace() << std::endl;
+    error = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    std::cerr << "[rank " << job.rank << "] dkfac: error: " << e.what() << std::endl;
+    error = e.what();
+  }
+  std::cout << std::flush;
+  if (!report_to_launcher(LauncherReport::kError, error)) {
+    std::cerr << "[rank " << job.rank << "] dkfac: error: " << error << std::endl;
   }
   return 1;
 }
@@ -98,10 +119,18 @@ Command add_train_command(CLI::App& app) {
   train->add_option("--timeout", flags->timeout_s, "seconds before a silent peer is an error")->capture_default_str()
       ->check(CLI::Range(1, 3600));
 
-  return {train, [flags](const std::string&) {
+  return {train, [flags](const Invocation& invocation) {
+    flags->config.command_line = invocation.command_line;
     if (flags->nproc > 1) return launch_local(flags->config, flags->nproc, flags->timeout_s);
     const auto job = job_of_this_process(flags->rendezvous);
-    if (job.world_size == 1) return run_rank(flags->config, job, flags->timeout_s);
+    if (job.world_size == 1) {
+      try {
+        return run_rank(flags->config, job, flags->timeout_s);
+      } catch (const dkfac::train::JobError& e) {
+        std::cerr << "dkfac: error: " << e.what() << std::endl;
+        return 1;
+      }
+    }
     return run_launched_rank(flags->config, job, flags->timeout_s);
   }};
 }

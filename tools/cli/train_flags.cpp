@@ -53,6 +53,9 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
                  "that step and go on")
       ->capture_default_str();
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/checkpoint.pt if it exists");
+  app.add_flag("--overwrite", c.overwrite,
+               "start a fresh run even if --checkpoint-dir holds checkpoints or --metrics holds events, replacing "
+               "them (without it, such a run is refused)");
   app.add_option("--eval-examples", c.eval_examples, "evaluate on the first N test examples (0: all)")
       ->capture_default_str();
   app.add_option("--log-every", c.log_every, "steps between progress lines (0: ~10 per epoch)")

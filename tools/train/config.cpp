@@ -46,6 +46,8 @@ void TrainConfig::validate() const {
   }
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
+              "pass one of them");
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
   TORCH_CHECK(on_nan_loss == "stop" || on_nan_loss == "skip", "--on-nan-loss must be stop or skip, got '",
               on_nan_loss, "'");
@@ -83,7 +85,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"compute-method", c.compute_method}, {"factor-dtype", c.factor_dtype}, {"inv-dtype", c.inv_dtype},
           {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
-          {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"strategy", c.strategy},
+          {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"overwrite", c.overwrite}, {"strategy", c.strategy},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
           {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};
 }

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,8 @@ struct TrainConfig {
   int64_t checkpoint_every_steps = 0;  // 0: only at epoch ends (and --max-steps)
   std::string on_nan_loss = "stop";    // stop | skip: what a non-finite loss or gradient does
   bool resume = false;
+  bool overwrite = false;  // a fresh run may replace the checkpoints and metrics file it finds
+  std::string command_line;  // as typed, for the metrics file's run event (not an option)
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
@@ -62,6 +65,12 @@ struct TrainConfig {
 
   /// Throws c10::Error naming the first bad field and its value.
   void validate() const;
+};
+
+/// An error every rank of a job reaches identically (a bad option, a directory another run owns): rank 0
+/// alone reports it, so that a job's output says it once.
+struct JobError : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 /// The options that must agree between the ranks of a job, keyed by flag name without "--" (threads

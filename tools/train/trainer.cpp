@@ -1,12 +1,17 @@
 #include "tools/train/trainer.h"
 
 #include "tools/common/threads.h"
+#include "tools/train/checkpointer.h"
+#include "tools/train/metrics.h"
+#include "dkfac/version.h"
 #include "dkfac/comm/communicator.h"
 
 #include <fcntl.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <cstring>
 #include <cstdio>
@@ -63,7 +68,8 @@ struct Trainer::State {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<Preconditioner> kfac;
   std::unique_ptr<parallel::DataParallel> data_parallel;  // DDP's reducer: gradient averaging overlapped with backward
-  std::ofstream metrics;
+  MetricsWriter metrics;                      // rank 0's metrics file (disabled elsewhere)
+  std::unique_ptr<Checkpointer> checkpointer;  // null without --checkpoint-dir
   double current_lr = 0.0;
   int64_t global_step = 0;
   int64_t steps_per_epoch = 0;
@@ -71,11 +77,10 @@ struct Trainer::State {
   double wall_offset = 0.0;  // seconds trained before a resume
   Clock::time_point start;
   bool terminal = false;
+  int64_t epoch = 0;  // 0-based epoch being trained (shown 1-based)
+  Clock::time_point last_draw;
 
   double wall() const { return wall_offset + std::chrono::duration<double>(Clock::now() - start).count(); }
-  void emit(const nlohmann::json& event) {
-    if (metrics.is_open()) metrics << event.dump() << "\n" << std::flush;
-  }
 };
 
 Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator)
@@ -251,51 +256,6 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
   return finite;
 }
 
-// The checkpoint to resume from: this rank's newest; with several ranks, the newest step for which every
-// rank has a checkpoint (current or .prev), so that all continue from the same step. Returns the file and
-// its archive, read and verified once; nullopt: start afresh.
-std::optional<std::pair<std::string, torch::serialize::InputArchive>> Trainer::choose_checkpoint() {
-  std::vector<std::string> files;
-  std::vector<torch::serialize::InputArchive> archives;
-  std::vector<int64_t> steps;
-  for (const auto& file : {checkpoint_path(), checkpoint_path() + ".prev"}) {
-    if (!std::filesystem::exists(file)) continue;
-    c10::IValue step;
-    auto archive = load_verified(file);
-    TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
-                "' has no 'global_step' entry");
-    files.push_back(file);
-    archives.push_back(std::move(archive));
-    steps.push_back(step.toInt());
-  }
-  if (!communicator_ || world_ == 1) {
-    if (files.empty()) return std::nullopt;
-    return std::make_pair(files.front(), std::move(archives.front()));
-  }
-  auto table = torch::zeros({world_, 2}, torch::kInt64);  // step + 1 of every rank's files; 0: none
-  for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
-  communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
-  auto has = [&](int r, int64_t step) {
-    return table[r][0].item<int64_t>() == step + 1 || table[r][1].item<int64_t>() == step + 1;
-  };
-  for (size_t i = 0; i < steps.size(); ++i) {
-    bool everywhere = true;
-    for (int r = 0; r < world_; ++r) everywhere = everywhere && has(r, steps[i]);
-    if (everywhere) return std::make_pair(files[i], std::move(archives[i]));
-  }
-  if (table.sum().item<int64_t>() == 0) return std::nullopt;  // no rank has a checkpoint
-  std::ostringstream found;
-  for (int r = 0; r < world_; ++r) {
-    found << (r ? "; " : "") << "rank " << r << ":";
-    for (int i = 0; i < 2; ++i) {
-      const auto v = table[r][i].item<int64_t>();
-      if (v > 0) found << " step " << v - 1;
-    }
-  }
-  TORCH_CHECK(false, "the ranks' checkpoints in '", config_.checkpoint_dir, "' have no step in common (", found.str(),
-              "); resume needs a checkpoint of the same step on every rank");
-}
-
 std::string Trainer::layout() const {
   // What decides which K-FAC state a rank holds: a checkpoint of another layout cannot be resumed.
   std::ostringstream out;
@@ -305,31 +265,21 @@ std::string Trainer::layout() const {
   return out.str();
 }
 
-std::string Trainer::checkpoint_path() const {
-  // Each rank keeps its own file: with grad_worker_fraction < 1 ranks hold different K-FAC state.
-  return config_.checkpoint_dir + (world_ == 1 ? "/checkpoint.pt" : "/checkpoint-rank" + std::to_string(rank_) + ".pt");
-}
-
 std::ostream& Trainer::log() const {
-  if (world_ > 1) std::cout << "[rank " << rank_ << "] ";
-  return std::cout;
+  // Rank 0 speaks for the job; the other ranks' lines would repeat it (each prints its own errors).
+  static std::ostream discard(nullptr);
+  return rank_ == 0 ? std::cout : discard;
 }
 
-void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason) {
+void Trainer::warn(const std::string& message) const {
+  std::cout << std::flush;
+  std::cerr << (world_ > 1 ? "[rank " + std::to_string(rank_) + "] " : std::string()) << "dkfac: warning: " << message
+            << std::endl;
+}
+
+void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
   auto& s = *state_;
-  std::filesystem::create_directories(config_.checkpoint_dir);
-  const auto path = checkpoint_path();
-  // The previous checkpoint stays as .prev: ranks killed while writing a step's checkpoints can then
-  // still resume together from the step before. A second link (a copy where links are not supported), so
-  // that `path` itself stays in place until save_atomically's rename replaces it.
-  if (std::filesystem::exists(path)) {
-    const auto prev = path + ".prev";
-    std::filesystem::remove(prev);
-    std::error_code linked;
-    std::filesystem::create_hard_link(path, prev, linked);
-    if (linked) std::filesystem::copy_file(path, prev);
-  }
-  save_atomically(path, [&](torch::serialize::OutputArchive& archive) {
+  s.checkpointer->save([&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
     archive.write("model_name", c10::IValue(config_.model));
     archive.write("dataset", c10::IValue(config_.dataset));
@@ -337,8 +287,8 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
     archive.write("optimizer_name", c10::IValue(config_.optimizer));
     archive.write("shapes", c10::IValue(shape_signature(*s.model)));
     archive.write("layout", c10::IValue(layout()));
-    archive.write("epoch", c10::IValue(epoch));
-    archive.write("step_in_epoch", c10::IValue(step_in_epoch));
+    archive.write("epoch", c10::IValue(at.epoch));
+    archive.write("step_in_epoch", c10::IValue(at.step_in_epoch));
     archive.write("global_step", c10::IValue(s.global_step));
     archive.write("best_accuracy", c10::IValue(s.best_accuracy));
     archive.write("wall_seconds", c10::IValue(s.wall()));
@@ -354,19 +304,21 @@ void Trainer::save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::s
       archive.write("preconditioner", kfac);
     }
   });
-  log() << "checkpoint: " << path << " (" << reason << ", epoch " << epoch << ", step " << s.global_step << ")"
-            << std::endl;
+  log() << "checkpoint: " << s.checkpointer->path() << (world_ > 1 ? " and the other ranks'" : "") << " (" << reason
+        << (at.step_in_epoch > 0 ? ", in epoch " + std::to_string(at.epoch + 1) : std::string()) << ", step "
+        << s.global_step << ")" << std::endl;
 }
 
-bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
+std::optional<Trainer::Position> Trainer::load_checkpoint() {
   auto& s = *state_;
-  auto chosen = choose_checkpoint();
+  auto chosen = s.checkpointer->find();
   if (!chosen) {
-    log() << "resume: no checkpoint at " << checkpoint_path() << ", starting from scratch" << std::endl;
-    return false;
+    log() << "resume: no checkpoint in " << config_.checkpoint_dir << " yet, starting from scratch" << std::endl;
+    return std::nullopt;
   }
-  const auto path = chosen->first;
-  auto& archive = chosen->second;
+  if (!chosen->note.empty()) warn(chosen->note);
+  const auto path = chosen->path;
+  auto& archive = chosen->archive;
   auto read = [&](const char* key) {
     c10::IValue v;
     TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
@@ -402,27 +354,159 @@ bool Trainer::load_checkpoint(int64_t& epoch, int64_t& step_in_epoch) {
   archive.read("rng", rng, /*is_buffer=*/true);
   at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
   generator.set_state(rng);
-  epoch = read("epoch").toInt();
-  step_in_epoch = read("step_in_epoch").toInt();
+  Position at{read("epoch").toInt(), read("step_in_epoch").toInt()};
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
   s.wall_offset = read("wall_seconds").toDouble();
-  log() << "resume: " << path << " at epoch " << epoch << ", step " << s.global_step << std::endl;
-  return true;
+  log() << "resume: " << path << " at epoch " << at.epoch + 1 << ", step " << s.global_step << std::endl;
+  return at;
+}
+
+bool Trainer::finished(const Position& at) const {
+  return at.epoch >= config_.epochs || (config_.max_steps >= 0 && state_->global_step >= config_.max_steps);
+}
+
+nlohmann::json Trainer::run_event(std::optional<int64_t> resumed_at_step) const {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  auto options = to_json(config_);
+  options["metrics"] = config_.metrics;
+  options["threads"] = config_.threads;
+  options["log-every"] = config_.log_every;
+  options["eval-examples"] = config_.eval_examples;
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::ostringstream utc;
+  utc << std::put_time(std::gmtime(&now), "%Y-%m-%dT%H:%M:%SZ");
+  nlohmann::json event = {{"event", "run"},
+                          {"format_version", kMetricsFormatVersion},
+                          {"dkfac_version", DKFAC_VERSION_STRING},
+                          {"command_line", config_.command_line},
+                          {"options", options},
+                          {"world_size", world_},
+                          {"seed", config_.seed},
+                          {"threads", threads_},
+                          {"machine", {{"hostname", host},
+                                       {"cores", std::thread::hardware_concurrency()},
+                                       {"libtorch", TORCH_VERSION}}},
+                          {"started_utc", utc.str()}};
+  if (resumed_at_step) event["resumed_at_step"] = *resumed_at_step;
+  return event;
+}
+
+// One training step on this rank's slice of the global batch: K micro-batches (gradients accumulate and
+// are averaged over the ranks with the last), the finite check, K-FAC and the optimizer. Returns the
+// step's loss, or nullopt when the step was dropped (--on-nan-loss skip).
+std::optional<double> Trainer::train_step(const torch::Tensor& x, const torch::Tensor& y) {
+  auto& s = *state_;
+  s.optimizer->zero_grad();
+  const int64_t k_steps = config_.accumulation_steps;
+  const int64_t micro = config_.batch_size / k_steps;
+  torch::Tensor loss;  // the step's loss: the sum of the micro-batches' losses / K
+  for (int64_t k = 0; k < k_steps; ++k) {
+    if (s.data_parallel && k == 0) s.data_parallel->broadcast_buffers();
+    auto xk = x.slice(0, k * micro, (k + 1) * micro);
+    auto yk = y.slice(0, k * micro, (k + 1) * micro);
+    auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
+    if (s.data_parallel) {
+      s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
+    } else {
+      micro_loss.backward();
+    }
+    loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
+  }
+  if (!step_is_finite(loss)) {
+    TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
+                loss.item<double>(), ") at step ", s.global_step, " (epoch ", s.epoch + 1,
+                "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
+                "checkpoint, or pass --on-nan-loss skip to drop such steps");
+    if (s.kfac) s.kfac->discard_step();
+    s.optimizer->zero_grad();
+    return std::nullopt;
+  }
+  if (s.kfac) {
+    const auto* pipeline = s.kfac->strategy() ? s.kfac->strategy()->pipeline() : nullptr;
+    const bool profiling = pipeline && pipeline->profiling();
+    s.kfac->step();
+    if (profiling && !pipeline->profiling()) log() << pipeline->describe() << std::endl;
+  }
+  s.optimizer->step();
+  return loss.item<double>();
+}
+
+// The progress line of rank 0: redrawn in place on a terminal, one line per --log-every steps otherwise.
+void Trainer::draw_progress(int64_t step_in_epoch, double loss, double epoch_seconds, int64_t epoch_steps,
+                            bool logged) {
+  auto& s = *state_;
+  const auto now = Clock::now();
+  if (rank_ != 0 || !(logged || (s.terminal && now - s.last_draw > std::chrono::milliseconds(200)))) return;
+  s.last_draw = now;
+  const double rate = epoch_steps * config_.batch_size * world_ / std::max(epoch_seconds, 1e-9);
+  const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size * world_ / std::max(rate, 1e-9);
+  std::ostringstream line;
+  line << "epoch " << s.epoch + 1 << "/" << config_.epochs << " ";
+  if (s.terminal) {
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * (step_in_epoch + 1) / s.steps_per_epoch);
+    line << "[" << std::string(filled, '#') << std::string(kWidth - filled, '.') << "] ";
+  }
+  line << "step " << step_in_epoch + 1 << "/" << s.steps_per_epoch << " loss " << std::fixed << std::setprecision(4)
+       << loss << " lr " << std::setprecision(5) << s.current_lr << " " << std::setprecision(0) << rate << " img/s eta "
+       << std::setprecision(0) << eta << "s";
+  if (s.terminal) {
+    std::cout << "\r" << line.str() << "   " << std::flush;
+  } else {
+    std::cout << line.str() << std::endl;
+  }
+}
+
+// The mean loss of every rank's steps this epoch (each rank trains on its own shard).
+double Trainer::global_mean(double sum, int64_t count) {
+  auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kFloat64);
+  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, "setup").wait();
+  return totals[1].item<double>() > 0 ? totals[0].item<double>() / totals[1].item<double>() : 0.0;
 }
 
 TrainSummary Trainer::run() {
   auto& s = *state_;
   TrainSummary summary;
-  if (!config_.metrics.empty() && rank_ == 0) {
-    const auto parent = std::filesystem::path(config_.metrics).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent);
-    s.metrics.open(config_.metrics, config_.resume ? std::ios::app : std::ios::trunc);
-    TORCH_CHECK(s.metrics.good(), "cannot open metrics file '", config_.metrics, "'");
+  Position at;
+  std::optional<int64_t> resumed_at_step;
+  if (!config_.checkpoint_dir.empty()) {
+    s.checkpointer = std::make_unique<Checkpointer>(config_.checkpoint_dir, rank_, world_, communicator_);
+    std::string note;
+    try {
+      note = s.checkpointer->open(config_.resume, config_.overwrite);
+    } catch (const c10::Error& e) {
+      throw JobError(e.what_without_backtrace());
+    }
+    if (!note.empty()) log() << note << std::endl;
   }
-  int64_t epoch = 0;
-  int64_t step_in_epoch = 0;
-  if (config_.resume) load_checkpoint(epoch, step_in_epoch);
+  if (config_.resume) {
+    if (auto loaded = load_checkpoint()) {
+      at = *loaded;
+      resumed_at_step = s.global_step;
+      if (finished(at)) {
+        // Nothing to do: the metrics file and the checkpoints stay as they are.
+        log() << "resume: the run in " << config_.checkpoint_dir << " is already complete (epoch "
+              << std::min(at.epoch, config_.epochs) << " of " << config_.epochs << ", step " << s.global_step
+              << (config_.max_steps >= 0 ? " of --max-steps " + std::to_string(config_.max_steps) : std::string())
+              << "); nothing to do. Raise --epochs or --max-steps to train further" << std::endl;
+        summary.steps = s.global_step;
+        summary.epochs = at.epoch;
+        summary.best_accuracy = s.best_accuracy;
+        summary.already_complete = true;
+        summary.parameters_crc32 = parameters_crc32(*s.model);
+        return summary;
+      }
+    }
+  }
+  if (!config_.metrics.empty() && rank_ == 0) {
+    using Existing = MetricsWriter::Existing;
+    s.metrics = MetricsWriter(config_.metrics, config_.resume      ? Existing::kAppend
+                                               : config_.overwrite ? Existing::kReplace
+                                                                   : Existing::kRefuse);
+    s.metrics.write(run_event(resumed_at_step));
+  }
   if (communicator_ && world_ > 1) {
     // After the checkpoint is loaded (Module::load would detach the reducer's hooks). Rank 0's
     // parameters and buffers go to every rank here.
@@ -432,29 +516,32 @@ TrainSummary Trainer::run() {
   const int64_t log_every =
       config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
   const auto& train = s.dataset.train;
-  log() << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size()
-            << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
-            << config_.optimizer << ", batch " << config_.batch_size << ", " << config_.epochs << " epochs, "
-            << threads_ << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
-                                              std::to_string(config_.batch_size * world_) + ")" : std::string()) << std::endl;
+  log() << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size() << " train, "
+        << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "") << config_.optimizer << ", batch "
+        << config_.batch_size << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_
+        << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
+                             std::to_string(config_.batch_size * world_) + ")"
+                       : std::string())
+        << std::endl;
 
   bool stop = false;
   Evaluation last_eval;
-  for (; epoch < config_.epochs && !stop; ++epoch, step_in_epoch = 0) {
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + epoch);
+  for (; at.epoch < config_.epochs && !stop; ++at.epoch, at.step_in_epoch = 0) {
+    s.epoch = at.epoch;
+    auto generator =
+        at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + at.epoch);
     auto order = torch::randperm(train.size(), generator);
     double epoch_loss = 0.0;
     int64_t epoch_steps = 0;
     const auto epoch_start = Clock::now();
-    auto last_draw = epoch_start;
-    for (; step_in_epoch < s.steps_per_epoch; ++step_in_epoch) {
+    for (; at.step_in_epoch < s.steps_per_epoch; ++at.step_in_epoch) {
       if (config_.max_steps >= 0 && s.global_step >= config_.max_steps) {
         stop = true;
         break;
       }
-      set_learning_rate(learning_rate(epoch, step_in_epoch));
+      set_learning_rate(learning_rate(at.epoch, at.step_in_epoch));
       // Rank r reads its own disjoint slice of the global batch.
-      const int64_t begin = (step_in_epoch * world_ + rank_) * config_.batch_size;
+      const int64_t begin = (at.step_in_epoch * world_ + rank_) * config_.batch_size;
       auto idx = order.slice(0, begin, begin + config_.batch_size);
       auto x = train.images.index_select(0, idx);
       auto y = train.labels.index_select(0, idx);
@@ -462,122 +549,80 @@ TrainSummary Trainer::run() {
         auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
         x = data::augment_crop_flip(x, aug);
       }
-      s.optimizer->zero_grad();
-      // K micro-batches of B/K: each loss / K, gradients accumulate, averaged over ranks with the last.
-      const int64_t k_steps = config_.accumulation_steps;
-      const int64_t micro = config_.batch_size / k_steps;
-      torch::Tensor loss;  // the step's loss: the sum of the micro-batches' losses / K
-      for (int64_t k = 0; k < k_steps; ++k) {
-        if (s.data_parallel && k == 0) s.data_parallel->broadcast_buffers();
-        auto xk = x.slice(0, k * micro, (k + 1) * micro);
-        auto yk = y.slice(0, k * micro, (k + 1) * micro);
-        auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
-        if (s.data_parallel) {
-          s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
-        } else {
-          micro_loss.backward();
-        }
-        loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
-      }
-      if (!step_is_finite(loss)) {
-        TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
-                    loss.item<double>(), ") at step ", s.global_step, " (epoch ", epoch + 1,
-                    "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
-                    "checkpoint, or pass --on-nan-loss skip to drop such steps");
-        if (s.kfac) s.kfac->discard_step();
-        s.optimizer->zero_grad();
+      const auto loss = train_step(x, y);
+      const double epoch_progress = at.epoch + static_cast<double>(at.step_in_epoch + 1) / s.steps_per_epoch;
+      if (!loss) {
         ++summary.skipped_steps;
-        log() << "warning: skipped step " << s.global_step << " (epoch " << epoch + 1
-              << "): non-finite loss or gradient (--on-nan-loss skip); " << summary.skipped_steps
-              << " skipped so far" << std::endl;
-        s.emit({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", epoch}});
+        warn("skipped step " + std::to_string(s.global_step) + " (epoch " + std::to_string(at.epoch + 1) +
+             "): non-finite loss or gradient (--on-nan-loss skip); " + std::to_string(summary.skipped_steps) +
+             " skipped so far");
+        s.metrics.write({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", at.epoch + 1},
+                         {"epoch_progress", epoch_progress}});
         ++s.global_step;
         continue;
       }
-      if (s.kfac) {
-        const auto* pipeline = s.kfac->strategy() ? s.kfac->strategy()->pipeline() : nullptr;
-        const bool profiling = pipeline && pipeline->profiling();
-        s.kfac->step();
-        if (profiling && !pipeline->profiling() && rank_ == 0) log() << pipeline->describe() << std::endl;
-      }
-      s.optimizer->step();
-      const double loss_value = loss.item<double>();
-      summary.step_losses.push_back(loss_value);
-      epoch_loss += loss_value;
+      summary.step_losses.push_back(*loss);
+      epoch_loss += *loss;
       ++epoch_steps;
       ++s.global_step;
       const bool log_step = s.global_step % log_every == 0;
-      const auto now = Clock::now();
-      if (rank_ == 0 && (log_step || (s.terminal && now - last_draw > std::chrono::milliseconds(200)))) {
-        last_draw = now;
-        const double elapsed = std::chrono::duration<double>(now - epoch_start).count();
-        const double rate = epoch_steps * config_.batch_size * world_ / std::max(elapsed, 1e-9);
-        const double eta =
-            (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size * world_ / std::max(rate, 1e-9);
-        std::ostringstream line;
-        if (s.terminal) {
-          constexpr int kWidth = 30;
-          const int filled = static_cast<int>(kWidth * (step_in_epoch + 1) / s.steps_per_epoch);
-          line << "epoch " << epoch + 1 << "/" << config_.epochs << " [" << std::string(filled, '#')
-               << std::string(kWidth - filled, '.') << "] ";
-        } else {
-          line << "epoch " << epoch + 1 << "/" << config_.epochs << " ";
-        }
-        line << "step " << step_in_epoch + 1 << "/" << s.steps_per_epoch << " loss " << std::fixed
-             << std::setprecision(4) << loss_value << " lr " << std::setprecision(5) << s.current_lr << " "
-             << std::setprecision(0) << rate << " img/s eta " << std::setprecision(0) << eta << "s";
-        if (s.terminal) {
-          std::cout << "\r" << line.str() << "   " << std::flush;
-        } else {
-          log() << line.str() << std::endl;
-        }
-      }
+      draw_progress(at.step_in_epoch, *loss, std::chrono::duration<double>(Clock::now() - epoch_start).count(),
+                    epoch_steps, log_step);
       if (log_step) {
-        nlohmann::json event = {{"event", "step"}, {"step", s.global_step}, {"epoch", epoch},
-                                {"loss", loss_value}, {"lr", s.current_lr}, {"wall_time_s", s.wall()}};
+        nlohmann::json event = {{"event", "step"},         {"step", s.global_step},
+                                {"epoch", at.epoch + 1},   {"epoch_progress", epoch_progress},
+                                {"loss", *loss},           {"lr", s.current_lr},
+                                {"wall_time_s", s.wall()}};
         if (s.kfac) {
           const auto& t = s.kfac->total_times();
           event["kfac_time_s"] = {{"factors", t.factors}, {"second_order", t.second_order},
                                   {"precondition", t.precondition}, {"apply", t.apply},
                                   {"communication", t.communication}};
         }
-        s.emit(event);
+        s.metrics.write(event);
       }
-      if (config_.checkpoint_every_steps > 0 && !config_.checkpoint_dir.empty() &&
-          s.global_step % config_.checkpoint_every_steps == 0 && step_in_epoch + 1 < s.steps_per_epoch &&
+      if (config_.checkpoint_every_steps > 0 && s.checkpointer && s.global_step % config_.checkpoint_every_steps == 0 &&
+          at.step_in_epoch + 1 < s.steps_per_epoch &&
           (config_.max_steps < 0 || s.global_step < config_.max_steps)) {  // else "max steps reached" writes it
-        save_checkpoint(epoch, step_in_epoch + 1, "every " + std::to_string(config_.checkpoint_every_steps) + " steps");
+        save_checkpoint({at.epoch, at.step_in_epoch + 1},
+                        "every " + std::to_string(config_.checkpoint_every_steps) + " steps");
       }
     }
     if (s.terminal && rank_ == 0) std::cout << std::endl;
-    if (stop && step_in_epoch < s.steps_per_epoch) {
-      if (!config_.checkpoint_dir.empty()) save_checkpoint(epoch, step_in_epoch, "max steps reached");
+    if (stop && at.step_in_epoch < s.steps_per_epoch) {
+      if (s.checkpointer) save_checkpoint(at, "--max-steps reached");
       last_eval = evaluate();
       s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
-      log() << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed
-                << std::setprecision(4) << last_eval.loss << ", test accuracy " << std::setprecision(2)
-                << 100.0 * last_eval.accuracy << "%" << std::endl;
+      log() << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed << std::setprecision(4)
+            << last_eval.loss << ", test accuracy " << std::setprecision(2) << 100.0 * last_eval.accuracy << "%"
+            << std::endl;
       break;
     }
     last_eval = evaluate();
     s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
-    const double train_loss = epoch_steps > 0 ? epoch_loss / epoch_steps : 0.0;
-    log() << "epoch " << epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
-              << std::setprecision(4) << train_loss << ", test loss " << last_eval.loss << ", test accuracy "
-              << std::setprecision(2) << 100.0 * last_eval.accuracy << "%, wall " << std::setprecision(1) << s.wall()
-              << " s" << std::endl;
-    nlohmann::json event = {{"event", "epoch"},           {"epoch", epoch + 1},
+    const double train_loss = global_mean(epoch_loss, epoch_steps);
+    log() << "epoch " << at.epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
+          << std::setprecision(4) << train_loss << ", test loss " << last_eval.loss << ", test accuracy "
+          << std::setprecision(2) << 100.0 * last_eval.accuracy << "%, wall " << std::setprecision(1) << s.wall()
+          << " s" << std::endl;
+    nlohmann::json event = {{"event", "epoch"},           {"epoch", at.epoch + 1},
                             {"train_loss", train_loss},   {"test_loss", last_eval.loss},
                             {"test_accuracy", last_eval.accuracy}, {"wall_time_s", s.wall()},
                             {"step", s.global_step}};
     if (s.kfac) event["kfac_time_s"] = s.kfac->total_times().total();
-    s.emit(event);
-    if (!config_.checkpoint_dir.empty() &&
-        ((epoch + 1) % config_.checkpoint_every_epochs == 0 || epoch + 1 == config_.epochs)) {
-      save_checkpoint(epoch + 1, 0, "end of epoch");
+    s.metrics.write(event);
+    if (s.checkpointer && ((at.epoch + 1) % config_.checkpoint_every_epochs == 0 || at.epoch + 1 == config_.epochs)) {
+      save_checkpoint({at.epoch + 1, 0}, "end of epoch " + std::to_string(at.epoch + 1));
     }
-    summary.epochs = epoch + 1;
+    summary.epochs = at.epoch + 1;
   }
+  return finish(std::move(summary), last_eval);
+}
+
+// The summary line and event; in a distributed job every rank's traffic, memory and phase times,
+// gathered to rank 0 with one sum.
+TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) {
+  auto& s = *state_;
   summary.steps = s.global_step;
   summary.best_accuracy = s.best_accuracy;
   summary.final_accuracy = last_eval.accuracy;
@@ -586,9 +631,8 @@ TrainSummary Trainer::run() {
   summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
   summary.parameters_crc32 = parameters_crc32(*s.model);
   log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
-            << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1)
-            << summary.wall_seconds << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
-            << std::endl;
+        << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1) << summary.wall_seconds
+        << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps" << std::endl;
   nlohmann::json event = {{"event", "summary"},
                           {"steps", summary.steps},
                           {"best_test_accuracy", summary.best_accuracy},
@@ -640,7 +684,7 @@ TrainSummary Trainer::run() {
     }
     event["ranks"] = ranks;
   }
-  s.emit(event);
+  s.metrics.write(event);
   return summary;
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include "dkfac/dkfac.h"
@@ -32,6 +33,7 @@ struct TrainSummary {
   double final_test_loss = 0.0;
   double wall_seconds = 0.0;
   double kfac_seconds = 0.0;
+  bool already_complete = false;    // resumed a run that had reached --epochs / --max-steps: nothing done
   uint32_t parameters_crc32 = 0;    // CRC-32 of every parameter and buffer's bytes: equal iff bit-identical
   std::vector<double> step_losses;  // every training step's loss, in order (this process only)
 };
@@ -55,14 +57,27 @@ class Trainer {
   double learning_rate(int64_t epoch, int64_t step_in_epoch) const;
   void set_learning_rate(double lr);
   torch::Tensor loss_of(const torch::Tensor& output, const torch::Tensor& x, const torch::Tensor& y) const;
-  void save_checkpoint(int64_t epoch, int64_t step_in_epoch, const std::string& reason);
-  std::string checkpoint_path() const;
+  /// Where training stands: the 0-based epoch and the steps done in it.
+  struct Position {
+    int64_t epoch = 0;
+    int64_t step_in_epoch = 0;
+  };
+  void save_checkpoint(const Position& at, const std::string& reason);
+  /// The position of the checkpoint resumed from, after loading it; nullopt: none yet (a first run).
+  std::optional<Position> load_checkpoint();
+  bool finished(const Position& at) const;
   std::string layout() const;
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
-  std::optional<std::pair<std::string, torch::serialize::InputArchive>> choose_checkpoint();
+  std::optional<double> train_step(const torch::Tensor& x, const torch::Tensor& y);
+  void draw_progress(int64_t step_in_epoch, double loss, double epoch_seconds, int64_t epoch_steps, bool logged);
+  double global_mean(double sum, int64_t count);
+  nlohmann::json run_event(std::optional<int64_t> resumed_at_step) const;
+  TrainSummary finish(TrainSummary summary, const Evaluation& last_eval);
+  /// Rank 0's output stream (the job's progress); a discarding stream on the other ranks.
   std::ostream& log() const;
-  bool load_checkpoint(int64_t& epoch, int64_t& step_in_epoch);
+  /// A warning about this rank's own state, on stderr, prefixed with the rank in a distributed job.
+  void warn(const std::string& message) const;
 
   TrainConfig config_;
   std::shared_ptr<comm::Communicator> communicator_;

@@ -1,0 +1,170 @@
+#include "tools/train/checkpointer.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <regex>
+#include <sstream>
+
+#include "tools/train/checkpoint.h"
+
+namespace dkfac::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// checkpoint.pt (a 1-rank job) or checkpoint-rank<R>.pt; .prev files go with them.
+const std::regex kCheckpointName(R"(checkpoint(-rank([0-9]+))?\.pt(\.prev)?)");
+
+// The world size a set of checkpoint names implies: 1 for checkpoint.pt, else the highest rank + 1.
+int world_of(const std::vector<std::string>& names) {
+  int world = 0;
+  for (const auto& name : names) {
+    std::smatch m;
+    if (!std::regex_match(name, m, kCheckpointName)) continue;
+    world = std::max(world, m[1].matched ? std::stoi(m[2].str()) + 1 : 1);
+  }
+  return world;
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(std::string dir, int rank, int world, std::shared_ptr<comm::Communicator> communicator)
+    : dir_(std::move(dir)), rank_(rank), world_(world), communicator_(std::move(communicator)) {}
+
+std::string Checkpointer::path() const {
+  // Each rank keeps its own file: with grad_worker_fraction < 1 ranks hold different K-FAC state.
+  return dir_ + (world_ == 1 ? "/checkpoint.pt" : "/checkpoint-rank" + std::to_string(rank_) + ".pt");
+}
+
+std::vector<std::string> Checkpointer::existing_files() const {
+  std::vector<std::string> names;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir_, error)) {
+    const auto name = entry.path().filename().string();
+    if (std::regex_match(name, kCheckpointName)) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string Checkpointer::open(bool resume, bool overwrite) {
+  std::error_code error;
+  fs::create_directories(dir_, error);
+  TORCH_CHECK(!error, "cannot create --checkpoint-dir '", dir_, "': ", error.message());
+  lock_ = tools::FileLock(dir_ + "/.lock-rank" + std::to_string(rank_),
+                          "--checkpoint-dir '" + dir_ + "' (rank " + std::to_string(rank_) + ")");
+  if (resume) return "";
+  const auto names = existing_files();
+  if (names.empty()) return "";
+  std::ostringstream list;
+  for (size_t i = 0; i < names.size(); ++i) list << (i ? ", " : "") << names[i];
+  TORCH_CHECK(overwrite, "--checkpoint-dir '", dir_, "' already holds checkpoints (", list.str(),
+              "); pass --resume to continue that run, --overwrite to start over and replace them, or another "
+              "--checkpoint-dir");
+  // Each rank removes its own files (and rank 0 those of ranks this job does not have), so that no stale
+  // checkpoint of the old run can be resumed later with this run's.
+  int removed = 0;
+  for (const auto& name : names) {
+    std::smatch m;
+    std::regex_match(name, m, kCheckpointName);
+    const int owner = m[1].matched ? std::stoi(m[2].str()) : 0;
+    const bool mine = owner == rank_ || (rank_ == 0 && owner >= world_) || (rank_ == 0 && !m[1].matched);
+    if (mine && fs::remove(dir_ + "/" + name, error)) ++removed;
+  }
+  return "--overwrite: removed " + std::to_string(removed) + " checkpoint file(s) of an earlier run from '" + dir_ + "'";
+}
+
+void Checkpointer::save(const std::function<void(torch::serialize::OutputArchive&)>& write) {
+  fs::create_directories(dir_);
+  const auto file = path();
+  // The previous checkpoint stays as .prev: ranks killed while writing a step's checkpoints can then
+  // still resume together from the step before. A second link (a copy where links are not supported), so
+  // that `file` itself stays in place until save_atomically's rename replaces it.
+  if (fs::exists(file)) {
+    const auto prev = file + ".prev";
+    fs::remove(prev);
+    std::error_code linked;
+    fs::create_hard_link(file, prev, linked);
+    if (linked) fs::copy_file(file, prev);
+  }
+  save_atomically(file, write);
+}
+
+std::optional<Checkpointer::Found> Checkpointer::find() {
+  const auto names = existing_files();
+  const int found_world = world_of(names);
+  if (found_world != 0 && found_world != world_) {
+    std::ostringstream list;
+    for (size_t i = 0; i < names.size(); ++i) list << (i ? ", " : "") << names[i];
+    TORCH_CHECK(false, "--checkpoint-dir '", dir_, "' holds the checkpoints of a ", found_world, "-rank job (",
+                list.str(), "); this job has ", world_, " rank", world_ == 1 ? "" : "s",
+                ". Resuming on another number of ranks is not supported: each rank's K-FAC state, data shard and "
+                "global batch depend on it. Resume with ", found_world, " rank", found_world == 1 ? "" : "s",
+                ", or start over with --overwrite (replaces them) or another --checkpoint-dir");
+  }
+  // This rank's files that verify, newest first; the defects of those that do not.
+  std::vector<std::string> files;
+  std::vector<torch::serialize::InputArchive> archives;
+  std::vector<int64_t> steps;
+  std::vector<std::string> defects;
+  for (const auto& file : {path(), path() + ".prev"}) {
+    if (!fs::exists(file)) continue;
+    try {
+      auto archive = load_verified(file);
+      c10::IValue step;
+      TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
+                  "' has no 'global_step' entry");
+      files.push_back(file);
+      archives.push_back(std::move(archive));
+      steps.push_back(step.toInt());
+    } catch (const c10::Error& e) {
+      defects.push_back(e.what_without_backtrace());
+    }
+  }
+  std::string all_defects;
+  for (const auto& d : defects) all_defects += (all_defects.empty() ? "" : "; ") + d;
+  auto found = [&](size_t i) {
+    std::string note;
+    if (i > 0 || !defects.empty()) {
+      note = "passed over " + (defects.empty() ? std::string("the newer ") + path() + " (a step the other ranks lack)"
+                                               : all_defects) +
+             "; resuming from " + files[i] + " (step " + std::to_string(steps[i]) + ")";
+    }
+    return Found{files[i], std::move(archives[i]), note};
+  };
+  const auto unusable = [&] {
+    return "no checkpoint of rank " + std::to_string(rank_) + " in '" + dir_ + "' can be resumed: " + all_defects;
+  };
+  if (!communicator_ || world_ == 1) {
+    TORCH_CHECK(!files.empty() || defects.empty(), unusable());
+    if (files.empty()) return std::nullopt;
+    return found(0);
+  }
+  // Per rank: step + 1 of its verified files (0: none) and its count of damaged files.
+  auto table = torch::zeros({world_, 3}, torch::kInt64);
+  for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
+  table[rank_][2] = static_cast<int64_t>(defects.size());
+  communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
+  auto has = [&](int r, int64_t step) {
+    return table[r][0].item<int64_t>() == step + 1 || table[r][1].item<int64_t>() == step + 1;
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    bool everywhere = true;
+    for (int r = 0; r < world_; ++r) everywhere = everywhere && has(r, steps[i]);
+    if (everywhere) return found(i);
+  }
+  if (table.sum().item<int64_t>() == 0) return std::nullopt;  // no rank has a checkpoint
+  TORCH_CHECK(files.size() > 0 || defects.empty(), unusable());
+  std::ostringstream list;
+  for (int r = 0; r < world_; ++r) {
+    list << (r ? "; " : "") << "rank " << r << ":";
+    for (int i = 0; i < 2; ++i) {
+      const auto v = table[r][i].item<int64_t>();
+      if (v > 0) list << " step " << v - 1;
+    }
+  }
+  TORCH_CHECK(false, "the ranks' checkpoints in '", dir_, "' have no step in common (", list.str(),
+              "); resume needs a checkpoint of the same step on every rank");
+}
+
+}  // namespace dkfac::train

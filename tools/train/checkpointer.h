@@ -1,0 +1,62 @@
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dkfac/comm/communicator.h"
+#include "tools/common/file_lock.h"
+
+/// The checkpoint files of one rank of a `dkfac train` job in --checkpoint-dir, and the rules around
+/// them: one job per directory (a lock), nothing replaced without --resume or --overwrite, the previous
+/// checkpoint kept as `.prev`, resume from the newest checkpoint that verifies on every rank, and a
+/// clear refusal when the directory belongs to a job of another number of ranks.
+namespace dkfac::train {
+
+class Checkpointer {
+ public:
+  /// A checkpoint chosen for resuming, read and verified.
+  struct Found {
+    std::string path;
+    torch::serialize::InputArchive archive;
+    std::string note;  ///< non-empty when a damaged newer file was passed over (say so)
+  };
+
+  /// Rank `rank` of `world`; `communicator` (null in a single process) lets the ranks agree on a step.
+  Checkpointer(std::string dir, int rank, int world, std::shared_ptr<comm::Communicator> communicator);
+
+  /// Locks this rank's files against a second job. A fresh run (not `resume`) refuses a directory that
+  /// holds checkpoints unless `overwrite`, which removes them (every rank its own). Returns a line to
+  /// log, or "".
+  std::string open(bool resume, bool overwrite);
+
+  /// This rank's checkpoint file.
+  std::string path() const;
+
+  /// Writes a checkpoint atomically; the one it replaces stays as `.prev`.
+  void save(const std::function<void(torch::serialize::OutputArchive&)>& write);
+
+  /// The checkpoint to resume from: with several ranks, the newest step for which every rank has a
+  /// checkpoint that verifies (its newest or `.prev`). nullopt: the directory holds no checkpoint of this
+  /// job's ranks (a first run). Throws c10::Error when the directory holds another world size's
+  /// checkpoints, when no file of this rank verifies (naming each file's defect), or when the ranks
+  /// have no step in common.
+  std::optional<Found> find();
+
+ private:
+  /// The checkpoint files (not .prev) in the directory, by the world size their names say.
+  std::vector<std::string> existing_files() const;
+
+  std::string dir_;
+  int rank_;
+  int world_;
+  std::shared_ptr<comm::Communicator> communicator_;
+  tools::FileLock lock_;
+};
+
+}  // namespace dkfac::train

@@ -1,0 +1,56 @@
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+/// The metrics file of `dkfac train`: JSON Lines, one event per line, written by rank 0.
+///
+/// Format version 2 (kMetricsFormatVersion). Every run (a resumed run too) starts with a "run" event
+/// recording how it was started; the other events follow as training goes:
+///   run          format_version, dkfac_version, command_line, options, world_size, seed, threads,
+///                machine {hostname, cores, libtorch}, started_utc, resumed_at_step (absent on a fresh run)
+///   step         step (steps done), epoch (1-based epoch of the step), epoch_progress (epochs done, e.g.
+///                0.25), loss (rank 0's batch), lr, wall_time_s, kfac_time_s {phase: seconds}
+///   skipped_step step, epoch (1-based)
+///   epoch        epoch (1-based: the epoch just finished), train_loss (mean over every rank's steps),
+///                test_loss, test_accuracy (0..1), wall_time_s, step, kfac_time_s
+///   summary      steps, best/final test accuracy, final_test_loss, wall and K-FAC seconds, parameters_crc32,
+///                and in a distributed job world_size and ranks[] (traffic, memory, phase times per rank)
+/// Version 1 (before dkfac 0.1.0's issue 17) had no run event and 0-based step-event epochs.
+namespace dkfac::train {
+
+constexpr int kMetricsFormatVersion = 2;
+
+/// Writes events to a metrics file and checks every write: an I/O error (a full disk) throws c10::Error
+/// naming the file and the reason, so a job never ends "successfully" with its metrics cut short. The
+/// file is locked (flock) while the writer lives, so a second job cannot interleave its events.
+class MetricsWriter {
+ public:
+  /// What happens to a file that already holds events.
+  enum class Existing {
+    kRefuse,   ///< a fresh run: refuse it (nothing the user saved is replaced silently)
+    kAppend,   ///< a resumed run: keep it and append
+    kReplace,  ///< --overwrite: empty it
+  };
+
+  MetricsWriter() = default;  ///< writes nothing
+  /// Opens `path` (creating its directory) and locks it.
+  MetricsWriter(const std::string& path, Existing existing);
+  ~MetricsWriter();
+  MetricsWriter(MetricsWriter&& other) noexcept;
+  MetricsWriter& operator=(MetricsWriter&& other) noexcept;
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
+  /// Appends `event` as one line. No-op for a default-constructed writer.
+  void write(const nlohmann::json& event);
+  bool enabled() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+}  // namespace dkfac::train
