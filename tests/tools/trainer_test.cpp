@@ -274,6 +274,8 @@ TEST_F(TrainerTest, MetricsAreJsonLinesWithStepEpochAndSummary) {
   auto curve = plot::read_curve(c.metrics);
   EXPECT_EQ(curve.epoch.size(), 1u);
   EXPECT_EQ(curve.label, "m");
+  ASSERT_EQ(curve.step.size(), 8u) << "the step events: the training-loss curve";
+  EXPECT_DOUBLE_EQ(curve.step_epoch.back(), 1.0) << "the last step of epoch 1";
 }
 
 TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {

@@ -1,0 +1,350 @@
+// `dkfac plot`: reading metrics files (versions 1 and 2), labels, the gnuplot script and running gnuplot.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tools/plot/plot.h"
+
+namespace dkfac::plot {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// A fresh directory named after the running test, removed at the end of the scope.
+class Scratch {
+ public:
+  Scratch()
+      : path_(fs::temp_directory_path() / ("dkfac-plot-test-" + std::to_string(::getpid()) + "-" +
+                                           ::testing::UnitTest::GetInstance()->current_test_info()->name())) {
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~Scratch() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+  /// Writes `text` to path()/name (directories created) and returns that path.
+  std::string write(const std::string& name, const std::string& text) const {
+    const fs::path file = path_ / name;
+    fs::create_directories(file.parent_path());
+    std::ofstream(file) << text;
+    return file.string();
+  }
+
+ private:
+  fs::path path_;
+};
+
+/// Sets TMPDIR for the scope (plot_metrics makes its temporary directory there), restoring it after.
+class TmpDirEnv {
+ public:
+  explicit TmpDirEnv(const fs::path& dir) {
+    if (const char* old = std::getenv("TMPDIR")) old_ = old;
+    ::setenv("TMPDIR", dir.c_str(), 1);
+  }
+  ~TmpDirEnv() {
+    if (old_) {
+      ::setenv("TMPDIR", old_->c_str(), 1);
+    } else {
+      ::unsetenv("TMPDIR");
+    }
+  }
+
+ private:
+  std::optional<std::string> old_;
+};
+
+/// `fn` must throw std::runtime_error mentioning every one of `needles` (and none of `absent`).
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
+                  const std::vector<std::string>& absent = {}) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error mentioning '" << needles.front() << "'";
+  } catch (const std::runtime_error& e) {
+    const std::string message = e.what();
+    for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
+    for (const auto& n : absent) EXPECT_EQ(message.find(n), std::string::npos) << "'" << n << "' in: " << message;
+  }
+}
+
+std::vector<std::string> entries(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+bool is_png(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  char magic[8] = {};
+  in.read(magic, 8);
+  return in && std::string(magic + 1, 3) == "PNG" && fs::file_size(file) > 1000;
+}
+
+const std::string kRun =
+    R"({"event":"run","format_version":2,"dkfac_version":"0.1.0","command_line":"dkfac train","options":{},)"
+    R"("world_size":2,"seed":0})"
+    "\n";
+
+std::string step(int step, int epoch, double progress, double loss, double wall) {
+  std::ostringstream s;
+  s << R"({"event":"step","step":)" << step << R"(,"epoch":)" << epoch << R"(,"epoch_progress":)" << progress
+    << R"(,"loss":)" << loss << R"(,"lr":0.05,"wall_time_s":)" << wall << "}\n";
+  return s.str();
+}
+
+std::string epoch(int epoch, int step, double accuracy, double test_loss, double wall) {
+  std::ostringstream s;
+  s << R"({"event":"epoch","epoch":)" << epoch << R"(,"train_loss":0.9,"test_loss":)" << test_loss
+    << R"(,"test_accuracy":)" << accuracy << R"(,"wall_time_s":)" << wall << R"(,"step":)" << step << "}\n";
+  return s.str();
+}
+
+/// A version 2 run of 2 epochs of 4 steps, with the events plot ignores.
+std::string two_epochs_v2() {
+  return kRun + step(2, 1, 0.5, 1.5, 1.0) + step(4, 1, 1.0, 1.0, 2.0) + epoch(1, 4, 0.5, 1.2, 2.5) +
+         R"({"event":"skipped_step","step":5,"epoch":2})" "\n" + step(6, 2, 1.5, 0.8, 3.5) +
+         R"({"event":"something_new","x":[1,2]})" "\n" + step(8, 2, 2.0, 0.6, 4.5) + epoch(2, 8, 0.75, 0.7, 5.0) +
+         R"({"event":"summary","best_test_accuracy":0.75,"wall_time_s":5.1})" "\n";
+}
+
+TEST(PlotCurveTest, ReadsStepAndEpochEventsOfVersion2) {
+  Scratch dir;
+  std::ostringstream warnings;
+  const auto curve = read_curve(dir.write("run_1.jsonl", two_epochs_v2()), warnings);
+  EXPECT_EQ(curve.label, "run_1");
+  EXPECT_EQ(curve.epoch, (std::vector<double>{1, 2}));
+  EXPECT_EQ(curve.wall_time_s, (std::vector<double>{2.5, 5.0}));
+  EXPECT_EQ(curve.test_accuracy, (std::vector<double>{50, 75}));
+  EXPECT_EQ(curve.test_loss, (std::vector<double>{1.2, 0.7}));
+  EXPECT_EQ(curve.step, (std::vector<double>{2, 4, 6, 8}));
+  EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5, 2.0}));
+  EXPECT_EQ(curve.step_wall_time_s, (std::vector<double>{1, 2, 3.5, 4.5}));
+  EXPECT_EQ(curve.train_loss, (std::vector<double>{1.5, 1.0, 0.8, 0.6}));
+  EXPECT_EQ(warnings.str(), "");
+}
+
+TEST(PlotCurveTest, MaxStepsRunWithoutEpochEventsHasItsSteps) {
+  Scratch dir;
+  const auto curve = read_curve(dir.write("m.jsonl", kRun + step(1, 1, 0.25, 2.0, 0.5) + step(2, 1, 0.5, 1.8, 1.0) +
+                                                         R"({"event":"summary","wall_time_s":1.2})" "\n"));
+  EXPECT_TRUE(curve.epoch.empty());
+  EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.25, 0.5}));
+  EXPECT_EQ(curve.train_loss, (std::vector<double>{2.0, 1.8}));
+}
+
+TEST(PlotCurveTest, Version1StepEpochIsStepOverStepsPerEpoch) {
+  Scratch dir;
+  // Version 1: no run event, 0-based "epoch" in step events, no epoch_progress; 4 steps per epoch.
+  const std::string v1 =
+      R"({"event":"step","step":2,"epoch":0,"loss":1.5,"lr":0.1,"wall_time_s":1.0})" "\n"
+      R"({"event":"step","step":4,"epoch":0,"loss":1.0,"lr":0.1,"wall_time_s":2.0})" "\n"
+      R"({"event":"epoch","epoch":1,"train_loss":1.2,"test_loss":1.1,"test_accuracy":0.6,"wall_time_s":2.2,)"
+      R"("step":4})" "\n"
+      R"({"event":"step","step":6,"epoch":1,"loss":0.7,"lr":0.1,"wall_time_s":3.0})" "\n";
+  const auto curve = read_curve(dir.write("v1.jsonl", v1));
+  EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5}));
+  EXPECT_EQ(curve.epoch, (std::vector<double>{1}));
+  EXPECT_EQ(curve.test_accuracy, (std::vector<double>{60}));
+
+  // Without an epoch event the steps have no epoch coordinate (wall-time panel only).
+  const auto steps_only = read_curve(dir.write("v1-steps.jsonl", v1.substr(0, v1.find("{\"event\":\"epoch\""))));
+  ASSERT_EQ(steps_only.step_epoch.size(), 2u);
+  EXPECT_TRUE(std::isnan(steps_only.step_epoch[0]) && std::isnan(steps_only.step_epoch[1]));
+  EXPECT_EQ(steps_only.train_loss, (std::vector<double>{1.5, 1.0}));
+}
+
+TEST(PlotCurveTest, ResumedRunReplacesTheStepsItReplays) {
+  Scratch dir;
+  // The first run reached step 6 (mid epoch 2) and died; the resumed run continues from the checkpoint at step 4.
+  const std::string text = kRun + step(2, 1, 0.5, 1.5, 1.0) + step(4, 1, 1.0, 1.0, 2.0) + epoch(1, 4, 0.5, 1.2, 2.5) +
+                           step(6, 2, 1.5, 0.9, 3.5) + kRun + step(6, 2, 1.5, 0.8, 3.4) + step(8, 2, 2.0, 0.6, 4.4) +
+                           epoch(2, 8, 0.75, 0.7, 5.0);
+  const auto curve = read_curve(dir.write("resumed.jsonl", text));
+  EXPECT_EQ(curve.step, (std::vector<double>{2, 4, 6, 8}));
+  EXPECT_EQ(curve.train_loss, (std::vector<double>{1.5, 1.0, 0.8, 0.6}));
+  EXPECT_EQ(curve.epoch, (std::vector<double>{1, 2}));
+}
+
+TEST(PlotCurveTest, TruncatedLastLineIsSkippedWithAWarning) {
+  Scratch dir;
+  const std::string text = kRun + step(2, 1, 0.5, 1.5, 1.0) + epoch(1, 2, 0.5, 1.2, 1.5) + R"({"event":"step","st)";
+  for (const char* tail : {"", "\n", "\n\n  \n"}) {
+    const auto path = dir.write("cut.jsonl", text + tail);
+    std::ostringstream warnings;
+    const auto curve = read_curve(path, warnings);
+    EXPECT_EQ(curve.step, (std::vector<double>{2}));
+    EXPECT_EQ(curve.epoch, (std::vector<double>{1}));
+    EXPECT_NE(warnings.str().find("warning: metrics file '" + path + "' line 4 "), std::string::npos)
+        << warnings.str();
+  }
+}
+
+TEST(PlotCurveTest, BadLineBeforeTheLastIsAnErrorNamingFileAndLine) {
+  Scratch dir;
+  const auto path = dir.write("bad.jsonl", kRun + "{\"event\":\"step\",\n" + step(2, 1, 0.5, 1.5, 1.0));
+  expect_error([&] { read_curve(path); }, {"metrics file '" + path + "' line 2", "not valid JSON"});
+  const auto array = dir.write("array.jsonl", kRun + "[1,2]\n" + step(2, 1, 0.5, 1.5, 1.0));
+  expect_error([&] { read_curve(array); }, {"metrics file '" + array + "' line 2", "not a JSON object"});
+}
+
+TEST(PlotCurveTest, MissingKeyErrorNamesFileLineAndKey) {
+  Scratch dir;
+  const auto no_test_loss = dir.write(
+      "a.jsonl", kRun + step(2, 1, 0.5, 1.5, 1.0) +
+                     R"({"event":"epoch","epoch":1,"train_loss":1,"test_accuracy":0.5,"wall_time_s":2,"step":2})" "\n" +
+                     step(4, 2, 1.5, 1.0, 3.0));
+  expect_error([&] { read_curve(no_test_loss); }, {"metrics file '" + no_test_loss + "' line 3", "'test_loss'"});
+  const auto no_loss =
+      dir.write("b.jsonl", kRun + R"({"event":"step","step":1,"epoch":1,"epoch_progress":0.5,"wall_time_s":1})" "\n");
+  expect_error([&] { read_curve(no_loss); }, {"metrics file '" + no_loss + "' line 2", "step event has no 'loss'"});
+  const auto no_progress =
+      dir.write("c.jsonl", kRun + R"({"event":"step","step":1,"epoch":1,"loss":1,"wall_time_s":1})" "\n");
+  expect_error([&] { read_curve(no_progress); }, {"line 2", "'epoch_progress'"});
+  const auto text_value = dir.write(
+      "d.jsonl", kRun + R"({"event":"step","step":1,"epoch":1,"epoch_progress":0.5,"loss":"x","wall_time_s":1})" "\n");
+  expect_error([&] { read_curve(text_value); }, {"line 2", "'loss' is not a number"});
+}
+
+TEST(PlotLabelTest, DefaultLabelsAreStemsThenDirectoriesThenPaths) {
+  EXPECT_EQ(default_labels({"runs/cnn_kfac.jsonl", "runs/cnn-sgd.jsonl"}),
+            (std::vector<std::string>{"cnn_kfac", "cnn-sgd"}));
+  EXPECT_EQ(default_labels({"runs/a/metrics.jsonl", "runs/b/metrics.jsonl", "runs/c/other.jsonl"}),
+            (std::vector<std::string>{"a", "b", "other"}));
+  EXPECT_EQ(default_labels({"x/a/metrics.jsonl", "y/a/metrics.jsonl"}),
+            (std::vector<std::string>{"x/a/metrics.jsonl", "y/a/metrics.jsonl"}));
+}
+
+TEST(PlotLabelTest, LabelCountMismatchNamesBothCounts) {
+  Scratch dir;
+  const auto a = dir.write("a.jsonl", two_epochs_v2()), b = dir.write("b.jsonl", two_epochs_v2());
+  PlotOptions options;
+  options.labels = {"only one"};
+  expect_error([&] { plot_metrics({a, b}, (dir.path() / "out.png").string(), options); },
+               {"--label was given 1 times for 2 metrics files"});
+}
+
+TEST(PlotScriptTest, LabelsArePrintedLiterally) {
+  Curve c;
+  c.label = "it's_a `run` @x";
+  c.epoch = {1};
+  c.wall_time_s = {1};
+  c.test_accuracy = {50};
+  c.test_loss = {1};
+  const auto script = gnuplot_script({c}, "/tmp/d", "/tmp/o.png");
+  EXPECT_NE(script.find("noenhanced"), std::string::npos);
+  EXPECT_NE(script.find("title 'it''s_a `run` @x'"), std::string::npos) << script;
+  c.label = "two\nlines";
+  expect_error([&] { gnuplot_script({c}, "/tmp/d", "/tmp/o.png"); }, {"control character"});
+}
+
+TEST(PlotScriptTest, SixPanelsWithIntegerEpochTicks) {
+  Curve c;
+  c.label = "r";
+  c.epoch = {1, 2, 3};
+  c.wall_time_s = {1, 2, 3};
+  c.test_accuracy = {50, 60, 70};
+  c.test_loss = {1, 0.9, 0.8};
+  c.step = {1, 2};
+  c.step_epoch = {0.5, 1.5};
+  c.step_wall_time_s = {0.5, 1.5};
+  c.train_loss = {2, 1};
+  auto script = gnuplot_script({c}, "/tmp/d", "/tmp/o.png");
+  size_t plots = 0;
+  for (size_t at = script.find("\nplot "); at != std::string::npos; at = script.find("\nplot ", at + 1)) ++plots;
+  EXPECT_EQ(plots, 6u) << script;
+  EXPECT_NE(script.find("set multiplot layout 3,2"), std::string::npos);
+  EXPECT_NE(script.find("'/tmp/d/run0-steps.dat' using 1:3"), std::string::npos) << script;  // train loss / epoch
+  EXPECT_NE(script.find("'/tmp/d/run0-steps.dat' using 2:3"), std::string::npos) << script;  // train loss / time
+  EXPECT_NE(script.find("set xtics 1\nset format x '%g'"), std::string::npos) << script;
+  c.epoch.push_back(200);
+  for (auto* v : {&c.wall_time_s, &c.test_accuracy, &c.test_loss}) v->push_back(1);
+  script = gnuplot_script({c}, "/tmp/d", "/tmp/o.png");
+  EXPECT_NE(script.find("set xtics 20\n"), std::string::npos) << script;
+}
+
+TEST(PlotTest, StepOnlyRunPlotsToAPng) {
+  Scratch dir;
+  const auto m = dir.write("m.jsonl", kRun + step(1, 1, 0.25, 2.0, 0.5) + step(2, 1, 0.5, 1.8, 1.0));
+  const auto out = dir.path() / "out.png";
+  plot_metrics({m}, out.string());
+  EXPECT_TRUE(is_png(out));
+}
+
+TEST(PlotTest, TwoRunsWithLabelsPlot) {
+  Scratch dir;
+  const auto a = dir.write("a/metrics.jsonl", two_epochs_v2());
+  const auto b = dir.write("b/metrics.jsonl", kRun + step(1, 1, 0.25, 2.0, 0.5));
+  PlotOptions options;
+  options.labels = {"kfac_run", "sgd"};
+  plot_metrics({a, b}, (dir.path() / "curves.png").string(), options);
+  EXPECT_TRUE(is_png(dir.path() / "curves.png"));
+}
+
+TEST(PlotTest, MissingOutputDirectoryIsNamed) {
+  Scratch dir;
+  const auto m = dir.write("m.jsonl", two_epochs_v2());
+  const auto missing = dir.path() / "no-such-dir";
+  expect_error([&] { plot_metrics({m}, (missing / "out.png").string()); },
+               {"output directory '" + missing.string() + "'", "does not exist"}, {"gnuplot"});
+}
+
+TEST(PlotTest, MissingOrFailingGnuplotIsReported) {
+  Scratch dir;
+  const auto m = dir.write("m.jsonl", two_epochs_v2());
+  PlotOptions options;
+  options.gnuplot = "dkfac-no-such-gnuplot";
+  expect_error([&] { plot_metrics({m}, (dir.path() / "out.png").string(), options); },
+               {"'dkfac-no-such-gnuplot' was not found", "gnuplot-nox"});
+  options.gnuplot = "false";
+  expect_error([&] { plot_metrics({m}, (dir.path() / "out.png").string(), options); }, {"'false' failed (exit 1)"},
+               {"installed"});
+  EXPECT_FALSE(fs::exists(dir.path() / "out.png"));
+}
+
+TEST(PlotTest, QuotesInTheOutputAndTemporaryPathsWriteExactlyThatPng) {
+  Scratch dir;
+  const auto m = dir.write("in/m.jsonl", two_epochs_v2());
+  const auto out_dir = dir.path() / "out";
+  const auto tmp = dir.path() / "tmp it's `touch x` \"q\" \\ @m";
+  fs::create_directories(out_dir);
+  fs::create_directories(tmp);
+  TmpDirEnv env(tmp);
+  plot_metrics({m}, (out_dir / "it's.png").string());
+  EXPECT_EQ(entries(out_dir), (std::vector<std::string>{"it's.png"}));
+  EXPECT_TRUE(is_png(out_dir / "it's.png"));
+  EXPECT_TRUE(entries(tmp).empty());
+}
+
+TEST(PlotTest, NoTemporaryDirectoryIsLeftBehind) {
+  Scratch dir;
+  const auto good = dir.write("good.jsonl", two_epochs_v2());
+  const auto bad = dir.write("bad.jsonl", "{\n" + two_epochs_v2());
+  const auto tmp = dir.path() / "tmp";
+  fs::create_directories(tmp);
+  TmpDirEnv env(tmp);
+  const auto out = (dir.path() / "out.png").string();
+  PlotOptions missing, failing;
+  missing.gnuplot = "dkfac-no-such-gnuplot";
+  failing.gnuplot = "false";
+  EXPECT_THROW(plot_metrics({good}, out, missing), std::runtime_error);
+  EXPECT_EQ(entries(tmp), std::vector<std::string>{});
+  EXPECT_THROW(plot_metrics({good}, out, failing), std::runtime_error);
+  EXPECT_EQ(entries(tmp), std::vector<std::string>{});
+  EXPECT_THROW(plot_metrics({good, bad}, out), std::runtime_error);
+  EXPECT_EQ(entries(tmp), std::vector<std::string>{});
+  plot_metrics({good}, out);
+  EXPECT_EQ(entries(tmp), std::vector<std::string>{});
+  EXPECT_TRUE(is_png(out));
+}
+
+}  // namespace
+}  // namespace dkfac::plot
