@@ -1,0 +1,206 @@
+// `dkfac plan` on the paper-scale models: sums over ranks against sums over layers, flag errors, units.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include <c10/util/Exception.h>
+
+#include "tools/models/paper_shapes.h"
+#include "tools/plan/plan_report.h"
+
+namespace dkfac::plan {
+namespace {
+
+const nlohmann::json& strategy(const nlohmann::json& report, const std::string& cli_name) {
+  for (const auto& s : report["strategies"]) {
+    const auto name = s["strategy"].get<std::string>();
+    if (name == cli_name || name.rfind(cli_name + " ", 0) == 0) return s;
+  }
+  throw std::runtime_error("no strategy " + cli_name);
+}
+
+int64_t sum_over_ranks(const nlohmann::json& s, const char* key) {
+  int64_t n = 0;
+  for (const auto& r : s["ranks"]) n += r[key].get<int64_t>();
+  return n;
+}
+
+std::string error_of(const PlanRequest& request) {
+  try {
+    plan_report(request);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(Plan, ResNet50At64RanksSumsMatchTheLayers) {
+  PlanRequest request;
+  request.model = "resnet50";
+  request.nproc = 64;
+  request.batch_size = 32;
+  const auto model = models::paper_model("resnet50");
+  for (const std::string method : {"inverse", "eigen"}) {
+    SCOPED_TRACE(method);
+    request.compute_method = method;
+    const auto report = plan_report(request).json;
+    EXPECT_EQ(report["dataset"], "imagenet");
+    EXPECT_EQ(report["parameters"].get<int64_t>(), 25557032);
+    ASSERT_EQ(report["layers"].size(), model.layers.size());
+    ASSERT_EQ(report["strategies"].size(), 5u);
+    int64_t factors = 0, second_order = 0, gradient = 0, factor_sent = 0;
+    double factor_flops = 0;
+    for (const auto& l : model.layers) {
+      const int64_t a = l.a_dim, g = l.g_dim;
+      factors += 4 * (a * a + g * g);
+      second_order += 4 * (method == "eigen" ? a * a + a + g * g + g + g * a : a * a + g * g);
+      gradient += 4 * g * a;
+      factor_sent += 4 * (a * a + g * g);
+      factor_flops += 2.0 * 32 * l.rows_per_sample * (static_cast<double>(a) * a + static_cast<double>(g) * g);
+    }
+    // DP-KFAC: each layer's factors and second-order state live on its owner alone, nothing but V moves.
+    const auto& dp = strategy(report, "dp");
+    ASSERT_EQ(dp["ranks"].size(), 64u);
+    EXPECT_EQ(sum_over_ranks(dp, "memory_bytes"), factors + second_order);
+    EXPECT_EQ(sum_over_ranks(dp, "factor_bytes"), 0);
+    EXPECT_EQ(sum_over_ranks(dp, "second_order_bytes"), 0);
+    EXPECT_EQ(sum_over_ranks(dp, "gradient_bytes"), 64 * gradient);
+    EXPECT_NEAR(dp["summary"]["factor_flops"]["sum"].get<double>(), factor_flops, 1e-9 * factor_flops);
+    // D-KFAC (KAISA f = 1): every rank holds everything and allreduces every factor.
+    const auto& dk = strategy(report, "dkfac");
+    EXPECT_EQ(dk["grad_workers"].get<int>(), 64);
+    for (const auto& r : dk["ranks"]) {
+      EXPECT_EQ(r["memory_bytes"].get<int64_t>(), factors + second_order);
+      EXPECT_EQ(r["factor_bytes"].get<int64_t>(), factor_sent);
+      EXPECT_EQ(r["gradient_bytes"].get<int64_t>(), 0);
+      EXPECT_DOUBLE_EQ(r["factor_flops"].get<double>(), factor_flops);
+      EXPECT_EQ(r["update_bytes"].get<int64_t>(), r["factor_bytes"].get<int64_t>() +
+                                                      r["second_order_bytes"].get<int64_t>() +
+                                                      r["gradient_bytes"].get<int64_t>());
+    }
+    // Each factor decomposed exactly once over the ranks, under every placement.
+    const double decomposed = strategy(report, "dkfac")["summary"]["decomposition_flops"]["sum"].get<double>();
+    EXPECT_DOUBLE_EQ(strategy(report, "dp")["summary"]["decomposition_flops"]["sum"].get<double>(), decomposed);
+    EXPECT_DOUBLE_EQ(strategy(report, "dkfac-lw")["summary"]["decomposition_flops"]["sum"].get<double>(), decomposed);
+    EXPECT_EQ(strategy(report, "kaisa")["grad_workers"].get<int>(), 32);
+    EXPECT_EQ(strategy(report, "spd")["grad_workers"].get<int>(), 64);
+  }
+}
+
+TEST(Plan, SymmetricCommSendsTriangles) {
+  PlanRequest request;
+  request.model = "densenet201";
+  request.nproc = 64;
+  request.symmetric_comm = true;
+  int64_t triangles = 0;
+  for (const auto& l : models::paper_model("densenet201").layers) {
+    triangles += 4 * (l.a_dim * (l.a_dim + 1) / 2 + l.g_dim * (l.g_dim + 1) / 2);
+  }
+  const auto report = plan_report(request).json;
+  EXPECT_EQ(strategy(report, "dkfac")["ranks"][0]["factor_bytes"].get<int64_t>(), triangles);
+  EXPECT_EQ(strategy(report, "spd")["ranks"][0]["factor_bytes"].get<int64_t>(), triangles);
+}
+
+TEST(Plan, EveryPaperModelPlansAt64Ranks) {
+  for (const auto& name : models::paper_model_names()) {
+    SCOPED_TRACE(name);
+    PlanRequest request;
+    request.model = name;
+    request.nproc = 64;
+    request.batch_size = 32;
+    const auto report = plan_report(request);
+    const auto& json = report.json;
+    EXPECT_EQ(json["parameters"].get<int64_t>(), models::paper_model(name).parameters);
+    EXPECT_EQ(report.placements.size(), json["strategies"].size());
+    const auto& dp = strategy(json, "dp");
+    const auto& dk = strategy(json, "dkfac");
+    // DP-KFAC holds and computes less per rank than D-KFAC on every paper model.
+    EXPECT_LT(dp["summary"]["memory_bytes"]["max"].get<double>(), dk["summary"]["memory_bytes"]["max"].get<double>());
+    EXPECT_LT(dp["summary"]["update_flops"]["max"].get<double>(), dk["summary"]["update_flops"]["max"].get<double>());
+    // Text at 64 ranks: a summary, not 64 rows per strategy.
+    const auto text = plan_text(report, false);
+    EXPECT_NE(text.find("median"), std::string::npos);
+    EXPECT_LT(std::count(text.begin(), text.end(), '\n'), 60);
+    const auto full = plan_text(report, true);
+    EXPECT_GT(std::count(full.begin(), full.end(), '\n'), 5 * 64);
+  }
+}
+
+TEST(Plan, ExtraGradWorkerFractions) {
+  PlanRequest request;
+  request.model = "resnet50";
+  request.nproc = 64;
+  request.grad_worker_fractions = {1.0 / 16, 0.25};
+  const auto report = plan_report(request).json;
+  ASSERT_EQ(report["strategies"].size(), 7u);
+  EXPECT_EQ(report["strategies"][3]["strategy"], "kaisa f=1/16 (W=4)");
+  EXPECT_EQ(report["strategies"][3]["grad_workers"].get<int>(), 4);
+  EXPECT_EQ(report["strategies"][4]["strategy"], "kaisa f=1/4 (W=16)");
+  // Fewer grad workers: less second-order memory on the fullest rank.
+  EXPECT_LT(report["strategies"][3]["summary"]["memory_bytes"]["max"].get<double>(),
+            report["strategies"][4]["summary"]["memory_bytes"]["max"].get<double>());
+  request.grad_worker_fractions = {0.3};  // W = 19 does not divide 64
+  EXPECT_NE(error_of(request).find("--grad-worker-fraction"), std::string::npos);
+}
+
+TEST(Plan, BertLargeSequenceLength) {
+  PlanRequest request;
+  request.model = "bert-large";
+  request.nproc = 8;
+  auto json = plan_report(request).json;
+  EXPECT_EQ(json["dataset"], "wikipedia");
+  EXPECT_EQ(json["seq_len"].get<int64_t>(), 128);
+  EXPECT_EQ(json["layers"][0]["rows_per_sample"].get<int64_t>(), 128);
+  request.seq_len = 512;
+  json = plan_report(request).json;
+  EXPECT_EQ(json["layers"][0]["rows_per_sample"].get<int64_t>(), 512);
+  EXPECT_EQ(json["layers"].back()["name"], "pooler.dense");
+  EXPECT_EQ(json["layers"].back()["rows_per_sample"].get<int64_t>(), 1);
+}
+
+TEST(Plan, BadCombinationsNameTheFlag) {
+  PlanRequest r;
+  r.model = "resnet50";
+  r.dataset = "cifar10";
+  EXPECT_NE(error_of(r).find("--dataset"), std::string::npos);
+  r.model = "bert-large";
+  r.dataset = "imagenet";
+  EXPECT_NE(error_of(r).find("--dataset"), std::string::npos);
+  r.model = "cnn";
+  r.dataset = "imagenet";
+  EXPECT_NE(error_of(r).find("--dataset"), std::string::npos);
+  r.dataset = "";
+  r.model = "inception-v4";
+  r.seq_len = 128;
+  EXPECT_NE(error_of(r).find("--seq-len"), std::string::npos);
+  r.model = "bert-large";
+  r.seq_len = 1024;
+  EXPECT_NE(error_of(r).find("--seq-len"), std::string::npos);
+  r.model = "vgg16";
+  r.seq_len = 0;
+  EXPECT_NE(error_of(r).find("--model"), std::string::npos);
+}
+
+TEST(Plan, SmallModelsKeepTheirDefaults) {
+  PlanRequest request;  // cnn, fashion-mnist, 4 ranks
+  const auto report = plan_report(request);
+  EXPECT_EQ(report.json["dataset"], "fashion-mnist");
+  EXPECT_EQ(report.json["layers"].size(), 4u);
+  const auto text = plan_text(report, false);
+  EXPECT_NE(text.find("assignment"), std::string::npos);  // per-layer placement and per-rank rows
+  EXPECT_EQ(text.find("median"), std::string::npos);
+}
+
+TEST(Plan, HumanUnits) {
+  EXPECT_EQ(human_bytes(0), "0 B");
+  EXPECT_EQ(human_bytes(512), "512 B");
+  EXPECT_EQ(human_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(human_bytes(97.5 * 1024 * 1024), "97.50 MiB");
+  EXPECT_EQ(human_bytes(3.0 * 1024 * 1024 * 1024), "3.00 GiB");
+  EXPECT_EQ(human_flops(12), "12 FLOP");
+  EXPECT_EQ(human_flops(3.2e9), "3.20 GFLOP");
+  EXPECT_EQ(human_flops(1.1e12), "1.10 TFLOP");
+}
+
+}  // namespace
+}  // namespace dkfac::plan

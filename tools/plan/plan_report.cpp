@@ -1,0 +1,304 @@
+#include "tools/plan/plan_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iomanip>
+#include <sstream>
+
+#include "dkfac/dkfac.h"
+#include "tools/models/models.h"
+#include "tools/models/paper_shapes.h"
+
+namespace dkfac::plan {
+namespace {
+
+/// The per-rank fields, in table order: JSON key, column header, bytes (else FLOPs).
+struct Field {
+  const char* key;
+  const char* header;
+  bool bytes;
+};
+const std::vector<Field>& fields() {
+  static const std::vector<Field> f = {
+      {"factor_bytes", "factors/f-step", true},    {"second_order_bytes", "2nd-ord/i-step", true},
+      {"gradient_bytes", "V/step", true},          {"memory_bytes", "K-FAC memory", true},
+      {"factor_flops", "factor", false},           {"decomposition_flops", "decomp", false},
+      {"precondition_flops", "precond", false},    {"update_bytes", "update bytes", true},
+      {"update_flops", "update FLOPs", false},
+  };
+  return f;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+/// Shapes and counts of the requested model, with the dataset checked against it.
+struct ModelTable {
+  std::string dataset;
+  std::string input;
+  std::vector<assign::LayerShape> layers;
+  int64_t parameters = 0;
+  int64_t kfac_parameters = 0;
+  int64_t seq_len = 0;  // bert-large only
+};
+
+ModelTable model_table(const PlanRequest& r) {
+  const auto& tools = models::model_names();
+  const bool is_tools = std::find(tools.begin(), tools.end(), r.model) != tools.end();
+  std::vector<std::string> all = tools;
+  for (const auto& n : models::paper_model_names()) all.push_back(n);
+  TORCH_CHECK(is_tools || models::is_paper_model(r.model), "--model must be one of ", join(all), ", got '", r.model,
+              "'");
+  const bool bert = r.model == "bert-large";
+  TORCH_CHECK(r.seq_len == 0 || bert, "--seq-len applies only to --model bert-large (", r.model,
+              " has image inputs)");
+  ModelTable t;
+  if (!is_tools) {
+    const std::string expected = bert ? "wikipedia" : "imagenet";
+    t.dataset = r.dataset.empty() ? expected : r.dataset;
+    TORCH_CHECK(t.dataset == expected, "--dataset for --model ", r.model, " must be ", expected, ", got '", t.dataset,
+                "'");
+    if (bert) {
+      t.seq_len = r.seq_len == 0 ? 128 : r.seq_len;
+      TORCH_CHECK(t.seq_len >= 1 && t.seq_len <= 512, "--seq-len must be in [1, 512] (BERT-Large's positions), got ",
+                  t.seq_len);
+    }
+    auto m = models::paper_model(r.model, bert ? t.seq_len : 128, 1000);
+    t.input = m.input;
+    t.layers = std::move(m.layers);
+    t.parameters = m.parameters;
+    t.kfac_parameters = m.kfac_parameters;
+    return t;
+  }
+  struct Input {
+    int64_t channels, height, width, classes;
+  };
+  t.dataset = r.dataset.empty() ? "fashion-mnist" : r.dataset;
+  TORCH_CHECK(t.dataset == "cifar10" || t.dataset == "fashion-mnist" || t.dataset == "mnist", "--dataset for --model ",
+              r.model, " must be fashion-mnist, mnist or cifar10, got '", t.dataset, "'");
+  const Input in = t.dataset == "cifar10" ? Input{3, 32, 32, 10} : Input{1, 28, 28, 10};
+  t.input = std::to_string(in.channels) + "x" + std::to_string(in.height) + "x" + std::to_string(in.width);
+  auto model = models::make_model(r.model, in.channels, in.height, in.width, in.classes);
+  {
+    torch::NoGradGuard no_grad;  // one forward of a zero sample records the conv output sizes
+    model->eval();
+    model->forward(torch::zeros({1, in.channels, in.height, in.width}));
+  }
+  for (const auto& p : model->parameters()) t.parameters += p.numel();
+  dkfac::Preconditioner kfac(model.ptr());  // single process: only to list the K-FAC layers
+  for (const auto& layer : kfac.layers()) {
+    t.layers.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
+    t.kfac_parameters += layer.a_dim() * layer.g_dim();
+  }
+  return t;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
+}
+
+/// 25557032 -> "25,557,032".
+std::string grouped(int64_t n) {
+  std::string digits = std::to_string(n);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<size_t>(i), ",");
+  return digits;
+}
+
+std::string cell(const nlohmann::json& value, bool bytes) {
+  const double v = value.get<double>();
+  return bytes ? human_bytes(v) : human_flops(v);
+}
+
+}  // namespace
+
+std::string human_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 5) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%.0f B", bytes);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", bytes, units[u]);
+  }
+  return buf;
+}
+
+std::string human_flops(double flops) {
+  static const char* units[] = {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"};
+  int u = 0;
+  while (flops >= 1000.0 && u < 6) {
+    flops /= 1000.0;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%.0f FLOP", flops);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", flops, units[u]);
+  }
+  return buf;
+}
+
+PlanReport plan_report(const PlanRequest& r) {
+  using assign::PlanInputs;
+  TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);
+  TORCH_CHECK(r.batch_size >= 1, "--batch-size must be >= 1, got ", r.batch_size);
+  TORCH_CHECK(r.compute_method == "eigen" || r.compute_method == "inverse",
+              "--compute-method must be eigen or inverse, got '", r.compute_method, "'");
+  const ModelTable t = model_table(r);
+  const auto& shapes = t.layers;
+  struct Row {
+    std::string name;
+    assign::Assignment assignment;
+    PlanInputs::Flow flow;
+  };
+  const int p = r.nproc;
+  std::vector<Row> rows = {{"dkfac (kaisa f=1, comm-opt)", assign::assign_kaisa(shapes, p, 1.0), PlanInputs::Flow::kKaisa}};
+  if (p > 2 && p % 2 == 0) {
+    rows.push_back({"kaisa f=1/2 (hybrid-opt)", assign::assign_kaisa(shapes, p, 0.5), PlanInputs::Flow::kKaisa});
+  }
+  if (p > 1) {
+    rows.push_back({"dkfac-lw (kaisa f=1/P, mem-opt)", assign::assign_kaisa(shapes, p, 1.0 / p),
+                    PlanInputs::Flow::kKaisa});
+  }
+  for (const double f : r.grad_worker_fractions) {
+    TORCH_CHECK(f > 0.0 && f <= 1.0, "--grad-worker-fraction must be in (0, 1], got ", f);
+    const int w = std::max(1, static_cast<int>(std::lround(p * f)));
+    TORCH_CHECK(p % w == 0, "--grad-worker-fraction ", f, " gives W=", w, " gradient workers, which does not divide --nproc ",
+                p);
+    const std::string name = w == p ? "1" : "1/" + std::to_string(p / w);
+    rows.push_back({"kaisa f=" + name + " (W=" + std::to_string(w) + ")", assign::assign_kaisa(shapes, p, f),
+                    PlanInputs::Flow::kKaisa});
+  }
+  rows.push_back({"spd (redundant dim <= " + std::to_string(r.spd_redundant_dim) + ")",
+                  assign::assign_spd(shapes, p, r.spd_redundant_dim), PlanInputs::Flow::kSpd});
+  rows.push_back({"dp", assign::assign_dp(shapes, p), PlanInputs::Flow::kDp});
+
+  const int64_t element_bytes = 4;
+  PlanReport report;
+  report.json = {{"model", r.model},
+                        {"dataset", t.dataset},
+                        {"input", t.input},
+                        {"nproc", p},
+                        {"batch_size", r.batch_size},
+                        {"compute_method", r.compute_method},
+                        {"symmetric_comm", r.symmetric_comm},
+                        {"element_bytes", element_bytes},
+                        {"parameters", t.parameters},
+                        {"kfac_parameters", t.kfac_parameters},
+                        {"data_parallel_bytes_per_step", element_bytes * t.parameters},
+                        {"model_state_bytes", 3 * element_bytes * t.parameters},
+                        {"layers", nlohmann::json::array()},
+                        {"strategies", nlohmann::json::array()}};
+  nlohmann::json& out = report.json;
+  if (t.seq_len > 0) out["seq_len"] = t.seq_len;
+  if (r.spd_redundant_dim > 0) out["spd_redundant_dim"] = r.spd_redundant_dim;
+  for (const auto& s : shapes) {
+    out["layers"].push_back(
+        {{"name", s.name}, {"a_dim", s.a_dim}, {"g_dim", s.g_dim}, {"rows_per_sample", s.rows_per_sample}});
+  }
+  const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
+  for (const auto& row : rows) {
+    PlanInputs inputs;
+    inputs.flow = row.flow;
+    inputs.eigen = r.compute_method == "eigen";
+    inputs.batch_size = r.batch_size;
+    inputs.symmetric_comm = r.symmetric_comm;
+    inputs.element_bytes = element_bytes;
+    const auto plan = assign::predict(row.assignment, shapes, inputs);
+    report.placements.push_back(row.assignment.to_string(shapes));
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int rank = 0; rank < p; ++rank) {
+      const auto& x = plan[rank];
+      ranks.push_back({{"rank", rank},
+                       {"factor_bytes", x.factor_bytes},
+                       {"second_order_bytes", x.second_order_bytes},
+                       {"gradient_bytes", x.gradient_bytes},
+                       {"memory_bytes", x.memory_bytes},
+                       {"factor_flops", x.factor_flops},
+                       {"decomposition_flops", x.decomposition_flops},
+                       {"precondition_flops", x.precondition_flops},
+                       {"update_bytes", x.factor_bytes + x.second_order_bytes + x.gradient_bytes},
+                       {"update_ring_bytes",
+                        ring * (2.0 * x.factor_bytes + x.second_order_bytes + x.gradient_bytes)},
+                       {"update_flops", x.factor_flops + x.decomposition_flops + x.precondition_flops}});
+    }
+    nlohmann::json summary;
+    std::vector<std::string> keys;
+    for (const auto& f : fields()) keys.push_back(f.key);
+    keys.push_back("update_ring_bytes");
+    for (const auto& key : keys) {
+      std::vector<double> v;
+      for (const auto& x : ranks) v.push_back(x[key].get<double>());
+      double sum = 0;
+      for (double y : v) sum += y;
+      summary[key] = {{"min", *std::min_element(v.begin(), v.end())},
+                      {"median", median(v)},
+                      {"max", *std::max_element(v.begin(), v.end())},
+                      {"sum", sum}};
+    }
+    out["strategies"].push_back({{"strategy", row.name},
+                                 {"system", row.assignment.system},
+                                 {"grad_workers", row.assignment.grad_workers},
+                                 {"ranks", ranks},
+                                 {"summary", summary}});
+  }
+  return report;
+}
+
+std::string plan_text(const PlanReport& plan, bool per_rank) {
+  const nlohmann::json& report = plan.json;
+  const int p = report["nproc"].get<int>();
+  const size_t layers = report["layers"].size();
+  const bool detail = per_rank || (p <= 8 && layers <= 32);
+  std::ostringstream text;
+  text << "plan: " << report["model"].get<std::string>() << " on " << report["dataset"].get<std::string>() << " ("
+       << report["input"].get<std::string>() << "), " << p << " ranks x batch " << report["batch_size"].get<int64_t>()
+       << ", " << report["compute_method"].get<std::string>() << ", float32"
+       << (report["symmetric_comm"].get<bool>() ? ", KAISA factors as upper triangles" : "") << "\n"
+       << "  " << grouped(report["parameters"].get<int64_t>()) << " parameters, " << layers
+       << " K-FAC layers holding " << grouped(report["kfac_parameters"].get<int64_t>()) << "; data-parallel gradient allreduce "
+       << human_bytes(report["data_parallel_bytes_per_step"].get<double>()) << " per step on every strategy\n"
+       << "  bytes: payload per collective call on each rank; update = one step that builds factors, decomposes "
+          "and preconditions\n";
+  constexpr int kWidth = 15;
+  for (size_t i = 0; i < report["strategies"].size(); ++i) {
+    const auto& s = report["strategies"][i];
+    text << "\n== " << s["strategy"].get<std::string>() << "  [" << s["system"].get<std::string>() << ", P=" << p
+         << ", W=" << s["grad_workers"].get<int>() << "]\n";
+    if (detail) {
+      text << plan.placements.at(i);
+    } else {
+      text << "  (" << layers << " layers placed; --per-rank lists each layer's placement and every rank)\n";
+    }
+    text << "  " << std::setw(6) << (detail ? "rank" : "ranks");
+    for (const auto& f : fields()) text << std::setw(kWidth) << f.header;
+    text << "\n";
+    if (detail) {
+      for (const auto& x : s["ranks"]) {
+        text << "  " << std::setw(6) << x["rank"].get<int>();
+        for (const auto& f : fields()) text << std::setw(kWidth) << cell(x[f.key], f.bytes);
+        text << "\n";
+      }
+    } else {
+      for (const char* stat : {"min", "median", "max"}) {
+        text << "  " << std::setw(6) << stat;
+        for (const auto& f : fields()) text << std::setw(kWidth) << cell(s["summary"][f.key][stat], f.bytes);
+        text << "\n";
+      }
+    }
+  }
+  return text.str();
+}
+
+}  // namespace dkfac::plan
