@@ -24,7 +24,11 @@ MetricsWriter::MetricsWriter(const std::string& path, Existing existing) : path_
   // Opened without O_TRUNC: a file in use by another job must be refused before anything changes it.
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   TORCH_CHECK(fd_ >= 0, "cannot open metrics file '", path, "': ", std::strerror(errno));
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+  struct stat info {};
+  TORCH_CHECK(::fstat(fd_, &info) == 0, "cannot stat metrics file '", path, "': ", std::strerror(errno));
+  // A device or a pipe (/dev/stdout, /dev/null): nothing to lock, keep or replace.
+  const bool regular = S_ISREG(info.st_mode);
+  if (regular && ::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd_);
     fd_ = -1;
@@ -32,9 +36,6 @@ MetricsWriter::MetricsWriter(const std::string& path, Existing existing) : path_
                 "or pass another --metrics");
     TORCH_CHECK(false, "cannot lock metrics file '", path, "': ", std::strerror(err));
   }
-  struct stat info {};
-  TORCH_CHECK(::fstat(fd_, &info) == 0, "cannot stat metrics file '", path, "': ", std::strerror(errno));
-  const bool regular = S_ISREG(info.st_mode);  // /dev/stdout or a pipe: nothing to keep or replace
   if (regular && info.st_size > 0) {
     if (existing == Existing::kRefuse) {
       ::close(fd_);

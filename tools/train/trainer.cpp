@@ -358,7 +358,10 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
   s.wall_offset = read("wall_seconds").toDouble();
-  log() << "resume: " << path << " at epoch " << at.epoch + 1 << ", step " << s.global_step << std::endl;
+  log() << "resume: " << path << " (step " << s.global_step
+        << (at.step_in_epoch == 0 && at.epoch > 0 ? ", end of epoch " + std::to_string(at.epoch)
+                                                  : ", in epoch " + std::to_string(at.epoch + 1))
+        << ")" << std::endl;
   return at;
 }
 
@@ -487,9 +490,12 @@ TrainSummary Trainer::run() {
       resumed_at_step = s.global_step;
       if (finished(at)) {
         // Nothing to do: the metrics file and the checkpoints stay as they are.
-        log() << "resume: the run in " << config_.checkpoint_dir << " is already complete (epoch "
-              << std::min(at.epoch, config_.epochs) << " of " << config_.epochs << ", step " << s.global_step
-              << (config_.max_steps >= 0 ? " of --max-steps " + std::to_string(config_.max_steps) : std::string())
+        const bool epochs_done = at.epoch >= config_.epochs;
+        log() << "resume: the run in " << config_.checkpoint_dir << " is already complete ("
+              << (epochs_done ? "all " + std::to_string(config_.epochs) + " epochs done, step " +
+                                    std::to_string(s.global_step)
+                              : "step " + std::to_string(s.global_step) + " of --max-steps " +
+                                    std::to_string(config_.max_steps) + ", in epoch " + std::to_string(at.epoch + 1))
               << "); nothing to do. Raise --epochs or --max-steps to train further" << std::endl;
         summary.steps = s.global_step;
         summary.epochs = at.epoch;
