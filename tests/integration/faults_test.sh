@@ -65,6 +65,22 @@ grep 'resume:' "$tmp/resumed.0.txt"
 echo -n "$steps steps, killed at step >= 23 and resumed from the last step checkpoint: "
 compare_runs "$tmp/straight.jsonl" "$tmp/cut.jsonl" --steps $steps --same-parameters
 
+echo "== resuming the 3-rank checkpoints on 2 ranks or 1: refused with the reason, checkpoints untouched"
+sums=$(md5sum "$tmp"/ckpt/checkpoint-rank*.pt)
+for n in 2 1; do
+  set +e
+  "$dkfac" train --nproc $n --model mlp --dataset synthetic --epochs 10 --max-steps 300 --checkpoint-dir "$tmp/ckpt" \
+    --resume > "$tmp/world$n.txt" 2>&1
+  rc=$?
+  set -e
+  [[ $rc -ne 0 ]] || { echo "FAIL: $n ranks resumed 3-rank checkpoints"; cat "$tmp/world$n.txt"; exit 1; }
+  grep -q "holds the checkpoints of a 3-rank job (checkpoint-rank0.pt, .*); this job has $n rank" "$tmp/world$n.txt" \
+    || { echo "FAIL: no reason for $n ranks"; cat "$tmp/world$n.txt"; exit 1; }
+  [[ $(grep -c 'holds the checkpoints' "$tmp/world$n.txt") == 1 ]] || { echo "FAIL: reason not printed once"; cat "$tmp/world$n.txt"; exit 1; }
+done
+[[ "$(md5sum "$tmp"/ckpt/checkpoint-rank*.pt)" == "$sums" ]] || { echo "FAIL: checkpoints changed"; exit 1; }
+tail -1 "$tmp/world2.txt"
+
 echo "== a rank pointed at a port that is not a rendezvous store: an error within --timeout"
 port=$(free_port)
 python3 -m http.server "$port" --bind 127.0.0.1 > /dev/null 2>&1 &
