@@ -6,6 +6,7 @@
 #include "tools/cli/commands.h"
 #include "tools/cli/launch.h"
 #include "tools/cli/train_flags.h"
+#include "tools/common/memory.h"
 
 namespace dkfac::cli {
 namespace {
@@ -103,6 +104,7 @@ Command add_train_command(CLI::App& app) {
       ->group(kDistributedGroup);
 
   return {train, [flags](const std::string&) {
+    if (flags->nproc > 1) dkfac::tools::check_memory_for_workers(flags->config, flags->nproc);
     if (flags->nproc > 1) return launch_local(flags->config, flags->nproc, flags->timeout_s);
     const auto job = job_of_this_process(flags->rendezvous);
     if (job.world_size == 1) return run_rank(flags->config, job, flags->timeout_s);
