@@ -27,6 +27,7 @@ void Options::validate() const {
   TORCH_CHECK(std::isfinite(allreduce_bucket_cap_mb_) && allreduce_bucket_cap_mb_ >= 0.0,
               "allreduce_bucket_cap_mb must be >= 0, got ", allreduce_bucket_cap_mb_);
   TORCH_CHECK(spd_redundant_dim_ >= -1, "spd_redundant_dim must be -1 (measured) or >= 0, got ", spd_redundant_dim_);
+  TORCH_CHECK(large_factor_dim_ >= 0, "large_factor_dim must be >= 0 (0: no report), got ", large_factor_dim_);
   TORCH_CHECK(spd_profile_steps_ >= 1, "spd_profile_steps must be >= 1, got ", spd_profile_steps_);
   for (int64_t size : spd_fusion_) {
     TORCH_CHECK(size >= 1, "spd_fusion group sizes must be >= 1, got ", size);

@@ -89,7 +89,8 @@ class Schedule {
 class Options {
   /// Learning rate of the optimizer that applies the gradients; used only by KL clipping.
   DKFAC_SCHEDULE_ARG(double, lr){0.1};
-  /// Tikhonov damping lambda (> 0).
+  /// Tikhonov damping lambda (> 0). Default 0.001: kfac_pytorch's KFACPreconditioner default, so that code
+  /// ported from it behaves the same (not tuned here; `dkfac train` uses 0.3, `dkfac bench` 0.003: README).
   DKFAC_SCHEDULE_ARG(double, damping){0.001};
   /// KL-clip bound; 0 turns clipping off.
   DKFAC_SCHEDULE_ARG(double, kl_clip){0.001};
@@ -118,8 +119,14 @@ class Options {
   DKFAC_VALUE_ARG(std::function<double()>, grad_scaler, nullptr);
   /// Inverse method only: split damping between A and G with the pi heuristic (DP-KFAC).
   DKFAC_VALUE_ARG(bool, pi_damping, false);
-  /// ECMAScript regular expressions; a layer whose module name matches any is not preconditioned.
+  /// ECMAScript regular expressions; a layer whose module name or kind (Linear, Conv2d) matches any is not
+  /// preconditioned. A pattern that matches no layer is warned about (TORCH_WARN), naming the candidates.
   DKFAC_VALUE_ARG(std::vector<std::string>, skip_layers, {});
+  /// Factors wider than this (A or G dimension) are reported when the Preconditioner is built: one warning
+  /// per layer (TORCH_WARN) with the dimension, the memory of the factor and of its decomposition or inverse,
+  /// and the FLOPs of one second-order update (9 d^3 eigen, d^3 inverse). Such a layer's first step() can
+  /// take tens of seconds (d = 6273: ~44 s on 2 cores). 0 reports none.
+  DKFAC_VALUE_ARG(int64_t, large_factor_dim, 4096);
   /// What to do with a registered layer that did not run before `step()`.
   DKFAC_VALUE_ARG(UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError);
   /// Distributed (KAISA): fraction f of ranks that precondition each layer, W = max(1, round(P f)).

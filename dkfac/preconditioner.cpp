@@ -3,8 +3,10 @@
 #include "dkfac/nn/kfac_module.h"
 
 #include <chrono>
+#include <iomanip>
 #include <limits>
 #include <regex>
+#include <sstream>
 
 namespace dkfac {
 namespace {
@@ -34,6 +36,65 @@ bool matches_any(const std::vector<std::string>& patterns, const std::string& na
   return false;
 }
 
+// "157.4 MB", "1.2 GB": a size for a log line.
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "kB", "MB", "GB", "TB"};
+  int unit = 0;
+  while (bytes >= 1000.0 && unit < 4) {
+    bytes /= 1000.0;
+    ++unit;
+  }
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(unit == 0 ? 0 : 1) << bytes << " " << units[unit];
+  return out.str();
+}
+
+// "2.2 TFLOP": a count of floating-point operations.
+std::string human_flops(double flops) {
+  const char* units[] = {"", "k", "M", "G", "T", "P"};
+  int unit = 0;
+  while (flops >= 1000.0 && unit < 5) {
+    flops /= 1000.0;
+    ++unit;
+  }
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << flops << " " << units[unit] << "FLOP";
+  return out.str();
+}
+
+// Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
+// memory and the cost of one second-order update, which the first step() pays without a word otherwise.
+void report_large_factors(const std::vector<KfacLayer>& layers, const Options& options) {
+  const int64_t limit = options.large_factor_dim();
+  if (limit <= 0) return;
+  const bool eigen = options.compute_method() == ComputeMethod::kEigen;
+  for (const auto& layer : layers) {
+    const int64_t largest = std::max(layer.a_dim(), layer.g_dim());
+    if (largest <= limit) continue;
+    const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
+    const double state_bytes = static_cast<double>(c10::elementSize(layer.second_order_dtype()));
+    std::ostringstream what;
+    double flops = 0.0;
+    for (const auto& [side, dim] : {std::pair{"A", layer.a_dim()}, std::pair{"G", layer.g_dim()}}) {
+      if (dim <= limit) continue;
+      const double d = static_cast<double>(dim);
+      // Eigen: eigenvectors d x d and eigenvalues d; inverse: one d x d inverse.
+      const double decomposition = (eigen ? d * d + d : d * d) * state_bytes;
+      const double cost = eigen ? 9.0 * d * d * d : d * d * d;
+      flops += cost;
+      what << (what.tellp() > 0 ? "; " : "") << side << " factor " << dim << " x " << dim << ": "
+           << human_bytes(d * d * factor_bytes) << " (" << c10::toString(layer.factor_dtype()) << "), its "
+           << (eigen ? "eigendecomposition " : "inverse ") << human_bytes(decomposition) << ", "
+           << human_flops(cost) << " per second-order update (" << (eigen ? "9 d^3" : "d^3") << ")";
+    }
+    TORCH_WARN("dkfac: layer '", layer.name(), "' (", to_string(layer.kind()), ") has a factor wider than ",
+               "Options::large_factor_dim ", limit, ": ", what.str(), ". Each second-order update of this layer costs ",
+               human_flops(flops), " (the first one comes with the first step(); tens of seconds on a few cores "
+               "for d ~ 6000); make the layer narrower (e.g. pool before a Linear), skip it with skip_layers, or ",
+               "update less often with inv_update_steps");
+  }
+}
+
 bool all_parameters_require_grad(const torch::nn::Module& module) {
   for (const auto& p : module.parameters(/*recurse=*/false)) {
     if (!p.requires_grad()) return false;
@@ -60,13 +121,27 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
   options.validate();  // before the skip_layers patterns are used
   const auto& skip_layers = options.skip_layers();
   std::vector<LayerBinding> bindings;
+  std::vector<std::string> candidates;  // "name (Kind)" of every layer skip_layers could have matched
+  std::vector<bool> used(skip_layers.size(), false);
   for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
     if (kfac_module == nullptr) continue;
     if (!all_parameters_require_grad(*item.value())) continue;
-    if (matches_any(skip_layers, item.key(), kfac_module->kfac_kind())) continue;
+    candidates.push_back("'" + item.key() + "' (" + kfac_module->kfac_kind() + ")");
+    bool skipped = false;
+    for (size_t i = 0; i < skip_layers.size(); ++i) {
+      if (matches_any({skip_layers[i]}, item.key(), kfac_module->kfac_kind())) used[i] = skipped = true;
+    }
+    if (skipped) continue;
     bindings.push_back({item.key(), kfac_module->kfac_weight(), kfac_module->kfac_bias(),
                         kfac_module->shared_factor_capture()});
+  }
+  for (size_t i = 0; i < skip_layers.size(); ++i) {
+    if (used[i]) continue;
+    std::string names;
+    for (const auto& candidate : candidates) names += (names.empty() ? "" : ", ") + candidate;
+    TORCH_WARN("dkfac: skip_layers pattern '", skip_layers[i], "' matches no layer, so it skips nothing; ",
+               "patterns are searched (regex_search) in these layer names and kinds: ", names);
   }
   TORCH_CHECK(!bindings.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
               " in the model (", model->name(), ") after applying skip_layers");
@@ -93,6 +168,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
   }
+  report_large_factors(layers_, options_);
   if (communicator != nullptr && communicator->size() > 1) {
     strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   }

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "dkfac/dkfac.h"
@@ -265,6 +267,63 @@ TEST(Preconditioner, SkipLayersByPatternKeepsPlainGradient) {
   EXPECT_THROW(Preconditioner(make_net(), Options().skip_layers({"."})), c10::Error);
 }
 
+// Collects TORCH_WARN messages while alive.
+class CapturedWarnings : public c10::WarningHandler {
+ public:
+  CapturedWarnings() : guard_(this) {}
+  void process(const c10::SourceLocation&, const std::string& message, bool) override { messages.push_back(message); }
+  std::string all() const {
+    std::string out;
+    for (const auto& m : messages) out += m + "\n";
+    return out;
+  }
+  std::vector<std::string> messages;
+
+ private:
+  c10::Warning::WarningHandlerGuard guard_;
+};
+
+TEST(Preconditioner, SkipLayersPatternThatMatchesNothingIsWarned) {
+  CapturedWarnings warnings;
+  Preconditioner kfac(make_net(), Options().skip_layers({"^fc2$", "fc3", "Embedding"}));
+  EXPECT_EQ(kfac.layers().size(), 2u);
+  ASSERT_EQ(warnings.messages.size(), 2u) << warnings.all();
+  EXPECT_NE(warnings.messages[0].find("skip_layers pattern 'fc3' matches no layer"), std::string::npos);
+  EXPECT_NE(warnings.messages[0].find("'conv' (Conv2d), 'fc1' (Linear), 'fc2' (Linear)"), std::string::npos)
+      << warnings.messages[0];
+  EXPECT_NE(warnings.messages[1].find("skip_layers pattern 'Embedding' matches no layer"), std::string::npos);
+  CapturedWarnings none;
+  Preconditioner all_used(make_net(), Options().skip_layers({"^fc2$", "Conv2d"}));
+  EXPECT_TRUE(none.messages.empty()) << none.all();
+}
+
+TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
+  // A Linear(8 * 28 * 28, 10) as in the README's former snippet: A is 6273 x 6273.
+  auto model = std::make_shared<torch::nn::Sequential>(nn::Linear(8 * 28 * 28, 10), nn::Linear(10, 5));
+  CapturedWarnings warnings;
+  Preconditioner kfac(model->ptr(), Options());
+  ASSERT_EQ(warnings.messages.size(), 1u) << warnings.all();
+  const auto& message = warnings.messages[0];
+  for (const char* needle : {"layer '0' (Linear)", "Options::large_factor_dim 4096", "A factor 6273 x 6273",
+                             "157.4 MB (Float)", "eigendecomposition 157.4 MB", "2.2 TFLOP per second-order update (9 d^3)"}) {
+    EXPECT_NE(message.find(needle), std::string::npos) << needle << " not in: " << message;
+  }
+  EXPECT_EQ(message.find("G factor"), std::string::npos) << "G is 10 wide: not reported";
+
+  CapturedWarnings inverse;
+  Preconditioner by_inverse(model->ptr(), Options().compute_method(ComputeMethod::kInverse).large_factor_dim(6000));
+  ASSERT_EQ(inverse.messages.size(), 1u) << inverse.all();
+  EXPECT_NE(inverse.messages[0].find("inverse 157.4 MB, 246.8 GFLOP per second-order update (d^3)"),
+            std::string::npos)
+      << inverse.messages[0];
+
+  CapturedWarnings quiet;
+  Preconditioner high(model->ptr(), Options().large_factor_dim(6273));
+  Preconditioner off(model->ptr(), Options().large_factor_dim(0));
+  EXPECT_TRUE(quiet.messages.empty()) << quiet.all();
+  EXPECT_THROW(Preconditioner(model->ptr(), Options().large_factor_dim(-1)), c10::Error);
+}
+
 TEST(Preconditioner, FrozenLayersAreNotPreconditioned) {
   auto net = make_net();
   net->fc1->weight.set_requires_grad(false);
@@ -470,16 +529,35 @@ TEST(Preconditioner, ReportsMemoryAndTimes) {
   EXPECT_GT(kfac.total_times().total(), 0.0);
 }
 
-// The API of the core issue, exactly as written there.
+// The API of the core issue, as the README's C++ snippet writes it (the README's model since issue 17: the
+// pooling keeps fc's factor 393 wide instead of 6273, whose first step took ~44 s).
 struct Net : torch::nn::Module {
   Net() {
     conv = register_module("conv", dkfac::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)));
-    fc = register_module("fc", dkfac::nn::Linear(torch::nn::LinearOptions(8 * 28 * 28, 10)));
+    fc = register_module("fc", dkfac::nn::Linear(torch::nn::LinearOptions(8 * 7 * 7, 10)));
   }
-  torch::Tensor forward(torch::Tensor x) { return fc->forward(torch::relu(conv->forward(x)).flatten(1)); }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc->forward(torch::max_pool2d(torch::relu(conv->forward(x)), 4).flatten(1));
+  }
   dkfac::nn::Conv2d conv{nullptr};
   dkfac::nn::Linear fc{nullptr};
 };
+
+// The README's snippet and this test's copy of it stay the same code.
+TEST(Preconditioner, ReadmeSnippetIsTheTestedNet) {
+  std::ifstream in(std::string(DKFAC_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in.good());
+  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const char* line : {
+           "    fc = register_module(\"fc\", dkfac::nn::Linear(torch::nn::LinearOptions(8 * 7 * 7, 10)));\n",
+           "    return fc->forward(torch::max_pool2d(torch::relu(conv->forward(x)), 4).flatten(1));\n",
+           "dkfac::Preconditioner kfac(net, dkfac::Options()\n"}) {
+    EXPECT_NE(readme.find(line), std::string::npos) << line;
+  }
+  CapturedWarnings warnings;
+  dkfac::Preconditioner kfac(std::make_shared<Net>(), dkfac::Options());
+  EXPECT_TRUE(warnings.messages.empty()) << "the README's model has no large factor: " << warnings.all();
+}
 
 TEST(Preconditioner, DocumentedApiTrainsOnASeparableProblem) {
   torch::manual_seed(0);

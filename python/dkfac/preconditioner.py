@@ -233,6 +233,7 @@ class KFACPreconditioner:
 
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> None:
+        candidates: list[tuple[str, str]] = []  # (name, class name) of every layer skip_layers could match
         for name, module in model.named_modules():
             if any(True for _ in module.children()):
                 continue
@@ -249,9 +250,10 @@ class KFACPreconditioner:
                     module.padding_mode, tuple(module._reversed_padding_repeated_twice))
             else:
                 continue
-            if _matches(self.skip_layers, name, module.__class__.__name__):
-                continue
             if not all(p.requires_grad for p in module.parameters()):
+                continue
+            candidates.append((name, module.__class__.__name__))
+            if _matches(self.skip_layers, name, module.__class__.__name__):
                 continue
             self._names.append(name)
             self._modules.append(module)
@@ -261,6 +263,12 @@ class KFACPreconditioner:
             g = module.weight.shape[0]
             logger.log(self._loglevel, 'dkfac: registered %s (%s): A %d x %d, G %d x %d', name,
                        module.__class__.__name__, a, a, g, g)
+        for pattern in self.skip_layers:
+            if not any(_matches([pattern], name, kind) for name, kind in candidates):
+                layers = ', '.join(f'{name!r} ({kind})' for name, kind in candidates)
+                warnings.warn(f'dkfac: skip_layers pattern {pattern!r} matches no layer, so it skips nothing; '
+                              f'patterns are searched (re.search) in these layer names and kinds: {layers}',
+                              stacklevel=3)
         if not self._names:
             raise ValueError('KFACPreconditioner found no torch.nn.Linear or torch.nn.Conv2d layer to precondition in '
                              f'{type(model).__name__} (after skip_layers={self.skip_layers!r} and frozen parameters)')

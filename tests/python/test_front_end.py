@@ -217,6 +217,12 @@ def test_grouped_conv_keeps_its_plain_gradient_with_a_warning():
     assert [name for name, _ in p.layers] == ['2']
 
 
+def test_skip_layers_pattern_that_matches_nothing_is_warned():
+    with pytest.warns(UserWarning, match=r"skip_layers pattern 'Conv2d' matches no layer.*'0' \(Linear\), '2' \(Linear\)"):
+        p = dkfac.KFACPreconditioner(tiny_mlp(), skip_layers=['Conv2d', '^2$'])
+    assert [name for name, _ in p.layers] == ['0']
+
+
 def test_torchvision_resnet_layers_and_a_step():
     torchvision = pytest.importorskip('torchvision')
     model = torchvision.models.resnet18(num_classes=10)

@@ -91,6 +91,42 @@ TEST_F(DataFiles, MismatchedImageAndLabelCounts) {
   expect_error([&] { load_mnist_style(dir_.string(), false, 0.0, 1.0); }, {"has neither t10k-images-idx3-ubyte"});
 }
 
+TEST_F(DataFiles, ImagesOfOtherDimensionsThanTheModelsAreNamedWithBothSizes) {
+  // A mnist-named directory with 32 x 32 images used to end in "mat1 and mat2 shapes cannot be multiplied".
+  const auto images = write("train-images-idx3-ubyte", idx_images(0x803, 2, 32, 32, 2 * 32 * 32));
+  write("train-labels-idx1-ubyte", idx_labels(0x801, 2, {1, 2}));
+  expect_error([&] { load_dataset("mnist", dir_.string(), false); },
+               {"dataset file '" + images + "' holds 32 x 32 images, but --dataset mnist has 28 x 28 images",
+                "the models are built for that size"});
+  // 28 x 28 train images but 20 x 28 test images: the test file is named.
+  write("train-images-idx3-ubyte", idx_images(0x803, 2, 28, 28, 2 * 28 * 28));
+  const auto test_images = write("t10k-images-idx3-ubyte", idx_images(0x803, 1, 20, 28, 20 * 28));
+  write("t10k-labels-idx1-ubyte", idx_labels(0x801, 1, {3}));
+  expect_error([&] { load_dataset("fashion-mnist", dir_.string(), false); },
+               {"'" + test_images + "' holds 20 x 28 images, but --dataset fashion-mnist has 28 x 28"});
+}
+
+TEST_F(DataFiles, BatchesAreTheNormalisedFloatImagesOfTheStoredBytes) {
+  write("train-images-idx3-ubyte", idx_images(0x803, 3, 28, 28, 3 * 28 * 28));
+  write("train-labels-idx1-ubyte", idx_labels(0x801, 3, {1, 2, 3}));
+  write("t10k-images-idx3-ubyte", idx_images(0x803, 2, 28, 28, 2 * 28 * 28));
+  write("t10k-labels-idx1-ubyte", idx_labels(0x801, 2, {4, 5}));
+  for (bool raw : {false, true}) {
+    const auto d = load_dataset("mnist", dir_.string(), raw);
+    EXPECT_EQ(d.train.images.scalar_type(), torch::kUInt8) << "stored as read: a quarter of float32";
+    EXPECT_EQ(d.train.images.sizes(), (std::vector<int64_t>{3, 1, 28, 28}));
+    // Bit for bit what normalising the whole set at load time gave.
+    const auto whole = load_mnist_style(dir_.string(), true, raw ? 0.0 : 0.1307, raw ? 1.0 : 0.3081);
+    const auto idx = torch::tensor({2, 0}, torch::kInt64);
+    const auto batch = d.train_batch(idx);
+    EXPECT_EQ(batch.scalar_type(), torch::kFloat32);
+    EXPECT_EQ(batch.sizes(), (std::vector<int64_t>{2, 1, 28, 28}));
+    EXPECT_TRUE(torch::equal(batch, whole.images.index_select(0, idx)));
+    const auto test_whole = load_mnist_style(dir_.string(), false, raw ? 0.0 : 0.1307, raw ? 1.0 : 0.3081);
+    EXPECT_TRUE(torch::equal(d.test_batch(1, 2), test_whole.images.slice(0, 1, 2)));
+  }
+}
+
 TEST_F(DataFiles, Cifar10Records) {
   std::vector<uint8_t> good;
   for (int r = 0; r < 2; ++r) {

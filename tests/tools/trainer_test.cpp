@@ -1,6 +1,9 @@
 // The training loop of `dkfac train`: determinism, exact resume, checkpoint safety, option errors.
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <limits>
+
 #include <signal.h>
 #include <sys/resource.h>
 
@@ -317,6 +320,63 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c = TrainConfig();
   c.checkpoint_every_steps = -2;
   expect(c, "--checkpoint-every-steps must be >= 0, got -2");
+
+  // Every numeric flag is range-checked under its own name, before the library's checks (which name
+  // Options fields such as factor_decay) could see the value.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<std::pair<std::function<void(TrainConfig&)>, std::string>> numeric = {
+      {[](TrainConfig& t) { t.lr = 0; }, "--lr must be > 0, got 0"},
+      {[nan](TrainConfig& t) { t.lr = nan; }, "--lr must be > 0, got nan"},
+      {[](TrainConfig& t) { t.momentum = 1; }, "--momentum must be in [0, 1), got 1"},
+      {[](TrainConfig& t) { t.momentum = -0.5; }, "--momentum must be in [0, 1), got -0.5"},
+      {[](TrainConfig& t) { t.weight_decay = -1e-4; }, "--weight-decay must be >= 0, got -0.0001"},
+      {[inf](TrainConfig& t) { t.weight_decay = inf; }, "--weight-decay must be >= 0, got inf"},
+      {[](TrainConfig& t) { t.accumulation_steps = 0; }, "--accumulation-steps must be >= 1, got 0"},
+      {[](TrainConfig& t) { t.epochs = 0; }, "--epochs must be >= 1, got 0"},
+      {[](TrainConfig& t) { t.warmup_epochs = -1; }, "--warmup-epochs must be >= 0, got -1"},
+      {[](TrainConfig& t) { t.seed = -3; }, "--seed must be >= 0, got -3"},
+      {[](TrainConfig& t) { t.threads = -1; }, "--threads must be in [0, 4096] (0: LibTorch's default), got -1"},
+      {[](TrainConfig& t) { t.threads = 5000; }, "--threads must be in [0, 4096] (0: LibTorch's default), got 5000"},
+      {[](TrainConfig& t) { t.damping = 0; }, "--damping must be > 0, got 0"},
+      {[inf](TrainConfig& t) { t.damping = inf; }, "--damping must be > 0, got inf"},
+      {[](TrainConfig& t) { t.factor_decay = 2; }, "--factor-decay must be in [0, 1), got 2"},
+      {[](TrainConfig& t) { t.factor_decay = 1; }, "--factor-decay must be in [0, 1), got 1"},
+      {[](TrainConfig& t) { t.factor_decay = -0.1; }, "--factor-decay must be in [0, 1), got -0.1"},
+      {[](TrainConfig& t) { t.kl_clip = -1; }, "--kl-clip must be >= 0 (0: off), got -1"},
+      {[](TrainConfig& t) { t.factor_update_steps = 0; }, "--factor-update-steps must be >= 1, got 0"},
+      {[](TrainConfig& t) { t.inv_update_steps = -2; }, "--inv-update-steps must be >= 1, got -2"},
+      {[](TrainConfig& t) { t.checkpoint_every_epochs = 0; }, "--checkpoint-every-epochs must be >= 1, got 0"},
+      {[](TrainConfig& t) { t.log_every = -1; }, "--log-every must be >= 0, got -1"},
+      {[](TrainConfig& t) { t.grad_worker_fraction = 1.5; }, "--grad-worker-fraction must be in [0, 1] (0: 1/P), got 1.5"},
+      {[](TrainConfig& t) { t.grad_worker_fraction = -0.5; }, "--grad-worker-fraction must be in [0, 1] (0: 1/P), got -0.5"},
+      // A kfac_pytorch alias that set the field is the flag named.
+      {[](TrainConfig& t) {
+         t.damping = -1;
+         t.typed_as["--damping"] = "--kfac-damping";
+       }, "--kfac-damping must be > 0, got -1"},
+      {[](TrainConfig& t) {
+         t.factor_decay = 1.5;
+         t.typed_as["--factor-decay"] = "--kfac-factor-decay";
+       }, "--kfac-factor-decay must be in [0, 1), got 1.5"},
+      {[](TrainConfig& t) {
+         t.inv_update_steps = -1;
+         t.typed_as["--inv-update-steps"] = "--kfac-inv-update-steps";
+       }, "--kfac-inv-update-steps must be >= 1 (0: K-FAC off), got -1"},
+  };
+  for (const auto& [change, message] : numeric) {
+    TrainConfig bad;
+    change(bad);
+    expect(bad, message);
+  }
+  // The edges that are allowed.
+  c = TrainConfig();
+  c.factor_decay = 0;
+  c.kl_clip = 0;
+  c.momentum = 0;
+  c.grad_worker_fraction = 0;  // 1/P
+  c.threads = 4096;
+  EXPECT_NO_THROW(c.validate());
 }
 
 TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
@@ -333,6 +393,11 @@ TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
   EXPECT_EQ(c.library_strategy(), Strategy::kSpd);
   c.strategy = "dp";
   EXPECT_EQ(c.library_strategy(), Strategy::kDp);
+  // 0 is kfac_pytorch's 1/P (MEM-OPT), what --kfac-strategy mem-opt sets.
+  c.strategy = "kaisa";
+  c.grad_worker_fraction = 0;
+  EXPECT_EQ(c.fraction_for(4), 0.25);
+  EXPECT_EQ(c.fraction_for(8), 0.125);
 }
 
 }  // namespace

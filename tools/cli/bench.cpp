@@ -82,7 +82,10 @@ Command add_bench_command(CLI::App& app) {
   bench->add_option("--cycles", cli->config.cycles, "inverse periods measured per K-FAC configuration")
       ->capture_default_str();
   bench->add_option("--warmup", cli->config.warmup_steps, "unmeasured steps first")->capture_default_str();
-  bench->add_option("--damping", cli->config.damping, "K-FAC damping")->capture_default_str();
+  bench->add_option("--damping", cli->config.damping,
+                    "K-FAC damping; 0.003 is kfac_pytorch's example-script default, the setting of the step-time "
+                    "comparison with kfac_pytorch (docs/PERFORMANCE.md); a step's operations do not depend on it")
+      ->capture_default_str();
   bench->add_option("--threads", cli->config.threads, "intra-op threads (0: every core)")->capture_default_str();
   bench->add_option("--kernel-dims", cli->config.kernel_dims, "factor dimensions of the kernel benchmark")
       ->capture_default_str();

@@ -6,6 +6,7 @@
 #include "tools/cli/commands.h"
 #include "tools/cli/launch.h"
 #include "tools/cli/train_flags.h"
+#include "tools/common/memory.h"
 
 namespace dkfac::cli {
 namespace {
@@ -108,19 +109,24 @@ Command add_train_command(CLI::App& app) {
   add_train_options(*train, flags->config);
   train->add_option("--nproc", flags->nproc, "local worker processes (TCPStore rendezvous on a free loopback port)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 256));
+      ->check(CLI::Range(1, 256))
+      ->group(kDistributedGroup);
   train->add_option("--master-addr", flags->rendezvous.master_addr,
                     "host of rank 0's rendezvous store under a launcher (default: MASTER_ADDR; Slurm: the first "
-                    "node of the job; else 127.0.0.1)");
+                    "node of the job; else 127.0.0.1)")
+      ->group(kDistributedGroup);
   train->add_option("--master-port", flags->rendezvous.master_port,
                     "port of the rendezvous store (default: MASTER_PORT; Slurm: 20000 + SLURM_JOB_ID mod 10000; "
                     "else 29500)")
-      ->check(CLI::Range(1, 65535));
+      ->check(CLI::Range(1, 65535))
+      ->group(kDistributedGroup);
   train->add_option("--timeout", flags->timeout_s, "seconds before a silent peer is an error")->capture_default_str()
-      ->check(CLI::Range(1, 3600));
+      ->check(CLI::Range(1, 3600))
+      ->group(kDistributedGroup);
 
   return {train, [flags](const Invocation& invocation) {
     flags->config.command_line = invocation.command_line;
+    if (flags->nproc > 1) dkfac::tools::check_memory_for_workers(flags->config, flags->nproc);
     if (flags->nproc > 1) return launch_local(flags->config, flags->nproc, flags->timeout_s);
     const auto job = job_of_this_process(flags->rendezvous);
     if (job.world_size == 1) {

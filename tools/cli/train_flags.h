@@ -6,7 +6,20 @@
 
 namespace dkfac::cli {
 
-/// Registers `dkfac train`'s training flags on `app`, writing into `config`.
+/// The groups of `dkfac train --help`, in the order they appear.
+inline constexpr const char* kDataGroup = "Data";
+inline constexpr const char* kModelGroup = "Model";
+inline constexpr const char* kOptimizerGroup = "Optimizer";
+inline constexpr const char* kKfacGroup = "K-FAC";
+inline constexpr const char* kDistributedGroup = "Distributed";
+inline constexpr const char* kCheckpointGroup = "Checkpoints";
+inline constexpr const char* kOutputGroup = "Output";
+inline constexpr const char* kAliasGroup = "kfac_pytorch example-script names (examples/torch_cifar10_resnet.py)";
+
+/// Registers `dkfac train`'s training flags on `app`, writing into `config`. Once `app` is parsed, the
+/// kfac_pytorch aliases are copied into their dkfac fields (an alias and its dkfac flag given with different
+/// values is a CLI::ValidationError naming both) and `config.validate()` runs, its errors becoming
+/// CLI::ValidationErrors: a bad value stops the command line before any worker starts.
 void add_train_options(CLI::App& app, train::TrainConfig& config);
 
 }  // namespace dkfac::cli

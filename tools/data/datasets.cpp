@@ -17,19 +17,31 @@ std::vector<uint8_t> read_bytes(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-ImageSet normalise(ImageSet set, const std::vector<double>& mean, const std::vector<double>& stddev, bool raw) {
-  auto x = set.images.to(torch::kFloat32).div_(255.0);
-  if (x.dim() == 3) x = x.unsqueeze(1);
-  if (!raw) {
-    auto m = torch::tensor(mean, torch::kFloat32).view({1, -1, 1, 1});
-    auto s = torch::tensor(stddev, torch::kFloat32).view({1, -1, 1, 1});
+}  // namespace
+
+torch::Tensor Dataset::to_input(const torch::Tensor& images) const {
+  if (images.scalar_type() != torch::kUInt8) return images;  // stored as model input (synthetic)
+  const auto& n = normalisation;
+  if (!n.per_channel) {
+    // MNIST-style: the scalar operations of normalise_mnist_style (mean 0, std 1 when raw).
+    return normalise_mnist_style(images, n.mean.empty() ? 0.0 : n.mean[0], n.stddev.empty() ? 1.0 : n.stddev[0]);
+  }
+  auto x = images.to(torch::kFloat32).div_(255.0);
+  if (!n.mean.empty()) {
+    auto m = torch::tensor(n.mean, torch::kFloat32).view({1, -1, 1, 1});
+    auto s = torch::tensor(n.stddev, torch::kFloat32).view({1, -1, 1, 1});
     x = (x - m) / s;
   }
-  set.images = x.contiguous();
-  return set;
+  return x.contiguous();
 }
 
-}  // namespace
+torch::Tensor Dataset::train_batch(const torch::Tensor& indices) const {
+  return to_input(train.images.index_select(0, indices));
+}
+
+torch::Tensor Dataset::test_batch(int64_t begin, int64_t end) const {
+  return to_input(test.images.slice(0, begin, end));
+}
 
 const std::vector<std::string>& dataset_names() {
   static const std::vector<std::string> names = {"fashion-mnist", "mnist", "cifar10", "synthetic"};
@@ -84,8 +96,9 @@ Dataset load_dataset(const std::string& name, const std::string& dir, bool raw_p
     const double mean = name == "mnist" ? 0.1307 : kFashionMnistMean;
     const double stddev = name == "mnist" ? 0.3081 : kFashionMnistStd;
     // Mean 0 and std 1 leave the pixels in [0, 1] (autoencoder targets).
-    d.train = load_mnist_style(path, true, raw_pixels ? 0.0 : mean, raw_pixels ? 1.0 : stddev);
-    d.test = load_mnist_style(path, false, raw_pixels ? 0.0 : mean, raw_pixels ? 1.0 : stddev);
+    d.normalisation = {{raw_pixels ? 0.0 : mean}, {raw_pixels ? 1.0 : stddev}, false};
+    d.train = read_mnist_style(path, true, d.height, d.width, name);
+    d.test = read_mnist_style(path, false, d.height, d.width, name);
     return d;
   }
   if (name == "cifar10") {
@@ -94,8 +107,9 @@ Dataset load_dataset(const std::string& name, const std::string& dir, bool raw_p
     for (int i = 1; i <= 5; ++i) train_files.push_back(dir + "/data_batch_" + std::to_string(i) + ".bin");
     const std::vector<double> mean = {0.4914, 0.4822, 0.4465};
     const std::vector<double> stddev = {0.2470, 0.2435, 0.2616};
-    d.train = normalise(read_cifar10(train_files), mean, stddev, raw_pixels);
-    d.test = normalise(read_cifar10({dir + "/test_batch.bin"}), mean, stddev, raw_pixels);
+    d.normalisation = {raw_pixels ? std::vector<double>{} : mean, raw_pixels ? std::vector<double>{} : stddev, true};
+    d.train = read_cifar10(train_files);
+    d.test = read_cifar10({dir + "/test_batch.bin"});
     d.channels = 3;
     d.height = 32;
     d.width = 32;

@@ -94,16 +94,30 @@ torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes) {
   return parse_idx_labels(read_file(path), path, num_classes);
 }
 
-ImageSet load_mnist_style(const std::string& dir, bool train, double mean, double stddev) {
+ImageSet read_mnist_style(const std::string& dir, bool train, int64_t rows, int64_t cols, const std::string& dataset) {
   const std::string prefix = train ? "train" : "t10k";
   const auto images_path = find_file(dir, prefix + "-images-idx3-ubyte");
   const auto labels_path = find_file(dir, prefix + "-labels-idx1-ubyte");
   auto images = read_idx_images(images_path);
+  TORCH_CHECK(rows <= 0 || cols <= 0 || (images.size(1) == rows && images.size(2) == cols), "dataset file '",
+              images_path, "' holds ", images.size(1), " x ", images.size(2), " images, but ",
+              dataset.empty() ? std::string("the dataset") : "--dataset " + dataset, " has ", rows, " x ", cols,
+              " images and the models are built for that size; point --data-dir at a directory of ", rows, " x ",
+              cols, " images");
   auto labels = read_idx_labels(labels_path);
   TORCH_CHECK(images.size(0) == labels.size(0), "'", images_path, "' holds ", images.size(0), " images but '",
               labels_path, "' holds ", labels.size(0), " labels");
-  auto x = images.to(torch::kFloat32).div_(255.0).sub_(mean).div_(stddev).unsqueeze(1);
-  return {x, labels};
+  return {images.unsqueeze(1), labels};
+}
+
+torch::Tensor normalise_mnist_style(const torch::Tensor& images, double mean, double stddev) {
+  return images.to(torch::kFloat32).div_(255.0).sub_(mean).div_(stddev);
+}
+
+ImageSet load_mnist_style(const std::string& dir, bool train, double mean, double stddev) {
+  auto set = read_mnist_style(dir, train);
+  set.images = normalise_mnist_style(set.images, mean, stddev);
+  return set;
 }
 
 }  // namespace dkfac::data

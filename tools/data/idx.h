@@ -20,16 +20,22 @@ torch::Tensor read_idx_labels(const std::string& path, int64_t num_classes = 10)
 torch::Tensor parse_idx_images(const std::vector<uint8_t>& bytes, const std::string& name);
 torch::Tensor parse_idx_labels(const std::vector<uint8_t>& bytes, const std::string& name, int64_t num_classes = 10);
 
-/// A labelled image set: images float32 [N, 1, H, W] normalised with (x/255 - mean) / std, labels int64 [N].
+/// A labelled image set: images [N, C, H, W] (uint8 as read, or float32 normalised), labels int64 [N].
 struct ImageSet {
   torch::Tensor images;
   torch::Tensor labels;
   int64_t size() const { return labels.size(0); }
 };
 
-/// Loads `train` or `t10k` images and labels of an MNIST-style directory (files with or without .gz);
-/// checks that both files hold the same number of examples.
+/// Reads `train` or `t10k` images (uint8 [N, 1, H, W]) and labels of an MNIST-style directory (files with
+/// or without .gz); checks that both files hold the same number of examples and, when `rows` and `cols`
+/// are > 0, that the images are rows x cols (the message names the file, both sizes and `dataset`).
+ImageSet read_mnist_style(const std::string& dir, bool train, int64_t rows = 0, int64_t cols = 0,
+                          const std::string& dataset = "");
+/// read_mnist_style() with the images as float32 (x/255 - mean) / stddev.
 ImageSet load_mnist_style(const std::string& dir, bool train, double mean, double stddev);
+/// The float32 (x/255 - mean) / stddev of uint8 MNIST-style `images`, as load_mnist_style() computes it.
+torch::Tensor normalise_mnist_style(const torch::Tensor& images, double mean, double stddev);
 
 /// Default directory of Debian's dataset-fashion-mnist package.
 constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";

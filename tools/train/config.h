@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -51,19 +52,27 @@ struct TrainConfig {
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
   std::string strategy = "kaisa";
-  double grad_worker_fraction = 1.0;
+  double grad_worker_fraction = 1.0;  // 0: 1/P (MEM-OPT; kfac_pytorch's convention), resolved by fraction_for
   bool symmetric_comm = false;
   bool balance_memory = false;    // KAISA placement by dim^2 instead of dim^3
   bool colocate_factors = true;   // A and G of a layer on one rank
+  /// The flag that set a field when it was not the dkfac flag itself: "--damping" -> "--kfac-damping" when
+  /// kfac_pytorch's alias was typed. validate() names the flag as typed. Not an option: not in to_json().
+  std::map<std::string, std::string> typed_as;
 
-  /// The KAISA grad-worker fraction that `strategy` means for `world` ranks: kaisa -> grad_worker_fraction,
+  /// `flag` ("--damping") or the alias that stood for it on the command line.
+  std::string flag(const std::string& name) const;
+
+  /// The KAISA grad-worker fraction that `strategy` means for `world` ranks: kaisa -> grad_worker_fraction
+  /// (0 -> 1/world),
   /// spd, dp -> 1 (they place their own work),
   /// dkfac (SC20 KFAC-opt) -> 1, dkfac-lw (SC20 layer-wise: the owner preconditions and shares V) -> 1/world.
   double fraction_for(int world) const;
   /// The library strategy `strategy` names: spd -> kSpd, dp -> kDp, the others -> kKaisa.
   Strategy library_strategy() const;
 
-  /// Throws c10::Error naming the first bad field and its value.
+  /// Throws c10::Error naming the first bad field's flag (as typed: see typed_as) and its value. Every
+  /// numeric flag is range-checked here, before the library sees it.
   void validate() const;
 };
 

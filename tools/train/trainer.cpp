@@ -197,7 +197,7 @@ Evaluation Trainer::evaluate() {
   int64_t correct = 0;
   for (int64_t begin = 0; begin < size; begin += 1000) {
     const int64_t end = std::min(begin + 1000, size);
-    auto x = test.images.slice(0, begin, end);
+    auto x = s.dataset.test_batch(begin, end);
     auto y = test.labels.slice(0, begin, end);
     auto out = s.model->forward(x);
     loss_sum += loss_of(out, x, y).item<double>() * static_cast<double>(end - begin);
@@ -549,7 +549,7 @@ TrainSummary Trainer::run() {
       // Rank r reads its own disjoint slice of the global batch.
       const int64_t begin = (at.step_in_epoch * world_ + rank_) * config_.batch_size;
       auto idx = order.slice(0, begin, begin + config_.batch_size);
-      auto x = train.images.index_select(0, idx);
+      auto x = s.dataset.train_batch(idx);
       auto y = train.labels.index_select(0, idx);
       if (s.dataset.augment) {
         auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);

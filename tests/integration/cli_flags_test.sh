@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# `dkfac train`'s command line as a user meets it (issue 17): --help groups and defaults, errors that name the
+# flag typed, kfac_pytorch aliases, a skip-layers pattern that matches nothing, images of the wrong size.
+set -euo pipefail
+dkfac="$1"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+source "$(dirname "$0")/lib.sh"
+
+fail() { echo "FAIL: $*"; exit 1; }
+# Runs train with the given flags, expecting failure; its output is in $tmp/out.
+refused() { if "$dkfac" train "$@" > "$tmp/out" 2>&1; then fail "dkfac train $* succeeded"; fi; }
+has() { grep -qF -- "$1" "$tmp/out" || { cat "$tmp/out"; fail "output lacks: $1"; }; }
+lacks() { if grep -qF -- "$1" "$tmp/out"; then cat "$tmp/out"; fail "output has: $1"; fi; }
+
+echo "== --help: groups, and which half of a switch pair is the default"
+"$dkfac" train --help > "$tmp/out"
+for group in "Data:" "Model:" "Optimizer:" "K-FAC:" "Distributed:" "Checkpoints:" "Output:"; do has "$group"; done
+has "precondition with K-FAC (default: on)"
+has "--kfac-strategy"
+lacks "{false}"
+
+echo "== numeric flags are refused under the name typed, before anything starts"
+refused --factor-decay 2
+has "--factor-decay must be in [0, 1), got 2"
+lacks "factor_decay"
+refused --kfac-factor-decay 2
+has "--kfac-factor-decay must be in [0, 1), got 2"
+refused --damping 0
+has "--damping must be > 0, got 0"
+refused --timeout 0
+has "--timeout: Value 0 not in range 1 to 3600"
+refused --nproc 2 --kl-clip -1
+has "--kl-clip must be >= 0 (0: off), got -1"
+
+echo "== an alias and its flag that disagree are named together"
+refused --kfac-damping 0.003 --damping 0.3
+has "--kfac-damping 0.003 and --damping 0.3 disagree"
+
+echo "== --kfac-inv-update-steps 0 is training without K-FAC"
+"$dkfac" train --dataset synthetic --model mlp --kfac-inv-update-steps 0 --max-steps 2 --epochs 1 > "$tmp/out" 2>&1
+has "train: model mlp, dataset synthetic"
+lacks "K-FAC +"
+
+echo "== a --skip-layers pattern that matches nothing is warned about, naming the layers"
+"$dkfac" train --dataset synthetic --model mlp --skip-layers '^fc$' --max-steps 1 --epochs 1 > "$tmp/out" 2>&1
+has "skip_layers pattern '^fc\$' matches no layer"
+has "'1' (Linear)"
+
+echo "== images of another size than the dataset's name the file and both sizes"
+python3 - "$tmp/mnist32" <<'PY'
+import os, struct, sys
+d = sys.argv[1]
+os.makedirs(d)
+for prefix, n in (('train', 256), ('t10k', 64)):
+    open(f'{d}/{prefix}-images-idx3-ubyte', 'wb').write(struct.pack('>IIII', 0x803, n, 32, 32) + bytes(n * 1024))
+    open(f'{d}/{prefix}-labels-idx1-ubyte', 'wb').write(struct.pack('>II', 0x801, n) + bytes(n))
+PY
+refused --dataset mnist --data-dir "$tmp/mnist32" --max-steps 1
+has "dataset file '$tmp/mnist32/train-images-idx3-ubyte' holds 32 x 32 images, but --dataset mnist has 28 x 28"
+lacks "mat1 and mat2"
+echo "PASS"

@@ -1,0 +1,160 @@
+// `dkfac train`'s flags: --help groups and defaults, kfac_pytorch's aliases, errors that name the flag typed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tools/cli/train_flags.h"
+
+namespace dkfac::cli {
+namespace {
+
+using train::TrainConfig;
+
+// Parses `args` (after "train") as the train subcommand does; the config is valid when this returns.
+struct Parsed {
+  std::unique_ptr<CLI::App> app = std::make_unique<CLI::App>("train");
+  TrainConfig config;
+
+  explicit Parsed(std::vector<std::string> args) {
+    add_train_options(*app, config);
+    std::reverse(args.begin(), args.end());  // CLI11 takes them reversed
+    app->parse(args);
+  }
+};
+
+// The message of the CLI::ParseError that parsing `args` throws ("" if none).
+std::string error_of(const std::vector<std::string>& args) {
+  try {
+    Parsed parsed(args);
+  } catch (const CLI::ParseError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TrainFlags, HelpGroupsFlagsAndStatesDefaultsOfPairedSwitches) {
+  CLI::App app("train");
+  TrainConfig config;
+  add_train_options(app, config);
+  const std::string help = app.help();
+  size_t last = 0;
+  for (const char* group : {"Data:", "Model:", "Optimizer:", "K-FAC:", "Distributed:", "Checkpoints:", "Output:",
+                            "kfac_pytorch example-script names"}) {
+    const size_t at = help.find(std::string("\n") + group);
+    ASSERT_NE(at, std::string::npos) << group << " missing in:\n" << help;
+    EXPECT_GT(at, last) << group << " out of order";
+    last = at;
+  }
+  // Each flag sits under its group.
+  auto group_of = [&help](const std::string& flag) {
+    const size_t at = help.find("  " + flag + " ");
+    EXPECT_NE(at, std::string::npos) << flag;
+    const size_t heading = help.rfind(":\n", at);
+    return help.substr(help.rfind('\n', heading - 1) + 1, heading - help.rfind('\n', heading - 1) - 1);
+  };
+  EXPECT_EQ(group_of("--data-dir"), "Data");
+  EXPECT_EQ(group_of("--model"), "Model");
+  EXPECT_EQ(group_of("--lr"), "Optimizer");
+  EXPECT_EQ(group_of("--damping"), "K-FAC");
+  EXPECT_EQ(group_of("--no-kfac"), "K-FAC");
+  EXPECT_EQ(group_of("--strategy"), "Distributed");
+  EXPECT_EQ(group_of("--checkpoint-dir"), "Checkpoints");
+  EXPECT_EQ(group_of("--metrics"), "Output");
+  // A paired switch no longer reads "--kfac,--no-kfac{false}" (off by default); each half says its default.
+  EXPECT_EQ(help.find("{false}"), std::string::npos) << help;
+  EXPECT_EQ(help.find("{true}"), std::string::npos) << help;
+  for (const char* text : {"precondition with K-FAC (default: on)", "no K-FAC: plain SGD/Adam (default: off)",
+                           "(lr / base lr)^2 (default: on)", "as kfac_pytorch does (default: off)",
+                           "on one rank (default: on)", "on different ranks (default: off)"}) {
+    EXPECT_NE(help.find(text), std::string::npos) << text;
+  }
+  // The damping default carries its reason.
+  EXPECT_NE(help.find("0.3 is the recipe the README's table measures"), std::string::npos);
+}
+
+TEST(TrainFlags, PairedSwitchesSetAndExcludeEachOther) {
+  EXPECT_TRUE(Parsed({}).config.kfac);
+  EXPECT_FALSE(Parsed({"--no-kfac"}).config.kfac);
+  EXPECT_TRUE(Parsed({"--kfac"}).config.kfac);
+  EXPECT_FALSE(Parsed({"--kl-clip-fixed"}).config.kl_clip_follows_lr);
+  EXPECT_FALSE(Parsed({"--separate-factors"}).config.colocate_factors);
+  EXPECT_NE(error_of({"--kfac", "--no-kfac"}), "");
+}
+
+TEST(TrainFlags, KfacPytorchAliasesMeanWhatTheExamplesMean) {
+  Parsed p({"--kfac-damping", "0.003", "--kfac-factor-decay", "0.9", "--kfac-kl-clip", "0.01",
+            "--kfac-factor-update-steps", "1", "--kfac-inv-update-steps", "10", "--kfac-skip-layers", "Conv2d",
+            "^7$", "--kfac-colocate-factors"});
+  EXPECT_TRUE(p.config.kfac);
+  EXPECT_EQ(p.config.damping, 0.003);
+  EXPECT_EQ(p.config.factor_decay, 0.9);
+  EXPECT_EQ(p.config.kl_clip, 0.01);
+  EXPECT_EQ(p.config.factor_update_steps, 1);
+  EXPECT_EQ(p.config.inv_update_steps, 10);
+  EXPECT_EQ(p.config.skip_layers, (std::vector<std::string>{"Conv2d", "^7$"}));
+  EXPECT_TRUE(p.config.colocate_factors);
+  // The examples' `--kfac-inv-update-steps 0` is SGD without K-FAC.
+  EXPECT_FALSE(Parsed({"--kfac-inv-update-steps", "0"}).config.kfac);
+  // Given together with the same value, an alias and its flag agree.
+  EXPECT_EQ(Parsed({"--damping", "0.1", "--kfac-damping", "0.1"}).config.damping, 0.1);
+}
+
+TEST(TrainFlags, KfacStrategyMapsToKaisaFractions) {
+  auto comm = Parsed({"--kfac-strategy", "comm-opt"}).config;
+  EXPECT_EQ(comm.strategy, "kaisa");
+  EXPECT_EQ(comm.fraction_for(4), 1.0);
+  auto mem = Parsed({"--kfac-strategy", "mem-opt"}).config;
+  EXPECT_EQ(mem.fraction_for(4), 0.25);
+  EXPECT_EQ(mem.fraction_for(2), 0.5);
+  EXPECT_EQ(Parsed({"--kfac-strategy", "hybrid-opt"}).config.fraction_for(8), 0.5);
+  EXPECT_EQ(Parsed({"--kfac-strategy", "hybrid-opt", "--kfac-grad-worker-fraction", "0.25"}).config.fraction_for(8),
+            0.25);
+  EXPECT_EQ(Parsed({"--kfac-grad-worker-fraction", "0.5"}).config.grad_worker_fraction, 0.5);
+  EXPECT_NE(error_of({"--kfac-strategy", "hybrid_opt"}), "");
+}
+
+TEST(TrainFlags, AliasAndFlagWithDifferentValuesIsAnErrorNamingBoth) {
+  EXPECT_EQ(error_of({"--damping", "0.3", "--kfac-damping", "0.003"}),
+            "--kfac-damping 0.003 and --damping 0.3 disagree (--kfac-damping is kfac_pytorch's name for --damping); "
+            "give one");
+  EXPECT_EQ(error_of({"--factor-update-steps", "10", "--kfac-factor-update-steps", "1"}),
+            "--kfac-factor-update-steps 1 and --factor-update-steps 10 disagree (--kfac-factor-update-steps is "
+            "kfac_pytorch's name for --factor-update-steps); give one");
+  EXPECT_NE(error_of({"--inv-update-steps", "100", "--kfac-inv-update-steps", "10"})
+                .find("--kfac-inv-update-steps 10 and --inv-update-steps 100 disagree"),
+            std::string::npos);
+  EXPECT_EQ(error_of({"--kfac", "--kfac-inv-update-steps", "0"}),
+            "--kfac-inv-update-steps 0 (K-FAC off) and --kfac disagree; give one");
+  EXPECT_NE(error_of({"--no-kfac", "--kfac-inv-update-steps", "5"}).find("and --no-kfac disagree"), std::string::npos);
+  EXPECT_NE(error_of({"--skip-layers", "a", "--kfac-skip-layers", "b"})
+                .find("--kfac-skip-layers b and --skip-layers a disagree"),
+            std::string::npos);
+  EXPECT_EQ(error_of({"--separate-factors", "--kfac-colocate-factors"}),
+            "--kfac-colocate-factors and --separate-factors disagree; give one");
+  EXPECT_NE(error_of({"--kfac-strategy", "mem-opt", "--strategy", "spd"})
+                .find("--kfac-strategy mem-opt and --strategy spd disagree"),
+            std::string::npos);
+  EXPECT_EQ(error_of({"--kfac-strategy", "comm-opt", "--grad-worker-fraction", "0.5"}),
+            "--kfac-strategy comm-opt (grad-worker fraction 1) and --grad-worker-fraction 0.5 disagree; give one");
+  EXPECT_EQ(error_of({"--kfac-strategy", "mem-opt", "--kfac-grad-worker-fraction", "0.5"}),
+            "--kfac-strategy mem-opt (grad-worker fraction 1/P) and --kfac-grad-worker-fraction 0.5 disagree; give "
+            "one");
+}
+
+TEST(TrainFlags, BadValuesAreRefusedAtParseNamingTheFlagTyped) {
+  EXPECT_EQ(error_of({"--factor-decay", "2"}), "--factor-decay must be in [0, 1), got 2");
+  EXPECT_EQ(error_of({"--kfac-factor-decay", "2"}), "--kfac-factor-decay must be in [0, 1), got 2");
+  EXPECT_EQ(error_of({"--damping", "0"}), "--damping must be > 0, got 0");
+  EXPECT_EQ(error_of({"--kfac-damping", "-1"}), "--kfac-damping must be > 0, got -1");
+  EXPECT_EQ(error_of({"--kfac-inv-update-steps", "-1"}), "--kfac-inv-update-steps must be >= 0 (0: K-FAC off), got -1");
+  EXPECT_EQ(error_of({"--inv-update-steps", "0"}), "--inv-update-steps must be >= 1, got 0");
+  EXPECT_EQ(error_of({"--kfac-grad-worker-fraction", "2"}),
+            "--kfac-grad-worker-fraction must be in [0, 1] (0: 1/P), got 2");
+  EXPECT_EQ(error_of({"--threads", "-1"}), "--threads must be in [0, 4096] (0: LibTorch's default), got -1");
+}
+
+}  // namespace
+}  // namespace dkfac::cli
