@@ -254,11 +254,6 @@ GroupId Communicator::new_group(const std::vector<int>& ranks) {
 
 const std::vector<int>& Communicator::members(GroupId group) const { return impl_->groups.at(group).members; }
 
-bool Communicator::contains(GroupId group, int rank) const {
-  const auto& m = members(group);
-  return std::binary_search(m.begin(), m.end(), rank);
-}
-
 void Communicator::add_traffic(const std::string& phase, int64_t calls, int64_t bytes) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];

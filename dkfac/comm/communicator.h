@@ -116,7 +116,6 @@ class Communicator {
   GroupId new_group(const std::vector<int>& ranks);
   /// Global ranks of a group, ascending.
   const std::vector<int>& members(GroupId group) const;
-  bool contains(GroupId group, int rank) const;
 
   /// Starts an in-place average of `tensor` over `group`; counted under `phase`.
   Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase);
