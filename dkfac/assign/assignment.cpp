@@ -186,22 +186,6 @@ int64_t redundant_dim_threshold(double seconds_per_cubed_dim, const AlphaBeta& l
   return best;
 }
 
-std::vector<int64_t> bucket_groups(const std::vector<int64_t>& bytes, int64_t cap_bytes) {
-  TORCH_CHECK(cap_bytes >= 0, "bucket cap must be >= 0 bytes, got ", cap_bytes);
-  std::vector<int64_t> sizes;
-  int64_t filled = 0;
-  for (const int64_t b : bytes) {
-    if (sizes.empty() || cap_bytes == 0 || filled + b > cap_bytes) {
-      sizes.push_back(1);
-      filled = b;
-    } else {
-      ++sizes.back();
-      filled += b;
-    }
-  }
-  return sizes;
-}
-
 std::vector<int64_t> fuse_groups(const std::vector<double>& ready_seconds, const std::vector<int64_t>& bytes,
                                  const AlphaBeta& link) {
   TORCH_CHECK(ready_seconds.size() == bytes.size(), "fuse_groups: ", ready_seconds.size(), " ready times for ",

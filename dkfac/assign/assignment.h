@@ -95,9 +95,4 @@ int64_t redundant_dim_threshold(double seconds_per_cubed_dim, const AlphaBeta& l
 std::vector<int64_t> fuse_groups(const std::vector<double>& ready_seconds, const std::vector<int64_t>& bytes,
                                  const AlphaBeta& link);
 
-/// kfac_pytorch's bucketing: tensors of `bytes`, in ready order, packed into consecutive buckets of at
-/// most `cap_bytes` (a tensor larger than the cap goes alone; cap 0 sends every tensor alone). Returns
-/// the sizes of consecutive groups.
-std::vector<int64_t> bucket_groups(const std::vector<int64_t>& bytes, int64_t cap_bytes);
-
 }  // namespace dkfac::assign

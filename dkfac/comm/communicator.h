@@ -17,9 +17,12 @@ class ProcessGroup;
 class Store;
 }  // namespace c10d
 
-/// Collective communication for dkfac over c10d process groups (Gloo on CPU). The only part of
-/// dkfac that includes c10d headers is communicator.cpp; everything else sees this interface.
+/// Collective communication for dkfac over c10d process groups (Gloo on CPU). The only parts of
+/// dkfac that include c10d headers are communicator.cpp and heartbeat.cpp (the lost-rank watchdog);
+/// everything else sees this interface.
 namespace dkfac::comm {
+
+class Heartbeat;  // comm/heartbeat.h: the lost-rank watchdog
 
 /// An in-flight collective. Move-only; `wait()` is the visible synchronisation point and throws
 /// c10::Error naming the operation when it fails or times out (e.g. a peer died).
@@ -113,7 +116,6 @@ class Communicator {
   GroupId new_group(const std::vector<int>& ranks);
   /// Global ranks of a group, ascending.
   const std::vector<int>& members(GroupId group) const;
-  bool contains(GroupId group, int rank) const;
 
   /// Starts an in-place average of `tensor` over `group`; counted under `phase`.
   Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase);
@@ -156,9 +158,8 @@ class Communicator {
   std::unique_ptr<Impl> impl_;
   int rank_;
   int size_;
-  struct Watchdog;
-  std::shared_ptr<Watchdog> watchdog_;
-  void start_watchdog();
+  std::shared_ptr<Heartbeat> heartbeat_;  // null without a watchdog (one rank, from_process_group)
+  void start_heartbeat();
   std::function<std::string()> diagnosis() const;
   mutable std::mutex traffic_mutex_;
   std::map<std::string, Traffic> traffic_;

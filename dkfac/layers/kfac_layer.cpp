@@ -70,12 +70,6 @@ std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {
   return {a_batch, g_batch};
 }
 
-FactorUpdate KfacLayer::update_factors(double alpha) {
-  auto [a_batch, g_batch] = take_factor_batches();
-  if (!a_batch.defined() || !g_batch.defined()) return FactorUpdate::kMissing;
-  return fold_factors(a_batch, g_batch, alpha);
-}
-
 FactorUpdate KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha) {
   if (!all_finite(a_batch) || !all_finite(g_batch)) return FactorUpdate::kNonFinite;
   a_factor_ = running_average(a_factor_, a_batch, alpha);

@@ -17,7 +17,6 @@ namespace dkfac {
 /// Result of folding one step's captured factors into a layer's running averages.
 enum class FactorUpdate {
   kUpdated,    ///< both factors updated
-  kMissing,    ///< nothing captured for A or G: the layer did not run forward/backward
   kNonFinite,  ///< a captured factor held NaN/Inf; running factors left unchanged
 };
 
@@ -77,9 +76,6 @@ class KfacLayer {
   /// Micro-batches captured since the last factor update (min of the A and G counts).
   int64_t captured_batches() const;
 
-  /// Folds the mean captured factors into the running averages F = alpha F + (1 - alpha) F_batch,
-  /// F starting from I. Consumes the capture whatever the outcome.
-  FactorUpdate update_factors(double alpha);
   /// The mean captured factors {A_batch [a, a], G_batch [g, g]} (undefined if none); resets the capture.
   std::pair<torch::Tensor, torch::Tensor> take_factor_batches();
   /// F = alpha F + (1 - alpha) F_batch for both factors; kNonFinite leaves them unchanged.

@@ -48,9 +48,4 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
 /// grad_output: [B, C_out, H_out, W_out] -> [C_out, C_out].
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output);
 
-/// Packs the upper triangle (diagonal included) of a square matrix [n, n] -> [n (n + 1) / 2], row by row.
-torch::Tensor pack_upper(const torch::Tensor& matrix);
-/// Inverse of pack_upper: the symmetric [n, n] matrix.
-torch::Tensor unpack_upper(const torch::Tensor& packed, int64_t n);
-
 }  // namespace dkfac::math

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "dkfac/math/factors.h"
+#include "dkfac/comm/packing.h"
 
 namespace dkfac::strategy {
 
@@ -93,9 +93,9 @@ comm::Handle Distributed::start(torch::Tensor& tensor, bool symmetric,
                                 const std::function<comm::Handle(torch::Tensor)>& op,
                                 std::vector<std::function<void()>>& finish) {
   if (!symmetric || !symmetric_comm_) return op(tensor);
-  auto packed = math::pack_upper(tensor);
+  auto packed = comm::pack_upper(tensor);
   const int64_t n = tensor.size(0);
-  finish.push_back([&tensor, packed, n] { tensor = math::unpack_upper(packed, n); });
+  finish.push_back([&tensor, packed, n] { tensor = comm::unpack_upper(packed, n); });
   return op(packed);
 }
 

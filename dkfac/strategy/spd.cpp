@@ -6,7 +6,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "dkfac/math/factors.h"
+#include "dkfac/comm/packing.h"
 #include "dkfac/math/second_order.h"
 
 namespace dkfac::strategy {
@@ -93,11 +93,11 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
     slot_dims_.push_back(n);
-    slot_bytes_.push_back(element * packed_length(n));
+    slot_bytes_.push_back(element * comm::packed_length(n, triangles_));
   }
   if (mode == Mode::kKaisaBuckets) {
     const auto cap = static_cast<int64_t>(options.allreduce_bucket_cap_mb() * 1024 * 1024);
-    set_grouping(assign::bucket_groups(slot_bytes_, cap));
+    set_grouping(comm::bucket_groups(slot_bytes_, cap));
     profile_steps_ = 0;
   } else if (!options.spd_fusion().empty()) {
     const int64_t total = std::accumulate(options.spd_fusion().begin(), options.spd_fusion().end(), int64_t{0});
@@ -144,7 +144,7 @@ void FactorPipeline::on_ready(size_t slot, int64_t count) {
   std::lock_guard<std::mutex> lock(mutex_);  // the capture's own lock is never held while this runs
   if (count != micro_batches_) return;
   auto* capture = captures_[layer_of(slot)];
-  auto packed = pack(is_a(slot) ? capture->mean_a() : capture->mean_g());
+  auto packed = comm::pack_symmetric(is_a(slot) ? capture->mean_a() : capture->mean_g(), triangles_);
   if (!any_ready_) {
     first_ready_ = std::chrono::steady_clock::now();
     any_ready_ = true;
@@ -164,7 +164,7 @@ void FactorPipeline::on_ready(size_t slot, int64_t count) {
 void FactorPipeline::start(Group& group, const std::vector<torch::Tensor>& tensors) {
   group.started = true;
   if (tensors.empty()) return;
-  group.buffer = tensors.size() == 1 ? tensors[0].contiguous() : torch::cat(tensors);
+  group.buffer = comm::fuse(tensors);
   group.handle = communicator_->allreduce_mean(group.buffer, group_id_, "factors");
 }
 
@@ -183,7 +183,7 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     std::vector<size_t> present;
     for (size_t s : group.slots) {
       if (!local(s).defined()) continue;
-      tensors.push_back(pack(local(s)));
+      tensors.push_back(comm::pack_symmetric(local(s), triangles_));
       present.push_back(s);
     }
     group.slots = present;
@@ -195,9 +195,11 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     int64_t offset = 0;
     for (size_t s : group.slots) {
       const int64_t n = slot_dims_[s];
-      const int64_t length = packed_length(n);
+      const int64_t length = comm::packed_length(n, triangles_);
       // A layer the preconditioner set aside this step (no gradient) took no batch: its average is dropped.
-      if (local(s).defined()) local(s) = unpack(group.buffer.narrow(0, offset, length), n);
+      if (local(s).defined()) {
+        local(s) = comm::unpack_symmetric(group.buffer.narrow(0, offset, length), n, triangles_);
+      }
       offset += length;
     }
   }
@@ -225,14 +227,6 @@ void FactorPipeline::choose_grouping() {
   for (size_t s = 1; s < ready.size(); ++s) ready[s] = std::max(ready[s], ready[s - 1]);  // listeners fire in order
   set_grouping(assign::fuse_groups(ready, slot_bytes_, link_));
   ready_history_.clear();
-}
-
-torch::Tensor FactorPipeline::pack(const torch::Tensor& factor) const {
-  return triangles_ ? math::pack_upper(factor) : factor.contiguous().view(-1);
-}
-
-torch::Tensor FactorPipeline::unpack(const torch::Tensor& packed, int64_t n) const {
-  return triangles_ ? math::unpack_upper(packed, n) : packed.reshape({n, n});
 }
 
 std::string FactorPipeline::describe() const {

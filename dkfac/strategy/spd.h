@@ -79,17 +79,12 @@ class FactorPipeline {
   /// Packs the listed slots' tensors into one buffer and starts its allreduce. Caller holds mutex_.
   void start(Group& group, const std::vector<torch::Tensor>& tensors);
   void choose_grouping();
-  /// A factor as sent: its upper triangle, or the whole matrix flattened.
-  torch::Tensor pack(const torch::Tensor& factor) const;
-  /// Inverse of pack for a slot of dimension `n`.
-  torch::Tensor unpack(const torch::Tensor& packed, int64_t n) const;
-  int64_t packed_length(int64_t n) const { return triangles_ ? n * (n + 1) / 2 : n * n; }
   size_t layer_of(size_t slot) const { return slot < num_layers_ ? slot : 2 * num_layers_ - 1 - slot; }
   bool is_a(size_t slot) const { return slot < num_layers_; }
 
   std::shared_ptr<comm::Communicator> communicator_;
   Mode mode_;
-  bool triangles_;
+  bool triangles_;  // factors travel as upper triangles (comm/packing.h), else flat
   comm::GroupId group_id_;
   std::vector<FactorCapture*> captures_;  // per layer; shared with the front end's hooks
   size_t num_layers_;

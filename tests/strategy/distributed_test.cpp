@@ -230,40 +230,6 @@ INSTANTIATE_TEST_SUITE_P(Buckets, KaisaInHook,
                          ::testing::Combine(::testing::Values(2, 4), ::testing::Values(0, 1, 2),
                                             ::testing::Values(0.0, 0.03, 25.0)));
 
-TEST(BucketGroups, PacksInReadyOrderUpToTheCap) {
-  EXPECT_EQ(assign::bucket_groups({10, 10, 10, 10}, 25), (std::vector<int64_t>{2, 2}));
-  EXPECT_EQ(assign::bucket_groups({10, 30, 5, 5}, 25), (std::vector<int64_t>{1, 1, 2})) << "too big: alone";
-  EXPECT_EQ(assign::bucket_groups({1, 2, 3}, 0), (std::vector<int64_t>{1, 1, 1})) << "cap 0: each alone";
-  EXPECT_EQ(assign::bucket_groups({1, 2, 3}, 1 << 20), (std::vector<int64_t>{3}));
-  EXPECT_TRUE(assign::bucket_groups({}, 10).empty());
-}
-
-TEST(TrianglePacking, RoundTrip) {
-  auto m = torch::randn({5, 5}, torch::kFloat64);
-  m = m + m.t();
-  auto packed = math::pack_upper(m);
-  EXPECT_EQ(packed.numel(), 15);
-  EXPECT_TRUE(torch::equal(math::unpack_upper(packed, 5), m));
-}
-
-// The row copies against the gather by triu_indices they replace (row-major upper triangle), for both
-// dtypes, sizes around the mirror's 32 x 32 tiles, and a transposed (non-contiguous) input.
-TEST(TrianglePacking, MatchesTriuIndicesOrder) {
-  for (auto dtype : {torch::kFloat32, torch::kFloat64}) {
-    for (int64_t n : {1, 2, 31, 33, 70}) {
-      SCOPED_TRACE(c10::str(dtype, " n ", n));
-      auto m = torch::randn({n, n}, dtype);
-      m = m + m.t();
-      const auto idx = torch::triu_indices(n, n);
-      const auto expected = m.index({idx[0], idx[1]});
-      EXPECT_TRUE(torch::equal(math::pack_upper(m), expected));
-      EXPECT_TRUE(torch::equal(math::pack_upper(m.t()), expected));
-      EXPECT_TRUE(torch::equal(math::unpack_upper(expected, n), m));
-    }
-  }
-  EXPECT_THROW(math::unpack_upper(torch::zeros({5}), 3), c10::Error);
-}
-
 }  // namespace
 }  // namespace dkfac::strategy
 
