@@ -49,7 +49,6 @@ struct Worker {
   int report_fd = -1;  // the launcher's end of the report pipe
   bool running = true;
   std::string status;  // how it ended
-  bool failed = false;
   bool stopped_by_launcher = false;  // it was still running when the launcher sent SIGTERM/SIGKILL
   std::string report;  // "E message", "L message" or "J message", as report_to_launcher wrote it
 };
@@ -118,7 +117,6 @@ bool report_to_launcher(LauncherReport kind, const std::string& message) {
 int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout_s) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kGrace = std::chrono::seconds(5);
-  config.validate();  // a bad option is reported once, here, not by every worker
   dkfac::comm::JobEnvironment job;
   job.world_size = nproc;
   job.local_world_size = nproc;
@@ -191,7 +189,6 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
     drain_report(worker);
     --live;
     if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-      worker.failed = true;
       failure_order.push_back(static_cast<int>(it - workers.begin()));
       if (!kill_at) {
         stop_all(SIGTERM);

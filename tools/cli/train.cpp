@@ -58,11 +58,6 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
 int run_launched_rank(const dkfac::train::TrainConfig& config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
   std::string error;
   try {
-    try {
-      config.validate();
-    } catch (const c10::Error& e) {
-      throw dkfac::train::JobError(e.what_without_backtrace());
-    }
     return run_rank(config, job, timeout_s);
   } catch (const dkfac::train::JobError& e) {
     if (job.rank != 0) {  // rank 0 says it for the job

@@ -1,5 +1,7 @@
 #include "tools/train/checkpoint.h"
 
+#include "tools/common/files.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -23,17 +25,6 @@ uint64_t get_le(const std::string& in, size_t offset, int bytes) {
   uint64_t value = 0;
   for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
   return value;
-}
-
-// write(2) of everything, with errno's text on failure (ENOSPC: "No space left on device").
-void write_all(int fd, const std::string& bytes, const std::string& path) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "writing '", path, "' failed: ", std::strerror(n < 0 ? errno : ENOSPC));
-    done += static_cast<size_t>(n);
-  }
 }
 
 void fsync_path(const std::string& path, int flags) {
@@ -82,8 +73,8 @@ void save_atomically(const std::string& path, const std::function<void(torch::se
 
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     TORCH_CHECK(fd >= 0, "cannot create '", tmp.string(), "': ", std::strerror(errno));
-    write_all(fd, header, tmp.string());
-    write_all(fd, payload, tmp.string());
+    tools::write_all(fd, header, "'" + tmp.string() + "'");
+    tools::write_all(fd, payload, "'" + tmp.string() + "'");
     TORCH_CHECK(::fsync(fd) == 0, "fsync of '", tmp.string(), "' failed: ", std::strerror(errno));
     const int rc = ::close(fd);
     fd = -1;

@@ -5,6 +5,8 @@
 #include <regex>
 #include <sstream>
 
+#include <c10/util/StringUtil.h>
+
 #include "tools/train/checkpoint.h"
 
 namespace dkfac::train {
@@ -15,14 +17,18 @@ namespace fs = std::filesystem;
 // checkpoint.pt (a 1-rank job) or checkpoint-rank<R>.pt; .prev files go with them.
 const std::regex kCheckpointName(R"(checkpoint(-rank([0-9]+))?\.pt(\.prev)?)");
 
+// The rank that wrote a checkpoint file of `name` (checkpoint.pt: rank 0 of a 1-rank job; callers pass
+// names that match kCheckpointName).
+int writer_of(const std::string& name) {
+  std::smatch m;
+  std::regex_match(name, m, kCheckpointName);
+  return m[1].matched ? std::stoi(m[2].str()) : 0;
+}
+
 // The world size a set of checkpoint names implies: 1 for checkpoint.pt, else the highest rank + 1.
 int world_of(const std::vector<std::string>& names) {
   int world = 0;
-  for (const auto& name : names) {
-    std::smatch m;
-    if (!std::regex_match(name, m, kCheckpointName)) continue;
-    world = std::max(world, m[1].matched ? std::stoi(m[2].str()) + 1 : 1);
-  }
+  for (const auto& name : names) world = std::max(world, writer_of(name) + 1);
   return world;
 }
 
@@ -56,19 +62,15 @@ std::string Checkpointer::open(bool resume, bool overwrite) {
   if (resume) return "";
   const auto names = existing_files();
   if (names.empty()) return "";
-  std::ostringstream list;
-  for (size_t i = 0; i < names.size(); ++i) list << (i ? ", " : "") << names[i];
-  TORCH_CHECK(overwrite, "--checkpoint-dir '", dir_, "' already holds checkpoints (", list.str(),
+  TORCH_CHECK(overwrite, "--checkpoint-dir '", dir_, "' already holds checkpoints (", c10::Join(", ", names),
               "); pass --resume to continue that run, --overwrite to start over and replace them, or another "
               "--checkpoint-dir");
   // Each rank removes its own files (and rank 0 those of ranks this job does not have), so that no stale
   // checkpoint of the old run can be resumed later with this run's.
   int removed = 0;
   for (const auto& name : names) {
-    std::smatch m;
-    std::regex_match(name, m, kCheckpointName);
-    const int owner = m[1].matched ? std::stoi(m[2].str()) : 0;
-    const bool mine = owner == rank_ || (rank_ == 0 && owner >= world_) || (rank_ == 0 && !m[1].matched);
+    const int owner = writer_of(name);
+    const bool mine = owner == rank_ || (rank_ == 0 && owner >= world_);
     if (mine && fs::remove(dir_ + "/" + name, error)) ++removed;
   }
   return "--overwrite: removed " + std::to_string(removed) + " checkpoint file(s) of an earlier run from '" + dir_ + "'";
@@ -94,10 +96,8 @@ std::optional<Checkpointer::Found> Checkpointer::find() {
   const auto names = existing_files();
   const int found_world = world_of(names);
   if (found_world != 0 && found_world != world_) {
-    std::ostringstream list;
-    for (size_t i = 0; i < names.size(); ++i) list << (i ? ", " : "") << names[i];
     TORCH_CHECK(false, "--checkpoint-dir '", dir_, "' holds the checkpoints of a ", found_world, "-rank job (",
-                list.str(), "); this job has ", world_, " rank", world_ == 1 ? "" : "s",
+                c10::Join(", ", names), "); this job has ", world_, " rank", world_ == 1 ? "" : "s",
                 ". Resuming on another number of ranks is not supported: each rank's K-FAC state, data shard and "
                 "global batch depend on it. Resume with ", found_world, " rank", found_world == 1 ? "" : "s",
                 ", or start over with --overwrite (replaces them) or another --checkpoint-dir");

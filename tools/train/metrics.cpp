@@ -1,5 +1,7 @@
 #include "tools/train/metrics.h"
 
+#include "tools/common/files.h"
+
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -77,13 +79,10 @@ MetricsWriter& MetricsWriter::operator=(MetricsWriter&& other) noexcept {
 void MetricsWriter::write(const nlohmann::json& event) {
   if (fd_ < 0) return;
   const std::string line = event.is_null() ? "\n" : event.dump() + "\n";
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "writing metrics file '", path_, "' failed: ", std::strerror(n < 0 ? errno : ENOSPC),
-                "; stopping (checkpoints are not affected)");
-    done += static_cast<size_t>(n);
+  try {
+    tools::write_all(fd_, line, "metrics file '" + path_ + "'");
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.what_without_backtrace(), "; stopping (checkpoints are not affected)");
   }
 }
 

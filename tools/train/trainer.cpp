@@ -77,7 +77,6 @@ struct Trainer::State {
   double wall_offset = 0.0;  // seconds trained before a resume
   Clock::time_point start;
   bool terminal = false;
-  int64_t epoch = 0;  // 0-based epoch being trained (shown 1-based)
   Clock::time_point last_draw;
 
   double wall() const { return wall_offset + std::chrono::duration<double>(Clock::now() - start).count(); }
@@ -399,7 +398,7 @@ nlohmann::json Trainer::run_event(std::optional<int64_t> resumed_at_step) const 
 // One training step on this rank's slice of the global batch: K micro-batches (gradients accumulate and
 // are averaged over the ranks with the last), the finite check, K-FAC and the optimizer. Returns the
 // step's loss, or nullopt when the step was dropped (--on-nan-loss skip).
-std::optional<double> Trainer::train_step(const torch::Tensor& x, const torch::Tensor& y) {
+std::optional<double> Trainer::train_step(const Position& at, const torch::Tensor& x, const torch::Tensor& y) {
   auto& s = *state_;
   s.optimizer->zero_grad();
   const int64_t k_steps = config_.accumulation_steps;
@@ -419,7 +418,7 @@ std::optional<double> Trainer::train_step(const torch::Tensor& x, const torch::T
   }
   if (!step_is_finite(loss)) {
     TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
-                loss.item<double>(), ") at step ", s.global_step, " (epoch ", s.epoch + 1,
+                loss.item<double>(), ") at step ", s.global_step, " (epoch ", at.epoch + 1,
                 "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
                 "checkpoint, or pass --on-nan-loss skip to drop such steps");
     if (s.kfac) s.kfac->discard_step();
@@ -437,8 +436,9 @@ std::optional<double> Trainer::train_step(const torch::Tensor& x, const torch::T
 }
 
 // The progress line of rank 0: redrawn in place on a terminal, one line per --log-every steps otherwise.
-void Trainer::draw_progress(int64_t step_in_epoch, double loss, double epoch_seconds, int64_t epoch_steps,
+void Trainer::draw_progress(const Position& at, double loss, double epoch_seconds, int64_t epoch_steps,
                             bool logged) {
+  const int64_t step_in_epoch = at.step_in_epoch;
   auto& s = *state_;
   const auto now = Clock::now();
   if (rank_ != 0 || !(logged || (s.terminal && now - s.last_draw > std::chrono::milliseconds(200)))) return;
@@ -446,7 +446,7 @@ void Trainer::draw_progress(int64_t step_in_epoch, double loss, double epoch_sec
   const double rate = epoch_steps * config_.batch_size * world_ / std::max(epoch_seconds, 1e-9);
   const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size * world_ / std::max(rate, 1e-9);
   std::ostringstream line;
-  line << "epoch " << s.epoch + 1 << "/" << config_.epochs << " ";
+  line << "epoch " << at.epoch + 1 << "/" << config_.epochs << " ";
   if (s.terminal) {
     constexpr int kWidth = 30;
     const int filled = static_cast<int>(kWidth * (step_in_epoch + 1) / s.steps_per_epoch);
@@ -533,7 +533,6 @@ TrainSummary Trainer::run() {
   bool stop = false;
   Evaluation last_eval;
   for (; at.epoch < config_.epochs && !stop; ++at.epoch, at.step_in_epoch = 0) {
-    s.epoch = at.epoch;
     auto generator =
         at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + at.epoch);
     auto order = torch::randperm(train.size(), generator);
@@ -555,7 +554,7 @@ TrainSummary Trainer::run() {
         auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
         x = data::augment_crop_flip(x, aug);
       }
-      const auto loss = train_step(x, y);
+      const auto loss = train_step(at, x, y);
       const double epoch_progress = at.epoch + static_cast<double>(at.step_in_epoch + 1) / s.steps_per_epoch;
       if (!loss) {
         ++summary.skipped_steps;
@@ -572,7 +571,7 @@ TrainSummary Trainer::run() {
       ++epoch_steps;
       ++s.global_step;
       const bool log_step = s.global_step % log_every == 0;
-      draw_progress(at.step_in_epoch, *loss, std::chrono::duration<double>(Clock::now() - epoch_start).count(),
+      draw_progress(at, *loss, std::chrono::duration<double>(Clock::now() - epoch_start).count(),
                     epoch_steps, log_step);
       if (log_step) {
         nlohmann::json event = {{"event", "step"},         {"step", s.global_step},

@@ -69,8 +69,8 @@ class Trainer {
   std::string layout() const;
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
-  std::optional<double> train_step(const torch::Tensor& x, const torch::Tensor& y);
-  void draw_progress(int64_t step_in_epoch, double loss, double epoch_seconds, int64_t epoch_steps, bool logged);
+  std::optional<double> train_step(const Position& at, const torch::Tensor& x, const torch::Tensor& y);
+  void draw_progress(const Position& at, double loss, double epoch_seconds, int64_t epoch_steps, bool logged);
   double global_mean(double sum, int64_t count);
   nlohmann::json run_event(std::optional<int64_t> resumed_at_step) const;
   TrainSummary finish(TrainSummary summary, const Evaluation& last_eval);
