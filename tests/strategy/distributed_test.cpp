@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "dkfac/assign/plan.h"
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
