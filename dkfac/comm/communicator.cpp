@@ -48,6 +48,29 @@ void wait_all(std::vector<Handle>& handles) {
   handles.clear();
 }
 
+const char* to_string(Phase phase) {
+  switch (phase) {
+    case Phase::kDataParallel: return "data_parallel";
+    case Phase::kFactors: return "factors";
+    case Phase::kSecondOrder: return "second_order";
+    case Phase::kGradients: return "gradients";
+    case Phase::kCalibration: return "calibration";
+    case Phase::kSetup: return "setup";
+    case Phase::kFiniteCheck: return "finite-check";
+    case Phase::kControl: return "control";
+  }
+  TORCH_CHECK(false, "unknown communication phase ", static_cast<int>(phase));
+}
+
+Phase phase_from_string(const std::string& name) {
+  for (const Phase phase : Communicator::all_phases()) {
+    if (name == to_string(phase)) return phase;
+  }
+  std::string known;
+  for (const auto& n : Communicator::all_phase_names()) known += (known.empty() ? "" : ", ") + n;
+  TORCH_CHECK(false, "unknown communication phase '", name, "' (known: ", known, ")");
+}
+
 struct InProcessStore::Impl {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
 };
@@ -254,7 +277,7 @@ GroupId Communicator::new_group(const std::vector<int>& ranks) {
 
 const std::vector<int>& Communicator::members(GroupId group) const { return impl_->groups.at(group).members; }
 
-void Communicator::add_traffic(const std::string& phase, int64_t calls, int64_t bytes) {
+void Communicator::add_traffic(Phase phase, int64_t calls, int64_t bytes) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];
   t.calls += calls;
@@ -270,7 +293,7 @@ std::string Communicator::diagnose_failure() const {
   return diagnose ? diagnose() : std::string();
 }
 
-void Communicator::count(const std::string& phase, const torch::Tensor& tensor) {
+void Communicator::count(Phase phase, const torch::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];
   ++t.calls;
@@ -287,10 +310,10 @@ torch::Tensor on_the_wire(const torch::Tensor& tensor) {
 
 }  // namespace
 
-Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase) {
+Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase) {
   auto& g = impl_->groups.at(group);
-  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", phase, ")");
-  TORCH_CHECK(tensor.is_contiguous(), "allreduce needs a contiguous tensor (", phase, ")");
+  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
+  TORCH_CHECK(tensor.is_contiguous(), "allreduce needs a contiguous tensor (", to_string(phase), ")");
   Handle h;
   if (g.members.size() == 1) return h;
   count(phase, tensor);
@@ -299,13 +322,13 @@ Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, const st
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->allreduce(tensors);
   h.impl_->diagnose = diagnosis();
-  h.impl_->what = "allreduce of " + std::to_string(tensor.numel()) + " elements (" + phase + ") over " +
+  h.impl_->what = "allreduce of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") over " +
                   std::to_string(g.members.size()) + " ranks";
   if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;
 }
 
-Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase) {
+Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, Phase phase) {
   Handle h = allreduce_sum(tensor, group, phase);
   const auto n = static_cast<double>(impl_->groups.at(group).members.size());
   if (h.impl_) {
@@ -317,10 +340,10 @@ Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, const s
   return h;
 }
 
-Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, const std::string& phase) {
+Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase) {
   auto& g = impl_->groups.at(group);
-  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", phase, ")");
-  TORCH_CHECK(tensor.is_contiguous(), "broadcast needs a contiguous tensor (", phase, ")");
+  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
+  TORCH_CHECK(tensor.is_contiguous(), "broadcast needs a contiguous tensor (", to_string(phase), ")");
   const auto it = std::find(g.members.begin(), g.members.end(), root);
   TORCH_CHECK(it != g.members.end(), "broadcast root ", root, " is not in group ", group);
   Handle h;
@@ -333,7 +356,7 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, co
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->broadcast(tensors, options);
   h.impl_->diagnose = diagnosis();
-  h.impl_->what = "broadcast of " + std::to_string(tensor.numel()) + " elements (" + phase + ") from rank " +
+  h.impl_->what = "broadcast of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") from rank " +
                   std::to_string(root);
   if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;
@@ -350,7 +373,22 @@ void Communicator::barrier() {
 
 std::map<std::string, Traffic> Communicator::traffic() const {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
-  return traffic_;
+  std::map<std::string, Traffic> named;
+  for (const auto& [phase, t] : traffic_) named[to_string(phase)] = t;
+  return named;
+}
+
+const std::vector<Phase>& Communicator::all_phases() {
+  static const std::vector<Phase> phases = {Phase::kDataParallel, Phase::kFactors,     Phase::kSecondOrder,
+                                            Phase::kGradients,    Phase::kCalibration, Phase::kSetup,
+                                            Phase::kFiniteCheck,  Phase::kControl};
+  return phases;
+}
+
+std::vector<std::string> Communicator::all_phase_names() {
+  std::vector<std::string> names;
+  for (const Phase phase : all_phases()) names.emplace_back(to_string(phase));
+  return names;
 }
 
 }  // namespace dkfac::comm

@@ -47,6 +47,25 @@ class Handle {
 /// Waits for every handle, in order.
 void wait_all(std::vector<Handle>& handles);
 
+/// What a collective is for. Traffic is counted per phase; the names (to_string) are what
+/// Communicator::traffic(), the training metrics and the Python front end report.
+enum class Phase {
+  kDataParallel,  ///< "data_parallel": gradient averaging (DDP's reducer in parallel::DataParallel)
+  kFactors,       ///< "factors": Kronecker factor allreduce
+  kSecondOrder,   ///< "second_order": eigendecompositions / inverses broadcast inside columns
+  kGradients,     ///< "gradients": preconditioned gradients broadcast along rows
+  kCalibration,   ///< "calibration": SPD-KFAC's link and decomposition measurements
+  kSetup,         ///< "setup": configuration checks, checkpoint and summary tables
+  kFiniteCheck,   ///< "finite-check": the ranks' agreement on a non-finite loss (dkfac train)
+  kControl,       ///< "control": the Python front end's all_true
+};
+
+/// The phase's name: "data_parallel", "factors", "second_order", "gradients", "calibration", "setup",
+/// "finite-check", "control".
+const char* to_string(Phase phase);
+/// The Phase named `name` (to_string's inverse); throws c10::Error listing the names otherwise.
+Phase phase_from_string(const std::string& name);
+
 /// Calls and payload bytes of one phase, as seen by this rank (a collective's payload counts once
 /// per call on every participating rank).
 struct Traffic {
@@ -118,18 +137,32 @@ class Communicator {
   const std::vector<int>& members(GroupId group) const;
 
   /// Starts an in-place average of `tensor` over `group`; counted under `phase`.
-  Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase);
+  Handle allreduce_mean(torch::Tensor tensor, GroupId group, Phase phase);
   /// Starts an in-place sum.
-  Handle allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase);
+  Handle allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
-  Handle broadcast(torch::Tensor tensor, int root, GroupId group, const std::string& phase);
+  Handle broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase);
+  /// The same with the phase by name (phase_from_string: an unknown name throws), for callers that
+  /// still pass strings (tools/train); prefer the Phase overloads.
+  Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase) {
+    return allreduce_mean(std::move(tensor), group, phase_from_string(phase));
+  }
+  Handle allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase) {
+    return allreduce_sum(std::move(tensor), group, phase_from_string(phase));
+  }
+  Handle broadcast(torch::Tensor tensor, int root, GroupId group, const std::string& phase) {
+    return broadcast(std::move(tensor), root, group, phase_from_string(phase));
+  }
   /// Blocks until every rank of the world arrives.
   void barrier();
 
-  /// Traffic per phase since construction.
+  /// Traffic per phase since construction, keyed by to_string(phase); phases without traffic are absent.
   std::map<std::string, Traffic> traffic() const;
   /// Counts collectives run on `process_group()` by another engine (DDP's reducer) under `phase`.
-  void add_traffic(const std::string& phase, int64_t calls, int64_t bytes);
+  void add_traffic(Phase phase, int64_t calls, int64_t bytes);
+  /// Every Phase, in declaration order, and their names (to_string), e.g. for a per-phase summary.
+  static const std::vector<Phase>& all_phases();
+  static std::vector<std::string> all_phase_names();
 
   /// The c10d process group of `group` (null on ranks outside it), for engines that run their own
   /// collectives on it, such as c10d::Reducer.
@@ -153,7 +186,7 @@ class Communicator {
  private:
   struct Impl;
   Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog = true);
-  void count(const std::string& phase, const torch::Tensor& tensor);
+  void count(Phase phase, const torch::Tensor& tensor);
 
   std::unique_ptr<Impl> impl_;
   int rank_;
@@ -162,7 +195,7 @@ class Communicator {
   void start_heartbeat();
   std::function<std::string()> diagnosis() const;
   mutable std::mutex traffic_mutex_;
-  std::map<std::string, Traffic> traffic_;
+  std::map<Phase, Traffic> traffic_;
 };
 
 }  // namespace dkfac::comm

@@ -107,7 +107,7 @@ void Distributed::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Ten
   }
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
-  const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, "factors"); };
+  const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors); };
   for (auto& [a, g] : batches) {
     for (torch::Tensor* t : {&a, &g}) {
       if (!t->defined()) continue;
@@ -126,7 +126,7 @@ void Distributed::share_second_order(std::vector<KfacLayer>& layers, ComputeMeth
   std::vector<size_t> shared;
   const auto group = column_groups_[assignment_.column_of(rank_)];
   const auto from = [this, group](int root) {
-    return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, "second_order"); };
+    return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, comm::Phase::kSecondOrder); };
   };
   for (size_t i = 0; i < layers.size(); ++i) {
     if (!preconditions(i) || !layers[i].a_factor().defined()) continue;
@@ -159,7 +159,7 @@ void Distributed::share_gradients(std::vector<torch::Tensor>& preconditioned) {
     if (!preconditioned[i].defined()) continue;
     preconditioned[i] = preconditioned[i].contiguous();
     handles.push_back(communicator_->broadcast(preconditioned[i], assignment_.grad_source_for(i, rank_), group,
-                                               "gradients"));
+                                               comm::Phase::kGradients));
   }
   comm::wait_all(handles);
 }

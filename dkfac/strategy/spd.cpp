@@ -25,7 +25,7 @@ double median(std::vector<double> values) {
 /// Averages `values` over the ranks of `group` (in place).
 void average_over(comm::Communicator& communicator, comm::GroupId group, std::vector<double>& values) {
   auto t = torch::tensor(values, torch::kFloat64);
-  communicator.allreduce_mean(t, group, "calibration").wait();
+  communicator.allreduce_mean(t, group, comm::Phase::kCalibration).wait();
   for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
 }
 
@@ -41,11 +41,11 @@ assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId g
   std::vector<double> seconds;
   for (int64_t n : sizes) {
     auto t = torch::zeros({n}, torch::kFloat32);
-    communicator.allreduce_sum(t, group, "calibration").wait();  // warm-up
+    communicator.allreduce_sum(t, group, comm::Phase::kCalibration).wait();  // warm-up
     std::vector<double> runs;
     for (int r = 0; r < kRepeats; ++r) {
       const auto start = std::chrono::steady_clock::now();
-      communicator.allreduce_sum(t, group, "calibration").wait();
+      communicator.allreduce_sum(t, group, comm::Phase::kCalibration).wait();
       runs.push_back(seconds_since(start));
     }
     bytes.push_back(static_cast<double>(n * 4));
@@ -165,7 +165,7 @@ void FactorPipeline::start(Group& group, const std::vector<torch::Tensor>& tenso
   group.started = true;
   if (tensors.empty()) return;
   group.buffer = comm::fuse(tensors);
-  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, "factors");
+  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, comm::Phase::kFactors);
 }
 
 void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {

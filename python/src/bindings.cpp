@@ -148,7 +148,7 @@ PYBIND11_MODULE(_C, m) {
           [](comm::Communicator& c, bool flag) {
             // How many ranks say no; one tiny collective so that every rank takes the same branch.
             auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::kFloat64);
-            auto handle = c.allreduce_sum(no, comm::kWorld, "control");
+            auto handle = c.allreduce_sum(no, comm::kWorld, comm::Phase::kControl);
             handle.wait();
             return no.item<double>() == 0.0;
           },

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "dkfac/assign/plan.h"
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
@@ -102,7 +103,7 @@ std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
       if (after_backward) after_backward(rank, step, kfac, *communicator);
       std::vector<comm::Handle> handles;
       for (auto& p : net->parameters()) {
-        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, "data_parallel"));
+        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel));
       }
       comm::wait_all(handles);
       kfac.step();
@@ -251,7 +252,7 @@ TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
     auto t = torch::ones({4});
     const auto start = std::chrono::steady_clock::now();
     try {
-      auto h = c->allreduce_mean(t, comm::kWorld, "factors");
+      auto h = c->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors);
       h.wait();
     } catch (const c10::Error& e) {
       message = e.what_without_backtrace();
@@ -285,7 +286,7 @@ TEST(Communicator, LostRankIsNamed) {
   std::string message;
   try {
     auto t = torch::ones({4});
-    c->allreduce_mean(t, comm::kWorld, "factors").wait();
+    c->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors).wait();
   } catch (const c10::Error& e) {
     message = e.what_without_backtrace();
   }

@@ -6,6 +6,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "dkfac/assign/plan.h"
 #include "dkfac/dkfac.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
