@@ -7,6 +7,14 @@
 
 namespace dkfac {
 
+void SpdOptions::validate() const {
+  TORCH_CHECK(redundant_dim_ >= -1, "SpdOptions::redundant_dim must be -1 (measured) or >= 0, got ", redundant_dim_);
+  TORCH_CHECK(profile_steps_ >= 1, "SpdOptions::profile_steps must be >= 1, got ", profile_steps_);
+  for (int64_t size : fusion_) {
+    TORCH_CHECK(size >= 1, "SpdOptions::fusion group sizes must be >= 1, got ", size);
+  }
+}
+
 void Options::validate() const {
   auto check_dtype = [](const char* what, const std::optional<c10::ScalarType>& dtype) {
     if (!dtype) return;
@@ -26,12 +34,8 @@ void Options::validate() const {
               "Strategy::kKaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
   TORCH_CHECK(std::isfinite(allreduce_bucket_cap_mb_) && allreduce_bucket_cap_mb_ >= 0.0,
               "allreduce_bucket_cap_mb must be >= 0, got ", allreduce_bucket_cap_mb_);
-  TORCH_CHECK(spd_redundant_dim_ >= -1, "spd_redundant_dim must be -1 (measured) or >= 0, got ", spd_redundant_dim_);
   TORCH_CHECK(large_factor_dim_ >= 0, "large_factor_dim must be >= 0 (0: no report), got ", large_factor_dim_);
-  TORCH_CHECK(spd_profile_steps_ >= 1, "spd_profile_steps must be >= 1, got ", spd_profile_steps_);
-  for (int64_t size : spd_fusion_) {
-    TORCH_CHECK(size >= 1, "spd_fusion group sizes must be >= 1, got ", size);
-  }
+  spd_.validate();
   for (const auto& pattern : skip_layers_) {
     try {
       std::regex check(pattern);
@@ -109,6 +113,18 @@ const char* to_string(Strategy strategy) {
       return "spd";
     case Strategy::kDp:
       return "dp";
+  }
+  return "unknown";
+}
+
+const char* system_name(Strategy strategy) {
+  switch (strategy) {
+    case Strategy::kKaisa:
+      return "KAISA";
+    case Strategy::kSpd:
+      return "SPD-KFAC";
+    case Strategy::kDp:
+      return "DP-KFAC";
   }
   return "unknown";
 }

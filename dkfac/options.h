@@ -69,17 +69,37 @@ class Schedule {
  private:                                                            \
   Schedule<T> name##_
 
-#define DKFAC_VALUE_ARG(T, name, default_value)                     \
+#define DKFAC_VALUE_ARG_OF(Self, T, name, default_value)            \
  public:                                                            \
-  Options& name(T value) & {                                        \
+  Self& name(T value) & {                                           \
     name##_ = std::move(value);                                     \
     return *this;                                                   \
   }                                                                 \
-  Options&& name(T value) && { return std::move(this->name(std::move(value))); } \
+  Self&& name(T value) && { return std::move(this->name(std::move(value))); } \
   const T& name() const { return name##_; }                         \
                                                                     \
  private:                                                           \
   T name##_ = default_value
+
+#define DKFAC_VALUE_ARG(T, name, default_value) DKFAC_VALUE_ARG_OF(Options, T, name, default_value)
+
+/// SPD-KFAC's own choices (Options::spd), as a value with chained setters:
+/// `dkfac::SpdOptions().redundant_dim(64).fusion({4, 2})`. Ignored by the other strategies.
+class SpdOptions {
+  /// Factors of dimension <= this are decomposed on every rank instead of broadcast; -1 (default)
+  /// chooses it from the measured decomposition and broadcast times.
+  DKFAC_VALUE_ARG_OF(SpdOptions, int64_t, redundant_dim, -1);
+  /// Factor steps profiled (each factor sent alone) before the fusion grouping is chosen (>= 1).
+  DKFAC_VALUE_ARG_OF(SpdOptions, int64_t, profile_steps, 3);
+  /// Forces the fusion grouping, as sizes of consecutive groups in ready order (A factors in layer order,
+  /// then G factors in reverse layer order); they must sum to 2 x layers. Empty (default): chosen from
+  /// the alpha-beta model after the profiled steps.
+  DKFAC_VALUE_ARG_OF(SpdOptions, std::vector<int64_t>, fusion, {});
+
+ public:
+  /// Checks every value; throws c10::Error naming the offending one.
+  void validate() const;
+};
 
 /// Hyper-parameters of the K-FAC preconditioner, as a value with chained setters:
 /// `dkfac::Options().lr(0.1).damping(3e-3).factor_update_steps(10).inv_update_steps(100)`.
@@ -148,15 +168,8 @@ class Options {
   /// Distributed: the system that places and moves K-FAC work. kSpd and kDp need grad_worker_fraction 1
   /// (they fix their own placement); kSpd always sends symmetric matrices as upper triangles.
   DKFAC_VALUE_ARG(Strategy, strategy, Strategy::kKaisa);
-  /// SPD-KFAC: factors of dimension <= this are decomposed on every rank instead of broadcast;
-  /// -1 (default) chooses it from the measured decomposition and broadcast times.
-  DKFAC_VALUE_ARG(int64_t, spd_redundant_dim, -1);
-  /// SPD-KFAC: factor steps profiled (each factor sent alone) before the fusion grouping is chosen (>= 1).
-  DKFAC_VALUE_ARG(int64_t, spd_profile_steps, 3);
-  /// SPD-KFAC: forces the fusion grouping, as sizes of consecutive groups in ready order (A factors
-  /// in layer order, then G factors in reverse layer order); they must sum to 2 x layers. Empty
-  /// (default): chosen from the alpha-beta model after the profiled steps.
-  DKFAC_VALUE_ARG(std::vector<int64_t>, spd_fusion, {});
+  /// SPD-KFAC's redundancy threshold, profiling and fusion (SpdOptions).
+  DKFAC_VALUE_ARG(SpdOptions, spd, SpdOptions());
 
  public:
   /// Checks every constant option; throws c10::Error with the offending value.
@@ -173,6 +186,7 @@ class Options {
 
 #undef DKFAC_SCHEDULE_ARG
 #undef DKFAC_VALUE_ARG
+#undef DKFAC_VALUE_ARG_OF
 
 /// Readable name of a compute method ("eigen", "inverse").
 const char* to_string(ComputeMethod method);
@@ -181,5 +195,7 @@ c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarTyp
 
 /// Readable name of a strategy ("kaisa", "spd", "dp").
 const char* to_string(Strategy strategy);
+/// The published system's name ("KAISA", "SPD-KFAC", "DP-KFAC").
+const char* system_name(Strategy strategy);
 
 }  // namespace dkfac

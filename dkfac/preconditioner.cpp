@@ -169,9 +169,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     layers_.back().set_inv_dtype(options_.inv_dtype());
   }
   report_large_factors(layers_, options_);
-  if (communicator != nullptr && communicator->size() > 1) {
-    strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
-  }
+  strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   arm_capture();
 }
 
@@ -204,7 +202,7 @@ void Preconditioner::discard_step() {
   if (factor_step) {
     auto batches = take_factor_batches(plan);
     // The other ranks reduce this step's factors too (SPD has already started during backward).
-    if (strategy_) strategy_->reduce_factors(batches);
+    strategy_->reduce_factors(batches);
   }
   for (auto& layer : layers_) layer.capture().clear();
   arm_capture();
@@ -237,7 +235,7 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor
     const std::vector<LayerPlan>& plan) {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable && builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
+    if (plan[i].usable && strategy_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
   }
   return batches;
 }
@@ -246,7 +244,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
   std::vector<LayerPlan> plan(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const int64_t captured = factor_step && builds_factors(i) ? layer.captured_batches() : -1;
+    const int64_t captured = factor_step && strategy_->builds_factors(i) ? layer.captured_batches() : -1;
     if (captured != 0 && layer.has_gradient()) {
       if (captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(layer, "accumulation",
@@ -279,9 +277,9 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   Stopwatch watch(&last_times_.factors);
   auto batches = take_factor_batches(plan);
   // Averaged before the NaN check, so that every rank takes the same decision.
-  if (strategy_) time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
+  time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable || !builds_factors(i)) continue;
+    if (!plan[i].usable || !strategy_->builds_factors(i)) continue;
     auto& layer = layers_[i];
     if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay_at(steps_)) == FactorUpdate::kUpdated) {
       continue;
@@ -299,8 +297,8 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!layer.a_factor().defined()) continue;
-    const bool a_part = !strategy_ || strategy_->computes_a(i);
-    const bool g_part = !strategy_ || strategy_->computes_g(i);
+    const bool a_part = strategy_->computes_a(i);
+    const bool g_part = strategy_->computes_g(i);
     if (!a_part && !g_part) continue;
     try {
       layer.compute_second_order(options_.compute_method(), damping, options_.pi_damping(), a_part, g_part);
@@ -310,12 +308,9 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
                 std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
     }
   }
-  if (strategy_) {
-    time_communication(&last_times_.second_order,
-                       [&] { strategy_->share_second_order(layers_, options_.compute_method(), damping); });
-  }
+  time_communication(&last_times_.second_order, [&] { strategy_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i].second_order().defined() && (!strategy_ || strategy_->preconditions(i))) plan[i].usable = false;
+    if (!layers_[i].second_order().defined() && strategy_->preconditions(i)) plan[i].usable = false;
   }
 }
 
@@ -325,21 +320,21 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const bool mine = !strategy_ || strategy_->preconditions(i);
+    const bool mine = strategy_->preconditions(i);
     const auto options = layer.weight().options();
     if (mine && plan[i].usable && layer.second_order().defined()) {
       if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
         layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
       }
       preconditioned[i] = layer.second_order().precondition(layer.gradient());
-    } else if (mine && strategy_) {
+    } else if (mine && strategy_->plan().broadcast_gradients) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(), options);
-    } else if (strategy_) {
+    } else if (!mine) {
       preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
-  if (strategy_) time_communication(&last_times_.precondition, [&] { strategy_->share_gradients(preconditioned); });
+  time_communication(&last_times_.precondition, [&] { strategy_->share_gradients(preconditioned); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!plan[i].usable || !preconditioned[i].defined()) {
@@ -383,9 +378,9 @@ void Preconditioner::clip_and_apply(const std::vector<LayerPlan>& plan,
 void Preconditioner::arm_capture() {
   const bool capture = is_factor_step(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    layers_[i].set_capture(capture && builds_factors(i));
+    layers_[i].set_capture(capture && strategy_->builds_factors(i));
   }
-  if (capture && strategy_) strategy_->arm_factor_step(options_.accumulation_steps());
+  if (capture) strategy_->arm_factor_step(options_.accumulation_steps());
 }
 
 void Preconditioner::time_communication(double* phase, const std::function<void()>& collective) {

@@ -91,8 +91,10 @@ class Preconditioner {
   bool is_inverse_step(int64_t step) const;
 
   const Options& options() const { return options_; }
-  /// The distributed strategy, or nullptr in a single process.
-  const strategy::Distributed* strategy() const { return strategy_.get(); }
+  /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
+  const strategy::StepPlan& plan() const { return strategy_->plan(); }
+  /// What executes the plan (its collectives are no-ops in one process).
+  const strategy::Distributed& strategy() const { return *strategy_; }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   std::vector<KfacLayer>& layers() { return layers_; }
@@ -123,8 +125,6 @@ class Preconditioner {
   std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
   void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
   void arm_capture();
-  /// True when this rank captures and builds layer `i`'s factors (every layer, except under DP-KFAC).
-  bool builds_factors(size_t i) const { return !strategy_ || strategy_->builds_factors(i); }
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double* phase, const std::function<void()>& collective);
   void warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message);
@@ -139,7 +139,7 @@ class Preconditioner {
   double last_kl_scale_ = 1.0;
   double capture_seconds_seen_ = 0.0;
   std::set<std::pair<std::string, std::string>> warned_;
-  std::unique_ptr<strategy::Distributed> strategy_;
+  std::unique_ptr<strategy::Distributed> strategy_;  // never nullptr
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <sstream>
 
 #include <c10/util/Exception.h>
 
@@ -46,22 +45,6 @@ bool Assignment::is_grad_worker(size_t layer, int rank) const {
 
 int Assignment::grad_source_for(size_t layer, int rank) const {
   return layers.at(layer).grad_workers.at(row_of(rank));
-}
-
-std::string Assignment::to_string(const std::vector<LayerShape>& shapes) const {
-  std::ostringstream out;
-  const auto where = [](int rank) { return rank == kEveryRank ? std::string("every rank") : std::to_string(rank); };
-  out << system << " assignment: P=" << world_size << " W=" << grad_workers << " (" << world_size / grad_workers
-      << " columns)\n";
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const auto& l = layers[i];
-    out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));
-    if (i < shapes.size()) out << " [a=" << shapes[i].a_dim << ", g=" << shapes[i].g_dim << "]";
-    out << ": A on " << where(l.a_worker) << ", G on " << where(l.g_worker) << ", grad workers {";
-    for (size_t k = 0; k < l.grad_workers.size(); ++k) out << (k ? "," : "") << l.grad_workers[k];
-    out << "}\n";
-  }
-  return out.str();
 }
 
 int grad_worker_count(int world_size, double grad_worker_fraction) {
@@ -120,7 +103,6 @@ Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, d
 Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int64_t redundant_dim) {
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   Assignment out;
-  out.system = "SPD-KFAC";
   out.world_size = world_size;
   out.grad_workers = world_size;
   out.layers.resize(layers.size());
@@ -152,9 +134,7 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
 }
 
 Assignment assign_dp(const std::vector<LayerShape>& layers, int world_size) {
-  Assignment out = assign_kaisa(layers, world_size, 1.0 / world_size, Balance::kCompute, /*colocate=*/true);
-  out.system = "DP-KFAC";
-  return out;
+  return assign_kaisa(layers, world_size, 1.0 / world_size, Balance::kCompute, /*colocate=*/true);
 }
 
 AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds) {

@@ -34,7 +34,6 @@ struct LayerAssignment {
 
 /// KAISA's W x (P/W) grid and the per-layer placement.
 struct Assignment {
-  std::string system = "KAISA";  ///< which placement made it: "KAISA", "SPD-KFAC", "DP-KFAC"
   int world_size = 1;
   int grad_workers = 1;  ///< W: ranks per column (gradient workers per layer)
   std::vector<LayerAssignment> layers;
@@ -50,8 +49,6 @@ struct Assignment {
   bool is_grad_worker(size_t layer, int rank) const;
   /// The grad worker of `layer` in `rank`'s row: it broadcasts V to that row.
   int grad_source_for(size_t layer, int rank) const;
-  /// Human-readable table: one line per layer.
-  std::string to_string(const std::vector<LayerShape>& shapes) const;
 };
 
 /// W = max(1, round(P * fraction)); throws c10::Error unless fraction is in (0, 1] and P % W == 0.

@@ -77,13 +77,14 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 }
 
 FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                               const Options& options, assign::AlphaBeta link, Mode mode)
+                               const StepPlan& plan, const Options& options, assign::AlphaBeta link)
     : communicator_(std::move(communicator)),
-      mode_(mode),
-      triangles_(mode == Mode::kSpdFusion || options.symmetric_comm()),
+      fusion_(plan.reduction == FactorReduction::kSpdPipeline),
+      triangles_(plan.factor_triangles),
       num_layers_(layers.size()),
       link_(link),
-      profile_steps_(options.spd_profile_steps()) {
+      profile_steps_(options.spd().profile_steps()) {
+  TORCH_INTERNAL_ASSERT(fusion_ || plan.reduction == FactorReduction::kHookBuckets);
   std::vector<int> everyone(communicator_->size());
   std::iota(everyone.begin(), everyone.end(), 0);
   group_id_ = communicator_->new_group(everyone);
@@ -95,15 +96,16 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
     slot_dims_.push_back(n);
     slot_bytes_.push_back(element * comm::packed_length(n, triangles_));
   }
-  if (mode == Mode::kKaisaBuckets) {
-    const auto cap = static_cast<int64_t>(options.allreduce_bucket_cap_mb() * 1024 * 1024);
+  const auto& fusion = options.spd().fusion();
+  if (!fusion_) {
+    const auto cap = static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024);
     set_grouping(comm::bucket_groups(slot_bytes_, cap));
     profile_steps_ = 0;
-  } else if (!options.spd_fusion().empty()) {
-    const int64_t total = std::accumulate(options.spd_fusion().begin(), options.spd_fusion().end(), int64_t{0});
-    TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "spd_fusion group sizes sum to ", total,
+  } else if (!fusion.empty()) {
+    const int64_t total = std::accumulate(fusion.begin(), fusion.end(), int64_t{0});
+    TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "SpdOptions::fusion group sizes sum to ", total,
                 " but the model has ", 2 * num_layers_, " factors (2 per K-FAC layer)");
-    set_grouping(options.spd_fusion());
+    set_grouping(fusion);
     profile_steps_ = 0;
   } else {
     set_grouping(std::vector<int64_t>(2 * num_layers_, 1));
@@ -231,7 +233,7 @@ void FactorPipeline::choose_grouping() {
 
 std::string FactorPipeline::describe() const {
   std::ostringstream out;
-  if (mode_ == Mode::kKaisaBuckets) {
+  if (!fusion_) {
     out << "factor allreduce from the capture hooks in " << grouping_.size() << " bucket(s) for "
         << slot_bytes_.size() << " factors (" << (triangles_ ? "upper triangles" : "full matrices")
         << "), bytes per bucket [";
@@ -242,7 +244,7 @@ std::string FactorPipeline::describe() const {
     out << "profiling step " << profiled_steps_ + 1 << " of " << profile_steps_ << ", each factor sent alone";
     return out.str();
   }
-  if (mode_ == Mode::kSpdFusion) {
+  if (fusion_) {
     out << grouping_.size() << " collectives for " << slot_bytes_.size() << " factors, bytes per group [";
   }
   size_t slot = 0;

@@ -14,6 +14,7 @@
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
+#include "dkfac/strategy/step_plan.h"
 
 /// SPD-KFAC (Shi, Zhang, Li, ICDCS'21): the pipelined, fused factor allreduce and the measurements
 /// its placement decisions are made from.
@@ -36,18 +37,14 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 /// became ready; the grouping is then chosen by assign::fuse_groups from the ready times (averaged
 /// over ranks) and the measured alpha-beta model, and kept. Grouping changes speed, never results.
 ///
-/// KAISA (Options::update_factors_in_hook) runs the same pipeline with kfac_pytorch's grouping instead:
-/// fixed buckets of at most Options::allreduce_bucket_cap_mb in ready order, full matrices unless
-/// Options::symmetric_comm, no profiling.
+/// KAISA (FactorReduction::kHookBuckets) runs the same pipeline with kfac_pytorch's grouping instead:
+/// fixed buckets of at most StepPlan::bucket_cap_mb in ready order, no profiling. Triangles or full
+/// matrices as StepPlan::factor_triangles says.
 class FactorPipeline {
  public:
-  /// How factors are grouped and sent.
-  enum class Mode {
-    kSpdFusion,   ///< SPD-KFAC: profile, then fuse by the alpha-beta model; upper triangles
-    kKaisaBuckets,  ///< KAISA: fixed buckets by size; triangles only with symmetric_comm
-  };
+  /// `plan.reduction` is kSpdPipeline or kHookBuckets; `options` gives SpdOptions and accumulation_steps.
   FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                 const Options& options, assign::AlphaBeta link, Mode mode = Mode::kSpdFusion);
+                 const StepPlan& plan, const Options& options, assign::AlphaBeta link);
   ~FactorPipeline();
   FactorPipeline(const FactorPipeline&) = delete;
   FactorPipeline& operator=(const FactorPipeline&) = delete;
@@ -83,7 +80,7 @@ class FactorPipeline {
   bool is_a(size_t slot) const { return slot < num_layers_; }
 
   std::shared_ptr<comm::Communicator> communicator_;
-  Mode mode_;
+  bool fusion_;     // SPD-KFAC's measured fusion (else KAISA's fixed buckets)
   bool triangles_;  // factors travel as upper triangles (comm/packing.h), else flat
   comm::GroupId group_id_;
   std::vector<FactorCapture*> captures_;  // per layer; shared with the front end's hooks

@@ -99,7 +99,7 @@ Options make_options(const py::dict& kw) {
   if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));
   if (!kw["inv_dtype"].is_none()) o.inv_dtype(dtype_named("inv_dtype", kw["inv_dtype"].cast<std::string>()));
   if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<std::function<double()>>());
-  if (!kw["spd_redundant_dim"].is_none()) o.spd_redundant_dim(kw["spd_redundant_dim"].cast<int64_t>());
+  if (!kw["spd_redundant_dim"].is_none()) o.spd(SpdOptions().redundant_dim(kw["spd_redundant_dim"].cast<int64_t>()));
   return o;
 }
 
@@ -196,9 +196,7 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
-      .def("describe", [](const Preconditioner& p) {
-        return p.strategy() == nullptr ? std::string("single process") : p.strategy()->describe(p.layers());
-      })
+      .def("describe", [](const Preconditioner& p) { return p.strategy().describe(); })
       .def("events", [](const Preconditioner& p) {
         const auto& e = p.events();
         return std::map<std::string, int64_t>{{"fallbacks", e.fallbacks},

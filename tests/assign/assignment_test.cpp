@@ -63,7 +63,6 @@ TEST(Assignment, SeparateFactorsAndMemoryBalance) {
   EXPECT_EQ(m.layers[2].a_worker, 1);
   EXPECT_EQ(m.layers[0].a_worker, 1);
   EXPECT_EQ(m.layers[3].a_worker, 1);
-  EXPECT_NE(m.to_string(kLayers).find("l1 [a=30, g=8]: A on 0, G on 0"), std::string::npos) << m.to_string(kLayers);
 }
 
 TEST(Assignment, RejectsBadFractions) {
@@ -78,7 +77,6 @@ TEST(Assignment, RejectsBadFractions) {
 TEST(SpdAssignment, SmallFactorsEverywhereLargeOnesBalanced) {
   // Factors by dim: l1.A 30, l2.A 20, l2.G 20, l0.A 10, l1.G 8, l3.A 5, l0.G 4, l3.G 3.
   auto a = assign_spd(kLayers, 2, /*redundant_dim=*/8);
-  EXPECT_EQ(a.system, "SPD-KFAC");
   EXPECT_EQ(a.grad_workers, 2);
   EXPECT_EQ(a.layers[1].a_worker, 0);  // 30^3 = 27000 on rank 0
   EXPECT_EQ(a.layers[2].a_worker, 1);  // 8000 on rank 1
@@ -88,8 +86,6 @@ TEST(SpdAssignment, SmallFactorsEverywhereLargeOnesBalanced) {
     EXPECT_EQ(is_a ? a.layers[layer].a_worker : a.layers[layer].g_worker, kEveryRank) << layer << is_a;
   }
   for (const auto& l : a.layers) EXPECT_EQ(l.grad_workers, (std::vector<int>{0, 1})) << "every rank preconditions";
-  EXPECT_NE(a.to_string(kLayers).find("l3 [a=5, g=3]: A on every rank, G on every rank"), std::string::npos)
-      << a.to_string(kLayers);
   // Threshold 0: nothing redundant; threshold above every dimension: nothing broadcast.
   for (const auto& l : assign_spd(kLayers, 4, 0).layers) EXPECT_TRUE(l.a_worker >= 0 && l.g_worker >= 0);
   for (const auto& l : assign_spd(kLayers, 4, 30).layers) EXPECT_TRUE(l.a_worker == kEveryRank && l.g_worker == kEveryRank);
@@ -98,7 +94,6 @@ TEST(SpdAssignment, SmallFactorsEverywhereLargeOnesBalanced) {
 // DP-KFAC: one owner per layer (W = 1), LPT on dim^3 of A and G together.
 TEST(DpAssignment, OneOwnerPerLayer) {
   auto a = assign_dp(kLayers, 2);
-  EXPECT_EQ(a.system, "DP-KFAC");
   EXPECT_EQ(a.grad_workers, 1);
   // Costs: l1 27512 -> rank 0; l2 16000 -> rank 1; l0 1064 -> rank 1; l3 152 -> rank 1 (17064 < 27512).
   const std::vector<int> owners = {1, 0, 1, 1};

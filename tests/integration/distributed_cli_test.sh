@@ -26,7 +26,7 @@ grep -q '^summary: ' "$tmp/lw.txt" || { echo "FAIL: dkfac-lw run did not finish"
 echo "== 2 ranks, SPD-KFAC: measured placement, fusion chosen after profiling and logged"
 "$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 8 --log-every 4 \
   --strategy spd --factor-update-steps 1 --inv-update-steps 2 > "$tmp/spd.txt" 2>&1 || { cat "$tmp/spd.txt"; exit 1; }
-grep -q 'SPD-KFAC assignment: P=2' "$tmp/spd.txt" || { echo "FAIL: no SPD-KFAC assignment logged"; cat "$tmp/spd.txt"; exit 1; }
+grep -q 'step plan: SPD-KFAC (spd), P=2' "$tmp/spd.txt" || { echo "FAIL: no SPD-KFAC step plan logged"; cat "$tmp/spd.txt"; exit 1; }
 grep -q 'SPD-KFAC factor fusion .*collectives for 6 factors' "$tmp/spd.txt" \
   || { echo "FAIL: no fusion grouping logged"; cat "$tmp/spd.txt"; exit 1; }
 

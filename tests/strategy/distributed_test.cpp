@@ -8,7 +8,7 @@
 #include <mutex>
 #include <thread>
 
-#include "dkfac/assign/plan.h"
+#include "dkfac/strategy/prediction.h"
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
@@ -205,7 +205,7 @@ TEST_P(KaisaInHook, EqualsReductionInStep) {
   std::string described;
   const auto got = run_distributed(world, in_hook, [&](int rank, Preconditioner& kfac, comm::Communicator& c) {
     hook_traffic[rank] = c.traffic();
-    if (rank == 0) described = kfac.strategy()->describe(kfac.layers());
+    if (rank == 0) described = kfac.strategy().describe();
   });
   for (int rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < kSteps; ++step) {
@@ -334,9 +334,7 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
   const auto& c = GetParam();
   const auto options = base_options(c.method, /*symmetric=*/false, 1.0)
                            .strategy(Strategy::kSpd)
-                           .spd_fusion(c.fusion)
-                           .spd_redundant_dim(c.redundant_dim)
-                           .spd_profile_steps(1);
+                           .spd(SpdOptions().fusion(c.fusion).redundant_dim(c.redundant_dim).profile_steps(1));
   std::vector<std::string> descriptions(c.world);
   std::vector<std::map<std::string, comm::Traffic>> traffic(c.world);
   std::vector<int64_t> calls_before_step(kSteps);
@@ -344,15 +342,15 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
   const auto got = run_distributed(
       c.world, options,
       [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
-        descriptions[rank] = kfac.strategy()->describe(kfac.layers());
+        descriptions[rank] = kfac.strategy().describe();
         traffic[rank] = communicator.traffic();
-        groupings[rank] = kfac.strategy()->pipeline()->grouping();
+        groupings[rank] = kfac.strategy().pipeline()->grouping();
         auto reference = assign::assign_spd({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, c.world,
                                             c.redundant_dim < 0 ? 0 : c.redundant_dim);
         if (c.redundant_dim >= 0) {
           for (size_t l = 0; l < 3; ++l) {
-            EXPECT_EQ(kfac.strategy()->assignment().layers[l].a_worker, reference.layers[l].a_worker);
-            EXPECT_EQ(kfac.strategy()->assignment().layers[l].g_worker, reference.layers[l].g_worker);
+            EXPECT_EQ(kfac.plan().placement.layers[l].a_worker, reference.layers[l].a_worker);
+            EXPECT_EQ(kfac.plan().placement.layers[l].g_worker, reference.layers[l].g_worker);
           }
         }
       },
@@ -370,7 +368,7 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
   EXPECT_EQ(calls_before_step[0], first_groups) << "allreduces start during forward/backward";
   EXPECT_EQ(calls_before_step[1], first_groups + static_cast<int64_t>(groupings[0].size()));
   if (!c.fusion.empty()) EXPECT_EQ(groupings[0], c.fusion);
-  EXPECT_NE(descriptions[0].find("SPD-KFAC assignment"), std::string::npos) << descriptions[0];
+  EXPECT_NE(descriptions[0].find("step plan: SPD-KFAC"), std::string::npos) << descriptions[0];
   if (c.fusion.empty()) EXPECT_NE(descriptions[0].find("alpha"), std::string::npos) << descriptions[0];
 }
 
@@ -395,10 +393,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(SpdOptions, ForcedGroupingMustCoverEveryFactor) {
   try {
-    run_distributed(2, base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kSpd).spd_fusion({2, 2}));
+    run_distributed(2, base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kSpd).spd(SpdOptions().fusion({2, 2})));
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("spd_fusion group sizes sum to 4 but the model has 6 factors"),
+    EXPECT_NE(std::string(e.what()).find("SpdOptions::fusion group sizes sum to 4 but the model has 6 factors"),
               std::string::npos)
         << e.what();
   }
@@ -490,61 +488,64 @@ namespace {
 struct PlanCase {
   std::string name;
   Options options;
-  assign::PlanInputs::Flow flow;
 };
 
-class PlanPredictsCounters : public ::testing::TestWithParam<int> {};
+std::vector<assign::LayerShape> shapes_of(const Preconditioner& kfac) {
+  std::vector<assign::LayerShape> shapes;
+  for (const auto& layer : kfac.layers()) {
+    shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
+  }
+  return shapes;
+}
 
-// assign::predict from layer shapes alone equals what 4 ranks measure: bytes per phase and K-FAC memory.
-TEST_P(PlanPredictsCounters, BytesAndMemoryPerRank) {
+class PlanPredicts : public ::testing::TestWithParam<int> {};
+
+// The StepPlan a job executes, summed by strategy::predict, equals what 4 ranks measure: bytes per phase
+// and K-FAC memory. The plan is also the one make_step_plan() computes from the shapes alone (what
+// `dkfac plan` prints), and the same on every rank.
+TEST_P(PlanPredicts, BytesAndMemoryPerRank) {
   constexpr int kWorld = 4;
-  using Flow = assign::PlanInputs::Flow;
   const std::vector<PlanCase> cases = {
-      {"kaisa-hybrid-triangles", base_options(ComputeMethod::kInverse, true, 0.5), Flow::kKaisa},
-      {"kaisa-mem-opt-eigen", base_options(ComputeMethod::kEigen, false, 0.25), Flow::kKaisa},
-      {"spd", base_options(ComputeMethod::kInverse, false, 1.0).strategy(Strategy::kSpd).spd_redundant_dim(6).spd_fusion({6}),
-       Flow::kSpd},
-      {"dp", base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kDp), Flow::kDp}};
+      {"kaisa-hybrid-triangles", base_options(ComputeMethod::kInverse, true, 0.5)},
+      {"kaisa-mem-opt-eigen", base_options(ComputeMethod::kEigen, false, 0.25)},
+      {"kaisa-in-step", base_options(ComputeMethod::kEigen, false, 1.0).update_factors_in_hook(false)},
+      {"spd", base_options(ComputeMethod::kInverse, false, 1.0).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(6).fusion({6}))},
+      {"dp", base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kDp)}};
   const auto& c = cases[GetParam()];
   std::vector<std::map<std::string, comm::Traffic>> traffic(kWorld);
   std::vector<int64_t> memory(kWorld);
-  std::vector<assign::LayerShape> shapes;
-  assign::Assignment assignment;
+  std::vector<std::string> described(kWorld);
+  StepPlan plan;
   run_distributed(kWorld, c.options, [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
     traffic[rank] = communicator.traffic();
     memory[rank] = kfac.memory_bytes();
+    described[rank] = kfac.plan().describe();
     if (rank != 0) return;
-    for (const auto& layer : kfac.layers()) {
-      shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
-    }
-    assignment = kfac.strategy()->assignment();
+    plan = kfac.plan();
+    plan.shapes = shapes_of(kfac);  // conv rows per sample are known once the layer has run
   });
-  assign::PlanInputs inputs;
-  inputs.flow = c.flow;
-  inputs.eigen = c.options.compute_method() == ComputeMethod::kEigen;
-  inputs.symmetric_comm = c.options.symmetric_comm();
-  inputs.element_bytes = 8;
-  inputs.batch_size = 3;
-  EXPECT_EQ(shapes[0].rows_per_sample, 25) << "conv 5x5 output positions";
-  const auto plan = assign::predict(assignment, shapes, inputs);
+  for (int rank = 1; rank < kWorld; ++rank) EXPECT_EQ(described[rank], described[0]) << c.name << " rank " << rank;
+  EXPECT_EQ(make_step_plan(plan.shapes, kWorld, c.options).describe(), described[0]) << c.name;
+  EXPECT_EQ(plan.shapes[0].rows_per_sample, 25) << "conv 5x5 output positions";
+  const auto cost = predict(plan, /*element_bytes=*/8, /*batch_size=*/3);
   const int64_t inverse_steps = (kSteps + 1) / 2;
   for (int rank = 0; rank < kWorld; ++rank) {
-    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * plan[rank].factor_bytes) << c.name << " rank " << rank;
-    EXPECT_EQ(traffic[rank]["second_order"].bytes, inverse_steps * plan[rank].second_order_bytes)
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * cost[rank].factor_bytes) << c.name << " rank " << rank;
+    EXPECT_EQ(traffic[rank]["second_order"].bytes, inverse_steps * cost[rank].second_order_bytes)
         << c.name << " rank " << rank;
-    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * plan[rank].gradient_bytes) << c.name << " rank " << rank;
-    EXPECT_EQ(memory[rank], plan[rank].memory_bytes) << c.name << " rank " << rank;
+    EXPECT_EQ(traffic[rank]["gradients"].bytes, kSteps * cost[rank].gradient_bytes) << c.name << " rank " << rank;
+    EXPECT_EQ(memory[rank], cost[rank].memory_bytes) << c.name << " rank " << rank;
   }
-  if (c.flow == Flow::kDp) {
+  if (c.options.strategy() == Strategy::kDp) {
     // Factor construction: each rank builds only its own layers' factors.
     double total = 0;
-    for (const auto& r : plan) total += r.factor_flops;
+    for (const auto& r : cost) total += r.factor_flops;
     const double all = 2.0 * 3 * ((19.0 * 19 + 3 * 3) * 25 + (76.0 * 76 + 6 * 6) + (6.0 * 6 + 4 * 4));
     EXPECT_DOUBLE_EQ(total, all);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, PlanPredictsCounters, ::testing::Range(0, 4));
+INSTANTIATE_TEST_SUITE_P(Strategies, PlanPredicts, ::testing::Range(0, 5));
 
 }  // namespace
 }  // namespace dkfac::strategy

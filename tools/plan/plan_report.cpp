@@ -6,8 +6,8 @@
 #include <iomanip>
 #include <sstream>
 
-#include "dkfac/assign/plan.h"
 #include "dkfac/dkfac.h"
+#include "dkfac/strategy/prediction.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
 
@@ -151,7 +151,6 @@ std::string human_flops(double flops) {
 }
 
 PlanReport plan_report(const PlanRequest& r) {
-  using assign::PlanInputs;
   TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);
   TORCH_CHECK(r.batch_size >= 1, "--batch-size must be >= 1, got ", r.batch_size);
   TORCH_CHECK(r.compute_method == "eigen" || r.compute_method == "inverse",
@@ -160,30 +159,29 @@ PlanReport plan_report(const PlanRequest& r) {
   const auto& shapes = t.layers;
   struct Row {
     std::string name;
-    assign::Assignment assignment;
-    PlanInputs::Flow flow;
+    Options options;
   };
   const int p = r.nproc;
-  std::vector<Row> rows = {{"dkfac (kaisa f=1, comm-opt)", assign::assign_kaisa(shapes, p, 1.0), PlanInputs::Flow::kKaisa}};
-  if (p > 2 && p % 2 == 0) {
-    rows.push_back({"kaisa f=1/2 (hybrid-opt)", assign::assign_kaisa(shapes, p, 0.5), PlanInputs::Flow::kKaisa});
-  }
-  if (p > 1) {
-    rows.push_back({"dkfac-lw (kaisa f=1/P, mem-opt)", assign::assign_kaisa(shapes, p, 1.0 / p),
-                    PlanInputs::Flow::kKaisa});
-  }
+  // Options as a training job would set them; the same make_step_plan() a job calls builds each plan.
+  const Options base = Options()
+                           .compute_method(r.compute_method == "eigen" ? ComputeMethod::kEigen : ComputeMethod::kInverse)
+                           .symmetric_comm(r.symmetric_comm);
+  const auto kaisa = [&](double f) { return Options(base).grad_worker_fraction(f); };
+  std::vector<Row> rows = {{"dkfac (kaisa f=1, comm-opt)", kaisa(1.0)}};
+  if (p > 2 && p % 2 == 0) rows.push_back({"kaisa f=1/2 (hybrid-opt)", kaisa(0.5)});
+  if (p > 1) rows.push_back({"dkfac-lw (kaisa f=1/P, mem-opt)", kaisa(1.0 / p)});
   for (const double f : r.grad_worker_fractions) {
     TORCH_CHECK(f > 0.0 && f <= 1.0, "--grad-worker-fraction must be in (0, 1], got ", f);
     const int w = std::max(1, static_cast<int>(std::lround(p * f)));
     TORCH_CHECK(p % w == 0, "--grad-worker-fraction ", f, " gives W=", w, " gradient workers, which does not divide --nproc ",
                 p);
     const std::string name = w == p ? "1" : "1/" + std::to_string(p / w);
-    rows.push_back({"kaisa f=" + name + " (W=" + std::to_string(w) + ")", assign::assign_kaisa(shapes, p, f),
-                    PlanInputs::Flow::kKaisa});
+    rows.push_back({"kaisa f=" + name + " (W=" + std::to_string(w) + ")", kaisa(f)});
   }
+  TORCH_CHECK(r.spd_redundant_dim >= 0, "--spd-redundant-dim must be >= 0, got ", r.spd_redundant_dim);
   rows.push_back({"spd (redundant dim <= " + std::to_string(r.spd_redundant_dim) + ")",
-                  assign::assign_spd(shapes, p, r.spd_redundant_dim), PlanInputs::Flow::kSpd});
-  rows.push_back({"dp", assign::assign_dp(shapes, p), PlanInputs::Flow::kDp});
+                  Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(r.spd_redundant_dim))});
+  rows.push_back({"dp", Options(base).strategy(Strategy::kDp)});
 
   const int64_t element_bytes = 4;
   PlanReport report;
@@ -210,14 +208,9 @@ PlanReport plan_report(const PlanRequest& r) {
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
   for (const auto& row : rows) {
-    PlanInputs inputs;
-    inputs.flow = row.flow;
-    inputs.eigen = r.compute_method == "eigen";
-    inputs.batch_size = r.batch_size;
-    inputs.symmetric_comm = r.symmetric_comm;
-    inputs.element_bytes = element_bytes;
-    const auto plan = assign::predict(row.assignment, shapes, inputs);
-    report.placements.push_back(row.assignment.to_string(shapes));
+    const auto step_plan = strategy::make_step_plan(shapes, p, row.options);
+    const auto plan = strategy::predict(step_plan, element_bytes, r.batch_size);
+    report.placements.push_back(step_plan.describe());
     nlohmann::json ranks = nlohmann::json::array();
     for (int rank = 0; rank < p; ++rank) {
       const auto& x = plan[rank];
@@ -249,8 +242,11 @@ PlanReport plan_report(const PlanRequest& r) {
                       {"sum", sum}};
     }
     out["strategies"].push_back({{"strategy", row.name},
-                                 {"system", row.assignment.system},
-                                 {"grad_workers", row.assignment.grad_workers},
+                                 {"system", system_name(step_plan.strategy)},
+                                 {"grad_workers", step_plan.grad_workers()},
+                                 {"factor_reduction", strategy::to_string(step_plan.reduction)},
+                                 {"factor_triangles", step_plan.factor_triangles},
+                                 {"broadcast_gradients", step_plan.broadcast_gradients},
                                  {"ranks", ranks},
                                  {"summary", summary}});
   }

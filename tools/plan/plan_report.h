@@ -7,7 +7,8 @@
 #include <nlohmann/json.hpp>
 
 /// `dkfac plan`: every strategy's placement and predicted per-rank cost for a model (tools model or
-/// paper-scale table), as JSON and as text. Nothing runs: shapes in, assign::predict out.
+/// paper-scale table), as JSON and as text. Nothing runs: shapes in, strategy::make_step_plan and
+/// strategy::predict (the plan a job of those options would run) out.
 namespace dkfac::plan {
 
 /// What to plan. An empty `dataset` takes the model's own (fashion-mnist, imagenet or wikipedia);
@@ -26,15 +27,15 @@ struct PlanRequest {
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
-/// (assign::Assignment::to_string; too long for the JSON at 64 ranks).
+/// (strategy::StepPlan::describe; too long for the JSON at 64 ranks).
 struct PlanReport {
   nlohmann::json json;
   std::vector<std::string> placements;  ///< one per json["strategies"] entry
 };
 
 /// The plan: JSON with model, dataset, nproc, batch_size, compute_method, data_parallel_bytes_per_step,
-/// parameters, kfac_parameters, model_state_bytes, layers[], strategies[] (strategy, grad_workers,
-/// ranks[] with the assign::RankPlan fields plus update_bytes / update_flops, summary{min, median, max,
+/// parameters, kfac_parameters, model_state_bytes, layers[], strategies[] (strategy, system, grad_workers,
+/// factor_reduction, factor_triangles, broadcast_gradients, ranks[] with the strategy::RankCost fields plus update_bytes / update_flops, summary{min, median, max,
 /// sum} per field, update_ring_bytes). Throws c10::Error naming the flag (--model, --dataset, --seq-len)
 /// for a bad request.
 PlanReport plan_report(const PlanRequest& request);

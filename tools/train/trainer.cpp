@@ -147,7 +147,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
              << dkfac::to_string(layer.kind()) << " " << layer.a_dim() << "x" << layer.g_dim();
     }
     log() << layers.str() << "\n";
-    if (s.kfac->strategy()) log() << s.kfac->strategy()->describe(s.kfac->layers()) << std::flush;
+    if (s.kfac->plan().world_size() > 1) log() << s.kfac->strategy().describe() << std::flush;
   }
 }
 
@@ -426,7 +426,7 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
     return std::nullopt;
   }
   if (s.kfac) {
-    const auto* pipeline = s.kfac->strategy() ? s.kfac->strategy()->pipeline() : nullptr;
+    const auto* pipeline = s.kfac->strategy().pipeline();
     const bool profiling = pipeline && pipeline->profiling();
     s.kfac->step();
     if (profiling && !pipeline->profiling()) log() << pipeline->describe() << std::endl;

@@ -1,0 +1,51 @@
+#include "dkfac/strategy/prediction.h"
+
+namespace dkfac::strategy {
+namespace {
+
+int64_t triangle(int64_t n) { return n * (n + 1) / 2; }
+
+double cube(int64_t n) { return static_cast<double>(n) * n * n; }
+
+}  // namespace
+
+std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64_t batch_size) {
+  const int64_t e = element_bytes;
+  const bool eigen = plan.method == ComputeMethod::kEigen;
+  const auto factor_entries = [&](int64_t n) { return plan.factor_triangles ? triangle(n) : n * n; };
+  // What a second-order broadcast carries: eigenvectors and eigenvalues, or an inverse (maybe a triangle).
+  const auto second_order_entries = [&](int64_t n) {
+    return eigen ? n * n + n : plan.inverse_triangles ? triangle(n) : n * n;
+  };
+  std::vector<RankCost> out(plan.world_size());
+  for (int rank = 0; rank < plan.world_size(); ++rank) {
+    auto& r = out[rank];
+    for (size_t i = 0; i < plan.shapes.size(); ++i) {
+      const auto& shape = plan.shapes[i];
+      const auto& flow = plan.flows[i];
+      const int64_t a = shape.a_dim;
+      const int64_t g = shape.g_dim;
+      if (plan.reduction != FactorReduction::kNone) r.factor_bytes += e * (factor_entries(a) + factor_entries(g));
+      if (plan.builds_factors(i, rank)) {
+        const double rows = static_cast<double>(batch_size * shape.rows_per_sample);
+        r.factor_flops += 2.0 * rows * (static_cast<double>(a) * a + static_cast<double>(g) * g);
+        r.memory_bytes += e * (a * a + g * g);
+      }
+      // Second-order state: held by the layer's grad workers; each part computed by its worker.
+      if (plan.preconditions(i, rank)) {
+        r.memory_bytes += e * (eigen ? a * a + a + g * g + g + g * a : a * a + g * g);
+        const double per_decomposition = eigen ? 9.0 : 1.0;
+        if (plan.computes_a(i, rank)) r.decomposition_flops += per_decomposition * cube(a);
+        if (plan.computes_g(i, rank)) r.decomposition_flops += per_decomposition * cube(g);
+        if (flow.broadcast_a) r.second_order_bytes += e * second_order_entries(a);
+        if (flow.broadcast_g) r.second_order_bytes += e * second_order_entries(g);
+        const double ga = static_cast<double>(g) * a;
+        r.precondition_flops += (eigen ? 4.0 : 2.0) * ga * static_cast<double>(g + a);
+      }
+      if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
+    }
+  }
+  return out;
+}
+
+}  // namespace dkfac::strategy

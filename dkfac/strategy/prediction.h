@@ -1,0 +1,27 @@
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dkfac/strategy/step_plan.h"
+
+/// Predicted cost of a StepPlan per rank, summed over the plan itself (no tensors, no processes): what
+/// `dkfac plan` prints and what tests check against the counters a run measures.
+namespace dkfac::strategy {
+
+/// One rank's predicted figures. Bytes count a collective's payload once per call on each
+/// participating rank (as comm::Communicator counts them).
+struct RankCost {
+  int64_t factor_bytes = 0;        ///< per factor step
+  int64_t second_order_bytes = 0;  ///< per second-order step
+  int64_t gradient_bytes = 0;      ///< per step (preconditioned gradients)
+  int64_t memory_bytes = 0;        ///< K-FAC factors and second-order state held
+  double factor_flops = 0;         ///< per factor step: 2 rows d^2 per factor built here
+  double decomposition_flops = 0;  ///< per second-order step: 9 d^3 per eigh, d^3 per inverse
+  double precondition_flops = 0;   ///< per step: 2 g a (g + a), twice for eigen (rotate in and out)
+};
+
+/// Per-rank figures of `plan` with K-FAC tensors of `element_bytes` and `batch_size` samples per rank per step.
+std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64_t batch_size);
+
+}  // namespace dkfac::strategy

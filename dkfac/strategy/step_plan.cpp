@@ -1,0 +1,164 @@
+#include "dkfac/strategy/step_plan.h"
+
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace dkfac::strategy {
+namespace {
+
+std::string where(int rank) { return rank == assign::kEveryRank ? "every rank" : "rank " + std::to_string(rank); }
+
+std::string ranks(const std::vector<int>& list) {
+  std::string out = "{";
+  for (size_t k = 0; k < list.size(); ++k) out += (k ? "," : "") + std::to_string(list[k]);
+  return out + "}";
+}
+
+}  // namespace
+
+const char* to_string(FactorReduction reduction) {
+  switch (reduction) {
+    case FactorReduction::kNone:
+      return "none";
+    case FactorReduction::kAllreduce:
+      return "allreduce";
+    case FactorReduction::kHookBuckets:
+      return "hook-buckets";
+    case FactorReduction::kSpdPipeline:
+      return "spd-pipeline";
+  }
+  return "?";
+}
+
+StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method) {
+  StepPlan plan;
+  plan.method = method;
+  plan.shapes = shapes;
+  plan.placement.world_size = 1;
+  plan.placement.grad_workers = 1;
+  plan.placement.layers.assign(shapes.size(), assign::LayerAssignment{0, 0, {0}});
+  plan.flows.assign(shapes.size(), LayerFlow{});
+  return plan;
+}
+
+StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
+                        int64_t measured_redundant_dim) {
+  options.validate();
+  TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  if (world_size == 1) return StepPlan::single_process(shapes, options.compute_method());
+  StepPlan plan;
+  plan.strategy = options.strategy();
+  plan.method = options.compute_method();
+  plan.shapes = shapes;
+  switch (plan.strategy) {
+    case Strategy::kKaisa:
+      plan.placement = assign::assign_kaisa(shapes, world_size, options.grad_worker_fraction(),
+                                            options.balance_memory() ? assign::Balance::kMemory : assign::Balance::kCompute,
+                                            options.colocate_factors());
+      plan.reduction = options.update_factors_in_hook() ? FactorReduction::kHookBuckets : FactorReduction::kAllreduce;
+      plan.bucket_cap_mb = options.update_factors_in_hook() ? options.allreduce_bucket_cap_mb() : 0.0;
+      plan.factor_triangles = plan.inverse_triangles = options.symmetric_comm();
+      break;
+    case Strategy::kSpd:
+      plan.redundant_dim = options.spd().redundant_dim() >= 0 ? options.spd().redundant_dim() : measured_redundant_dim;
+      TORCH_CHECK(plan.redundant_dim >= 0, "SPD-KFAC needs its redundancy threshold: set SpdOptions::redundant_dim "
+                  "or measure it (strategy::Distributed does)");
+      plan.placement = assign::assign_spd(shapes, world_size, plan.redundant_dim);
+      plan.reduction = FactorReduction::kSpdPipeline;
+      plan.factor_triangles = plan.inverse_triangles = true;
+      break;
+    case Strategy::kDp:
+      plan.placement = assign::assign_dp(shapes, world_size);
+      plan.reduction = FactorReduction::kNone;  // each owner keeps the factors of its own batch
+      break;
+  }
+  const int w = plan.placement.grad_workers;
+  plan.broadcast_gradients = w < world_size;
+  for (const auto& placed : plan.placement.layers) {
+    LayerFlow flow;
+    if (plan.strategy == Strategy::kDp) flow.factor_builder = placed.a_worker;
+    flow.broadcast_a = w > 1 && placed.a_worker != assign::kEveryRank;
+    flow.broadcast_g = w > 1 && placed.g_worker != assign::kEveryRank;
+    plan.flows.push_back(flow);
+  }
+  return plan;
+}
+
+bool StepPlan::builds_factors(size_t layer, int rank) const {
+  const int builder = flows.at(layer).factor_builder;
+  return builder == assign::kEveryRank || builder == rank;
+}
+
+bool StepPlan::computes_a(size_t layer, int rank) const {
+  const int worker = placement.layers.at(layer).a_worker;
+  return worker == rank || worker == assign::kEveryRank;
+}
+
+bool StepPlan::computes_g(size_t layer, int rank) const {
+  const int worker = placement.layers.at(layer).g_worker;
+  return worker == rank || worker == assign::kEveryRank;
+}
+
+bool StepPlan::shares_second_order() const {
+  for (const auto& flow : flows) {
+    if (flow.broadcast_a || flow.broadcast_g) return true;
+  }
+  return false;
+}
+
+std::string StepPlan::describe() const {
+  std::ostringstream out;
+  const int p = world_size();
+  const int w = grad_workers();
+  if (p == 1) {
+    out << "step plan: single process, " << to_string(method) << "; every layer's factors, second order and "
+        << "preconditioning here, nothing communicated\n";
+  } else {
+    out << "step plan: " << system_name(strategy) << " (" << dkfac::to_string(strategy) << "), P=" << p << " W=" << w
+        << " (" << p / w << " columns), " << to_string(method) << "\n";
+    out << "  factors: ";
+    switch (reduction) {
+      case FactorReduction::kNone:
+        out << "each layer's owner builds them from its own batch; not reduced";
+        break;
+      case FactorReduction::kAllreduce:
+        out << "built on every rank, averaged over the world in step(), one allreduce per factor";
+        break;
+      case FactorReduction::kHookBuckets:
+        out << "built on every rank, averaged over the world from the capture hooks in buckets of <= "
+            << bucket_cap_mb << " MiB";
+        break;
+      case FactorReduction::kSpdPipeline:
+        out << "built on every rank, averaged over the world from the capture hooks, fused by the measured "
+            << "alpha-beta model";
+        break;
+    }
+    if (reduction != FactorReduction::kNone) out << (factor_triangles ? ", upper triangles" : ", full matrices");
+    out << "\n  second order: ";
+    if (!shares_second_order()) {
+      out << "each part computed where it is used; nothing broadcast";
+    } else {
+      out << "broadcast inside columns from the rank that computed it ("
+          << (method == ComputeMethod::kEigen ? "eigenvectors and eigenvalues"
+                                               : inverse_triangles ? "inverses as upper triangles" : "full inverses")
+          << ")";
+      if (redundant_dim >= 0) out << "; factors of dim <= " << redundant_dim << " decomposed on every rank";
+    }
+    out << "\n  preconditioned gradients: "
+        << (broadcast_gradients ? "broadcast along rows from each layer's grad worker" : "computed on every rank")
+        << "\n";
+  }
+  for (size_t i = 0; i < placement.layers.size(); ++i) {
+    const auto& placed = placement.layers[i];
+    const auto& flow = flows[i];
+    out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));
+    if (i < shapes.size()) out << " [a=" << shapes[i].a_dim << ", g=" << shapes[i].g_dim << "]";
+    out << ": factors on " << where(flow.factor_builder) << "; A on " << where(placed.a_worker)
+        << (flow.broadcast_a ? " (broadcast)" : "") << ", G on " << where(placed.g_worker)
+        << (flow.broadcast_g ? " (broadcast)" : "") << "; grad workers " << ranks(placed.grad_workers) << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace dkfac::strategy

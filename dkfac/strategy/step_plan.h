@@ -1,0 +1,75 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dkfac/assign/assignment.h"
+#include "dkfac/options.h"
+
+/// The distributed K-FAC step of one job as data (docs/MATH.md section 5): computed once from the layer
+/// shapes, the world size and the options; executed by strategy::Distributed, summed into predicted
+/// bytes, memory and FLOPs by strategy::predict, printed by `dkfac plan` and `dkfac train --print-plan`.
+/// Pure: no tensors, no processes.
+namespace dkfac::strategy {
+
+/// How factors reach the ranks that decompose them.
+enum class FactorReduction {
+  kNone,         ///< each rank that builds a layer's factors keeps them (one process, DP-KFAC)
+  kAllreduce,    ///< averaged over the world inside step(), one collective per factor
+  kHookBuckets,  ///< averaged over the world from the capture hooks, in buckets of at most a size (KAISA)
+  kSpdPipeline,  ///< averaged over the world from the capture hooks, fused by a measured alpha-beta model (SPD-KFAC)
+};
+
+/// "none", "allreduce", "hook-buckets", "spd-pipeline".
+const char* to_string(FactorReduction reduction);
+
+/// How one layer's factors and second-order parts move, beside its placement (assign::LayerAssignment).
+struct LayerFlow {
+  int factor_builder = assign::kEveryRank;  ///< the rank that captures and builds the factors, or every rank
+  bool broadcast_a = false;  ///< A's second-order part is broadcast from its a_worker inside the column
+  bool broadcast_g = false;  ///< G's likewise from its g_worker
+};
+
+/// One job's step. Every rank computes the same plan from the same inputs.
+struct StepPlan {
+  Strategy strategy = Strategy::kKaisa;
+  ComputeMethod method = ComputeMethod::kEigen;
+  /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
+  /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
+  std::vector<assign::LayerShape> shapes;
+  assign::Assignment placement;  ///< the W x (P/W) grid; per layer who decomposes A and G, who preconditions
+  std::vector<LayerFlow> flows;  ///< per layer, in model order
+  FactorReduction reduction = FactorReduction::kNone;
+  bool factor_triangles = false;     ///< factors travel as upper triangles (else full matrices)
+  bool inverse_triangles = false;    ///< inverses are broadcast as upper triangles (eigenvectors never are)
+  bool broadcast_gradients = false;  ///< V is broadcast along rows from each layer's grad worker (W < P)
+  double bucket_cap_mb = 0;          ///< kHookBuckets: largest bucket
+  int64_t redundant_dim = -1;        ///< SPD-KFAC: factors of dimension <= this are decomposed on every rank
+
+  /// The plan of one process: it builds, decomposes and preconditions every layer; nothing moves.
+  static StepPlan single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method);
+
+  int world_size() const { return placement.world_size; }
+  int grad_workers() const { return placement.grad_workers; }
+  bool builds_factors(size_t layer, int rank) const;
+  bool computes_a(size_t layer, int rank) const;
+  bool computes_g(size_t layer, int rank) const;
+  bool preconditions(size_t layer, int rank) const { return placement.is_grad_worker(layer, rank); }
+  /// True when some layer's second-order part is broadcast inside its column.
+  bool shares_second_order() const;
+  /// The grad worker of `layer` in `rank`'s row: it broadcasts V to that row.
+  int gradient_source(size_t layer, int rank) const { return placement.grad_source_for(layer, rank); }
+
+  /// The plan in words: job-wide choices, then one line per layer.
+  std::string describe() const;
+};
+
+/// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs
+/// its redundancy threshold decided: options.spd().redundant_dim, or `measured_redundant_dim` when that is
+/// -1 (strategy::Distributed measures it; `dkfac plan` takes it as a flag). World size 1 gives
+/// StepPlan::single_process whatever the strategy.
+StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
+                        int64_t measured_redundant_dim = -1);
+
+}  // namespace dkfac::strategy

@@ -1,0 +1,100 @@
+#include "dkfac/strategy/step_plan.h"
+
+#include <gtest/gtest.h>
+
+#include "dkfac/strategy/prediction.h"
+
+namespace dkfac::strategy {
+namespace {
+
+const std::vector<assign::LayerShape> kLayers = {{"l0", 10, 4}, {"l1", 30, 8}, {"l2", 20, 20}, {"l3", 5, 3}};
+
+TEST(StepPlan, OneProcessDoesEverythingAndMovesNothing) {
+  for (const auto& options : {Options(), Options().strategy(Strategy::kSpd), Options().strategy(Strategy::kDp)}) {
+    const auto plan = make_step_plan(kLayers, 1, options);
+    EXPECT_EQ(plan.world_size(), 1);
+    EXPECT_EQ(plan.reduction, FactorReduction::kNone);
+    EXPECT_FALSE(plan.shares_second_order());
+    EXPECT_FALSE(plan.broadcast_gradients);
+    for (size_t i = 0; i < kLayers.size(); ++i) {
+      EXPECT_TRUE(plan.builds_factors(i, 0) && plan.computes_a(i, 0) && plan.computes_g(i, 0) &&
+                  plan.preconditions(i, 0));
+    }
+    const auto cost = predict(plan, 4, 8);
+    EXPECT_EQ(cost[0].factor_bytes + cost[0].second_order_bytes + cost[0].gradient_bytes, 0);
+    EXPECT_NE(plan.describe().find("single process"), std::string::npos) << plan.describe();
+  }
+}
+
+TEST(StepPlan, KaisaHybridBroadcastsInColumnsAndAlongRows) {
+  const auto plan = make_step_plan(kLayers, 4, Options().grad_worker_fraction(0.5).symmetric_comm(true));
+  EXPECT_EQ(plan.strategy, Strategy::kKaisa);
+  EXPECT_EQ(plan.grad_workers(), 2);
+  EXPECT_EQ(plan.reduction, FactorReduction::kHookBuckets);  // update_factors_in_hook is the default
+  EXPECT_EQ(plan.bucket_cap_mb, 25.0);
+  EXPECT_TRUE(plan.factor_triangles && plan.inverse_triangles && plan.broadcast_gradients);
+  for (size_t i = 0; i < kLayers.size(); ++i) {
+    const auto& placed = plan.placement.layers[i];
+    EXPECT_EQ(plan.flows[i].factor_builder, assign::kEveryRank);
+    EXPECT_TRUE(plan.flows[i].broadcast_a && plan.flows[i].broadcast_g) << "W = 2: the column's other rank needs it";
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_TRUE(plan.builds_factors(i, rank));
+      EXPECT_EQ(plan.computes_a(i, rank), placed.a_worker == rank);
+      // V comes from the grad worker in the rank's own row.
+      EXPECT_EQ(plan.placement.row_of(plan.gradient_source(i, rank)), plan.placement.row_of(rank));
+    }
+  }
+  EXPECT_EQ(make_step_plan(kLayers, 4, Options().update_factors_in_hook(false)).reduction, FactorReduction::kAllreduce);
+  // COMM-OPT: every rank preconditions; second order still broadcast inside the one column (the world).
+  const auto comm_opt = make_step_plan(kLayers, 4, Options());
+  EXPECT_FALSE(comm_opt.broadcast_gradients);
+  EXPECT_TRUE(comm_opt.shares_second_order());
+  // MEM-OPT: one rank per column: nothing to broadcast inside it.
+  EXPECT_FALSE(make_step_plan(kLayers, 4, Options().grad_worker_fraction(0.25)).shares_second_order());
+}
+
+TEST(StepPlan, SpdDecomposesSmallFactorsEverywhere) {
+  const auto plan = make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd), /*measured_redundant_dim=*/8);
+  EXPECT_EQ(plan.reduction, FactorReduction::kSpdPipeline);
+  EXPECT_EQ(plan.redundant_dim, 8);
+  EXPECT_TRUE(plan.factor_triangles && plan.inverse_triangles);
+  EXPECT_FALSE(plan.broadcast_gradients);
+  // l3 [5, 3]: both below 8, decomposed on every rank, nothing broadcast; l2 [20, 20]: both broadcast.
+  EXPECT_FALSE(plan.flows[3].broadcast_a || plan.flows[3].broadcast_g);
+  EXPECT_TRUE(plan.computes_a(3, 0) && plan.computes_a(3, 1));
+  EXPECT_TRUE(plan.flows[2].broadcast_a && plan.flows[2].broadcast_g);
+  EXPECT_NE(plan.describe().find("l3 [a=5, g=3]: factors on every rank; A on every rank, G on every rank"),
+            std::string::npos)
+      << plan.describe();
+  // The option, when set, wins over a measurement; without either there is no plan.
+  EXPECT_EQ(make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(3)), 8)
+                .redundant_dim,
+            3);
+  EXPECT_THROW(make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd)), c10::Error);
+}
+
+TEST(StepPlan, DpOwnersBuildKeepAndBroadcastV) {
+  const auto plan = make_step_plan(kLayers, 2, Options().strategy(Strategy::kDp));
+  EXPECT_EQ(plan.reduction, FactorReduction::kNone);
+  EXPECT_EQ(plan.grad_workers(), 1);
+  EXPECT_TRUE(plan.broadcast_gradients);
+  EXPECT_FALSE(plan.shares_second_order());
+  for (size_t i = 0; i < kLayers.size(); ++i) {
+    const int owner = plan.placement.layers[i].a_worker;
+    EXPECT_EQ(plan.flows[i].factor_builder, owner);
+    EXPECT_TRUE(plan.builds_factors(i, owner));
+    EXPECT_FALSE(plan.builds_factors(i, 1 - owner));
+    EXPECT_EQ(plan.gradient_source(i, 1 - owner), owner);
+  }
+  const auto cost = predict(plan, 4, 1);
+  EXPECT_EQ(cost[0].factor_bytes + cost[1].factor_bytes, 0) << "DP-KFAC reduces no factor";
+  EXPECT_EQ(cost[0].gradient_bytes, 4 * (10 * 4 + 30 * 8 + 20 * 20 + 5 * 3));
+}
+
+TEST(StepPlan, RejectsBadOptions) {
+  EXPECT_THROW(make_step_plan(kLayers, 4, Options().grad_worker_fraction(0.75)), c10::Error);
+  EXPECT_THROW(make_step_plan(kLayers, 2, Options().spd(SpdOptions().profile_steps(0))), c10::Error);
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
