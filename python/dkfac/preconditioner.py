@@ -229,7 +229,7 @@ class KFACPreconditioner:
         )
         layers = [(name, m.weight, m.bias, c) for name, m, c in zip(self._names, self._modules, self._captures)]
         self._core = _C.Preconditioner(layers, options, communicator)
-        logger.log(loglevel, 'dkfac: K-FAC layer placement: %s', self._core.describe())
+        logger.log(loglevel, 'dkfac: %s', self._core.describe())
 
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> None:
@@ -338,6 +338,12 @@ class KFACPreconditioner:
     def layers(self) -> list[tuple[str, torch.nn.Module]]:
         """The preconditioned layers as (name, module), in model order."""
         return list(zip(self._names, self._modules))
+
+    @property
+    def plan(self) -> str:
+        """The step plan this job runs, in words: how factors are reduced, who decomposes and preconditions
+        each layer, what is broadcast (the C++ core's StepPlan; every rank computes the same one)."""
+        return self._core.describe()
 
     # --- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -116,6 +116,11 @@ CASES = [
 def test_equals_single_process_reference(size, kwargs, tmp_path):
     results = run_workers(size, {**COMMON, **kwargs}, tmp_path)
     assert results[0]['layers'] == ['module.0', 'module.2', 'module.5'], 'DDP names layers as kfac_pytorch does'
+    # Every rank runs the same plan, for the strategy and world asked for.
+    assert all(result['plan'] == results[0]['plan'] for result in results), [r['plan'] for r in results]
+    system = {'kaisa': 'KAISA', 'spd': 'SPD-KFAC'}[kwargs['strategy']]
+    assert results[0]['plan'].startswith(f"step plan: {system} ({kwargs['strategy']}), P={size} "), results[0]['plan']
+    assert 'module.2 [' in results[0]['plan'], results[0]['plan']
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
     for rank, result in enumerate(results):
         for step in range(STEPS):

@@ -187,7 +187,7 @@ TEST(Plan, SmallModelsKeepTheirDefaults) {
   EXPECT_EQ(report.json["dataset"], "fashion-mnist");
   EXPECT_EQ(report.json["layers"].size(), 4u);
   const auto text = plan_text(report, false);
-  EXPECT_NE(text.find("assignment"), std::string::npos);  // per-layer placement and per-rank rows
+  EXPECT_NE(text.find("step plan: "), std::string::npos);  // per-layer placement and per-rank rows
   EXPECT_EQ(text.find("median"), std::string::npos);
 }
 
