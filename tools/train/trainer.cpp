@@ -211,10 +211,10 @@ void Trainer::check_same_options() {
   const auto own = to_json(config_);
   const std::string mine = own.dump();
   auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
-  communicator_->broadcast(length, 0, comm::kWorld, "setup").wait();
+  communicator_->broadcast(length, 0, comm::kWorld, comm::Phase::kSetup).wait();
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
   if (rank_ == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
-  communicator_->broadcast(bytes, 0, comm::kWorld, "setup").wait();
+  communicator_->broadcast(bytes, 0, comm::kWorld, comm::Phase::kSetup).wait();
   const auto reference = nlohmann::json::parse(
       std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel())));
   std::string difference;
@@ -227,7 +227,7 @@ void Trainer::check_same_options() {
   }
   auto flags = torch::zeros({world_}, torch::kInt64);
   flags[rank_] = difference.empty() ? 0 : 1;
-  communicator_->allreduce_sum(flags, comm::kWorld, "setup").wait();
+  communicator_->allreduce_sum(flags, comm::kWorld, comm::Phase::kSetup).wait();
   TORCH_CHECK(difference.empty(), "ranks were started with different options: ", difference);
   if (flags.sum().item<int64_t>() > 0) {
     std::string ranks;
@@ -249,7 +249,7 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
   bool finite = torch::isfinite(torch::cat(largest).max()).item<bool>();
   if (communicator_ && world_ > 1) {
     auto bad = torch::full({1}, finite ? 0.0f : 1.0f);
-    communicator_->allreduce_sum(bad, comm::kWorld, "finite-check").wait();
+    communicator_->allreduce_sum(bad, comm::kWorld, comm::Phase::kFiniteCheck).wait();
     finite = bad.item<float>() == 0.0f;
   }
   return finite;
@@ -465,7 +465,7 @@ void Trainer::draw_progress(const Position& at, double loss, double epoch_second
 // The mean loss of every rank's steps this epoch (each rank trains on its own shard).
 double Trainer::global_mean(double sum, int64_t count) {
   auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kFloat64);
-  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, "setup").wait();
+  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, comm::Phase::kSetup).wait();
   return totals[1].item<double>() > 0 ? totals[0].item<double>() / totals[1].item<double>() : 0.0;
 }
 
@@ -652,8 +652,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
   if (communicator_) {
     // Every rank's traffic per phase, K-FAC memory and K-FAC phase times, gathered to rank 0 with one sum.
-    const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "calibration",
-                                             "setup"};
+    const std::vector<std::string> phases = comm::Communicator::all_phase_names();
     const auto n = static_cast<int64_t>(phases.size());
     auto table = torch::zeros({world_, n + 7}, torch::kFloat64);
     const auto traffic = communicator_->traffic();
@@ -669,7 +668,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
     table[rank_][n + 4] = times.apply;
     table[rank_][n + 5] = summary.wall_seconds;
     table[rank_][n + 6] = times.communication;
-    communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
+    communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
     event["world_size"] = world_;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < world_; ++r) {
