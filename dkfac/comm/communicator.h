@@ -142,17 +142,6 @@ class Communicator {
   Handle allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
   Handle broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase);
-  /// The same with the phase by name (phase_from_string: an unknown name throws), for callers that
-  /// still pass strings (tools/train); prefer the Phase overloads.
-  Handle allreduce_mean(torch::Tensor tensor, GroupId group, const std::string& phase) {
-    return allreduce_mean(std::move(tensor), group, phase_from_string(phase));
-  }
-  Handle allreduce_sum(torch::Tensor tensor, GroupId group, const std::string& phase) {
-    return allreduce_sum(std::move(tensor), group, phase_from_string(phase));
-  }
-  Handle broadcast(torch::Tensor tensor, int root, GroupId group, const std::string& phase) {
-    return broadcast(std::move(tensor), root, group, phase_from_string(phase));
-  }
   /// Blocks until every rank of the world arrives.
   void barrier();
 

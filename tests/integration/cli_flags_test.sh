@@ -34,6 +34,12 @@ has "--timeout: Value 0 not in range 1 to 3600"
 refused --nproc 2 --kl-clip -1
 has "--kl-clip must be >= 0 (0: off), got -1"
 
+echo "== a flag with a fixed set of choices refuses another value, naming the flag and the choices"
+refused --model nosuch
+has "--model must be one of mlp, cnn, resnet20, autoencoder, got 'nosuch'"
+refused --nproc 2 --strategy hogwild
+has "--strategy must be one of kaisa, dkfac, dkfac-lw, spd, dp, got 'hogwild'"
+
 echo "== an alias and its flag that disagree are named together"
 refused --kfac-damping 0.003 --damping 0.3
 has "--kfac-damping 0.003 and --damping 0.3 disagree"

@@ -48,8 +48,8 @@ TEST(WorkerMemory, EstimateGrowsWithDatasetModelAndKfac) {
   const auto sgd = estimate_worker_memory(config);
   EXPECT_EQ(sgd.kfac, 0);
   EXPECT_LT(sgd.model, cnn.model);
-  config.dataset = "cifar10";
-  config.model = "resnet20";
+  config.dataset = train::Dataset::kCifar10;
+  config.model = train::Model::kResnet20;
   EXPECT_GT(estimate_worker_memory(config).dataset, cnn.dataset);
   // The measured peak of one cnn worker, 660 MiB (see memory.cpp), is below the estimate, and not far below.
   EXPECT_GT(cnn.total(), int64_t{660} << 20);

@@ -48,8 +48,8 @@ class RunStateTest : public ::testing::Test {
  protected:
   TrainConfig config() const {
     TrainConfig c;
-    c.model = "mlp";
-    c.dataset = "synthetic";
+    c.model = train::Model::kMlp;
+    c.dataset = train::Dataset::kSynthetic;
     c.batch_size = 256;
     c.epochs = 1;
     c.threads = 1;

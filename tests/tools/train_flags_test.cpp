@@ -104,7 +104,7 @@ TEST(TrainFlags, KfacPytorchAliasesMeanWhatTheExamplesMean) {
 
 TEST(TrainFlags, KfacStrategyMapsToKaisaFractions) {
   auto comm = Parsed({"--kfac-strategy", "comm-opt"}).config;
-  EXPECT_EQ(comm.strategy, "kaisa");
+  EXPECT_EQ(comm.strategy, train::TrainStrategy::kKaisa);
   EXPECT_EQ(comm.fraction_for(4), 1.0);
   auto mem = Parsed({"--kfac-strategy", "mem-opt"}).config;
   EXPECT_EQ(mem.fraction_for(4), 0.25);
@@ -154,6 +154,50 @@ TEST(TrainFlags, BadValuesAreRefusedAtParseNamingTheFlagTyped) {
   EXPECT_EQ(error_of({"--kfac-grad-worker-fraction", "2"}),
             "--kfac-grad-worker-fraction must be in [0, 1] (0: 1/P), got 2");
   EXPECT_EQ(error_of({"--threads", "-1"}), "--threads must be in [0, 4096] (0: LibTorch's default), got -1");
+}
+
+TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
+  const auto c = Parsed({"--model", "resnet20", "--dataset", "cifar10", "--optimizer", "adam", "--lr-schedule", "step",
+                         "--compute-method", "eigen", "--factor-dtype", "float64", "--inv-dtype", "bfloat16",
+                         "--on-nan-loss", "skip", "--strategy", "dkfac-lw"})
+                     .config;
+  EXPECT_EQ(c.model, train::Model::kResnet20);
+  EXPECT_EQ(c.dataset, train::Dataset::kCifar10);
+  EXPECT_EQ(c.optimizer, train::Optimizer::kAdam);
+  EXPECT_EQ(c.lr_schedule, train::LrSchedule::kStep);
+  EXPECT_EQ(c.compute_method, ComputeMethod::kEigen);
+  EXPECT_EQ(c.factor_dtype, train::StorageDtype::kFloat64);
+  EXPECT_EQ(c.inv_dtype, train::StorageDtype::kBfloat16);
+  EXPECT_EQ(c.on_nan_loss, train::NanPolicy::kSkip);
+  EXPECT_EQ(c.strategy, train::TrainStrategy::kDkfacLw);
+  // The defaults, unparsed.
+  const auto d = Parsed({}).config;
+  EXPECT_EQ(d.model, train::Model::kCnn);
+  EXPECT_EQ(d.compute_method, ComputeMethod::kInverse);
+  EXPECT_EQ(d.factor_dtype, train::StorageDtype::kDefault);
+
+  EXPECT_EQ(error_of({"--model", "nosuch"}), "--model must be one of mlp, cnn, resnet20, autoencoder, got 'nosuch'");
+  EXPECT_EQ(error_of({"--dataset", "imagenet"}),
+            "--dataset must be one of fashion-mnist, mnist, cifar10, synthetic, got 'imagenet'");
+  EXPECT_EQ(error_of({"--optimizer", "lamb"}), "--optimizer must be one of sgd, adam, got 'lamb'");
+  EXPECT_EQ(error_of({"--lr-schedule", "linear"}), "--lr-schedule must be one of constant, step, cosine, got 'linear'");
+  EXPECT_EQ(error_of({"--compute-method", "svd"}), "--compute-method must be one of eigen, inverse, got 'svd'");
+  EXPECT_EQ(error_of({"--factor-dtype", "half"}),
+            "--factor-dtype must be one of float32, float64, bfloat16, got 'half'");
+  EXPECT_EQ(error_of({"--on-nan-loss", "ignore"}), "--on-nan-loss must be one of stop, skip, got 'ignore'");
+  EXPECT_EQ(error_of({"--strategy", "hogwild"}),
+            "--strategy must be one of kaisa, dkfac, dkfac-lw, spd, dp, got 'hogwild'");
+
+  // --help states each choice flag's default, as it did when they were strings.
+  CLI::App app("train");
+  train::TrainConfig config;
+  add_train_options(app, config);
+  const std::string help = app.help();
+  for (const char* text : {"--model TEXT=cnn", "--dataset TEXT=fashion-mnist", "--optimizer TEXT=sgd",
+                           "--lr-schedule TEXT=cosine", "--compute-method TEXT=inverse",
+                           "--on-nan-loss TEXT=stop", "--strategy TEXT=kaisa"}) {
+    EXPECT_NE(help.find(text), std::string::npos) << text << " missing in:\n" << help;
+  }
 }
 
 }  // namespace

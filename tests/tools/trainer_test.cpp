@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
+#include "tools/data/datasets.h"
+#include "tools/models/models.h"
 #include "tools/plot/plot.h"
 #include "tools/train/trainer.h"
 
@@ -27,8 +29,8 @@ class TrainerTest : public ::testing::Test {
 
   TrainConfig config() const {
     TrainConfig c;
-    c.model = "mlp";
-    c.dataset = "synthetic";
+    c.model = Model::kMlp;
+    c.dataset = Dataset::kSynthetic;
     c.batch_size = 64;
     c.epochs = 1;
     c.threads = 1;
@@ -78,7 +80,7 @@ TEST_F(TrainerTest, ResumeContinuesTheSameTrajectory) {
   for (bool kfac : {true, false}) {
     auto c = config();
     c.kfac = kfac;
-    c.optimizer = kfac ? "sgd" : "adam";
+    c.optimizer = kfac ? Optimizer::kSgd : Optimizer::kAdam;
     c.max_steps = 20;
     const auto straight = Trainer(c).run().step_losses;
 
@@ -105,20 +107,20 @@ TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
   Trainer(c).run();
   const auto path = dir_ / "checkpoint.pt";
   const auto size = fs::file_size(path);
-  c.model = "cnn";
+  c.model = Model::kCnn;
   c.resume = true;
   expect_error([&] { Trainer(c).run(); }, {"written with model_name 'mlp', this run uses 'cnn'"});
   EXPECT_EQ(fs::file_size(path), size);
 
   // Another layout (strategy, world, placement) is refused the same way.
-  c.model = "mlp";
-  c.strategy = "dkfac-lw";
+  c.model = Model::kMlp;
+  c.strategy = TrainStrategy::kDkfacLw;
   expect_error([&] { Trainer(c).run(); }, {"was written with layout 'world 1, rank 0, strategy kaisa"});
   EXPECT_EQ(fs::file_size(path), size);
 
   // A foreign file is reported as such.
   std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a checkpoint";
-  c.strategy = "kaisa";
+  c.strategy = TrainStrategy::kKaisa;
   expect_error([&] { Trainer(c).run(); }, {"is not a dkfac checkpoint (no DKFACCKP header)"});
 }
 
@@ -190,13 +192,13 @@ TEST_F(TrainerTest, NonFiniteLossStopsOrIsSkipped) {
   auto c = config();
   c.kfac = false;
   c.lr = 1e12;
-  c.lr_schedule = "constant";
+  c.lr_schedule = LrSchedule::kConstant;
   c.max_steps = 8;
   expect_error([&] { Trainer(c).run(); },
                {"training loss or gradient became non-finite", "the weights were not updated", "--on-nan-loss skip"});
   for (bool kfac : {false, true}) {
     c.kfac = kfac;
-    c.on_nan_loss = "skip";
+    c.on_nan_loss = NanPolicy::kSkip;
     const auto summary = Trainer(c).run();
     EXPECT_EQ(summary.steps, 8);
     EXPECT_GT(summary.skipped_steps, 0);
@@ -250,7 +252,7 @@ TEST_F(TrainerTest, MetricsAreJsonLinesWithStepEpochAndSummary) {
   auto c = config();
   c.metrics = (dir_ / "m.jsonl").string();
   c.log_every = 16;
-  c.dataset = "synthetic";
+  c.dataset = Dataset::kSynthetic;
   auto summary = Trainer(c).run();
   std::ifstream in(c.metrics);
   std::string line;
@@ -281,14 +283,70 @@ TEST_F(TrainerTest, MetricsAreJsonLinesWithStepEpochAndSummary) {
   EXPECT_DOUBLE_EQ(curve.step_epoch.back(), 1.0) << "the last step of epoch 1";
 }
 
+// The flags with a fixed set of choices are enums parsed at the command line: an unknown name is an error
+// naming the flag and listing the choices, and to_string gives back the names the output has always carried.
+TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
+  auto expect = [](const std::function<void()>& parse, const std::string& needle) { expect_error(parse, {needle}); };
+  expect([] { parse_choice<Model>("--model", "vgg"); },
+         "--model must be one of mlp, cnn, resnet20, autoencoder, got 'vgg'");
+  expect([] { parse_choice<Dataset>("--dataset", "imagenet"); },
+         "--dataset must be one of fashion-mnist, mnist, cifar10, synthetic, got 'imagenet'");
+  expect([] { parse_choice<Optimizer>("--optimizer", "lamb"); }, "--optimizer must be one of sgd, adam, got 'lamb'");
+  expect([] { parse_choice<LrSchedule>("--lr-schedule", "linear"); },
+         "--lr-schedule must be one of constant, step, cosine, got 'linear'");
+  expect([] { parse_choice<TrainStrategy>("--strategy", "hogwild"); },
+         "--strategy must be one of kaisa, dkfac, dkfac-lw, spd, dp, got 'hogwild'");
+  expect([] { parse_choice<NanPolicy>("--on-nan-loss", "ignore"); },
+         "--on-nan-loss must be one of stop, skip, got 'ignore'");
+  expect([] { parse_choice<ComputeMethod>("--compute-method", "svd"); },
+         "--compute-method must be one of eigen, inverse, got 'svd'");
+  expect([] { parse_choice<StorageDtype>("--inv-dtype", "float16"); },
+         "--inv-dtype must be one of float32, float64, bfloat16, got 'float16'");
+  expect([] { parse_choice<Model>("--model", "CNN"); }, "got 'CNN'");  // names are case-sensitive, as before
+
+  // Every name parses to a value that prints as that name.
+  auto round_trips = [](auto tag) {
+    using E = decltype(tag);
+    for (const auto& [name, value] : choices<E>()) {
+      EXPECT_EQ(parse_choice<E>("--flag", name), value) << name;
+      EXPECT_EQ(to_string(value), name);
+    }
+  };
+  round_trips(Model{});
+  round_trips(Dataset{});
+  round_trips(Optimizer{});
+  round_trips(LrSchedule{});
+  round_trips(NanPolicy{});
+  round_trips(TrainStrategy{});
+  round_trips(StorageDtype{});
+  round_trips(ComputeMethod{});
+  EXPECT_EQ(parse_choice<StorageDtype>("--factor-dtype", ""), StorageDtype::kDefault) << "empty: the default dtype";
+
+  // The model and dataset choices are the ones the models and datasets modules build.
+  std::vector<std::string> models, datasets;
+  for (const auto& choice : choices<Model>()) models.push_back(choice.first);
+  for (const auto& choice : choices<Dataset>()) datasets.push_back(choice.first);
+  EXPECT_EQ(models, models::model_names());
+  EXPECT_EQ(datasets, data::dataset_names());
+
+  // The options the ranks compare and the run event records carry the names.
+  const auto json = to_json(TrainConfig());
+  EXPECT_EQ(json["model"], "cnn");
+  EXPECT_EQ(json["dataset"], "fashion-mnist");
+  EXPECT_EQ(json["optimizer"], "sgd");
+  EXPECT_EQ(json["lr-schedule"], "cosine");
+  EXPECT_EQ(json["compute-method"], "inverse");
+  EXPECT_EQ(json["factor-dtype"], "");
+  EXPECT_EQ(json["inv-dtype"], "");
+  EXPECT_EQ(json["on-nan-loss"], "stop");
+  EXPECT_EQ(json["strategy"], "kaisa");
+}
+
 TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   auto expect = [](TrainConfig c, const std::string& needle) {
     expect_error([&] { c.validate(); }, {needle});
   };
   TrainConfig c;
-  c.model = "vgg";
-  expect(c, "--model must be one of mlp, cnn, resnet20, autoencoder, got 'vgg'");
-  c = TrainConfig();
   c.batch_size = 0;
   expect(c, "--batch-size must be >= 1, got 0");
   c = TrainConfig();
@@ -299,24 +357,15 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c.accumulation_steps = 3;
   expect(c, "--batch-size 64 must be a multiple of --accumulation-steps 3");
   c = TrainConfig();
-  c.lr_schedule = "linear";
-  expect(c, "--lr-schedule must be constant, step or cosine, got 'linear'");
-  c = TrainConfig();
   c.resume = true;
   expect(c, "--resume needs --checkpoint-dir");
   c = TrainConfig();
-  c.strategy = "hogwild";
-  expect(c, "--strategy must be kaisa, dkfac, dkfac-lw, spd or dp, got 'hogwild'");
-  c = TrainConfig();
-  c.strategy = "dp";
+  c.strategy = TrainStrategy::kDp;
   c.grad_worker_fraction = 0.5;
   expect(c, "--grad-worker-fraction applies to --strategy kaisa only, got 0.5 with --strategy dp");
   c = TrainConfig();
   c.eval_examples = -1;
   expect(c, "--eval-examples must be >= 0, got -1");
-  c = TrainConfig();
-  c.on_nan_loss = "ignore";
-  expect(c, "--on-nan-loss must be stop or skip, got 'ignore'");
   c = TrainConfig();
   c.checkpoint_every_steps = -2;
   expect(c, "--checkpoint-every-steps must be >= 0, got -2");
@@ -383,18 +432,18 @@ TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
   TrainConfig c;
   c.grad_worker_fraction = 0.5;
   EXPECT_EQ(c.fraction_for(4), 0.5);
-  c.strategy = "dkfac";
+  c.strategy = TrainStrategy::kDkfac;
   EXPECT_EQ(c.fraction_for(4), 1.0);
-  c.strategy = "dkfac-lw";
+  c.strategy = TrainStrategy::kDkfacLw;
   EXPECT_EQ(c.fraction_for(4), 0.25);
   EXPECT_EQ(c.library_strategy(), Strategy::kKaisa);
-  c.strategy = "spd";
+  c.strategy = TrainStrategy::kSpd;
   EXPECT_EQ(c.fraction_for(4), 1.0);
   EXPECT_EQ(c.library_strategy(), Strategy::kSpd);
-  c.strategy = "dp";
+  c.strategy = TrainStrategy::kDp;
   EXPECT_EQ(c.library_strategy(), Strategy::kDp);
   // 0 is kfac_pytorch's 1/P (MEM-OPT), what --kfac-strategy mem-opt sets.
-  c.strategy = "kaisa";
+  c.strategy = TrainStrategy::kKaisa;
   c.grad_worker_fraction = 0;
   EXPECT_EQ(c.fraction_for(4), 0.25);
   EXPECT_EQ(c.fraction_for(8), 0.125);

@@ -44,13 +44,30 @@ void add_alias(CLI::App& app, Resolvers& resolvers, train::TrainConfig& c, const
   });
 }
 
+// A flag whose value is one of a fixed set of names (train::choices<E>()): the name is parsed into `field`
+// when the command line is parsed, and an unknown one is an error naming the flag and listing the choices.
+template <typename E>
+CLI::Option* add_choice(CLI::App& app, const std::string& flag, E& field, const std::string& help) {
+  auto* option = app.add_option_function<std::string>(
+      flag,
+      [&field, flag](const std::string& name) {
+        try {
+          field = train::parse_choice<E>(flag, name);
+        } catch (const c10::Error& e) {
+          throw CLI::ValidationError(e.what_without_backtrace());
+        }
+      },
+      help);
+  const std::string default_name = train::to_string(field);
+  if (!default_name.empty()) option->default_str(default_name);
+  return option;
+}
+
 }  // namespace
 
 void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   // --- Data
-  app.add_option("--dataset", c.dataset, "fashion-mnist | mnist | cifar10 | synthetic")
-      ->capture_default_str()
-      ->group(kDataGroup);
+  add_choice(app, "--dataset", c.dataset, "fashion-mnist | mnist | cifar10 | synthetic")->group(kDataGroup);
   app.add_option("--data-dir", c.data_dir,
                  "dataset directory (default for fashion-mnist: /usr/share/datasets/fashion-mnist)")
       ->group(kDataGroup);
@@ -64,9 +81,9 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
       ->capture_default_str()
       ->group(kDataGroup);
   // --- Model
-  app.add_option("--model", c.model, "mlp | cnn | resnet20 | autoencoder")->capture_default_str()->group(kModelGroup);
+  add_choice(app, "--model", c.model, "mlp | cnn | resnet20 | autoencoder")->group(kModelGroup);
   // --- Optimizer
-  app.add_option("--optimizer", c.optimizer, "sgd | adam")->capture_default_str()->group(kOptimizerGroup);
+  add_choice(app, "--optimizer", c.optimizer, "sgd | adam")->group(kOptimizerGroup);
   app.add_option("--lr", c.lr, "base learning rate (> 0)")->capture_default_str()->group(kOptimizerGroup);
   app.add_option("--momentum", c.momentum, "SGD momentum, in [0, 1)")->capture_default_str()->group(kOptimizerGroup);
   app.add_option("--weight-decay", c.weight_decay, "L2 weight decay (>= 0)")
@@ -81,16 +98,14 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--max-steps", c.max_steps, "stop after this many steps in total (-1: no limit)")
       ->capture_default_str()
       ->group(kOptimizerGroup);
-  app.add_option("--lr-schedule", c.lr_schedule, "constant | step (x0.1 at 50% and 75%) | cosine")
-      ->capture_default_str()
+  add_choice(app, "--lr-schedule", c.lr_schedule, "constant | step (x0.1 at 50% and 75%) | cosine")
       ->group(kOptimizerGroup);
   app.add_option("--warmup-epochs", c.warmup_epochs, "linear learning-rate warmup")
       ->capture_default_str()
       ->group(kOptimizerGroup);
-  app.add_option("--on-nan-loss", c.on_nan_loss,
-                 "stop: end with an error before a non-finite loss or gradient reaches the weights; skip: drop "
-                 "that step and go on")
-      ->capture_default_str()
+  add_choice(app, "--on-nan-loss", c.on_nan_loss,
+             "stop: end with an error before a non-finite loss or gradient reaches the weights; skip: drop "
+             "that step and go on")
       ->group(kOptimizerGroup);
   // --- K-FAC. Paired switches are two flags each, so that --help says which one is the default.
   auto* kfac_on = app.add_flag_callback("--kfac", [&c] { c.kfac = true; },
@@ -122,22 +137,21 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--inv-update-steps", c.inv_update_steps, "steps between eigendecompositions/inverses (>= 1)")
       ->capture_default_str()
       ->group(kKfacGroup);
-  app.add_option("--compute-method", c.compute_method, "eigen | inverse")->capture_default_str()->group(kKfacGroup);
-  app.add_option("--factor-dtype", c.factor_dtype,
-                 "storage dtype of K-FAC factors: float32 | float64 | bfloat16 (default: the model's)")
+  add_choice(app, "--compute-method", c.compute_method, "eigen | inverse")->group(kKfacGroup);
+  add_choice(app, "--factor-dtype", c.factor_dtype,
+             "storage dtype of K-FAC factors: float32 | float64 | bfloat16 (default: the model's)")
       ->group(kKfacGroup);
-  app.add_option("--inv-dtype", c.inv_dtype,
-                 "storage dtype of eigendecompositions/inverses: float32 | float64 | bfloat16 (default: the factors')")
+  add_choice(app, "--inv-dtype", c.inv_dtype,
+             "storage dtype of eigendecompositions/inverses: float32 | float64 | bfloat16 (default: the factors')")
       ->group(kKfacGroup);
   app.add_option("--skip-layers", c.skip_layers,
                  "layers K-FAC leaves alone: regular expressions matched against module names (as the strategy "
                  "log prints them) or kinds (Linear, Conv2d); a pattern that matches no layer is warned about")
       ->group(kKfacGroup);
   // --- Distributed (the launcher's flags join this group in train.cpp)
-  app.add_option("--strategy", c.strategy,
-                 "kaisa (--grad-worker-fraction) | dkfac (SC20, = kaisa f=1) | dkfac-lw (SC20 layer-wise, = kaisa "
-                 "f=1/P) | spd (SPD-KFAC) | dp (DP-KFAC)")
-      ->capture_default_str()
+  add_choice(app, "--strategy", c.strategy,
+             "kaisa (--grad-worker-fraction) | dkfac (SC20, = kaisa f=1) | dkfac-lw (SC20 layer-wise, = kaisa "
+             "f=1/P) | spd (SPD-KFAC) | dp (DP-KFAC)")
       ->group(kDistributedGroup);
   app.add_option("--grad-worker-fraction", c.grad_worker_fraction,
                  "KAISA: 1 = comm-opt, 0.5 = hybrid-opt, 1/P = mem-opt; 0 means 1/P (as in kfac_pytorch)")
@@ -241,8 +255,8 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   resolvers->push_back([&app, &c, kfac_strategy, kfac_strategy_value] {
     if (kfac_strategy->count() == 0) return;
     const std::string name = *kfac_strategy_value;
-    if (app.count("--strategy") > 0 && c.strategy != "kaisa") {
-      throw CLI::ValidationError("--kfac-strategy " + name + " and --strategy " + c.strategy +
+    if (app.count("--strategy") > 0 && c.strategy != train::TrainStrategy::kKaisa) {
+      throw CLI::ValidationError("--kfac-strategy " + name + " and --strategy " + train::to_string(c.strategy) +
                                  " disagree (kfac_pytorch's strategies are --strategy kaisa); give one");
     }
     const bool explicit_fraction = app.count("--grad-worker-fraction") + app.count("--kfac-grad-worker-fraction") > 0;
@@ -257,7 +271,7 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
                                  (name == "mem-opt" ? std::string("1/P") : show(fraction)) + ") and " + fraction_flag +
                                  " " + show(c.grad_worker_fraction) + " disagree; give one");
     }
-    c.strategy = "kaisa";
+    c.strategy = train::TrainStrategy::kKaisa;
     c.grad_worker_fraction = fraction;
   });
   // Aliases first, then every range check, naming the flag as typed: all before any worker starts.

@@ -29,9 +29,9 @@ struct DatasetSize {
   int64_t largest_file;  // bytes of the largest file held while it is parsed (0: none)
 };
 
-DatasetSize dataset_size(const std::string& name) {
-  if (name == "cifar10") return {60000, 3, 32, 32, 1, 10000 * 3073 * 2};
-  if (name == "synthetic") return {8192 + 1024, 1, 28, 28, 4, 0};
+DatasetSize dataset_size(train::Dataset dataset) {
+  if (dataset == train::Dataset::kCifar10) return {60000, 3, 32, 32, 1, 10000 * 3073 * 2};
+  if (dataset == train::Dataset::kSynthetic) return {8192 + 1024, 1, 28, 28, 4, 0};
   return {70000, 1, 28, 28, 1, 60000 * 784 * 2};  // fashion-mnist, mnist: file bytes + their tensor copy
 }
 
@@ -60,7 +60,7 @@ WorkerMemory estimate_worker_memory(const train::TrainConfig& config) {
   const int64_t pixels = d.channels * d.height * d.width;
   m.dataset = d.examples * (pixels * d.bytes_per_pixel + 8) + d.largest_file;
   torch::NoGradGuard no_grad;
-  auto model = models::make_model(config.model, d.channels, d.height, d.width, 10);
+  auto model = models::make_model(train::to_string(config.model), d.channels, d.height, d.width, 10);
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
   // One example's activations, summed over the model's top-level modules; a batch saves them for backward
@@ -73,7 +73,7 @@ WorkerMemory estimate_worker_memory(const train::TrainConfig& config) {
   }
   const int64_t activation_bytes = config.batch_size * activations * 4 * (config.kfac ? 4 : 2);
   // Evaluation runs batches of up to 1000 test examples (without gradients); the allocator keeps those pages.
-  const int64_t test_examples = config.dataset == "synthetic" ? 1024 : 10000;
+  const int64_t test_examples = config.dataset == train::Dataset::kSynthetic ? 1024 : 10000;
   const int64_t eval_batch = std::min<int64_t>(1000, config.eval_examples > 0 ? config.eval_examples : test_examples);
   m.model = parameters * 4 * 4 + activation_bytes + eval_batch * activations * 4;
   if (config.kfac) {

@@ -144,7 +144,7 @@ std::optional<Checkpointer::Found> Checkpointer::find() {
   auto table = torch::zeros({world_, 3}, torch::kInt64);
   for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
   table[rank_][2] = static_cast<int64_t>(defects.size());
-  communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
+  communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
   auto has = [&](int r, int64_t step) {
     return table[r][0].item<int64_t>() == step + 1 || table[r][1].item<int64_t>() == step + 1;
   };

@@ -4,19 +4,114 @@
 #include <cmath>
 
 #include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
-
-#include "tools/data/datasets.h"
-#include "tools/models/models.h"
 
 namespace dkfac::train {
 namespace {
 
-bool one_of(const std::string& value, const std::vector<std::string>& valid) {
-  return std::find(valid.begin(), valid.end(), value) != valid.end();
+template <typename E>
+const char* name_of(E value) {
+  for (const auto& [name, v] : choices<E>()) {
+    if (v == value) return name.c_str();
+  }
+  return "unknown";
 }
 
 }  // namespace
+
+template <>
+const std::vector<std::pair<std::string, Model>>& choices<Model>() {
+  static const std::vector<std::pair<std::string, Model>> all = {
+      {"mlp", Model::kMlp}, {"cnn", Model::kCnn}, {"resnet20", Model::kResnet20}, {"autoencoder", Model::kAutoencoder}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, Dataset>>& choices<Dataset>() {
+  static const std::vector<std::pair<std::string, Dataset>> all = {{"fashion-mnist", Dataset::kFashionMnist},
+                                                                   {"mnist", Dataset::kMnist},
+                                                                   {"cifar10", Dataset::kCifar10},
+                                                                   {"synthetic", Dataset::kSynthetic}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, Optimizer>>& choices<Optimizer>() {
+  static const std::vector<std::pair<std::string, Optimizer>> all = {{"sgd", Optimizer::kSgd},
+                                                                     {"adam", Optimizer::kAdam}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, LrSchedule>>& choices<LrSchedule>() {
+  static const std::vector<std::pair<std::string, LrSchedule>> all = {
+      {"constant", LrSchedule::kConstant}, {"step", LrSchedule::kStep}, {"cosine", LrSchedule::kCosine}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, NanPolicy>>& choices<NanPolicy>() {
+  static const std::vector<std::pair<std::string, NanPolicy>> all = {{"stop", NanPolicy::kStop},
+                                                                     {"skip", NanPolicy::kSkip}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, TrainStrategy>>& choices<TrainStrategy>() {
+  static const std::vector<std::pair<std::string, TrainStrategy>> all = {{"kaisa", TrainStrategy::kKaisa},
+                                                                         {"dkfac", TrainStrategy::kDkfac},
+                                                                         {"dkfac-lw", TrainStrategy::kDkfacLw},
+                                                                         {"spd", TrainStrategy::kSpd},
+                                                                         {"dp", TrainStrategy::kDp}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, StorageDtype>>& choices<StorageDtype>() {
+  static const std::vector<std::pair<std::string, StorageDtype>> all = {{"", StorageDtype::kDefault},
+                                                                        {"float32", StorageDtype::kFloat32},
+                                                                        {"float64", StorageDtype::kFloat64},
+                                                                        {"bfloat16", StorageDtype::kBfloat16}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, ComputeMethod>>& choices<ComputeMethod>() {
+  static const std::vector<std::pair<std::string, ComputeMethod>> all = {
+      {to_string(ComputeMethod::kEigen), ComputeMethod::kEigen},
+      {to_string(ComputeMethod::kInverse), ComputeMethod::kInverse}};
+  return all;
+}
+
+const char* to_string(Model value) { return name_of(value); }
+const char* to_string(Dataset value) { return name_of(value); }
+const char* to_string(Optimizer value) { return name_of(value); }
+const char* to_string(LrSchedule value) { return name_of(value); }
+const char* to_string(NanPolicy value) { return name_of(value); }
+const char* to_string(TrainStrategy value) { return name_of(value); }
+const char* to_string(StorageDtype value) { return name_of(value); }
+
+template <typename E>
+std::string choice_names() {
+  std::string out;
+  for (const auto& [name, value] : choices<E>()) {
+    if (!name.empty()) out += (out.empty() ? "" : ", ") + name;
+  }
+  return out;
+}
+
+template <typename E>
+E parse_choice(const std::string& flag, const std::string& name) {
+  const auto& all = choices<E>();
+  const auto it = std::find_if(all.begin(), all.end(), [&name](const auto& choice) { return choice.first == name; });
+  TORCH_CHECK(it != all.end(), flag, " must be one of ", choice_names<E>(), ", got '", name, "'");
+  return it->second;
+}
+
+#define DKFAC_CHOICE(E)                        \
+  template std::string choice_names<E>(); \
+  template E parse_choice<E>(const std::string&, const std::string&);
+DKFAC_CHOICE(Model)
+DKFAC_CHOICE(Dataset)
+DKFAC_CHOICE(Optimizer)
+DKFAC_CHOICE(LrSchedule)
+DKFAC_CHOICE(NanPolicy)
+DKFAC_CHOICE(TrainStrategy)
+DKFAC_CHOICE(StorageDtype)
+DKFAC_CHOICE(ComputeMethod)
+#undef DKFAC_CHOICE
 
 std::string TrainConfig::flag(const std::string& name) const {
   const auto it = typed_as.find(name);
@@ -25,12 +120,8 @@ std::string TrainConfig::flag(const std::string& name) const {
 
 void TrainConfig::validate() const {
   // Every numeric flag is range-checked here with the flag's name (as typed), so that no value reaches the
-  // library's own checks, which name its option fields instead.
-  TORCH_CHECK(one_of(model, models::model_names()), "--model must be one of ", c10::Join(", ", models::model_names()),
-              ", got '", model, "'");
-  TORCH_CHECK(one_of(dataset, data::dataset_names()), "--dataset must be one of ", c10::Join(", ", data::dataset_names()),
-              ", got '", dataset, "'");
-  TORCH_CHECK(optimizer == "sgd" || optimizer == "adam", "--optimizer must be sgd or adam, got '", optimizer, "'");
+  // library's own checks, which name its option fields instead. The flags with a fixed set of choices were
+  // checked when they were parsed (parse_choice).
   TORCH_CHECK(lr > 0 && std::isfinite(lr), "--lr must be > 0, got ", lr);
   TORCH_CHECK(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
   TORCH_CHECK(weight_decay >= 0 && std::isfinite(weight_decay), "--weight-decay must be >= 0, got ", weight_decay);
@@ -41,8 +132,6 @@ void TrainConfig::validate() const {
               " (each step is that many micro-batches of equal size)");
   TORCH_CHECK(epochs >= 1, "--epochs must be >= 1, got ", epochs);
   TORCH_CHECK(max_steps >= -1, "--max-steps must be >= 0 (or -1: no limit), got ", max_steps);
-  TORCH_CHECK(one_of(lr_schedule, {"constant", "step", "cosine"}),
-              "--lr-schedule must be constant, step or cosine, got '", lr_schedule, "'");
   TORCH_CHECK(warmup_epochs >= 0 && std::isfinite(warmup_epochs), "--warmup-epochs must be >= 0, got ",
               warmup_epochs);
   TORCH_CHECK(seed >= 0, "--seed must be >= 0, got ", seed);
@@ -56,54 +145,56 @@ void TrainConfig::validate() const {
   TORCH_CHECK(factor_update_steps >= 1, flag("--factor-update-steps"), " must be >= 1, got ", factor_update_steps);
   TORCH_CHECK(inv_update_steps >= 1, flag("--inv-update-steps"), " must be >= 1",
               flag("--inv-update-steps") == "--inv-update-steps" ? "" : " (0: K-FAC off)", ", got ", inv_update_steps);
-  TORCH_CHECK(compute_method == "eigen" || compute_method == "inverse",
-              "--compute-method must be eigen or inverse, got '", compute_method, "'");
-  for (const auto& [name, value] : {std::pair{"--factor-dtype", factor_dtype}, std::pair{"--inv-dtype", inv_dtype}}) {
-    TORCH_CHECK(value.empty() || one_of(value, {"float32", "float64", "bfloat16"}), name,
-                " must be float32, float64 or bfloat16, got '", value, "'");
-  }
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
               "pass one of them");
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
-  TORCH_CHECK(on_nan_loss == "stop" || on_nan_loss == "skip", "--on-nan-loss must be stop or skip, got '",
-              on_nan_loss, "'");
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
   TORCH_CHECK(eval_examples >= 0, "--eval-examples must be >= 0, got ", eval_examples);
-  TORCH_CHECK(one_of(strategy, {"kaisa", "dkfac", "dkfac-lw", "spd", "dp"}),
-              "--strategy must be kaisa, dkfac, dkfac-lw, spd or dp, got '", strategy, "'");
   TORCH_CHECK(grad_worker_fraction >= 0 && grad_worker_fraction <= 1, flag("--grad-worker-fraction"),
               " must be in [0, 1] (0: 1/P), got ", grad_worker_fraction);
-  TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == "kaisa", flag("--grad-worker-fraction"),
-              " applies to --strategy kaisa only, got ", grad_worker_fraction, " with --strategy ", strategy);
+  TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == TrainStrategy::kKaisa, flag("--grad-worker-fraction"),
+              " applies to --strategy kaisa only, got ", grad_worker_fraction, " with --strategy ",
+              to_string(strategy));
 }
 
 Strategy TrainConfig::library_strategy() const {
-  if (strategy == "spd") return Strategy::kSpd;
-  if (strategy == "dp") return Strategy::kDp;
+  switch (strategy) {
+    case TrainStrategy::kSpd:
+      return Strategy::kSpd;
+    case TrainStrategy::kDp:
+      return Strategy::kDp;
+    case TrainStrategy::kKaisa:
+    case TrainStrategy::kDkfac:
+    case TrainStrategy::kDkfacLw:
+      break;
+  }
   return Strategy::kKaisa;
 }
 
 double TrainConfig::fraction_for(int world) const {
-  if (strategy != "kaisa" && strategy != "dkfac-lw") return 1.0;
-  if (strategy == "dkfac-lw" || grad_worker_fraction == 0.0) return 1.0 / world;
+  if (strategy != TrainStrategy::kKaisa && strategy != TrainStrategy::kDkfacLw) return 1.0;
+  if (strategy == TrainStrategy::kDkfacLw || grad_worker_fraction == 0.0) return 1.0 / world;
   return grad_worker_fraction;
 }
 
 nlohmann::json to_json(const TrainConfig& c) {
   // Everything that must agree between ranks (threads may differ).
-  return {{"model", c.model}, {"dataset", c.dataset}, {"data-dir", c.data_dir}, {"optimizer", c.optimizer},
+  return {{"model", to_string(c.model)}, {"dataset", to_string(c.dataset)}, {"data-dir", c.data_dir},
+          {"optimizer", to_string(c.optimizer)},
           {"lr", c.lr}, {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"batch-size", c.batch_size},
           {"accumulation-steps", c.accumulation_steps},
-          {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", c.lr_schedule},
+          {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", to_string(c.lr_schedule)},
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
           {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
           {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
-          {"compute-method", c.compute_method}, {"factor-dtype", c.factor_dtype}, {"inv-dtype", c.inv_dtype},
+          {"compute-method", to_string(c.compute_method)}, {"factor-dtype", to_string(c.factor_dtype)},
+          {"inv-dtype", to_string(c.inv_dtype)},
           {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
-          {"on-nan-loss", c.on_nan_loss}, {"resume", c.resume}, {"overwrite", c.overwrite}, {"strategy", c.strategy},
+          {"on-nan-loss", to_string(c.on_nan_loss)}, {"resume", c.resume}, {"overwrite", c.overwrite},
+          {"strategy", to_string(c.strategy)},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
           {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};
 }

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -12,12 +13,55 @@
 
 namespace dkfac::train {
 
+// The flags whose value is one of a fixed set of names are enums, parsed once at the command line
+// (parse_choice) and printed back by to_string as the same names: the metrics run event, the options
+// that ranks compare and the checkpoint metadata carry the names.
+
+/// --model (models::model_names(), in that order).
+enum class Model { kMlp, kCnn, kResnet20, kAutoencoder };
+/// --dataset (data::dataset_names(), in that order).
+enum class Dataset { kFashionMnist, kMnist, kCifar10, kSynthetic };
+/// --optimizer.
+enum class Optimizer { kSgd, kAdam };
+/// --lr-schedule: constant, step (x0.1 at 50% and 75% of the epochs), cosine.
+enum class LrSchedule { kConstant, kStep, kCosine };
+/// --on-nan-loss: stop with an error, or skip the step.
+enum class NanPolicy { kStop, kSkip };
+/// --strategy: kaisa, dkfac (SC20 KFAC-opt), dkfac-lw (SC20 layer-wise), spd, dp.
+enum class TrainStrategy { kKaisa, kDkfac, kDkfacLw, kSpd, kDp };
+/// --factor-dtype / --inv-dtype: kDefault ("" on the command line and in the output) keeps the
+/// model's (factors') dtype.
+enum class StorageDtype { kDefault, kFloat32, kFloat64, kBfloat16 };
+// --compute-method is the library's ComputeMethod (dkfac::to_string names it).
+
+/// A flag's names and the values they stand for, in the order --help and errors list them.
+template <typename E>
+const std::vector<std::pair<std::string, E>>& choices();
+
+/// The name of `value` as typed on the command line and written to the metrics and checkpoints.
+const char* to_string(Model value);
+const char* to_string(Dataset value);
+const char* to_string(Optimizer value);
+const char* to_string(LrSchedule value);
+const char* to_string(NanPolicy value);
+const char* to_string(TrainStrategy value);
+const char* to_string(StorageDtype value);  // "" for kDefault
+using dkfac::to_string;                     // ComputeMethod
+
+/// The choices' names, comma-separated ("mlp, cnn, resnet20, autoencoder"); a StorageDtype's "" is left out.
+template <typename E>
+std::string choice_names();
+
+/// The value `name` stands for; otherwise throws c10::Error "<flag> must be one of <choices>, got '<name>'".
+template <typename E>
+E parse_choice(const std::string& flag, const std::string& name);
+
 /// Everything `dkfac train` can be told. Defaults are the recipe the README documents.
 struct TrainConfig {
-  std::string model = "cnn";
-  std::string dataset = "fashion-mnist";
+  Model model = Model::kCnn;
+  Dataset dataset = Dataset::kFashionMnist;
   std::string data_dir;  // empty: the dataset's default location
-  std::string optimizer = "sgd";
+  Optimizer optimizer = Optimizer::kSgd;
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 5e-4;
@@ -25,7 +69,7 @@ struct TrainConfig {
   int64_t accumulation_steps = 1;    // micro-batches of batch_size / accumulation_steps per step
   int64_t epochs = 3;
   int64_t max_steps = -1;  // < 0: no limit
-  std::string lr_schedule = "cosine";
+  LrSchedule lr_schedule = LrSchedule::kCosine;
   double warmup_epochs = 0.0;
   int64_t seed = 0;
   int threads = 0;  // 0: LibTorch's default
@@ -36,22 +80,23 @@ struct TrainConfig {
   bool kl_clip_follows_lr = true;  // scale the KL bound by (lr / base lr)^2 so schedules shrink K-FAC steps
   int64_t factor_update_steps = 10;
   int64_t inv_update_steps = 100;
-  std::string compute_method = "inverse";  // same accuracy as eigen on the cnn, half the preconditioning time
-  std::string factor_dtype;  // float32 | float64 | bfloat16; empty: the model's dtype
-  std::string inv_dtype;     // same choices; empty: the factors' dtype
+  // inverse: the same accuracy as eigen on the cnn, in half the preconditioning time.
+  ComputeMethod compute_method = ComputeMethod::kInverse;
+  StorageDtype factor_dtype = StorageDtype::kDefault;  // kDefault: the model's dtype
+  StorageDtype inv_dtype = StorageDtype::kDefault;     // kDefault: the factors' dtype
   std::vector<std::string> skip_layers;  // regular expressions: matching layers keep their plain gradient
   std::string metrics;  // JSON Lines file; empty: none
   std::string checkpoint_dir;
   int64_t checkpoint_every_epochs = 1;
   int64_t checkpoint_every_steps = 0;  // 0: only at epoch ends (and --max-steps)
-  std::string on_nan_loss = "stop";    // stop | skip: what a non-finite loss or gradient does
+  NanPolicy on_nan_loss = NanPolicy::kStop;  // what a non-finite loss or gradient does
   bool resume = false;
   bool overwrite = false;  // a fresh run may replace the checkpoints and metrics file it finds
   std::string command_line;  // as typed, for the metrics file's run event (not an option)
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
-  std::string strategy = "kaisa";
+  TrainStrategy strategy = TrainStrategy::kKaisa;
   double grad_worker_fraction = 1.0;  // 0: 1/P (MEM-OPT; kfac_pytorch's convention), resolved by fraction_for
   bool symmetric_comm = false;
   bool balance_memory = false;    // KAISA placement by dim^2 instead of dim^3

@@ -16,7 +16,8 @@
 ///   epoch        epoch (1-based: the epoch just finished), train_loss (mean over every rank's steps),
 ///                test_loss, test_accuracy (0..1), wall_time_s, step, kfac_time_s
 ///   summary      steps, best/final test accuracy, final_test_loss, wall and K-FAC seconds, parameters_crc32,
-///                and in a distributed job world_size and ranks[] (traffic, memory, phase times per rank)
+///                and in a distributed job world_size and ranks[] (per rank: comm_bytes for every
+///                comm::Phase by name, K-FAC memory, phase times)
 /// Version 1 (before dkfac 0.1.0's issue 17) had no run event and 0-based step-event epochs.
 namespace dkfac::train {
 

@@ -33,10 +33,19 @@ namespace F = torch::nn::functional;
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kCheckpointVersion = 2;  // 2: layout entry, DKFACCKP envelope
 
-// "float32" | "float64" | "bfloat16" (validated by TrainConfig::validate), or nullopt for "".
-std::optional<torch::ScalarType> dtype_option(const std::string& name) {
-  if (name.empty()) return std::nullopt;
-  return name == "float64" ? torch::kFloat64 : name == "bfloat16" ? torch::kBFloat16 : torch::kFloat32;
+// The dtype --factor-dtype / --inv-dtype names, or nullopt for the default.
+std::optional<torch::ScalarType> dtype_option(StorageDtype dtype) {
+  switch (dtype) {
+    case StorageDtype::kDefault:
+      return std::nullopt;
+    case StorageDtype::kFloat32:
+      return torch::kFloat32;
+    case StorageDtype::kFloat64:
+      return torch::kFloat64;
+    case StorageDtype::kBfloat16:
+      return torch::kBFloat16;
+  }
+  return std::nullopt;
 }
 
 
@@ -92,15 +101,15 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   }
   threads_ = tools::configure_threads(config_.threads);
   auto& s = *state_;
-  s.task = models::model_task(config_.model);
-  s.dataset = data::load_dataset(config_.dataset, config_.data_dir, s.task == models::Task::kReconstruction);
+  s.task = models::model_task(to_string(config_.model));
+  s.dataset = data::load_dataset(to_string(config_.dataset), config_.data_dir, s.task == models::Task::kReconstruction);
   s.steps_per_epoch = s.dataset.train.size() / (config_.batch_size * world_);
   TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " x ", world_, " ranks is larger than the training set (",
               s.dataset.train.size(), " examples)");
   torch::manual_seed(static_cast<uint64_t>(config_.seed));
   const auto& d = s.dataset;
-  s.model = models::make_model(config_.model, d.channels, d.height, d.width, d.classes);
-  if (config_.optimizer == "sgd") {
+  s.model = models::make_model(to_string(config_.model), d.channels, d.height, d.width, d.classes);
+  if (config_.optimizer == Optimizer::kSgd) {
     s.optimizer = std::make_unique<torch::optim::SGD>(
         s.model->parameters(),
         torch::optim::SGDOptions(config_.lr).momentum(config_.momentum).weight_decay(config_.weight_decay));
@@ -125,8 +134,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .factor_update_steps(config_.factor_update_steps)
                            .accumulation_steps(config_.accumulation_steps)
                            .inv_update_steps(config_.inv_update_steps)
-                           .compute_method(config_.compute_method == "eigen" ? ComputeMethod::kEigen
-                                                                              : ComputeMethod::kInverse)
+                           .compute_method(config_.compute_method)
                            .skip_layers(config_.skip_layers)
                            .factor_dtype(dtype_option(config_.factor_dtype))
                            .inv_dtype(dtype_option(config_.inv_dtype))
@@ -158,9 +166,9 @@ double Trainer::learning_rate(int64_t epoch, int64_t step_in_epoch) const {
   double lr = config_.lr;
   if (config_.warmup_epochs > 0 && t < config_.warmup_epochs) return lr * (t + 1e-3) / config_.warmup_epochs;
   const double total = static_cast<double>(config_.epochs);
-  if (config_.lr_schedule == "cosine") {
+  if (config_.lr_schedule == LrSchedule::kCosine) {
     lr *= 0.5 * (1.0 + std::cos(M_PI * std::min(t, total) / total));
-  } else if (config_.lr_schedule == "step") {
+  } else if (config_.lr_schedule == LrSchedule::kStep) {
     if (t >= 0.5 * total) lr *= 0.1;
     if (t >= 0.75 * total) lr *= 0.1;
   }
@@ -170,7 +178,7 @@ double Trainer::learning_rate(int64_t epoch, int64_t step_in_epoch) const {
 void Trainer::set_learning_rate(double lr) {
   state_->current_lr = lr;
   for (auto& group : state_->optimizer->param_groups()) {
-    if (config_.optimizer == "sgd") {
+    if (config_.optimizer == Optimizer::kSgd) {
       static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
     } else {
       static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
@@ -211,10 +219,10 @@ void Trainer::check_same_options() {
   const auto own = to_json(config_);
   const std::string mine = own.dump();
   auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
-  communicator_->broadcast(length, 0, comm::kWorld, "setup").wait();
+  communicator_->broadcast(length, 0, comm::kWorld, comm::Phase::kSetup).wait();
   auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
   if (rank_ == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
-  communicator_->broadcast(bytes, 0, comm::kWorld, "setup").wait();
+  communicator_->broadcast(bytes, 0, comm::kWorld, comm::Phase::kSetup).wait();
   const auto reference = nlohmann::json::parse(
       std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel())));
   std::string difference;
@@ -227,7 +235,7 @@ void Trainer::check_same_options() {
   }
   auto flags = torch::zeros({world_}, torch::kInt64);
   flags[rank_] = difference.empty() ? 0 : 1;
-  communicator_->allreduce_sum(flags, comm::kWorld, "setup").wait();
+  communicator_->allreduce_sum(flags, comm::kWorld, comm::Phase::kSetup).wait();
   TORCH_CHECK(difference.empty(), "ranks were started with different options: ", difference);
   if (flags.sum().item<int64_t>() > 0) {
     std::string ranks;
@@ -249,7 +257,7 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
   bool finite = torch::isfinite(torch::cat(largest).max()).item<bool>();
   if (communicator_ && world_ > 1) {
     auto bad = torch::full({1}, finite ? 0.0f : 1.0f);
-    communicator_->allreduce_sum(bad, comm::kWorld, "finite-check").wait();
+    communicator_->allreduce_sum(bad, comm::kWorld, comm::Phase::kFiniteCheck).wait();
     finite = bad.item<float>() == 0.0f;
   }
   return finite;
@@ -258,7 +266,8 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
 std::string Trainer::layout() const {
   // What decides which K-FAC state a rank holds: a checkpoint of another layout cannot be resumed.
   std::ostringstream out;
-  out << "world " << world_ << ", rank " << rank_ << ", strategy " << config_.strategy << ", grad-worker-fraction "
+  out << "world " << world_ << ", rank " << rank_ << ", strategy " << to_string(config_.strategy)
+      << ", grad-worker-fraction "
       << config_.fraction_for(world_) << ", " << (config_.colocate_factors ? "colocated" : "separate") << " factors, "
       << (config_.balance_memory ? "memory" : "compute") << " balance";
   return out.str();
@@ -280,10 +289,10 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
   auto& s = *state_;
   s.checkpointer->save([&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
-    archive.write("model_name", c10::IValue(config_.model));
-    archive.write("dataset", c10::IValue(config_.dataset));
+    archive.write("model_name", c10::IValue(std::string(to_string(config_.model))));
+    archive.write("dataset", c10::IValue(std::string(to_string(config_.dataset))));
     archive.write("kfac", c10::IValue(config_.kfac));
-    archive.write("optimizer_name", c10::IValue(config_.optimizer));
+    archive.write("optimizer_name", c10::IValue(std::string(to_string(config_.optimizer))));
     archive.write("shapes", c10::IValue(shape_signature(*s.model)));
     archive.write("layout", c10::IValue(layout()));
     archive.write("epoch", c10::IValue(at.epoch));
@@ -332,9 +341,9 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
     TORCH_CHECK(theirs == mine, "checkpoint '", path, "' was written with ", key, " '", theirs, "', this run uses '",
                 mine, "'");
   };
-  expect("model_name", config_.model);
-  expect("dataset", config_.dataset);
-  expect("optimizer_name", config_.optimizer);
+  expect("model_name", to_string(config_.model));
+  expect("dataset", to_string(config_.dataset));
+  expect("optimizer_name", to_string(config_.optimizer));
   expect("shapes", shape_signature(*s.model));
   expect("layout", layout());
   TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
@@ -417,7 +426,7 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
     loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
   }
   if (!step_is_finite(loss)) {
-    TORCH_CHECK(config_.on_nan_loss == "skip", "training loss or gradient became non-finite (loss ",
+    TORCH_CHECK(config_.on_nan_loss == NanPolicy::kSkip, "training loss or gradient became non-finite (loss ",
                 loss.item<double>(), ") at step ", s.global_step, " (epoch ", at.epoch + 1,
                 "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
                 "checkpoint, or pass --on-nan-loss skip to drop such steps");
@@ -465,7 +474,7 @@ void Trainer::draw_progress(const Position& at, double loss, double epoch_second
 // The mean loss of every rank's steps this epoch (each rank trains on its own shard).
 double Trainer::global_mean(double sum, int64_t count) {
   auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kFloat64);
-  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, "setup").wait();
+  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, comm::Phase::kSetup).wait();
   return totals[1].item<double>() > 0 ? totals[0].item<double>() / totals[1].item<double>() : 0.0;
 }
 
@@ -522,8 +531,9 @@ TrainSummary Trainer::run() {
   const int64_t log_every =
       config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
   const auto& train = s.dataset.train;
-  log() << "train: model " << config_.model << ", dataset " << s.dataset.name << " (" << train.size() << " train, "
-        << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "") << config_.optimizer << ", batch "
+  log() << "train: model " << to_string(config_.model) << ", dataset " << s.dataset.name << " (" << train.size()
+        << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
+        << to_string(config_.optimizer) << ", batch "
         << config_.batch_size << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_
         << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
                              std::to_string(config_.batch_size * world_) + ")"
@@ -646,14 +656,13 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
                           {"wall_time_s", summary.wall_seconds},
                           {"kfac_time_s", summary.kfac_seconds},
                           {"parameters_crc32", summary.parameters_crc32},
-                          {"model", config_.model},
-                          {"dataset", config_.dataset},
+                          {"model", to_string(config_.model)},
+                          {"dataset", to_string(config_.dataset)},
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
   if (communicator_) {
     // Every rank's traffic per phase, K-FAC memory and K-FAC phase times, gathered to rank 0 with one sum.
-    const std::vector<std::string> phases = {"data_parallel", "factors", "second_order", "gradients", "calibration",
-                                             "setup"};
+    const std::vector<std::string> phases = comm::Communicator::all_phase_names();
     const auto n = static_cast<int64_t>(phases.size());
     auto table = torch::zeros({world_, n + 7}, torch::kFloat64);
     const auto traffic = communicator_->traffic();
@@ -669,7 +678,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
     table[rank_][n + 4] = times.apply;
     table[rank_][n + 5] = summary.wall_seconds;
     table[rank_][n + 6] = times.communication;
-    communicator_->allreduce_sum(table, comm::kWorld, "setup").wait();
+    communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
     event["world_size"] = world_;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < world_; ++r) {
