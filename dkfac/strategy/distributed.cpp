@@ -50,8 +50,8 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
   }
 }
 
-std::string Distributed::describe() const {
-  std::string out = plan_.describe();
+std::string Distributed::describe(bool per_layer) const {
+  std::string out = plan_.describe(per_layer);
   if (!measurements_.empty()) out += "  " + measurements_ + "\n";
   if (pipeline_) out += "  " + pipeline_->describe() + "\n";
   return out;

@@ -33,8 +33,8 @@ class Distributed {
   int rank() const { return rank_; }
   /// The factor pipeline (SPD-KFAC, or KAISA's buckets in hooks), or nullptr.
   const FactorPipeline* pipeline() const { return pipeline_.get(); }
-  /// The plan in words, with SPD-KFAC's measurements and the pipeline's current grouping.
-  std::string describe() const;
+  /// The plan in words (StepPlan::describe), with SPD-KFAC's measurements and the pipeline's grouping.
+  std::string describe(bool per_layer = true) const;
 
   /// This rank's share of the plan.
   bool builds_factors(size_t layer) const { return plan_.builds_factors(layer, rank_); }

@@ -107,7 +107,7 @@ bool StepPlan::shares_second_order() const {
   return false;
 }
 
-std::string StepPlan::describe() const {
+std::string StepPlan::describe(bool per_layer) const {
   std::ostringstream out;
   const int p = world_size();
   const int w = grad_workers();
@@ -149,7 +149,7 @@ std::string StepPlan::describe() const {
         << (broadcast_gradients ? "broadcast along rows from each layer's grad worker" : "computed on every rank")
         << "\n";
   }
-  for (size_t i = 0; i < placement.layers.size(); ++i) {
+  for (size_t i = 0; per_layer && i < placement.layers.size(); ++i) {
     const auto& placed = placement.layers[i];
     const auto& flow = flows[i];
     out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));

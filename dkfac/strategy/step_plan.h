@@ -61,8 +61,8 @@ struct StepPlan {
   /// The grad worker of `layer` in `rank`'s row: it broadcasts V to that row.
   int gradient_source(size_t layer, int rank) const { return placement.grad_source_for(layer, rank); }
 
-  /// The plan in words: job-wide choices, then one line per layer.
-  std::string describe() const;
+  /// The plan in words: job-wide choices, then (with `per_layer`) one line per layer.
+  std::string describe(bool per_layer = true) const;
 };
 
 /// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs

@@ -66,4 +66,16 @@ PY
 refused --dataset mnist --data-dir "$tmp/mnist32" --max-steps 1
 has "dataset file '$tmp/mnist32/train-images-idx3-ubyte' holds 32 x 32 images, but --dataset mnist has 28 x 28"
 lacks "mat1 and mat2"
+
+echo "== --print-plan: the step plan of a single process, one line per K-FAC layer; nothing without K-FAC"
+"$dkfac" train --model mlp --dataset synthetic --epochs 1 --max-steps 1 --print-plan > "$tmp/out" 2>&1 \
+  || { cat "$tmp/out"; fail "--print-plan run failed"; }
+has "step plan: single process"
+layers=$(grep -c '^  [^ ]* \[a=[0-9]*, g=[0-9]*\]: factors on every rank; A on rank 0, G on rank 0; grad workers {0}$' "$tmp/out" || true)
+header=$(grep '^K-FAC layers' "$tmp/out" | tr ',' '\n' | wc -l)
+[[ $layers -ge 1 && $layers == "$header" ]] || { cat "$tmp/out"; fail "$layers plan lines for $header layers"; }
+"$dkfac" train --model mlp --dataset synthetic --epochs 1 --max-steps 1 > "$tmp/out" 2>&1
+lacks "step plan"
+"$dkfac" train --model mlp --dataset synthetic --epochs 1 --max-steps 1 --no-kfac --print-plan > "$tmp/out" 2>&1
+has "step plan: none (--no-kfac"
 echo "PASS"

@@ -18,10 +18,16 @@ grep -q '"ranks":\[{"comm_bytes"' "$tmp/m.jsonl" || { echo "FAIL: no per-rank ta
 [[ $(grep -c '^K-FAC layers' "$tmp/out.txt") == 1 ]] || { echo "FAIL: not exactly one header"; exit 1; }
 ! grep -q '^\[rank 1\]' "$tmp/out.txt" || { echo "FAIL: rank 1 printed progress"; exit 1; }
 
-echo "== 2 ranks, SC20 layer-wise, separate factors, memory balance"
+grep -q 'step plan: KAISA (kaisa), P=2 W=1 (2 columns)' "$tmp/out.txt" || { echo "FAIL: no plan header"; exit 1; }
+! grep -q 'grad workers {' "$tmp/out.txt" || { echo "FAIL: per-layer plan lines without --print-plan"; exit 1; }
+
+echo "== 2 ranks, SC20 layer-wise, separate factors, memory balance; --print-plan: each layer once, from rank 0"
 "$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 6 --log-every 3 \
-  --strategy dkfac-lw --separate-factors --balance-memory > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
+  --strategy dkfac-lw --separate-factors --balance-memory --print-plan > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
 grep -q '^summary: ' "$tmp/lw.txt" || { echo "FAIL: dkfac-lw run did not finish"; cat "$tmp/lw.txt"; exit 1; }
+layers=$(grep -c '^  [^ ]* \[a=[0-9]*, g=[0-9]*\]: factors on every rank; A on rank [01], G on rank [01]; grad workers {[01]}$' "$tmp/lw.txt" || true)
+header=$(grep '^K-FAC layers' "$tmp/lw.txt" | tr ',' '\n' | wc -l)
+[[ $layers -ge 1 && $layers == "$header" ]] || { cat "$tmp/lw.txt"; echo "FAIL: $layers plan lines for $header layers"; exit 1; }
 
 echo "== 2 ranks, SPD-KFAC: measured placement, fusion chosen after profiling and logged"
 "$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 8 --log-every 4 \

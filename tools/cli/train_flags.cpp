@@ -193,6 +193,11 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--log-every", c.log_every, "steps between progress lines (0: ~10 per epoch)")
       ->capture_default_str()
       ->group(kOutputGroup);
+  app.add_flag("--print-plan", c.print_plan,
+               "print the K-FAC step plan this job runs at start: how factors are reduced, which rank decomposes "
+               "each layer's A and G, which ranks precondition it, what is broadcast (default: off; a distributed "
+               "job prints the plan's job-wide lines anyway)")
+      ->group(kOutputGroup);
 
   // --- kfac_pytorch's example flags (examples/torch_cifar10_resnet.py, v0.4.2), with their meanings there.
   auto resolvers = std::make_shared<Resolvers>();

@@ -194,6 +194,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", to_string(c.on_nan_loss)}, {"resume", c.resume}, {"overwrite", c.overwrite},
+          {"print-plan", c.print_plan},
           {"strategy", to_string(c.strategy)},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
           {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};

@@ -94,6 +94,7 @@ struct TrainConfig {
   bool overwrite = false;  // a fresh run may replace the checkpoints and metrics file it finds
   std::string command_line;  // as typed, for the metrics file's run event (not an option)
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
+  bool print_plan = false;  // print the K-FAC step plan at start, one line per layer
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
   TrainStrategy strategy = TrainStrategy::kKaisa;

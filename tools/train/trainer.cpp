@@ -155,7 +155,11 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
              << dkfac::to_string(layer.kind()) << " " << layer.a_dim() << "x" << layer.g_dim();
     }
     log() << layers.str() << "\n";
-    if (s.kfac->plan().world_size() > 1) log() << s.kfac->strategy().describe() << std::flush;
+    if (config_.print_plan || s.kfac->plan().world_size() > 1) {
+      log() << s.kfac->strategy().describe(/*per_layer=*/config_.print_plan) << std::flush;
+    }
+  } else if (config_.print_plan && rank_ == 0) {
+    log() << "step plan: none (--no-kfac: plain " << to_string(config_.optimizer) << ", no K-FAC work)\n" << std::flush;
   }
 }
 
