@@ -116,7 +116,7 @@ std::string StepPlan::describe(bool per_layer) const {
         << "preconditioning here, nothing communicated\n";
   } else {
     out << "step plan: " << system_name(strategy) << " (" << dkfac::to_string(strategy) << "), P=" << p << " W=" << w
-        << " (" << p / w << " columns), " << to_string(method) << "\n";
+        << " (" << p / w << (p / w == 1 ? " column), " : " columns), ") << to_string(method) << "\n";
     out << "  factors: ";
     switch (reduction) {
       case FactorReduction::kNone:

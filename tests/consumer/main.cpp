@@ -1,4 +1,5 @@
 #include <dkfac/dkfac.h>
+#include <dkfac/strategy/prediction.h>
 
 #include <iostream>
 
@@ -29,5 +30,11 @@ int main() {
     (step == 0 ? first : last) = loss.item<double>();
   }
   std::cout << "dkfac " << DKFAC_VERSION_STRING << " consumer: loss " << first << " -> " << last << "\n";
-  return last < first ? 0 : 1;
+  // The same model's plan on 4 ranks under DP-KFAC, and its predicted cost, without running it.
+  std::vector<dkfac::assign::LayerShape> shapes;
+  for (const auto& layer : kfac.layers()) shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim()});
+  const auto plan = dkfac::strategy::make_step_plan(shapes, 4, dkfac::Options().strategy(dkfac::Strategy::kDp));
+  const auto cost = dkfac::strategy::predict(plan, 4, 8);
+  std::cout << kfac.plan().describe(false) << plan.describe();
+  return last < first && cost.size() == 4 && cost[0].factor_bytes == 0 ? 0 : 1;
 }

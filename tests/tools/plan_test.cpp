@@ -40,8 +40,8 @@ TEST(Plan, ResNet50At64RanksSumsMatchTheLayers) {
   request.nproc = 64;
   request.batch_size = 32;
   const auto model = models::paper_model("resnet50");
-  for (const std::string method : {"inverse", "eigen"}) {
-    SCOPED_TRACE(method);
+  for (const auto method : {ComputeMethod::kInverse, ComputeMethod::kEigen}) {
+    SCOPED_TRACE(to_string(method));
     request.compute_method = method;
     const auto report = plan_report(request).json;
     EXPECT_EQ(report["dataset"], "imagenet");
@@ -53,7 +53,7 @@ TEST(Plan, ResNet50At64RanksSumsMatchTheLayers) {
     for (const auto& l : model.layers) {
       const int64_t a = l.a_dim, g = l.g_dim;
       factors += 4 * (a * a + g * g);
-      second_order += 4 * (method == "eigen" ? a * a + a + g * g + g + g * a : a * a + g * g);
+      second_order += 4 * (method == ComputeMethod::kEigen ? a * a + a + g * g + g + g * a : a * a + g * g);
       gradient += 4 * g * a;
       factor_sent += 4 * (a * a + g * g);
       factor_flops += 2.0 * 32 * l.rows_per_sample * (static_cast<double>(a) * a + static_cast<double>(g) * g);

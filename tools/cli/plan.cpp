@@ -2,6 +2,7 @@
 #include <iostream>
 
 #include "tools/cli/commands.h"
+#include "tools/cli/train_flags.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
 #include "tools/plan/plan_report.h"
@@ -38,8 +39,7 @@ Command add_plan_command(CLI::App& app) {
   plan->add_option("--nproc", r.nproc, "ranks")->capture_default_str()->check(CLI::Range(1, 4096));
   plan->add_option("--batch-size", r.batch_size, "examples per rank per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  plan->add_option("--compute-method", r.compute_method, "eigen | inverse")->capture_default_str()
-      ->check(CLI::IsMember({"eigen", "inverse"}));
+  add_choice(*plan, "--compute-method", r.compute_method, "eigen | inverse");
   plan->add_option("--spd-redundant-dim", r.spd_redundant_dim,
                    "SPD-KFAC: factors up to this dimension are decomposed on every rank (a training job measures it)")
       ->capture_default_str();

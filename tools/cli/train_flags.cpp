@@ -44,25 +44,6 @@ void add_alias(CLI::App& app, Resolvers& resolvers, train::TrainConfig& c, const
   });
 }
 
-// A flag whose value is one of a fixed set of names (train::choices<E>()): the name is parsed into `field`
-// when the command line is parsed, and an unknown one is an error naming the flag and listing the choices.
-template <typename E>
-CLI::Option* add_choice(CLI::App& app, const std::string& flag, E& field, const std::string& help) {
-  auto* option = app.add_option_function<std::string>(
-      flag,
-      [&field, flag](const std::string& name) {
-        try {
-          field = train::parse_choice<E>(flag, name);
-        } catch (const c10::Error& e) {
-          throw CLI::ValidationError(e.what_without_backtrace());
-        }
-      },
-      help);
-  const std::string default_name = train::to_string(field);
-  if (!default_name.empty()) option->default_str(default_name);
-  return option;
-}
-
 }  // namespace
 
 void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {

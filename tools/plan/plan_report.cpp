@@ -153,8 +153,6 @@ std::string human_flops(double flops) {
 PlanReport plan_report(const PlanRequest& r) {
   TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);
   TORCH_CHECK(r.batch_size >= 1, "--batch-size must be >= 1, got ", r.batch_size);
-  TORCH_CHECK(r.compute_method == "eigen" || r.compute_method == "inverse",
-              "--compute-method must be eigen or inverse, got '", r.compute_method, "'");
   const ModelTable t = model_table(r);
   const auto& shapes = t.layers;
   struct Row {
@@ -164,7 +162,7 @@ PlanReport plan_report(const PlanRequest& r) {
   const int p = r.nproc;
   // Options as a training job would set them; the same make_step_plan() a job calls builds each plan.
   const Options base = Options()
-                           .compute_method(r.compute_method == "eigen" ? ComputeMethod::kEigen : ComputeMethod::kInverse)
+                           .compute_method(r.compute_method)
                            .symmetric_comm(r.symmetric_comm);
   const auto kaisa = [&](double f) { return Options(base).grad_worker_fraction(f); };
   std::vector<Row> rows = {{"dkfac (kaisa f=1, comm-opt)", kaisa(1.0)}};
@@ -190,7 +188,7 @@ PlanReport plan_report(const PlanRequest& r) {
                         {"input", t.input},
                         {"nproc", p},
                         {"batch_size", r.batch_size},
-                        {"compute_method", r.compute_method},
+                        {"compute_method", to_string(r.compute_method)},
                         {"symmetric_comm", r.symmetric_comm},
                         {"element_bytes", element_bytes},
                         {"parameters", t.parameters},

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dkfac/options.h"
+
 /// `dkfac plan`: every strategy's placement and predicted per-rank cost for a model (tools model or
 /// paper-scale table), as JSON and as text. Nothing runs: shapes in, strategy::make_step_plan and
 /// strategy::predict (the plan a job of those options would run) out.
@@ -18,7 +20,7 @@ struct PlanRequest {
   std::string dataset;
   int nproc = 4;
   int64_t batch_size = 128;
-  std::string compute_method = "inverse";
+  ComputeMethod compute_method = ComputeMethod::kInverse;
   int64_t spd_redundant_dim = 0;
   int64_t seq_len = 0;
   bool symmetric_comm = false;
