@@ -68,6 +68,30 @@ Options base_options(ComputeMethod method, bool symmetric, double fraction) {
       .grad_worker_fraction(fraction);
 }
 
+// The test model's K-FAC layers as the preconditioner registers them (ModelShapes pins them to the numbers).
+const std::vector<assign::LayerShape>& model_shapes() {
+  static const auto shapes = [] {
+    const Preconditioner kfac(make_net(), Options());
+    return kfac.plan().shapes;
+  }();
+  return shapes;
+}
+
+// (a, g) of each layer of model_shapes().
+std::vector<std::pair<int64_t, int64_t>> model_dims() {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (const auto& s : model_shapes()) dims.emplace_back(s.a_dim, s.g_dim);
+  return dims;
+}
+
+TEST(ModelShapes, ConvFc1Fc2) {
+  // conv 2->3 (3x3, bias): A = 2*9 + 1, G = 3; fc1 75 -> 6 (bias): 76, 6; fc2 6 -> 4 (no bias): 6, 4.
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{19, 3}, {76, 6}, {6, 4}};
+  EXPECT_EQ(model_dims(), expected);
+  ASSERT_EQ(model_shapes().size(), 3u);
+  EXPECT_EQ(model_shapes()[1].name, "fc1");
+}
+
 // Reference: one process, the P local batches as accumulation micro-batches, gradient averaged.
 std::vector<std::vector<torch::Tensor>> reference(int world, const Options& options) {
   auto net = make_net();
@@ -145,12 +169,12 @@ TEST_P(KaisaEquivalence, MatchesSingleProcessReference) {
   if (world == 1) return;
 
   // Communication contract (float64 = 8 bytes): factors every step, upper triangles when symmetric.
-  const std::vector<std::pair<int64_t, int64_t>> dims = {{2 * 9 + 1, 3}, {75 + 1, 6}, {6, 4}};  // (a, g)
+  const auto dims = model_dims();
   auto sym = [&](int64_t n) { return symmetric ? n * (n + 1) / 2 : n * n; };
   int64_t factor_bytes = 0;
   for (auto [a, g] : dims) factor_bytes += 8 * (sym(a) + sym(g));
   const int w = assign::grad_worker_count(world, fraction);
-  auto assignment = assign::assign_kaisa({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, world, fraction);
+  auto assignment = assign::assign_kaisa(model_shapes(), world, fraction);
   for (int rank = 0; rank < world; ++rank) {
     EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * factor_bytes) << "rank " << rank;
     int64_t second_order = 0;
@@ -312,7 +336,12 @@ namespace dkfac::strategy {
 namespace {
 
 // Factor slots in SPD-KFAC's ready order for the test model: A of conv, fc1, fc2, then G of fc2, fc1, conv.
-const std::vector<int64_t> kSlotDims = {19, 76, 6, 4, 6, 3};
+std::vector<int64_t> slot_dims() {
+  std::vector<int64_t> dims;
+  for (const auto& s : model_shapes()) dims.push_back(s.a_dim);
+  for (auto s = model_shapes().rbegin(); s != model_shapes().rend(); ++s) dims.push_back(s->g_dim);
+  return dims;
+}
 int64_t packed_bytes(const std::vector<int64_t>& dims) {
   int64_t total = 0;
   for (int64_t n : dims) total += 8 * n * (n + 1) / 2;
@@ -345,7 +374,7 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
         descriptions[rank] = kfac.strategy().describe();
         traffic[rank] = communicator.traffic();
         groupings[rank] = kfac.strategy().pipeline()->grouping();
-        auto reference = assign::assign_spd({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, c.world,
+        auto reference = assign::assign_spd(model_shapes(), c.world,
                                             c.redundant_dim < 0 ? 0 : c.redundant_dim);
         if (c.redundant_dim >= 0) {
           for (size_t l = 0; l < 3; ++l) {
@@ -361,7 +390,7 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
 
   // Factors travel as upper triangles, every step, in as many collectives as there are groups.
   for (int rank = 0; rank < c.world; ++rank) {
-    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * packed_bytes(kSlotDims)) << descriptions[rank];
+    EXPECT_EQ(traffic[rank]["factors"].bytes, kSteps * packed_bytes(slot_dims())) << descriptions[rank];
     EXPECT_EQ(groupings[rank], groupings[0]) << "every rank must choose the same grouping";
   }
   const int64_t first_groups = c.fusion.empty() ? 6 : static_cast<int64_t>(c.fusion.size());
@@ -435,8 +464,8 @@ TEST_P(DpEquivalence, MatchesOwnerLocalReference) {
   const auto [world, method_index] = GetParam();
   const auto method = method_index == 0 ? ComputeMethod::kEigen : ComputeMethod::kInverse;
   const auto options = base_options(method, false, 1.0).strategy(Strategy::kDp).pi_damping(method_index == 2);
-  const auto owners = assign::assign_dp({{"conv", 19, 3}, {"fc1", 76, 6}, {"fc2", 6, 4}}, world);
-  const std::vector<std::pair<int64_t, int64_t>> dims = {{19, 3}, {76, 6}, {6, 4}};
+  const auto owners = assign::assign_dp(model_shapes(), world);
+  const auto dims = model_dims();
   std::vector<std::map<std::string, comm::Traffic>> traffic(world);
   const auto got = run_distributed(
       world, options,
