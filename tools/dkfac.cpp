@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "dkfac/comm/environment.h"
 #include "dkfac/version.h"
 #include "tools/cli/commands.h"
 #include "tools/common/threads.h"
@@ -22,6 +23,16 @@ std::string shell_quoted(const std::string& text) {
   std::string quoted = "'";
   for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return quoted + "'";
+}
+
+// True in a rank above 0 of a job started by a launcher (torchrun, mpirun, srun): every rank got the same
+// command line, so rank 0 alone reports what is wrong with it and the others only exit with its code.
+bool launched_rank_above_zero() {
+  try {
+    return dkfac::comm::read_job_environment().rank > 0;
+  } catch (const c10::Error&) {
+    return false;  // an environment the job will refuse later, with its own message
+  }
 }
 
 }  // namespace
@@ -44,7 +55,12 @@ int main(int argc, char** argv) {
       dkfac::cli::add_bench_command(app),
       dkfac::cli::add_plot_command(app),
   };
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() != 0 && launched_rank_above_zero()) return e.get_exit_code();
+    return app.exit(e);
+  }
   dkfac::cli::Invocation invocation;
   invocation.allocator = dkfac::tools::configure_allocator();  // every command, before its first tensor
   for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + shell_quoted(argv[i]);

@@ -63,6 +63,11 @@ if command -v mpirun > /dev/null; then
     --metrics "$tmp/mpi.jsonl" > "$tmp/mpi.txt" 2>&1 || { cat "$tmp/mpi.txt"; fail "mpirun"; }
   grep -q 'launch: 2 ranks from mpirun' "$tmp/mpi.txt" || { cat "$tmp/mpi.txt"; fail "no mpirun launch line"; }
   [[ $(crc "$tmp/mpi.jsonl") == "$reference" ]] || fail "mpirun ended with other parameters"
+  # A bad flag: every rank refuses it, rank 0 alone says why.
+  if mpirun --allow-run-as-root --oversubscribe -np 2 "$dkfac" train --damping 0 > "$tmp/mpibad.txt" 2>&1; then
+    cat "$tmp/mpibad.txt"; fail "mpirun with a bad flag exited 0"
+  fi
+  [[ $(grep -c -- '--damping must be > 0' "$tmp/mpibad.txt") == 1 ]] || { cat "$tmp/mpibad.txt"; fail "the bad flag not reported once"; }
   passed=$((passed + 1))
 else
   echo "skipped: mpirun is not installed (scripts/setup.sh installs openmpi-bin)"
