@@ -301,7 +301,7 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
     const bool g_part = strategy_->computes_g(i);
     if (!a_part && !g_part) continue;
     try {
-      layer.compute_second_order(options_.compute_method(), damping, options_.pi_damping(), a_part, g_part);
+      layer.compute_second_order(strategy_->plan().method, damping, options_.pi_damping(), a_part, g_part);
     } catch (const c10::Error& e) {
       ++events_.second_order_failures;
       warn_once(layer, "second_order",
@@ -327,7 +327,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
         layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
       }
       preconditioned[i] = layer.second_order().precondition(layer.gradient());
-    } else if (mine && strategy_->plan().broadcast_gradients) {
+    } else if (mine && strategy_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(), options);
     } else if (!mine) {

@@ -17,7 +17,8 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
   assign::AlphaBeta link;
   int64_t redundant = options.spd().redundant_dim();
   if (world > 1 && options.strategy() == Strategy::kSpd) {
-    // Measured only where options leave a choice to make: both measurements are collectives.
+    // The plan's inputs, not decisions of their own: SPD-KFAC's threshold and link speed are measured
+    // before the plan is made, and only where options leave a choice to make (both are collectives).
     const bool measure = redundant < 0 || options.spd().fusion().empty();
     if (measure) link = measure_link(*communicator_, comm::kWorld);
     std::ostringstream m;

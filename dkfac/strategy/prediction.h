@@ -22,6 +22,8 @@ struct RankCost {
 };
 
 /// Per-rank figures of `plan` with K-FAC tensors of `element_bytes` and `batch_size` samples per rank per step.
+/// Factor FLOPs read each shape's rows_per_sample: in a job's plan a conv layer that had not run when the
+/// plan was made counts 1 (set it from `KfacLayer::capture().rows_per_sample()` once the layer has run).
 std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64_t batch_size);
 
 }  // namespace dkfac::strategy

@@ -83,7 +83,7 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
       triangles_(plan.factor_triangles),
       num_layers_(layers.size()),
       link_(link),
-      profile_steps_(options.spd().profile_steps()) {
+      profile_steps_(plan.profile_steps) {
   TORCH_INTERNAL_ASSERT(fusion_ || plan.reduction == FactorReduction::kHookBuckets);
   std::vector<int> everyone(communicator_->size());
   std::iota(everyone.begin(), everyone.end(), 0);
@@ -96,7 +96,7 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
     slot_dims_.push_back(n);
     slot_bytes_.push_back(element * comm::packed_length(n, triangles_));
   }
-  const auto& fusion = options.spd().fusion();
+  const auto& fusion = plan.fusion;
   if (!fusion_) {
     const auto cap = static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024);
     set_grouping(comm::bucket_groups(slot_bytes_, cap));

@@ -33,7 +33,7 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 /// each layer's FactorCapture fires when a factor holds its last micro-batch; once every slot of a
 /// fusion group has fired, the group's upper triangles are concatenated and one allreduce starts on
 /// the pipeline's own process group (so its order never interleaves with data-parallel buckets).
-/// The first `Options::spd_profile_steps` factor steps send each factor alone and record when each
+/// The first StepPlan::profile_steps factor steps send each factor alone and record when each
 /// became ready; the grouping is then chosen by assign::fuse_groups from the ready times (averaged
 /// over ranks) and the measured alpha-beta model, and kept. Grouping changes speed, never results.
 ///
@@ -42,7 +42,7 @@ double measure_decomposition(comm::Communicator& communicator, ComputeMethod met
 /// matrices as StepPlan::factor_triangles says.
 class FactorPipeline {
  public:
-  /// `plan.reduction` is kSpdPipeline or kHookBuckets; `options` gives SpdOptions and accumulation_steps.
+  /// `plan.reduction` is kSpdPipeline or kHookBuckets; `options` gives accumulation_steps.
   FactorPipeline(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
                  const StepPlan& plan, const Options& options, assign::AlphaBeta link);
   ~FactorPipeline();

@@ -31,8 +31,10 @@ const char* to_string(FactorReduction reduction) {
   return "?";
 }
 
-StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method) {
+StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method,
+                                  Strategy strategy) {
   StepPlan plan;
+  plan.strategy = strategy;
   plan.method = method;
   plan.shapes = shapes;
   plan.placement.world_size = 1;
@@ -46,7 +48,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
                         int64_t measured_redundant_dim) {
   options.validate();
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
-  if (world_size == 1) return StepPlan::single_process(shapes, options.compute_method());
+  if (world_size == 1) return StepPlan::single_process(shapes, options.compute_method(), options.strategy());
   StepPlan plan;
   plan.strategy = options.strategy();
   plan.method = options.compute_method();
@@ -67,6 +69,8 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
       plan.placement = assign::assign_spd(shapes, world_size, plan.redundant_dim);
       plan.reduction = FactorReduction::kSpdPipeline;
       plan.factor_triangles = plan.inverse_triangles = true;
+      plan.fusion = options.spd().fusion();
+      plan.profile_steps = plan.fusion.empty() ? options.spd().profile_steps() : 0;
       break;
     case Strategy::kDp:
       plan.placement = assign::assign_dp(shapes, world_size);
@@ -126,12 +130,22 @@ std::string StepPlan::describe(bool per_layer) const {
         out << "built on every rank, averaged over the world in step(), one allreduce per factor";
         break;
       case FactorReduction::kHookBuckets:
-        out << "built on every rank, averaged over the world from the capture hooks in buckets of <= "
-            << bucket_cap_mb << " MiB";
+        out << "built on every rank, averaged over the world from the capture hooks in ";
+        if (bucket_cap_mb > 0) {
+          out << "buckets of <= " << bucket_cap_mb << " MiB";
+        } else {
+          out << "one collective per factor";
+        }
         break;
       case FactorReduction::kSpdPipeline:
-        out << "built on every rank, averaged over the world from the capture hooks, fused by the measured "
-            << "alpha-beta model";
+        out << "built on every rank, averaged over the world from the capture hooks, ";
+        if (fusion.empty()) {
+          out << "fused by the measured alpha-beta model after " << profile_steps << " profiled factor step(s)";
+        } else {
+          out << "fused in the given groups of [";
+          for (size_t k = 0; k < fusion.size(); ++k) out << (k ? ", " : "") << fusion[k];
+          out << "] factors";
+        }
         break;
     }
     if (reduction != FactorReduction::kNone) out << (factor_triangles ? ", upper triangles" : ", full matrices");
@@ -143,8 +157,8 @@ std::string StepPlan::describe(bool per_layer) const {
           << (method == ComputeMethod::kEigen ? "eigenvectors and eigenvalues"
                                                : inverse_triangles ? "inverses as upper triangles" : "full inverses")
           << ")";
-      if (redundant_dim >= 0) out << "; factors of dim <= " << redundant_dim << " decomposed on every rank";
     }
+    if (redundant_dim >= 0) out << "; factors of dim <= " << redundant_dim << " decomposed on every rank";
     out << "\n  preconditioned gradients: "
         << (broadcast_gradients ? "broadcast along rows from each layer's grad worker" : "computed on every rank")
         << "\n";

@@ -46,9 +46,13 @@ struct StepPlan {
   bool broadcast_gradients = false;  ///< V is broadcast along rows from each layer's grad worker (W < P)
   double bucket_cap_mb = 0;          ///< kHookBuckets: largest bucket
   int64_t redundant_dim = -1;        ///< SPD-KFAC: factors of dimension <= this are decomposed on every rank
+  std::vector<int64_t> fusion;       ///< SPD-KFAC: fusion groups as given (SpdOptions::fusion); empty: profiled
+  int64_t profile_steps = 0;         ///< SPD-KFAC with no given fusion: factor steps profiled before fusing
 
   /// The plan of one process: it builds, decomposes and preconditions every layer; nothing moves.
-  static StepPlan single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method);
+  /// `strategy` is recorded only (it places nothing in one process).
+  static StepPlan single_process(const std::vector<assign::LayerShape>& shapes, ComputeMethod method,
+                                 Strategy strategy = Strategy::kKaisa);
 
   int world_size() const { return placement.world_size; }
   int grad_workers() const { return placement.grad_workers; }

@@ -341,8 +341,9 @@ class KFACPreconditioner:
 
     @property
     def plan(self) -> str:
-        """The step plan this job runs, in words: how factors are reduced, who decomposes and preconditions
-        each layer, what is broadcast (the C++ core's StepPlan; every rank computes the same one)."""
+        """The step plan this job runs, in words (a str): how factors are reduced, who decomposes and
+        preconditions each layer, what is broadcast (the C++ core's StepPlan; every rank computes the same
+        one), and for SPD-KFAC what was measured and the fusion grouping in use."""
         return self._core.describe()
 
     # --- the step ----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ TEST(StepPlan, OneProcessDoesEverythingAndMovesNothing) {
     const auto cost = predict(plan, 4, 8);
     EXPECT_EQ(cost[0].factor_bytes + cost[0].second_order_bytes + cost[0].gradient_bytes, 0);
     EXPECT_NE(plan.describe().find("single process"), std::string::npos) << plan.describe();
+    EXPECT_EQ(plan.strategy, options.strategy()) << "recorded, though it places nothing";
   }
 }
 
@@ -71,6 +72,17 @@ TEST(StepPlan, SpdDecomposesSmallFactorsEverywhere) {
                 .redundant_dim,
             3);
   EXPECT_THROW(make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd)), c10::Error);
+  // Fusion: profiled for SpdOptions::profile_steps factor steps, unless the groups are given.
+  EXPECT_EQ(plan.profile_steps, 3);
+  EXPECT_NE(plan.describe().find("after 3 profiled factor step(s)"), std::string::npos) << plan.describe();
+  const auto given = make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd).spd(SpdOptions().fusion({4, 4})), 8);
+  EXPECT_EQ(given.fusion, (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(given.profile_steps, 0);
+  EXPECT_NE(given.describe().find("fused in the given groups of [4, 4] factors"), std::string::npos) << given.describe();
+  // Every factor below the threshold: nothing broadcast, the threshold still said.
+  const auto all_redundant = make_step_plan(kLayers, 2, Options().strategy(Strategy::kSpd), 30);
+  EXPECT_FALSE(all_redundant.shares_second_order());
+  EXPECT_NE(all_redundant.describe().find("factors of dim <= 30 decomposed on every rank"), std::string::npos);
 }
 
 TEST(StepPlan, DpOwnersBuildKeepAndBroadcastV) {
