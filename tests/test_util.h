@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <torch/torch.h>
@@ -31,14 +32,23 @@ class ScratchDir {
   std::filesystem::path path_;
 };
 
-/// `fn` must throw a c10::Error whose message (without backtrace) contains every one of `needles`.
-inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+/// `fn` must throw an `E` (c10::Error by default) whose message (a c10::Error's without backtrace) contains
+/// every one of `needles` and none of `absent`.
+template <typename E = c10::Error>
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
+                  const std::vector<std::string>& absent = {}) {
   try {
     fn();
     ADD_FAILURE() << "expected an error mentioning '" << needles.front() << "'";
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
+  } catch (const E& e) {
+    std::string message;
+    if constexpr (std::is_same_v<E, c10::Error>) {
+      message = e.what_without_backtrace();
+    } else {
+      message = e.what();
+    }
     for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
+    for (const auto& n : absent) EXPECT_EQ(message.find(n), std::string::npos) << "'" << n << "' in: " << message;
   }
 }
 

@@ -100,13 +100,11 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
   if (!fusion_) {
     const auto cap = static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024);
     set_grouping(comm::bucket_groups(slot_bytes_, cap));
-    profile_steps_ = 0;
   } else if (!fusion.empty()) {
     const int64_t total = std::accumulate(fusion.begin(), fusion.end(), int64_t{0});
     TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "SpdOptions::fusion group sizes sum to ", total,
                 " but the model has ", 2 * num_layers_, " factors (2 per K-FAC layer)");
     set_grouping(fusion);
-    profile_steps_ = 0;
   } else {
     set_grouping(std::vector<int64_t>(2 * num_layers_, 1));
   }

@@ -88,7 +88,7 @@ class FactorPipeline {
   std::vector<int64_t> slot_dims_;   // factor dimension per slot
   std::vector<int64_t> slot_bytes_;  // bytes sent per slot
   assign::AlphaBeta link_;
-  int64_t profile_steps_;
+  const int64_t profile_steps_;  // StepPlan::profile_steps: 0 unless SPD-KFAC fuses by measurement
   int64_t profiled_steps_ = 0;
   std::vector<std::vector<double>> ready_history_;  // per profiled step, seconds per slot
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_util.h"
 #include "tools/plot/plot.h"
 
 namespace dkfac::plot {
@@ -62,17 +63,10 @@ class TmpDirEnv {
   std::optional<std::string> old_;
 };
 
-/// `fn` must throw std::runtime_error mentioning every one of `needles` (and none of `absent`).
+/// Plot errors are std::runtime_error (not c10::Error).
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
                   const std::vector<std::string>& absent = {}) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an error mentioning '" << needles.front() << "'";
-  } catch (const std::runtime_error& e) {
-    const std::string message = e.what();
-    for (const auto& n : needles) EXPECT_NE(message.find(n), std::string::npos) << "'" << n << "' not in: " << message;
-    for (const auto& n : absent) EXPECT_EQ(message.find(n), std::string::npos) << "'" << n << "' in: " << message;
-  }
+  dkfac::testing::expect_error<std::runtime_error>(fn, needles, absent);
 }
 
 std::vector<std::string> entries(const fs::path& dir) {

@@ -27,6 +27,21 @@ std::string show(const std::vector<std::string>& values) {
 // or throws when the alias and its dkfac flag were both given with different values.
 using Resolvers = std::vector<std::function<void()>>;
 
+// One switch as two flags, `on` and `off`, so that --help says which one is the default (the value `field`
+// holds now); they exclude each other. Returns the `off` flag.
+CLI::Option* add_switch(CLI::App& app, const std::string& on, const std::string& off, bool& field,
+                        const std::string& on_help, const std::string& off_help, const std::string& group) {
+  const bool initially = field;
+  auto* on_flag = app.add_flag_callback(on, [&field] { field = true; },
+                                        on_help + (initially ? " (default: on)" : " (default: off)"))
+                      ->group(group);
+  auto* off_flag = app.add_flag_callback(off, [&field] { field = false; },
+                                         off_help + (initially ? " (default: off)" : " (default: on)"))
+                       ->group(group);
+  on_flag->excludes(off_flag);
+  return off_flag;
+}
+
 // `alias` (kfac_pytorch's examples) stands for `flag` (dkfac's), whose value lives in `field`.
 template <typename T>
 void add_alias(CLI::App& app, Resolvers& resolvers, train::TrainConfig& c, const std::string& alias,
@@ -89,13 +104,7 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
              "that step and go on")
       ->group(kOptimizerGroup);
   // --- K-FAC. Paired switches are two flags each, so that --help says which one is the default.
-  auto* kfac_on = app.add_flag_callback("--kfac", [&c] { c.kfac = true; },
-                                        "precondition with K-FAC (default: on)")
-                      ->group(kKfacGroup);
-  auto* kfac_off = app.add_flag_callback("--no-kfac", [&c] { c.kfac = false; },
-                                         "no K-FAC: plain SGD/Adam (default: off)")
-                       ->group(kKfacGroup);
-  kfac_on->excludes(kfac_off);
+  add_switch(app, "--kfac", "--no-kfac", c.kfac, "precondition with K-FAC", "no K-FAC: plain SGD/Adam", kKfacGroup);
   app.add_option("--damping", c.damping,
                  "K-FAC Tikhonov damping (> 0); 0.3 is the recipe the README's table measures "
                  "(docs/PERFORMANCE.md: 0.1 reached 91% one epoch sooner there)")
@@ -105,13 +114,9 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
       ->capture_default_str()
       ->group(kKfacGroup);
   app.add_option("--kl-clip", c.kl_clip, "K-FAC KL clip (>= 0; 0: off)")->capture_default_str()->group(kKfacGroup);
-  auto* follows = app.add_flag_callback("--kl-clip-follows-lr", [&c] { c.kl_clip_follows_lr = true; },
-                                        "scale the KL-clip bound by (lr / base lr)^2 (default: on)")
-                      ->group(kKfacGroup);
-  auto* fixed = app.add_flag_callback("--kl-clip-fixed", [&c] { c.kl_clip_follows_lr = false; },
-                                      "keep the KL-clip bound fixed, as kfac_pytorch does (default: off)")
-                    ->group(kKfacGroup);
-  follows->excludes(fixed);
+  add_switch(app, "--kl-clip-follows-lr", "--kl-clip-fixed", c.kl_clip_follows_lr,
+             "scale the KL-clip bound by (lr / base lr)^2", "keep the KL-clip bound fixed, as kfac_pytorch does",
+             kKfacGroup);
   app.add_option("--factor-update-steps", c.factor_update_steps, "steps between factor updates (>= 1)")
       ->capture_default_str()
       ->group(kKfacGroup);
@@ -141,13 +146,9 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_flag("--balance-memory", c.balance_memory,
                "place second-order work by dim^2 (memory) instead of dim^3 (default: off)")
       ->group(kDistributedGroup);
-  auto* colocate = app.add_flag_callback("--colocate-factors", [&c] { c.colocate_factors = true; },
-                                         "decompose A and G of a layer on one rank (default: on)")
-                       ->group(kDistributedGroup);
-  auto* separate = app.add_flag_callback("--separate-factors", [&c] { c.colocate_factors = false; },
-                                         "decompose A and G of a layer on different ranks (default: off)")
-                       ->group(kDistributedGroup);
-  colocate->excludes(separate);
+  auto* separate = add_switch(app, "--colocate-factors", "--separate-factors", c.colocate_factors,
+                              "decompose A and G of a layer on one rank",
+                              "decompose A and G of a layer on different ranks", kDistributedGroup);
   app.add_flag("--symmetric-comm", c.symmetric_comm, "send symmetric factors as upper triangles (default: off)")
       ->group(kDistributedGroup);
   app.add_option("--threads", c.threads, "intra-op threads (>= 0; 0: LibTorch's default, or cores / local ranks)")

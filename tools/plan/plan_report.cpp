@@ -118,36 +118,27 @@ std::string cell(const nlohmann::json& value, bool bytes) {
 
 }  // namespace
 
-std::string human_bytes(double bytes) {
-  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  while (bytes >= 1024.0 && u < 5) {
-    bytes /= 1024.0;
+namespace {
+
+// `value` in the largest of `units` it reaches (each `base` times the one before): "%.0f" in the first
+// unit, "%.2f" in the others.
+std::string in_units(double value, double base, const std::vector<const char*>& units) {
+  size_t u = 0;
+  while (value >= base && u + 1 < units.size()) {
+    value /= base;
     ++u;
   }
   char buf[32];
-  if (u == 0) {
-    std::snprintf(buf, sizeof buf, "%.0f B", bytes);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f %s", bytes, units[u]);
-  }
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", value, units[u]);
   return buf;
 }
 
+}  // namespace
+
+std::string human_bytes(double bytes) { return in_units(bytes, 1024.0, {"B", "KiB", "MiB", "GiB", "TiB", "PiB"}); }
+
 std::string human_flops(double flops) {
-  static const char* units[] = {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"};
-  int u = 0;
-  while (flops >= 1000.0 && u < 6) {
-    flops /= 1000.0;
-    ++u;
-  }
-  char buf[32];
-  if (u == 0) {
-    std::snprintf(buf, sizeof buf, "%.0f FLOP", flops);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f %s", flops, units[u]);
-  }
-  return buf;
+  return in_units(flops, 1000.0, {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"});
 }
 
 PlanReport plan_report(const PlanRequest& r) {

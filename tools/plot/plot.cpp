@@ -6,12 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <limits>
 #include <map>
@@ -117,34 +119,32 @@ class TempDir {
   fs::path path_;
 };
 
+// Writes `rows` lines of four columns, row(k) giving line k's values; non-finite values as NaN. False on failure.
+bool write_columns(const fs::path& path, size_t rows, const std::function<std::array<double, 4>(size_t)>& row) {
+  std::ofstream out(path);
+  out << std::setprecision(12);
+  for (size_t k = 0; k < rows; ++k) {
+    for (double v : row(k)) {
+      if (std::isfinite(v)) {
+        out << v;
+      } else {
+        out << "NaN";
+      }
+      out << ' ';
+    }
+    out << '\n';
+  }
+  out.close();
+  return static_cast<bool>(out);
+}
+
 void write_data(const Curve& curve, const fs::path& dir, size_t i) {
-  auto put = [](std::ostream& out, double v) {
-    if (std::isfinite(v)) {
-      out << v;
-    } else {
-      out << "NaN";
-    }
-  };
-  std::ofstream epochs(epochs_file(dir, i));
-  epochs << std::setprecision(12);
-  for (size_t k = 0; k < curve.epoch.size(); ++k) {
-    for (double v : {curve.epoch[k], curve.wall_time_s[k], curve.test_accuracy[k], curve.test_loss[k]}) {
-      put(epochs, v);
-      epochs << ' ';
-    }
-    epochs << '\n';
-  }
-  std::ofstream steps(steps_file(dir, i));
-  steps << std::setprecision(12);
-  for (size_t k = 0; k < curve.step.size(); ++k) {
-    for (double v : {curve.step_epoch[k], curve.step_wall_time_s[k], curve.train_loss[k], curve.step[k]}) {
-      put(steps, v);
-      steps << ' ';
-    }
-    steps << '\n';
-  }
-  epochs.close();
-  steps.close();
+  const bool epochs = write_columns(epochs_file(dir, i), curve.epoch.size(), [&curve](size_t k) {
+    return std::array<double, 4>{curve.epoch[k], curve.wall_time_s[k], curve.test_accuracy[k], curve.test_loss[k]};
+  });
+  const bool steps = write_columns(steps_file(dir, i), curve.step.size(), [&curve](size_t k) {
+    return std::array<double, 4>{curve.step_epoch[k], curve.step_wall_time_s[k], curve.train_loss[k], curve.step[k]};
+  });
   if (!epochs || !steps) throw std::runtime_error("cannot write plot data in '" + dir.string() + "'");
 }
 
