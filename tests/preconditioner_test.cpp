@@ -271,7 +271,7 @@ TEST(Preconditioner, SkipLayersByPatternKeepsPlainGradient) {
 class CapturedWarnings : public c10::WarningHandler {
  public:
   CapturedWarnings() : guard_(this) {}
-  void process(const c10::SourceLocation&, const std::string& message, bool) override { messages.push_back(message); }
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
   std::string all() const {
     std::string out;
     for (const auto& m : messages) out += m + "\n";
@@ -280,7 +280,7 @@ class CapturedWarnings : public c10::WarningHandler {
   std::vector<std::string> messages;
 
  private:
-  c10::Warning::WarningHandlerGuard guard_;
+  c10::WarningUtils::WarningHandlerGuard guard_;
 };
 
 TEST(Preconditioner, SkipLayersPatternThatMatchesNothingIsWarned) {

@@ -101,7 +101,7 @@ inline torch::Tensor dense_eigen_reference(const torch::Tensor& a, const torch::
                                            double damping) {
   auto k = kron_loops(a, g);
   k.diagonal().add_(damping);
-  auto v = torch::linalg::solve(k, vec(grad.to(torch::kFloat64)), /*left=*/true);
+  auto v = torch::linalg_solve(k, vec(grad.to(torch::kFloat64)));
   return unvec(v, grad.size(0), grad.size(1));
 }
 
@@ -110,7 +110,7 @@ inline torch::Tensor dense_inverse_reference(const torch::Tensor& a, const torch
                                              const torch::Tensor& grad, double damping_a, double damping_g) {
   auto a_d = a.to(torch::kFloat64) + damping_a * torch::eye(a.size(0), torch::kFloat64);
   auto g_d = g.to(torch::kFloat64) + damping_g * torch::eye(g.size(0), torch::kFloat64);
-  auto v = torch::linalg::solve(kron_loops(a_d, g_d), vec(grad.to(torch::kFloat64)), /*left=*/true);
+  auto v = torch::linalg_solve(kron_loops(a_d, g_d), vec(grad.to(torch::kFloat64)));
   return unvec(v, grad.size(0), grad.size(1));
 }
 

@@ -1,12 +1,19 @@
-// With heartbeat.cpp, the only translation units of dkfac that include c10d.
+// The process groups: c10d's ProcessGroup with a Gloo backend for CPU tensors and, when a GPU is
+// present and torch was built with NCCL, an NCCL backend for CUDA tensors (torch.distributed's
+// "cpu:gloo,cuda:nccl").
 #define USE_C10D_GLOO 1
 #include "dkfac/comm/communicator.h"
 #include "dkfac/comm/heartbeat.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef DKFAC_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/cuda.h>
+#endif
 
 #include <algorithm>
 #include <condition_variable>
@@ -91,11 +98,29 @@ struct Communicator::Impl {
   };
   std::vector<Group> groups;
 
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(const std::string& prefix, int rank, int size) {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices.push_back(device);
+  // One ProcessGroup with a backend per device type, as torch.distributed builds "cpu:gloo,cuda:nccl":
+  // Gloo for CPU tensors (the default) and NCCL for CUDA tensors when a GPU is present; without NCCL,
+  // Gloo takes CUDA tensors too.
+  c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& prefix, int rank, int size) {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(this->prefix + prefix, store);
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options);
+    auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+    gloo_options->devices.push_back(device);
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo/", prefixed), rank, size, gloo_options);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);  // until NCCL
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+#ifdef DKFAC_WITH_NCCL
+    if (torch::cuda::is_available()) {
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = timeout;
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+          c10::make_intrusive<c10d::PrefixStore>("nccl/", prefixed), rank, size, nccl_options);
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+    }
+#endif
+    return group;
   }
 };
 
@@ -111,6 +136,18 @@ std::shared_ptr<::gloo::transport::Device> make_device(const std::string& host) 
   }
   if (host == "127.0.0.1" || host == "localhost") return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// torch's collective flight recorder (on by default since 2.x, for Gloo too) records every collective with a
+// captured traceback, and its first record for a process group updates a shared map outside its lock:
+// process groups of ranks that are threads of one process (connect_in_process) crashed there in
+// std::map insertion (torch 2.11, tests/strategy). dkfac's own diagnosis (the heartbeat watchdog, errors
+// naming the operation and the silent ranks) covers what it is for, so the groups dkfac creates turn it
+// off unless the user asked for it; torch reads the setting once, when the recorder is first used.
+void without_flight_recorder_unless_asked() {
+  if (std::getenv("TORCH_FR_BUFFER_SIZE") == nullptr && std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE") == nullptr) {
+    ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  }
 }
 
 std::vector<int> all_ranks(int size) {
@@ -201,6 +238,7 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
               " is outside the world of size ", options.world_size);
   TORCH_CHECK(options.port > 0 && options.port < 65536, "rendezvous port must be in 1..65535, got ", options.port);
   TORCH_CHECK(!options.key_prefix.empty(), "the store key prefix must not be empty");
+  without_flight_recorder_unless_asked();
   auto impl = std::make_unique<Impl>();
   impl->timeout = options.timeout;
   impl->prefix = options.key_prefix;
@@ -208,7 +246,7 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
   store_options.port = static_cast<std::uint16_t>(options.port);
   store_options.isServer = options.rank == 0 && !options.external_store;
   // An external store (the elastic agent's) counts no workers: Gloo's own rendezvous waits for all ranks.
-  store_options.numWorkers = options.external_store ? c10::nullopt : c10::optional<std::size_t>(options.world_size);
+  store_options.numWorkers = options.external_store ? std::nullopt : std::optional<std::size_t>(options.world_size);
   store_options.waitWorkers = !options.external_store;
   store_options.timeout = options.timeout;
   const std::string where = options.host + ":" + std::to_string(options.port);
@@ -222,7 +260,7 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
     c10d::TCPStoreOptions client = store_options;
     client.isServer = false;
     client.waitWorkers = false;
-    client.numWorkers = c10::nullopt;
+    client.numWorkers = std::nullopt;
     impl->watch_store = bounded_store([host = options.host, client] { return c10::make_intrusive<c10d::TCPStore>(host, client); },
                                       options.timeout,
                                       "rank " + std::to_string(options.rank) +
@@ -236,6 +274,7 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
 std::shared_ptr<Communicator> Communicator::connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
                                                                int world_size, std::chrono::milliseconds timeout) {
   TORCH_CHECK(store != nullptr, "connect_in_process needs a store");
+  without_flight_recorder_unless_asked();
   auto impl = std::make_unique<Impl>();
   impl->store = store->impl_->store;
   impl->timeout = timeout;

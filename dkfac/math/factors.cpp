@@ -112,7 +112,7 @@ std::pair<torch::Tensor, torch::Tensor> row_shift_patch_sums(const torch::Tensor
     if (shared_begin < out_h) {
       const auto left = z.slice(0, shared_begin, out_h).reshape({-1, w});
       const auto right = z.slice(0, shared_begin + shift, out_h + shift).reshape({-1, w});
-      shared = delta == 0 ? gram(left) : parallel_mm(left.t(), right);
+      shared = delta == 0 ? gram(left) : torch::mm(left.t(), right);
     }
     // The other rows, one product each: [first, first + count) -> [count, w, w].
     std::vector<std::pair<int64_t, torch::Tensor>> edges;

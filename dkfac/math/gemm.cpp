@@ -2,8 +2,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -17,33 +15,16 @@
 namespace dkfac::math {
 namespace {
 
-// Below this many multiply-adds a product is not worth splitting.
-constexpr double kMinSplitWork = 4e6;
+// Below this many multiply-adds the block triangle of gram() is not worth its extra calls.
+constexpr double kMinTriangleWork = 4e6;
+// Row blocks of gram()'s upper triangle: the triangle costs (1 + 1/blocks) / 2 of the full product.
+constexpr int64_t kTriangleBlocks = 4;
 
-// Runs fn(0) ... fn(tasks - 1), spread over this thread and LibTorch's inter-op pool (at::launch).
+// Runs fn(0) ... fn(tasks - 1), spread over this thread and LibTorch's inter-op pool (at::launch); used
+// for the mirror copy, which calls no BLAS.
 // The caller claims tasks too and waits only for tasks a pool thread has claimed, so it never waits for
 // a pool that is busy (or that it runs on). at::parallel_for would need this file built with OpenMP, and a
 // second OpenMP runtime next to the one of a pip LibTorch.
-// Threads of the BLAS library itself, or 1 when it cannot be asked. OpenBLAS is found among the libraries
-// already loaded (the Python extension is loaded RTLD_LOCAL, so a global dlsym would not see it).
-int blas_threads() {
-  using GetThreads = int (*)();
-  static const GetThreads get = [] {
-    for (const char* name : {"libopenblas.so.0", "libblas.so.3", "libopenblas.so"}) {
-      if (void* handle = ::dlopen(name, RTLD_NOW | RTLD_NOLOAD)) {
-        if (auto* f = reinterpret_cast<GetThreads>(::dlsym(handle, "openblas_get_num_threads"))) return f;
-      }
-    }
-    return reinterpret_cast<GetThreads>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  }();
-  return get != nullptr ? std::max(1, get()) : 1;
-}
-
-// Tasks to split a product into: LibTorch's threads when each BLAS call runs on one thread; one when BLAS
-// is itself multi-threaded (splitting then would run threads x BLAS threads on the cores: in a Python
-// process, where OpenBLAS keeps its default of one thread per core, that made preconditioning slower).
-int split_threads() { return blas_threads() > 1 ? 1 : at::get_num_threads(); }
-
 void run_tasks(int64_t tasks, int helpers, const std::function<void(int64_t)>& fn) {
   struct Shared {
     std::atomic<int64_t> next{0};
@@ -112,16 +93,15 @@ torch::Tensor gram(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "gram expects a 2-D tensor, got shape ", x.sizes());
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
-  const int threads = split_threads();
-  if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinSplitWork) {
-    // Too narrow or too small for the block triangle to pay; parallel_mm still spreads a large narrow
-    // product (many rows, d < 128) over the threads, and leaves small ones to torch::mm.
-    auto c = parallel_mm(x.t(), x);
+  if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinTriangleWork) {
+    // Too narrow or too small for the block triangle to pay.
+    auto c = torch::mm(x.t(), x);
     return torch::add(c, c.t()).mul_(0.5);
   }
   // Row block b of the output covers rows [s_b, s_{b+1}) and columns [s_b, d); its work is proportional
-  // to the trapezoid's area, equal for every block when (d - s_b)^2 = d^2 (1 - b / blocks).
-  const int64_t blocks = std::max(4, 2 * threads);
+  // to the trapezoid's area, equal for every block when (d - s_b)^2 = d^2 (1 - b / blocks). The blocks
+  // run one after another: each is a product BLAS spreads over LibTorch's threads itself.
+  const int64_t blocks = kTriangleBlocks;
   std::vector<int64_t> start(blocks + 1);
   for (int64_t b = 0; b <= blocks; ++b) {
     start[b] = static_cast<int64_t>(std::llround(d * (1.0 - std::sqrt(1.0 - static_cast<double>(b) / blocks))));
@@ -129,33 +109,14 @@ torch::Tensor gram(const torch::Tensor& x) {
   start[blocks] = d;
   auto out = torch::empty({d, d}, x.options());
   const auto xt = x.t();
-  run_tasks(blocks, threads - 1, [&](int64_t b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     const int64_t s = start[b];
     const int64_t e = start[b + 1];
-    if (e <= s) return;
+    if (e <= s) continue;
     auto target = out.slice(0, s, e).slice(1, s, d);
     torch::mm_out(target, xt.slice(0, s, e), x.slice(1, s, d));
-  });
-  mirror_upper(out, threads);
-  return out;
-}
-
-torch::Tensor parallel_mm(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), "mm expects [m, k] @ [k, n], got ",
-              a.sizes(), " and ", b.sizes());
-  const int64_t m = a.size(0);
-  const int threads = split_threads();
-  const double work = static_cast<double>(m) * a.size(1) * b.size(1);
-  if (!a.is_cpu() || threads < 2 || m < 2 * threads || work < kMinSplitWork) return torch::mm(a, b);
-  auto out = torch::empty({m, b.size(1)}, a.options());
-  const int64_t rows = (m + threads - 1) / threads;
-  run_tasks(threads, threads - 1, [&](int64_t t) {
-    const int64_t s = t * rows;
-    const int64_t e = std::min(m, s + rows);
-    if (e <= s) return;
-    auto target = out.slice(0, s, e);
-    torch::mm_out(target, a.slice(0, s, e), b);
-  });
+  }
+  mirror_upper(out, at::get_num_threads());
   return out;
 }
 

@@ -9,13 +9,8 @@ namespace {
 
 bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
 
-// LAPACK's ?syevd reports its workspace size in the matrix's own precision. In float32 the size
-// 1 + 6n + 2n^2 stops being exact past 2^24 (n > 2894) and can round down, and LibTorch 1.13 then
-// fails with "SSYEVD parameter number 8 had an illegal value". Such factors go through float64.
-bool float32_workspace_exact(int64_t n) { return 1 + 6 * n + 2 * n * n <= (int64_t{1} << 24); }
-
 EigenFactor eigh_clamped(const torch::Tensor& factor) {
-  auto [values, vectors] = torch::linalg::eigh(factor, "U");
+  auto [values, vectors] = torch::linalg_eigh(factor, "U");
   return {vectors, values.clamp_min_(0.0)};
 }
 
@@ -28,12 +23,7 @@ EigenFactor eigen_decompose(const torch::Tensor& factor) {
               " contains NaN or Inf");
   EigenFactor result;
   try {
-    if (factor.scalar_type() == torch::kFloat32 && !float32_workspace_exact(factor.size(0))) {
-      auto wide = eigh_clamped(factor.to(torch::kFloat64));
-      result = {wide.eigenvectors.to(torch::kFloat32), wide.eigenvalues.to(torch::kFloat32)};
-    } else {
-      result = eigh_clamped(factor);
-    }
+    result = eigh_clamped(factor);
   } catch (const c10::Error& first) {
     TORCH_CHECK(factor.scalar_type() != torch::kFloat64, "eigendecomposition of a ", factor.size(0),
                 "x", factor.size(0), " factor failed: ", first.what_without_backtrace());
@@ -52,9 +42,9 @@ torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, doub
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad) {
-  auto rotated = parallel_mm(parallel_mm(g.eigenvectors.t(), grad), a.eigenvectors);
+  auto rotated = torch::mm(torch::mm(g.eigenvectors.t(), grad), a.eigenvectors);
   rotated.mul_(denominator);
-  return parallel_mm(parallel_mm(g.eigenvectors, rotated), a.eigenvectors.t());
+  return torch::mm(torch::mm(g.eigenvectors, rotated), a.eigenvectors.t());
 }
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
@@ -73,7 +63,7 @@ torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
     inverse = torch::cholesky_inverse(l);
   } else {
     // Not numerically positive definite (tiny damping on a singular factor): general inverse.
-    inverse = torch::linalg::inv(damped);
+    inverse = torch::linalg_inv(damped);
   }
   TORCH_CHECK(all_finite(inverse), "inverse of a ", factor.size(0), "x", factor.size(0),
               " damped factor produced NaN or Inf (damping ", damping, ")");
@@ -94,7 +84,7 @@ std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch:
 
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
                                    const torch::Tensor& grad) {
-  return parallel_mm(parallel_mm(g_inverse, grad), a_inverse);
+  return torch::mm(torch::mm(g_inverse, grad), a_inverse);
 }
 
 double kl_clip_scale(double vg_sum, double kl_clip) {

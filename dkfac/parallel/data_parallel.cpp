@@ -1,6 +1,5 @@
-// The second translation unit that includes c10d (after comm/communicator.cpp): DDP's reducer needs the
-// process group itself.
-#define USE_C10D_GLOO 1
+// DDP's engine (c10d::Reducer) on the world's process group; with comm/, the only part of dkfac that
+// includes c10d headers.
 #include "dkfac/parallel/data_parallel.h"
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -38,7 +37,7 @@ DataParallel::DataParallel(std::vector<torch::Tensor> parameters, std::vector<to
   TORCH_CHECK(!parameters_.empty(), "DataParallel: the model has no parameter that requires a gradient");
   auto group = communicator_->process_group(comm::kWorld);
   // Same parameter count, shapes and dtypes on every rank, or an error naming the first difference.
-  c10d::verify_params_across_processes(group, parameters_, c10::nullopt);
+  c10d::verify_params_across_processes(group, parameters_, std::nullopt);
   {
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> state = parameters;
@@ -49,18 +48,21 @@ DataParallel::DataParallel(std::vector<torch::Tensor> parameters, std::vector<to
   const int64_t first_cap = std::min<int64_t>(c10d::kDefaultFirstBucketBytes, cap);
   // As DDP: buckets assigned in registration order with a small first bucket, then reversed, so that
   // the parameters backward reaches first (the last layers) fill the first bucket.
-  auto [indices, limits] = c10d::compute_bucket_assignment_by_size(
+  auto indices = std::get<0>(c10d::compute_bucket_assignment_by_size(
       parameters_, {static_cast<size_t>(first_cap), static_cast<size_t>(cap)},
-      std::vector<bool>(parameters_.size(), false));
+      std::vector<bool>(parameters_.size(), false)));
   std::reverse(indices.begin(), indices.end());
-  std::reverse(limits.begin(), limits.end());
   buckets_ = indices.size();
   for (const auto& p : parameters_) gradient_bytes_ += static_cast<int64_t>(p.nbytes());
   for (const auto& b : buffers_) buffer_bytes_ += static_cast<int64_t>(b.nbytes());
-  reducer_ = std::make_shared<c10d::Reducer>(parameters_, std::move(indices), std::move(limits), group,
+  // The constructor as torch 2.11 to 2.15 declare it (2.15 adds two defaulted flags); older 2.x releases
+  // differ, which is one reason dkfac needs torch 2.11 or newer (cmake/torch.cmake).
+  reducer_ = std::make_shared<c10d::Reducer>(parameters_, std::move(indices), group,
                                              std::vector<bool>(parameters_.size(), false), cap,
                                              /*find_unused_parameters=*/true, /*gradient_as_bucket_view=*/false,
-                                             std::unordered_map<size_t, std::string>(), first_cap);
+                                             std::unordered_map<size_t, std::string>(), first_cap,
+                                             /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
+                                             /*bucket_bytes_cap_list=*/std::vector<int64_t>());  // rebuilt: first_cap, then cap
   for (const auto& p : parameters_) accumulators_.push_back(torch::autograd::impl::grad_accumulator(p).get());
 }
 

@@ -115,7 +115,6 @@ PYBIND11_MODULE(_C, m) {
   using namespace dkfac;
   m.doc() = "dkfac's C++ core (used by the dkfac package; not a public API)";
   m.attr("__version__") = DKFAC_VERSION_STRING;
-  m.attr("torch_library") = DKFAC_TORCH_LIBRARY;
 
   py::class_<FactorCapture, std::shared_ptr<FactorCapture>>(m, "FactorCapture")
       .def_property_readonly("enabled", &FactorCapture::enabled)
@@ -168,7 +167,7 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
 
   py::class_<Preconditioner>(m, "Preconditioner")
-      .def(py::init([](const std::vector<std::tuple<std::string, torch::Tensor, c10::optional<torch::Tensor>,
+      .def(py::init([](const std::vector<std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>,
                                                     std::shared_ptr<FactorCapture>>>& layers,
                        const py::dict& options, std::shared_ptr<comm::Communicator> communicator) {
              std::vector<LayerBinding> bindings;

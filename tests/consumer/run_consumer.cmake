@@ -34,11 +34,11 @@ if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
 endif()
 
-# The installed Python package: <prefix>/lib/python3.X/dist-packages/dkfac imports and preconditions.
+# The installed Python package: <prefix>/lib/python3.X/site-packages/dkfac imports and preconditions.
 if(DKFAC_PYTHON)
-  file(GLOB package ${prefix}/lib/python3*/dist-packages/dkfac/__init__.py)
+  file(GLOB package ${prefix}/lib/python3*/site-packages/dkfac/__init__.py)
   if(NOT package)
-    message(FATAL_ERROR "cmake --install put no dkfac package under ${prefix}/lib/python3*/dist-packages")
+    message(FATAL_ERROR "cmake --install put no dkfac package under ${prefix}/lib/python3*/site-packages")
   endif()
   get_filename_component(package_dir ${package} DIRECTORY)
   get_filename_component(site_dir ${package_dir} DIRECTORY)

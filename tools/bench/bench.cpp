@@ -1,7 +1,5 @@
 #include "tools/bench/bench.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -170,7 +168,7 @@ std::vector<StepResult> run_steps(const BenchConfig& config, std::ostream& progr
 }
 
 const char* kernel_flop_convention() {
-  return "sgemm n x n x n: 2n^3 (sgemm: torch::mm, sgemm-all: split over every core); factor X^T X of "
+  return "sgemm n x n x n: 2n^3 (torch::mm on LibTorch's threads); factor X^T X of "
          "X [rows, dim]: 2 rows dim^2, the work of the full GEMM (gram() multiplies only about half of it); "
          "eigh (syevd, with vectors): 4 dim^3; inverse (Cholesky + inverse from the factor): dim^3";
 }
@@ -178,19 +176,15 @@ const char* kernel_flop_convention() {
 std::vector<KernelResult> run_kernels(const BenchConfig& config, std::ostream& progress) {
   torch::manual_seed(config.seed);
   std::vector<KernelResult> results;
-  // The peak: LibTorch's own product (one BLAS thread in the dkfac programs) and the same product split
-  // over every core by parallel_mm, whichever is faster.
+  // The peak: LibTorch's own product, which its BLAS threads over LibTorch's threads.
   double peak = 0.0;
   for (int64_t n : {512, 1024, 2048}) {
     const auto a = torch::randn({n, n});
     const auto b = torch::randn({n, n});
     const double t = median_seconds(config.kernel_repeats, [&] { torch::mm(a, b); });
-    const double t_all = median_seconds(config.kernel_repeats, [&] { math::parallel_mm(a, b); });
-    for (const auto& [name, seconds] : {std::pair<const char*, double>{"sgemm", t}, {"sgemm-all", t_all}}) {
-      const double gflops = 2.0 * n * n * n / seconds / 1e9;
-      peak = std::max(peak, gflops);
-      results.push_back({name, n, n, seconds, gflops, 0.0});
-    }
+    const double gflops = 2.0 * n * n * n / t / 1e9;
+    peak = std::max(peak, gflops);
+    results.push_back({"sgemm", n, n, t, gflops, 0.0});
   }
   progress << "bench: sgemm peak " << std::fixed << std::setprecision(1) << peak << " GFLOP/s" << std::endl;
   for (int64_t dim : config.kernel_dims) {
@@ -213,19 +207,10 @@ std::vector<KernelResult> run_kernels(const BenchConfig& config, std::ostream& p
 }
 
 nlohmann::json environment(const BenchConfig& config) {
-  std::string blas = "unknown";
-  using GetConfig = char* (*)();
-  if (auto* get = reinterpret_cast<GetConfig>(::dlsym(RTLD_DEFAULT, "openblas_get_config"))) blas = get();
-  using GetThreads = int (*)();
-  int blas_threads = 0;
-  if (auto* get = reinterpret_cast<GetThreads>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"))) {
-    blas_threads = get();
-  }
   return {{"cpu", read_cpu_model()},
           {"cores", std::thread::hardware_concurrency()},
           {"torch_threads", torch::get_num_threads()},
-          {"blas", blas},
-          {"blas_threads", blas_threads},
+          {"blas", at::hasMKL() ? "MKL" : "not MKL"},
           {"libtorch", TORCH_VERSION},
           {"dkfac", DKFAC_VERSION_STRING},
           {"compiler", __VERSION__},

@@ -56,7 +56,7 @@ struct StepResult {
 
 /// One kernel at one size.
 struct KernelResult {
-  std::string kernel;  // sgemm (torch::mm), sgemm-all (parallel_mm over every core), factor, eigh, inverse
+  std::string kernel;  // sgemm (torch::mm), factor, eigh, inverse
   int64_t dim = 0;
   int64_t rows = 0;    // factor: rows of the activation matrix; sgemm: the square size; else 0
   double seconds = 0.0;  // median

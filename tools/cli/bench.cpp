@@ -17,7 +17,6 @@ struct BenchCli {
   std::string json;
   bool no_steps = false;
   bool no_kernels = false;
-  int blas_threads = 1;
   std::string allocator;
 };
 
@@ -43,7 +42,7 @@ int run_bench(BenchCli cli) {
   }
   c.steps = !cli.no_steps;
   c.kernels = !cli.no_kernels;
-  const auto threads = dkfac::tools::configure_threads(c.threads, cli.blas_threads);
+  const auto threads = dkfac::tools::configure_threads(c.threads);
   auto env = dkfac::bench::environment(c);
   env["threads"] = threads;
   env["allocator"] = cli.allocator;
@@ -92,8 +91,6 @@ Command add_bench_command(CLI::App& app) {
   bench->add_option("--kernel-rows", cli->config.kernel_rows, "activation rows a factor is built from")
       ->capture_default_str();
   bench->add_option("--kernel-repeats", cli->config.kernel_repeats, "timed calls per kernel and size")
-      ->capture_default_str();
-  bench->add_option("--blas-threads", cli->blas_threads, "OpenBLAS threads (0: as many as --threads)")
       ->capture_default_str();
   bench->add_flag("--no-steps", cli->no_steps, "skip the per-step benchmark");
   bench->add_flag("--no-kernels", cli->no_kernels, "skip the kernel benchmark");

@@ -1,6 +1,5 @@
 #include "tools/common/threads.h"
 
-#include <dlfcn.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -10,18 +9,11 @@
 
 namespace dkfac::tools {
 
-std::string configure_threads(int threads, int blas_threads) {
+std::string configure_threads(int threads) {
   const int n = threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   torch::set_num_threads(n);
-  std::string blas = "BLAS threads unchanged";
-  // Looked up at run time so that the programs still run against a BLAS that is not OpenBLAS.
-  using SetThreads = void (*)(int);
-  if (auto* set = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-    const int b = blas_threads > 0 ? blas_threads : n;
-    set(b);
-    blas = "OpenBLAS " + std::to_string(b) + (b == 1 ? " thread" : " threads");
-  }
-  return std::to_string(n) + " LibTorch threads, " + blas;
+  return std::to_string(n) + (n == 1 ? " LibTorch thread" : " LibTorch threads") +
+         (at::hasMKL() ? " (MKL's too)" : "");
 }
 
 std::string configure_allocator() {
