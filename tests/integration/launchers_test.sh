@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # `dkfac train` under the launchers users run, each against `dkfac train --nproc 2` (same final parameters):
-#  1. torch's elastic agent (torch.distributed.launcher.api, what torchrun wraps; Debian 12's torchrun command
-#     itself fails, see examples/README.md) with the static rendezvous (the agent hosts the store) and c10d;
+#  1. the environment's `torchrun` command, and torch's elastic agent API it wraps (examples/launch.py) with the
+#     static rendezvous (the agent hosts the store) and c10d;
 #  2. an agent restart: the job resumes from its checkpoint and ends where an uninterrupted run ends;
 #     without --checkpoint-dir a restart is refused with a message;
 #  3. Open MPI's mpirun (skipped, exit 77, where it is not installed);
 #  4. the environment Slurm's srun sets (no MASTER_ADDR/MASTER_PORT: derived from the node list and job id).
 set -euo pipefail
 dkfac="$1"
+python="${2:-python3}"  # the interpreter whose torch dkfac was built against (DKFAC_PYTHON)
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/lib.sh"
 launch="$here/../../examples/launch.py"
-python=/usr/bin/python3
+torchrun="$(dirname "$python")/torchrun"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # A launcher variable inherited from the caller would change which launcher dkfac sees.
@@ -35,6 +36,13 @@ for backend in static c10d; do
   [[ $(crc "$tmp/$backend.jsonl") == "$reference" ]] || fail "elastic $backend ended with other parameters"
   passed=$((passed + 1))
 done
+
+echo "== torchrun --standalone"
+"$torchrun" --standalone --nproc-per-node 2 --no-python "$dkfac" "${train[@]}" --max-steps 8 \
+  --metrics "$tmp/torchrun.jsonl" > "$tmp/torchrun.txt" 2>&1 || { cat "$tmp/torchrun.txt"; fail "torchrun"; }
+grep -q 'launch: 2 ranks from torch elastic agent' "$tmp/torchrun.txt" || { cat "$tmp/torchrun.txt"; fail "torchrun: no launch line"; }
+[[ $(crc "$tmp/torchrun.jsonl") == "$reference" ]] || fail "torchrun ended with other parameters"
+passed=$((passed + 1))
 
 echo "== elastic agent restarts a failed worker: the job resumes from its checkpoint"
 "$python" "$launch" --no-python --nproc-per-node 2 --max-restarts 1 "$here/restart_once.sh" 4 8 "$dkfac" "${train[@]}" \
