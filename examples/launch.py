@@ -4,13 +4,10 @@
 
 Each worker runs ``<this python> -u SCRIPT ARGS...`` with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set, so the script's ``init_process_group(init_method='env://')`` joins the
-group. It exists because Debian 12's ``torchrun`` (torch 1.13 on Python 3.11) dies before starting any
-worker: its --redirects/--tee parsing (``Std.from_str``) finds no member for "0" because Python 3.11 no
-longer iterates the zero-valued ``Std.NONE`` of an IntFlag, and ``to_map`` then calls ``.get`` on None.
-This launcher calls ``torch.distributed.launcher.api.elastic_launch`` directly with ``Std.NONE`` and the
-settings ``torchrun --standalone`` would use on one node: a rendezvous on this host (static by default,
-c10d with --rdzv-backend c10d), no restarts, a short monitor interval. Elsewhere, ``torchrun
---nproc_per_node=N SCRIPT ARGS`` does the same.
+group. It calls ``torch.distributed.launcher.api.elastic_launch`` directly with the settings ``torchrun
+--standalone`` would use on one node: a rendezvous on this host (static by default, c10d with --rdzv-backend
+c10d), no restarts, a short monitor interval, so programs (and tests) can drive the agent's API; ``torchrun
+--standalone --nproc-per-node=N SCRIPT ARGS`` does the same from the command line.
 
 With --no-python (torchrun's flag of the same name) the workers run SCRIPT itself, an executable such as
 ``dkfac train``: ``examples/launch.py --no-python --nproc-per-node 2 dkfac train --model cnn``.
@@ -60,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing import Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -78,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         start_method='spawn',
-        log_dir=args.log_dir,
-        redirects=Std.NONE,
-        tee=Std.NONE,
+        logs_specs=DefaultLogsSpecs(log_dir=args.log_dir, redirects=Std.NONE, tee=Std.NONE),
     )
     try:
         if args.no_python:
