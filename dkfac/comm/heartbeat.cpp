@@ -17,11 +17,16 @@ namespace dkfac::comm {
 // that a blocking store call of the main thread (group creation) never delays a heartbeat; only this
 // thread touches that client.
 //
+// A store call can block for good: torch 2.x's TCPStore client waits for an answer without a timeout
+// (check() did not return within 60 s once the store's host stopped answering). So each round with the
+// store runs on a thread of its own, and the watchdog waits for it at most the timeout: a round that does
+// not return is left behind (it holds the state alive) and counts as the store having stopped answering.
+//
 // The first rank to diagnose a loss publishes it under kLostKey, and every other rank reports that
 // diagnosis instead of its own: when rank 3 dies and rank 0 stops because of it, rank 1 must still say
 // "lost rank 3", not "lost rank 0". Rank 0 hosts the store, so after a loss it lingers until the other
 // ranks have stopped beating (they have read the diagnosis) or a few intervals have passed.
-struct Heartbeat::State {
+struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
   using Clock = std::chrono::steady_clock;
   static constexpr const char* kLostKey = "dkfac/lost";
   c10::intrusive_ptr<c10d::Store> store;
@@ -43,6 +48,8 @@ struct Heartbeat::State {
   bool failure_seen = false;
   std::function<void(const std::string&)> on_lost;
   bool reported = false;
+  bool round_running = false;  // a store round has not returned yet
+  bool store_stuck = false;    // one never returned within the timeout: no further store calls
   std::thread thread;
 
   static std::string key(int r) { return "dkfac/heartbeat/" + std::to_string(r); }
@@ -129,13 +136,33 @@ struct Heartbeat::State {
     }
   }
 
+  // poll(beat) on its own thread, waited for at most the timeout (with `lock` held on entry and return).
+  // A round that does not return sets store_error, and no round is started after it.
+  void bounded_poll(int64_t beat, std::unique_lock<std::mutex>& lock) {
+    if (store_stuck) return;
+    round_running = true;
+    std::thread([self = shared_from_this(), beat] {
+      self->poll(beat);
+      std::lock_guard<std::mutex> guard(self->mutex);
+      self->round_running = false;
+      self->wake.notify_all();
+    }).detach();
+    wake.wait_for(lock, timeout, [this] { return !round_running || stopping; });
+    if (!round_running) return;
+    store_stuck = true;  // stopping, or the timeout passed: either way the round is left behind
+    if (!stopping && store_error.empty()) {
+      std::ostringstream out;
+      out << "no answer for " << std::fixed << std::setprecision(1)
+          << std::chrono::duration<double>(timeout).count() << " s";
+      store_error = out.str();
+    }
+  }
+
   void run() {
     int64_t beat = 0;
     std::unique_lock<std::mutex> lock(mutex);
     while (!stopping) {
-      lock.unlock();
-      poll(++beat);
-      lock.lock();
+      bounded_poll(++beat, lock);
       std::string lost;
       if (!remote_lost.empty()) {
         lost = remote_lost;
@@ -152,8 +179,8 @@ struct Heartbeat::State {
         // Publish this rank's own diagnosis before the callback ends the process; not through a store that
         // already failed, whose every call waits for the timeout again.
         const bool publish = !to_publish.empty() && !published && store_error.empty();
+        if (publish) bounded_poll(++beat, lock);
         lock.unlock();
-        if (publish) poll(++beat);
         if (rank == 0) linger(beat);
         callback("rank " + std::to_string(rank) + " lost " + lost);
         lock.lock();
@@ -163,10 +190,11 @@ struct Heartbeat::State {
     // Stopping after a failed collective: publish the diagnosis and, on rank 0, keep the store up a little.
     const bool after_failure = failure_seen && !reported;
     const bool publish = after_failure && !to_publish.empty() && !published && store_error.empty();
+    if (publish) bounded_poll(++beat, lock);
+    const bool store_usable = !store_stuck;
     lock.unlock();
-    if (publish) poll(++beat);
     if (after_failure && rank == 0) linger(beat);
-    if (!after_failure && !reported) finish();
+    if (!after_failure && !reported && store_usable) finish();
   }
 
   // A clean shutdown: every rank marks itself done, and rank 0, which hosts the store, keeps it up until
@@ -231,7 +259,7 @@ struct Heartbeat::State {
 
 Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
                      std::string store_address)
-    : state_(std::make_unique<State>()) {
+    : state_(std::make_shared<State>()) {
   state_->store = std::move(store);
   state_->rank = rank;
   state_->size = size;

@@ -54,7 +54,7 @@ class Heartbeat {
 
  private:
   struct State;
-  std::unique_ptr<State> state_;
+  std::shared_ptr<State> state_;  // shared with a store round that never returned (see heartbeat.cpp)
 };
 
 }  // namespace dkfac::comm
