@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Python training-step benchmark: plain SGD vs dkfac vs kfac_pytorch, same models, data and threads.
 
 One process, no torch.distributed. For each model ("cnn": the C++ tools' cnn; "resnet": the adapted
@@ -18,16 +18,15 @@ on the same sequence of batch-128 Fashion-MNIST batches:
 * per-step splits for every method (forward+backward, preconditioner.step(), optimizer), and dkfac's
   per-phase times from ``phase_times()`` (mean per step, median, p90).
 
-    /usr/bin/python3 bench/python_step.py --kfac-pytorch-src /path/to/kfac_pytorch   # full, ~8 min on 2 cores
-    /usr/bin/python3 bench/python_step.py --quick                                  # ~40 s (~80 s with kfac_pytorch)
-    /usr/bin/python3 bench/python_step.py --quick --blas-threads 1 ...             # OpenBLAS at 1 thread, as the C++ tools
-    /usr/bin/python3 bench/python_step.py --models cnn --intervals 1,10 --json out.json
+    python bench/python_step.py --kfac-pytorch-src /path/to/kfac_pytorch   # full, ~8 min on 2 cores
+    python bench/python_step.py --quick                                  # ~40 s (~80 s with kfac_pytorch)
+    python bench/python_step.py --quick --configure-allocator            # dkfac.configure_allocator() first
+    python bench/python_step.py --models cnn --intervals 1,10 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import math
@@ -60,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="'factor,inverse' pairs separated by ';' (inverse a multiple of factor)")
     parser.add_argument('--batch-size', type=int, default=128)
     parser.add_argument('--threads', type=int, default=os.cpu_count() or 1, help='torch.set_num_threads')
-    parser.add_argument('--blas-threads', type=int, default=0,
-                        help='openblas_set_num_threads where OpenBLAS is loaded (0: leave as loaded)')
+    parser.add_argument('--configure-allocator', action='store_true',
+                        help='call dkfac.configure_allocator() first (as the dkfac command line does)')
     parser.add_argument('--repeats', type=int, default=3, help='measured windows per method and interval')
     parser.add_argument('--min-window-steps', type=int, default=30,
                         help='a window is the fewest whole inverse periods with at least this many steps')
@@ -98,23 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- environment ----------------------------------------------------------------------------------------
-def openblas() -> Any:
-    """The loaded OpenBLAS library (ctypes), or None."""
-    try:
-        with open('/proc/self/maps') as maps:
-            paths = sorted({line.split()[-1] for line in maps if 'openblas' in line and line.split()[-1].startswith('/')})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-            lib.openblas_get_num_threads  # noqa: B018 (raises AttributeError if absent)
-            return lib
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
 def cpu_model() -> str:
     try:
         with open('/proc/cpuinfo') as f:
@@ -302,7 +284,8 @@ def measure(model_name: str, interval: tuple[int, int], methods: list[str], plai
 def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     lines = []
     lines.append('python_step: ' + json.dumps(env, sort_keys=True))
-    cond = f"batch {args.batch_size}, {env['torch_threads']} torch threads, OpenBLAS {env['openblas_threads']}"
+    cond = (f"batch {args.batch_size}, {env['torch_threads']} torch threads (BLAS: {env['blas']}), allocator: "
+            f"{env['allocator']}")
     lines.append('')
     lines.append('Step time, ms. amortised = window time / window steps over whole inverse periods: median / p90 '
                  f'over {args.repeats} repeats; per step = mean / median / p90 over all measured steps.')
@@ -354,19 +337,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     backends = import_backends(args)
-    blas = openblas()
-    if blas is not None and args.blas_threads > 0:
-        blas.openblas_set_num_threads(args.blas_threads)
-    blas_threads = blas.openblas_get_num_threads() if blas is not None else 'not loaded'
-    if blas is not None:
-        blas.openblas_get_config.restype = ctypes.c_char_p
+    allocator = 'glibc defaults'
+    if args.configure_allocator:
+        allocator = backends['dkfac'].configure_allocator() if 'dkfac' in backends else 'dkfac not loaded'
     batches, data = make_batches(args)
     methods = ['sgd'] + [m for m in METHODS[1:] if m in backends]
     env = {
         'cpu': cpu_model(), 'cores': os.cpu_count(), 'affinity': len(os.sched_getaffinity(0)),
         'torch': torch.__version__, 'torch_threads': torch.get_num_threads(),
-        'interop_threads': torch.get_num_interop_threads(), 'openblas_threads': blas_threads,
-        'openblas': blas.openblas_get_config().decode() if blas is not None else None,
+        'interop_threads': torch.get_num_interop_threads(),
+        'blas': 'MKL' if torch.backends.mkl.is_available() else 'not MKL', 'allocator': allocator,
         'python': platform.python_version(), 'dkfac': getattr(backends.get('dkfac'), '__version__', None),
         'kfac_pytorch': getattr(backends.get('kfac_pytorch'), '__version__', None),
         'kfac_pytorch_src': os.path.abspath(args.kfac_pytorch_src) if args.kfac_pytorch_src else None,
@@ -379,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         print(text, file=sys.stderr, flush=True)
 
     log(f"python_step: {env['cpu']}, {env['cores']} cores, torch {env['torch']} with {env['torch_threads']} threads, "
-        f"OpenBLAS {blas_threads} threads, dkfac {env['dkfac']}, kfac_pytorch {env['kfac_pytorch']}; methods {methods}")
+        f"BLAS {env['blas']}, allocator {allocator}, dkfac {env['dkfac']}, kfac_pytorch {env['kfac_pytorch']}; methods {methods}")
     started = time.perf_counter()
     results = []
     for model_name in args.models:

@@ -3,9 +3,11 @@
 /// dkfac: distributed K-FAC preconditioning for LibTorch. Include this header to get the user API:
 /// dkfac::nn::Linear / Conv2d, dkfac::Options and dkfac::Preconditioner for a training loop, and for
 /// distributed runs comm::Communicator (connect, from_environment, ...), comm::JobEnvironment and
-/// parallel::DataParallel; plus the version. Other headers under dkfac/ are internal (math kernels,
-/// placement, strategies, factor capture): see docs/ARCHITECTURE.md, "Public and internal headers".
+/// parallel::DataParallel; configure_allocator() for a training process; plus the version. Other headers
+/// under dkfac/ are internal (math kernels, placement, strategies, factor capture): see
+/// docs/ARCHITECTURE.md, "Public and internal headers".
 
+#include "dkfac/allocator.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/comm/environment.h"
 #include "dkfac/nn/conv2d.h"

@@ -145,7 +145,8 @@ class Options {
   /// Factors wider than this (A or G dimension) are reported when the Preconditioner is built: one warning
   /// per layer (TORCH_WARN) with the dimension, the memory of the factor and of its decomposition or inverse,
   /// and the FLOPs of one second-order update (9 d^3 eigen, d^3 inverse). Such a layer's first step() can
-  /// take tens of seconds (d = 6273: ~44 s on 2 cores). 0 reports none.
+  /// take tens of seconds (d = 6273: ~44 s on 2 cores). 0 reports none. Python: the keyword argument
+  /// KFACPreconditioner(large_factor_dim=), same default, its warnings through Python's warnings module.
   DKFAC_VALUE_ARG(int64_t, large_factor_dim, 4096);
   /// What to do with a registered layer that did not run before `step()`.
   DKFAC_VALUE_ARG(UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError);

@@ -64,11 +64,12 @@ std::string human_flops(double flops) {
 
 // Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
 // memory and the cost of one second-order update, which the first step() pays without a word otherwise.
-void report_large_factors(const std::vector<KfacLayer>& layers, const Options& options) {
+void report_large_factors(const std::vector<KfacLayer>& layers, const Options& options, const MessageNames& names) {
   const int64_t limit = options.large_factor_dim();
   if (limit <= 0) return;
   const bool eigen = options.compute_method() == ComputeMethod::kEigen;
-  for (const auto& layer : layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
     const int64_t largest = std::max(layer.a_dim(), layer.g_dim());
     if (largest <= limit) continue;
     const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
@@ -87,11 +88,12 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
            << (eigen ? "eigendecomposition " : "inverse ") << human_bytes(decomposition) << ", "
            << human_flops(cost) << " per second-order update (" << (eigen ? "9 d^3" : "d^3") << ")";
     }
-    TORCH_WARN("dkfac: layer '", layer.name(), "' (", to_string(layer.kind()), ") has a factor wider than ",
-               "Options::large_factor_dim ", limit, ": ", what.str(), ". Each second-order update of this layer costs ",
-               human_flops(flops), " (the first one comes with the first step(); tens of seconds on a few cores "
-               "for d ~ 6000); make the layer narrower (e.g. pool before a Linear), skip it with skip_layers, or ",
-               "update less often with inv_update_steps");
+    TORCH_WARN("dkfac: layer ", names.layer(layer, i), " has a factor wider than ",
+               names.option("large_factor_dim", std::to_string(limit)), ": ", what.str(),
+               ". Each second-order update of this layer costs ", human_flops(flops),
+               " (the first one comes with the first step(); tens of seconds on a few cores for d ~ 6000); make the ",
+               "layer narrower (e.g. pool before a Linear), skip it with skip_layers, or update less often with ",
+               "inv_update_steps");
   }
 }
 
@@ -103,6 +105,15 @@ bool all_parameters_require_grad(const torch::nn::Module& module) {
 }
 
 }  // namespace
+
+std::string MessageNames::layer(const KfacLayer& layer, size_t index) const {
+  const std::string kind = index < layer_classes.size() ? layer_classes[index] : to_string(layer.kind());
+  return "'" + layer.name() + "' (" + kind + ")";
+}
+
+std::string MessageNames::option(const std::string& name, const std::string& value) const {
+  return option_prefix + name + option_separator + value;
+}
 
 PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
   factors += other.factors;
@@ -158,17 +169,20 @@ Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options
 }
 
 Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options,
-                               std::shared_ptr<comm::Communicator> communicator)
-    : options_(std::move(options)) {
+                               std::shared_ptr<comm::Communicator> communicator, MessageNames names)
+    : options_(std::move(options)), names_(std::move(names)) {
   options_.validate();
   TORCH_CHECK(!layers.empty(), "Preconditioner needs at least one layer to precondition");
+  TORCH_CHECK(names_.layer_classes.empty() || names_.layer_classes.size() == layers.size(),
+              "MessageNames::layer_classes names ", names_.layer_classes.size(), " layers, but ", layers.size(),
+              " are registered: give one class per layer or none");
   for (auto& binding : layers) {
     binding.capture->set_factor_dtype(options_.factor_dtype());
     binding.capture->set_grad_scale(options_.grad_scaler());
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
   }
-  report_large_factors(layers_, options_);
+  report_large_factors(layers_, options_, names_);
   strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   arm_capture();
 }
@@ -247,7 +261,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
     const int64_t captured = factor_step && strategy_->builds_factors(i) ? layer.captured_batches() : -1;
     if (captured != 0 && layer.has_gradient()) {
       if (captured > 0 && captured != options_.accumulation_steps()) {
-        warn_once(layer, "accumulation",
+        warn_once(i, "accumulation",
                   "captured " + std::to_string(captured) + " micro-batches but accumulation_steps is " +
                       std::to_string(options_.accumulation_steps()) + "; factors are averaged over the " +
                       std::to_string(captured) + " captured");
@@ -256,11 +270,11 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
     }
     const std::string what = captured == 0 ? "did not run forward/backward in training mode"
                                                           : "has no gradient";
-    TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer '", layer.name(), "' (",
-                to_string(layer.kind()), ") ", what, " before step() at step ", steps_,
+    TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
+                what, " before step() at step ", steps_,
                 "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "
                 "skip (UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
-    warn_once(layer, "unused", what + "; keeping its plain gradient while it does not run");
+    warn_once(i, "unused", what + "; keeping its plain gradient while it does not run");
     layer.capture().clear();
     plan[i].usable = false;
     ++events_.skipped_unused;
@@ -284,8 +298,8 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
     if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay_at(steps_)) == FactorUpdate::kUpdated) {
       continue;
     }
-    warn_once(layer, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
-                               "is kept for this step");
+    warn_once(i, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
+                           "is kept for this step");
     plan[i].usable = false;
     ++events_.fallbacks;
   }
@@ -304,7 +318,7 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
       layer.compute_second_order(strategy_->plan().method, damping, options_.pi_damping(), a_part, g_part);
     } catch (const c10::Error& e) {
       ++events_.second_order_failures;
-      warn_once(layer, "second_order",
+      warn_once(i, "second_order",
                 std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
     }
   }
@@ -336,15 +350,14 @@ std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& 
   }
   time_communication(&last_times_.precondition, [&] { strategy_->share_gradients(preconditioned); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    auto& layer = layers_[i];
     if (!plan[i].usable || !preconditioned[i].defined()) {
       plan[i].usable = false;
       continue;
     }
     auto& v = preconditioned[i];
     if (!all_finite(v)) {
-      warn_once(layer, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
-                                   "gradient for this step");
+      warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
+                               "gradient for this step");
       plan[i].usable = false;
       ++events_.fallbacks;
       continue;
@@ -393,10 +406,10 @@ void Preconditioner::time_communication(double* phase, const std::function<void(
   *phase -= seconds;  // the phase's own stopwatch adds the whole span when it ends
 }
 
-void Preconditioner::warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message) {
+void Preconditioner::warn_once(size_t index, const std::string& kind, const std::string& message) {
+  const auto& layer = layers_[index];
   if (!warned_.emplace(layer.name(), kind).second) return;
-  TORCH_WARN("dkfac: layer '", layer.name(), "' (", to_string(layer.kind()), "), step ", steps_, ": ", message,
-             " (warned once per layer)");
+  TORCH_WARN("dkfac: layer ", names_.layer(layer, index), ", step ", steps_, ": ", message, " (warned once per layer)");
 }
 
 int64_t Preconditioner::memory_bytes() const {

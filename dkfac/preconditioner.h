@@ -36,6 +36,24 @@ struct LayerEvents {
   int64_t second_order_failures = 0;  ///< decompositions/inverses that failed (previous state kept)
 };
 
+/// How the core's messages (warnings and errors about a layer or an option) name layers and options. The
+/// defaults are the C++ API's; a front end whose users know other names passes its own (the Python package:
+/// each module's torch.nn class and KFACPreconditioner's keyword arguments).
+struct MessageNames {
+  /// The class shown after each layer's name, one per layer in registration order (e.g. torch.nn's
+  /// "NonDynamicallyQuantizableLinear"); empty: the layer kinds, "Linear" or "Conv2d".
+  std::vector<std::string> layer_classes;
+  /// An option set to a value reads `option_prefix + name + option_separator + value`:
+  /// "Options::large_factor_dim 4096" by default, "large_factor_dim=4096" for keyword arguments.
+  std::string option_prefix = "Options::";
+  std::string option_separator = " ";
+
+  /// Layer `index` as messages name it: "'fc1' (Linear)".
+  std::string layer(const KfacLayer& layer, size_t index) const;
+  /// Option `name` with `value`: "Options::large_factor_dim 4096".
+  std::string option(const std::string& name, const std::string& value) const;
+};
+
 /// K-FAC preconditioner for a LibTorch model (single process).
 ///
 /// Finds every dkfac::nn::Linear / dkfac::nn::Conv2d in `model` whose parameters all require grad
@@ -56,9 +74,10 @@ class Preconditioner {
                           std::shared_ptr<comm::Communicator> communicator = nullptr);
   /// Preconditions `layers` as registered by a front end (the Python package binds torch.nn modules
   /// this way), in this order; Options::skip_layers is not applied (the front end chose the layers).
-  /// Their captures must be fed by the front end's hooks.
+  /// Their captures must be fed by the front end's hooks. Warnings and errors name layers and options
+  /// as `names` says (its layer_classes: empty or one per layer).
   Preconditioner(std::vector<LayerBinding> layers, Options options,
-                 std::shared_ptr<comm::Communicator> communicator = nullptr);
+                 std::shared_ptr<comm::Communicator> communicator = nullptr, MessageNames names = MessageNames());
   ~Preconditioner();
   Preconditioner(const Preconditioner&) = delete;
   Preconditioner& operator=(const Preconditioner&) = delete;
@@ -127,10 +146,12 @@ class Preconditioner {
   void arm_capture();
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double* phase, const std::function<void()>& collective);
-  void warn_once(const KfacLayer& layer, const std::string& kind, const std::string& message);
+  /// Warns about layer `index` once per `kind` of problem.
+  void warn_once(size_t index, const std::string& kind, const std::string& message);
 
   std::shared_ptr<torch::nn::Module> model_;
   Options options_;
+  MessageNames names_;
   std::vector<KfacLayer> layers_;
   int64_t steps_ = 0;
   PhaseTimes last_times_;

@@ -8,10 +8,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "dkfac/allocator.h"
 #include "dkfac/comm/environment.h"
 #include "dkfac/version.h"
 #include "tools/cli/commands.h"
-#include "tools/common/threads.h"
 
 namespace {
 
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   dkfac::cli::Invocation invocation;
-  invocation.allocator = dkfac::tools::configure_allocator();  // every command, before its first tensor
+  invocation.allocator = dkfac::configure_allocator();  // every command, before its first tensor
   for (int i = 0; i < argc; ++i) invocation.command_line += (i ? " " : "") + shell_quoted(argv[i]);
   try {
     for (const auto& command : commands) {

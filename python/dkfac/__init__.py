@@ -27,10 +27,12 @@ except ImportError as error:
         f'{_build_info.python_version} and torch {_build_info.torch_version}, and this is torch {torch.__version__} '
         f'from {torch.__file__}. Rebuild dkfac in this environment: pip install .') from error
 
+from dkfac import base_preconditioner  # noqa: E402
 from dkfac import enums  # noqa: E402
 from dkfac import hyperparams  # noqa: E402
 from dkfac import preconditioner  # noqa: E402
 from dkfac import scheduler  # noqa: E402
+from dkfac.base_preconditioner import BaseKFACPreconditioner  # noqa: E402
 from dkfac.enums import AssignmentStrategy  # noqa: E402
 from dkfac.enums import ComputeMethod  # noqa: E402
 from dkfac.enums import DistributedStrategy  # noqa: E402
@@ -39,7 +41,19 @@ from dkfac.scheduler import LambdaParamScheduler  # noqa: E402
 
 __version__ = _C.__version__
 
+
+def configure_allocator() -> str:
+    """Keeps freed memory in the process instead of returning it to the system after every step.
+
+    With glibc's defaults every block above the mmap threshold (at most 32 MiB) is mapped and unmapped each
+    time, and refilling it costs page faults every step. This turns mmap off for the heap and trims it only
+    beyond 1 GiB free. It is process-wide: call it once at start-up. Returns a one-line description.
+    """
+    return _C.configure_allocator()
+
+
 __all__ = [
-    'AssignmentStrategy', 'ComputeMethod', 'DistributedStrategy', 'KFACPreconditioner', 'LambdaParamScheduler',
-    'enums', 'hyperparams', 'preconditioner', 'scheduler', '__version__',
+    'AssignmentStrategy', 'BaseKFACPreconditioner', 'ComputeMethod', 'DistributedStrategy', 'KFACPreconditioner',
+    'LambdaParamScheduler', 'base_preconditioner', 'configure_allocator', 'enums', 'hyperparams', 'preconditioner',
+    'scheduler', '__version__',
 ]

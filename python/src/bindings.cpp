@@ -1,6 +1,6 @@
 // dkfac._C: the Python front end's door into the C++ core. It binds layer captures (fed by torch module
-// hooks), the options, the preconditioner and a communicator built on torch.distributed's process group.
-// Everything numeric runs in the core; this file only converts arguments.
+// hooks), the options, the preconditioner, a communicator built on torch.distributed's process group and a
+// collector of the core's warnings. Everything numeric runs in the core; this file only converts arguments.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/extension.h>
@@ -9,8 +9,13 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
+#include <utility>
+#include <variant>
+#include <vector>
 
+#include "dkfac/allocator.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/version.h"
@@ -94,6 +99,7 @@ Options make_options(const py::dict& kw) {
   o.colocate_factors(kw["colocate_factors"].cast<bool>());
   o.update_factors_in_hook(kw["update_factors_in_hook"].cast<bool>());
   o.allreduce_bucket_cap_mb(kw["allreduce_bucket_cap_mb"].cast<double>());
+  o.large_factor_dim(kw["large_factor_dim"].cast<int64_t>());
   const auto strategy = kw["strategy"].cast<std::string>();
   o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
   if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));
@@ -102,6 +108,34 @@ Options make_options(const py::dict& kw) {
   if (!kw["spd_redundant_dim"].is_none()) o.spd(SpdOptions().redundant_dim(kw["spd_redundant_dim"].cast<int64_t>()));
   return o;
 }
+
+// Collects the warnings (TORCH_WARN) raised on this thread between start() and stop(), for the package to
+// re-raise through Python's warnings module. The core runs with the GIL released, so it cannot call into
+// Python itself, and c10's default handler would print to stderr. c10's handler is per thread: start()
+// and stop() must be called on the thread that makes the core's calls.
+class WarningCollector : public c10::WarningHandler {
+ public:
+  /// (message, true for a DeprecationWarning) of one warning.
+  using Collected = std::vector<std::pair<std::string, bool>>;
+
+  void process(const c10::Warning& warning) override {
+    collected_.emplace_back(warning.msg(), std::holds_alternative<c10::DeprecationWarning>(warning.type()));
+  }
+  void start() {
+    TORCH_CHECK(!guard_, "WarningCollector.start() called twice without stop()");
+    guard_.emplace(this);
+  }
+  /// Restores the previous handler and hands over what was collected, in order.
+  Collected stop() {
+    TORCH_CHECK(guard_, "WarningCollector.stop() called without start()");
+    guard_.reset();
+    return std::exchange(collected_, {});
+  }
+
+ private:
+  Collected collected_;
+  std::optional<c10::WarningUtils::WarningHandlerGuard> guard_;
+};
 
 std::map<std::string, double> phase_seconds(const PhaseTimes& t) {
   return {{"factors", t.factors}, {"second_order", t.second_order}, {"precondition", t.precondition},
@@ -115,6 +149,14 @@ PYBIND11_MODULE(_C, m) {
   using namespace dkfac;
   m.doc() = "dkfac's C++ core (used by the dkfac package; not a public API)";
   m.attr("__version__") = DKFAC_VERSION_STRING;
+  m.def("configure_allocator", &configure_allocator,
+        "Keeps freed memory in the process (glibc: no mmap, trim threshold 1 GiB); once, at start-up");
+  m.attr("default_large_factor_dim") = Options().large_factor_dim();
+
+  py::class_<WarningCollector>(m, "WarningCollector")
+      .def(py::init<>())
+      .def("start", &WarningCollector::start)
+      .def("stop", &WarningCollector::stop);
 
   py::class_<FactorCapture, std::shared_ptr<FactorCapture>>(m, "FactorCapture")
       .def_property_readonly("enabled", &FactorCapture::enabled)
@@ -167,16 +209,23 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
 
   py::class_<Preconditioner>(m, "Preconditioner")
-      .def(py::init([](const std::vector<std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>,
-                                                    std::shared_ptr<FactorCapture>>>& layers,
+      // layers: (name, class name of the torch.nn module, weight, bias, capture) each.
+      .def(py::init([](const std::vector<std::tuple<std::string, std::string, torch::Tensor,
+                                                    std::optional<torch::Tensor>, std::shared_ptr<FactorCapture>>>&
+                           layers,
                        const py::dict& options, std::shared_ptr<comm::Communicator> communicator) {
              std::vector<LayerBinding> bindings;
-             for (const auto& [name, weight, bias, capture] : layers) {
+             MessageNames names;  // messages name torch.nn classes and keyword arguments (large_factor_dim=4096)
+             names.option_prefix = "";
+             names.option_separator = "=";
+             for (const auto& [name, class_name, weight, bias, capture] : layers) {
                bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture});
+               names.layer_classes.push_back(class_name);
              }
              auto o = make_options(options);
              py::gil_scoped_release release;  // collective under a communicator (SPD measures the link)
-             return std::make_unique<Preconditioner>(std::move(bindings), std::move(o), std::move(communicator));
+             return std::make_unique<Preconditioner>(std::move(bindings), std::move(o), std::move(communicator),
+                                                     std::move(names));
            }),
            py::arg("layers"), py::arg("options"), py::arg("communicator") = nullptr)
       .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
@@ -196,6 +245,9 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
       .def("describe", [](const Preconditioner& p) { return p.strategy().describe(); })
+      .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
+      .def_property_readonly("compute_method",
+                             [](const Preconditioner& p) { return to_string(p.options().compute_method()); })
       .def("events", [](const Preconditioner& p) {
         const auto& e = p.events();
         return std::map<std::string, int64_t>{{"fallbacks", e.fallbacks},

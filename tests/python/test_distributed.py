@@ -54,7 +54,7 @@ def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
         outputs.append(out)
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
-    return [torch.load(tmp_path / f'rank{rank}.pt') for rank in range(size)]
+    return [torch.load(tmp_path / f'rank{rank}.pt', weights_only=False) for rank in range(size)]
 
 
 def reference(size: int, kwargs: dict, factor_shard: int | None = None,

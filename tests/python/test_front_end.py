@@ -4,6 +4,9 @@ Conv2d geometry against a dense reference, dtypes, the grad scaler, state dicts 
 from __future__ import annotations
 
 import copy
+import logging
+import re
+import typing
 import warnings
 
 import pytest
@@ -51,6 +54,8 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
     (dict(factor_dtype=torch.int32), 'factor_dtype must be a floating-point torch.dtype'),
     (dict(skip_layers=['(']), "skip_layers pattern '\\(' is not a valid regular expression"),
     (dict(skip_layers=['.*']), 'found no torch.nn.Linear or torch.nn.Conv2d layer'),
+    (dict(large_factor_dim=-1), r'large_factor_dim must be an int >= 0 \(0: no warning\), got -1'),
+    (dict(large_factor_dim=2.5), r'large_factor_dim must be an int >= 0 \(0: no warning\), got 2.5'),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -268,3 +273,82 @@ def test_registration_is_logged_at_loglevel(caplog):
         dkfac.KFACPreconditioner(tiny_mlp(), loglevel=logging.INFO)
     assert 'registered 0 (Linear): A 5 x 5, G 6 x 6' in caplog.text
     assert 'registered 2 (Linear): A 7 x 7, G 3 x 3' in caplog.text
+
+
+# kfac_pytorch v0.4.2's BaseKFACPreconditioner API (its public methods and properties).
+KFAC_PYTORCH_BASE_API = ('damping', 'factor_decay', 'factor_update_steps', 'inv_update_steps', 'kl_clip',
+                         'load_state_dict', 'lr', 'memory_usage', 'reset_batch', 'state_dict', 'step', 'steps')
+
+
+def test_preconditioner_is_a_base_kfac_preconditioner():
+    p = dkfac.KFACPreconditioner(tiny_mlp())
+    assert isinstance(p, dkfac.base_preconditioner.BaseKFACPreconditioner)
+    assert dkfac.BaseKFACPreconditioner is dkfac.base_preconditioner.BaseKFACPreconditioner
+    assert issubclass(dkfac.preconditioner.KFACPreconditioner, dkfac.base_preconditioner.BaseKFACPreconditioner)
+    for name in KFAC_PYTORCH_BASE_API:
+        assert name in vars(dkfac.base_preconditioner.BaseKFACPreconditioner), f'{name} is not on the base class'
+
+
+def test_kfac_pytorch_language_example_annotation_evaluates():
+    # kfac_pytorch's examples/language/engine.py, with `import dkfac as kfac`.
+    def train(preconditioner: kfac.base_preconditioner.BaseKFACPreconditioner | None) -> None:  # noqa: F821
+        pass
+
+    hints = typing.get_type_hints(train, globalns={'kfac': dkfac})
+    assert hints['preconditioner'] == dkfac.base_preconditioner.BaseKFACPreconditioner | None
+
+
+def repr_fields(preconditioner) -> dict[str, str]:
+    return dict(re.findall(r'^  (\w+)=(.*),$', repr(preconditioner), re.MULTILINE))
+
+
+def test_repr_prints_kfac_pytorch_fields():
+    fields = repr_fields(dkfac.KFACPreconditioner(tiny_mlp()))
+    # kfac_pytorch v0.4.2's KFACPreconditioner repr: its base's fields and its `defaults`.
+    expected = {'accumulation_steps', 'allreduce_bucket_cap_mb', 'allreduce_method', 'assignment',
+                'assignment_strategy', 'colocate_factors', 'compute_eigenvalue_outer_product', 'compute_method',
+                'damping', 'distributed_strategy', 'factor_decay', 'factor_dtype', 'factor_update_steps', 'grad_scaler',
+                'grad_worker_fraction', 'inv_dtype', 'inv_update_steps', 'kl_clip', 'layers', 'loglevel', 'lr',
+                'skip_layers', 'steps', 'symmetry_aware', 'update_factors_in_hook'}
+    assert expected <= set(fields), f'missing: {sorted(expected - set(fields))}'
+    assert list(fields) == sorted(fields)
+    assert fields['allreduce_method'] == 'AllreduceMethod.ALLREDUCE_BUCKETED'
+    assert fields['assignment'] == 'KAISA'
+    assert fields['grad_scaler'] == 'False'
+    assert fields['loglevel'] == str(logging.DEBUG)
+    assert fields['update_factors_in_hook'] == 'True'
+    assert fields['large_factor_dim'] == '4096'
+
+    other = repr_fields(dkfac.KFACPreconditioner(tiny_mlp(), allreduce_bucket_cap_mb=0, grad_scaler=lambda: 2.0,
+                                                 loglevel=logging.INFO, update_factors_in_hook=False,
+                                                 strategy='dp', large_factor_dim=0))
+    assert other['allreduce_method'] == 'AllreduceMethod.ALLREDUCE'
+    assert other['assignment'] == 'DP-KFAC'
+    assert other['grad_scaler'] == 'True'
+    assert other['loglevel'] == str(logging.INFO)
+    assert other['update_factors_in_hook'] == 'False'
+    assert other['large_factor_dim'] == '0'
+
+
+
+def test_configure_allocator_keeps_large_blocks_on_the_heap():
+    # In a child process: the setting is process-wide. A 64 MiB tensor is mapped with glibc's defaults and
+    # comes from the heap after dkfac.configure_allocator() (mallinfo2's hblkhd counts mapped bytes).
+    import subprocess
+    import sys
+    code = '''
+import ctypes, dkfac, torch
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+mapped = lambda: libc.mallinfo2().hblkhd
+before = mapped(); t = torch.empty(16 << 20); grew_default = mapped() - before; del t
+print(dkfac.configure_allocator())
+before = mapped(); t = torch.empty(16 << 20); grew_configured = mapped() - before
+print(grew_default >= 64 << 20, grew_configured)
+'''
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split('\n')
+    assert out[0] == 'glibc malloc: no mmap, trim threshold 1 GiB'
+    assert out[1] == 'True 0', out

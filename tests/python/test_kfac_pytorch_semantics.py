@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import re
 import sys
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 import dkfac
 import scenarios
 
-GOLDEN = torch.load(os.path.join(os.path.dirname(__file__), 'data', 'kfac_pytorch_golden.pt'))
+# Our own file (it holds torch.__version__, which torch >= 2.6's weights_only loading refuses).
+GOLDEN = torch.load(os.path.join(os.path.dirname(__file__), 'data', 'kfac_pytorch_golden.pt'), weights_only=False)
 # float32 round-off through eigendecompositions and a few SGD steps
 RTOL, ATOL = 2e-4, 2e-6
 
@@ -89,3 +91,28 @@ def test_dkfac_state_dict_loads_into_kfac_pytorch():
     reference.load_state_dict(state)
     for (name, layer), (_, module) in zip(sorted(reference._layers.values()), sorted(first['state']['layers'].items())):
         torch.testing.assert_close(layer.a_factor, module['A'])
+
+
+def test_base_preconditioner_has_kfac_pytorchs_api():
+    kfac = kfac_pytorch()
+    theirs = {n for n in dir(kfac.base_preconditioner.BaseKFACPreconditioner) if not n.startswith('_')}
+    ours = set(dir(dkfac.base_preconditioner.BaseKFACPreconditioner))
+    assert theirs <= ours, f'missing: {sorted(theirs - ours)}'
+    assert issubclass(dkfac.preconditioner.KFACPreconditioner, dkfac.base_preconditioner.BaseKFACPreconditioner)
+
+
+def test_repr_has_kfac_pytorchs_fields_and_values():
+    kfac = kfac_pytorch()
+
+    def fields(preconditioner):
+        return dict(re.findall(r'^  (\w+)=(.*),$', repr(preconditioner), re.MULTILINE))
+
+    kind, kwargs, _, _ = scenarios.SCENARIOS['cnn_eigen']
+    model = scenarios.make_model(kind)
+    theirs = fields(kfac.preconditioner.KFACPreconditioner(copy.deepcopy(model), **kwargs))
+    ours = fields(dkfac.KFACPreconditioner(model, **kwargs))
+    assert set(theirs) <= set(ours), f'missing: {sorted(set(theirs) - set(ours))}'
+    # The work assignment: kfac_pytorch names its class (KAISAAssignment), dkfac the system that places the work.
+    assert (theirs.pop('assignment'), ours['assignment']) == ('KAISAAssignment', 'KAISA')
+    assert {k: ours[k] for k in theirs} == theirs
+

@@ -11,7 +11,7 @@ namespace dkfac::cli {
 
 /// What every command is run with, besides its flags.
 struct Invocation {
-  std::string allocator;     ///< the allocator setup (tools::configure_allocator)
+  std::string allocator;     ///< the allocator setup (dkfac::configure_allocator)
   std::string command_line;  ///< the command as typed, arguments shell-quoted where needed
 };
 

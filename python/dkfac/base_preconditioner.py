@@ -1,0 +1,348 @@
+"""BaseKFACPreconditioner: what every K-FAC preconditioner shares once its layers are chosen.
+
+The counterpart of kfac_pytorch's ``kfac.base_preconditioner.BaseKFACPreconditioner``: the hyper-parameters
+(each a number or a callable of the K-FAC step), the hooks that feed each layer's capture, ``step()``, the
+state dicts, ``memory_usage()``, ``reset_batch()`` and ``__repr__``. The K-FAC work (factors, second-order
+state, preconditioning, KL clipping and every collective) runs in the C++ core, ``dkfac._C.Preconditioner``;
+this class hands it the layers and options and re-raises its warnings through Python's ``warnings`` module.
+``dkfac.preconditioner.KFACPreconditioner`` chooses the layers of a model and the distributed placement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dkfac import _C
+
+logger = logging.getLogger('dkfac')
+
+_STATE_FORMAT = 1
+_SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
+_FACTOR_KEYS = {'a_factor': 'A', 'g_factor': 'G'}
+_communicators = itertools.count()  # a process-local id, the same on every rank that builds in the same order
+
+
+def _read(owner: weakref.ref, attribute: str, step: int) -> Any:
+    value = getattr(owner(), attribute)
+    return value(step) if callable(value) else value
+
+
+def _check_positive(name: str, value: Any, *, allow_zero: bool = False, upper: float | None = None) -> None:
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f'{name} must be a number or a callable of the step, got {value!r}')
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not low_ok or (upper is not None and value > upper):
+        bound = f'[0, {upper}]' if upper is not None else ('>= 0' if allow_zero else '> 0')
+        raise ValueError(f'{name} must be {bound}, got {value!r}')
+
+
+def _stacklevel_outside_dkfac() -> int:
+    """The ``stacklevel`` with which the caller's ``warnings.warn`` names the innermost frame outside the
+    dkfac package: the user's line that called into dkfac (what Python 3.12's skip_file_prefixes does)."""
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get('__name__', '').partition('.')[0] == 'dkfac':
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+class _CoreWarnings:
+    """Re-raises the C++ core's warnings (TORCH_WARN) of the calls made inside the block with
+    ``warnings.warn``, attributed to the user's line, once the core has returned (it runs with the GIL
+    released, so it cannot warn through Python itself). If the block raises, its error is the one that
+    propagates, even where a filter turns the warnings into errors."""
+
+    def __enter__(self) -> None:
+        self._collector = _C.WarningCollector()
+        self._collector.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        collected = self._collector.stop()
+        level = _stacklevel_outside_dkfac()
+        for message, deprecation in collected:
+            category = DeprecationWarning if deprecation else UserWarning
+            if error is None:
+                warnings.warn(message, category, stacklevel=level)
+            else:
+                with contextlib.suppress(Warning):
+                    warnings.warn(message, category, stacklevel=level)
+
+
+class BaseKFACPreconditioner:
+    """K-FAC preconditioner over layers already chosen, as kfac_pytorch's ``BaseKFACPreconditioner``.
+
+    ``layers`` maps each ``torch.nn.Module`` to ``(name, capture)``, in model order, where ``capture`` is
+    the core's ``dkfac._C.linear_capture(...)`` or ``dkfac._C.conv2d_capture(...)`` for that module (in
+    kfac_pytorch, a ``KFACBaseLayer``); the module's ``weight`` and ``bias`` are preconditioned.
+    ``options`` holds the core's other options, as ``KFACPreconditioner`` builds them (the counterpart
+    of kfac_pytorch's required ``assignment`` and ``tdc``). ``process_group``: a Gloo group of more than
+    one rank for distributed K-FAC (every rank builds its preconditioner with the same layers and options),
+    or None; ``timeout``: seconds for dkfac's own subgroups (default: torch's). The hyper-parameters,
+    ``accumulation_steps``, ``update_factors_in_hook``, ``defaults`` (extra entries of ``repr()``) and
+    ``loglevel`` have kfac_pytorch's meanings. Most code builds a ``KFACPreconditioner`` instead.
+    """
+
+    def __init__(
+        self,
+        layers: dict[torch.nn.Module, tuple[str, Any]],
+        *,
+        options: dict[str, Any],
+        process_group: Any = None,
+        timeout: float | None = None,
+        factor_update_steps: Callable[[int], int] | int = 1,
+        inv_update_steps: Callable[[int], int] | int = 1,
+        damping: Callable[[int], float] | float = 0.001,
+        factor_decay: Callable[[int], float] | float = 0.95,
+        kl_clip: Callable[[int], float] | float | None = 0.001,
+        lr: Callable[[int], float] | float = 0.1,
+        accumulation_steps: int = 1,
+        update_factors_in_hook: bool = True,
+        defaults: dict[str, Any] | None = None,
+        loglevel: int = logging.DEBUG,
+    ) -> None:
+        _check_positive('factor_update_steps', factor_update_steps)
+        _check_positive('inv_update_steps', inv_update_steps)
+        _check_positive('damping', damping)
+        _check_positive('factor_decay', factor_decay, allow_zero=True, upper=1)
+        if kl_clip is None:
+            kl_clip = 0.0  # dkfac: None or 0 turns KL clipping off
+        _check_positive('kl_clip', kl_clip, allow_zero=True)
+        _check_positive('lr', lr, allow_zero=True)
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f'accumulation_steps must be an int > 0, got {accumulation_steps!r}')
+        if not isinstance(layers, dict) or not layers:
+            raise ValueError(f'layers must be a non-empty dict {{module: (name, capture)}}, got {layers!r:.200}')
+
+        self._factor_update_steps = factor_update_steps
+        self._inv_update_steps = inv_update_steps
+        self._damping = damping
+        self._factor_decay = factor_decay
+        self._kl_clip = kl_clip
+        self._lr = lr
+        self._accumulation_steps = accumulation_steps
+        self._update_factors_in_hook = update_factors_in_hook
+        self._defaults = defaults
+        self._loglevel = loglevel
+        self._layers = dict(layers)
+        self._names = [name for name, _ in self._layers.values()]
+        self._modules = list(self._layers)
+        self._captures = [capture for _, capture in self._layers.values()]
+        self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        self._rank = dist.get_rank(process_group) if process_group is not None else 0
+        self._communicator = self._make_communicator(process_group, timeout) if self._world_size > 1 else None
+
+        for module, (name, _) in self._layers.items():
+            a = module.weight[0].numel() + (module.bias is not None)
+            g = module.weight.shape[0]
+            logger.log(loglevel, 'dkfac: registered %s (%s): A %d x %d, G %d x %d', name, type(module).__name__,
+                       a, a, g, g)
+        owner = weakref.ref(self)
+        core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
+        core_options.update(options, accumulation_steps=accumulation_steps,
+                            update_factors_in_hook=bool(update_factors_in_hook))
+        core_layers = [(name, type(module).__name__, module.weight, module.bias, capture)
+                       for module, (name, capture) in self._layers.items()]
+        with _CoreWarnings():
+            self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
+        for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
+            module.register_forward_hook(self._forward_hook(capture))
+        logger.log(loglevel, 'dkfac: %s', self._core.describe())
+
+    @staticmethod
+    def _make_communicator(group: Any, timeout: float | None) -> Any:
+        backend = dist.get_backend(group)
+        if backend != 'gloo':
+            raise ValueError(f"process_group uses the {backend!r} backend; dkfac's CPU build communicates "
+                             "through Gloo groups (init_process_group('gloo'))")
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group)
+        prefix = f'dkfac/py{next(_communicators)}/{ranks[0]}-{ranks[-1]}-{len(ranks)}/'
+        seconds = timeout if timeout is not None else dist.default_pg_timeout.total_seconds()
+        return _C.communicator(group, store, prefix, float(seconds))  # group.WORLD is the default group
+
+    @staticmethod
+    def _forward_hook(capture: Any) -> Callable:
+        # Holds the capture only (not the preconditioner): no reference cycle through the model.
+        def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            if not capture.enabled or not module.training or not torch.is_grad_enabled():
+                return
+            capture.capture_input(inputs[0])
+            if output.requires_grad:
+                output.register_hook(capture.capture_output_grad)
+
+        return hook
+
+    # --- hyper-parameters, as kfac_pytorch exposes them -------------------------------------------------
+    def _value(self, name: str) -> Any:
+        value = getattr(self, '_' + name)
+        return value(self.steps) if callable(value) else value
+
+    damping = property(lambda self: self._value('damping'), doc='Damping at the current step.')
+    factor_decay = property(lambda self: self._value('factor_decay'), doc='Factor decay at the current step.')
+    kl_clip = property(lambda self: self._value('kl_clip'), doc='KL-clip bound at the current step (0: off).')
+    lr = property(lambda self: self._value('lr'), doc='Learning rate KL clipping uses at the current step.')
+    factor_update_steps = property(lambda self: self._value('factor_update_steps'),
+                                   doc='Steps between factor updates, at the current step.')
+    inv_update_steps = property(lambda self: self._value('inv_update_steps'),
+                                doc='Steps between second-order updates, at the current step.')
+
+    @property
+    def steps(self) -> int:
+        """K-FAC steps taken (calls to step())."""
+        return self._core.steps
+
+    @property
+    def layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """The preconditioned layers as (name, module), in model order."""
+        return list(zip(self._names, self._modules))
+
+    @property
+    def plan(self) -> str:
+        """The step plan this job runs, in words (a str): how factors are reduced, who decomposes and
+        preconditions each layer, what is broadcast (the C++ core's StepPlan; every rank computes the same
+        one), and for SPD-KFAC what was measured and the fusion grouping in use."""
+        return self._core.describe()
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Preconditions the registered layers' gradients in place (one K-FAC step).
+
+        Updates factors on factor steps and the second-order state on inverse steps, then preconditions,
+        KL-clips and writes the gradients. Call after backward (after all accumulation micro-batches), with
+        gradients already averaged across ranks, and before the optimizer's step().
+        """
+        with torch.no_grad(), _CoreWarnings():
+            self._core.step()
+
+    def reset_batch(self) -> None:
+        """Drops what the hooks captured since the last factor update."""
+        self._core.reset_batch()
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of K-FAC state held on this rank, by kind, and their total."""
+        sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
+        kinds = {'a_factor': 'a_factors', 'g_factor': 'g_factors', 'a_eigenvectors': 'a_inverses',
+                 'a_eigenvalues': 'a_inverses', 'a_inverse': 'a_inverses', 'g_eigenvectors': 'g_inverses',
+                 'g_eigenvalues': 'g_inverses', 'g_inverse': 'g_inverses', 'denominator': 'g_inverses'}
+        for state in self._core.layer_states():
+            for key, tensor in state.items():
+                sizes[kinds[key]] += tensor.numel() * tensor.element_size()
+        for capture in self._captures:
+            a, g = capture.pending_bytes()
+            sizes['a_batch'] += a
+            sizes['g_batch'] += g
+        sizes['total'] = sum(sizes.values())
+        return sizes
+
+    def phase_times(self, total: bool = False) -> dict[str, float]:
+        """Seconds per K-FAC phase in the last step (or summed over all steps with total=True)."""
+        return self._core.total_times() if total else self._core.last_step_times()
+
+    # --- state ---------------------------------------------------------------------------------------------
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """The state an exact resume needs, in kfac_pytorch's layout plus dkfac's second-order state.
+
+        ``steps``; each hyper-parameter that is not a callable; with ``include_factors``, ``layers``
+        ({name: {'A': A, 'G': G}}, what kfac_pytorch reads) and ``dkfac`` (format version, compute method,
+        world size and rank, and each layer's second-order state as this rank holds it).
+        """
+        state: dict[str, Any] = {'steps': self.steps}
+        for name in _SCHEDULED:
+            value = getattr(self, '_' + name)
+            if not callable(value):
+                state[name] = value
+        if include_factors:
+            layer_states = self._core.layer_states()
+            state['layers'] = {
+                name: {'A': s.get('a_factor'), 'G': s.get('g_factor')} for name, s in zip(self._names, layer_states)
+            }
+            state['dkfac'] = {
+                'format_version': _STATE_FORMAT,
+                'compute_method': self._core.compute_method,
+                'world_size': self._world_size,
+                'rank': self._rank,
+                'second_order': {
+                    name: {k: v for k, v in s.items() if k not in _FACTOR_KEYS}
+                    for name, s in zip(self._names, layer_states)
+                },
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Restores a state dict from dkfac's or kfac_pytorch's state_dict().
+
+        dkfac's own (same compute method, world size and rank) restores the second-order state exactly.
+        Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with ``compute_inverses``, the second-order
+        state is recomputed from them now (collective: every rank calls it).
+        """
+        if 'steps' not in state_dict:
+            raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
+        steps = int(state_dict['steps'])
+        ours = state_dict.get('dkfac')
+        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
+            raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
+        exact = (isinstance(ours, dict) and ours.get('format_version') == _STATE_FORMAT
+                 and ours.get('compute_method') == self._core.compute_method
+                 and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank)
+        if self._communicator is not None:
+            # Exact restore is rank-local (each rank's own second-order state); the recompute is collective,
+            # so every rank must take the same branch: exact only if it is exact everywhere.
+            exact = self._communicator.all_true(bool(exact))
+        if 'layers' in state_dict:
+            layers = state_dict['layers']
+            if len(layers) != len(self._names):
+                raise ValueError(f'state_dict holds {len(layers)} K-FAC layers, this model registers '
+                                 f'{len(self._names)}')
+            unknown = sorted(set(layers) - set(self._names))
+            if unknown:
+                raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
+            states = []
+            for name in self._names:
+                entry = layers[name]
+                if 'A' not in entry or 'G' not in entry:
+                    raise KeyError(f"state of layer {name!r} must hold 'A' and 'G'")
+                s = {k: entry[v] for k, v in _FACTOR_KEYS.items() if entry[v] is not None}
+                if exact:
+                    s.update(ours['second_order'].get(name, {}))
+                states.append(s)
+        else:
+            if compute_inverses:
+                warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
+                              'skipping it', stacklevel=2)
+            compute_inverses = False
+            states = self._core.layer_states()
+        for name in _SCHEDULED:
+            if name in state_dict:
+                setattr(self, '_' + name, state_dict[name])
+        with _CoreWarnings():
+            self._core.load_layer_states(steps, states)
+            if 'layers' in state_dict and not exact and compute_inverses:
+                self._core.update_second_order()
+
+    def __repr__(self) -> str:
+        """kfac_pytorch's fields (and the subclass's ``defaults``), one per line, sorted by name."""
+        params = {
+            'accumulation_steps': self._accumulation_steps, 'assignment': self._core.system,
+            'damping': self._damping, 'factor_decay': self._factor_decay,
+            'factor_update_steps': self._factor_update_steps, 'inv_update_steps': self._inv_update_steps,
+            'kl_clip': self._kl_clip, 'layers': len(self._layers), 'loglevel': self._loglevel, 'lr': self._lr,
+            'steps': self.steps, 'update_factors_in_hook': self._update_factors_in_hook,
+        }
+        params.update(self._defaults or {})
+        body = '\n'.join(f'  {k}={v},' for k, v in sorted(params.items()))
+        return f'{type(self).__name__}(\n{body}\n)'

@@ -1,0 +1,139 @@
+"""What the Python front end says: the C++ core's warnings go through Python's warnings module (attributed
+to the caller's line), name KFACPreconditioner's keyword arguments and each module's own torch.nn class."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+
+import pytest
+import torch
+
+import dkfac
+from dkfac import _C
+
+
+def tiny_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+class Attention(torch.nn.Module):
+    """torch.nn.MultiheadAttention, whose out_proj is a NonDynamicallyQuantizableLinear that its forward
+    uses through the weight (the out_proj module itself does not run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.MultiheadAttention(8, 2)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0][..., :4])
+
+
+def nan_step(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner) -> None:
+    model(torch.full((2, 4), float('nan'))).sum().backward()
+    preconditioner.step()
+
+
+def test_core_warnings_are_python_warnings_from_the_callers_line():
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        model(torch.full((2, 4), float('nan'))).sum().backward()
+        p.step()  # the line the warnings must point at
+        line = inspect.currentframe().f_lineno - 1
+        model(torch.full((2, 4), float('nan'))).sum().backward()
+        p.step()  # once per layer: nothing new
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        f"dkfac: layer '{name}' (Linear), step 0: captured factors contain NaN or Inf; factors not updated and the "
+        'plain gradient is kept for this step (warned once per layer)' for name in ('0', '2')
+    ], messages
+    assert all(w.category is UserWarning and w.filename == __file__ and w.lineno == line for w in caught)
+
+
+def test_core_warnings_obey_warning_filters():
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with pytest.raises(UserWarning, match=r"layer '2' \(Linear\) has a factor wider than large_factor_dim=6"):
+            dkfac.KFACPreconditioner(tiny_mlp(), large_factor_dim=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        warnings.filterwarnings('ignore', message='dkfac: layer .* NaN')
+        model = tiny_mlp()
+        nan_step(model, dkfac.KFACPreconditioner(model))
+    assert caught == []
+
+
+def test_core_warnings_do_not_reach_stderr(capfd):
+    model = tiny_mlp()
+    with pytest.warns(UserWarning, match='captured factors contain NaN or Inf'):
+        nan_step(model, dkfac.KFACPreconditioner(model))
+    assert capfd.readouterr().err == ''
+
+
+def test_an_error_in_the_core_wins_over_its_warnings():
+    # The NaN factors are warned about before the second-order update reads the bad damping and fails.
+    model = tiny_mlp()
+    with pytest.warns(UserWarning, match='captured factors contain NaN'):
+        with pytest.raises(RuntimeError, match='damping must be finite and > 0, got -1 at step 0'):
+            nan_step(model, dkfac.KFACPreconditioner(model, damping=lambda step: -1.0))
+    model = tiny_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with pytest.raises(RuntimeError, match='damping must be finite and > 0, got -1 at step 0'):
+            nan_step(model, dkfac.KFACPreconditioner(model, damping=lambda step: -1.0))
+
+
+def test_large_factor_warning_names_the_keyword_argument():
+    with pytest.warns(UserWarning) as caught:
+        dkfac.KFACPreconditioner(tiny_mlp(), large_factor_dim=5)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    for message, layer in zip(messages, ("'0' (Linear)", "'2' (Linear)")):
+        assert message.startswith(f'dkfac: layer {layer} has a factor wider than large_factor_dim=5: '), message
+    assert 'G factor 6 x 6' in messages[0] and 'A factor 7 x 7' in messages[1]
+    assert not any('Options::' in m for m in messages), messages
+
+
+def test_large_factor_dim_default_is_the_cores():
+    default = inspect.signature(dkfac.KFACPreconditioner).parameters['large_factor_dim'].default
+    assert default == _C.default_large_factor_dim == 4096
+    with pytest.warns(UserWarning, match=r"layer '0' \(Linear\) has a factor wider than large_factor_dim=4096: "
+                                         r'A factor 4097 x 4097'):
+        dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(4096, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(4095, 2)))  # A is 4096 x 4096: not wider
+        dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(4096, 2)), large_factor_dim=0)
+
+
+def test_messages_name_the_modules_own_class():
+    model = Attention()
+    assert type(model.attn.out_proj).__name__ == 'NonDynamicallyQuantizableLinear'
+    with pytest.warns(UserWarning, match=r"layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\) has a factor "
+                                         'wider than large_factor_dim=8'):
+        p = dkfac.KFACPreconditioner(model, large_factor_dim=8)
+    model(torch.randn(3, 2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"K-FAC layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\) did not "
+                                           'run forward/backward'):
+        p.step()
+
+    model = Attention()
+    p = dkfac.KFACPreconditioner(model, unused_layer_policy='skip')
+    model(torch.randn(3, 2, 8)).sum().backward()
+    with pytest.warns(UserWarning, match=r"layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\), step 0: did "
+                                         'not run forward/backward'):
+        p.step()
+
+
+def test_python_messages_name_the_modules_own_class(caplog):
+    with caplog.at_level(logging.INFO, logger='dkfac'):
+        with pytest.warns(UserWarning, match=r"matches no layer.*'attn\.out_proj' \(NonDynamicallyQuantizableLinear\), "
+                                             r"'head' \(Linear\)"):
+            dkfac.KFACPreconditioner(Attention(), skip_layers=['^conv'], loglevel=logging.INFO)
+    assert 'registered attn.out_proj (NonDynamicallyQuantizableLinear): A 9 x 9, G 8 x 8' in caplog.text
