@@ -5,10 +5,12 @@
 # The interpreter, first found wins: -DDKFAC_PYTHON=...; the one scikit-build-core builds for (pip install .);
 # the active virtual environment ($VIRTUAL_ENV); the repository's .venv (scripts/setup.sh makes it); python3.
 
+if(SKBUILD AND DEFINED Python_EXECUTABLE)
+  # pip install .: always the interpreter pip runs for, whatever an earlier configure cached.
+  set(DKFAC_PYTHON "${Python_EXECUTABLE}" CACHE FILEPATH "Python interpreter whose torch dkfac is built against" FORCE)
+endif()
 if(NOT DKFAC_PYTHON)
-  if(SKBUILD AND DEFINED Python_EXECUTABLE)
-    set(_dkfac_python "${Python_EXECUTABLE}")
-  elseif(DEFINED ENV{VIRTUAL_ENV} AND EXISTS "$ENV{VIRTUAL_ENV}/bin/python")
+  if(DEFINED ENV{VIRTUAL_ENV} AND EXISTS "$ENV{VIRTUAL_ENV}/bin/python")
     set(_dkfac_python "$ENV{VIRTUAL_ENV}/bin/python")
   elseif(EXISTS "${CMAKE_CURRENT_LIST_DIR}/../.venv/bin/python")
     get_filename_component(_dkfac_python "${CMAKE_CURRENT_LIST_DIR}/../.venv/bin/python" ABSOLUTE)

@@ -352,3 +352,17 @@ print(grew_default >= 64 << 20, grew_configured)
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split('\n')
     assert out[0] == 'glibc malloc: no mmap, trim threshold 1 GiB'
     assert out[1] == 'True 0', out
+
+
+def test_import_under_another_torch_version_names_both():
+    # dkfac's extension is built for one torch; importing it under another is refused before the extension
+    # loads, with both versions named (here the running torch pretends to be another version).
+    import subprocess
+    import sys
+    code = "import torch; built = torch.__version__; torch.__version__ = '2.99.0+other'\n" \
+           "try:\n    import dkfac\nexcept ImportError as e:\n    print(built, '|', e)\n"
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
+    built, message = out.split(' | ', 1)
+    assert f'dkfac was built against torch {built}' in message, message
+    assert 'this Python has torch 2.99.0+other' in message, message
+    assert 'pip install .' in message, message

@@ -221,8 +221,10 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   add_alias(app, *resolvers, c, "--kfac-skip-layers", "--skip-layers", c.skip_layers, "layers K-FAC leaves alone");
   add_alias(app, *resolvers, c, "--kfac-grad-worker-fraction", "--grad-worker-fraction", c.grad_worker_fraction,
             "KAISA grad-worker fraction; with --kfac-strategy hybrid-opt, its fraction");
-  auto* colocate_alias = app.add_flag("--kfac-colocate-factors",
-                                      "decompose A and G of a layer on one rank (= --colocate-factors)")
+  // The description as a named const std::string: built against torch 2.15's headers, a string literal here
+  // made CLI11's add_flag(name, description) and add_flag(name, result&) ambiguous.
+  static const std::string colocate_help = "decompose A and G of a layer on one rank (= --colocate-factors)";
+  auto* colocate_alias = app.add_flag("--kfac-colocate-factors", colocate_help)
                              ->group(kAliasGroup);
   resolvers->push_back([&c, colocate_alias, separate] {
     if (colocate_alias->count() == 0) return;
