@@ -2,7 +2,6 @@
 // tools' cnn, a fixed batch of 128 Fashion-MNIST-sized images, LibTorch's default threads. Prints the median
 // and p90 step time. Built by tools/CMakeLists.txt as dkfac_allocator_loop:
 //   build/bench/dkfac_allocator_loop [configure|default] [steps]
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -11,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "dkfac/dkfac.h"
+#include "tools/bench/bench.h"
 #include "tools/models/models.h"
 
 int main(int argc, char** argv) {
@@ -31,8 +31,7 @@ int main(int argc, char** argv) {
     const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (step >= 10) ms.push_back(t);  // the first steps warm up
   }
-  std::sort(ms.begin(), ms.end());
+  const auto stats = dkfac::bench::stats_of(ms);  // dkfac bench's median and nearest-rank p90
   std::printf("allocator_loop: %s (%s), torch %s, %d threads, cnn SGD batch 128, %d steps: median %.2f ms, p90 %.2f ms\n",
-              mode.c_str(), allocator.c_str(), TORCH_VERSION, torch::get_num_threads(), steps, ms[ms.size() / 2],
-              ms[ms.size() * 9 / 10]);
+              mode.c_str(), allocator.c_str(), TORCH_VERSION, torch::get_num_threads(), steps, stats.median, stats.p90);
 }

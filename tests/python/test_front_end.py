@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
+import subprocess
+import sys
 import typing
 import warnings
 
@@ -330,12 +333,16 @@ def test_repr_prints_kfac_pytorch_fields():
     assert other['large_factor_dim'] == '0'
 
 
+def run_in_child(code: str) -> str:
+    """stdout of `code` run by this interpreter in a new process that imports the same dkfac."""
+    package_dir = os.path.dirname(os.path.dirname(dkfac.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_dir, os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True, env=env).stdout
+
 
 def test_configure_allocator_keeps_large_blocks_on_the_heap():
     # In a child process: the setting is process-wide. A 64 MiB tensor is mapped with glibc's defaults and
     # comes from the heap after dkfac.configure_allocator() (mallinfo2's hblkhd counts mapped bytes).
-    import subprocess
-    import sys
     code = '''
 import ctypes, dkfac, torch
 class Mallinfo2(ctypes.Structure):
@@ -349,7 +356,7 @@ print(dkfac.configure_allocator())
 before = mapped(); t = torch.empty(16 << 20); grew_configured = mapped() - before
 print(grew_default >= 64 << 20, grew_configured)
 '''
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.split('\n')
+    out = run_in_child(code).split('\n')
     assert out[0] == 'glibc malloc: no mmap, trim threshold 1 GiB'
     assert out[1] == 'True 0', out
 
@@ -357,11 +364,9 @@ print(grew_default >= 64 << 20, grew_configured)
 def test_import_under_another_torch_version_names_both():
     # dkfac's extension is built for one torch; importing it under another is refused before the extension
     # loads, with both versions named (here the running torch pretends to be another version).
-    import subprocess
-    import sys
     code = "import torch; built = torch.__version__; torch.__version__ = '2.99.0+other'\n" \
            "try:\n    import dkfac\nexcept ImportError as e:\n    print(built, '|', e)\n"
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
+    out = run_in_child(code)
     built, message = out.split(' | ', 1)
     assert f'dkfac was built against torch {built}' in message, message
     assert 'this Python has torch 2.99.0+other' in message, message
