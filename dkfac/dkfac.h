@@ -10,6 +10,7 @@
 #include "dkfac/allocator.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/comm/environment.h"
+#include "dkfac/device.h"
 #include "dkfac/nn/conv2d.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/nn/linear.h"

@@ -12,8 +12,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef DKFAC_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#include <torch/cuda.h>
 #endif
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -78,6 +79,37 @@ Phase phase_from_string(const std::string& name) {
   TORCH_CHECK(false, "unknown communication phase '", name, "' (known: ", known, ")");
 }
 
+const char* to_string(CudaBackend backend) {
+  switch (backend) {
+    case CudaBackend::kAuto: return "auto";
+    case CudaBackend::kNccl: return "nccl";
+    case CudaBackend::kGloo: return "gloo";
+  }
+  return "unknown";
+}
+
+namespace {
+
+#ifdef DKFAC_WITH_NCCL
+constexpr bool kBuiltWithNccl = true;
+#else
+constexpr bool kBuiltWithNccl = false;
+#endif
+
+// kAuto settled: NCCL where it can run, else Gloo; kNccl checked.
+CudaBackend settle(CudaBackend asked) {
+  const bool gpu = torch::cuda::is_available();
+  if (asked == CudaBackend::kAuto) return kBuiltWithNccl && gpu ? CudaBackend::kNccl : CudaBackend::kGloo;
+  if (asked == CudaBackend::kNccl) {
+    TORCH_CHECK(kBuiltWithNccl, "the NCCL backend was asked for, but this dkfac was built without NCCL (LibTorch ",
+                "without CUDA, or nccl.h not found at build time); use the gloo backend");
+    TORCH_CHECK(gpu, "the NCCL backend was asked for, but LibTorch sees no CUDA device; use the gloo backend");
+  }
+  return asked;
+}
+
+}  // namespace
+
 struct InProcessStore::Impl {
   c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
 };
@@ -92,6 +124,8 @@ struct Communicator::Impl {
   std::string prefix = "dkfac/";                   // of every key this communicator's groups write
   std::chrono::milliseconds timeout;
   std::shared_ptr<::gloo::transport::Device> device;
+  CudaBackend cuda_backend = CudaBackend::kGloo;  // settled: kNccl or kGloo
+  bool world_has_cpu = true;                      // false: a group from elsewhere with an NCCL backend alone
   struct Group {
     std::vector<int> members;
     c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null on ranks outside the group
@@ -99,8 +133,7 @@ struct Communicator::Impl {
   std::vector<Group> groups;
 
   // One ProcessGroup with a backend per device type, as torch.distributed builds "cpu:gloo,cuda:nccl":
-  // Gloo for CPU tensors (the default) and NCCL for CUDA tensors when a GPU is present; without NCCL,
-  // Gloo takes CUDA tensors too.
+  // Gloo for CPU tensors (the default) and, for CUDA tensors, NCCL or Gloo as cuda_backend says.
   c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& prefix, int rank, int size) {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(this->prefix + prefix, store);
     auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
@@ -109,10 +142,12 @@ struct Communicator::Impl {
     auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("gloo/", prefixed), rank, size, gloo_options);
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);  // until NCCL
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    if (cuda_backend == CudaBackend::kGloo) {
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    }
 #ifdef DKFAC_WITH_NCCL
-    if (torch::cuda::is_available()) {
+    if (cuda_backend == CudaBackend::kNccl) {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
       nccl_options->timeout = timeout;
       auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
@@ -268,17 +303,20 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
   }
   impl->address = where;
   impl->device = make_device(options.host);
+  impl->cuda_backend = settle(options.cuda_backend);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), options.rank, options.world_size));
 }
 
 std::shared_ptr<Communicator> Communicator::connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
-                                                               int world_size, std::chrono::milliseconds timeout) {
+                                                               int world_size, std::chrono::milliseconds timeout,
+                                                               CudaBackend cuda_backend) {
   TORCH_CHECK(store != nullptr, "connect_in_process needs a store");
   without_flight_recorder_unless_asked();
   auto impl = std::make_unique<Impl>();
   impl->store = store->impl_->store;
   impl->timeout = timeout;
   impl->device = make_device("127.0.0.1");
+  impl->cuda_backend = settle(cuda_backend);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, world_size));
 }
 
@@ -295,6 +333,15 @@ std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_pt
   impl->address = "the process group's store";
   const int rank = group->getRank();
   const int size = group->getSize();
+  // Subgroups mirror the group's backends: NCCL for CUDA tensors where it uses NCCL for them.
+  bool cuda = false;
+  impl->world_has_cpu = false;
+  for (const auto& device : group->getDeviceTypes()) {
+    cuda = cuda || device.is_cuda();
+    impl->world_has_cpu = impl->world_has_cpu || device.is_cpu();
+  }
+  const bool nccl = cuda && group->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
+  impl->cuda_backend = nccl ? settle(CudaBackend::kNccl) : CudaBackend::kGloo;
   impl->groups.push_back({all_ranks(size), std::move(group)});
   if (size > 1) impl->device = make_device("");
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, /*watchdog=*/false));
@@ -315,6 +362,13 @@ GroupId Communicator::new_group(const std::vector<int>& ranks) {
 }
 
 const std::vector<int>& Communicator::members(GroupId group) const { return impl_->groups.at(group).members; }
+
+CudaBackend Communicator::cuda_backend() const { return impl_->cuda_backend; }
+
+c10::Device Communicator::control_device() const {
+  if (impl_->world_has_cpu) return c10::Device(c10::kCPU);
+  return c10::Device(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+}
 
 void Communicator::add_traffic(Phase phase, int64_t calls, int64_t bytes) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
@@ -341,10 +395,13 @@ void Communicator::count(Phase phase, const torch::Tensor& tensor) {
 
 namespace {
 
-// Gloo has no bfloat16 arithmetic: such tensors travel as float32 (exact: every bfloat16 is a float32),
-// and the result is rounded back into the caller's tensor when the collective completes.
-torch::Tensor on_the_wire(const torch::Tensor& tensor) {
-  return tensor.scalar_type() == torch::kBFloat16 ? tensor.to(torch::kFloat32) : tensor;
+// Gloo has no bfloat16 or float16 arithmetic: such tensors travel as float32 (exact: every one is a
+// float32), and the result is rounded back into the caller's tensor when the collective completes. NCCL
+// reduces both natively.
+torch::Tensor on_the_wire(const torch::Tensor& tensor, CudaBackend cuda_backend) {
+  const bool half = tensor.scalar_type() == torch::kBFloat16 || tensor.scalar_type() == torch::kHalf;
+  const bool gloo = !tensor.is_cuda() || cuda_backend != CudaBackend::kNccl;
+  return half && gloo ? tensor.to(torch::kFloat32) : tensor;
 }
 
 }  // namespace
@@ -356,12 +413,12 @@ Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, Phase ph
   Handle h;
   if (g.members.size() == 1) return h;
   count(phase, tensor);
-  auto wire = on_the_wire(tensor);
+  auto wire = on_the_wire(tensor, impl_->cuda_backend);
   std::vector<torch::Tensor> tensors{wire};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->allreduce(tensors);
   h.impl_->diagnose = diagnosis();
-  h.impl_->what = "allreduce of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") over " +
+  h.impl_->what = "rank " + std::to_string(rank_) + ": allreduce of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") over " +
                   std::to_string(g.members.size()) + " ranks";
   if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;
@@ -390,12 +447,12 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Ph
   count(phase, tensor);
   c10d::BroadcastOptions options;
   options.rootRank = static_cast<int64_t>(it - g.members.begin());
-  auto wire = on_the_wire(tensor);
+  auto wire = on_the_wire(tensor, impl_->cuda_backend);
   std::vector<torch::Tensor> tensors{wire};
   h.impl_ = std::make_unique<Handle::Impl>();
   h.impl_->work = g.pg->broadcast(tensors, options);
   h.impl_->diagnose = diagnosis();
-  h.impl_->what = "broadcast of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") from rank " +
+  h.impl_->what = "rank " + std::to_string(rank_) + ": broadcast of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") from rank " +
                   std::to_string(root);
   if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
   return h;

@@ -17,9 +17,9 @@ class ProcessGroup;
 class Store;
 }  // namespace c10d
 
-/// Collective communication for dkfac over c10d process groups (Gloo on CPU). The only parts of
-/// dkfac that include c10d headers are communicator.cpp and heartbeat.cpp (the lost-rank watchdog);
-/// everything else sees this interface.
+/// Collective communication for dkfac over c10d process groups: Gloo for CPU tensors, NCCL (or Gloo) for
+/// CUDA tensors, in one group. c10d's headers stay out of the public headers (this one declares what it
+/// needs); the core's users see this interface.
 namespace dkfac::comm {
 
 class Heartbeat;  // comm/heartbeat.h: the lost-rank watchdog
@@ -73,6 +73,16 @@ struct Traffic {
   int64_t bytes = 0;
 };
 
+/// What carries collectives of CUDA tensors (CPU tensors always go through Gloo).
+enum class CudaBackend {
+  kAuto,  ///< NCCL when torch was built with it and a CUDA device is visible, else Gloo
+  kNccl,  ///< NCCL; an error when this build or machine has none
+  kGloo,  ///< Gloo (copies through the host): for several ranks sharing one GPU, which NCCL refuses
+};
+
+/// "auto", "nccl", "gloo".
+const char* to_string(CudaBackend backend);
+
 /// How ranks meet: a TCPStore hosted by rank 0 at host:port.
 struct RendezvousOptions {
   std::string host = "127.0.0.1";
@@ -87,6 +97,8 @@ struct RendezvousOptions {
   /// Prefix of every key dkfac writes into the store; a store that outlives the workers (the agent's)
   /// needs a new one per attempt.
   std::string key_prefix = "dkfac/";
+  /// What carries CUDA tensors.
+  CudaBackend cuda_backend = CudaBackend::kAuto;
 };
 
 /// A key-value store shared by ranks that run as threads of one process (tests, examples).
@@ -113,11 +125,13 @@ class Communicator {
   /// Joins ranks that are threads of this process and share `store`.
   static std::shared_ptr<Communicator> connect_in_process(const std::shared_ptr<InProcessStore>& store, int rank,
                                                           int world_size,
-                                                          std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                                                          std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                                                          CudaBackend cuda_backend = CudaBackend::kAuto);
   /// Wraps a process group created elsewhere (torch.distributed's default group, or one a LibTorch
   /// program built) with no second rendezvous: its collectives are the world's. dkfac's subgroups (KAISA
-  /// columns and rows) are new Gloo groups meeting through `store` under `prefix`, which must be the same
-  /// on every rank of `group` and unique among the communicators built on that store. No heartbeat
+  /// columns and rows) are new groups with the same backends (Gloo for CPU tensors; for CUDA tensors NCCL
+  /// when `group` uses NCCL for them, else Gloo), meeting through `store` under `prefix`, which must be the
+  /// same on every rank of `group` and unique among the communicators built on that store. No heartbeat
   /// watchdog runs: failures surface as the group's own collective errors and timeouts.
   static std::shared_ptr<Communicator> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                           c10::intrusive_ptr<c10d::Store> store,
@@ -129,6 +143,11 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// What carries CUDA tensors here (kNccl or kGloo; never kAuto once connected).
+  CudaBackend cuda_backend() const;
+  /// Where small control tensors (flags, calibration timings) live: the CPU, or the current CUDA device when
+  /// the world group has no CPU backend (a torch.distributed group built with backend "nccl" alone).
+  c10::Device control_device() const;
 
   /// Creates a subgroup of `ranks` (ascending). Every rank must call it with the same arguments in
   /// the same order; ranks outside the group get an id they must not use for collectives.

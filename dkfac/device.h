@@ -1,0 +1,62 @@
+#pragma once
+
+// What dkfac needs to know about the device its tensors live on, in one place: timing that is honest on
+// asynchronous devices, memory statistics, and out-of-memory errors that say where. Device-generic through
+// c10 (c10::Event, c10::DeviceAllocator): no CUDA header is included, so this compiles with any LibTorch.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/util/Exception.h>
+
+namespace dkfac::device {
+
+/// A point in a device's work. On the CPU: the host clock. On a CUDA device: a timing event recorded on
+/// the current stream, so the time between two marks is the device's time for the work enqueued between
+/// them, not the host's time to enqueue it.
+class Mark {
+ public:
+  /// Marks now on `device`'s current stream (host clock for the CPU).
+  static Mark now(c10::Device device);
+
+  /// Seconds from `start` to `end` (same device). For a device, waits until `end` has been reached.
+  static double seconds_between(const Mark& start, const Mark& end);
+  /// True when the work before this mark has finished (always for the CPU): seconds_between will not wait.
+  bool reached() const;
+
+ private:
+  std::chrono::steady_clock::time_point host_;
+  std::shared_ptr<c10::Event> event_;  // null on the CPU
+};
+
+/// Allocator statistics of a device, in bytes.
+struct MemoryStats {
+  int64_t allocated = 0;       ///< held by tensors now
+  int64_t peak_allocated = 0;  ///< most held by tensors since the last reset_peak_memory (max_memory_allocated)
+  int64_t reserved = 0;        ///< held by the caching allocator now, used or not
+};
+
+/// The caching allocator's statistics of `device`; nullopt on the CPU (no such allocator).
+std::optional<MemoryStats> memory_stats(c10::Device device);
+/// Starts a new peak for memory_stats(device).peak_allocated; nothing on the CPU.
+void reset_peak_memory(c10::Device device);
+
+/// True when LibTorch sees a CUDA device; `cuda_device_count()` how many.
+bool cuda_available();
+int cuda_device_count();
+
+/// "cpu", "cuda" or "auto" (cuda:local_rank when a CUDA device is visible, else the CPU) as the device
+/// of a rank with `local_rank` on its node. Throws c10::Error naming the problem: cuda without a CUDA device,
+/// or a local rank beyond the visible devices.
+c10::Device resolve(const std::string& choice, int local_rank);
+
+/// Throws a c10::OutOfMemoryError whose message starts with `where` (e.g. "K-FAC second-order update of
+/// layer 'fc1'"), then the allocator's own words (what was asked for, what is in use), then what to try.
+[[noreturn]] void rethrow_out_of_memory(const c10::OutOfMemoryError& error, const std::string& where);
+
+}  // namespace dkfac::device
