@@ -3,6 +3,7 @@
 #include <cmath>
 #include <regex>
 
+#include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
 namespace dkfac {
@@ -15,12 +16,21 @@ void SpdOptions::validate() const {
   }
 }
 
+Options& Options::grad_scaler(std::function<double()> scale) & {
+  if (!scale) return grad_scaler(GradScale());
+  return grad_scaler(GradScale([scale = std::move(scale)] {
+    const double value = scale();
+    TORCH_CHECK(std::isfinite(value) && value > 0.0, "grad scaler returned ", value,
+                "; the loss scale must be a positive finite number");
+    return at::scalar_tensor(value, at::kDouble);
+  }));
+}
+
 void Options::validate() const {
   auto check_dtype = [](const char* what, const std::optional<c10::ScalarType>& dtype) {
     if (!dtype) return;
-    TORCH_CHECK(*dtype == c10::kFloat || *dtype == c10::kDouble || *dtype == c10::kBFloat16, what, " ",
-                c10::toString(*dtype), " is not supported: use float32, float64 or bfloat16 (LibTorch on CPU has no ",
-                "float16 matrix products or decompositions)");
+    TORCH_CHECK(c10::isFloatingType(*dtype) && c10::elementSize(*dtype) >= 2, what, " ", c10::toString(*dtype),
+                " is not supported: use float32, float64, bfloat16 or float16");
   };
   check_dtype("factor_dtype", factor_dtype_);
   check_dtype("inv_dtype", inv_dtype_);

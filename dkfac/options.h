@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 namespace dkfac {
@@ -30,6 +31,10 @@ enum class Strategy {
   kSpd,    ///< SPD-KFAC (ICDCS'21): pipelined, fused factor allreduce; small factors decomposed everywhere
   kDp,     ///< DP-KFAC: one owner per layer builds its factors from its own batch; V broadcast every step
 };
+
+/// The loss scale of a mixed-precision gradient scaler as a one-element tensor, e.g. torch.amp.GradScaler's
+/// scale on its device: reading it does not wait for the device. G is built from grad_output / scale.
+using GradScale = std::function<at::Tensor()>;
 
 /// A hyper-parameter that is either a constant or a function of the K-FAC step (0-based).
 template <typename T>
@@ -127,16 +132,22 @@ class Options {
   /// Eigen method: compute 1 / (d_G d_A^T + damping) once per second-order update (default, with that
   /// update's damping) or at every step with the step's damping (false; differs only for damping schedules).
   DKFAC_VALUE_ARG(bool, compute_eigenvalue_outer_product, true);
-  /// Storage (and computation) dtype of captured and running factors; nullopt keeps the activations'
-  /// dtype. float16 cannot be used on CPU (no half-precision matmul there).
+  /// Storage (and computation) dtype of captured and running factors (float32, float64, bfloat16 or
+  /// float16); nullopt keeps the activations' dtype.
   DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, factor_dtype, std::nullopt);
   /// Storage dtype of second-order state (eigendecompositions, inverses) and of preconditioning; nullopt
   /// keeps the factors' dtype. Decompositions run in float64 when the factors or this dtype are float64,
   /// otherwise in float32, and the results are stored in this dtype.
   DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, inv_dtype, std::nullopt);
   /// Current loss scale of a mixed-precision gradient scaler, read at each G capture: G is built from
-  /// grad_output / scale. Empty (default): no scaling.
-  DKFAC_VALUE_ARG(std::function<double()>, grad_scaler, nullptr);
+  /// grad_output / scale. Empty (default): no scaling. A function returning a double is accepted too
+  /// (checked to be positive and finite at each read; reading it may wait for the device where a tensor
+  /// scale would not).
+  DKFAC_VALUE_ARG(GradScale, grad_scaler, nullptr);
+
+ public:
+  Options& grad_scaler(std::function<double()> scale) &;
+  Options&& grad_scaler(std::function<double()> scale) && { return std::move(this->grad_scaler(std::move(scale))); }
   /// Inverse method only: split damping between A and G with the pi heuristic (DP-KFAC).
   DKFAC_VALUE_ARG(bool, pi_damping, false);
   /// ECMAScript regular expressions; a layer whose module name or kind (Linear, Conv2d) matches any is not

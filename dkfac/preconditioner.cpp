@@ -13,21 +13,6 @@ namespace {
 
 constexpr int64_t kFormatVersion = 1;
 
-class Stopwatch {
- public:
-  /// Adds the elapsed seconds to `*target` when destroyed.
-  explicit Stopwatch(double* target) : target_(target), start_(std::chrono::steady_clock::now()) {}
-  ~Stopwatch() { *target_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
-  Stopwatch(const Stopwatch&) = delete;
-  Stopwatch& operator=(const Stopwatch&) = delete;
-
- private:
-  double* target_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
-
 bool matches_any(const std::vector<std::string>& patterns, const std::string& name, const std::string& kind) {
   for (const auto& pattern : patterns) {
     const std::regex re(pattern);
@@ -115,6 +100,20 @@ std::string MessageNames::option(const std::string& name, const std::string& val
   return option_prefix + name + option_separator + value;
 }
 
+class Preconditioner::PhaseSpan {
+ public:
+  PhaseSpan(Preconditioner& owner, double PhaseTimes::*phase)
+      : owner_(owner), phase_(phase), start_(device::Mark::now(owner.device_)) {}
+  ~PhaseSpan() { owner_.step_spans_.push_back({phase_, 1.0, std::move(start_), device::Mark::now(owner_.device_)}); }
+  PhaseSpan(const PhaseSpan&) = delete;
+  PhaseSpan& operator=(const PhaseSpan&) = delete;
+
+ private:
+  Preconditioner& owner_;
+  double PhaseTimes::*phase_;
+  device::Mark start_;
+};
+
 PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
   factors += other.factors;
   second_order += other.second_order;
@@ -182,6 +181,8 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
   }
+  device_ = layers_.front().weight().device();
+  factor_ok_.resize(layers_.size());
   report_large_factors(layers_, options_, names_);
   strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
   arm_capture();
@@ -198,14 +199,20 @@ bool Preconditioner::is_factor_step(int64_t step) const {
 bool Preconditioner::is_inverse_step(int64_t step) const { return step % options_.inv_update_steps_at(step) == 0; }
 
 void Preconditioner::step() {
-  last_times_ = PhaseTimes();
   const bool factor_step = is_factor_step(steps_);
-  auto plan = check_layers(factor_step);
-  if (factor_step) update_factors(plan);
-  if (is_inverse_step(steps_)) compute_second_order(plan);
-  auto preconditioned = precondition(plan);
-  clip_and_apply(plan, preconditioned);
-  total_times_ += last_times_;
+  std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
+  try {
+    auto plan = check_layers(factor_step);
+    if (factor_step) update_factors(plan);
+    if (is_inverse_step(steps_)) compute_second_order(plan);
+    auto preconditioned = precondition(plan);
+    const double scale = guard_and_clip(plan, preconditioned);
+    apply(plan, preconditioned, scale);
+  } catch (const c10::OutOfMemoryError& e) {
+    const std::string layer = phase_layer_ >= 0 ? " of layer " + names_.layer(layers_[phase_layer_], phase_layer_) : "";
+    device::rethrow_out_of_memory(e, std::string("K-FAC step ") + std::to_string(steps_) + ", " + phase_ + layer);
+  }
+  close_step_timing();
   ++steps_;
   arm_capture();
 }
@@ -283,104 +290,153 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
 }
 
 void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
-  double capture_seconds = 0.0;
-  for (const auto& layer : layers_) capture_seconds += layer.capture().seconds();
-  last_times_.factors += capture_seconds - capture_seconds_seen_;
-  capture_seconds_seen_ = capture_seconds;
-
-  Stopwatch watch(&last_times_.factors);
+  PhaseSpan span(*this, &PhaseTimes::factors);
+  at("factor update");
   auto batches = take_factor_batches(plan);
   // Averaged before the NaN check, so that every rank takes the same decision.
-  time_communication(&last_times_.factors, [&] { strategy_->reduce_factors(batches); });
+  time_communication(&PhaseTimes::factors, [&] { strategy_->reduce_factors(batches); });
+  const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!plan[i].usable || !strategy_->builds_factors(i)) continue;
-    auto& layer = layers_[i];
-    if (layer.fold_factors(batches[i].first, batches[i].second, options_.factor_decay_at(steps_)) == FactorUpdate::kUpdated) {
-      continue;
-    }
-    warn_once(i, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
-                           "is kept for this step");
-    plan[i].usable = false;
-    ++events_.fallbacks;
+    at("factor update", static_cast<int64_t>(i));
+    // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
+    // and, this step, its plain gradient.
+    factor_ok_[i] = layers_[i].fold_factors(batches[i].first, batches[i].second, decay);
   }
 }
 
 void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
-  Stopwatch watch(&last_times_.second_order);
+  PhaseSpan span(*this, &PhaseTimes::second_order);
   const double damping = options_.damping_at(steps_);
+  const auto method = strategy_->plan().method;
+  std::vector<std::pair<size_t, PendingSecondOrder>> pending;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!layer.a_factor().defined()) continue;
     const bool a_part = strategy_->computes_a(i);
     const bool g_part = strategy_->computes_g(i);
     if (!a_part && !g_part) continue;
+    at("second-order update", static_cast<int64_t>(i));
     try {
-      layer.compute_second_order(strategy_->plan().method, damping, options_.pi_damping(), a_part, g_part);
+      pending.emplace_back(i, layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part));
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
     } catch (const c10::Error& e) {
       ++events_.second_order_failures;
       warn_once(i, "second_order",
                 std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
     }
   }
-  time_communication(&last_times_.second_order, [&] { strategy_->share_second_order(layers_, damping); });
+  // Every layer's check at once: one wait for the device.
+  std::vector<torch::Tensor> checks;
+  for (const auto& [i, p] : pending) checks.push_back(p.ok);
+  const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);
+  for (size_t k = 0; k < pending.size(); ++k) {
+    auto& [i, p] = pending[k];
+    auto& layer = layers_[i];
+    if (ok.data_ptr<bool>()[k]) {
+      layer.set_second_order(std::move(p.state));
+      continue;
+    }
+    at("second-order update", static_cast<int64_t>(i));
+    try {
+      // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
+      layer.compute_second_order(method, damping, options_.pi_damping(), strategy_->computes_a(i),
+                                 strategy_->computes_g(i));
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const c10::Error& e) {
+      ++events_.second_order_failures;
+      warn_once(i, "second_order",
+                std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
+    }
+  }
+  at("second-order broadcast");
+  time_communication(&PhaseTimes::second_order, [&] { strategy_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && strategy_->preconditions(i)) plan[i].usable = false;
   }
 }
 
-std::vector<torch::Tensor> Preconditioner::precondition(std::vector<LayerPlan>& plan) {
-  Stopwatch watch(&last_times_.precondition);
+std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerPlan>& plan) {
+  PhaseSpan span(*this, &PhaseTimes::precondition);
   std::vector<torch::Tensor> preconditioned(layers_.size());
   torch::NoGradGuard no_grad;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
+    at("preconditioning", static_cast<int64_t>(i));
     const bool mine = strategy_->preconditions(i);
     const auto options = layer.weight().options();
     if (mine && plan[i].usable && layer.second_order().defined()) {
       if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
         layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
       }
-      preconditioned[i] = layer.second_order().precondition(layer.gradient());
+      auto& v = preconditioned[i] = layer.second_order().precondition(layer.gradient());
+      // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
+      if (factor_ok_[i].defined()) v.masked_fill_(factor_ok_[i].logical_not(), nan);
     } else if (mine && strategy_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
-      preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, std::numeric_limits<double>::quiet_NaN(), options);
+      preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, nan, options);
     } else if (!mine) {
       preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
-  time_communication(&last_times_.precondition, [&] { strategy_->share_gradients(preconditioned); });
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable || !preconditioned[i].defined()) {
-      plan[i].usable = false;
-      continue;
-    }
-    auto& v = preconditioned[i];
-    if (!all_finite(v)) {
-      warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
-                               "gradient for this step");
-      plan[i].usable = false;
-      ++events_.fallbacks;
-      continue;
-    }
-  }
+  at("gradient broadcast");
+  time_communication(&PhaseTimes::precondition, [&] { strategy_->share_gradients(preconditioned); });
   return preconditioned;
 }
 
-void Preconditioner::clip_and_apply(const std::vector<LayerPlan>& plan,
-                                    const std::vector<torch::Tensor>& preconditioned) {
-  Stopwatch watch(&last_times_.apply);
+double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned) {
+  PhaseSpan span(*this, &PhaseTimes::apply);
+  at("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
-  double scale = 1.0;
   const double kl_clip = options_.kl_clip_at(steps_);
-  if (kl_clip > 0.0) {
-    const double lr = options_.lr_at(steps_);
-    double vg_sum = 0.0;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      if (!plan[i].usable) continue;
-      vg_sum += (preconditioned[i] * layers_[i].gradient()).sum().item<double>();
+  // Per layer: V finite, the factors' fold (1 when none), sum(V * grad): one transfer to the host.
+  std::vector<torch::Tensor> rows;
+  std::vector<size_t> checked;
+  const auto one = torch::ones({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& v = preconditioned[i];
+    if (!plan[i].usable || !v.defined()) {
+      plan[i].usable = false;
+      continue;
     }
-    scale = math::kl_clip_scale(vg_sum * lr * lr, kl_clip);
+    auto finite = torch::isfinite(v).all().to(torch::kFloat64);
+    auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
+    auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
+    rows.push_back(torch::stack({finite, folded, vg}));
+    checked.push_back(i);
   }
+  const auto values = rows.empty() ? torch::Tensor() : torch::stack(rows).to(torch::kCPU).contiguous();
+  double vg_sum = 0.0;
+  for (size_t k = 0; k < checked.size(); ++k) {
+    const size_t i = checked[k];
+    const double* row = values.data_ptr<double>() + 3 * k;  // finite, folded, sum(V * grad)
+    if (row[1] == 0.0) {
+      warn_once(i, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
+                             "is kept for this step");
+    } else if (row[0] == 0.0) {
+      warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
+                               "gradient for this step");
+    } else {
+      vg_sum += row[2];
+      continue;
+    }
+    plan[i].usable = false;
+    ++events_.fallbacks;
+  }
+  std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
+  if (kl_clip <= 0.0) return 1.0;
+  const double lr = options_.lr_at(steps_);
+  return math::kl_clip_scale(vg_sum * lr * lr, kl_clip);
+}
+
+void Preconditioner::apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned,
+                           double scale) {
+  PhaseSpan span(*this, &PhaseTimes::apply);
+  at("writing gradients");
+  torch::NoGradGuard no_grad;
   last_kl_scale_ = scale;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!plan[i].usable) continue;
@@ -396,14 +452,60 @@ void Preconditioner::arm_capture() {
   if (capture) strategy_->arm_factor_step(options_.accumulation_steps());
 }
 
-void Preconditioner::time_communication(double* phase, const std::function<void()>& collective) {
-  double seconds = 0.0;
-  {
-    Stopwatch watch(&seconds);
-    collective();
+void Preconditioner::time_communication(double PhaseTimes::*phase, const std::function<void()>& collective) {
+  auto start = device::Mark::now(device_);
+  collective();
+  auto end = device::Mark::now(device_);
+  step_spans_.push_back({&PhaseTimes::communication, 1.0, start, end});
+  // The enclosing phase's span covers the collective too: take it out there.
+  step_spans_.push_back({phase, -1.0, std::move(start), std::move(end)});
+}
+
+namespace {
+
+template <typename Spans>
+PhaseTimes resolve(const Spans& spans) {
+  PhaseTimes times;
+  for (const auto& s : spans) times.*s.phase += s.sign * device::Mark::seconds_between(s.start, s.end);
+  return times;
+}
+
+}  // namespace
+
+void Preconditioner::close_step_timing() {
+  for (auto& layer : layers_) {
+    auto timing = layer.capture().take_timing();
+    step_seconds_.factors += timing.seconds;
+    for (auto& [start, end] : timing.spans) step_spans_.push_back({&PhaseTimes::factors, 1.0, start, end});
   }
-  last_times_.communication += seconds;
-  *phase -= seconds;  // the phase's own stopwatch adds the whole span when it ends
+  // The step before the last joins the total once the device has reached it (CPU: at once); waiting only
+  // when too many are left (a loop that never synchronises).
+  older_spans_.insert(older_spans_.end(), std::make_move_iterator(last_spans_.begin()),
+                      std::make_move_iterator(last_spans_.end()));
+  total_times_ += last_seconds_;
+  last_spans_ = std::exchange(step_spans_, {});
+  last_seconds_ = std::exchange(step_seconds_, {});
+  constexpr size_t kMostUnresolved = 4096;
+  size_t reached = 0;
+  while (reached < older_spans_.size() && (older_spans_.size() > kMostUnresolved || older_spans_[reached].end.reached())) {
+    ++reached;
+  }
+  total_times_ += resolve(std::vector<Span>(older_spans_.begin(), older_spans_.begin() + static_cast<std::ptrdiff_t>(reached)));
+  older_spans_.erase(older_spans_.begin(), older_spans_.begin() + static_cast<std::ptrdiff_t>(reached));
+}
+
+PhaseTimes Preconditioner::last_step_times() const {
+  PhaseTimes times = resolve(last_spans_);
+  times += last_seconds_;
+  return times;
+}
+
+PhaseTimes Preconditioner::total_times() const {
+  total_times_ += resolve(older_spans_);
+  older_spans_.clear();
+  PhaseTimes times = total_times_;
+  times += last_step_times();
+  return times;
 }
 
 void Preconditioner::warn_once(size_t index, const std::string& kind, const std::string& message) {

@@ -11,13 +11,15 @@
 
 #include <torch/torch.h>
 
+#include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
 #include "dkfac/strategy/distributed.h"
 
 namespace dkfac {
 
-/// Seconds spent in each K-FAC phase.
+/// Seconds spent in each K-FAC phase. On a CUDA device they are the device's time between CUDA events
+/// recorded on the current stream at the phase boundaries (never host time around asynchronous kernels).
 struct PhaseTimes {
   double factors = 0.0;       ///< building factors in forward/backward and folding them into running averages
   double second_order = 0.0;  ///< eigendecompositions or inverses
@@ -118,9 +120,12 @@ class Preconditioner {
   const std::vector<KfacLayer>& layers() const { return layers_; }
   std::vector<KfacLayer>& layers() { return layers_; }
 
-  /// Phase times of the last step and summed over all steps.
-  const PhaseTimes& last_step_times() const { return last_times_; }
-  const PhaseTimes& total_times() const { return total_times_; }
+  /// Phase times of the last step and summed over all steps. On a CUDA device, reading them waits until
+  /// the device has finished the step's work (step() itself does not).
+  PhaseTimes last_step_times() const;
+  PhaseTimes total_times() const;
+  /// The device the K-FAC state lives on (the first layer's weight's).
+  c10::Device device() const { return device_; }
   const LayerEvents& events() const { return events_; }
   /// KL-clip scale nu applied at the last step (1 when clipping is off).
   double last_kl_scale() const { return last_kl_scale_; }
@@ -137,15 +142,34 @@ class Preconditioner {
     bool usable = true;  // false: keep the plain gradient this step
   };
 
+  /// The time of `phase` between two marks; `sign` -1 takes a collective's time out of its enclosing phase.
+  struct Span {
+    double PhaseTimes::*phase;
+    double sign;
+    device::Mark start;
+    device::Mark end;
+  };
+  /// Records the time from its construction to its end as `phase` of this step.
+  class PhaseSpan;
+
   std::vector<LayerPlan> check_layers(bool factor_step);
   void update_factors(std::vector<LayerPlan>& plan);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerPlan>& plan);
   void compute_second_order(std::vector<LayerPlan>& plan);
-  std::vector<torch::Tensor> precondition(std::vector<LayerPlan>& plan);
-  void clip_and_apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
+  std::vector<torch::Tensor> precondition(const std::vector<LayerPlan>& plan);
+  /// The NaN guard and KL clipping with one host synchronisation: marks unusable layers, returns nu.
+  double guard_and_clip(std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
+  void apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned, double scale);
   void arm_capture();
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
-  void time_communication(double* phase, const std::function<void()>& collective);
+  void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
+  /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
+  void close_step_timing();
+  /// The step's phase, where an out-of-memory error names it.
+  void at(const char* phase, int64_t layer = -1) {
+    phase_ = phase;
+    phase_layer_ = layer;
+  }
   /// Warns about layer `index` once per `kind` of problem.
   void warn_once(size_t index, const std::string& kind, const std::string& message);
 
@@ -154,11 +178,18 @@ class Preconditioner {
   MessageNames names_;
   std::vector<KfacLayer> layers_;
   int64_t steps_ = 0;
-  PhaseTimes last_times_;
-  PhaseTimes total_times_;
+  c10::Device device_{c10::kCPU};
+  std::vector<Span> step_spans_;        // this step's
+  PhaseTimes step_seconds_;             // this step's time given as seconds (captures' add_a/add_g)
+  mutable std::vector<Span> last_spans_;  // the last step's, resolved when read
+  PhaseTimes last_seconds_;
+  mutable std::vector<Span> older_spans_;  // earlier steps' not yet resolved into total_times_
+  mutable PhaseTimes total_times_;         // resolved spans of the steps before the last
+  std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
+  const char* phase_ = "";
+  int64_t phase_layer_ = -1;
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
-  double capture_seconds_seen_ = 0.0;
   std::set<std::pair<std::string, std::string>> warned_;
   std::unique_ptr<strategy::Distributed> strategy_;  // never nullptr
 };

@@ -1,5 +1,6 @@
 #pragma once
-// Ranks as threads of one test process, joined by an in-process store over real Gloo groups.
+// Ranks as threads of one test process, joined by an in-process store over real Gloo groups (Gloo for CUDA
+// tensors too: NCCL refuses several ranks on one GPU).
 
 #include <exception>
 #include <functional>
@@ -19,7 +20,8 @@ inline void run_ranks(int world, const std::function<void(int, std::shared_ptr<c
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30)));
+        body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30),
+                                                         comm::CudaBackend::kGloo));
       } catch (...) {
         errors[rank] = std::current_exception();
       }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -12,6 +13,22 @@
 #include <torch/torch.h>
 
 namespace dkfac::testing {
+
+/// The device that device-parametrised tests run their K-FAC work on: DKFAC_TEST_DEVICE, "cpu" (default) or
+/// "cuda" (cuda:0; ctest's gpu label sets it). References stay on the CPU.
+inline c10::Device test_device() {
+  const char* name = std::getenv("DKFAC_TEST_DEVICE");
+  if (name == nullptr || std::string(name) == "cpu") return c10::Device(c10::kCPU);
+  if (std::string(name) == "cuda") return c10::Device(c10::kCUDA, 0);
+  ADD_FAILURE() << "DKFAC_TEST_DEVICE must be cpu or cuda, got '" << name << "'";
+  return c10::Device(c10::kCPU);
+}
+
+/// Skips the current test, with the reason, when it should run on a CUDA device and none is visible.
+#define DKFAC_SKIP_WITHOUT_TEST_DEVICE()                                                                   \
+  if (::dkfac::testing::test_device().is_cuda() && !torch::cuda::is_available())                          \
+  GTEST_SKIP() << "no CUDA device visible (DKFAC_TEST_DEVICE=cuda): this GPU test runs on a GPU machine, " \
+                  "see scripts/gpu_check.sh"
 
 /// A fresh directory for the running test, named after it, removed when the scope ends.
 class ScratchDir {

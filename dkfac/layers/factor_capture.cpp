@@ -1,16 +1,6 @@
 #include "dkfac/layers/factor_capture.h"
 
-#include <chrono>
-#include <cmath>
-
 namespace dkfac {
-namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-}  // namespace
 
 const char* to_string(LayerKind kind) { return kind == LayerKind::kLinear ? "Linear" : "Conv2d"; }
 
@@ -21,7 +11,7 @@ torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t) const {
 }
 
 void FactorCapture::capture_input(const torch::Tensor& input) {
-  const auto start = std::chrono::steady_clock::now();
+  auto start = device::Mark::now(input.device());
   torch::NoGradGuard no_grad;
   auto x = in_factor_dtype(input.detach());
   torch::Tensor a_batch;
@@ -30,18 +20,19 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
   } else {
     a_batch = math::conv2d_a_factor(x.dim() == 3 ? x.unsqueeze(0) : x, geometry_.conv, geometry_.has_bias);
   }
-  add_a(a_batch, seconds_since(start));  // built before timing stops: argument evaluation order is unspecified
+  add_and_notify(true, a_batch, 0.0, std::pair{std::move(start), device::Mark::now(input.device())});
 }
 
 void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
-  const auto start = std::chrono::steady_clock::now();
+  auto start = device::Mark::now(grad_output.device());
   torch::NoGradGuard no_grad;
   auto g = in_factor_dtype(grad_output.detach());
   if (grad_scale_) {
-    const double scale = grad_scale_();
-    TORCH_CHECK(std::isfinite(scale) && scale > 0.0, "grad scaler returned ", scale,
-                "; the loss scale must be a positive finite number");
-    if (scale != 1.0) g = g / scale;
+    const auto scale = grad_scale_();
+    TORCH_CHECK(scale.defined() && scale.numel() == 1, "grad scaler returned ",
+                scale.defined() ? "a tensor of shape " + c10::str(scale.sizes()) : std::string("nothing"),
+                "; it must return the loss scale as one number");
+    g = g / scale.to(g.device(), /*non_blocking=*/true).reshape({});  // keeps g's dtype
   }
   torch::Tensor g_batch;
   if (geometry_.kind == LayerKind::kLinear) {
@@ -49,7 +40,7 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   } else {
     g_batch = math::conv2d_g_factor(g.dim() == 3 ? g.unsqueeze(0) : g);
   }
-  add_g(g_batch, seconds_since(start));
+  add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
 }
 
 void FactorCapture::add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch) {
@@ -75,14 +66,16 @@ torch::Tensor FactorCapture::take(torch::Tensor& sum, int64_t& count) {
   return mean;
 }
 
-void FactorCapture::add_and_notify(bool is_a, const torch::Tensor& batch, double seconds) {
+void FactorCapture::add_and_notify(bool is_a, const torch::Tensor& batch, double seconds,
+                                   std::optional<std::pair<device::Mark, device::Mark>> span) {
   Listener listener;
   int64_t count = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t& n = is_a ? a_count_ : g_count_;
     add(is_a ? a_sum_ : g_sum_, n, batch);
-    seconds_ += seconds;
+    timing_.seconds += seconds;
+    if (span) timing_.spans.push_back(std::move(*span));
     listener = listener_;
     count = n;
   }
@@ -136,9 +129,9 @@ void FactorCapture::clear() {
   g_count_ = 0;
 }
 
-double FactorCapture::seconds() const {
+CaptureTiming FactorCapture::take_timing() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return seconds_;
+  return std::exchange(timing_, {});
 }
 
 }  // namespace dkfac

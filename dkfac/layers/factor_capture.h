@@ -9,7 +9,9 @@
 
 #include <torch/torch.h>
 
+#include "dkfac/device.h"
 #include "dkfac/math/factors.h"
+#include "dkfac/options.h"
 
 namespace dkfac {
 
@@ -28,6 +30,13 @@ struct LayerGeometry {
   LayerKind kind = LayerKind::kLinear;
   bool has_bias = false;
   math::Conv2dGeometry conv;  ///< Conv2d only
+};
+
+/// Time spent building factors since the last take: device marks around each capture (resolved when read,
+/// so that capturing never waits for the device) and seconds given directly (add_a, add_g).
+struct CaptureTiming {
+  double seconds = 0.0;
+  std::vector<std::pair<device::Mark, device::Mark>> spans;
 };
 
 /// Per-layer accumulator of mini-batch Kronecker factors, fed the same way by either front end: the
@@ -65,7 +74,7 @@ class FactorCapture {
   void set_factor_dtype(std::optional<torch::ScalarType> dtype) { factor_dtype_ = dtype; }
   const std::optional<torch::ScalarType>& factor_dtype() const { return factor_dtype_; }
   /// Current loss scale of a mixed-precision gradient scaler; G is built from grad_output / scale.
-  void set_grad_scale(std::function<double()> scale) { grad_scale_ = std::move(scale); }
+  void set_grad_scale(GradScale scale) { grad_scale_ = std::move(scale); }
 
   /// Adds one micro-batch factor ([a, a] or [g, g]) and the seconds spent building it.
   void add_a(const torch::Tensor& a_batch, double seconds);
@@ -91,20 +100,21 @@ class FactorCapture {
   using Listener = std::function<void(bool is_a, int64_t count)>;
   void set_listener(Listener listener);
 
-  /// Seconds spent building factors since construction (forward and backward).
-  double seconds() const;
+  /// Time spent building factors (forward and backward) since the last take.
+  CaptureTiming take_timing();
 
  private:
   static void add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch);
   static torch::Tensor mean(const torch::Tensor& sum, int64_t count);
   static torch::Tensor take(torch::Tensor& sum, int64_t& count);
   /// Adds under the lock, then calls the listener outside it.
-  void add_and_notify(bool is_a, const torch::Tensor& batch, double seconds);
+  void add_and_notify(bool is_a, const torch::Tensor& batch, double seconds,
+                      std::optional<std::pair<device::Mark, device::Mark>> span = std::nullopt);
   torch::Tensor in_factor_dtype(const torch::Tensor& t) const;
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
-  std::function<double()> grad_scale_;
+  GradScale grad_scale_;
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
@@ -112,7 +122,7 @@ class FactorCapture {
   torch::Tensor g_sum_;  // [g, g]
   int64_t a_count_ = 0;
   int64_t g_count_ = 0;
-  double seconds_ = 0.0;
+  CaptureTiming timing_;
   Listener listener_;
 };
 

@@ -7,7 +7,6 @@
 namespace dkfac {
 namespace {
 
-bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
 
 int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
@@ -70,43 +69,83 @@ std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {
   return {a_batch, g_batch};
 }
 
-FactorUpdate KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha) {
-  if (!all_finite(a_batch) || !all_finite(g_batch)) return FactorUpdate::kNonFinite;
-  a_factor_ = running_average(a_factor_, a_batch, alpha);
-  g_factor_ = running_average(g_factor_, g_batch, alpha);
-  return FactorUpdate::kUpdated;
-}
-
-void KfacLayer::set_factors(torch::Tensor a_factor, torch::Tensor g_factor) {
-  TORCH_INTERNAL_ASSERT(a_factor.size(0) == a_dim() && g_factor.size(0) == g_dim());
-  a_factor_ = std::move(a_factor);
-  g_factor_ = std::move(g_factor);
+torch::Tensor KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha) {
+  auto finite = torch::isfinite(a_batch).all().logical_and_(torch::isfinite(g_batch).all());
+  if (!a_factor_.defined() || !g_factor_.defined()) {
+    // Nothing to keep if the batch is not finite: decide here (the first update only).
+    if (!finite.item<bool>()) return finite;
+    a_factor_ = running_average(a_factor_, a_batch, alpha);
+    g_factor_ = running_average(g_factor_, g_batch, alpha);
+    return finite;
+  }
+  a_factor_ = torch::where(finite, running_average(a_factor_, a_batch, alpha), a_factor_);
+  g_factor_ = torch::where(finite, running_average(g_factor_, g_batch, alpha), g_factor_);
+  return finite;
 }
 
 void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
                                      bool g_part) {
+  auto pending = start_second_order(method, damping, pi_damping, a_part, g_part);
+  if (!pending.ok.item<bool>()) {
+    TORCH_CHECK(method == ComputeMethod::kInverse, "eigendecomposition of layer '", name(), "' (A ", a_dim(),
+                " x ", a_dim(), ", G ", g_dim(), " x ", g_dim(), ") produced NaN or Inf");
+    invert_without_cholesky(pending.state, damping, pi_damping, a_part, g_part);
+  }
+  second_order_ = std::move(pending.state);  // only replaced once everything succeeded
+}
+
+void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping, bool pi_damping, bool a_part,
+                                        bool g_part) const {
+  const auto store = second_order_dtype();
+  const auto work = decomposition_dtype(a_factor_.scalar_type(), store);
+  double a_damping = damping;
+  double g_damping = damping;
+  if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping(a_factor_, g_factor_, damping);
+  // damped_inverse falls back to a general inverse and throws if the result is still not finite.
+  if (a_part) state.a_inverse = math::damped_inverse(a_factor_.to(work), a_damping).to(store);
+  if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store);
+}
+
+PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
+                                                 bool g_part) const {
   TORCH_INTERNAL_ASSERT(a_factor_.defined() && g_factor_.defined(), "layer '", name(),
                         "': second order requested before any factor update");
-  SecondOrderState next = second_order_.method == method ? second_order_ : SecondOrderState();
+  PendingSecondOrder pending{second_order_.method == method ? second_order_ : SecondOrderState(), {}};
+  auto& next = pending.state;
   next.method = method;
-  // Computed in float32 or float64 (decomposition_dtype), stored in the second-order dtype.
+  // The same operations as compute_second_order, in the same order, without the checks that wait.
   const auto store = second_order_dtype();
   const auto work = decomposition_dtype(a_factor_.scalar_type(), store);
   auto in = [work](const torch::Tensor& t) { return t.scalar_type() == work ? t : t.to(work); };
   auto out = [store](const torch::Tensor& t) { return t.scalar_type() == store ? t : t.to(store); };
+  std::vector<torch::Tensor> checks;  // 0-dim bools, all must hold
+  auto finite = [&](const torch::Tensor& t) { checks.push_back(torch::isfinite(t).all()); };
   if (method == ComputeMethod::kEigen) {
-    auto stored = [&](const math::EigenFactor& e) { return math::EigenFactor{out(e.eigenvectors), out(e.eigenvalues)}; };
-    if (a_part) next.a_eigen = stored(math::eigen_decompose(in(a_factor_)));
-    if (g_part) next.g_eigen = stored(math::eigen_decompose(in(g_factor_)));
+    auto stored = [&](const math::EigenFactor& e) {
+      math::EigenFactor kept{out(e.eigenvectors), out(e.eigenvalues)};
+      finite(kept.eigenvectors);
+      finite(kept.eigenvalues);
+      return kept;
+    };
+    if (a_part) next.a_eigen = stored(math::eigen_decompose_unchecked(in(a_factor_)));
+    if (g_part) next.g_eigen = stored(math::eigen_decompose_unchecked(in(g_factor_)));
     if (a_part && g_part) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
   } else {
-    double a_damping = damping;
-    double g_damping = damping;
-    if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping(a_factor_, g_factor_, damping);
-    if (a_part) next.a_inverse = out(math::damped_inverse(in(a_factor_), a_damping));
-    if (g_part) next.g_inverse = out(math::damped_inverse(in(g_factor_), g_damping));
+    auto a_damping = torch::scalar_tensor(damping, torch::kFloat64);
+    auto g_damping = a_damping;
+    if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping_on_device(a_factor_, g_factor_, damping);
+    auto inverse = [&](const torch::Tensor& factor, const torch::Tensor& d) {
+      auto result = math::damped_inverse_unchecked(in(factor), d);
+      checks.push_back(result.cholesky_ok);
+      auto kept = out(result.inverse);
+      finite(kept);
+      return kept;
+    };
+    if (a_part) next.a_inverse = inverse(a_factor_, a_damping);
+    if (g_part) next.g_inverse = inverse(g_factor_, g_damping);
   }
-  second_order_ = std::move(next);  // only replaced once everything succeeded
+  pending.ok = checks.empty() ? torch::ones({}, torch::kBool) : torch::stack(checks).all();
+  return pending;
 }
 
 SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {

@@ -14,12 +14,6 @@
 
 namespace dkfac {
 
-/// Result of folding one step's captured factors into a layer's running averages.
-enum class FactorUpdate {
-  kUpdated,    ///< both factors updated
-  kNonFinite,  ///< a captured factor held NaN/Inf; running factors left unchanged
-};
-
 /// Second-order state of one layer: eigendecompositions (eigen method) or damped inverses.
 struct SecondOrderState {
   ComputeMethod method = ComputeMethod::kEigen;
@@ -35,6 +29,14 @@ struct SecondOrderState {
   torch::Tensor precondition(const torch::Tensor& grad) const;
   /// Bytes held.
   int64_t memory_bytes() const;
+};
+
+/// A second-order state computed but not yet checked: `ok` (0-dim bool, on the device) is true when every
+/// part is finite and, for inverses, the Cholesky factorisation succeeded. Checking it waits for the device,
+/// so the preconditioner checks every layer's at once.
+struct PendingSecondOrder {
+  SecondOrderState state;
+  torch::Tensor ok;
 };
 
 /// One layer as the core sees it, whichever front end registered it: the C++ API binds each
@@ -78,19 +80,29 @@ class KfacLayer {
 
   /// The mean captured factors {A_batch [a, a], G_batch [g, g]} (undefined if none); resets the capture.
   std::pair<torch::Tensor, torch::Tensor> take_factor_batches();
-  /// F = alpha F + (1 - alpha) F_batch for both factors; kNonFinite leaves them unchanged.
-  FactorUpdate fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
+  /// F = alpha F + (1 - alpha) F_batch for both factors where both batches are finite. Decided on the
+  /// device: returns a 0-dim bool tensor, true when updated, false when a batch held NaN/Inf and the factors
+  /// were left unchanged. Only the first update (no previous factor to keep) waits for the device.
+  torch::Tensor fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
   /// Running factors: A [a, a] and G [g, g]; undefined before the first update.
   const torch::Tensor& a_factor() const { return a_factor_; }
   const torch::Tensor& g_factor() const { return g_factor_; }
-  /// Replaces the running factors (e.g. with their average over workers).
-  void set_factors(torch::Tensor a_factor, torch::Tensor g_factor);
 
   /// Recomputes the second-order state from the running factors. On failure (non-convergence,
   /// NaN) the previous state is kept and the error is rethrown for the caller to report.
   /// With `a_part`/`g_part` false, that factor's part is left for a broadcast to fill in (distributed).
+  /// Waits for the device to check the result; start_second_order and set_second_order split it for
+  /// callers that check many layers at once.
   void compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
                             bool g_part = true);
+  /// The new second-order state and its check, computed without waiting for the device (only a
+  /// decomposition that fails to converge throws). Inverses come from Cholesky alone: where `ok` is false,
+  /// compute_second_order (with its general-inverse fallback) is the way on.
+  PendingSecondOrder start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
+                                        bool g_part = true) const;
+  /// Installs a state from start_second_order once its check passed; where it did not, for inverses,
+  /// compute_second_order is the checked way (a general inverse where Cholesky failed).
+  void set_second_order(SecondOrderState state) { second_order_ = std::move(state); }
   const SecondOrderState& second_order() const { return second_order_; }
   /// For strategies that receive parts by broadcast: shapes them for `method` (NaN-filled where missing,
   /// contiguous), then, after the broadcast, `finish_second_order` rebuilds the denominator.
@@ -120,6 +132,10 @@ class KfacLayer {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  /// Inverses through damped_inverse (Cholesky, else a general inverse; checked): where Cholesky failed.
+  void invert_without_cholesky(SecondOrderState& state, double damping, bool pi_damping, bool a_part,
+                               bool g_part) const;
+
   LayerBinding binding_;
   int64_t a_dim_;
   std::optional<torch::ScalarType> inv_dtype_;

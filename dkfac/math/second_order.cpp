@@ -16,11 +16,9 @@ EigenFactor eigh_clamped(const torch::Tensor& factor) {
 
 }  // namespace
 
-EigenFactor eigen_decompose(const torch::Tensor& factor) {
+EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor) {
   TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
               "eigen_decompose expects a square matrix, got shape ", factor.sizes());
-  TORCH_CHECK(all_finite(factor), "eigen_decompose: factor of shape ", factor.sizes(),
-              " contains NaN or Inf");
   EigenFactor result;
   try {
     result = eigh_clamped(factor);
@@ -31,6 +29,15 @@ EigenFactor eigen_decompose(const torch::Tensor& factor) {
     auto wide = eigh_clamped(factor.to(torch::kFloat64));
     result = {wide.eigenvectors.to(factor.scalar_type()), wide.eigenvalues.to(factor.scalar_type())};
   }
+  return result;
+}
+
+EigenFactor eigen_decompose(const torch::Tensor& factor) {
+  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
+              "eigen_decompose expects a square matrix, got shape ", factor.sizes());
+  TORCH_CHECK(all_finite(factor), "eigen_decompose: factor of shape ", factor.sizes(),
+              " contains NaN or Inf");
+  auto result = eigen_decompose_unchecked(factor);
   TORCH_CHECK(all_finite(result.eigenvectors) && all_finite(result.eigenvalues), "eigendecomposition of a ",
               factor.size(0), "x", factor.size(0), " factor produced NaN or Inf");
   return result;
@@ -68,6 +75,26 @@ torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
   TORCH_CHECK(all_finite(inverse), "inverse of a ", factor.size(0), "x", factor.size(0),
               " damped factor produced NaN or Inf (damping ", damping, ")");
   return inverse;
+}
+
+DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch::Tensor& damping) {
+  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
+              "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  auto damped = factor.clone();
+  damped.diagonal().add_(damping.to(factor.scalar_type()));
+  auto [l, info] = torch::linalg_cholesky_ex(damped);
+  return {torch::cholesky_inverse(l), info.eq(0)};
+}
+
+std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor& a_factor,
+                                                             const torch::Tensor& g_factor, double damping) {
+  // The same operations as pi_damping, in the same order, so that both give the same numbers.
+  const auto a_mean = a_factor.trace().to(torch::kFloat64) / static_cast<double>(a_factor.size(0));
+  const auto g_mean = g_factor.trace().to(torch::kFloat64) / static_cast<double>(g_factor.size(0));
+  const auto usable = a_mean.gt(0).logical_and(g_mean.gt(0)).logical_and(a_mean.isfinite()).logical_and(g_mean.isfinite());
+  const auto pi = torch::where(usable, (a_mean / g_mean).sqrt(), torch::ones_like(a_mean));
+  const double root = std::sqrt(damping);
+  return {pi * root, torch::full_like(pi, root).div_(pi)};
 }
 
 std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor,

@@ -16,6 +16,11 @@ struct EigenFactor {
 /// float64 if LAPACK fails to converge; throws c10::Error if both fail or the result is not finite.
 EigenFactor eigen_decompose(const torch::Tensor& factor);
 
+/// The same, without any check that would wait for the device: LAPACK's or cuSOLVER's own convergence
+/// failure still throws (and is retried in float64), but a non-finite result is returned as is; the caller
+/// checks it (the preconditioner checks every layer's result with one host synchronisation).
+EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
+
 /// 1 / (d_G d_A^T + damping), [g, a]: the element-wise scaling of the eigen method.
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping);
 
@@ -31,9 +36,22 @@ torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, con
 /// with a general inverse as fallback. Throws c10::Error if the result is not finite.
 torch::Tensor damped_inverse(const torch::Tensor& factor, double damping);
 
+/// A damped inverse and whether it can be trusted, without waiting for the device.
+struct DampedInverse {
+  torch::Tensor inverse;
+  torch::Tensor cholesky_ok;  ///< 0-dim bool: the Cholesky factorisation succeeded (else `inverse` is garbage)
+};
+
+/// (factor + damping I)^-1 through Cholesky alone, `damping` a number or a 0-dim tensor on the factor's
+/// device. When `cholesky_ok` is false, the caller falls back to damped_inverse (general inverse).
+DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch::Tensor& damping);
+
 /// Damping of A and G for the pi-damped inverse: pi = sqrt((tr(A)/a) / (tr(G)/g)),
 /// returns {sqrt(damping) * pi, sqrt(damping) / pi}. pi = 1 when a trace is not positive.
 std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor, double damping);
+/// The same as 0-dim float64 tensors on the factors' device, computed there (no host synchronisation).
+std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor& a_factor,
+                                                             const torch::Tensor& g_factor, double damping);
 
 /// V = G_inv grad A_inv with G_inv [g, g], A_inv [a, a].
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,

@@ -20,12 +20,13 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
     // The plan's inputs, not decisions of their own: SPD-KFAC's threshold and link speed are measured
     // before the plan is made, and only where options leave a choice to make (both are collectives).
     const bool measure = redundant < 0 || options.spd().fusion().empty();
-    if (measure) link = measure_link(*communicator_, comm::kWorld);
+    const auto device = layers.front().weight().device();
+    if (measure) link = measure_link(*communicator_, comm::kWorld, device);
     std::ostringstream m;
     if (measure) m << "measured: link alpha " << link.alpha * 1e6 << " us, beta " << link.beta * 1e9 << " ns/B";
     if (redundant < 0) {
       const auto dtype = layers.front().weight().scalar_type();
-      const double per_cubed = measure_decomposition(*communicator_, options.compute_method(), dtype);
+      const double per_cubed = measure_decomposition(*communicator_, options.compute_method(), dtype, device);
       // What a broadcast carries per d^2: eigenvectors (d^2, plus d eigenvalues), or an upper triangle.
       const double element = static_cast<double>(c10::elementSize(dtype));
       const double per_entry = options.compute_method() == ComputeMethod::kEigen ? element : element / 2;

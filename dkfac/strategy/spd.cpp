@@ -12,10 +12,6 @@
 namespace dkfac::strategy {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 double median(std::vector<double> values) {
   TORCH_INTERNAL_ASSERT(!values.empty());
   std::sort(values.begin(), values.end());
@@ -24,14 +20,15 @@ double median(std::vector<double> values) {
 
 /// Averages `values` over the ranks of `group` (in place).
 void average_over(comm::Communicator& communicator, comm::GroupId group, std::vector<double>& values) {
-  auto t = torch::tensor(values, torch::kFloat64);
+  auto t = torch::tensor(values, torch::kFloat64).to(communicator.control_device());
   communicator.allreduce_mean(t, group, comm::Phase::kCalibration).wait();
+  t = t.to(torch::kCPU);
   for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
 }
 
 }  // namespace
 
-assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group) {
+assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group, c10::Device device) {
   // Start-up timings are noisy where ranks share cores (a 4 B allreduce took 6-9 ms with 4 processes on 2
   // cores, and 5 repeats of sizes up to 1 MiB fitted beta anywhere from 0 to 2.3 ns/B): 9 repeats, and sizes
   // up to 4 MiB so that the slope rests on messages whose transfer dominates their start-up.
@@ -40,13 +37,13 @@ assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId g
   std::vector<double> bytes;
   std::vector<double> seconds;
   for (int64_t n : sizes) {
-    auto t = torch::zeros({n}, torch::kFloat32);
+    auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
     communicator.allreduce_sum(t, group, comm::Phase::kCalibration).wait();  // warm-up
     std::vector<double> runs;
     for (int r = 0; r < kRepeats; ++r) {
-      const auto start = std::chrono::steady_clock::now();
+      const auto start = device::Mark::now(device);
       communicator.allreduce_sum(t, group, comm::Phase::kCalibration).wait();
-      runs.push_back(seconds_since(start));
+      runs.push_back(device::Mark::seconds_between(start, device::Mark::now(device)));
     }
     bytes.push_back(static_cast<double>(n * 4));
     seconds.push_back(median(runs));
@@ -55,21 +52,22 @@ assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId g
   return assign::fit_alpha_beta(bytes, seconds);
 }
 
-double measure_decomposition(comm::Communicator& communicator, ComputeMethod method, torch::Dtype dtype) {
+double measure_decomposition(comm::Communicator& communicator, ComputeMethod method, torch::Dtype dtype,
+                             c10::Device device) {
   constexpr int64_t kDim = 256;
   constexpr int kRepeats = 3;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  auto x = torch::randn({kDim, kDim}, gen, torch::TensorOptions().dtype(dtype));
+  auto x = torch::randn({kDim, kDim}, gen, torch::TensorOptions().dtype(dtype)).to(device);
   auto spd = x.matmul(x.t()) / kDim + torch::eye(kDim, x.options());
   std::vector<double> runs;
-  for (int r = 0; r < kRepeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < kRepeats + 1; ++r) {  // the first run warms up the solver (cuSOLVER's handle)
+    const auto start = device::Mark::now(device);
     if (method == ComputeMethod::kEigen) {
       (void)math::eigen_decompose(spd);
     } else {
       (void)math::damped_inverse(spd, 1e-3);
     }
-    runs.push_back(seconds_since(start));
+    if (r > 0) runs.push_back(device::Mark::seconds_between(start, device::Mark::now(device)));
   }
   std::vector<double> per_cubed_dim = {median(runs) / static_cast<double>(kDim * kDim * kDim)};
   average_over(communicator, comm::kWorld, per_cubed_dim);
@@ -136,8 +134,7 @@ void FactorPipeline::arm(int64_t micro_batches) {
     for (int64_t k = 0; k < grouping_[g]; ++k) groups_[g].slots.push_back(slot++);
   }
   ready_tensor_.assign(2 * num_layers_, torch::Tensor());
-  ready_seconds_.assign(2 * num_layers_, std::numeric_limits<double>::quiet_NaN());
-  any_ready_ = false;
+  ready_marks_.assign(2 * num_layers_, std::nullopt);
 }
 
 void FactorPipeline::on_ready(size_t slot, int64_t count) {
@@ -145,11 +142,7 @@ void FactorPipeline::on_ready(size_t slot, int64_t count) {
   if (count != micro_batches_) return;
   auto* capture = captures_[layer_of(slot)];
   auto packed = comm::pack_symmetric(is_a(slot) ? capture->mean_a() : capture->mean_g(), triangles_);
-  if (!any_ready_) {
-    first_ready_ = std::chrono::steady_clock::now();
-    any_ready_ = true;
-  }
-  ready_seconds_[slot] = seconds_since(first_ready_);
+  if (profiling()) ready_marks_[slot] = device::Mark::now(packed.device());
   ready_tensor_[slot] = std::move(packed);
   auto& group = groups_[group_of_slot_[slot]];
   if (group.started) return;
@@ -204,9 +197,22 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     }
   }
   if (profiling()) {
-    ready_history_.push_back(ready_seconds_);
+    ready_history_.push_back(ready_seconds());
     if (++profiled_steps_ == profile_steps_) choose_grouping();
   }
+}
+
+std::vector<double> FactorPipeline::ready_seconds() const {
+  // Seconds since the step's first ready slot; NaN for a slot that did not fire. Waits for the device.
+  std::vector<double> seconds(ready_marks_.size(), std::numeric_limits<double>::quiet_NaN());
+  const device::Mark* first = nullptr;
+  for (const auto& mark : ready_marks_) {
+    if (mark && (first == nullptr || device::Mark::seconds_between(*first, *mark) < 0.0)) first = &*mark;
+  }
+  for (size_t s = 0; s < ready_marks_.size(); ++s) {
+    if (ready_marks_[s]) seconds[s] = device::Mark::seconds_between(*first, *ready_marks_[s]);
+  }
+  return seconds;
 }
 
 void FactorPipeline::choose_grouping() {

@@ -8,10 +8,13 @@
 #include <utility>
 #include <vector>
 
+#include <optional>
+
 #include <torch/torch.h>
 
 #include "dkfac/assign/assignment.h"
 #include "dkfac/comm/communicator.h"
+#include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
 #include "dkfac/strategy/step_plan.h"
@@ -21,12 +24,15 @@
 namespace dkfac::strategy {
 
 /// Measures the transport on `group` with timed allreduces of a few sizes (median of several
-/// repetitions each), averaged over the group so that every rank gets the same model. Collective.
-assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group);
+/// repetitions each) of float32 tensors on `device` (timed with device marks: CUDA events there), averaged
+/// over the group so that every rank gets the same model. Collective.
+assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group, c10::Device device);
 
 /// Seconds per d^3 of one eigendecomposition / damped inverse of a d x d SPD matrix of `dtype`,
-/// measured here and averaged over the world so that every rank gets the same number. Collective.
-double measure_decomposition(comm::Communicator& communicator, ComputeMethod method, torch::Dtype dtype);
+/// measured on `device` (after one warm-up) and averaged over the world so that every rank gets the same
+/// number. Collective.
+double measure_decomposition(comm::Communicator& communicator, ComputeMethod method, torch::Dtype dtype,
+                             c10::Device device);
 
 /// Factor allreduce started as soon as each factor exists. Factors are "slots" in ready order: A of
 /// every layer in model order (forward), then G in reverse model order (backward). A listener on
@@ -59,6 +65,8 @@ class FactorPipeline {
   /// Current grouping (sizes of consecutive slot groups) and whether it is still being profiled.
   const std::vector<int64_t>& grouping() const { return grouping_; }
   bool profiling() const { return profiled_steps_ < profile_steps_; }
+  /// Seconds from the step's first ready slot to each slot's (NaN: did not fire); waits for the device.
+  std::vector<double> ready_seconds() const;
   const assign::AlphaBeta& link() const { return link_; }
   /// One line: the grouping, with bytes per group, and the model it came from.
   std::string describe() const;
@@ -98,9 +106,9 @@ class FactorPipeline {
   std::vector<size_t> group_of_slot_;
   std::vector<Group> groups_;
   std::vector<torch::Tensor> ready_tensor_;  // packed local mean per slot, this step
-  std::vector<double> ready_seconds_;        // since the step's first ready slot; NaN if not ready
-  std::chrono::steady_clock::time_point first_ready_;
-  bool any_ready_ = false;
+  // Profiled steps: a device mark when each slot became ready (CUDA events on a GPU, so the time the
+  // factor was computed, not the time its kernels were queued), resolved into seconds when collected.
+  std::vector<std::optional<device::Mark>> ready_marks_;
 };
 
 }  // namespace dkfac::strategy

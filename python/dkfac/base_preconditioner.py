@@ -90,8 +90,9 @@ class BaseKFACPreconditioner:
     the core's ``dkfac._C.linear_capture(...)`` or ``dkfac._C.conv2d_capture(...)`` for that module (in
     kfac_pytorch, a ``KFACBaseLayer``); the module's ``weight`` and ``bias`` are preconditioned.
     ``options`` holds the core's other options, as ``KFACPreconditioner`` builds them (the counterpart
-    of kfac_pytorch's required ``assignment`` and ``tdc``). ``process_group``: a Gloo group of more than
-    one rank for distributed K-FAC (every rank builds its preconditioner with the same layers and options),
+    of kfac_pytorch's required ``assignment`` and ``tdc``). ``process_group``: a torch.distributed group of
+    more than one rank (backend gloo, nccl or cpu:gloo,cuda:nccl; dkfac's own subgroups use the same
+    backends) for distributed K-FAC (every rank builds its preconditioner with the same layers and options),
     or None; ``timeout``: seconds for dkfac's own subgroups (default: torch's). The hyper-parameters,
     ``accumulation_steps``, ``update_factors_in_hook``, ``defaults`` (extra entries of ``repr()``) and
     ``loglevel`` have kfac_pytorch's meanings. Most code builds a ``KFACPreconditioner`` instead.
@@ -165,10 +166,12 @@ class BaseKFACPreconditioner:
 
     @staticmethod
     def _make_communicator(group: Any, timeout: float | None) -> Any:
-        backend = dist.get_backend(group)
-        if backend != 'gloo':
-            raise ValueError(f"process_group uses the {backend!r} backend; dkfac's CPU build communicates "
-                             "through Gloo groups (init_process_group('gloo'))")
+        backend = str(dist.get_backend(group))
+        known = {'gloo', 'nccl'}
+        if not set(part.split(':')[-1] for part in backend.split(',')) <= known:
+            raise ValueError(f"process_group uses the {backend!r} backend; dkfac communicates through groups with "
+                             "the gloo and nccl backends (e.g. init_process_group('nccl'), 'gloo', or "
+                             "'cpu:gloo,cuda:nccl')")
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group)
         prefix = f'dkfac/py{next(_communicators)}/{ranks[0]}-{ranks[-1]}-{len(ranks)}/'

@@ -9,6 +9,7 @@ runs every collective (the same code as the C++ API).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -255,8 +256,25 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return fraction, DistributedStrategy.HYBRID_OPT
 
     @staticmethod
-    def _scale_function(grad_scaler: Any) -> Callable[[], float] | None:
+    def _scale_function(grad_scaler: Any) -> Callable[[], torch.Tensor] | None:
+        """The loss scale as a one-element tensor, read at each G capture without waiting for the device:
+        a ``torch.amp.GradScaler``'s own scale tensor; a number from ``get_scale()`` or a callable, checked."""
         if grad_scaler is None:
             return None
+        scale_tensor = getattr(grad_scaler, '_get_scale_async', None)  # torch.amp.GradScaler (torch 2.x)
         get = grad_scaler.get_scale if hasattr(grad_scaler, 'get_scale') else grad_scaler
-        return lambda: float(get())
+
+        def scale() -> torch.Tensor:
+            if scale_tensor is not None and getattr(grad_scaler, 'is_enabled', lambda: True)():
+                value = scale_tensor()
+                if value is not None:  # None before the scaler's first scale(): its initial scale, below
+                    return value
+            value = get()
+            if isinstance(value, torch.Tensor):
+                return value
+            value = float(value)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f'grad scaler returned {value}; the loss scale must be a positive finite number')
+            return torch.tensor(value, dtype=torch.float64)
+
+        return scale

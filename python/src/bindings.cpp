@@ -104,7 +104,7 @@ Options make_options(const py::dict& kw) {
   o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
   if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));
   if (!kw["inv_dtype"].is_none()) o.inv_dtype(dtype_named("inv_dtype", kw["inv_dtype"].cast<std::string>()));
-  if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<std::function<double()>>());
+  if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<GradScale>());
   if (!kw["spd_redundant_dim"].is_none()) o.spd(SpdOptions().redundant_dim(kw["spd_redundant_dim"].cast<int64_t>()));
   return o;
 }
@@ -184,11 +184,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<comm::Communicator, std::shared_ptr<comm::Communicator>>(m, "Communicator")
       .def_property_readonly("rank", &comm::Communicator::rank)
       .def_property_readonly("size", &comm::Communicator::size)
+      .def_property_readonly("cuda_backend", [](const comm::Communicator& c) { return comm::to_string(c.cuda_backend()); })
       .def(
           "all_true",
           [](comm::Communicator& c, bool flag) {
             // How many ranks say no; one tiny collective so that every rank takes the same branch.
-            auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::kFloat64);
+            auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::TensorOptions().dtype(torch::kFloat64).device(c.control_device()));
             auto handle = c.allreduce_sum(no, comm::kWorld, comm::Phase::kControl);
             handle.wait();
             return no.item<double>() == 0.0;

@@ -1,6 +1,7 @@
 // Distributed K-FAC on real Gloo process groups (ranks as threads of this process) against the
 // single-process reference of docs/MATH.md section 5.5: factors = mean of the ranks' local factors,
-// gradient = mean of the ranks' gradients.
+// gradient = mean of the ranks' gradients. The ranks run on testing::test_device() (ctest's gpu label: CUDA
+// tensors, every rank on the one GPU, through Gloo); the references always run on the CPU in float64.
 #include "dkfac/strategy/distributed.h"
 
 #include <gtest/gtest.h>
@@ -29,26 +30,27 @@ struct Net : torch::nn::Module {
   nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
-std::shared_ptr<Net> make_net() {
+std::shared_ptr<Net> make_net(c10::Device device = c10::kCPU) {
   // Ranks are threads: seeding the global generator and drawing the initial weights must not interleave.
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(42);
   auto net = std::make_shared<Net>();
-  net->to(torch::kFloat64);
+  net->to(device, torch::kFloat64);
   return net;
 }
 
 torch::Tensor local_loss(Net& net, int64_t step, int rank) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * step + rank);
-  auto x = torch::randn({3, 2, 5, 5}, g, torch::kFloat64);
-  auto y = torch::randn({3, 4}, g, torch::kFloat64);
+  const auto device = net.fc1->weight.device();
+  auto x = torch::randn({3, 2, 5, 5}, g, torch::kFloat64).to(device);
+  auto y = torch::randn({3, 4}, g, torch::kFloat64).to(device);
   return (net.forward(x) - y).pow(2).mean();
 }
 
 std::vector<torch::Tensor> grads_of(Net& net) {
   std::vector<torch::Tensor> out;
-  for (const auto& p : net.parameters()) out.push_back(p.grad().clone());
+  for (const auto& p : net.parameters()) out.push_back(p.grad().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
   return out;
 }
 
@@ -118,7 +120,7 @@ std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
     const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr) {
   std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
   run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
-    auto net = make_net();
+    auto net = make_net(testing::test_device());
     Preconditioner kfac(net, options, communicator);
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
     for (int64_t step = 0; step < kSteps; ++step) {
@@ -155,6 +157,7 @@ using Param = std::tuple<int, int, ComputeMethod, bool>;  // world, fraction ind
 class KaisaEquivalence : public ::testing::TestWithParam<Param> {};
 
 TEST_P(KaisaEquivalence, MatchesSingleProcessReference) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto [world, fraction_index, method, symmetric] = GetParam();
   const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
   const auto options = base_options(method, symmetric, fraction);
@@ -218,6 +221,7 @@ using HookParam = std::tuple<int, int, double>;  // world, fraction index, bucke
 class KaisaInHook : public ::testing::TestWithParam<HookParam> {};
 
 TEST_P(KaisaInHook, EqualsReductionInStep) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto [world, fraction_index, cap_mb] = GetParam();
   const double fraction = fraction_index == 0 ? 1.0 / world : fraction_index == 1 ? 0.5 : 1.0;
   const auto in_step = base_options(ComputeMethod::kEigen, false, fraction).update_factors_in_hook(false);
@@ -360,6 +364,7 @@ class SpdEquivalence : public ::testing::TestWithParam<SpdCase> {};
 // Whatever the grouping and placement, SPD-KFAC gives D-KFAC's (= the reference's) gradients; its
 // factor allreduces are already started when backward returns, one per fusion group.
 TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto& c = GetParam();
   const auto options = base_options(c.method, /*symmetric=*/false, 1.0)
                            .strategy(Strategy::kSpd)
@@ -461,6 +466,7 @@ class DpEquivalence : public ::testing::TestWithParam<DpParam> {};
 // DP-KFAC = single-process K-FAC on the owner's batch; no factor or second-order traffic; only V
 // travels; non-owners hold no factors and never capture.
 TEST_P(DpEquivalence, MatchesOwnerLocalReference) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto [world, method_index] = GetParam();
   const auto method = method_index == 0 ? ComputeMethod::kEigen : ComputeMethod::kInverse;
   const auto options = base_options(method, false, 1.0).strategy(Strategy::kDp).pi_damping(method_index == 2);

@@ -1,0 +1,165 @@
+// The core on CUDA tensors against the CPU float64 reference, NCCL serving a one-rank group, phase times
+// from CUDA events and the allocator's statistics. Registered under ctest's gpu label (DKFAC_TEST_DEVICE=cuda);
+// every test skips, saying why, where no CUDA device is visible.
+#include <gtest/gtest.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "dkfac/dkfac.h"
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+#define DKFAC_REQUIRE_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)"
+
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1).stride(2)));
+    fc1 = register_module("fc1", nn::Linear(8 * 4 * 4, 32));
+    fc2 = register_module("fc2", nn::Linear(torch::nn::LinearOptions(32, 10).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2->forward(torch::tanh(fc1->forward(torch::relu(conv->forward(x)).flatten(1))));
+  }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+constexpr int64_t kSteps = 4;
+
+// Preconditioned gradients of every parameter after each of kSteps steps (copied to the CPU, float64).
+std::vector<std::vector<torch::Tensor>> run(c10::Device device, torch::Dtype dtype, const Options& options) {
+  torch::manual_seed(3);
+  auto net = std::make_shared<Net>();
+  net->to(torch::kFloat64);
+  net->to(device, dtype);
+  Preconditioner kfac(net, options);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05));
+  std::vector<std::vector<torch::Tensor>> out;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    auto x = torch::randn({16, 3, 8, 8}, g, torch::kFloat64).to(device, dtype);
+    auto y = torch::randint(0, 10, {16}, g, torch::kLong).to(device);
+    sgd.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    kfac.step();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : net->parameters()) grads.push_back(p.grad().to(torch::kCPU, torch::kFloat64));
+    out.push_back(grads);
+    sgd.step();
+  }
+  return out;
+}
+
+Options options_for(ComputeMethod method, std::optional<torch::Dtype> storage) {
+  return Options()
+      .lr(0.05)
+      .damping(0.01)
+      .kl_clip(1e-2)
+      .inv_update_steps(2)
+      .compute_method(method)
+      .factor_dtype(storage)
+      .inv_dtype(storage);
+}
+
+// Relative Frobenius error of every parameter's gradient at every step.
+void expect_close(const std::vector<std::vector<torch::Tensor>>& got,
+                  const std::vector<std::vector<torch::Tensor>>& expected, double rtol, const std::string& what) {
+  for (size_t step = 0; step < got.size(); ++step) {
+    for (size_t p = 0; p < got[step].size(); ++p) {
+      const double error = testing::relative_error(got[step][p], expected[step][p]);
+      EXPECT_LE(error, rtol) << what << ": step " << step << ", parameter " << p;
+    }
+  }
+}
+
+using DtypeParam = std::tuple<ComputeMethod, int>;  // storage: 0 float32, 1 bfloat16, 2 float16
+class OnCudaMatchesCpu : public ::testing::TestWithParam<DtypeParam> {};
+
+// float32 on the GPU against float64 on the CPU: float32 round-off through a damped (condition <= 1/damping)
+// preconditioner. bfloat16 and float16 storage against the same storage on the CPU in float32: the storage's
+// round-off (2^-8, 2^-11), one rounding apart at most, through the same preconditioner.
+TEST_P(OnCudaMatchesCpu, LinearAndConv2d) {
+  DKFAC_REQUIRE_CUDA();
+  const auto [method, storage_index] = GetParam();
+  const c10::Device cuda(c10::kCUDA, 0);
+  if (storage_index == 0) {
+    const auto expected = run(c10::kCPU, torch::kFloat64, options_for(method, std::nullopt));
+    expect_close(run(cuda, torch::kFloat32, options_for(method, std::nullopt)), expected, 1e-4, "float32");
+    return;
+  }
+  const auto storage = storage_index == 1 ? torch::kBFloat16 : torch::kHalf;
+  const auto expected = run(c10::kCPU, torch::kFloat32, options_for(method, storage));
+  const double rtol = storage_index == 1 ? 3e-2 : 5e-3;
+  expect_close(run(cuda, torch::kFloat32, options_for(method, storage)), expected, rtol, c10::toString(storage));
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, OnCudaMatchesCpu,
+                         ::testing::Combine(::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
+                                            ::testing::Values(0, 1, 2)));
+
+TEST(OnCudaNccl, OneRankGroupServesCollectives) {
+  DKFAC_REQUIRE_CUDA();
+  comm::RendezvousOptions rendezvous;
+  rendezvous.port = 29731;
+  rendezvous.cuda_backend = comm::CudaBackend::kNccl;
+  auto communicator = comm::Communicator::connect(rendezvous);
+  EXPECT_EQ(communicator->cuda_backend(), comm::CudaBackend::kNccl);
+  auto group = communicator->process_group(comm::kWorld);
+  EXPECT_EQ(group->getBackend(c10::DeviceType::CUDA)->getBackendName(), "nccl");
+  // A one-rank communicator skips its own collectives: run one on the group itself, as DDP's reducer does.
+  auto t = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat32).device(c10::kCUDA));
+  std::vector<torch::Tensor> tensors{t};
+  group->allreduce(tensors)->wait();
+  EXPECT_TRUE(torch::equal(t.cpu(), torch::arange(6, torch::kFloat32)));
+  // And a preconditioner built on it trains on CUDA tensors.
+  torch::manual_seed(1);
+  auto net = std::make_shared<Net>();
+  net->to(c10::Device(c10::kCUDA, 0));
+  Preconditioner kfac(net, Options().damping(0.01), communicator);
+  auto x = torch::randn({4, 3, 8, 8}, c10::kCUDA);
+  net->forward(x).pow(2).mean().backward();
+  kfac.step();
+  EXPECT_EQ(kfac.steps(), 1);
+  EXPECT_TRUE(torch::isfinite(net->fc1->weight.grad()).all().item<bool>());
+}
+
+// Phase times come from CUDA events: positive, and the factor phase includes the capture kernels.
+TEST(OnCudaTiming, PhaseTimesFromEvents) {
+  DKFAC_REQUIRE_CUDA();
+  torch::manual_seed(1);
+  auto net = std::make_shared<Net>();
+  net->to(c10::Device(c10::kCUDA, 0));
+  Preconditioner kfac(net, Options().damping(0.01));
+  for (int step = 0; step < 2; ++step) {
+    net->zero_grad();
+    net->forward(torch::randn({32, 3, 8, 8}, c10::kCUDA)).pow(2).mean().backward();
+    kfac.step();
+  }
+  const auto last = kfac.last_step_times();
+  EXPECT_GT(last.factors, 0.0);
+  EXPECT_GT(last.second_order, 0.0);
+  EXPECT_GT(last.precondition, 0.0);
+  EXPECT_GE(kfac.total_times().total(), last.total());
+}
+
+TEST(OnCudaMemory, AllocatorStatisticsSeeTheState) {
+  DKFAC_REQUIRE_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  device::reset_peak_memory(cuda);
+  torch::manual_seed(1);
+  auto net = std::make_shared<Net>();
+  net->to(cuda);
+  Preconditioner kfac(net, Options().damping(0.01));
+  net->forward(torch::randn({8, 3, 8, 8}, cuda)).pow(2).mean().backward();
+  kfac.step();
+  const auto stats = device::memory_stats(cuda);
+  ASSERT_TRUE(stats.has_value());
+  EXPECT_GE(stats->peak_allocated, kfac.memory_bytes());
+  EXPECT_GE(stats->reserved, stats->allocated);
+}
+
+}  // namespace
+}  // namespace dkfac
