@@ -302,6 +302,11 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
     factor_ok_[i] = layers_[i].fold_factors(batches[i].first, batches[i].second, decay);
+    if (!layers_[i].a_factor().defined()) {  // a first update that was not finite: known here already
+      factor_ok_[i] = torch::Tensor();
+      warn_factor_fallback(i);
+      plan[i].usable = false;
+    }
   }
 }
 
@@ -414,8 +419,9 @@ double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::v
     const size_t i = checked[k];
     const double* row = values.data_ptr<double>() + 3 * k;  // finite, folded, sum(V * grad)
     if (row[1] == 0.0) {
-      warn_once(i, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient "
-                             "is kept for this step");
+      warn_factor_fallback(i);
+      plan[i].usable = false;
+      continue;
     } else if (row[0] == 0.0) {
       warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
                                "gradient for this step");
@@ -506,6 +512,12 @@ PhaseTimes Preconditioner::total_times() const {
   PhaseTimes times = total_times_;
   times += last_step_times();
   return times;
+}
+
+void Preconditioner::warn_factor_fallback(size_t index) {
+  warn_once(index, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient is kept "
+                             "for this step");
+  ++events_.fallbacks;
 }
 
 void Preconditioner::warn_once(size_t index, const std::string& kind, const std::string& message) {

@@ -170,6 +170,8 @@ class Preconditioner {
     phase_ = phase;
     phase_layer_ = layer;
   }
+  /// Warns that layer `index`'s captured factors were not finite, and counts the fallback.
+  void warn_factor_fallback(size_t index);
   /// Warns about layer `index` once per `kind` of problem.
   void warn_once(size_t index, const std::string& kind, const std::string& message);
 

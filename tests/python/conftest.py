@@ -11,3 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BUILD_PYTHON = os.environ.get('DKFAC_BUILD_PYTHON', os.path.join(ROOT, 'build', 'python'))
 if os.path.isdir(BUILD_PYTHON) and BUILD_PYTHON not in sys.path:
     sys.path.insert(0, BUILD_PYTHON)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line('markers', 'gpu: needs a CUDA device (scripts/gpu_check.sh runs them); skipped, saying '
+                                       'why, where none is visible')

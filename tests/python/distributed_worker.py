@@ -1,7 +1,9 @@
 """One rank of test_distributed.py: trains the "cnn" scenario under torch.distributed (gloo) with DDP and
 dkfac, on this rank's shard of each global batch, and saves every step's preconditioned gradients.
 
-Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment).
+Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment). Besides the
+preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cuda': every rank on cuda:0) and
+'backend' (torch.distributed's, default 'gloo').
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     explicit_group = kwargs.pop('explicit_group', False)
     resume = kwargs.pop('resume', None)  # 'own' or 'rank0': reload a state dict after the run, one more step
-    dist.init_process_group('gloo')
+    device = torch.device(kwargs.pop('device', 'cpu'))
+    dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
-    model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn'))
+    model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn').to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if explicit_group:
         kwargs['process_group'] = dist.new_group(list(range(size)))
@@ -34,14 +37,14 @@ def main() -> None:
     shard = GLOBAL_BATCH // size
     grads, params = [], []
     for step in range(STEPS):
-        params.append([p.detach().clone() for p in model.parameters()])
-        x, y = scenarios.batch('cnn', step, size=GLOBAL_BATCH)
+        params.append([p.detach().to('cpu', copy=True) for p in model.parameters()])
+        x, y = (t.to(device) for t in scenarios.batch('cnn', step, size=GLOBAL_BATCH))
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[rank * shard:(rank + 1) * shard]),
                                                  y[rank * shard:(rank + 1) * shard])
         loss.backward()
         preconditioner.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        grads.append([p.grad.to('cpu', copy=True) for p in model.parameters()])
         optimizer.step()
     extra = {}
     if resume:

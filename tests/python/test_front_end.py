@@ -75,9 +75,11 @@ def test_grad_scaler_type_is_checked():
         dkfac.KFACPreconditioner(tiny_mlp(), grad_scaler=3.0)
 
 
-def test_float16_factors_are_refused_with_the_reason():
-    with pytest.raises(RuntimeError, match='factor_dtype Half is not supported'):
-        dkfac.KFACPreconditioner(tiny_mlp(), factor_dtype=torch.float16)
+def test_storage_dtypes_that_are_not_floats_of_16_bits_or_more_are_refused():
+    with pytest.raises(ValueError, match='factor_dtype must be a floating-point torch.dtype'):
+        dkfac.KFACPreconditioner(tiny_mlp(), factor_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match='inv_dtype must be a floating-point torch.dtype'):
+        dkfac.KFACPreconditioner(tiny_mlp(), inv_dtype=torch.int32)
 
 
 def test_bad_schedule_value_names_the_option_and_step():
@@ -106,6 +108,51 @@ def test_grad_scaler_unscales_g():
     wrong_model = copy.deepcopy(model)
     wrong = train(wrong_model, dkfac.KFACPreconditioner(wrong_model, inv_update_steps=2, kl_clip=0), 1, scale=1024.0)
     assert not torch.allclose(wrong[0][0], plain[0][0], rtol=1e-2)
+
+
+def test_autocast_with_the_real_grad_scaler_divides_g():
+    """torch.amp.GradScaler under bfloat16 autocast (CPU): the scaler's own scale tensor divides G, so the factors
+    equal an unscaled run's (a power-of-two scale is exact), and a bad scale from a callable is an error."""
+    def layers(scaler):
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        preconditioner = dkfac.KFACPreconditioner(model, grad_scaler=scaler)
+        x, y = torch.randn(8, 4), torch.randn(8, 3)
+        for _ in range(2):
+            optimizer.zero_grad()
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(optimizer)
+            preconditioner.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        return preconditioner.state_dict()['layers']
+
+    plain = layers(None)
+    scaled = layers(torch.amp.GradScaler('cpu', init_scale=2.0 ** 10))
+    for name in plain:
+        assert torch.equal(scaled[name]['A'], plain[name]['A']), name
+        torch.testing.assert_close(scaled[name]['G'], plain[name]['G'], rtol=1e-6, atol=0)
+    model = tiny_mlp()
+    preconditioner = dkfac.KFACPreconditioner(model, grad_scaler=lambda: float('nan'))
+    with pytest.raises(ValueError, match='grad scaler returned nan; the loss scale must be a positive finite number'):
+        model(torch.randn(2, 4)).sum().backward()
+
+
+def test_float16_storage_on_cpu():
+    model = tiny_mlp()
+    reference_model = copy.deepcopy(model)
+    half = train(model, dkfac.KFACPreconditioner(model, factor_dtype=torch.float16, inv_dtype=torch.float16), 3)
+    full = train(reference_model, dkfac.KFACPreconditioner(reference_model), 3)
+    assert all(torch.isfinite(g).all() for step in half for g in step)
+    for a, b in zip(half[-1], full[-1]):
+        assert (a - b).norm() <= 2e-2 * b.norm(), 'float16 storage is float32 K-FAC to float16 round-off'
 
 
 def test_state_dict_round_trip_is_exact():
