@@ -123,8 +123,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
     : config_(std::move(config)), communicator_(std::move(communicator)), state_(std::make_unique<State>()) {
   config_.validate();
   device_ = device ? *device : rank_device(config_, 0);
-  TORCH_CHECK(device_.is_cpu() || config_.device != DeviceChoice::kCpu, "--device cpu, but the trainer was handed ",
-              device_.str());
+  TORCH_CHECK(device_.is_cpu() || config_.device != DeviceChoice::kCpu, "Trainer was handed device ", device_.str(),
+              ", but its config says --device cpu");
   make_current(device_);
   if (communicator_) {
     rank_ = communicator_->rank();
