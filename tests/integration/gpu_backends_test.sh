@@ -8,8 +8,9 @@ set -euo pipefail
 dkfac="$1"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
-export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}"  # one GPU, so that two ranks share it
+# One GPU, so that two ranks share it: the first visible one (an empty CUDA_VISIBLE_DEVICES stays empty: skipped).
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-0}"
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}"
 
 source "$(dirname "$0")/lib.sh"
 
