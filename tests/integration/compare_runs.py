@@ -3,7 +3,10 @@
 logged for a step wins, so a resumed run's re-done steps replace the lost ones) and, with
 --same-parameters, the final parameters' CRC-32. Prints one line; exits 1 with "FAIL: ..." on a difference.
 
-  compare_runs.py REFERENCE RUN [--steps N] [--rtol R] [--same-parameters]
+  compare_runs.py REFERENCE RUN [--steps N] [--rtol R] [--first-rtol R1] [--same-parameters]
+
+Runs on different devices (CPU and GPU) round differently: --rtol then bounds the drift, and --first-rtol the
+first logged step alone (the same weights and batch on both sides), tighter.
 """
 import argparse
 import json
@@ -26,6 +29,7 @@ def main():
     parser.add_argument("run")
     parser.add_argument("--steps", type=int, help="both files must log exactly the steps 1..N")
     parser.add_argument("--rtol", type=float, default=0.0, help="largest relative difference allowed (0: equal)")
+    parser.add_argument("--first-rtol", type=float, help="largest relative difference at the first logged step")
     parser.add_argument("--same-parameters", action="store_true", help="the final parameters' CRC-32 must match")
     args = parser.parse_args()
     (reference, ref_summary), (run, run_summary) = read(args.reference), read(args.run)
@@ -49,6 +53,13 @@ def main():
         sys.exit(f"FAIL: losses differ, first at step {first[0]}: {first[1]} vs {first[2]} "
                  f"(largest relative difference {worst:.3g}, allowed {args.rtol:g})")
     line = f"{len(reference)} logged losses equal (largest relative difference {worst:.1g})"
+    if args.first_rtol is not None and reference:
+        step = min(reference)
+        diff = abs(run[step] - reference[step]) / max(abs(reference[step]), 1e-12)
+        if diff > args.first_rtol:
+            sys.exit(f"FAIL: the first logged loss (step {step}) differs: {reference[step]} vs {run[step]} "
+                     f"(relative {diff:.3g}, allowed {args.first_rtol:g})")
+        line += f", step {step} within {diff:.1g}"
     if args.same_parameters:
         a, b = ref_summary["parameters_crc32"], run_summary["parameters_crc32"]
         if a != b:

@@ -200,5 +200,39 @@ TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   }
 }
 
+TEST(TrainFlags, DeviceAndBackendParseTheirChoicesAndRefuseNcclOnTheCpu) {
+  const auto d = Parsed({}).config;
+  EXPECT_EQ(d.device, train::DeviceChoice::kCpu) << "the CPU by default: today's behaviour and numbers";
+  EXPECT_EQ(d.backend, comm::CudaBackend::kAuto);
+  EXPECT_EQ(Parsed({"--device", "cuda"}).config.device, train::DeviceChoice::kCuda);
+  EXPECT_EQ(Parsed({"--device", "auto"}).config.device, train::DeviceChoice::kAuto);
+  const auto gloo = Parsed({"--device", "cuda", "--backend", "gloo"}).config;
+  EXPECT_EQ(gloo.backend, comm::CudaBackend::kGloo);
+  EXPECT_EQ(Parsed({"--device", "auto", "--backend", "nccl"}).config.backend, comm::CudaBackend::kNccl);
+  EXPECT_EQ(Parsed({"--backend", "gloo"}).config.backend, comm::CudaBackend::kGloo) << "harmless on the CPU";
+
+  EXPECT_EQ(error_of({"--device", "gpu"}), "--device must be one of cpu, cuda, auto, got 'gpu'");
+  EXPECT_EQ(error_of({"--device", "cuda:1"}), "--device must be one of cpu, cuda, auto, got 'cuda:1'");
+  EXPECT_EQ(error_of({"--backend", "mpi"}), "--backend must be one of auto, nccl, gloo, got 'mpi'");
+  EXPECT_EQ(error_of({"--backend", "nccl"}),
+            "--backend nccl carries CUDA tensors, but --device cpu trains on the CPU (its collectives always go "
+            "through Gloo); pass --device cuda or auto, or leave --backend out");
+
+  // Both in the Distributed group, with their defaults; the ranks of a job must agree on both.
+  CLI::App app("train");
+  train::TrainConfig config;
+  add_train_options(app, config);
+  const std::string help = app.help();
+  for (const char* text : {"--device TEXT=cpu", "--backend TEXT=auto"}) {
+    const size_t at = help.find(text);
+    ASSERT_NE(at, std::string::npos) << text << " missing in:\n" << help;
+    EXPECT_LT(help.rfind("\nDistributed:", at), at) << text;
+    EXPECT_EQ(help.rfind("\nCheckpoints:", at), std::string::npos) << text << " after the Checkpoints group";
+  }
+  const auto options = train::to_json(gloo);
+  EXPECT_EQ(options.at("device"), "cuda");
+  EXPECT_EQ(options.at("backend"), "gloo");
+}
+
 }  // namespace
 }  // namespace dkfac::cli

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "dkfac/device.h"
 #include "tests/test_util.h"
 #include "tools/data/datasets.h"
 #include "tools/models/models.h"
@@ -281,6 +282,85 @@ TEST_F(TrainerTest, MetricsAreJsonLinesWithStepEpochAndSummary) {
   EXPECT_EQ(curve.label, "m");
   ASSERT_EQ(curve.step.size(), 8u) << "the step events: the training-loss curve";
   EXPECT_DOUBLE_EQ(curve.step_epoch.back(), 1.0) << "the last step of epoch 1";
+}
+
+// --device auto on a machine without a GPU is the CPU run, bit for bit: losses, test loss, parameters.
+TEST_F(TrainerTest, AutoWithoutAGpuTrainsExactlyAsTheCpu) {
+  if (device::cuda_available()) GTEST_SKIP() << "a CUDA device is visible: auto means cuda here (tests/integration/gpu_*)";
+  auto c = config();
+  c.max_steps = 12;
+  const auto cpu = Trainer(c).run();
+  c.device = DeviceChoice::kAuto;
+  Trainer automatic(c);
+  EXPECT_EQ(automatic.device(), c10::Device(c10::kCPU));
+  const auto chosen = automatic.run();
+  ASSERT_EQ(cpu.step_losses.size(), 12u);
+  EXPECT_EQ(chosen.step_losses, cpu.step_losses);
+  EXPECT_EQ(chosen.final_test_loss, cpu.final_test_loss);
+  EXPECT_EQ(chosen.parameters_crc32, cpu.parameters_crc32);
+  EXPECT_FALSE(chosen.gpu_max_memory_allocated_bytes.has_value()) << "no GPU memory on the CPU";
+}
+
+// A checkpoint written by a --device cpu run resumes under --device auto on the same trajectory.
+TEST_F(TrainerTest, CpuCheckpointResumesUnderAuto) {
+  if (device::cuda_available()) GTEST_SKIP() << "a CUDA device is visible: tests/integration/gpu_backends_test.sh";
+  auto c = config();
+  c.max_steps = 16;
+  const auto straight = Trainer(c).run();
+  c.checkpoint_dir = (dir_ / "cpu").string();
+  c.max_steps = 8;
+  Trainer(c).run();
+  c.device = DeviceChoice::kAuto;
+  c.resume = true;
+  c.max_steps = 16;
+  const auto resumed = Trainer(c).run();
+  ASSERT_EQ(resumed.step_losses.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(resumed.step_losses[i], straight.step_losses[8 + i]) << "step " << 9 + i;
+  EXPECT_EQ(resumed.parameters_crc32, straight.parameters_crc32);
+}
+
+// A one-rank group (what `--device cuda --backend nccl|gloo` builds for a single process, here on the CPU over
+// Gloo) trains as the single process does, bit for bit, with DDP's reducer averaging over one rank.
+TEST_F(TrainerTest, OneRankGroupTrainsAsASingleProcess) {
+  auto c = config();
+  c.max_steps = 8;
+  c.log_every = 4;
+  const auto single = Trainer(c).run();
+  c.metrics = (dir_ / "group.jsonl").string();
+  auto group = comm::Communicator::connect_in_process(std::make_shared<comm::InProcessStore>(), 0, 1);
+  const auto grouped = Trainer(c, group).run();
+  EXPECT_EQ(grouped.step_losses, single.step_losses);
+  EXPECT_EQ(grouped.parameters_crc32, single.parameters_crc32);
+  std::ifstream in(c.metrics);
+  std::string line, last;
+  while (std::getline(in, line)) last = line;
+  const auto summary = nlohmann::json::parse(last);
+  ASSERT_EQ(summary.at("ranks").size(), 1u);
+  EXPECT_GT(summary["ranks"][0]["comm_bytes"]["data_parallel"].get<int64_t>(), 0) << "the reducer ran";
+}
+
+// The run event names the device; GPU memory fields are absent on the CPU (tools/train/metrics.h).
+TEST_F(TrainerTest, CpuMetricsNameTheDeviceAndCarryNoGpuMemory) {
+  auto c = config();
+  c.max_steps = 4;
+  c.log_every = 2;
+  c.metrics = (dir_ / "m.jsonl").string();
+  Trainer(c).run();
+  std::ifstream in(c.metrics);
+  std::string line;
+  int events = 0;
+  while (std::getline(in, line)) {
+    const auto event = nlohmann::json::parse(line);
+    ++events;
+    if (event["event"] == "run") {
+      EXPECT_EQ(event.at("device"), "cpu");
+      EXPECT_EQ(event.at("options").at("device"), "cpu");
+      EXPECT_EQ(event.at("options").at("backend"), "auto");
+      EXPECT_FALSE(event.contains("cuda_backend"));
+    }
+    for (const auto& [key, value] : event.items()) EXPECT_EQ(key.rfind("gpu_", 0), std::string::npos) << key;
+  }
+  EXPECT_EQ(events, 4) << "run, two steps, summary";
 }
 
 // The flags with a fixed set of choices are enums parsed at the command line: an unknown name is an error

@@ -18,6 +18,9 @@
 #include <thread>
 #include <vector>
 
+#include "dkfac/device.h"
+#include "tools/train/devices.h"
+
 namespace dkfac::cli {
 namespace {
 
@@ -106,6 +109,31 @@ std::string describe_status(int status, bool signalled) {
   return "exit " + std::to_string(WEXITSTATUS(status));
 }
 
+// The CUDA devices LibTorch sees, counted in a child process: CUDA does not survive fork(), so the
+// launcher, which forks the workers next, must not initialise it itself.
+int cuda_devices_counted_in_child() {
+  int probe[2];
+  TORCH_CHECK(::pipe(probe) == 0, "cannot count the CUDA devices: pipe failed (", std::strerror(errno), ")");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(probe[0]);
+    const int count = dkfac::device::cuda_device_count();
+    const bool sent = ::write(probe[1], &count, sizeof(count)) == static_cast<ssize_t>(sizeof(count));
+    std::_Exit(sent ? 0 : 1);
+  }
+  ::close(probe[1]);
+  if (pid < 0) ::close(probe[0]);
+  TORCH_CHECK(pid > 0, "cannot count the CUDA devices: fork failed (", std::strerror(errno), ")");
+  int count = -1;
+  const ssize_t received = ::read(probe[0], &count, sizeof(count));
+  ::close(probe[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  TORCH_CHECK(received == static_cast<ssize_t>(sizeof(count)) && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "cannot count the CUDA devices: the probe process ended with ", describe_status(status, false));
+  return count;
+}
+
 }  // namespace
 
 bool report_to_launcher(LauncherReport kind, const std::string& message) {
@@ -117,6 +145,9 @@ bool report_to_launcher(LauncherReport kind, const std::string& message) {
 int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout_s) {
   using Clock = std::chrono::steady_clock;
   constexpr auto kGrace = std::chrono::seconds(5);
+  if (config.device != dkfac::train::DeviceChoice::kCpu) {
+    dkfac::train::check_ranks_fit_gpus(config, nproc, cuda_devices_counted_in_child());
+  }
   dkfac::comm::JobEnvironment job;
   job.world_size = nproc;
   job.local_world_size = nproc;

@@ -7,6 +7,7 @@
 #include "tools/cli/launch.h"
 #include "tools/cli/train_flags.h"
 #include "tools/common/memory.h"
+#include "tools/train/devices.h"
 
 namespace dkfac::cli {
 namespace {
@@ -17,8 +18,17 @@ struct RendezvousFlags {
   int master_port = 0;
 };
 
+// A single CUDA process with --backend nccl or gloo joins a one-rank group over that backend (the way to
+// try a backend on one GPU); otherwise a single process has no group.
+bool joins_one_rank_group(const dkfac::train::TrainConfig& config, c10::Device device) {
+  return device.is_cuda() && config.backend != dkfac::comm::CudaBackend::kAuto;
+}
+
 int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
   std::shared_ptr<dkfac::comm::Communicator> communicator;
+  // Before the rendezvous: NCCL's communicators and CUDA's events go to the current device.
+  const c10::Device device = dkfac::train::rank_device(config, job.local_rank);
+  dkfac::train::make_current(device);
   if (job.restart_count > 0) {
     // torch's elastic agent restarted the workers after a failure: continue from the last checkpoint.
     TORCH_CHECK(!config.checkpoint_dir.empty(), "the elastic agent restarted this job (restart ", job.restart_count,
@@ -31,7 +41,9 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
     if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
       std::cout << "launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
     }
-    communicator = dkfac::comm::Communicator::connect(job.rendezvous(std::chrono::seconds(timeout_s)));
+    auto rendezvous = job.rendezvous(std::chrono::seconds(timeout_s));
+    rendezvous.cuda_backend = config.backend;
+    communicator = dkfac::comm::Communicator::connect(rendezvous);
     // The main thread may be blocked in a collective that no longer completes: end the process here.
     communicator->on_lost_rank([rank = job.rank](const std::string& message) {
       std::cout << std::flush;
@@ -45,7 +57,11 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
       config.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / job.local_world_size);
     }
   }
-  dkfac::train::Trainer trainer(config, communicator);
+  if (job.world_size == 1 && joins_one_rank_group(config, device)) {
+    communicator = dkfac::comm::Communicator::connect_in_process(std::make_shared<dkfac::comm::InProcessStore>(), 0, 1,
+                                                                 std::chrono::seconds(timeout_s), config.backend);
+  }
+  dkfac::train::Trainer trainer(config, communicator, device);
   const auto summary = trainer.run();
   if (!config.metrics.empty() && job.rank == 0 && !summary.already_complete) {
     std::cout << "metrics: " << config.metrics << std::endl;

@@ -151,6 +151,16 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
                               "decompose A and G of a layer on different ranks", kDistributedGroup);
   app.add_flag("--symmetric-comm", c.symmetric_comm, "send symmetric factors as upper triangles (default: off)")
       ->group(kDistributedGroup);
+  add_choice(app, "--device", c.device,
+             "cpu | cuda (rank r of a node on cuda:LOCAL_RANK) | auto (cuda when a CUDA device is visible, else "
+             "cpu): where the model, optimizer and K-FAC state, batches and evaluation live")
+      ->group(kDistributedGroup);
+  add_choice(app, "--backend", c.backend,
+             "what carries collectives of CUDA tensors (CPU tensors always go through Gloo): auto (NCCL when "
+             "built with it and a GPU is visible, else Gloo) | nccl | gloo (copies through the host; lets more "
+             "ranks than GPUs share them round-robin, rank r on cuda:(LOCAL_RANK % GPUs)). nccl or gloo with "
+             "--device cuda in a single process: a one-rank group over that backend")
+      ->group(kDistributedGroup);
   app.add_option("--threads", c.threads, "intra-op threads (>= 0; 0: LibTorch's default, or cores / local ranks)")
       ->capture_default_str()
       ->group(kDistributedGroup);

@@ -91,7 +91,8 @@ void save_atomically(const std::string& path, const std::function<void(torch::se
   }
 }
 
-torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name) {
+torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name,
+                                                c10::Device device) {
   TORCH_CHECK(bytes.size() >= kEnvelopeBytes && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
               "'", name, "' is not a dkfac checkpoint (no DKFACCKP header)");
   const auto version = get_le(bytes, 8, 4);
@@ -108,7 +109,7 @@ torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const 
   torch::serialize::InputArchive archive;
   std::istringstream payload(bytes.substr(kEnvelopeBytes));
   try {
-    archive.load_from(payload);
+    archive.load_from(payload, device);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "checkpoint '", name, "' passed its checksum but its archive does not load: ",
                 e.what_without_backtrace());
@@ -118,13 +119,13 @@ torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const 
   return archive;
 }
 
-torch::serialize::InputArchive load_verified(const std::string& path) {
+torch::serialize::InputArchive load_verified(const std::string& path, c10::Device device) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in, "cannot open checkpoint '", path, "': ", std::strerror(errno));
   std::ostringstream bytes;
   bytes << in.rdbuf();
   TORCH_CHECK(!in.bad(), "reading checkpoint '", path, "' failed: ", std::strerror(errno));
-  return parse_checkpoint(bytes.str(), path);
+  return parse_checkpoint(bytes.str(), path, device);
 }
 
 }  // namespace dkfac::train

@@ -31,12 +31,14 @@ std::string envelope_header(const std::string& payload);
 /// the temporary file is removed and c10::Error is thrown.
 void save_atomically(const std::string& path, const std::function<void(torch::serialize::OutputArchive&)>& write);
 
-/// Reads `path`, verifies its envelope and returns the archive. Throws c10::Error naming the file and
-/// the defect: missing, not a dkfac checkpoint, another envelope version, truncated, trailing bytes,
-/// checksum mismatch, or an archive that does not parse.
-torch::serialize::InputArchive load_verified(const std::string& path);
+/// Reads `path`, verifies its envelope and returns the archive, its tensors on `device` whatever device
+/// wrote them (a GPU run's checkpoint resumes on the CPU and the other way round). Throws c10::Error naming
+/// the file and the defect: missing, not a dkfac checkpoint, another envelope version, truncated, trailing
+/// bytes, checksum mismatch, or an archive that does not parse.
+torch::serialize::InputArchive load_verified(const std::string& path, c10::Device device = c10::kCPU);
 
 /// What load_verified() does with the file's bytes; `name` appears in the messages.
-torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name);
+torch::serialize::InputArchive parse_checkpoint(const std::string& bytes, const std::string& name,
+                                                c10::Device device = c10::kCPU);
 
 }  // namespace dkfac::train

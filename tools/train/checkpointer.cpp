@@ -92,7 +92,7 @@ void Checkpointer::save(const std::function<void(torch::serialize::OutputArchive
   save_atomically(file, write);
 }
 
-std::optional<Checkpointer::Found> Checkpointer::find() {
+std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
   const auto names = existing_files();
   const int found_world = world_of(names);
   if (found_world != 0 && found_world != world_) {
@@ -110,7 +110,7 @@ std::optional<Checkpointer::Found> Checkpointer::find() {
   for (const auto& file : {path(), path() + ".prev"}) {
     if (!fs::exists(file)) continue;
     try {
-      auto archive = load_verified(file);
+      auto archive = load_verified(file, device);
       c10::IValue step;
       TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
                   "' has no 'global_step' entry");

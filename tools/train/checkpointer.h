@@ -45,8 +45,8 @@ class Checkpointer {
   /// checkpoint that verifies (its newest or `.prev`). nullopt: the directory holds no checkpoint of this
   /// job's ranks (a first run). Throws c10::Error when the directory holds another world size's
   /// checkpoints, when no file of this rank verifies (naming each file's defect), or when the ranks
-  /// have no step in common.
-  std::optional<Found> find();
+  /// have no step in common. The archive's tensors are on `device`, whatever device wrote them.
+  std::optional<Found> find(c10::Device device = c10::kCPU);
 
  private:
   /// The checkpoint files (not .prev) in the directory, by the world size their names say.

@@ -68,6 +68,20 @@ const std::vector<std::pair<std::string, StorageDtype>>& choices<StorageDtype>()
   return all;
 }
 template <>
+const std::vector<std::pair<std::string, DeviceChoice>>& choices<DeviceChoice>() {
+  static const std::vector<std::pair<std::string, DeviceChoice>> all = {
+      {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}, {"auto", DeviceChoice::kAuto}};
+  return all;
+}
+template <>
+const std::vector<std::pair<std::string, comm::CudaBackend>>& choices<comm::CudaBackend>() {
+  static const std::vector<std::pair<std::string, comm::CudaBackend>> all = {
+      {comm::to_string(comm::CudaBackend::kAuto), comm::CudaBackend::kAuto},
+      {comm::to_string(comm::CudaBackend::kNccl), comm::CudaBackend::kNccl},
+      {comm::to_string(comm::CudaBackend::kGloo), comm::CudaBackend::kGloo}};
+  return all;
+}
+template <>
 const std::vector<std::pair<std::string, ComputeMethod>>& choices<ComputeMethod>() {
   static const std::vector<std::pair<std::string, ComputeMethod>> all = {
       {to_string(ComputeMethod::kEigen), ComputeMethod::kEigen},
@@ -82,6 +96,7 @@ const char* to_string(LrSchedule value) { return name_of(value); }
 const char* to_string(NanPolicy value) { return name_of(value); }
 const char* to_string(TrainStrategy value) { return name_of(value); }
 const char* to_string(StorageDtype value) { return name_of(value); }
+const char* to_string(DeviceChoice value) { return name_of(value); }
 
 template <typename E>
 std::string choice_names() {
@@ -111,6 +126,8 @@ DKFAC_CHOICE(NanPolicy)
 DKFAC_CHOICE(TrainStrategy)
 DKFAC_CHOICE(StorageDtype)
 DKFAC_CHOICE(ComputeMethod)
+DKFAC_CHOICE(DeviceChoice)
+DKFAC_CHOICE(comm::CudaBackend)
 #undef DKFAC_CHOICE
 
 std::string TrainConfig::flag(const std::string& name) const {
@@ -152,6 +169,9 @@ void TrainConfig::validate() const {
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
   TORCH_CHECK(eval_examples >= 0, "--eval-examples must be >= 0, got ", eval_examples);
+  TORCH_CHECK(!(device == DeviceChoice::kCpu && backend == comm::CudaBackend::kNccl),
+              "--backend nccl carries CUDA tensors, but --device cpu trains on the CPU (its collectives always go "
+              "through Gloo); pass --device cuda or auto, or leave --backend out");
   TORCH_CHECK(grad_worker_fraction >= 0 && grad_worker_fraction <= 1, flag("--grad-worker-fraction"),
               " must be in [0, 1] (0: 1/P), got ", grad_worker_fraction);
   TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == TrainStrategy::kKaisa, flag("--grad-worker-fraction"),
@@ -197,7 +217,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"print-plan", c.print_plan},
           {"strategy", to_string(c.strategy)},
           {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
-          {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors}};
+          {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors},
+          {"device", to_string(c.device)}, {"backend", to_string(c.backend)}};
 }
 
 }  // namespace dkfac::train

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dkfac/comm/communicator.h"
 #include "dkfac/options.h"
 
 namespace dkfac::train {
@@ -32,7 +33,10 @@ enum class TrainStrategy { kKaisa, kDkfac, kDkfacLw, kSpd, kDp };
 /// --factor-dtype / --inv-dtype: kDefault ("" on the command line and in the output) keeps the
 /// model's (factors') dtype.
 enum class StorageDtype { kDefault, kFloat32, kFloat64, kBfloat16 };
-// --compute-method is the library's ComputeMethod (dkfac::to_string names it).
+/// --device: the CPU, cuda:LOCAL_RANK, or auto (cuda:LOCAL_RANK when a CUDA device is visible, else the CPU).
+enum class DeviceChoice { kCpu, kCuda, kAuto };
+// --compute-method is the library's ComputeMethod (dkfac::to_string names it); --backend is the
+// communicator's comm::CudaBackend (comm::to_string names it).
 
 /// A flag's names and the values they stand for, in the order --help and errors list them.
 template <typename E>
@@ -46,7 +50,9 @@ const char* to_string(LrSchedule value);
 const char* to_string(NanPolicy value);
 const char* to_string(TrainStrategy value);
 const char* to_string(StorageDtype value);  // "" for kDefault
+const char* to_string(DeviceChoice value);
 using dkfac::to_string;                     // ComputeMethod
+using dkfac::comm::to_string;               // CudaBackend
 
 /// The choices' names, comma-separated ("mlp, cnn, resnet20, autoencoder"); a StorageDtype's "" is left out.
 template <typename E>
@@ -73,6 +79,12 @@ struct TrainConfig {
   double warmup_epochs = 0.0;
   int64_t seed = 0;
   int threads = 0;  // 0: LibTorch's default
+  // Where each rank trains: model, optimizer state, batches, loss and evaluation (tools/train/devices.h).
+  DeviceChoice device = DeviceChoice::kCpu;
+  // What carries the collectives of CUDA tensors (CPU tensors always go through Gloo). kGloo also lets
+  // more ranks than GPUs share them round-robin (devices.h); with kNccl or kGloo a single CUDA process
+  // joins a one-rank group over that backend.
+  comm::CudaBackend backend = comm::CudaBackend::kAuto;
   bool kfac = true;
   double damping = 0.3;
   double factor_decay = 0.95;

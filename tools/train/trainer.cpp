@@ -1,7 +1,9 @@
 #include "tools/train/trainer.h"
 
 #include "tools/common/threads.h"
+#include "tools/plan/plan_report.h"
 #include "tools/train/checkpointer.h"
+#include "tools/train/devices.h"
 #include "tools/train/metrics.h"
 #include "dkfac/version.h"
 #include "dkfac/comm/communicator.h"
@@ -56,6 +58,31 @@ std::string shape_signature(torch::nn::Module& model) {
   return out.str();
 }
 
+// What the core's out-of-memory errors say after naming their place (device::rethrow_out_of_memory).
+constexpr const char* kRanOutOfMemory = " ran out of device memory: ";
+
+// Runs `phase`; a CUDA out-of-memory error inside it comes out naming `where()` (e.g. "the optimizer (sgd)
+// in step 12"), then the allocator's own words: how much was asked for, how much is in use. An error that
+// already names its place (the core's, naming a K-FAC layer) passes unchanged.
+template <typename Where, typename Phase>
+auto naming_out_of_memory(const Where& where, const Phase& phase) -> decltype(phase()) {
+  try {
+    return phase();
+  } catch (const c10::OutOfMemoryError& e) {
+    if (std::string(e.what_without_backtrace()).find(kRanOutOfMemory) != std::string::npos) throw;
+    device::rethrow_out_of_memory(e, where());
+  }
+}
+
+// The allocator's statistics of a GPU as metrics fields (tools/train/metrics.h); nothing on the CPU.
+void add_gpu_memory(nlohmann::json& event, c10::Device device) {
+  const auto stats = device::memory_stats(device);
+  if (!stats) return;
+  event["gpu_memory_allocated_bytes"] = stats->allocated;
+  event["gpu_max_memory_allocated_bytes"] = stats->peak_allocated;
+  event["gpu_memory_reserved_bytes"] = stats->reserved;
+}
+
 // CRC-32 of the bytes of every parameter and buffer, in registration order.
 uint32_t parameters_crc32(torch::nn::Module& model) {
   uint32_t crc = 0;
@@ -91,9 +118,14 @@ struct Trainer::State {
   double wall() const { return wall_offset + std::chrono::duration<double>(Clock::now() - start).count(); }
 };
 
-Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator)
+Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator,
+                 std::optional<c10::Device> device)
     : config_(std::move(config)), communicator_(std::move(communicator)), state_(std::make_unique<State>()) {
   config_.validate();
+  device_ = device ? *device : rank_device(config_, 0);
+  TORCH_CHECK(device_.is_cpu() || config_.device != DeviceChoice::kCpu, "Trainer was handed device ", device_.str(),
+              ", but its config says --device cpu");
+  make_current(device_);
   if (communicator_) {
     rank_ = communicator_->rank();
     world_ = communicator_->size();
@@ -109,6 +141,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   torch::manual_seed(static_cast<uint64_t>(config_.seed));
   const auto& d = s.dataset;
   s.model = models::make_model(to_string(config_.model), d.channels, d.height, d.width, d.classes);
+  // Initialised on the CPU (same weights on every device), then moved; the optimizer and K-FAC see it there.
+  naming_out_of_memory([this] { return "moving the model to " + device_.str(); }, [&] { s.model->to(device_); });
   if (config_.optimizer == Optimizer::kSgd) {
     s.optimizer = std::make_unique<torch::optim::SGD>(
         s.model->parameters(),
@@ -204,18 +238,27 @@ Evaluation Trainer::evaluate() {
   s.model->eval();
   const auto& test = s.dataset.test;
   const int64_t size = config_.eval_examples > 0 ? std::min(config_.eval_examples, test.size()) : test.size();
-  double loss_sum = 0.0;
-  int64_t correct = 0;
+  // Summed on the device and read once: no host synchronisation per batch. In float64, as the host's
+  // double sum was: the CPU's result is bit for bit what it was.
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  auto correct = torch::zeros({}, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   for (int64_t begin = 0; begin < size; begin += 1000) {
     const int64_t end = std::min(begin + 1000, size);
-    auto x = s.dataset.test_batch(begin, end);
-    auto y = test.labels.slice(0, begin, end);
-    auto out = s.model->forward(x);
-    loss_sum += loss_of(out, x, y).item<double>() * static_cast<double>(end - begin);
-    if (s.task == models::Task::kClassification) correct += out.argmax(1).eq(y).sum().item<int64_t>();
+    auto x = to_device(s.dataset.test_batch(begin, end), device_);
+    auto y = to_device(test.labels.slice(0, begin, end), device_);
+    naming_out_of_memory(
+        [&] {
+          return "evaluation of test examples " + std::to_string(begin) + "-" + std::to_string(end) + " on " +
+                 device_.str();
+        },
+        [&] {
+          auto out = s.model->forward(x);
+          loss_sum += loss_of(out, x, y).to(torch::kFloat64) * static_cast<double>(end - begin);
+          if (s.task == models::Task::kClassification) correct += out.argmax(1).eq(y).sum();
+        });
   }
   s.model->train();
-  return {loss_sum / size, static_cast<double>(correct) / size};
+  return {loss_sum.item<double>() / size, static_cast<double>(correct.item<int64_t>()) / size};
 }
 
 void Trainer::check_same_options() {
@@ -323,7 +366,7 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
 
 std::optional<Trainer::Position> Trainer::load_checkpoint() {
   auto& s = *state_;
-  auto chosen = s.checkpointer->find();
+  auto chosen = s.checkpointer->find(device_);  // tensors onto this run's device, whichever device saved them
   if (!chosen) {
     log() << "resume: no checkpoint in " << config_.checkpoint_dir << " yet, starting from scratch" << std::endl;
     return std::nullopt;
@@ -365,7 +408,7 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   torch::Tensor rng;
   archive.read("rng", rng, /*is_buffer=*/true);
   at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
-  generator.set_state(rng);
+  generator.set_state(rng.to(torch::kCPU));  // the CPU generator's state, read onto device_ with the rest
   Position at{read("epoch").toInt(), read("step_in_epoch").toInt()};
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
@@ -403,7 +446,12 @@ nlohmann::json Trainer::run_event(std::optional<int64_t> resumed_at_step) const 
                           {"machine", {{"hostname", host},
                                        {"cores", std::thread::hardware_concurrency()},
                                        {"libtorch", TORCH_VERSION}}},
+                          {"device", device_.str()},
                           {"started_utc", utc.str()}};
+  if (device_.is_cuda()) {
+    event["machine"]["cuda_devices"] = device::cuda_device_count();
+    if (communicator_) event["cuda_backend"] = comm::to_string(communicator_->cuda_backend());
+  }
   if (resumed_at_step) event["resumed_at_step"] = *resumed_at_step;
   return event;
 }
@@ -416,20 +464,29 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
   s.optimizer->zero_grad();
   const int64_t k_steps = config_.accumulation_steps;
   const int64_t micro = config_.batch_size / k_steps;
+  const std::string step = "step " + std::to_string(s.global_step + 1) + " (epoch " + std::to_string(at.epoch + 1) + ")";
   torch::Tensor loss;  // the step's loss: the sum of the micro-batches' losses / K
   for (int64_t k = 0; k < k_steps; ++k) {
     if (s.data_parallel && k == 0) s.data_parallel->broadcast_buffers();
     auto xk = x.slice(0, k * micro, (k + 1) * micro);
     auto yk = y.slice(0, k * micro, (k + 1) * micro);
-    auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
-    if (s.data_parallel) {
-      s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
-    } else {
-      micro_loss.backward();
-    }
-    loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
+    const auto where = [&] {
+      return "the forward and backward pass of " + step + ", micro-batch " + std::to_string(k + 1) + " of " +
+             std::to_string(k_steps) + " (" + std::to_string(micro) + " examples on " + device_.str() + ")";
+    };
+    naming_out_of_memory(where, [&] {
+      auto micro_loss = loss_of(s.model->forward(xk), xk, yk) / static_cast<double>(k_steps);
+      if (s.data_parallel) {
+        s.data_parallel->backward(micro_loss, /*average=*/k + 1 == k_steps);
+      } else {
+        micro_loss.backward();
+      }
+      loss = k == 0 ? micro_loss.detach() : loss + micro_loss.detach();
+    });
   }
-  if (!step_is_finite(loss)) {
+  const bool finite = naming_out_of_memory([&] { return "the finite check of " + step; },
+                                           [&] { return step_is_finite(loss); });
+  if (!finite) {
     TORCH_CHECK(config_.on_nan_loss == NanPolicy::kSkip, "training loss or gradient became non-finite (loss ",
                 loss.item<double>(), ") at step ", s.global_step, " (epoch ", at.epoch + 1,
                 "); the weights were not updated. Lower --lr or raise --damping, resume from the last "
@@ -441,21 +498,25 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
   if (s.kfac) {
     const auto* pipeline = s.kfac->strategy().pipeline();
     const bool profiling = pipeline && pipeline->profiling();
-    s.kfac->step();
+    naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
     if (profiling && !pipeline->profiling()) log() << pipeline->describe() << std::endl;
   }
-  s.optimizer->step();
+  naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
+                       [&] { s.optimizer->step(); });
   return loss.item<double>();
 }
 
 // The progress line of rank 0: redrawn in place on a terminal, one line per --log-every steps otherwise.
-void Trainer::draw_progress(const Position& at, double loss, double epoch_seconds, int64_t epoch_steps,
+// Its rate is images over the device's time since `epoch_start`.
+void Trainer::draw_progress(const Position& at, double loss, const device::Mark& epoch_start, int64_t epoch_steps,
                             bool logged) {
   const int64_t step_in_epoch = at.step_in_epoch;
   auto& s = *state_;
   const auto now = Clock::now();
   if (rank_ != 0 || !(logged || (s.terminal && now - s.last_draw > std::chrono::milliseconds(200)))) return;
   s.last_draw = now;
+  // The device's time since the epoch began (CUDA events on a GPU; the host clock on the CPU).
+  const double epoch_seconds = device::Mark::seconds_between(epoch_start, device::Mark::now(device_));
   const double rate = epoch_steps * config_.batch_size * world_ / std::max(epoch_seconds, 1e-9);
   const double eta = (s.steps_per_epoch - step_in_epoch - 1) * config_.batch_size * world_ / std::max(rate, 1e-9);
   std::ostringstream line;
@@ -526,11 +587,13 @@ TrainSummary Trainer::run() {
                                                                    : Existing::kRefuse);
     s.metrics.write(run_event(resumed_at_step));
   }
-  if (communicator_ && world_ > 1) {
+  if (communicator_) {
     // After the checkpoint is loaded (Module::load would detach the reducer's hooks). Rank 0's
-    // parameters and buffers go to every rank here.
+    // parameters and buffers go to every rank here. A one-rank group (--backend on one GPU) runs DDP's
+    // reducer too, so that its backend carries the gradients.
     s.data_parallel = std::make_unique<parallel::DataParallel>(*s.model, communicator_);
   }
+  device::reset_peak_memory(device_);  // the metrics' GPU peak is this run's
   s.start = Clock::now();
   const int64_t log_every =
       config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
@@ -539,6 +602,10 @@ TrainSummary Trainer::run() {
         << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
         << to_string(config_.optimizer) << ", batch "
         << config_.batch_size << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_
+        << ", device " << device_.str()
+        << (device_.is_cuda() && communicator_
+                ? std::string(" (CUDA collectives: ") + comm::to_string(communicator_->cuda_backend()) + ")"
+                : std::string())
         << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
                              std::to_string(config_.batch_size * world_) + ")"
                        : std::string())
@@ -552,7 +619,7 @@ TrainSummary Trainer::run() {
     auto order = torch::randperm(train.size(), generator);
     double epoch_loss = 0.0;
     int64_t epoch_steps = 0;
-    const auto epoch_start = Clock::now();
+    const auto epoch_start = device::Mark::now(device_);
     for (; at.step_in_epoch < s.steps_per_epoch; ++at.step_in_epoch) {
       if (config_.max_steps >= 0 && s.global_step >= config_.max_steps) {
         stop = true;
@@ -568,7 +635,7 @@ TrainSummary Trainer::run() {
         auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
         x = data::augment_crop_flip(x, aug);
       }
-      const auto loss = train_step(at, x, y);
+      const auto loss = train_step(at, to_device(x, device_), to_device(y, device_));
       const double epoch_progress = at.epoch + static_cast<double>(at.step_in_epoch + 1) / s.steps_per_epoch;
       if (!loss) {
         ++summary.skipped_steps;
@@ -585,13 +652,13 @@ TrainSummary Trainer::run() {
       ++epoch_steps;
       ++s.global_step;
       const bool log_step = s.global_step % log_every == 0;
-      draw_progress(at, *loss, std::chrono::duration<double>(Clock::now() - epoch_start).count(),
-                    epoch_steps, log_step);
+      draw_progress(at, *loss, epoch_start, epoch_steps, log_step);
       if (log_step) {
         nlohmann::json event = {{"event", "step"},         {"step", s.global_step},
                                 {"epoch", at.epoch + 1},   {"epoch_progress", epoch_progress},
                                 {"loss", *loss},           {"lr", s.current_lr},
                                 {"wall_time_s", s.wall()}};
+        add_gpu_memory(event, device_);
         if (s.kfac) {
           const auto& t = s.kfac->total_times();
           event["kfac_time_s"] = {{"factors", t.factors}, {"second_order", t.second_order},
@@ -629,6 +696,7 @@ TrainSummary Trainer::run() {
                             {"test_accuracy", last_eval.accuracy}, {"wall_time_s", s.wall()},
                             {"step", s.global_step}};
     if (s.kfac) event["kfac_time_s"] = s.kfac->total_times().total();
+    add_gpu_memory(event, device_);
     s.metrics.write(event);
     if (s.checkpointer && ((at.epoch + 1) % config_.checkpoint_every_epochs == 0 || at.epoch + 1 == config_.epochs)) {
       save_checkpoint({at.epoch + 1, 0}, "end of epoch " + std::to_string(at.epoch + 1));
@@ -649,9 +717,15 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
   summary.wall_seconds = s.wall();
   summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
   summary.parameters_crc32 = parameters_crc32(*s.model);
+  const auto gpu_memory = device::memory_stats(device_);
+  if (gpu_memory) summary.gpu_max_memory_allocated_bytes = gpu_memory->peak_allocated;
   log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
         << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1) << summary.wall_seconds
-        << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps" << std::endl;
+        << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
+        << (gpu_memory ? ", GPU memory peak " + plan::human_bytes(static_cast<double>(gpu_memory->peak_allocated)) +
+                             " on " + device_.str()
+                       : std::string())
+        << std::endl;
   nlohmann::json event = {{"event", "summary"},
                           {"steps", summary.steps},
                           {"best_test_accuracy", summary.best_accuracy},
@@ -664,11 +738,12 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
                           {"dataset", to_string(config_.dataset)},
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
+  add_gpu_memory(event, device_);
   if (communicator_) {
     // Every rank's traffic per phase, K-FAC memory and K-FAC phase times, gathered to rank 0 with one sum.
     const std::vector<std::string> phases = comm::Communicator::all_phase_names();
     const auto n = static_cast<int64_t>(phases.size());
-    auto table = torch::zeros({world_, n + 7}, torch::kFloat64);
+    auto table = torch::zeros({world_, n + 8}, torch::kFloat64);
     const auto traffic = communicator_->traffic();
     for (size_t k = 0; k < phases.size(); ++k) {
       const auto it = traffic.find(phases[k]);
@@ -682,6 +757,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
     table[rank_][n + 4] = times.apply;
     table[rank_][n + 5] = summary.wall_seconds;
     table[rank_][n + 6] = times.communication;
+    table[rank_][n + 7] = gpu_memory ? static_cast<double>(gpu_memory->peak_allocated) : 0.0;
     communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
     event["world_size"] = world_;
     nlohmann::json ranks = nlohmann::json::array();
@@ -699,6 +775,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
                          {"apply", row[n + 4].item<double>()},
                          {"communication", row[n + 6].item<double>()}}},
                        {"wall_time_s", row[n + 5].item<double>()}});
+      if (gpu_memory) ranks.back()["gpu_max_memory_allocated_bytes"] = row[n + 7].item<int64_t>();
     }
     event["ranks"] = ranks;
   }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "dkfac/device.h"
 #include "dkfac/dkfac.h"
 #include "tools/data/datasets.h"
 #include "tools/models/models.h"
@@ -34,16 +35,27 @@ struct TrainSummary {
   double wall_seconds = 0.0;
   double kfac_seconds = 0.0;
   bool already_complete = false;    // resumed a run that had reached --epochs / --max-steps: nothing done
+  std::optional<int64_t> gpu_max_memory_allocated_bytes;  // this rank's peak on its GPU; nullopt on the CPU
   uint32_t parameters_crc32 = 0;    // CRC-32 of every parameter and buffer's bytes: equal iff bit-identical
   std::vector<double> step_losses;  // every training step's loss, in order (this process only)
 };
 
 /// Single-process training loop of `dkfac train`: data, model, SGD/Adam, optional K-FAC, schedules,
-/// progress, metrics, atomic checkpoints and exact resume.
+/// progress, metrics, atomic checkpoints and exact resume, on the CPU or a GPU.
+///
+/// On a GPU the model (initialised on the CPU, so that both devices start from the same weights), the
+/// optimizer and K-FAC state, the batches (made on the CPU, copied through pinned memory), the loss and the
+/// evaluation live on the device; shuffling and augmentation keep their CPU generators, so the checkpoint's
+/// CPU generator state resumes them exactly on either device. A CUDA out-of-memory error is rethrown as a
+/// c10::OutOfMemoryError naming the phase (forward/backward, finite check, K-FAC, optimizer, evaluation) and
+/// the step, then the allocator's words (what was asked for, what is in use).
 class Trainer {
  public:
   /// Single process without `communicator`; rank `communicator->rank()` of a data-parallel job with it.
-  explicit Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator = nullptr);
+  /// `device`: where this rank trains (`dkfac train` resolves it from --device and the local rank:
+  /// rank_device() in devices.h); nullopt: rank_device(config, 0).
+  explicit Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communicator = nullptr,
+                   std::optional<c10::Device> device = std::nullopt);
   ~Trainer();
 
   /// Trains until `epochs` or `max_steps`, whichever comes first.
@@ -51,6 +63,9 @@ class Trainer {
 
   /// Mean loss and accuracy on the test set, without K-FAC capture or gradients.
   Evaluation evaluate();
+
+  /// The device this rank trains on.
+  c10::Device device() const { return device_; }
 
  private:
   struct State;
@@ -70,7 +85,8 @@ class Trainer {
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
   std::optional<double> train_step(const Position& at, const torch::Tensor& x, const torch::Tensor& y);
-  void draw_progress(const Position& at, double loss, double epoch_seconds, int64_t epoch_steps, bool logged);
+  void draw_progress(const Position& at, double loss, const dkfac::device::Mark& epoch_start, int64_t epoch_steps,
+                     bool logged);
   double global_mean(double sum, int64_t count);
   nlohmann::json run_event(std::optional<int64_t> resumed_at_step) const;
   TrainSummary finish(TrainSummary summary, const Evaluation& last_eval);
@@ -83,6 +99,7 @@ class Trainer {
   std::shared_ptr<comm::Communicator> communicator_;
   int rank_ = 0;
   int world_ = 1;
+  c10::Device device_{c10::kCPU};
   std::string threads_;  // thread setup, for the log
   std::unique_ptr<State> state_;
 };
