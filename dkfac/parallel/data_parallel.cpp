@@ -90,6 +90,8 @@ void DataParallel::backward(const torch::Tensor& loss, bool average) {
     reducer_->prepare_for_forward();
     reducer_->prepare_for_backward({loss});  // finds parameters outside the loss's graph (see the header)
     loss.backward();  // the reducer waits for its last bucket in autograd's final callback
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // the backward pass ran out of memory: not a communication failure
   } catch (const std::exception& e) {
     const std::string silent = communicator_->diagnose_failure();
     TORCH_CHECK(false, "dkfac: gradient allreduce (data_parallel) over ", communicator_->size(), " ranks failed (",
