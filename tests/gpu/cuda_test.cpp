@@ -98,7 +98,11 @@ TEST_P(OnCudaMatchesCpu, LinearAndConv2d) {
 
 INSTANTIATE_TEST_SUITE_P(Storage, OnCudaMatchesCpu,
                          ::testing::Combine(::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
-                                            ::testing::Values(0, 1, 2)));
+                                            ::testing::Values(0, 1, 2)),
+                         [](const ::testing::TestParamInfo<DtypeParam>& info) {
+                           const auto [method, storage] = info.param;
+                           return std::string(to_string(method)) + (storage == 0 ? "Float32" : storage == 1 ? "Bfloat16" : "Float16");
+                         });
 
 TEST(OnCudaNccl, OneRankGroupServesCollectives) {
   DKFAC_REQUIRE_CUDA();
