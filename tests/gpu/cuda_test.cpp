@@ -96,13 +96,16 @@ TEST_P(OnCudaMatchesCpu, LinearAndConv2d) {
   expect_close(run(cuda, torch::kFloat32, options_for(method, storage)), expected, rtol, c10::toString(storage));
 }
 
+std::string storage_name(const ::testing::TestParamInfo<DtypeParam>& info) {
+  const auto method = std::get<0>(info.param);
+  const int storage = std::get<1>(info.param);
+  return std::string(to_string(method)) + (storage == 0 ? "Float32" : storage == 1 ? "Bfloat16" : "Float16");
+}
+
 INSTANTIATE_TEST_SUITE_P(Storage, OnCudaMatchesCpu,
                          ::testing::Combine(::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
                                             ::testing::Values(0, 1, 2)),
-                         [](const ::testing::TestParamInfo<DtypeParam>& info) {
-                           const auto [method, storage] = info.param;
-                           return std::string(to_string(method)) + (storage == 0 ? "Float32" : storage == 1 ? "Bfloat16" : "Float16");
-                         });
+                         storage_name);
 
 TEST(OnCudaNccl, OneRankGroupServesCollectives) {
   DKFAC_REQUIRE_CUDA();
