@@ -1,0 +1,381 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs: builds dkfac against its python3's torch with the dependencies from
+# .gpu-bundle (scripts/gpu_bundle.sh makes it on the Debian machine), runs the GPU tests and the GPU
+# benchmark, and leaves every log, JSON and table in one folder with a summary (docs/GPU.md).
+#
+#   ./scripts/gpu_check.sh [STAGE] [OUT_DIR]      (defaults: all, ./gpu-results)
+#
+# Stages, each within the GPU machine's 10 minutes per command when run alone (the build resumes where a
+# stopped one left off); every stage first records the environment (step env):
+#   build           googletest from the bundle's sources, configure (Release, Ninja), build
+#   ctest           ctest -L gpu (the GPU-labelled GoogleTest and integration tests)
+#   pytest          pytest -m gpu tests/python against the built extension
+#   test            ctest, then pytest
+#   bench-resnet50  bench/python_step.py --device cuda --models resnet50 (SGD, dkfac, kfac_pytorch)
+#   bench-bert      the same for the BERT-Large-shaped encoder
+#   bench           both benchmarks
+#   all             build, test, bench (longer than 10 minutes: for a machine without that limit)
+#   summary         only rewrites OUT_DIR/summary.md from the steps recorded so far
+#
+# Settings (environment):
+#   DKFAC_GPU_PYTHON        interpreter with torch (python3)
+#   DKFAC_GPU_BUILD_DIR     build directory (build-gpu, ignored by git)
+#   DKFAC_GPU_BUNDLE        the bundle (.gpu-bundle)
+#   DKFAC_GPU_JOBS          build parallelism (nproc)
+#   DKFAC_GPU_STEP_TIMEOUT  seconds one step may take before it is stopped and marked TIMEOUT (540)
+#   DKFAC_GPU_CTEST_ARGS    more ctest arguments (e.g. "-R Cuda" or "-E train" to split a long run)
+#   DKFAC_GPU_PYTEST_ARGS   more pytest arguments (e.g. "-k autocast" or "-x")
+#   DKFAC_GPU_BENCH_DEVICE  the benchmark's --device (cuda; cpu runs the stage's plumbing without a GPU)
+#   DKFAC_GPU_BENCH_ARGS    more arguments for bench/python_step.py (e.g. "--quick" or "--bert-layers 12")
+#   DKFAC_GPU_EXPORT        a folder that also gets summary.md and OUT_DIR packed as gpu-results.tar.gz at the
+#                           end (the device tool's $OUT, which brings back at most 8 files)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit
+repo=$PWD
+
+stage=${1:-all}
+out=${2:-gpu-results}
+python=${DKFAC_GPU_PYTHON:-python3}
+build=${DKFAC_GPU_BUILD_DIR:-build-gpu}
+bundle=${DKFAC_GPU_BUNDLE:-.gpu-bundle}
+jobs=${DKFAC_GPU_JOBS:-$(nproc)}
+step_timeout=${DKFAC_GPU_STEP_TIMEOUT:-540}
+bench_device=${DKFAC_GPU_BENCH_DEVICE:-cuda}
+read -r -a bench_args <<<"${DKFAC_GPU_BENCH_ARGS:-}"
+read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
+read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
+
+# The steps, in the order the summary lists them.
+steps=(env googletest configure build ctest-gpu pytest-gpu bench-resnet50 bench-bert)
+
+mkdir -p "$out/status" "$build"
+out=$(realpath "$out")
+build=$(realpath "$build")
+[[ -d $bundle ]] && bundle=$(realpath "$bundle")
+failed=0
+
+log() { echo "gpu_check: $*" >&2; }
+
+# record STEP RESULT DETAIL: RESULT is PASS, FAIL, TIMEOUT or SKIP.
+record() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$out/status/$1.tsv"
+  log "$1: $2${3:+ ($3)}"
+  if [[ $2 == FAIL || $2 == TIMEOUT ]]; then failed=1; fi
+}
+
+# run_logged LOG COMMAND...: runs COMMAND under the step timeout with its output appended to LOG; returns
+# its status.
+run_logged() {
+  local logfile=$1
+  shift
+  echo "+ $*" >>"$logfile"
+  timeout --kill-after=20 "$step_timeout" "$@" >>"$logfile" 2>&1
+}
+
+# result_of STATUS: the result word for a command's exit status.
+result_of() {
+  case $1 in
+    0) echo PASS ;;
+    124 | 137) echo TIMEOUT ;;
+    *) echo FAIL ;;
+  esac
+}
+
+# --- env: the machine, the GPU and the versions -------------------------------------------------------
+step_env() {
+  {
+    echo "== date: $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname), $(uname -srm)"
+    echo "== commit: $(git -C "$repo" rev-parse HEAD 2>/dev/null || echo 'no git directory')"
+    echo "== nvidia-smi"
+    nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>&1 || true
+    echo "== nvcc"
+    nvcc --version 2>&1 || /usr/local/cuda/bin/nvcc --version 2>&1 || echo "nvcc: not found"
+    echo "== tools"
+    cmake --version 2>&1 | head -1
+    echo "ninja $(ninja --version 2>&1)"
+    c++ --version 2>&1 | head -1
+    echo "cores: $(nproc), memory: $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)"
+    echo "bundle: $bundle"
+    head -12 "$bundle/MANIFEST.txt" 2>/dev/null ||
+      echo "no $bundle/MANIFEST.txt: run scripts/gpu_bundle.sh on the Debian machine"
+  } >"$out/environment.txt" 2>&1
+  local driver
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  DKFAC_DRIVER=$driver "$python" - >"$out/environment.json" 2>>"$out/environment.txt" <<'EOF'
+import json, os, platform, sys
+info = {'python': platform.python_version(), 'platform': platform.platform(), 'cores': os.cpu_count(),
+        'driver': os.environ.get('DKFAC_DRIVER') or None}
+try:
+    import torch
+    info.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
+                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                threads=torch.get_num_threads())
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, device_count=torch.cuda.device_count(), capability=f'{p.major}.{p.minor}',
+                    device_memory_gib=round(p.total_memory / 2**30, 1),
+                    nccl='.'.join(map(str, torch.cuda.nccl.version())))
+    else:
+        info['device'] = None
+except Exception as error:  # reported, not raised: the summary says what is missing
+    info['torch_error'] = repr(error)
+try:
+    import torchvision
+    info['torchvision'] = torchvision.__version__
+except Exception as error:
+    info['torchvision_error'] = repr(error)
+json.dump(info, sys.stdout, indent=1, sort_keys=True)
+EOF
+  cat "$out/environment.json" >>"$out/environment.txt"
+  local device
+  device=$("$python" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('device') or '')" \
+    "$out/environment.json" 2>/dev/null)
+  if [[ -n $device ]]; then
+    record env PASS "$device, driver ${driver:-unknown}"
+  elif ! "$python" -c "import torch" 2>/dev/null; then
+    record env FAIL "$python cannot import torch"
+  else
+    local smi="no nvidia-smi"
+    if command -v nvidia-smi >/dev/null; then smi="nvidia-smi -L: $(nvidia-smi -L 2>&1 | head -1)"; fi
+    record env FAIL "torch.cuda.is_available() is False; $smi"
+  fi
+}
+
+# --- build: googletest from the bundle's sources, then dkfac --------------------------------------------
+step_googletest() {
+  local prefix=$build/_deps/prefix
+  if [[ -f $prefix/lib/cmake/GTest/GTestConfig.cmake ]]; then
+    record googletest PASS "built earlier, $prefix"
+    return
+  fi
+  if [[ ! -f $bundle/src/googletest/CMakeLists.txt ]]; then
+    record googletest FAIL "no $bundle/src/googletest: run scripts/gpu_bundle.sh and carry .gpu-bundle"
+    return 1
+  fi
+  local rc=0 gtest_build=$build/_deps/googletest-build
+  : >"$out/googletest.log"
+  run_logged "$out/googletest.log" cmake -S "$bundle/src/googletest" -B "$gtest_build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" -DCMAKE_INSTALL_LIBDIR=lib \
+    -DCMAKE_CXX_STANDARD=17 -DCMAKE_POSITION_INDEPENDENT_CODE=ON -DBUILD_GMOCK=ON -DINSTALL_GTEST=ON &&
+    run_logged "$out/googletest.log" cmake --build "$gtest_build" --parallel "$jobs" &&
+    run_logged "$out/googletest.log" cmake --install "$gtest_build" || rc=$?
+  record googletest "$(result_of $rc)" "googletest $(sed -n 's/^set(GOOGLETEST_VERSION \(.*\))$/\1/p' \
+    "$bundle/src/googletest/CMakeLists.txt") into $prefix; log googletest.log"
+  return $rc
+}
+
+step_configure() {
+  if [[ -f $build/CMakeCache.txt && -f $build/build.ninja ]]; then
+    record configure PASS "configured earlier, $build (the build re-runs CMake when a CMakeLists changes)"
+    return
+  fi
+  # The CUDA toolkit: cmake/torch.cmake takes /usr/local/cuda; else nvcc on PATH, else pip's cuda-toolkit.
+  local extra=() notes=() nvcc_path=""
+  if [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+    nvcc_path=$(command -v nvcc || "$python" -c "import glob, site
+print(next(iter(sorted(glob.glob(site.getsitepackages()[0] + '/nvidia/*/bin/nvcc'))), ''))" 2>/dev/null)
+    if [[ -n $nvcc_path ]]; then extra+=(-DCUDAToolkit_ROOT="$(dirname "$(dirname "$(realpath "$nvcc_path")")")"); fi
+  fi
+  # The extension needs Python's headers; without them the C++ library, tools and tests still build.
+  if ! "$python" -c "import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" 2>/dev/null; then
+    extra+=(-DDKFAC_BUILD_PYTHON=OFF)
+    notes+=("no Python.h for $python: built without the Python extension (pytest-gpu and the benchmark cannot"
+      "run dkfac)")
+  fi
+  local rc=0
+  : >"$out/configure.log"
+  run_logged "$out/configure.log" cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DDKFAC_PYTHON="$(command -v "$python")" \
+    -DCMAKE_PREFIX_PATH="$bundle;$build/_deps/prefix" \
+    -DDKFAC_GLOO_INCLUDE_DIR="$bundle/include" \
+    -DZLIB_INCLUDE_DIR="$bundle/include" -DZLIB_LIBRARY="$bundle/lib/libz.a" \
+    "${extra[@]}" || rc=$?
+  local detail
+  detail=$(grep -o -E 'dkfac: (torch|NCCL|no NCCL).*' "$out/configure.log" | sed 's/^dkfac: //' | paste -sd ';' -)
+  if ((rc != 0)); then
+    rm -f "$build/CMakeCache.txt"  # configure again next time
+    detail="$(grep -m1 -A2 'CMake Error' "$out/configure.log" | tr '\n' ' ' | cut -c1-300)"
+  fi
+  record configure "$(result_of $rc)" "${detail:-no details}${notes[*]:+; ${notes[*]}}; log configure.log"
+  return $rc
+}
+
+step_build() {
+  local rc=0 start=$SECONDS
+  : >"$out/build.log"
+  run_logged "$out/build.log" cmake --build "$build" --parallel "$jobs" || rc=$?
+  local detail="$((SECONDS - start)) s with $jobs jobs; log build.log"
+  if ((rc == 124 || rc == 137)); then detail="stopped after $step_timeout s: run the build stage again to continue"; fi
+  if ((rc != 0 && rc != 124 && rc != 137)); then
+    detail="$(grep -m1 -E 'error|FAILED' "$out/build.log" | cut -c1-200); log build.log"
+  fi
+  record build "$(result_of $rc)" "$detail"
+  return $rc
+}
+
+# --- test: GPU-labelled ctest tests and pytest's gpu marker ------------------------------------------------
+# Summarises a JUnit file (ctest's or pytest's) into TESTS_FILE: one line per test, skip reasons included.
+summarise_junit() {
+  "$python" - "$1" "$2" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+junit, listing = sys.argv[1], sys.argv[2]
+counts = {'passed': 0, 'failed': 0, 'skipped': 0}
+lines = []
+for case in ET.parse(junit).getroot().iter('testcase'):
+    name = case.get('name')
+    if case.get('classname') and case.get('classname') != name:
+        name = f"{case.get('classname')}::{name}"
+    output = (case.findtext('system-out') or '').strip().splitlines()
+    skipped = case.find('skipped')
+    if case.find('failure') is not None or case.find('error') is not None or case.get('status') == 'fail':
+        result, reason = 'failed', (output[-1] if output else '')
+    elif skipped is not None or case.get('status') == 'notrun' or any('[  SKIPPED ]' in l for l in output):
+        # GoogleTest: "file:line: Skipped" then the reason; scripts and pytest: a line that says skip.
+        said = [output[i + 1] for i, l in enumerate(output[:-1]) if l.rstrip().endswith(': Skipped')]
+        said = said or [l for l in output if 'skip' in l.lower() and '[  SKIPPED ]' not in l and l.strip()]
+        message = (skipped.get('message') if skipped is not None else '') or ''
+        result, reason = 'skipped', said[-1] if said else message
+    else:
+        result, reason = 'passed', ''
+    counts[result] += 1
+    lines.append(f'{result:8} {name}' + (f'  -- {reason.strip()}' if reason else ''))
+with open(listing, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+EOF
+}
+
+step_ctest() {
+  if [[ ! -f $build/CTestTestfile.cmake ]]; then
+    record ctest-gpu FAIL "no build in $build: run the build stage first"
+    return 1
+  fi
+  local rc=0 counts
+  rm -f "$out/ctest-gpu.xml"
+  : >"$out/ctest-gpu.log"
+  DKFAC_FASHION_MNIST="$bundle/fashion-mnist" run_logged "$out/ctest-gpu.log" \
+    ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error --timeout 480 \
+    --output-junit "$out/ctest-gpu.xml" "${ctest_args[@]}" || rc=$?
+  counts=$([[ -f $out/ctest-gpu.xml ]] && summarise_junit "$out/ctest-gpu.xml" "$out/ctest-gpu-tests.txt")
+  if grep -q "No tests were found" "$out/ctest-gpu.log"; then counts="no test has the label gpu"; fi
+  record ctest-gpu "$(result_of $rc)" "${counts:-no JUnit file}; every test in ctest-gpu-tests.txt, log ctest-gpu.log"
+  return $rc
+}
+
+step_pytest() {
+  if [[ ! -d $build/python/dkfac ]]; then
+    record pytest-gpu FAIL "no $build/python/dkfac: run the build stage first"
+    return 1
+  fi
+  local rc=0 counts detail
+  rm -f "$out/pytest-gpu.xml"
+  : >"$out/pytest-gpu.log"
+  DKFAC_BUILD_PYTHON="$build/python" PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
+    DKFAC_CPP_REFERENCE="$build/tests/dkfac_cpp_reference" DKFAC_FASHION_MNIST="$bundle/fashion-mnist" \
+    run_logged "$out/pytest-gpu.log" "$python" -m pytest -m gpu -v -rs -p no:cacheprovider \
+    --junitxml="$out/pytest-gpu.xml" "${pytest_args[@]}" tests/python || rc=$?
+  counts=$([[ -f $out/pytest-gpu.xml ]] && summarise_junit "$out/pytest-gpu.xml" "$out/pytest-gpu-tests.txt")
+  detail="${counts:-no JUnit file}; every test in pytest-gpu-tests.txt, log pytest-gpu.log"
+  if ((rc == 5)); then detail="no test is marked gpu; log pytest-gpu.log"; fi
+  record pytest-gpu "$(result_of $rc)" "$detail"
+  return $rc
+}
+
+# --- bench: bench/python_step.py on the GPU ------------------------------------------------------------
+step_bench() {  # step_bench MODEL
+  local model=$1 name=bench-$1
+  if [[ $bench_device == cuda ]] &&
+    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    record "$name" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
+    return
+  fi
+  if ! compgen -G "$build/python/dkfac/_C*.so" >/dev/null; then
+    record "$name" FAIL "no extension in $build/python/dkfac: run the build stage first"
+    return 1
+  fi
+  local reference=() rc=0
+  if [[ -d $bundle/kfac-pytorch/kfac ]]; then
+    reference=(--kfac-pytorch-src "$bundle/kfac-pytorch")
+  else
+    log "$name: no $bundle/kfac-pytorch: kfac_pytorch is left out"
+  fi
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=20 "$step_timeout" \
+    "$python" bench/python_step.py --device "$bench_device" --models "$model" "${reference[@]}" \
+    --json "$out/$name.json" --markdown "$out/$name.md" "${bench_args[@]}" \
+    >"$out/$name.txt" 2>"$out/$name.log" || rc=$?
+  local verdicts
+  verdicts=$(sed -n 's/^verdict: //p' "$out/$name.txt" | awk 'NR > 1 {printf " / "} {printf "%s", $0}')
+  if ((rc != 0)) && [[ -z $verdicts ]]; then verdicts=$(grep -v -i warn "$out/$name.log" | tail -1 | cut -c1-200); fi
+  record "$name" "$(result_of $rc)" "${verdicts:-no verdict}; table $name.md, log $name.log"
+  return $rc
+}
+
+# --- summary -------------------------------------------------------------------------------------------
+write_summary() {
+  local file=$out/summary.md
+  {
+    echo "# dkfac GPU check"
+    echo
+    "$python" - "$out/environment.json" <<'EOF' 2>/dev/null || echo "(no environment.json)"
+import json, sys
+e = json.load(open(sys.argv[1]))
+print(f"- device: {e.get('device') or 'no CUDA device'} ({e.get('device_count', 0)} visible, "
+      f"capability {e.get('capability', '-')}, {e.get('device_memory_gib', '-')} GiB)")
+print(f"- torch {e.get('torch', '-')}, CUDA {e.get('cuda', '-')}, driver {e.get('driver') or '-'}, "
+      f"cuDNN {e.get('cudnn', '-')}, NCCL {e.get('nccl', '-')}, torchvision {e.get('torchvision', '-')}")
+print(f"- Python {e.get('python')}, {e.get('cores')} cores, {e.get('platform')}")
+EOF
+    echo "- commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown); build: $build;" \
+      "bundle: $bundle"
+    echo
+    echo "| step | result | detail | at (UTC) |"
+    echo "|---|---|---|---|"
+    local step
+    for step in "${steps[@]}"; do
+      if [[ -f $out/status/$step.tsv ]]; then
+        local name result detail at
+        IFS=$'\t' read -r name result detail at <"$out/status/$step.tsv"
+        echo "| $name | $result | ${detail//|/\\|} | $at |"
+      else
+        echo "| $step | not run | | |"
+      fi
+    done
+  } >"$file"
+  local tables=("$out"/bench-resnet50.md "$out"/bench-bert.md) present=()
+  local t
+  for t in "${tables[@]}"; do [[ -f $t ]] && present+=("$t"); done
+  if ((${#present[@]} > 0)); then cat "${present[@]}" >"$out/bench-gpu.md"; fi
+  cat "$file"
+}
+
+run_build() { step_googletest && step_configure && step_build; }
+run_test() { step_ctest; step_pytest; }
+run_bench() { step_bench resnet50; step_bench bert; }
+
+case $stage in
+  build | ctest | pytest | test | bench-resnet50 | bench-bert | bench | all) step_env ;;
+  summary) ;;
+  *) echo "usage: $0 [build|ctest|pytest|test|bench-resnet50|bench-bert|bench|all|summary] [OUT_DIR]" >&2; exit 2 ;;
+esac
+case $stage in
+  build) run_build ;;
+  ctest) step_ctest ;;
+  pytest) step_pytest ;;
+  test) run_test ;;
+  bench-resnet50) step_bench resnet50 ;;
+  bench-bert) step_bench bert ;;
+  bench) run_bench ;;
+  all) run_build && run_test; run_bench ;;
+esac
+write_summary
+log "results in $out"
+if [[ -n ${DKFAC_GPU_EXPORT:-} ]]; then
+  mkdir -p "$DKFAC_GPU_EXPORT"
+  cp "$out/summary.md" "$DKFAC_GPU_EXPORT/"
+  tar -C "$(dirname "$out")" -czf "$DKFAC_GPU_EXPORT/gpu-results.tar.gz" "$(basename "$out")"
+  log "summary.md and gpu-results.tar.gz in $DKFAC_GPU_EXPORT"
+fi
+exit $failed
