@@ -2,7 +2,7 @@
 
 #include "dkfac/nn/kfac_module.h"
 
-#include <chrono>
+#include <algorithm>
 #include <iomanip>
 #include <limits>
 #include <regex>
@@ -321,16 +321,9 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
     const bool a_part = strategy_->computes_a(i);
     const bool g_part = strategy_->computes_g(i);
     if (!a_part && !g_part) continue;
-    at("second-order update", static_cast<int64_t>(i));
-    try {
+    keeping_previous_state(i, [&] {
       pending.emplace_back(i, layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part));
-    } catch (const c10::OutOfMemoryError&) {
-      throw;
-    } catch (const c10::Error& e) {
-      ++events_.second_order_failures;
-      warn_once(i, "second_order",
-                std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
-    }
+    });
   }
   // Every layer's check at once: one wait for the device.
   std::vector<torch::Tensor> checks;
@@ -343,23 +336,29 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
       layer.set_second_order(std::move(p.state));
       continue;
     }
-    at("second-order update", static_cast<int64_t>(i));
-    try {
-      // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
+    // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
+    keeping_previous_state(i, [&] {
       layer.compute_second_order(method, damping, options_.pi_damping(), strategy_->computes_a(i),
                                  strategy_->computes_g(i));
-    } catch (const c10::OutOfMemoryError&) {
-      throw;
-    } catch (const c10::Error& e) {
-      ++events_.second_order_failures;
-      warn_once(i, "second_order",
-                std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
-    }
+    });
   }
   at("second-order broadcast");
   time_communication(&PhaseTimes::second_order, [&] { strategy_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && strategy_->preconditions(i)) plan[i].usable = false;
+  }
+}
+
+void Preconditioner::keeping_previous_state(size_t index, const std::function<void()>& update) {
+  at("second-order update", static_cast<int64_t>(index));
+  try {
+    update();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // step() names it with the phase and layer
+  } catch (const c10::Error& e) {
+    ++events_.second_order_failures;
+    warn_once(index, "second_order",
+              std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
   }
 }
 
@@ -469,10 +468,10 @@ void Preconditioner::time_communication(double PhaseTimes::*phase, const std::fu
 
 namespace {
 
-template <typename Spans>
-PhaseTimes resolve(const Spans& spans) {
+template <typename Iterator>
+PhaseTimes resolve(Iterator begin, Iterator end) {
   PhaseTimes times;
-  for (const auto& s : spans) times.*s.phase += s.sign * device::Mark::seconds_between(s.start, s.end);
+  for (auto s = begin; s != end; ++s) times.*s->phase += s->sign * device::Mark::seconds_between(s->start, s->end);
   return times;
 }
 
@@ -492,22 +491,22 @@ void Preconditioner::close_step_timing() {
   last_spans_ = std::exchange(step_spans_, {});
   last_seconds_ = std::exchange(step_seconds_, {});
   constexpr size_t kMostUnresolved = 4096;
-  size_t reached = 0;
-  while (reached < older_spans_.size() && (older_spans_.size() > kMostUnresolved || older_spans_[reached].end.reached())) {
-    ++reached;
-  }
-  total_times_ += resolve(std::vector<Span>(older_spans_.begin(), older_spans_.begin() + static_cast<std::ptrdiff_t>(reached)));
-  older_spans_.erase(older_spans_.begin(), older_spans_.begin() + static_cast<std::ptrdiff_t>(reached));
+  const auto unreached = older_spans_.size() > kMostUnresolved
+                             ? older_spans_.end()
+                             : std::find_if(older_spans_.begin(), older_spans_.end(),
+                                            [](const Span& span) { return !span.end.reached(); });
+  total_times_ += resolve(older_spans_.begin(), unreached);
+  older_spans_.erase(older_spans_.begin(), unreached);
 }
 
 PhaseTimes Preconditioner::last_step_times() const {
-  PhaseTimes times = resolve(last_spans_);
+  PhaseTimes times = resolve(last_spans_.begin(), last_spans_.end());
   times += last_seconds_;
   return times;
 }
 
 PhaseTimes Preconditioner::total_times() const {
-  total_times_ += resolve(older_spans_);
+  total_times_ += resolve(older_spans_.begin(), older_spans_.end());
   older_spans_.clear();
   PhaseTimes times = total_times_;
   times += last_step_times();

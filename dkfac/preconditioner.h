@@ -156,6 +156,9 @@ class Preconditioner {
   void update_factors(std::vector<LayerPlan>& plan);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerPlan>& plan);
   void compute_second_order(std::vector<LayerPlan>& plan);
+  /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
+  /// layer keeps its previous state.
+  void keeping_previous_state(size_t index, const std::function<void()>& update);
   std::vector<torch::Tensor> precondition(const std::vector<LayerPlan>& plan);
   /// The NaN guard and KL clipping with one host synchronisation: marks unusable layers, returns nu.
   double guard_and_clip(std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
