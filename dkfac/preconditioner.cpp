@@ -1,6 +1,7 @@
 #include "dkfac/preconditioner.h"
 
 #include "dkfac/nn/kfac_module.h"
+#include "dkfac/numbers.h"
 
 #include <algorithm>
 #include <iomanip>
@@ -19,32 +20,6 @@ bool matches_any(const std::vector<std::string>& patterns, const std::string& na
     if (std::regex_search(name, re) || std::regex_search(kind, re)) return true;
   }
   return false;
-}
-
-// "157.4 MB", "1.2 GB": a size for a log line.
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "kB", "MB", "GB", "TB"};
-  int unit = 0;
-  while (bytes >= 1000.0 && unit < 4) {
-    bytes /= 1000.0;
-    ++unit;
-  }
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(unit == 0 ? 0 : 1) << bytes << " " << units[unit];
-  return out.str();
-}
-
-// "2.2 TFLOP": a count of floating-point operations.
-std::string human_flops(double flops) {
-  const char* units[] = {"", "k", "M", "G", "T", "P"};
-  int unit = 0;
-  while (flops >= 1000.0 && unit < 5) {
-    flops /= 1000.0;
-    ++unit;
-  }
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1) << flops << " " << units[unit] << "FLOP";
-  return out.str();
 }
 
 // Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
@@ -184,7 +159,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   device_ = layers_.front().weight().device();
   factor_ok_.resize(layers_.size());
   report_large_factors(layers_, options_, names_);
-  strategy_ = std::make_unique<strategy::Distributed>(std::move(communicator), layers_, options_);
+  executor_ = std::make_unique<strategy::StepExecutor>(std::move(communicator), layers_, options_);
   arm_capture();
 }
 
@@ -223,7 +198,7 @@ void Preconditioner::discard_step() {
   if (factor_step) {
     auto batches = take_factor_batches(plan);
     // The other ranks reduce this step's factors too (SPD has already started during backward).
-    strategy_->reduce_factors(batches);
+    executor_->reduce_factors(batches);
   }
   for (auto& layer : layers_) layer.capture().clear();
   arm_capture();
@@ -256,7 +231,7 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor
     const std::vector<LayerPlan>& plan) {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable && strategy_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
+    if (plan[i].usable && executor_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
   }
   return batches;
 }
@@ -265,7 +240,7 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
   std::vector<LayerPlan> plan(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const int64_t captured = factor_step && strategy_->builds_factors(i) ? layer.captured_batches() : -1;
+    const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
     if (captured != 0 && layer.has_gradient()) {
       if (captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
@@ -294,10 +269,10 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
   at("factor update");
   auto batches = take_factor_batches(plan);
   // Averaged before the NaN check, so that every rank takes the same decision.
-  time_communication(&PhaseTimes::factors, [&] { strategy_->reduce_factors(batches); });
+  time_communication(&PhaseTimes::factors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable || !strategy_->builds_factors(i)) continue;
+    if (!plan[i].usable || !executor_->builds_factors(i)) continue;
     at("factor update", static_cast<int64_t>(i));
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
@@ -313,13 +288,13 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
 void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
   PhaseSpan span(*this, &PhaseTimes::second_order);
   const double damping = options_.damping_at(steps_);
-  const auto method = strategy_->plan().method;
+  const auto method = executor_->plan().method;
   std::vector<std::pair<size_t, PendingSecondOrder>> pending;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!layer.a_factor().defined()) continue;
-    const bool a_part = strategy_->computes_a(i);
-    const bool g_part = strategy_->computes_g(i);
+    const bool a_part = executor_->computes_a(i);
+    const bool g_part = executor_->computes_g(i);
     if (!a_part && !g_part) continue;
     keeping_previous_state(i, [&] {
       pending.emplace_back(i, layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part));
@@ -338,14 +313,14 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
     }
     // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
     keeping_previous_state(i, [&] {
-      layer.compute_second_order(method, damping, options_.pi_damping(), strategy_->computes_a(i),
-                                 strategy_->computes_g(i));
+      layer.compute_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
+                                 executor_->computes_g(i));
     });
   }
   at("second-order broadcast");
-  time_communication(&PhaseTimes::second_order, [&] { strategy_->share_second_order(layers_, damping); });
+  time_communication(&PhaseTimes::second_order, [&] { executor_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i].second_order().defined() && strategy_->preconditions(i)) plan[i].usable = false;
+    if (!layers_[i].second_order().defined() && executor_->preconditions(i)) plan[i].usable = false;
   }
 }
 
@@ -370,7 +345,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerP
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     at("preconditioning", static_cast<int64_t>(i));
-    const bool mine = strategy_->preconditions(i);
+    const bool mine = executor_->preconditions(i);
     const auto options = layer.weight().options();
     if (mine && plan[i].usable && layer.second_order().defined()) {
       if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
@@ -379,7 +354,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerP
       auto& v = preconditioned[i] = layer.second_order().precondition(layer.gradient());
       // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
       if (factor_ok_[i].defined()) v.masked_fill_(factor_ok_[i].logical_not(), nan);
-    } else if (mine && strategy_->plan().world_size() > 1) {
+    } else if (mine && executor_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, nan, options);
     } else if (!mine) {
@@ -387,7 +362,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerP
     }
   }
   at("gradient broadcast");
-  time_communication(&PhaseTimes::precondition, [&] { strategy_->share_gradients(preconditioned); });
+  time_communication(&PhaseTimes::precondition, [&] { executor_->share_gradients(preconditioned); });
   return preconditioned;
 }
 
@@ -452,9 +427,9 @@ void Preconditioner::apply(const std::vector<LayerPlan>& plan, const std::vector
 void Preconditioner::arm_capture() {
   const bool capture = is_factor_step(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    layers_[i].set_capture(capture && strategy_->builds_factors(i));
+    layers_[i].set_capture(capture && executor_->builds_factors(i));
   }
-  if (capture) strategy_->arm_factor_step(options_.accumulation_steps());
+  if (capture) executor_->arm_factor_step(options_.accumulation_steps());
 }
 
 void Preconditioner::time_communication(double PhaseTimes::*phase, const std::function<void()>& collective) {

@@ -14,7 +14,7 @@
 #include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
-#include "dkfac/strategy/distributed.h"
+#include "dkfac/strategy/step_executor.h"
 
 namespace dkfac {
 
@@ -113,9 +113,9 @@ class Preconditioner {
 
   const Options& options() const { return options_; }
   /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
-  const strategy::StepPlan& plan() const { return strategy_->plan(); }
+  const strategy::StepPlan& plan() const { return executor_->plan(); }
   /// What executes the plan (its collectives are no-ops in one process).
-  const strategy::Distributed& strategy() const { return *strategy_; }
+  const strategy::StepExecutor& executor() const { return *executor_; }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   std::vector<KfacLayer>& layers() { return layers_; }
@@ -196,7 +196,7 @@ class Preconditioner {
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
   std::set<std::pair<std::string, std::string>> warned_;
-  std::unique_ptr<strategy::Distributed> strategy_;  // never nullptr
+  std::unique_ptr<strategy::StepExecutor> executor_;  // never nullptr
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

@@ -305,7 +305,7 @@ TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
   ASSERT_EQ(warnings.messages.size(), 1u) << warnings.all();
   const auto& message = warnings.messages[0];
   for (const char* needle : {"layer '0' (Linear)", "Options::large_factor_dim 4096", "A factor 6273 x 6273",
-                             "157.4 MB (Float)", "eigendecomposition 157.4 MB", "2.2 TFLOP per second-order update (9 d^3)"}) {
+                             "150.11 MiB (Float)", "eigendecomposition 150.13 MiB", "2.22 TFLOP per second-order update (9 d^3)"}) {
     EXPECT_NE(message.find(needle), std::string::npos) << needle << " not in: " << message;
   }
   EXPECT_EQ(message.find("G factor"), std::string::npos) << "G is 10 wide: not reported";
@@ -313,7 +313,7 @@ TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
   CapturedWarnings inverse;
   Preconditioner by_inverse(model->ptr(), Options().compute_method(ComputeMethod::kInverse).large_factor_dim(6000));
   ASSERT_EQ(inverse.messages.size(), 1u) << inverse.all();
-  EXPECT_NE(inverse.messages[0].find("inverse 157.4 MB, 246.8 GFLOP per second-order update (d^3)"),
+  EXPECT_NE(inverse.messages[0].find("inverse 150.11 MiB, 246.85 GFLOP per second-order update (d^3)"),
             std::string::npos)
       << inverse.messages[0];
 

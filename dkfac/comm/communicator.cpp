@@ -70,15 +70,6 @@ const char* to_string(Phase phase) {
   TORCH_CHECK(false, "unknown communication phase ", static_cast<int>(phase));
 }
 
-Phase phase_from_string(const std::string& name) {
-  for (const Phase phase : Communicator::all_phases()) {
-    if (name == to_string(phase)) return phase;
-  }
-  std::string known;
-  for (const auto& n : Communicator::all_phase_names()) known += (known.empty() ? "" : ", ") + n;
-  TORCH_CHECK(false, "unknown communication phase '", name, "' (known: ", known, ")");
-}
-
 const char* to_string(CudaBackend backend) {
   switch (backend) {
     case CudaBackend::kAuto: return "auto";
@@ -458,15 +449,6 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Ph
   return h;
 }
 
-void Communicator::barrier() {
-  auto work = impl_->groups.at(kWorld).pg->barrier();
-  try {
-    work->wait();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "dkfac: barrier of ", size_, " ranks failed: ", e.what());
-  }
-}
-
 std::map<std::string, Traffic> Communicator::traffic() const {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   std::map<std::string, Traffic> named;
@@ -485,6 +467,13 @@ std::vector<std::string> Communicator::all_phase_names() {
   std::vector<std::string> names;
   for (const Phase phase : all_phases()) names.emplace_back(to_string(phase));
   return names;
+}
+
+void average_over(Communicator& communicator, GroupId group, std::vector<double>& values, Phase phase) {
+  auto t = torch::tensor(values, torch::kFloat64).to(communicator.control_device());
+  communicator.allreduce_mean(t, group, phase).wait();
+  t = t.to(torch::kCPU);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
 }
 
 }  // namespace dkfac::comm

@@ -63,8 +63,6 @@ enum class Phase {
 /// The phase's name: "data_parallel", "factors", "second_order", "gradients", "calibration", "setup",
 /// "finite-check", "control".
 const char* to_string(Phase phase);
-/// The Phase named `name` (to_string's inverse); throws c10::Error listing the names otherwise.
-Phase phase_from_string(const std::string& name);
 
 /// Calls and payload bytes of one phase, as seen by this rank (a collective's payload counts once
 /// per call on every participating rank).
@@ -161,8 +159,6 @@ class Communicator {
   Handle allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
   Handle broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase);
-  /// Blocks until every rank of the world arrives.
-  void barrier();
 
   /// Traffic per phase since construction, keyed by to_string(phase); phases without traffic are absent.
   std::map<std::string, Traffic> traffic() const;
@@ -205,5 +201,10 @@ class Communicator {
   mutable std::mutex traffic_mutex_;
   std::map<Phase, Traffic> traffic_;
 };
+
+/// Replaces each of `values` by its mean over the ranks of `group` (one allreduce, counted under `phase`;
+/// waits for it), so that every rank decides from the same numbers. Collective.
+void average_over(Communicator& communicator, GroupId group, std::vector<double>& values,
+                  Phase phase = Phase::kCalibration);
 
 }  // namespace dkfac::comm

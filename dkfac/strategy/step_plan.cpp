@@ -65,7 +65,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     case Strategy::kSpd:
       plan.redundant_dim = options.spd().redundant_dim() >= 0 ? options.spd().redundant_dim() : measured_redundant_dim;
       TORCH_CHECK(plan.redundant_dim >= 0, "SPD-KFAC needs its redundancy threshold: set SpdOptions::redundant_dim "
-                  "or measure it (strategy::Distributed does)");
+                  "or measure it (strategy::StepExecutor does)");
       plan.placement = assign::assign_spd(shapes, world_size, plan.redundant_dim);
       plan.reduction = FactorReduction::kSpdPipeline;
       plan.factor_triangles = plan.inverse_triangles = true;

@@ -8,7 +8,7 @@
 #include "dkfac/options.h"
 
 /// The distributed K-FAC step of one job as data (docs/MATH.md section 5): computed once from the layer
-/// shapes, the world size and the options; executed by strategy::Distributed, summed into predicted
+/// shapes, the world size and the options; executed by strategy::StepExecutor, summed into predicted
 /// bytes, memory and FLOPs by strategy::predict, printed by `dkfac plan` and `dkfac train --print-plan`.
 /// Pure: no tensors, no processes.
 namespace dkfac::strategy {
@@ -71,7 +71,7 @@ struct StepPlan {
 
 /// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs
 /// its redundancy threshold decided: options.spd().redundant_dim, or `measured_redundant_dim` when that is
-/// -1 (strategy::Distributed measures it; `dkfac plan` takes it as a flag). World size 1 gives
+/// -1 (strategy::StepExecutor measures it; `dkfac plan` takes it as a flag). World size 1 gives
 /// StepPlan::single_process whatever the strategy.
 StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
                         int64_t measured_redundant_dim = -1);

@@ -162,7 +162,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("enabled", &FactorCapture::enabled)
       .def("capture_input", &FactorCapture::capture_input, py::call_guard<py::gil_scoped_release>())
       .def("capture_output_grad", &FactorCapture::capture_output_grad)
-      .def("set_rows_per_sample", &FactorCapture::set_rows_per_sample)
       .def_property_readonly("a_count", &FactorCapture::a_count)
       .def_property_readonly("g_count", &FactorCapture::g_count)
       .def("pending_bytes", [](const FactorCapture& c) {
@@ -245,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
-      .def("describe", [](const Preconditioner& p) { return p.strategy().describe(); })
+      .def("describe", [](const Preconditioner& p) { return p.executor().describe(); })
       .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })

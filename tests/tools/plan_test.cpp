@@ -191,16 +191,5 @@ TEST(Plan, SmallModelsKeepTheirDefaults) {
   EXPECT_EQ(text.find("median"), std::string::npos);
 }
 
-TEST(Plan, HumanUnits) {
-  EXPECT_EQ(human_bytes(0), "0 B");
-  EXPECT_EQ(human_bytes(512), "512 B");
-  EXPECT_EQ(human_bytes(1536), "1.50 KiB");
-  EXPECT_EQ(human_bytes(97.5 * 1024 * 1024), "97.50 MiB");
-  EXPECT_EQ(human_bytes(3.0 * 1024 * 1024 * 1024), "3.00 GiB");
-  EXPECT_EQ(human_flops(12), "12 FLOP");
-  EXPECT_EQ(human_flops(3.2e9), "3.20 GFLOP");
-  EXPECT_EQ(human_flops(1.1e12), "1.10 TFLOP");
-}
-
 }  // namespace
 }  // namespace dkfac::plan

@@ -15,6 +15,7 @@
 #include <torch/version.h>
 
 #include "dkfac/dkfac.h"
+#include "dkfac/numbers.h"
 #include "dkfac/math/gemm.h"
 #include "dkfac/version.h"
 #include "tools/models/models.h"
@@ -123,7 +124,7 @@ Stats stats_of(std::vector<double> samples) {
   for (double v : samples) sum += v;
   s.mean = sum / static_cast<double>(samples.size());
   const auto n = samples.size();
-  s.median = n % 2 ? samples[n / 2] : 0.5 * (samples[n / 2 - 1] + samples[n / 2]);
+  s.median = median(samples);
   // Nearest-rank percentile.
   const auto rank = static_cast<size_t>(std::ceil(0.9 * static_cast<double>(n)));
   s.p90 = samples[std::max<size_t>(rank, 1) - 1];

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "dkfac/dkfac.h"
+#include "dkfac/numbers.h"
 #include "dkfac/strategy/prediction.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
@@ -98,12 +99,6 @@ ModelTable model_table(const PlanRequest& r) {
   return t;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0;
-}
-
 /// 25557032 -> "25,557,032".
 std::string grouped(int64_t n) {
   std::string digits = std::to_string(n);
@@ -117,29 +112,6 @@ std::string cell(const nlohmann::json& value, bool bytes) {
 }
 
 }  // namespace
-
-namespace {
-
-// `value` in the largest of `units` it reaches (each `base` times the one before): "%.0f" in the first
-// unit, "%.2f" in the others.
-std::string in_units(double value, double base, const std::vector<const char*>& units) {
-  size_t u = 0;
-  while (value >= base && u + 1 < units.size()) {
-    value /= base;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", value, units[u]);
-  return buf;
-}
-
-}  // namespace
-
-std::string human_bytes(double bytes) { return in_units(bytes, 1024.0, {"B", "KiB", "MiB", "GiB", "TiB", "PiB"}); }
-
-std::string human_flops(double flops) {
-  return in_units(flops, 1000.0, {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"});
-}
 
 PlanReport plan_report(const PlanRequest& r) {
   TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);

@@ -47,9 +47,4 @@ PlanReport plan_report(const PlanRequest& request);
 /// max over ranks.
 std::string plan_text(const PlanReport& report, bool per_rank);
 
-/// "512 B", "1.50 KiB", "97.49 MiB", "2.00 GiB" (powers of 1024).
-std::string human_bytes(double bytes);
-/// "12 FLOP", "1.50 kFLOP", "3.20 GFLOP", "1.10 TFLOP" (powers of 1000).
-std::string human_flops(double flops);
-
 }  // namespace dkfac::plan

@@ -6,6 +6,7 @@
 #include "tools/train/devices.h"
 #include "tools/train/metrics.h"
 #include "dkfac/version.h"
+#include "dkfac/numbers.h"
 #include "dkfac/comm/communicator.h"
 
 #include <fcntl.h>
@@ -190,7 +191,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
     }
     log() << layers.str() << "\n";
     if (config_.print_plan || s.kfac->plan().world_size() > 1) {
-      log() << s.kfac->strategy().describe(/*per_layer=*/config_.print_plan) << std::flush;
+      log() << s.kfac->executor().describe(/*per_layer=*/config_.print_plan) << std::flush;
     }
   } else if (config_.print_plan && rank_ == 0) {
     log() << "step plan: none (--no-kfac: plain " << to_string(config_.optimizer) << ", no K-FAC work)\n" << std::flush;
@@ -496,7 +497,7 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
     return std::nullopt;
   }
   if (s.kfac) {
-    const auto* pipeline = s.kfac->strategy().pipeline();
+    const auto* pipeline = s.kfac->executor().pipeline();
     const bool profiling = pipeline && pipeline->profiling();
     naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
     if (profiling && !pipeline->profiling()) log() << pipeline->describe() << std::endl;
@@ -722,7 +723,7 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
   log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
         << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1) << summary.wall_seconds
         << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
-        << (gpu_memory ? ", GPU memory peak " + plan::human_bytes(static_cast<double>(gpu_memory->peak_allocated)) +
+        << (gpu_memory ? ", GPU memory peak " + human_bytes(static_cast<double>(gpu_memory->peak_allocated)) +
                              " on " + device_.str()
                        : std::string())
         << std::endl;

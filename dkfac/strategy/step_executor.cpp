@@ -1,13 +1,14 @@
-#include "dkfac/strategy/distributed.h"
+#include "dkfac/strategy/step_executor.h"
 
 #include <sstream>
 
 #include "dkfac/comm/packing.h"
+#include "dkfac/strategy/spd.h"
 
 namespace dkfac::strategy {
 
-Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                         const Options& options)
+StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
+                           const Options& options)
     : communicator_(std::move(communicator)), rank_(communicator_ ? communicator_->rank() : 0) {
   std::vector<assign::LayerShape> shapes;
   for (const auto& layer : layers) {
@@ -52,18 +53,18 @@ Distributed::Distributed(std::shared_ptr<comm::Communicator> communicator, std::
   }
 }
 
-std::string Distributed::describe(bool per_layer) const {
+std::string StepExecutor::describe(bool per_layer) const {
   std::string out = plan_.describe(per_layer);
   if (!measurements_.empty()) out += "  " + measurements_ + "\n";
   if (pipeline_) out += "  " + pipeline_->describe() + "\n";
   return out;
 }
 
-void Distributed::arm_factor_step(int64_t micro_batches) {
+void StepExecutor::arm_factor_step(int64_t micro_batches) {
   if (pipeline_) pipeline_->arm(micro_batches);
 }
 
-comm::Handle Distributed::start(torch::Tensor& tensor, bool triangle,
+comm::Handle StepExecutor::start(torch::Tensor& tensor, bool triangle,
                                 const std::function<comm::Handle(torch::Tensor)>& op,
                                 std::vector<std::function<void()>>& finish) {
   if (!triangle) return op(tensor);
@@ -73,7 +74,7 @@ comm::Handle Distributed::start(torch::Tensor& tensor, bool triangle,
   return op(packed);
 }
 
-void Distributed::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
+void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
   if (plan_.reduction == FactorReduction::kNone) return;  // each builder keeps the factors of its own batch
   if (pipeline_) {
     pipeline_->collect(batches);
@@ -93,7 +94,7 @@ void Distributed::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Ten
   for (auto& f : finish) f();
 }
 
-void Distributed::share_second_order(std::vector<KfacLayer>& layers, double damping) {
+void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double damping) {
   if (!plan_.shares_second_order()) return;  // every part was computed where it is used
   const ComputeMethod method = plan_.method;
   std::vector<comm::Handle> handles;
@@ -127,7 +128,7 @@ void Distributed::share_second_order(std::vector<KfacLayer>& layers, double damp
   for (size_t i : shared) layers[i].finish_second_order(damping);
 }
 
-void Distributed::share_gradients(std::vector<torch::Tensor>& preconditioned) {
+void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
   if (!plan_.broadcast_gradients) return;  // every rank preconditioned every layer
   std::vector<comm::Handle> handles;
   const auto group = row_groups_[plan_.placement.row_of(rank_)];

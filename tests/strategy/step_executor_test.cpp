@@ -2,7 +2,7 @@
 // single-process reference of docs/MATH.md section 5.5: factors = mean of the ranks' local factors,
 // gradient = mean of the ranks' gradients. The ranks run on testing::test_device() (ctest's gpu label: CUDA
 // tensors, every rank on the one GPU, through Gloo); the references always run on the CPU in float64.
-#include "dkfac/strategy/distributed.h"
+#include "dkfac/strategy/step_executor.h"
 
 #include <gtest/gtest.h>
 
@@ -233,7 +233,7 @@ TEST_P(KaisaInHook, EqualsReductionInStep) {
   std::string described;
   const auto got = run_distributed(world, in_hook, [&](int rank, Preconditioner& kfac, comm::Communicator& c) {
     hook_traffic[rank] = c.traffic();
-    if (rank == 0) described = kfac.strategy().describe();
+    if (rank == 0) described = kfac.executor().describe();
   });
   for (int rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < kSteps; ++step) {
@@ -258,80 +258,6 @@ TEST_P(KaisaInHook, EqualsReductionInStep) {
 INSTANTIATE_TEST_SUITE_P(Buckets, KaisaInHook,
                          ::testing::Combine(::testing::Values(2, 4), ::testing::Values(0, 1, 2),
                                             ::testing::Values(0.0, 0.03, 25.0)));
-
-}  // namespace
-}  // namespace dkfac::strategy
-
-namespace dkfac::strategy {
-namespace {
-
-// A rank that stops answering turns into an error on the others within the configured timeout.
-TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
-  auto store = std::make_shared<comm::InProcessStore>();
-  std::string message;
-  double seconds = 0;
-  std::thread silent([&] {
-    auto c = comm::Communicator::connect_in_process(store, 1, 2, std::chrono::seconds(2));
-    (void)c;  // joins the world, then never takes part in a collective
-    std::this_thread::sleep_for(std::chrono::seconds(4));
-  });
-  {
-    auto c = comm::Communicator::connect_in_process(store, 0, 2, std::chrono::seconds(2));
-    auto t = torch::ones({4});
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      auto h = c->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors);
-      h.wait();
-    } catch (const c10::Error& e) {
-      message = e.what_without_backtrace();
-    }
-    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  silent.join();
-  EXPECT_NE(message.find("allreduce of 4 elements (factors) over 2 ranks failed"), std::string::npos) << message;
-  EXPECT_LT(seconds, 10.0);
-}
-
-// A rank that goes away is named: in the error of the collective it fails, and to the lost-rank callback
-// once it has been silent for the timeout.
-TEST(Communicator, LostRankIsNamed) {
-  auto store = std::make_shared<comm::InProcessStore>();
-  std::thread leaving([&] {
-    auto c = comm::Communicator::connect_in_process(store, 1, 2, std::chrono::seconds(2));
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  });  // its communicator, and with it its heartbeat, ends here
-  auto c = comm::Communicator::connect_in_process(store, 0, 2, std::chrono::seconds(2));
-  std::mutex mutex;
-  std::string lost;
-  c->on_lost_rank([&](const std::string& m) {
-    std::lock_guard<std::mutex> lock(mutex);
-    lost = m;
-  });
-  leaving.join();
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  EXPECT_NE(c->silent_ranks(std::chrono::milliseconds(300)).find("rank 1 (no heartbeat for"), std::string::npos);
-  EXPECT_EQ(c->silent_ranks(std::chrono::seconds(30)), "");
-  std::string message;
-  try {
-    auto t = torch::ones({4});
-    c->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors).wait();
-  } catch (const c10::Error& e) {
-    message = e.what_without_backtrace();
-  }
-  EXPECT_NE(message.find("allreduce of 4 elements (factors) over 2 ranks failed (lost rank 1 (no heartbeat for"),
-            std::string::npos)
-      << message;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (std::chrono::steady_clock::now() < deadline) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!lost.empty()) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  EXPECT_NE(lost.find("rank 0 lost rank 1 (no heartbeat for"), std::string::npos) << lost;
-}
 
 }  // namespace
 }  // namespace dkfac::strategy
@@ -376,9 +302,9 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
   const auto got = run_distributed(
       c.world, options,
       [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
-        descriptions[rank] = kfac.strategy().describe();
+        descriptions[rank] = kfac.executor().describe();
         traffic[rank] = communicator.traffic();
-        groupings[rank] = kfac.strategy().pipeline()->grouping();
+        groupings[rank] = kfac.executor().pipeline()->grouping();
         auto reference = assign::assign_spd(model_shapes(), c.world,
                                             c.redundant_dim < 0 ? 0 : c.redundant_dim);
         if (c.redundant_dim >= 0) {

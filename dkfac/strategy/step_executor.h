@@ -11,7 +11,7 @@
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
-#include "dkfac/strategy/spd.h"
+#include "dkfac/strategy/factor_pipeline.h"
 #include "dkfac/strategy/step_plan.h"
 
 namespace dkfac::strategy {
@@ -21,16 +21,15 @@ namespace dkfac::strategy {
 /// plan is computed once, in the constructor; in one process (no communicator, or a world of one) it is
 /// StepPlan::single_process and every collective is a no-op. Groups are created in the constructor, in
 /// the same order on every rank.
-class Distributed {
+class StepExecutor {
  public:
   /// Collective when `communicator` spans more than one rank: every rank constructs it with the same
   /// layers and options. SPD-KFAC measures the transport and decomposition speed here unless
   /// Options::spd() fixes its choices.
-  Distributed(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
+  StepExecutor(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
               const Options& options);
 
   const StepPlan& plan() const { return plan_; }
-  int rank() const { return rank_; }
   /// The factor pipeline (SPD-KFAC, or KAISA's buckets in hooks), or nullptr.
   const FactorPipeline* pipeline() const { return pipeline_.get(); }
   /// The plan in words (StepPlan::describe), with SPD-KFAC's measurements and the pipeline's grouping.
