@@ -114,6 +114,9 @@ class Preconditioner {
   const Options& options() const { return options_; }
   /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
   const strategy::StepPlan& plan() const { return executor_->plan(); }
+  /// A change of the plan made while training, in words, once (SPD-KFAC's fusion grouping, chosen after its
+  /// profiled steps); "" when there is none to report. For a training loop's log.
+  std::string take_plan_change() { return executor_->take_plan_change(); }
   /// What executes the plan (its collectives are no-ops in one process).
   const strategy::StepExecutor& executor() const { return *executor_; }
   /// The preconditioned layers, in model order.

@@ -60,6 +60,12 @@ std::string StepExecutor::describe(bool per_layer) const {
   return out;
 }
 
+std::string StepExecutor::take_plan_change() {
+  if (!pipeline_ || plan_.profile_steps == 0 || grouping_announced_ || pipeline_->profiling()) return "";
+  grouping_announced_ = true;
+  return pipeline_->describe();
+}
+
 void StepExecutor::arm_factor_step(int64_t micro_batches) {
   if (pipeline_) pipeline_->arm(micro_batches);
 }

@@ -34,6 +34,9 @@ class StepExecutor {
   const FactorPipeline* pipeline() const { return pipeline_.get(); }
   /// The plan in words (StepPlan::describe), with SPD-KFAC's measurements and the pipeline's grouping.
   std::string describe(bool per_layer = true) const;
+  /// The factor pipeline's grouping in words (FactorPipeline::describe), once: after the step that chose it
+  /// from the profiled steps (SPD-KFAC's measured fusion). "" before, after, and for every other plan.
+  std::string take_plan_change();
 
   /// This rank's share of the plan.
   bool builds_factors(size_t layer) const { return plan_.builds_factors(layer, rank_); }
@@ -64,6 +67,7 @@ class StepExecutor {
   std::vector<comm::GroupId> column_groups_;  // per column; kWorld when the column is the world
   std::vector<comm::GroupId> row_groups_;     // per row
   std::unique_ptr<FactorPipeline> pipeline_;
+  bool grouping_announced_ = false;
 };
 
 }  // namespace dkfac::strategy

@@ -497,10 +497,8 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
     return std::nullopt;
   }
   if (s.kfac) {
-    const auto* pipeline = s.kfac->executor().pipeline();
-    const bool profiling = pipeline && pipeline->profiling();
     naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
-    if (profiling && !pipeline->profiling()) log() << pipeline->describe() << std::endl;
+    if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
   }
   naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
                        [&] { s.optimizer->step(); });
