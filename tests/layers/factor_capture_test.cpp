@@ -1,0 +1,233 @@
+// FactorCapture (dkfac/layers/factor_capture.h) against dense float64 references written from
+// docs/MATH.md section 1: A = [X, 1]^T [X, 1] / n, G = Y^T Y / n, Conv2d with the 1/S convention.
+#include <gtest/gtest.h>
+
+#include <utility>
+#include <vector>
+
+#include "dkfac/layers/factor_capture.h"
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+namespace F = torch::nn::functional;
+using testing::expect_error;
+
+const auto kF64 = torch::TensorOptions().dtype(torch::kFloat64);
+
+// X^T X / n over the rows of `x` reshaped to [n, last dim], with a column of ones appended when `bias`.
+torch::Tensor dense_covariance(const torch::Tensor& x, bool bias) {
+  auto rows = x.reshape({-1, x.size(-1)}).to(torch::kFloat64);
+  if (bias) rows = torch::cat({rows, torch::ones({rows.size(0), 1}, kF64)}, 1);
+  return rows.t().mm(rows) / static_cast<double>(rows.size(0));
+}
+
+FactorCapture linear_capture(bool bias) { return FactorCapture(LayerGeometry{LayerKind::kLinear, bias, {}}); }
+
+TEST(FactorCapture, LinearInputGivesCovarianceWithBiasColumn) {
+  torch::manual_seed(1);
+  auto capture = linear_capture(/*bias=*/true);
+  auto x = torch::randn({6, 4}, kF64);
+  capture.capture_input(x);
+  auto a = capture.take_a();
+  ASSERT_EQ(a.sizes(), (std::vector<int64_t>{5, 5}));
+  EXPECT_TENSOR_NEAR(a, dense_covariance(x, true), 1e-12);
+  // The bias column's corner is exactly 1 and its border the input mean (MATH.md 1.1).
+  EXPECT_DOUBLE_EQ(a[4][4].item<double>(), 1.0);
+  EXPECT_TENSOR_NEAR(a.slice(0, 0, 4).select(1, 4), x.mean(0), 1e-12);
+}
+
+TEST(FactorCapture, LinearWithoutBiasAndWithLeadingDimensions) {
+  torch::manual_seed(2);
+  auto capture = linear_capture(/*bias=*/false);
+  auto x = torch::randn({3, 5, 4}, kF64);  // [B, T, in]: n = B * T = 15 rows
+  capture.capture_input(x);
+  EXPECT_TENSOR_NEAR(capture.take_a(), dense_covariance(x, false), 1e-12);
+}
+
+TEST(FactorCapture, LinearOutputGradGivesGradCovariance) {
+  torch::manual_seed(3);
+  auto capture = linear_capture(true);
+  auto dy = torch::randn({2, 7, 3}, kF64);
+  capture.capture_output_grad(dy);
+  auto g = capture.take_g();
+  ASSERT_EQ(g.sizes(), (std::vector<int64_t>{3, 3}));
+  EXPECT_TENSOR_NEAR(g, dense_covariance(dy, false), 1e-12);  // no bias column in G
+}
+
+TEST(FactorCapture, WorkedCheckOfMathSection1) {
+  auto capture = linear_capture(true);
+  capture.capture_input(torch::eye(2, kF64));
+  auto expected = torch::tensor({{.5, 0., .5}, {0., .5, .5}, {.5, .5, 1.}}, kF64);
+  EXPECT_TENSOR_NEAR(capture.take_a(), expected, 1e-15);
+}
+
+// Micro-batches are averaged as factors (each over its own rows), not pooled as rows.
+TEST(FactorCapture, MicroBatchesAverageTheirFactors) {
+  torch::manual_seed(4);
+  auto capture = linear_capture(true);
+  auto x1 = torch::randn({2, 3}, kF64);
+  auto x2 = torch::randn({6, 3}, kF64) + 1.0;
+  auto y1 = torch::randn({2, 2}, kF64);
+  auto y2 = torch::randn({6, 2}, kF64) * 3.0;
+  capture.capture_input(x1);
+  capture.capture_output_grad(y1);
+  capture.capture_input(x2);
+  EXPECT_EQ(capture.a_count(), 2);
+  EXPECT_EQ(capture.g_count(), 1);
+  capture.capture_output_grad(y2);
+  EXPECT_EQ(capture.g_count(), 2);
+
+  const auto a_expected = (dense_covariance(x1, true) + dense_covariance(x2, true)) / 2;
+  const auto g_expected = (dense_covariance(y1, false) + dense_covariance(y2, false)) / 2;
+  EXPECT_TENSOR_NEAR(capture.mean_a(), a_expected, 1e-12);  // mean_a does not reset
+  EXPECT_EQ(capture.a_count(), 2);
+  EXPECT_TENSOR_NEAR(capture.take_a(), a_expected, 1e-12);
+  EXPECT_TENSOR_NEAR(capture.take_g(), g_expected, 1e-12);
+  // Pooling the 8 rows would give another matrix: the test tells the two apart.
+  EXPECT_GT(testing::relative_error(a_expected, dense_covariance(torch::cat({x1, x2}), true)), 1e-2);
+
+  EXPECT_EQ(capture.a_count(), 0);
+  EXPECT_EQ(capture.g_count(), 0);
+  EXPECT_FALSE(capture.take_a().defined());
+  EXPECT_FALSE(capture.mean_g().defined());
+}
+
+TEST(FactorCapture, ClearDropsWhatWasCaptured) {
+  auto capture = linear_capture(false);
+  capture.capture_input(torch::ones({2, 2}, kF64));
+  capture.capture_output_grad(torch::ones({2, 2}, kF64));
+  capture.clear();
+  EXPECT_EQ(capture.a_count(), 0);
+  EXPECT_EQ(capture.g_count(), 0);
+  EXPECT_FALSE(capture.take_a().defined());
+  EXPECT_FALSE(capture.take_g().defined());
+}
+
+TEST(FactorCapture, GradScaleDividesTheOutputGradient) {
+  torch::manual_seed(5);
+  auto capture = linear_capture(true);
+  const double scale = 4.0;
+  capture.set_grad_scale([scale] { return torch::scalar_tensor(scale, kF64); });
+  auto dy = torch::randn({5, 3}, kF64);
+  capture.capture_output_grad(dy * scale);  // a loss scaled by 4 gives 4 times the gradient
+  EXPECT_TENSOR_NEAR(capture.take_g(), dense_covariance(dy, false), 1e-12);
+  // A is untouched by the scale.
+  auto x = torch::randn({5, 2}, kF64);
+  capture.capture_input(x);
+  EXPECT_TENSOR_NEAR(capture.take_a(), dense_covariance(x, true), 1e-12);
+}
+
+TEST(FactorCapture, GradScaleMustBeOneNumber) {
+  auto capture = linear_capture(false);
+  capture.set_grad_scale([] { return torch::ones({2}, kF64); });
+  expect_error([&] { capture.capture_output_grad(torch::ones({3, 2}, kF64)); },
+               {"grad scaler returned a tensor of shape [2]", "one number"});
+  EXPECT_EQ(capture.g_count(), 0);
+}
+
+// Conv2d: A = [P, 1]^T [P, 1] / (B S^3), G = Y^T Y / (B S^3), with P the im2col patches [B*S, C kh kw]
+// (unfold's order: channel, kernel row, kernel column) and Y the output gradient as [B*S, C_out].
+struct ConvCase {
+  int64_t channels, kernel, stride, padding;
+};
+
+class FactorCaptureConv : public ::testing::TestWithParam<ConvCase> {};
+
+TEST_P(FactorCaptureConv, MatchesDensePatchReference) {
+  const auto c = GetParam();
+  torch::manual_seed(6);
+  LayerGeometry geometry{LayerKind::kConv2d, /*has_bias=*/true, {}};
+  geometry.conv.kernel_size = {c.kernel, c.kernel};
+  geometry.conv.stride = {c.stride, c.stride};
+  geometry.conv.padding = {c.padding, c.padding, c.padding, c.padding};
+  FactorCapture capture(geometry);
+
+  const int64_t batch = 2, out_channels = 3;
+  auto x = torch::randn({batch, c.channels, 7, 6}, kF64);
+  auto patches = F::unfold(x, F::UnfoldFuncOptions({c.kernel, c.kernel}).stride(c.stride).padding(c.padding));
+  const int64_t spatial = patches.size(2);
+  auto p = patches.transpose(1, 2).reshape({batch * spatial, -1});
+  p = torch::cat({p, torch::ones({p.size(0), 1}, kF64)}, 1);
+  const double norm = static_cast<double>(batch) * spatial * spatial * spatial;
+  const auto a_expected = p.t().mm(p) / norm;
+
+  const int64_t out_h = (7 + 2 * c.padding - c.kernel) / c.stride + 1;
+  const int64_t out_w = (6 + 2 * c.padding - c.kernel) / c.stride + 1;
+  ASSERT_EQ(out_h * out_w, spatial);
+  auto dy = torch::randn({batch, out_channels, out_h, out_w}, kF64);
+  auto y = dy.permute({0, 2, 3, 1}).reshape({batch * spatial, out_channels});
+  const auto g_expected = y.t().mm(y) / norm;
+
+  capture.capture_input(x);
+  capture.capture_output_grad(dy);
+  EXPECT_TENSOR_NEAR(capture.take_a(), a_expected, 1e-12);
+  EXPECT_TENSOR_NEAR(capture.take_g(), g_expected, 1e-12);
+
+  // An unbatched [C, H, W] input is a batch of one.
+  auto x0 = x[0];
+  auto p0 = p.slice(0, 0, spatial);
+  capture.capture_input(x0);
+  EXPECT_TENSOR_NEAR(capture.take_a(), p0.t().mm(p0) / (norm / batch), 1e-12);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FactorCaptureConv,
+                         ::testing::Values(ConvCase{3, 3, 2, 1},    // unfold path
+                                           ConvCase{8, 3, 1, 1},    // kernel-row-shift path (C >= 8, stride 1)
+                                           ConvCase{2, 1, 1, 0}));  // 1x1
+
+TEST(FactorCapture, ListenerHearsEachAddWithItsCount) {
+  auto capture = linear_capture(false);
+  std::vector<std::pair<bool, int64_t>> heard;
+  capture.set_listener([&](bool is_a, int64_t count) { heard.emplace_back(is_a, count); });
+  capture.capture_input(torch::ones({2, 2}, kF64));
+  capture.capture_output_grad(torch::ones({2, 2}, kF64));
+  capture.add_a(torch::eye(2, kF64), 0.5);
+  const std::vector<std::pair<bool, int64_t>> expected{{true, 1}, {false, 1}, {true, 2}};
+  EXPECT_EQ(heard, expected);
+
+  // Each capture leaves a span of device marks; add_a's seconds are counted directly.
+  auto timing = capture.take_timing();
+  EXPECT_EQ(timing.spans.size(), 2u);
+  EXPECT_DOUBLE_EQ(timing.seconds, 0.5);
+  EXPECT_TRUE(capture.take_timing().spans.empty());
+}
+
+TEST(FactorCapture, ActiveOnlyWhenEnabledTrainingAndGradMode) {
+  auto capture = linear_capture(false);
+  EXPECT_FALSE(capture.active(true));  // off until the preconditioner arms it
+  capture.set_enabled(true);
+  EXPECT_TRUE(capture.active(true));
+  EXPECT_FALSE(capture.active(false));
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(capture.active(true));
+}
+
+// Reduced-precision storage: the activations are cast before the factor is built, and the factor stays
+// in that dtype, close to the float64 reference within the dtype's rounding.
+class FactorCaptureStorage : public ::testing::TestWithParam<torch::ScalarType> {};
+
+TEST_P(FactorCaptureStorage, FactorsAreBuiltAndKeptInTheFactorDtype) {
+  const auto dtype = GetParam();
+  torch::manual_seed(7);
+  auto capture = linear_capture(true);
+  capture.set_factor_dtype(dtype);
+  auto x = torch::randn({16, 4}, kF64);
+  auto dy = torch::randn({16, 3}, kF64);
+  capture.capture_input(x);
+  capture.capture_output_grad(dy);
+  auto a = capture.take_a();
+  auto g = capture.take_g();
+  EXPECT_EQ(a.scalar_type(), dtype);
+  EXPECT_EQ(g.scalar_type(), dtype);
+  // The reference is built from the inputs rounded the same way, so only the products' rounding remains.
+  const double tol = dtype == torch::kBFloat16 ? 3e-2 : dtype == torch::kHalf ? 5e-3 : 1e-6;
+  EXPECT_TENSOR_NEAR(a, dense_covariance(x.to(dtype), true), tol);
+  EXPECT_TENSOR_NEAR(g, dense_covariance(dy.to(dtype), false), tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, FactorCaptureStorage, ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat32));
+
+}  // namespace
+}  // namespace dkfac
