@@ -18,8 +18,9 @@ class Store;
 }  // namespace c10d
 
 /// Collective communication for dkfac over c10d process groups: Gloo for CPU tensors, NCCL (or Gloo) for
-/// CUDA tensors, in one group. c10d's headers stay out of the public headers (this one declares what it
-/// needs); the core's users see this interface.
+/// CUDA tensors, in one group. No dkfac header includes c10d's (this one declares the two types it names);
+/// among dkfac's sources communicator.cpp, heartbeat.cpp, parallel/data_parallel.cpp (DDP's Reducer) and
+/// python/src/bindings.cpp (torch.distributed's groups) do. The core's users see this interface.
 namespace dkfac::comm {
 
 class Heartbeat;  // comm/heartbeat.h: the lost-rank watchdog

@@ -66,7 +66,8 @@ class FactorCapture {
 
   /// Rows each sample adds to the factor's input matrix in the last forward (whether or not it captured):
   /// output positions H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in]).
-  /// The front end's forward sets it; plans use it to predict factor FLOPs.
+  /// The dkfac::nn modules' forward sets it; the Python package does not (its layers keep 1). Plans use
+  /// it to predict factor FLOPs.
   int64_t rows_per_sample() const { return rows_per_sample_; }
   void set_rows_per_sample(int64_t rows) { rows_per_sample_ = rows; }
 
@@ -96,7 +97,8 @@ class FactorCapture {
   void clear();
 
   /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
-  /// A and how many micro-batches that factor now holds. SPD-KFAC starts allreduces from it.
+  /// A and how many micro-batches that factor now holds. The FactorPipeline (SPD-KFAC, KAISA's hook buckets)
+  /// starts allreduces from it.
   using Listener = std::function<void(bool is_a, int64_t count)>;
   void set_listener(Listener listener);
 
