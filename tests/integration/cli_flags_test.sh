@@ -3,16 +3,8 @@
 # flag typed, kfac_pytorch aliases, a skip-layers pattern that matches nothing, images of the wrong size.
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-source "$(dirname "$0")/lib.sh"
-
-fail() { echo "FAIL: $*"; exit 1; }
-# Runs train with the given flags, expecting failure; its output is in $tmp/out.
-refused() { if "$dkfac" train "$@" > "$tmp/out" 2>&1; then fail "dkfac train $* succeeded"; fi; }
-has() { grep -qF -- "$1" "$tmp/out" || { cat "$tmp/out"; fail "output lacks: $1"; }; }
-lacks() { if grep -qF -- "$1" "$tmp/out"; then cat "$tmp/out"; fail "output has: $1"; fi; }
+source "$(dirname "$0")/lib.sh"  # fail, scratch_dir, refused, has, lacks
+scratch_dir
 
 echo "== --help: groups, and which half of a switch pair is the default"
 "$dkfac" train --help > "$tmp/out"

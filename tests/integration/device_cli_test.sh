@@ -5,23 +5,8 @@
 # --device auto. tests/integration/gpu_*_test.sh check the same flags on a GPU (ctest -L gpu).
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-source "$(dirname "$0")/lib.sh"
-
-fail() { echo "FAIL: $*"; exit 1; }
-# Runs train with the given flags, expecting failure with exit code 1 (105: a flag CLI11 refused); output in $tmp/out.
-refused() {
-  local expected=$1; shift
-  set +e
-  "$dkfac" train "$@" > "$tmp/out" 2>&1
-  local rc=$?
-  set -e
-  [[ $rc == "$expected" ]] || { cat "$tmp/out"; fail "dkfac train $* exited $rc, not $expected"; }
-}
-has() { grep -qF -- "$1" "$tmp/out" || { cat "$tmp/out"; fail "output lacks: $1"; }; }
-lacks() { if grep -qF -- "$1" "$tmp/out"; then cat "$tmp/out"; fail "output has: $1"; fi; }
+source "$(dirname "$0")/lib.sh"  # fail, scratch_dir, refused, has, lacks, auto_device
+scratch_dir
 short=(--dataset synthetic --model mlp --epochs 1 --log-every 1 --factor-update-steps 2 --inv-update-steps 4)
 
 echo "== --device and --backend take their choices, name the flag otherwise"

@@ -3,8 +3,8 @@
 # killing one of 3 ranks ends the job quickly with a message naming the lost rank.
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+source "$(dirname "$0")/lib.sh"
+scratch_dir
 
 echo "== 2 ranks, KAISA hybrid, triangles"
 "$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 12 --log-every 4 \

@@ -4,11 +4,9 @@
 # loss trajectory as a run that never failed.
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
-pids=()
-trap 'kill -9 "${pids[@]}" 2>/dev/null || true; rm -rf "$tmp"' EXIT
-
 source "$(dirname "$0")/lib.sh"
+pids=()
+scratch_dir 'kill -9 "${pids[@]}" 2>/dev/null || true'
 
 # Starts 3 ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); extra args go to train.
 start_ranks() {

@@ -6,16 +6,12 @@
 # checkpoint written before it kept. Skipped (exit 77, with the reason) without a CUDA device.
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 # One GPU, so that two ranks share it: the first visible one (an empty CUDA_VISIBLE_DEVICES stays empty: skipped).
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-0}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES%%,*}"
 
-source "$(dirname "$0")/lib.sh"
-
-fail() { echo "FAIL: $*"; exit 1; }
-has() { grep -qF -- "$1" "$2" || { cat "$2"; fail "$2 lacks: $1"; }; }
+source "$(dirname "$0")/lib.sh"  # fail, scratch_dir, has, require_cuda
+scratch_dir
 require_cuda "$dkfac"
 
 # CPU and GPU round differently (MKL against cuDNN/cuBLAS, float32): the first step's loss (same weights, same

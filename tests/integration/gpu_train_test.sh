@@ -6,12 +6,8 @@
 set -euo pipefail
 dkfac="$1"
 data="${DKFAC_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
-source "$(dirname "$0")/lib.sh"
-
-fail() { echo "FAIL: $*"; exit 1; }
+source "$(dirname "$0")/lib.sh"  # fail, scratch_dir, require_cuda
+scratch_dir
 require_cuda "$dkfac"
 if ! compgen -G "$data/train-images-idx3-ubyte*" > /dev/null; then
   echo "SKIPPED: Fashion-MNIST not found in $data (set DKFAC_FASHION_MNIST to its directory)"

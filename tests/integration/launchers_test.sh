@@ -13,14 +13,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/lib.sh"
 launch="$here/../../examples/launch.py"
 torchrun="$(dirname "$python")/torchrun"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+scratch_dir
 # A launcher variable inherited from the caller would change which launcher dkfac sees.
 unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT LOCAL_RANK OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE SLURM_PROCID \
   SLURM_NTASKS SLURM_JOB_ID SLURM_JOB_NODELIST TORCHELASTIC_RESTART_COUNT TORCHELASTIC_RUN_ID 2>/dev/null || true
 train=(train --model mlp --dataset synthetic --epochs 1 --log-every 4 --timeout 30)
 crc() { "$python" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["parameters_crc32"])' "$1"; }
-fail() { echo "FAIL: $*"; exit 1; }
 passed=0
 
 "$dkfac" "${train[@]}" --nproc 2 --max-steps 8 --metrics "$tmp/ref.jsonl" > "$tmp/ref.txt" 2>&1 || { cat "$tmp/ref.txt"; fail "reference run"; }

@@ -7,10 +7,9 @@
 #  3. the launcher killed with SIGKILL: its workers die with it.
 set -euo pipefail
 dkfac="$1"
-tmp=$(mktemp -d)
+source "$(dirname "$0")/lib.sh"
 launcher=""
-trap '[[ -n "$launcher" ]] && kill -9 "$launcher" 2>/dev/null; rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+scratch_dir '[[ -n "$launcher" ]] && kill -9 "$launcher" 2>/dev/null'
 wait_for() {  # file, text
   for _ in $(seq 1 240); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.25; done
   cat "$1"; fail "never reached '$2'"

@@ -7,9 +7,8 @@
 set -euo pipefail
 src="$1"
 python="$2"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+source "$(dirname "$0")/lib.sh"
+scratch_dir
 
 echo "== pip wheel (build isolation on)"
 started=$(date +%s)
