@@ -13,6 +13,26 @@ cat "$tmp/out.txt"
 grep -q '"world_size":2' "$tmp/m.jsonl" || { echo "FAIL: no world_size 2 in the summary"; exit 1; }
 grep -q '"factors":' "$tmp/m.jsonl" || { echo "FAIL: no factor traffic in the summary"; exit 1; }
 grep -q '"ranks":\[{"comm_bytes"' "$tmp/m.jsonl" || { echo "FAIL: no per-rank table in the summary"; exit 1; }
+python3 - "$tmp/m.jsonl" <<'PY' || { echo "FAIL: kfac_time_s is not format 3's per-phase object with its total"; exit 1; }
+import json, sys
+events = [json.loads(line) for line in open(sys.argv[1])]
+assert events[0]['event'] == 'run' and events[0]['format_version'] == 3, events[0]
+phases = ['apply', 'communication', 'factors', 'precondition', 'second_order']
+def check(t, where):
+    assert sorted(t) == sorted(phases + ['total']), (where, t)
+    assert abs(t['total'] - sum(t[p] for p in phases)) <= 1e-9 * max(1.0, t['total']), (where, t)
+steps = [e for e in events if e['event'] == 'step']
+summary = events[-1]
+assert len(steps) == 3 and summary['event'] == 'summary', [e['event'] for e in events]
+for e in steps + [summary]:
+    check(e['kfac_time_s'], e['event'])
+assert [r['rank'] for r in summary['ranks']] == [0, 1], summary['ranks']
+for r in summary['ranks']:
+    check(r['kfac_time_s'], 'rank %d' % r['rank'])
+    assert r['kfac_time_s']['total'] > 0, r
+# Rank 0's row is what rank 0's summary says.
+assert summary['ranks'][0]['kfac_time_s'] == summary['kfac_time_s'], summary
+PY
 [[ $(grep -c '^summary: ' "$tmp/out.txt") == 1 ]] || { echo "FAIL: not exactly one summary line"; exit 1; }
 [[ $(grep -c '^stopped at --max-steps' "$tmp/out.txt") == 1 ]] || { echo "FAIL: not exactly one stop line"; exit 1; }
 [[ $(grep -c '^K-FAC layers' "$tmp/out.txt") == 1 ]] || { echo "FAIL: not exactly one header"; exit 1; }

@@ -1,4 +1,5 @@
-// `dkfac plot`: reading metrics files (versions 1 and 2), labels, the gnuplot script and running gnuplot.
+// `dkfac plot`: reading metrics files (versions 1, 2 and 3, the committed ones too), labels, the gnuplot script
+// and running gnuplot.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -8,9 +9,11 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/test_util.h"
@@ -76,6 +79,11 @@ std::vector<std::string> entries(const fs::path& dir) {
   return names;
 }
 
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 bool is_png(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   char magic[8] = {};
@@ -124,6 +132,100 @@ TEST(PlotCurveTest, ReadsStepAndEpochEventsOfVersion2) {
   EXPECT_EQ(curve.step_wall_time_s, (std::vector<double>{1, 2, 3.5, 4.5}));
   EXPECT_EQ(curve.train_loss, (std::vector<double>{1.5, 1.0, 0.8, 0.6}));
   EXPECT_EQ(warnings.str(), "");
+}
+
+/// kfac_time_s as format `format` writes it (tools/train/metrics.h): the per-phase object, with "total" in
+/// format 3; in format 2 the object in step events and ranks[], the total alone in epoch and summary events.
+std::string kfac_time(int format, bool step_or_rank, double total) {
+  std::ostringstream s;
+  if (format < 3 && !step_or_rank) {
+    s << total;
+    return s.str();
+  }
+  s << R"({"factors":)" << total / 2 << R"(,"second_order":)" << total / 4 << R"(,"precondition":)" << total / 8
+    << R"(,"apply":)" << total / 16 << R"(,"communication":)" << total / 16;
+  if (format >= 3) s << R"(,"total":)" << total;
+  return s.str() + "}";
+}
+
+/// two_epochs_v2's run as a K-FAC job of 2 ranks writes it in `format` (2 or 3): kfac_time_s in every
+/// step, epoch and summary event and in the summary's ranks[].
+std::string two_epochs_with_kfac_time(int format) {
+  auto with_time = [&](std::string event, bool step_or_rank, double total) {
+    return event.insert(event.rfind('}'), R"(,"kfac_time_s":)" + kfac_time(format, step_or_rank, total));
+  };
+  std::string run = kRun;
+  run.replace(run.find("\"format_version\":2"), 18, "\"format_version\":" + std::to_string(format));
+  std::string ranks = R"(,"world_size":2,"ranks":[)";
+  for (int r = 0; r < 2; ++r) {
+    ranks += (r ? "," : "") + with_time(R"({"rank":)" + std::to_string(r) + R"(,"comm_bytes":{"factors":64},)"
+                                        R"("kfac_memory_bytes":1024,"wall_time_s":5.0})", true, 0.75);
+  }
+  const std::string summary = R"({"event":"summary","best_test_accuracy":0.75,"wall_time_s":5.1)" + ranks + "]}\n";
+  return run + with_time(step(2, 1, 0.5, 1.5, 1.0), true, 0.25) + with_time(step(4, 1, 1.0, 1.0, 2.0), true, 0.5) +
+         with_time(epoch(1, 4, 0.5, 1.2, 2.5), false, 0.5) + with_time(step(6, 2, 1.5, 0.8, 3.5), true, 0.625) +
+         with_time(step(8, 2, 2.0, 0.6, 4.5), true, 0.75) +
+         with_time(epoch(2, 8, 0.75, 0.7, 5.0), false, 0.75) + with_time(summary, false, 0.75);
+}
+
+TEST(PlotCurveTest, Format3ReadsAsFormat2) {
+  Scratch dir;
+  const auto v3 = two_epochs_with_kfac_time(3);
+  ASSERT_NE(v3.find(R"("format_version":3)"), std::string::npos);
+  ASSERT_NE(v3.find(R"("event":"epoch","epoch":1,"train_loss":0.9,"test_loss":1.2,"test_accuracy":0.5,)"
+                    R"("wall_time_s":2.5,"step":4,"kfac_time_s":{"factors":0.25,)"),
+            std::string::npos)
+      << v3;
+  ASSERT_NE(two_epochs_with_kfac_time(2).find(R"("step":4,"kfac_time_s":0.5})"), std::string::npos);
+  const auto reference = read_curve(dir.write("plain.jsonl", two_epochs_v2()));
+  for (int format : {2, 3}) {
+    std::ostringstream warnings;
+    const auto curve = read_curve(dir.write("v" + std::to_string(format) + ".jsonl", two_epochs_with_kfac_time(format)),
+                                  warnings);
+    EXPECT_EQ(curve.epoch, reference.epoch) << "format " << format;
+    EXPECT_EQ(curve.wall_time_s, reference.wall_time_s) << "format " << format;
+    EXPECT_EQ(curve.test_accuracy, reference.test_accuracy) << "format " << format;
+    EXPECT_EQ(curve.test_loss, reference.test_loss) << "format " << format;
+    EXPECT_EQ(curve.step, reference.step) << "format " << format;
+    EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5, 2.0})) << "format " << format;
+    EXPECT_EQ(curve.step_wall_time_s, reference.step_wall_time_s) << "format " << format;
+    EXPECT_EQ(curve.train_loss, reference.train_loss) << "format " << format;
+    EXPECT_EQ(warnings.str(), "") << "format " << format;
+  }
+}
+
+// The metrics files under docs/perf are format 1 (docs/perf/tta) and format 2 (docs/perf/torch-2.11/tta):
+// they keep reading, with every step placed on the epoch axis, and plot together with a format 3 file.
+TEST(PlotCurveTest, CommittedFormat1And2FilesReadAndPlotWithFormat3) {
+  const fs::path perf = fs::path(DKFAC_TEST_DATA_DIR) / ".." / ".." / ".." / "docs" / "perf";
+  const std::vector<std::pair<std::string, int>> committed = {
+      {(perf / "tta" / "kfac-inverse-e2.jsonl").string(), 1},
+      {(perf / "tta" / "kfac-4p-dp-d0.1-e2.jsonl").string(), 1},
+      {(perf / "torch-2.11" / "tta" / "kfac-inverse-e2.jsonl").string(), 2},
+      {(perf / "torch-2.11" / "tta" / "kfac-4p-dp-d0.1-e2.jsonl").string(), 2}};
+  std::vector<std::string> paths;
+  for (const auto& [path, format] : committed) {
+    ASSERT_TRUE(fs::exists(path)) << path;
+    const bool has_run_event = read_text(path).find(R"("event":"run")") != std::string::npos;
+    EXPECT_EQ(has_run_event, format >= 2) << path << " is not the format this test expects";
+    std::ostringstream warnings;
+    const auto curve = read_curve(path, warnings);
+    EXPECT_EQ(curve.epoch, (std::vector<double>{1, 2})) << path;
+    ASSERT_GT(curve.step.size(), 10u) << path;
+    for (size_t k = 0; k < curve.step.size(); ++k) {
+      EXPECT_TRUE(curve.step_epoch[k] > 0 && curve.step_epoch[k] <= 2.0) << path << " step " << curve.step[k];
+      if (k > 0) EXPECT_GT(curve.step_epoch[k], curve.step_epoch[k - 1]) << path << " step " << curve.step[k];
+    }
+    // 468 steps per epoch (the epoch events' steps): format 1 derives what format 2 writes.
+    EXPECT_NEAR(curve.step_epoch.back(), curve.step.back() / 468.0, 1e-12) << path;
+    EXPECT_EQ(warnings.str(), "") << path;
+    paths.push_back(path);
+  }
+  Scratch dir;
+  paths.push_back(dir.write("v3.jsonl", two_epochs_with_kfac_time(3)));
+  const auto out = dir.path() / "all.png";
+  plot_metrics(paths, out.string());
+  EXPECT_TRUE(is_png(out));
 }
 
 TEST(PlotCurveTest, MaxStepsRunWithoutEpochEventsHasItsSteps) {

@@ -1,13 +1,15 @@
-// What a `dkfac train` job leaves behind and finds again: the metrics writer (checked writes, lock, format
-// 2's run event and epoch numbering) and the checkpoint directory's rules (lock, no silent replacement,
+// What a `dkfac train` job leaves behind and finds again: the metrics writer (checked writes, lock, the run
+// event and epoch numbering, format 3's kfac_time_s) and the checkpoint directory's rules (lock, no silent replacement,
 // .prev fallback, another world size, a finished run).
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
+#include "tools/plot/plot.h"
 #include "tools/train/checkpoint.h"
 #include "tools/train/checkpointer.h"
 #include "tools/train/metrics.h"
@@ -140,6 +142,66 @@ TEST_F(RunStateTest, RunEventFirstAndOneEpochNumbering) {
     if (e.at("event") == "epoch") EXPECT_EQ(e.at("epoch"), 1);
   }
   EXPECT_EQ(steps, 8);
+}
+
+// Format 3: kfac_time_s is one object in step, epoch and summary events, every K-FAC phase and their total.
+void expect_kfac_time_shape(const nlohmann::json& event) {
+  ASSERT_TRUE(event.contains("kfac_time_s")) << event.dump();
+  const auto& t = event.at("kfac_time_s");
+  ASSERT_TRUE(t.is_object()) << event.dump();
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : t.items()) {
+    keys.push_back(key);
+    EXPECT_TRUE(value.is_number() && value.get<double>() >= 0.0) << key << " in " << event.dump();
+  }
+  EXPECT_EQ(keys, (std::vector<std::string>{"apply", "communication", "factors", "precondition", "second_order",
+                                            "total"}))
+      << event.dump();
+  const double sum = t.value("factors", 0.0) + t.value("second_order", 0.0) + t.value("precondition", 0.0) +
+                     t.value("apply", 0.0) + t.value("communication", 0.0);
+  EXPECT_DOUBLE_EQ(t.value("total", -1.0), sum) << event.dump();
+}
+
+TEST_F(RunStateTest, KfacTimeHasOneShapeInStepEpochAndSummaryEvents) {
+  auto c = config();
+  c.metrics = (dir_ / "kfac.jsonl").string();
+  const auto summary = Trainer(c).run();
+  std::map<std::string, int> seen;
+  double last_total = 0.0;
+  for (const auto& e : read_events(c.metrics)) {
+    const std::string kind = e.at("event");
+    ++seen[kind];
+    if (kind == "run") EXPECT_EQ(e.at("format_version"), 3);
+    if (kind != "step" && kind != "epoch" && kind != "summary") continue;
+    expect_kfac_time_shape(e);
+    const double total = e.at("kfac_time_s").value("total", -1.0);
+    EXPECT_GE(total, last_total) << kind << ": the times are totals since the run started";
+    last_total = total;
+    if (kind == "summary") EXPECT_EQ(total, summary.kfac_seconds);
+  }
+  EXPECT_EQ(seen, (std::map<std::string, int>{{"run", 1}, {"step", 8}, {"epoch", 1}, {"summary", 1}}));
+  EXPECT_GT(last_total, 0.0);
+  // dkfac plot reads it: 8 steps of epoch 1, one epoch point.
+  const auto curve = plot::read_curve(c.metrics);
+  EXPECT_EQ(curve.epoch, (std::vector<double>{1}));
+  ASSERT_EQ(curve.step.size(), 8u);
+  EXPECT_DOUBLE_EQ(curve.step_epoch.back(), 1.0);
+
+  // Without K-FAC, step and epoch events have none and the summary's phases are all 0.
+  c.kfac = false;
+  c.metrics = (dir_ / "sgd.jsonl").string();
+  Trainer(c).run();
+  seen.clear();
+  for (const auto& e : read_events(c.metrics)) {
+    ++seen[e.at("event").get<std::string>()];
+    if (e.at("event") == "summary") {
+      expect_kfac_time_shape(e);
+      for (const auto& [key, value] : e.at("kfac_time_s").items()) EXPECT_EQ(value.get<double>(), 0.0) << key;
+    } else {
+      EXPECT_FALSE(e.contains("kfac_time_s")) << e.dump();
+    }
+  }
+  EXPECT_EQ(seen, (std::map<std::string, int>{{"run", 1}, {"step", 8}, {"epoch", 1}, {"summary", 1}}));
 }
 
 TEST_F(RunStateTest, FreshRunRefusesExistingCheckpointsUnlessOverwrite) {

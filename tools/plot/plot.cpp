@@ -197,7 +197,7 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
   size_t last = lines.size();  // the last non-blank line
   while (last > 0 && blank(lines[last - 1])) --last;
 
-  bool version2 = false;
+  double format = 1;  // the run event's format_version (format 1 has no run event)
   double steps_per_epoch = kNaN;
   std::vector<StepPoint> steps;
   std::vector<EpochPoint> epochs;
@@ -223,13 +223,13 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
     const std::string kind = kind_it->get<std::string>();
     if (kind == "run") {
       const auto v = event.find("format_version");
-      if (v != event.end() && v->is_number() && v->get<double>() >= 2) version2 = true;
+      if (v != event.end() && v->is_number()) format = v->get<double>();
     } else if (kind == "step") {
       StepPoint p{};
       p.step = number(event, "step", kind, path, number_);
       p.loss = number(event, "loss", kind, path, number_);
       p.wall = number(event, "wall_time_s", kind, path, number_);
-      p.derive_epoch = !version2 && !event.contains("epoch_progress");
+      p.derive_epoch = format < 2 && !event.contains("epoch_progress");
       p.epoch = p.derive_epoch ? kNaN : number(event, "epoch_progress", kind, path, number_);
       while (!steps.empty() && !(steps.back().step < p.step)) steps.pop_back();  // a resumed run replays
       steps.push_back(p);

@@ -22,10 +22,13 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include <c10/util/StringUtil.h>
 
@@ -82,6 +85,84 @@ void add_gpu_memory(nlohmann::json& event, c10::Device device) {
   event["gpu_memory_allocated_bytes"] = stats->allocated;
   event["gpu_max_memory_allocated_bytes"] = stats->peak_allocated;
   event["gpu_memory_reserved_bytes"] = stats->reserved;
+}
+
+// Metrics format 3's kfac_time_s (tools/train/metrics.h): seconds per K-FAC phase and their total.
+nlohmann::json kfac_time_json(const PhaseTimes& t) {
+  return {{"factors", t.factors},
+          {"second_order", t.second_order},
+          {"precondition", t.precondition},
+          {"apply", t.apply},
+          {"communication", t.communication},
+          {"total", t.total()}};
+}
+
+// One rank's entry in the summary event's ranks[].
+struct RankReport {
+  std::map<std::string, int64_t> comm_bytes;  // every comm::Phase by name; 0 where nothing moved
+  int64_t kfac_memory_bytes = 0;
+  PhaseTimes kfac_time;
+  double wall_time_s = 0.0;
+  int64_t gpu_max_memory_allocated_bytes = 0;  // 0 on the CPU
+};
+
+// Calls `visit` on every number of `report`, always in the same order: the one list of the fields that
+// travel between ranks (comm_bytes holds the same phases on every rank, so its entries line up too).
+template <typename Report, typename Visit>
+void for_each_number(Report& report, const Visit& visit) {
+  for (auto& phase : report.comm_bytes) visit(phase.second);
+  visit(report.kfac_memory_bytes);
+  visit(report.kfac_time.factors);
+  visit(report.kfac_time.second_order);
+  visit(report.kfac_time.precondition);
+  visit(report.kfac_time.apply);
+  visit(report.kfac_time.communication);
+  visit(report.wall_time_s);
+  visit(report.gpu_max_memory_allocated_bytes);
+}
+
+RankReport rank_report(const comm::Communicator& communicator, const Preconditioner* kfac,
+                       const TrainSummary& summary) {
+  RankReport report;
+  const auto traffic = communicator.traffic();
+  for (const auto& phase : comm::Communicator::all_phase_names()) {
+    const auto it = traffic.find(phase);
+    report.comm_bytes[phase] = it == traffic.end() ? 0 : it->second.bytes;
+  }
+  if (kfac) {
+    report.kfac_memory_bytes = kfac->memory_bytes();
+    report.kfac_time = kfac->total_times();
+  }
+  report.wall_time_s = summary.wall_seconds;
+  report.gpu_max_memory_allocated_bytes = summary.gpu_max_memory_allocated_bytes.value_or(0);
+  return report;
+}
+
+// Every rank's report, in rank order. Each rank writes its own row of a [world, numbers] float64 table
+// and one sum hands every row to every rank (byte counts stay exact up to 2^53).
+std::vector<RankReport> gather_reports(const RankReport& mine, comm::Communicator& communicator) {
+  std::vector<double> row;
+  for_each_number(mine, [&](const auto& value) { row.push_back(static_cast<double>(value)); });
+  auto table = torch::zeros({communicator.size(), static_cast<int64_t>(row.size())}, torch::kFloat64);
+  table[communicator.rank()].copy_(torch::tensor(row, torch::kFloat64));
+  communicator.allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
+  std::vector<RankReport> reports(communicator.size(), mine);  // the same phases; every number is replaced
+  for (int r = 0; r < communicator.size(); ++r) {
+    const double* values = table[r].data_ptr<double>();
+    size_t k = 0;
+    for_each_number(reports[r], [&](auto& value) { value = static_cast<std::decay_t<decltype(value)>>(values[k++]); });
+  }
+  return reports;
+}
+
+nlohmann::json report_json(int rank, const RankReport& report, bool with_gpu) {
+  nlohmann::json json = {{"rank", rank},
+                         {"comm_bytes", report.comm_bytes},
+                         {"kfac_memory_bytes", report.kfac_memory_bytes},
+                         {"kfac_time_s", kfac_time_json(report.kfac_time)},
+                         {"wall_time_s", report.wall_time_s}};
+  if (with_gpu) json["gpu_max_memory_allocated_bytes"] = report.gpu_max_memory_allocated_bytes;
+  return json;
 }
 
 // CRC-32 of the bytes of every parameter and buffer, in registration order.
@@ -422,7 +503,7 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
 }
 
 bool Trainer::finished(const Position& at) const {
-  return at.epoch >= config_.epochs || (config_.max_steps >= 0 && state_->global_step >= config_.max_steps);
+  return at.epoch >= config_.epochs || max_steps_reached();
 }
 
 nlohmann::json Trainer::run_event(std::optional<int64_t> resumed_at_step) const {
@@ -543,49 +624,79 @@ double Trainer::global_mean(double sum, int64_t count) {
 }
 
 TrainSummary Trainer::run() {
-  auto& s = *state_;
-  TrainSummary summary;
+  open_checkpoint_directory();
   Position at;
   std::optional<int64_t> resumed_at_step;
-  if (!config_.checkpoint_dir.empty()) {
-    s.checkpointer = std::make_unique<Checkpointer>(config_.checkpoint_dir, rank_, world_, communicator_);
-    std::string note;
-    try {
-      note = s.checkpointer->open(config_.resume, config_.overwrite);
-    } catch (const c10::Error& e) {
-      throw JobError(e.what_without_backtrace());
+  if (const auto loaded = config_.resume ? load_checkpoint() : std::nullopt) {
+    at = *loaded;
+    resumed_at_step = state_->global_step;
+    if (finished(at)) return already_complete(at);
+  }
+  open_metrics(resumed_at_step);
+  start_training();
+  log() << run_header() << std::endl;
+
+  TrainSummary summary;
+  Evaluation last_eval;
+  for (; at.epoch < config_.epochs; ++at.epoch, at.step_in_epoch = 0) {
+    const auto epoch = run_epoch(at, summary);
+    if (!epoch) {
+      last_eval = stop_at_max_steps(at);
+      break;
     }
-    if (!note.empty()) log() << note << std::endl;
+    last_eval = end_epoch(at, *epoch);
+    summary.epochs = at.epoch + 1;
   }
-  if (config_.resume) {
-    if (auto loaded = load_checkpoint()) {
-      at = *loaded;
-      resumed_at_step = s.global_step;
-      if (finished(at)) {
-        // Nothing to do: the metrics file and the checkpoints stay as they are.
-        const bool epochs_done = at.epoch >= config_.epochs;
-        log() << "resume: the run in " << config_.checkpoint_dir << " is already complete ("
-              << (epochs_done ? "all " + std::to_string(config_.epochs) + " epochs done, step " +
-                                    std::to_string(s.global_step)
-                              : "step " + std::to_string(s.global_step) + " of --max-steps " +
-                                    std::to_string(config_.max_steps) + ", in epoch " + std::to_string(at.epoch + 1))
-              << "); nothing to do. Raise --epochs or --max-steps to train further" << std::endl;
-        summary.steps = s.global_step;
-        summary.epochs = at.epoch;
-        summary.best_accuracy = s.best_accuracy;
-        summary.already_complete = true;
-        summary.parameters_crc32 = parameters_crc32(*s.model);
-        return summary;
-      }
-    }
+  return finish(std::move(summary), last_eval);
+}
+
+void Trainer::open_checkpoint_directory() {
+  if (config_.checkpoint_dir.empty()) return;
+  auto& s = *state_;
+  s.checkpointer = std::make_unique<Checkpointer>(config_.checkpoint_dir, rank_, world_, communicator_);
+  std::string note;
+  try {
+    note = s.checkpointer->open(config_.resume, config_.overwrite);
+  } catch (const c10::Error& e) {
+    throw JobError(e.what_without_backtrace());
   }
-  if (!config_.metrics.empty() && rank_ == 0) {
-    using Existing = MetricsWriter::Existing;
-    s.metrics = MetricsWriter(config_.metrics, config_.resume      ? Existing::kAppend
-                                               : config_.overwrite ? Existing::kReplace
-                                                                   : Existing::kRefuse);
-    s.metrics.write(run_event(resumed_at_step));
-  }
+  if (!note.empty()) log() << note << std::endl;
+}
+
+// A resumed run that had reached --epochs or --max-steps: nothing to do, and the metrics file and the
+// checkpoints stay as they are.
+TrainSummary Trainer::already_complete(const Position& at) {
+  auto& s = *state_;
+  const bool epochs_done = at.epoch >= config_.epochs;
+  log() << "resume: the run in " << config_.checkpoint_dir << " is already complete ("
+        << (epochs_done
+                ? "all " + std::to_string(config_.epochs) + " epochs done, step " + std::to_string(s.global_step)
+                : "step " + std::to_string(s.global_step) + " of --max-steps " + std::to_string(config_.max_steps) +
+                      ", in epoch " + std::to_string(at.epoch + 1))
+        << "); nothing to do. Raise --epochs or --max-steps to train further" << std::endl;
+  TrainSummary summary;
+  summary.steps = s.global_step;
+  summary.epochs = at.epoch;
+  summary.best_accuracy = s.best_accuracy;
+  summary.already_complete = true;
+  summary.parameters_crc32 = parameters_crc32(*s.model);
+  return summary;
+}
+
+// Rank 0's metrics file, starting with the run event: appended to on --resume, emptied on --overwrite,
+// refused if it holds events otherwise.
+void Trainer::open_metrics(std::optional<int64_t> resumed_at_step) {
+  if (config_.metrics.empty() || rank_ != 0) return;
+  using Existing = MetricsWriter::Existing;
+  auto& s = *state_;
+  s.metrics = MetricsWriter(config_.metrics, config_.resume      ? Existing::kAppend
+                                             : config_.overwrite ? Existing::kReplace
+                                                                 : Existing::kRefuse);
+  s.metrics.write(run_event(resumed_at_step));
+}
+
+void Trainer::start_training() {
+  auto& s = *state_;
   if (communicator_) {
     // After the checkpoint is loaded (Module::load would detach the reducer's hooks). Rank 0's
     // parameters and buffers go to every rank here. A one-rank group (--backend on one GPU) runs DDP's
@@ -594,119 +705,92 @@ TrainSummary Trainer::run() {
   }
   device::reset_peak_memory(device_);  // the metrics' GPU peak is this run's
   s.start = Clock::now();
-  const int64_t log_every =
-      config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, s.steps_per_epoch / 10);
-  const auto& train = s.dataset.train;
-  log() << "train: model " << to_string(config_.model) << ", dataset " << s.dataset.name << " (" << train.size()
-        << " train, " << s.dataset.test.size() << " test), " << (config_.kfac ? "K-FAC + " : "")
-        << to_string(config_.optimizer) << ", batch "
-        << config_.batch_size << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_
-        << ", device " << device_.str()
-        << (device_.is_cuda() && communicator_
-                ? std::string(" (CUDA collectives: ") + comm::to_string(communicator_->cuda_backend()) + ")"
-                : std::string())
-        << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
-                             std::to_string(config_.batch_size * world_) + ")"
-                       : std::string())
-        << std::endl;
-
-  bool stop = false;
-  Evaluation last_eval;
-  for (; at.epoch < config_.epochs && !stop; ++at.epoch, at.step_in_epoch = 0) {
-    auto generator =
-        at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + at.epoch);
-    auto order = torch::randperm(train.size(), generator);
-    double epoch_loss = 0.0;
-    int64_t epoch_steps = 0;
-    const auto epoch_start = device::Mark::now(device_);
-    for (; at.step_in_epoch < s.steps_per_epoch; ++at.step_in_epoch) {
-      if (config_.max_steps >= 0 && s.global_step >= config_.max_steps) {
-        stop = true;
-        break;
-      }
-      set_learning_rate(learning_rate(at.epoch, at.step_in_epoch));
-      // Rank r reads its own disjoint slice of the global batch.
-      const int64_t begin = (at.step_in_epoch * world_ + rank_) * config_.batch_size;
-      auto idx = order.slice(0, begin, begin + config_.batch_size);
-      auto x = s.dataset.train_batch(idx);
-      auto y = train.labels.index_select(0, idx);
-      if (s.dataset.augment) {
-        auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
-        x = data::augment_crop_flip(x, aug);
-      }
-      const auto loss = train_step(at, to_device(x, device_), to_device(y, device_));
-      const double epoch_progress = at.epoch + static_cast<double>(at.step_in_epoch + 1) / s.steps_per_epoch;
-      if (!loss) {
-        ++summary.skipped_steps;
-        warn("skipped step " + std::to_string(s.global_step) + " (epoch " + std::to_string(at.epoch + 1) +
-             "): non-finite loss or gradient (--on-nan-loss skip); " + std::to_string(summary.skipped_steps) +
-             " skipped so far");
-        s.metrics.write({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", at.epoch + 1},
-                         {"epoch_progress", epoch_progress}});
-        ++s.global_step;
-        continue;
-      }
-      summary.step_losses.push_back(*loss);
-      epoch_loss += *loss;
-      ++epoch_steps;
-      ++s.global_step;
-      const bool log_step = s.global_step % log_every == 0;
-      draw_progress(at, *loss, epoch_start, epoch_steps, log_step);
-      if (log_step) {
-        nlohmann::json event = {{"event", "step"},         {"step", s.global_step},
-                                {"epoch", at.epoch + 1},   {"epoch_progress", epoch_progress},
-                                {"loss", *loss},           {"lr", s.current_lr},
-                                {"wall_time_s", s.wall()}};
-        add_gpu_memory(event, device_);
-        if (s.kfac) {
-          const auto& t = s.kfac->total_times();
-          event["kfac_time_s"] = {{"factors", t.factors}, {"second_order", t.second_order},
-                                  {"precondition", t.precondition}, {"apply", t.apply},
-                                  {"communication", t.communication}};
-        }
-        s.metrics.write(event);
-      }
-      if (config_.checkpoint_every_steps > 0 && s.checkpointer && s.global_step % config_.checkpoint_every_steps == 0 &&
-          at.step_in_epoch + 1 < s.steps_per_epoch &&
-          (config_.max_steps < 0 || s.global_step < config_.max_steps)) {  // else "max steps reached" writes it
-        save_checkpoint({at.epoch, at.step_in_epoch + 1},
-                        "every " + std::to_string(config_.checkpoint_every_steps) + " steps");
-      }
-    }
-    if (s.terminal && rank_ == 0) std::cout << std::endl;
-    if (stop && at.step_in_epoch < s.steps_per_epoch) {
-      if (s.checkpointer) save_checkpoint(at, "--max-steps reached");
-      last_eval = evaluate();
-      s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
-      log() << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed << std::setprecision(4)
-            << last_eval.loss << ", test accuracy " << std::setprecision(2) << 100.0 * last_eval.accuracy << "%"
-            << std::endl;
-      break;
-    }
-    last_eval = evaluate();
-    s.best_accuracy = std::max(s.best_accuracy, last_eval.accuracy);
-    const double train_loss = global_mean(epoch_loss, epoch_steps);
-    log() << "epoch " << at.epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed
-          << std::setprecision(4) << train_loss << ", test loss " << last_eval.loss << ", test accuracy "
-          << std::setprecision(2) << 100.0 * last_eval.accuracy << "%, wall " << std::setprecision(1) << s.wall()
-          << " s" << std::endl;
-    nlohmann::json event = {{"event", "epoch"},           {"epoch", at.epoch + 1},
-                            {"train_loss", train_loss},   {"test_loss", last_eval.loss},
-                            {"test_accuracy", last_eval.accuracy}, {"wall_time_s", s.wall()},
-                            {"step", s.global_step}};
-    if (s.kfac) event["kfac_time_s"] = s.kfac->total_times().total();
-    add_gpu_memory(event, device_);
-    s.metrics.write(event);
-    if (s.checkpointer && ((at.epoch + 1) % config_.checkpoint_every_epochs == 0 || at.epoch + 1 == config_.epochs)) {
-      save_checkpoint({at.epoch + 1, 0}, "end of epoch " + std::to_string(at.epoch + 1));
-    }
-    summary.epochs = at.epoch + 1;
-  }
-  return finish(std::move(summary), last_eval);
 }
 
-// The summary line and event; in a distributed job every rank's traffic, memory and phase times,
-// gathered to rank 0 with one sum.
+// The line that opens the run's output: model, data, optimizer, batch, epochs, threads, device, ranks.
+std::string Trainer::run_header() const {
+  const auto& s = *state_;
+  std::ostringstream out;
+  out << "train: model " << to_string(config_.model) << ", dataset " << s.dataset.name << " ("
+      << s.dataset.train.size() << " train, " << s.dataset.test.size() << " test), "
+      << (config_.kfac ? "K-FAC + " : "") << to_string(config_.optimizer) << ", batch " << config_.batch_size
+      << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_ << ", device "
+      << device_.str()
+      << (device_.is_cuda() && communicator_
+              ? std::string(" (CUDA collectives: ") + comm::to_string(communicator_->cuda_backend()) + ")"
+              : std::string())
+      << (world_ > 1 ? ", " + std::to_string(world_) + " ranks (global batch " +
+                           std::to_string(config_.batch_size * world_) + ")"
+                     : std::string());
+  return out.str();
+}
+
+// Trains epoch `at.epoch` from step `at.step_in_epoch` on, `at` following the steps. Returns this rank's
+// loss over the epoch's steps, or nullopt when --max-steps stopped the epoch before its end.
+std::optional<Trainer::EpochLoss> Trainer::run_epoch(Position& at, TrainSummary& summary) {
+  auto& s = *state_;
+  // The epoch's order of examples: the same on every rank, and again after a resume.
+  auto generator =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 1000003 + at.epoch);
+  const auto order = torch::randperm(s.dataset.train.size(), generator);
+  EpochLoss epoch{0.0, 0, device::Mark::now(device_)};
+  for (; at.step_in_epoch < s.steps_per_epoch; ++at.step_in_epoch) {
+    if (max_steps_reached()) break;
+    run_step(at, order, epoch, summary);
+  }
+  if (s.terminal && rank_ == 0) std::cout << std::endl;  // ends the progress line redrawn in place
+  if (at.step_in_epoch < s.steps_per_epoch) return std::nullopt;
+  return epoch;
+}
+
+// One step of the loop: the learning rate, this rank's batch, train_step, then the progress line, the
+// step event and a checkpoint when they are due (or, for a dropped step, its warning and event).
+void Trainer::run_step(const Position& at, const torch::Tensor& order, EpochLoss& epoch, TrainSummary& summary) {
+  auto& s = *state_;
+  set_learning_rate(learning_rate(at.epoch, at.step_in_epoch));
+  const auto [x, y] = batch(at, order);
+  const auto loss = train_step(at, to_device(x, device_), to_device(y, device_));
+  if (!loss) {
+    skip_step(at, summary);
+    return;
+  }
+  summary.step_losses.push_back(*loss);
+  epoch.sum += *loss;
+  ++epoch.steps;
+  ++s.global_step;
+  const bool logged = s.global_step % log_every() == 0;
+  draw_progress(at, *loss, epoch.start, epoch.steps, logged);
+  if (logged) s.metrics.write(step_event(at, *loss));
+  checkpoint_within_epoch(at);
+}
+
+// --max-steps reached before the epoch's end: a checkpoint, an evaluation and the stop line.
+Evaluation Trainer::stop_at_max_steps(const Position& at) {
+  if (state_->checkpointer) save_checkpoint(at, "--max-steps reached");
+  const auto eval = evaluate_and_keep_best();
+  log() << "stopped at --max-steps " << config_.max_steps << ": test loss " << std::fixed << std::setprecision(4)
+        << eval.loss << ", test accuracy " << std::setprecision(2) << 100.0 * eval.accuracy << "%" << std::endl;
+  return eval;
+}
+
+// An epoch's end: an evaluation, the epoch line and event, and a checkpoint every --checkpoint-every-epochs
+// epochs and after the last.
+Evaluation Trainer::end_epoch(const Position& at, const EpochLoss& epoch) {
+  auto& s = *state_;
+  const auto eval = evaluate_and_keep_best();
+  const double train_loss = global_mean(epoch.sum, epoch.steps);
+  log() << "epoch " << at.epoch + 1 << "/" << config_.epochs << ": train loss " << std::fixed << std::setprecision(4)
+        << train_loss << ", test loss " << eval.loss << ", test accuracy " << std::setprecision(2)
+        << 100.0 * eval.accuracy << "%, wall " << std::setprecision(1) << s.wall() << " s" << std::endl;
+  s.metrics.write(epoch_event(at, train_loss, eval));
+  if (s.checkpointer && ((at.epoch + 1) % config_.checkpoint_every_epochs == 0 || at.epoch + 1 == config_.epochs)) {
+    save_checkpoint({at.epoch + 1, 0}, "end of epoch " + std::to_string(at.epoch + 1));
+  }
+  return eval;
+}
+
+// The summary line and event. In a distributed job the event carries every rank's report, gathered with
+// one collective that every rank joins.
 TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) {
   auto& s = *state_;
   summary.steps = s.global_step;
@@ -716,70 +800,122 @@ TrainSummary Trainer::finish(TrainSummary summary, const Evaluation& last_eval) 
   summary.wall_seconds = s.wall();
   summary.kfac_seconds = s.kfac ? s.kfac->total_times().total() : 0.0;
   summary.parameters_crc32 = parameters_crc32(*s.model);
-  const auto gpu_memory = device::memory_stats(device_);
-  if (gpu_memory) summary.gpu_max_memory_allocated_bytes = gpu_memory->peak_allocated;
+  if (const auto gpu_memory = device::memory_stats(device_)) {
+    summary.gpu_max_memory_allocated_bytes = gpu_memory->peak_allocated;
+  }
+  const auto& gpu_peak = summary.gpu_max_memory_allocated_bytes;
   log() << "summary: best test accuracy " << std::fixed << std::setprecision(2) << 100.0 * summary.best_accuracy
         << "%, final " << 100.0 * summary.final_accuracy << "%, wall " << std::setprecision(1) << summary.wall_seconds
         << " s, K-FAC " << summary.kfac_seconds << " s, " << summary.steps << " steps"
-        << (gpu_memory ? ", GPU memory peak " + human_bytes(static_cast<double>(gpu_memory->peak_allocated)) +
-                             " on " + device_.str()
-                       : std::string())
+        << (gpu_peak ? ", GPU memory peak " + human_bytes(static_cast<double>(*gpu_peak)) + " on " + device_.str()
+                     : std::string())
         << std::endl;
+  auto event = summary_event(summary);
+  if (communicator_) {
+    const auto reports = gather_reports(rank_report(*communicator_, s.kfac.get(), summary), *communicator_);
+    event["world_size"] = world_;
+    event["ranks"] = nlohmann::json::array();
+    for (int r = 0; r < world_; ++r) event["ranks"].push_back(report_json(r, reports[r], gpu_peak.has_value()));
+  }
+  s.metrics.write(event);
+  return summary;
+}
+
+bool Trainer::max_steps_reached() const {
+  return config_.max_steps >= 0 && state_->global_step >= config_.max_steps;
+}
+
+// Steps between progress lines (off a terminal) and step events: --log-every, or a tenth of an epoch.
+int64_t Trainer::log_every() const {
+  return config_.log_every > 0 ? config_.log_every : std::max<int64_t>(1, state_->steps_per_epoch / 10);
+}
+
+// Epochs done once the step at `at` is: 0.25 after the first quarter of epoch 1.
+double Trainer::epoch_progress(const Position& at) const {
+  return at.epoch + static_cast<double>(at.step_in_epoch + 1) / state_->steps_per_epoch;
+}
+
+// This rank's disjoint slice of the global batch of the step at `at` (augmented where the dataset is).
+Trainer::Batch Trainer::batch(const Position& at, const torch::Tensor& order) const {
+  const auto& s = *state_;
+  const int64_t begin = (at.step_in_epoch * world_ + rank_) * config_.batch_size;
+  const auto idx = order.slice(0, begin, begin + config_.batch_size);
+  Batch b{s.dataset.train_batch(idx), s.dataset.train.labels.index_select(0, idx)};
+  if (s.dataset.augment) {
+    auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
+    b.x = data::augment_crop_flip(b.x, aug);
+  }
+  return b;
+}
+
+// A step dropped for a non-finite loss or gradient (--on-nan-loss skip): a warning and an event; the step
+// still counts, so the schedules and checkpoints keep their places.
+void Trainer::skip_step(const Position& at, TrainSummary& summary) {
+  auto& s = *state_;
+  ++summary.skipped_steps;
+  warn("skipped step " + std::to_string(s.global_step) + " (epoch " + std::to_string(at.epoch + 1) +
+       "): non-finite loss or gradient (--on-nan-loss skip); " + std::to_string(summary.skipped_steps) +
+       " skipped so far");
+  s.metrics.write({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", at.epoch + 1},
+                   {"epoch_progress", epoch_progress(at)}});
+  ++s.global_step;
+}
+
+// --checkpoint-every-steps: a checkpoint after the step at `at`, unless the epoch's end or --max-steps is
+// about to write one.
+void Trainer::checkpoint_within_epoch(const Position& at) {
+  auto& s = *state_;
+  const int64_t every = config_.checkpoint_every_steps;
+  if (!s.checkpointer || every <= 0 || s.global_step % every != 0) return;
+  if (at.step_in_epoch + 1 >= s.steps_per_epoch || max_steps_reached()) return;
+  save_checkpoint({at.epoch, at.step_in_epoch + 1}, "every " + std::to_string(every) + " steps");
+}
+
+Evaluation Trainer::evaluate_and_keep_best() {
+  const auto eval = evaluate();
+  state_->best_accuracy = std::max(state_->best_accuracy, eval.accuracy);
+  return eval;
+}
+
+nlohmann::json Trainer::step_event(const Position& at, double loss) const {
+  const auto& s = *state_;
+  nlohmann::json event = {{"event", "step"},       {"step", s.global_step},
+                          {"epoch", at.epoch + 1}, {"epoch_progress", epoch_progress(at)},
+                          {"loss", loss},          {"lr", s.current_lr},
+                          {"wall_time_s", s.wall()}};
+  add_gpu_memory(event, device_);
+  if (s.kfac) event["kfac_time_s"] = kfac_time_json(s.kfac->total_times());
+  return event;
+}
+
+nlohmann::json Trainer::epoch_event(const Position& at, double train_loss, const Evaluation& eval) const {
+  const auto& s = *state_;
+  nlohmann::json event = {{"event", "epoch"},         {"epoch", at.epoch + 1},
+                          {"train_loss", train_loss}, {"test_loss", eval.loss},
+                          {"test_accuracy", eval.accuracy}, {"wall_time_s", s.wall()},
+                          {"step", s.global_step}};
+  if (s.kfac) event["kfac_time_s"] = kfac_time_json(s.kfac->total_times());
+  add_gpu_memory(event, device_);
+  return event;
+}
+
+// This rank's summary event; finish() adds every rank's report in a distributed job.
+nlohmann::json Trainer::summary_event(const TrainSummary& summary) const {
+  const auto& s = *state_;
   nlohmann::json event = {{"event", "summary"},
                           {"steps", summary.steps},
                           {"best_test_accuracy", summary.best_accuracy},
                           {"final_test_accuracy", summary.final_accuracy},
                           {"final_test_loss", summary.final_test_loss},
                           {"wall_time_s", summary.wall_seconds},
-                          {"kfac_time_s", summary.kfac_seconds},
+                          {"kfac_time_s", kfac_time_json(s.kfac ? s.kfac->total_times() : PhaseTimes())},
                           {"parameters_crc32", summary.parameters_crc32},
                           {"model", to_string(config_.model)},
                           {"dataset", to_string(config_.dataset)},
                           {"kfac", config_.kfac}};
   if (s.kfac) event["kfac_memory_bytes"] = s.kfac->memory_bytes();
   add_gpu_memory(event, device_);
-  if (communicator_) {
-    // Every rank's traffic per phase, K-FAC memory and K-FAC phase times, gathered to rank 0 with one sum.
-    const std::vector<std::string> phases = comm::Communicator::all_phase_names();
-    const auto n = static_cast<int64_t>(phases.size());
-    auto table = torch::zeros({world_, n + 8}, torch::kFloat64);
-    const auto traffic = communicator_->traffic();
-    for (size_t k = 0; k < phases.size(); ++k) {
-      const auto it = traffic.find(phases[k]);
-      table[rank_][static_cast<int64_t>(k)] = it == traffic.end() ? 0.0 : static_cast<double>(it->second.bytes);
-    }
-    const PhaseTimes times = s.kfac ? s.kfac->total_times() : PhaseTimes();
-    table[rank_][n] = s.kfac ? static_cast<double>(s.kfac->memory_bytes()) : 0.0;
-    table[rank_][n + 1] = times.factors;
-    table[rank_][n + 2] = times.second_order;
-    table[rank_][n + 3] = times.precondition;
-    table[rank_][n + 4] = times.apply;
-    table[rank_][n + 5] = summary.wall_seconds;
-    table[rank_][n + 6] = times.communication;
-    table[rank_][n + 7] = gpu_memory ? static_cast<double>(gpu_memory->peak_allocated) : 0.0;
-    communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
-    event["world_size"] = world_;
-    nlohmann::json ranks = nlohmann::json::array();
-    for (int r = 0; r < world_; ++r) {
-      nlohmann::json bytes = nlohmann::json::object();
-      for (size_t k = 0; k < phases.size(); ++k) bytes[phases[k]] = table[r][static_cast<int64_t>(k)].item<int64_t>();
-      auto row = table[r];
-      ranks.push_back({{"rank", r},
-                       {"comm_bytes", bytes},
-                       {"kfac_memory_bytes", row[n].item<int64_t>()},
-                       {"kfac_time_s",
-                        {{"factors", row[n + 1].item<double>()},
-                         {"second_order", row[n + 2].item<double>()},
-                         {"precondition", row[n + 3].item<double>()},
-                         {"apply", row[n + 4].item<double>()},
-                         {"communication", row[n + 6].item<double>()}}},
-                       {"wall_time_s", row[n + 5].item<double>()}});
-      if (gpu_memory) ranks.back()["gpu_max_memory_allocated_bytes"] = row[n + 7].item<int64_t>();
-    }
-    event["ranks"] = ranks;
-  }
-  s.metrics.write(event);
-  return summary;
+  return event;
 }
 
 }  // namespace dkfac::train

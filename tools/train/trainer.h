@@ -40,8 +40,9 @@ struct TrainSummary {
   std::vector<double> step_losses;  // every training step's loss, in order (this process only)
 };
 
-/// Single-process training loop of `dkfac train`: data, model, SGD/Adam, optional K-FAC, schedules,
-/// progress, metrics, atomic checkpoints and exact resume, on the CPU or a GPU.
+/// The training loop of `dkfac train` as one rank runs it, in a data-parallel job or as a single process:
+/// data, model, SGD/Adam, optional K-FAC, schedules, progress, metrics, atomic checkpoints and exact resume,
+/// on the CPU or a GPU. Rank 0 alone prints progress and writes the metrics file.
 ///
 /// On a GPU the model (initialised on the CPU, so that both devices start from the same weights), the
 /// optimizer and K-FAC state, the batches (made on the CPU, copied through pinned memory), the loss and the
@@ -84,12 +85,48 @@ class Trainer {
   std::string layout() const;
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
+  /// This rank's loss over an epoch's steps (skipped steps are not counted) and when the epoch began.
+  struct EpochLoss {
+    double sum = 0.0;
+    int64_t steps = 0;
+    dkfac::device::Mark start;  // the device's time at the epoch's start, for the progress line's rate
+  };
+  /// This rank's examples of a step: inputs and labels, on the CPU.
+  struct Batch {
+    torch::Tensor x;
+    torch::Tensor y;
+  };
+
+  // run(), in the order it calls them.
+  void open_checkpoint_directory();
+  TrainSummary already_complete(const Position& at);
+  void open_metrics(std::optional<int64_t> resumed_at_step);
+  void start_training();
+  std::string run_header() const;
+  std::optional<EpochLoss> run_epoch(Position& at, TrainSummary& summary);
+  void run_step(const Position& at, const torch::Tensor& order, EpochLoss& epoch, TrainSummary& summary);
+  Evaluation stop_at_max_steps(const Position& at);
+  Evaluation end_epoch(const Position& at, const EpochLoss& epoch);
+  TrainSummary finish(TrainSummary summary, const Evaluation& last_eval);
+
+  // Steps.
+  bool max_steps_reached() const;
+  int64_t log_every() const;
+  double epoch_progress(const Position& at) const;
+  Batch batch(const Position& at, const torch::Tensor& order) const;
   std::optional<double> train_step(const Position& at, const torch::Tensor& x, const torch::Tensor& y);
+  void skip_step(const Position& at, TrainSummary& summary);
   void draw_progress(const Position& at, double loss, const dkfac::device::Mark& epoch_start, int64_t epoch_steps,
                      bool logged);
+  void checkpoint_within_epoch(const Position& at);
+  Evaluation evaluate_and_keep_best();
   double global_mean(double sum, int64_t count);
+
+  // Metrics events (tools/train/metrics.h).
   nlohmann::json run_event(std::optional<int64_t> resumed_at_step) const;
-  TrainSummary finish(TrainSummary summary, const Evaluation& last_eval);
+  nlohmann::json step_event(const Position& at, double loss) const;
+  nlohmann::json epoch_event(const Position& at, double train_loss, const Evaluation& eval) const;
+  nlohmann::json summary_event(const TrainSummary& summary) const;
   /// Rank 0's output stream (the job's progress); a discarding stream on the other ranks.
   std::ostream& log() const;
   /// A warning about this rank's own state, on stderr, prefixed with the rank in a distributed job.
