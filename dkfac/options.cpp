@@ -1,5 +1,6 @@
 #include "dkfac/options.h"
 
+#include <algorithm>
 #include <cmath>
 #include <regex>
 
@@ -8,12 +9,26 @@
 
 namespace dkfac {
 
+namespace {
+
+// Checks `value` of option `name` against its declared range (option_table()); `at` names the step of a schedule.
+template <typename T>
+T checked(const char* name, T value, const std::string& at = "") {
+  const auto& range = option_info(name).range;
+  const bool number = std::is_floating_point_v<T>;
+  TORCH_CHECK((!number || std::isfinite(static_cast<double>(value))) && range.contains(static_cast<double>(value)),
+              name, " must be ", number ? "finite and " : "", range.describe(), ", got ", value, at);
+  return value;
+}
+
+std::string at_step(int64_t step) { return " at step " + std::to_string(step); }
+
+}  // namespace
+
 void SpdOptions::validate() const {
-  TORCH_CHECK(redundant_dim_ >= -1, "SpdOptions::redundant_dim must be -1 (measured) or >= 0, got ", redundant_dim_);
-  TORCH_CHECK(profile_steps_ >= 1, "SpdOptions::profile_steps must be >= 1, got ", profile_steps_);
-  for (int64_t size : fusion_) {
-    TORCH_CHECK(size >= 1, "SpdOptions::fusion group sizes must be >= 1, got ", size);
-  }
+  checked("spd_redundant_dim", redundant_dim_);
+  checked("spd_profile_steps", profile_steps_);
+  for (int64_t size : fusion_) checked("spd_fusion", size, " (a fusion group size)");
 }
 
 Options& Options::grad_scaler(std::function<double()> scale) & {
@@ -27,32 +42,29 @@ Options& Options::grad_scaler(std::function<double()> scale) & {
 }
 
 void Options::validate() const {
-  auto check_dtype = [](const char* what, const std::optional<c10::ScalarType>& dtype) {
+  auto check_dtype = [this](const char* what, const std::optional<c10::ScalarType>& dtype) {
     if (!dtype) return;
-    TORCH_CHECK(c10::isFloatingType(*dtype) && c10::elementSize(*dtype) >= 2, what, " ", c10::toString(*dtype),
-                " is not supported: use float32, float64, bfloat16 or float16");
+    const auto& names = option_info(what).choices;
+    TORCH_CHECK(std::find(names.begin(), names.end(), std::get<std::string>(get(what))) != names.end(), what, " ",
+                c10::toString(*dtype), " is not supported: use float32, float64, bfloat16 or float16");
   };
   check_dtype("factor_dtype", factor_dtype_);
   check_dtype("inv_dtype", inv_dtype_);
-  TORCH_CHECK(accumulation_steps_ >= 1, "accumulation_steps must be >= 1, got ", accumulation_steps_);
+  checked("accumulation_steps", accumulation_steps_);
+  checked("grad_worker_fraction", grad_worker_fraction_);
+  checked("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb_);
+  checked("large_factor_dim", large_factor_dim_);
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
-              "pi_damping applies to ComputeMethod::kInverse only, got compute_method=",
-              to_string(compute_method_));
-  TORCH_CHECK(grad_worker_fraction_ > 0.0 && grad_worker_fraction_ <= 1.0,
-              "grad_worker_fraction must be in (0, 1], got ", grad_worker_fraction_);
+              "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
-              "Strategy::kKaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
-  TORCH_CHECK(std::isfinite(allreduce_bucket_cap_mb_) && allreduce_bucket_cap_mb_ >= 0.0,
-              "allreduce_bucket_cap_mb must be >= 0, got ", allreduce_bucket_cap_mb_);
-  TORCH_CHECK(large_factor_dim_ >= 0, "large_factor_dim must be >= 0 (0: no report), got ", large_factor_dim_);
+              "strategy kaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
   spd_.validate();
   for (const auto& pattern : skip_layers_) {
     try {
       std::regex check(pattern);
       (void)check;
     } catch (const std::regex_error& e) {
-      TORCH_CHECK(false, "skip_layers pattern '", pattern, "' is not a valid regular expression: ",
-                  e.what());
+      TORCH_CHECK(false, "skip_layers pattern '", pattern, "' is not a valid regular expression: ", e.what());
     }
   }
   // Constant schedules are checked now so that a bad value fails at construction, not mid-run.
@@ -64,41 +76,17 @@ void Options::validate() const {
   if (inv_update_steps_.is_constant()) inv_update_steps_at(0);
 }
 
-double Options::lr_at(int64_t step) const {
-  const double v = lr_(step);
-  TORCH_CHECK(std::isfinite(v) && v >= 0.0, "lr must be finite and >= 0, got ", v, " at step ", step);
-  return v;
-}
-
-double Options::damping_at(int64_t step) const {
-  const double v = damping_(step);
-  TORCH_CHECK(std::isfinite(v) && v > 0.0, "damping must be finite and > 0, got ", v, " at step ", step);
-  return v;
-}
-
-double Options::kl_clip_at(int64_t step) const {
-  const double v = kl_clip_(step);
-  TORCH_CHECK(std::isfinite(v) && v >= 0.0, "kl_clip must be finite and >= 0 (0 disables it), got ", v,
-              " at step ", step);
-  return v;
-}
-
+double Options::lr_at(int64_t step) const { return checked("lr", lr_(step), at_step(step)); }
+double Options::damping_at(int64_t step) const { return checked("damping", damping_(step), at_step(step)); }
+double Options::kl_clip_at(int64_t step) const { return checked("kl_clip", kl_clip_(step), at_step(step)); }
 double Options::factor_decay_at(int64_t step) const {
-  const double v = factor_decay_(step);
-  TORCH_CHECK(std::isfinite(v) && v >= 0.0 && v <= 1.0, "factor_decay must be in [0, 1], got ", v, " at step ", step);
-  return v;
+  return checked("factor_decay", factor_decay_(step), at_step(step));
 }
-
 int64_t Options::factor_update_steps_at(int64_t step) const {
-  const int64_t v = factor_update_steps_(step);
-  TORCH_CHECK(v >= 1, "factor_update_steps must be >= 1, got ", v, " at step ", step);
-  return v;
+  return checked("factor_update_steps", factor_update_steps_(step), at_step(step));
 }
-
 int64_t Options::inv_update_steps_at(int64_t step) const {
-  const int64_t v = inv_update_steps_(step);
-  TORCH_CHECK(v >= 1, "inv_update_steps must be >= 1, got ", v, " at step ", step);
-  return v;
+  return checked("inv_update_steps", inv_update_steps_(step), at_step(step));
 }
 
 const char* to_string(ComputeMethod method) {

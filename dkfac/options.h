@@ -5,10 +5,13 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
+
+#include "dkfac/assign/assignment.h"
 
 namespace dkfac {
 
@@ -36,6 +39,11 @@ enum class Strategy {
 /// scale on its device: reading it does not wait for the device. G is built from grad_output / scale.
 using GradScale = std::function<at::Tensor()>;
 
+/// An option's value as the front ends hand it over (Options::set): nothing (Python's None), a bool, an
+/// integer, a number, a name, names, integers, or a function of the step (schedules).
+using OptionValue = std::variant<std::monostate, bool, int64_t, double, std::string, std::vector<std::string>,
+                                 std::vector<int64_t>, std::function<double(int64_t)>>;
+
 /// A hyper-parameter that is either a constant or a function of the K-FAC step (0-based).
 template <typename T>
 class Schedule {
@@ -55,51 +63,133 @@ class Schedule {
   bool constant_ = false;
 };
 
-#define DKFAC_SCHEDULE_ARG(T, name)                                  \
+/// A bound on a numeric option: `value` must be >= (or > when `open`) min and <= (or <) max; some
+/// numbers have names (grad_worker_fraction "mem-opt" is 0, i.e. 1/P).
+struct OptionRange {
+  double min = -1e308;
+  double max = 1e308;
+  bool min_open = false;
+  bool max_open = false;
+  std::vector<std::pair<std::string, double>> named = {};
+  /// What a reader is told: "> 0", ">= 1", "in [0, 1]".
+  std::string describe() const;
+  bool contains(double value) const;
+};
+inline OptionRange at_least(double min) { return {min}; }
+inline OptionRange greater_than(double min) { return {min, 1e308, true}; }
+inline OptionRange between(double min, double max) { return {min, max}; }
+inline OptionRange any_value() { return {}; }
+
+// The options, each declared once: kind (Schedule: a value or a function of the K-FAC step; Value), C++ type,
+// name (the C++ setter, Python's keyword, the metrics key), default, range, `dkfac train`'s flag ("": not a flag:
+// the training loop sets it), kfac_pytorch's keyword where it differs (""), kfac_pytorch's default where it
+// differs from dkfac's ("", else as the flag would spell it), and the documentation (Python's, --help's and the
+// README's). option_table() (below) is made from this list; so are Options' setters and getters. Adding an
+// option: a line here, its use, and a test (docs/ARCHITECTURE.md, "Adding an option").
+#define DKFAC_OPTIONS(X)                                                                                             \
+  X(Schedule, double, lr, 0.1, at_least(0), "", "", "",                                                              \
+    "learning rate of the optimizer that applies the gradients; read by KL clipping only")                           \
+  X(Schedule, double, damping, 0.001, greater_than(0), "--damping", "", "",                                          \
+    "Tikhonov damping lambda added to the factors (0.001: kfac_pytorch's default; not tuned)")                       \
+  X(Schedule, double, kl_clip, 0.001, (OptionRange{0, 1e308, false, false, {{"none", 0.0}}}), "--kl-clip", "", "",  \
+    "KL-clip bound (0 or none: no clipping)")                                                                      \
+  X(Schedule, int64_t, factor_update_steps, 1, at_least(1), "--factor-update-steps", "", "",                         \
+    "steps between factor updates; activations are captured only on these steps")                                   \
+  X(Schedule, int64_t, inv_update_steps, 1, at_least(1), "--inv-update-steps", "", "",                               \
+    "steps between second-order (eigendecomposition or inverse) updates")                                           \
+  X(Schedule, double, factor_decay, 0.95, between(0, 1), "--factor-decay", "", "",                                   \
+    "running-average decay alpha of the factors")                                                                   \
+  X(Value, int64_t, accumulation_steps, 1, at_least(1), "", "", "",                                                  \
+    "forward/backward passes (micro-batches) per optimizer step")                                                   \
+  X(Value, ComputeMethod, compute_method, ComputeMethod::kEigen, any_value(), "--compute-method", "", "",            \
+    "eigen: eigendecompositions of A and G; inverse: explicit damped inverses")                                     \
+  X(Value, bool, compute_eigenvalue_outer_product, true, any_value(), "--compute-eigenvalue-outer-product", "", "",  \
+    "eigen: 1 / (d_G d_A^T + damping) once per second-order update (on) or at every step (off)")                    \
+  X(Value, std::optional<c10::ScalarType>, factor_dtype, std::nullopt, any_value(), "--factor-dtype", "", "",        \
+    "storage dtype of the factors (default: the activations')")                                                     \
+  X(Value, std::optional<c10::ScalarType>, inv_dtype, std::nullopt, any_value(), "--inv-dtype", "", "float32",       \
+    "storage dtype of eigendecompositions/inverses and of preconditioning (default: the factors'); decompositions "  \
+    "run in float64 when the factors or this are float64, else float32")                                            \
+  X(Value, bool, pi_damping, false, any_value(), "--pi-damping", "", "",                                             \
+    "inverse method: split damping between A and G with the pi heuristic (DP-KFAC)")                                \
+  X(Value, std::vector<std::string>, skip_layers, {}, any_value(), "--skip-layers", "", "",                          \
+    "regular expressions (ECMAScript, searched) matched against each layer's name and class; matching layers keep "  \
+    "their plain gradient; a pattern that matches no layer is warned about")                                        \
+  X(Value, int64_t, large_factor_dim, 4096, at_least(0), "--large-factor-dim", "", "",                               \
+    "warn at construction about factors wider than this, with their memory and update cost (0: never)")            \
+  X(Value, UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError, any_value(), "--unused-layer-policy",   \
+    "", "", "a registered layer that did not run before step(): error, or skip (keep its plain gradient, warn once)")  \
+  X(Value, double, grad_worker_fraction, 1.0,                                                                        \
+    (OptionRange{0, 1, false, false, {{"comm-opt", 1.0}, {"hybrid-opt", 0.5}, {"mem-opt", 0.0}}}),                  \
+    "--grad-worker-fraction", "", "",                                                                               \
+    "KAISA: fraction f of ranks that precondition each layer, W = max(1, round(P f)); 1 comm-opt, 0.5 hybrid-opt, "  \
+    "0 = 1/P mem-opt")                                                                                              \
+  X(Value, bool, symmetric_comm, false, any_value(), "--symmetric-comm", "symmetry_aware", "",                       \
+    "send symmetric matrices (factors, inverses) as upper triangles")                                               \
+  X(Value, assign::Balance, balance, assign::Balance::kCompute, any_value(), "--balance", "assignment_strategy", "", \
+    "place second-order work by compute (d^3) or memory (d^2)")                                                     \
+  X(Value, bool, colocate_factors, true, any_value(), "--colocate-factors", "", "",                                  \
+    "decompose A and G of a layer on the same rank")                                                                \
+  X(Value, bool, update_factors_in_hook, true, any_value(), "--update-factors-in-hook", "", "",                      \
+    "KAISA: start each factor's allreduce from the capture hooks, bucketed, overlapped with forward/backward "      \
+    "(off: all in step(); same results)")                                                                           \
+  X(Value, double, allreduce_bucket_cap_mb, 25.0, at_least(0), "--allreduce-bucket-cap-mb", "", "",                  \
+    "KAISA in hooks: largest factor bucket in MiB (0: each factor alone)")                                          \
+  X(Value, Strategy, strategy, Strategy::kKaisa, any_value(), "--strategy", "", "",                                  \
+    "the published system that places and moves K-FAC work: kaisa (with grad_worker_fraction), spd (SPD-KFAC) or "   \
+    "dp (DP-KFAC)")
+
+// SPD-KFAC's own options (Options::spd), declared as above; their names in option_table() start with "spd_".
+#define DKFAC_SPD_OPTIONS(X)                                                                                         \
+  X(Value, int64_t, redundant_dim, -1, (OptionRange{-1, 1e308, false, false, {{"none", -1.0}}}),                   \
+    "--spd-redundant-dim", "", "",                                                                                  \
+    "SPD-KFAC: factors of dimension <= this are decomposed on every rank instead of broadcast (-1: chosen from the "  \
+    "measured decomposition and broadcast times)")                                                                  \
+  X(Value, int64_t, profile_steps, 3, at_least(1), "--spd-profile-steps", "", "",                                    \
+    "SPD-KFAC: factor steps profiled (each factor sent alone) before the fusion grouping is chosen")                \
+  X(Value, std::vector<int64_t>, fusion, {}, at_least(1), "--spd-fusion", "", "",                                    \
+    "SPD-KFAC: the fusion grouping as sizes of consecutive groups in ready order (A in layer order, then G in "       \
+    "reverse), summing to 2 x layers (empty: chosen by the alpha-beta model after the profiled steps)")
+
+#define DKFAC_DECLARE_Schedule(Self, T, name, default_value)          \
  public:                                                             \
-  Options& name(T value) & {                                         \
+  Self& name(T value) & {                                            \
     name##_ = Schedule<T>(value);                                    \
     return *this;                                                    \
   }                                                                  \
-  Options&& name(T value) && { return std::move(this->name(value)); } \
-  Options& name(std::function<T(int64_t)> fn) & {                    \
+  Self&& name(T value) && { return std::move(this->name(value)); }   \
+  Self& name(std::function<T(int64_t)> fn) & {                       \
     name##_ = Schedule<T>(std::move(fn));                            \
     return *this;                                                    \
   }                                                                  \
-  Options&& name(std::function<T(int64_t)> fn) && {                  \
+  Self&& name(std::function<T(int64_t)> fn) && {                     \
     return std::move(this->name(std::move(fn)));                     \
   }                                                                  \
   const Schedule<T>& name() const { return name##_; }                \
                                                                      \
  private:                                                            \
-  Schedule<T> name##_
+  Schedule<T> name##_{default_value};
 
-#define DKFAC_VALUE_ARG_OF(Self, T, name, default_value)            \
- public:                                                            \
-  Self& name(T value) & {                                           \
-    name##_ = std::move(value);                                     \
-    return *this;                                                   \
-  }                                                                 \
-  Self&& name(T value) && { return std::move(this->name(std::move(value))); } \
-  const T& name() const { return name##_; }                         \
-                                                                    \
- private:                                                           \
-  T name##_ = default_value
+#define DKFAC_DECLARE_Value(Self, T, name, default_value)                        \
+ public:                                                                        \
+  Self& name(T value) & {                                                       \
+    name##_ = std::move(value);                                                 \
+    return *this;                                                               \
+  }                                                                             \
+  Self&& name(T value) && { return std::move(this->name(std::move(value))); }   \
+  const T& name() const { return name##_; }                                     \
+                                                                                \
+ private:                                                                       \
+  T name##_ = default_value;
 
-#define DKFAC_VALUE_ARG(T, name, default_value) DKFAC_VALUE_ARG_OF(Options, T, name, default_value)
+#define DKFAC_DECLARE_OPTIONS(kind, T, name, default_value, ...) DKFAC_DECLARE_##kind(Options, T, name, default_value)
+#define DKFAC_DECLARE_SPD_OPTIONS(kind, T, name, default_value, ...) \
+  DKFAC_DECLARE_##kind(SpdOptions, T, name, default_value)
 
 /// SPD-KFAC's own choices (Options::spd), as a value with chained setters:
 /// `dkfac::SpdOptions().redundant_dim(64).fusion({4, 2})`. Ignored by the other strategies.
 class SpdOptions {
-  /// Factors of dimension <= this are decomposed on every rank instead of broadcast; -1 (default)
-  /// chooses it from the measured decomposition and broadcast times.
-  DKFAC_VALUE_ARG_OF(SpdOptions, int64_t, redundant_dim, -1);
-  /// Factor steps profiled (each factor sent alone) before the fusion grouping is chosen (>= 1).
-  DKFAC_VALUE_ARG_OF(SpdOptions, int64_t, profile_steps, 3);
-  /// Forces the fusion grouping, as sizes of consecutive groups in ready order (A factors in layer order,
-  /// then G factors in reverse layer order); they must sum to 2 x layers. Empty (default): chosen from
-  /// the alpha-beta model after the profiled steps.
-  DKFAC_VALUE_ARG_OF(SpdOptions, std::vector<int64_t>, fusion, {});
+  DKFAC_SPD_OPTIONS(DKFAC_DECLARE_SPD_OPTIONS)
 
  public:
   /// Checks every value; throws c10::Error naming the offending one.
@@ -107,83 +197,47 @@ class SpdOptions {
 };
 
 /// Hyper-parameters of the K-FAC preconditioner, as a value with chained setters:
-/// `dkfac::Options().lr(0.1).damping(3e-3).factor_update_steps(10).inv_update_steps(100)`.
-/// Schedules (`lr`, `damping`, `kl_clip`, the two intervals) accept a value or a
-/// `std::function<T(int64_t step)>`. Everything is checked once by `validate()`, which the
-/// Preconditioner calls when it is built; schedule values are checked each time they are read.
+/// `dkfac::Options().lr(0.1).damping(3e-3).factor_update_steps(10).inv_update_steps(100)`, one per entry of
+/// DKFAC_OPTIONS above (which documents each), plus `spd(SpdOptions)` and `grad_scaler`. Schedules (`lr`,
+/// `damping`, `kl_clip`, `factor_decay`, the two intervals) accept a value or a
+/// `std::function<T(int64_t step)>`. Everything is checked once by `validate()`, which the Preconditioner calls
+/// when it is built; schedule values are checked each time they are read. Options can also be set by name
+/// (`set`), as the Python front end and `dkfac train` do, and listed (`option_table()`).
 class Options {
-  /// Learning rate of the optimizer that applies the gradients; used only by KL clipping.
-  DKFAC_SCHEDULE_ARG(double, lr){0.1};
-  /// Tikhonov damping lambda (> 0). Default 0.001: kfac_pytorch's KFACPreconditioner default, so that code
-  /// ported from it behaves the same (not tuned here; `dkfac train` uses 0.3, `dkfac bench` 0.003: README).
-  DKFAC_SCHEDULE_ARG(double, damping){0.001};
-  /// KL-clip bound; 0 turns clipping off.
-  DKFAC_SCHEDULE_ARG(double, kl_clip){0.001};
-  /// Steps between factor updates (>= 1). Activations are captured only on these steps.
-  DKFAC_SCHEDULE_ARG(int64_t, factor_update_steps){1};
-  /// Steps between second-order (eigen/inverse) updates (>= 1).
-  DKFAC_SCHEDULE_ARG(int64_t, inv_update_steps){1};
-  /// Running-average decay alpha of the factors, in [0, 1].
-  DKFAC_SCHEDULE_ARG(double, factor_decay){0.95};
-  /// Forward/backward passes (micro-batches) per optimizer step (>= 1).
-  DKFAC_VALUE_ARG(int64_t, accumulation_steps, 1);
-  /// Eigen (default) or inverse second-order method.
-  DKFAC_VALUE_ARG(ComputeMethod, compute_method, ComputeMethod::kEigen);
-  /// Eigen method: compute 1 / (d_G d_A^T + damping) once per second-order update (default, with that
-  /// update's damping) or at every step with the step's damping (false; differs only for damping schedules).
-  DKFAC_VALUE_ARG(bool, compute_eigenvalue_outer_product, true);
-  /// Storage (and computation) dtype of captured and running factors (float32, float64, bfloat16 or
-  /// float16); nullopt keeps the activations' dtype.
-  DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, factor_dtype, std::nullopt);
-  /// Storage dtype of second-order state (eigendecompositions, inverses) and of preconditioning; nullopt
-  /// keeps the factors' dtype. Decompositions run in float64 when the factors or this dtype are float64,
-  /// otherwise in float32, and the results are stored in this dtype.
-  DKFAC_VALUE_ARG(std::optional<c10::ScalarType>, inv_dtype, std::nullopt);
+  DKFAC_OPTIONS(DKFAC_DECLARE_OPTIONS)
+
+ public:
+  /// SPD-KFAC's redundancy threshold, profiling and fusion.
+  Options& spd(SpdOptions value) & {
+    spd_ = std::move(value);
+    return *this;
+  }
+  Options&& spd(SpdOptions value) && { return std::move(this->spd(std::move(value))); }
+  const SpdOptions& spd() const { return spd_; }
+
   /// Current loss scale of a mixed-precision gradient scaler, read at each G capture: G is built from
   /// grad_output / scale. Empty (default): no scaling. A function returning a double is accepted too
   /// (checked to be positive and finite at each read; reading it may wait for the device where a tensor
   /// scale would not).
-  DKFAC_VALUE_ARG(GradScale, grad_scaler, nullptr);
-
- public:
+  Options& grad_scaler(GradScale scale) & {
+    grad_scaler_ = std::move(scale);
+    return *this;
+  }
+  Options&& grad_scaler(GradScale scale) && { return std::move(this->grad_scaler(std::move(scale))); }
   Options& grad_scaler(std::function<double()> scale) &;
   Options&& grad_scaler(std::function<double()> scale) && { return std::move(this->grad_scaler(std::move(scale))); }
-  /// Inverse method only: split damping between A and G with the pi heuristic (DP-KFAC).
-  DKFAC_VALUE_ARG(bool, pi_damping, false);
-  /// ECMAScript regular expressions; a layer whose module name or kind (Linear, Conv2d) matches any is not
-  /// preconditioned. A pattern that matches no layer is warned about (TORCH_WARN), naming the candidates.
-  DKFAC_VALUE_ARG(std::vector<std::string>, skip_layers, {});
-  /// Factors wider than this (A or G dimension) are reported when the Preconditioner is built: one warning
-  /// per layer (TORCH_WARN) with the dimension, the memory of the factor and of its decomposition or inverse,
-  /// and the FLOPs of one second-order update (9 d^3 eigen, d^3 inverse). Such a layer's first step() can
-  /// take tens of seconds (d = 6273: ~44 s on 2 cores). 0 reports none. Python: the keyword argument
-  /// KFACPreconditioner(large_factor_dim=), same default, its warnings through Python's warnings module.
-  DKFAC_VALUE_ARG(int64_t, large_factor_dim, 4096);
-  /// What to do with a registered layer that did not run before `step()`.
-  DKFAC_VALUE_ARG(UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError);
-  /// Distributed (KAISA): fraction f of ranks that precondition each layer, W = max(1, round(P f)).
-  /// 1 = COMM-OPT, 1/P = MEM-OPT, in between HYBRID-OPT. Ignored without a communicator.
-  DKFAC_VALUE_ARG(double, grad_worker_fraction, 1.0);
-  /// Distributed: send symmetric matrices (factors, inverses) as upper triangles.
-  DKFAC_VALUE_ARG(bool, symmetric_comm, false);
-  /// Distributed: balance second-order work by compute (dim^3, default) or memory (dim^2).
-  DKFAC_VALUE_ARG(bool, balance_memory, false);
-  /// Distributed: decompose A and G of a layer on the same rank (default) or on separate ranks.
-  DKFAC_VALUE_ARG(bool, colocate_factors, true);
-  /// Distributed (KAISA): start each factor's allreduce from the capture hooks as soon as it is final
-  /// (A in forward, G in backward), bucketed, overlapped with the rest of forward/backward, and wait in
-  /// step(); false reduces every factor inside step(). Same results either way (kfac_pytorch's default).
-  DKFAC_VALUE_ARG(bool, update_factors_in_hook, true);
-  /// Distributed (KAISA, in hooks): largest factor bucket in MiB (factors are packed into one collective
-  /// in ready order up to this size); 0 sends each factor alone. kfac_pytorch's default, 25.
-  DKFAC_VALUE_ARG(double, allreduce_bucket_cap_mb, 25.0);
-  /// Distributed: the system that places and moves K-FAC work. kSpd and kDp need grad_worker_fraction 1
-  /// (they fix their own placement); kSpd always sends symmetric matrices as upper triangles.
-  DKFAC_VALUE_ARG(Strategy, strategy, Strategy::kKaisa);
-  /// SPD-KFAC's redundancy threshold, profiling and fusion (SpdOptions).
-  DKFAC_VALUE_ARG(SpdOptions, spd, SpdOptions());
+  const GradScale& grad_scaler() const { return grad_scaler_; }
 
- public:
+  /// Sets the option `name` (an option_table() name, or its kfac_pytorch keyword) from `value`, checked against
+  /// its declaration (type, range, choices); throws c10::Error naming the option and the accepted values. A
+  /// schedule takes a number or a function; a choice takes its name; a dtype its torch name ("float32") or none.
+  /// `shown_as` names the option in that error instead (`dkfac train`: the flag as typed).
+  Options& set(const std::string& name, const OptionValue& value, const std::string& shown_as = "");
+  /// The value of option `name` (a schedule: its value at step 0, or "schedule" text when it is a function).
+  OptionValue get(const std::string& name) const;
+  /// Every option as "name=value", in declaration order, comma-separated (for logs, repr and metrics).
+  std::string describe() const;
+
   /// Checks every constant option; throws c10::Error with the offending value.
   void validate() const;
 
@@ -194,11 +248,40 @@ class Options {
   double factor_decay_at(int64_t step) const;
   int64_t factor_update_steps_at(int64_t step) const;
   int64_t inv_update_steps_at(int64_t step) const;
+
+ private:
+  SpdOptions spd_;
+  GradScale grad_scaler_;
 };
 
-#undef DKFAC_SCHEDULE_ARG
-#undef DKFAC_VALUE_ARG
-#undef DKFAC_VALUE_ARG_OF
+/// What an option holds, as front ends convert to and from it.
+enum class OptionType { kBool, kInt, kDouble, kChoice, kDtype, kStrings, kInts };
+
+/// One option's declaration (DKFAC_OPTIONS), as data.
+struct OptionInfo {
+  std::string name;      ///< "damping"; SPD-KFAC's: "spd_redundant_dim"
+  OptionType type;
+  bool schedule;         ///< accepts a function of the step
+  std::string default_text;   ///< dkfac's default as text ("0.001", "eigen", "" for none)
+  std::string kfac_pytorch_default;  ///< kfac_pytorch's default where it differs, else ""
+  OptionRange range;     ///< numeric options (and the elements of kInts)
+  std::vector<std::string> choices;  ///< kChoice and kDtype: the names accepted
+  std::string flag;      ///< `dkfac train`'s flag, or "" (set by the training loop)
+  std::string alias;     ///< kfac_pytorch's keyword where it differs, else ""
+  std::string doc;
+};
+
+/// Every option, in declaration order: DKFAC_OPTIONS, then DKFAC_SPD_OPTIONS.
+const std::vector<OptionInfo>& option_table();
+/// The option called `name` (or whose kfac_pytorch alias is `name`); throws c10::Error listing the names.
+const OptionInfo& option_info(const std::string& name);
+/// `value` as option `info` prints it ("0.001", "eigen", "[a, b]", "none", "true").
+std::string option_text(const OptionInfo& info, const OptionValue& value);
+
+#undef DKFAC_DECLARE_OPTIONS
+#undef DKFAC_DECLARE_SPD_OPTIONS
+#undef DKFAC_DECLARE_Schedule
+#undef DKFAC_DECLARE_Value
 
 /// Readable name of a compute method ("eigen", "inverse").
 const char* to_string(ComputeMethod method);
@@ -207,6 +290,9 @@ c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarTyp
 
 /// Readable name of a strategy ("kaisa", "spd", "dp").
 const char* to_string(Strategy strategy);
+/// Readable name of a placement balance ("compute", "memory") and of an unused-layer policy ("error", "skip").
+const char* to_string(assign::Balance balance);
+const char* to_string(UnusedLayerPolicy policy);
 /// The published system's name ("KAISA", "SPD-KFAC", "DP-KFAC").
 const char* system_name(Strategy strategy);
 

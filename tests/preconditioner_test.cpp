@@ -432,14 +432,14 @@ TEST(Preconditioner, UnusedLayerCanBeSkipped) {
 
 TEST(Preconditioner, BadOptionsCarryTheValue) {
   auto build = [](Options o) { return [o] { Preconditioner p(make_net(), o); }; };
-  testing::expect_error(build(Options().factor_decay(1.5)), {"factor_decay must be in [0, 1], got 1.5"});
+  testing::expect_error(build(Options().factor_decay(1.5)), {"factor_decay must be finite and in [0, 1], got 1.5"});
   testing::expect_error(build(Options().damping(-2.0)), {"damping must be finite and > 0, got -2"});
   testing::expect_error(build(Options().lr(-0.5)), {"lr must be finite and >= 0, got -0.5"});
   testing::expect_error(build(Options().kl_clip(-1.0)), {"kl_clip must be finite and >= 0"});
   testing::expect_error(build(Options().factor_update_steps(0)), {"factor_update_steps must be >= 1, got 0"});
   testing::expect_error(build(Options().inv_update_steps(-3)), {"inv_update_steps must be >= 1, got -3"});
   testing::expect_error(build(Options().accumulation_steps(0)), {"accumulation_steps must be >= 1, got 0"});
-  testing::expect_error(build(Options().pi_damping(true)), {"pi_damping applies to ComputeMethod::kInverse only"});
+  testing::expect_error(build(Options().pi_damping(true)), {"pi_damping applies to the inverse compute_method only"});
   testing::expect_error(build(Options().skip_layers({"fc("})), {"skip_layers pattern 'fc(' is not a valid"});
   testing::expect_error([] { Preconditioner p(std::make_shared<torch::nn::Module>(), Options()); },
                         {"found no dkfac::nn::Linear or dkfac::nn::Conv2d"});

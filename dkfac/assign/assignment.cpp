@@ -49,8 +49,8 @@ int Assignment::grad_source_for(size_t layer, int rank) const {
 
 int grad_worker_count(int world_size, double grad_worker_fraction) {
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
-  TORCH_CHECK(grad_worker_fraction > 0.0 && grad_worker_fraction <= 1.0, "grad_worker_fraction must be in (0, 1], got ",
-              grad_worker_fraction);
+  TORCH_CHECK(grad_worker_fraction >= 0.0 && grad_worker_fraction <= 1.0,
+              "grad_worker_fraction must be in [0, 1] (0: 1/P), got ", grad_worker_fraction);
   const int w = std::max(1, static_cast<int>(std::lround(world_size * grad_worker_fraction)));
   TORCH_CHECK(world_size % w == 0, "grad_worker_fraction ", grad_worker_fraction, " gives W=", w,
               " gradient workers, which does not divide the world size ", world_size);

@@ -51,7 +51,8 @@ struct Assignment {
   int grad_source_for(size_t layer, int rank) const;
 };
 
-/// W = max(1, round(P * fraction)); throws c10::Error unless fraction is in (0, 1] and P % W == 0.
+/// W = max(1, round(P * fraction)), so fraction 0 means 1/P (W = 1); throws c10::Error unless fraction is in
+/// [0, 1] and P % W == 0.
 int grad_worker_count(int world_size, double grad_worker_fraction);
 
 /// KAISA placement: layers are placed largest first (greedy longest-processing-time). Each goes to the

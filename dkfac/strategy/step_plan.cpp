@@ -56,7 +56,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   switch (plan.strategy) {
     case Strategy::kKaisa:
       plan.placement = assign::assign_kaisa(shapes, world_size, options.grad_worker_fraction(),
-                                            options.balance_memory() ? assign::Balance::kMemory : assign::Balance::kCompute,
+                                            options.balance(),
                                             options.colocate_factors());
       plan.reduction = options.update_factors_in_hook() ? FactorReduction::kHookBuckets : FactorReduction::kAllreduce;
       plan.bucket_cap_mb = options.update_factors_in_hook() ? options.allreduce_bucket_cap_mb() : 0.0;

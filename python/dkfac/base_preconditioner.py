@@ -39,17 +39,6 @@ def _read(owner: weakref.ref, attribute: str, step: int) -> Any:
     return value(step) if callable(value) else value
 
 
-def _check_positive(name: str, value: Any, *, allow_zero: bool = False, upper: float | None = None) -> None:
-    if callable(value):
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f'{name} must be a number or a callable of the step, got {value!r}')
-    low_ok = value >= 0 if allow_zero else value > 0
-    if not low_ok or (upper is not None and value > upper):
-        bound = f'[0, {upper}]' if upper is not None else ('>= 0' if allow_zero else '> 0')
-        raise ValueError(f'{name} must be {bound}, got {value!r}')
-
-
 def _stacklevel_outside_dkfac() -> int:
     """The ``stacklevel`` with which the caller's ``warnings.warn`` names the innermost frame outside the
     dkfac package: the user's line that called into dkfac (what Python 3.12's skip_file_prefixes does)."""
@@ -116,16 +105,12 @@ class BaseKFACPreconditioner:
         defaults: dict[str, Any] | None = None,
         loglevel: int = logging.DEBUG,
     ) -> None:
-        _check_positive('factor_update_steps', factor_update_steps)
-        _check_positive('inv_update_steps', inv_update_steps)
-        _check_positive('damping', damping)
-        _check_positive('factor_decay', factor_decay, allow_zero=True, upper=1)
+        hyper = dict(factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
+                     factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
+                     update_factors_in_hook=update_factors_in_hook)
+        _C.option_values(hyper)  # the core checks each against its declaration (dkfac/options.h), naming it
         if kl_clip is None:
             kl_clip = 0.0  # dkfac: None or 0 turns KL clipping off
-        _check_positive('kl_clip', kl_clip, allow_zero=True)
-        _check_positive('lr', lr, allow_zero=True)
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(f'accumulation_steps must be an int > 0, got {accumulation_steps!r}')
         if not isinstance(layers, dict) or not layers:
             raise ValueError(f'layers must be a non-empty dict {{module: (name, capture)}}, got {layers!r:.200}')
 

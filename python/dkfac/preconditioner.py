@@ -8,6 +8,8 @@ runs every collective (the same code as the C++ API).
 
 from __future__ import annotations
 
+import enum
+import inspect
 import logging
 import math
 import re
@@ -25,17 +27,67 @@ from dkfac.enums import AssignmentStrategy
 from dkfac.enums import ComputeMethod
 from dkfac.enums import DistributedStrategy
 
-_STRATEGIES = ('kaisa', 'spd', 'dp')
-_DTYPES = {torch.float32: 'float32', torch.float64: 'float64', torch.bfloat16: 'bfloat16', torch.float16: 'float16'}
+# The core's options (dkfac/options.h, each declared once): KFACPreconditioner's keywords, their defaults and
+# checks come from this table. A keyword is the option's kfac_pytorch name where it has one.
+_OPTIONS = {o['name']: o for o in _C.option_table()}
+_KEYWORDS = {(o['alias'] or o['name']): o for o in _OPTIONS.values()}
+_KEYWORDS.update({o['name']: o for o in _OPTIONS.values()})  # dkfac's own name is accepted too
+# The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them), and the front end's own.
+_BASE = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr', 'accumulation_steps',
+         'update_factors_in_hook')
+_FRONT_END = {'grad_scaler': None, 'loglevel': logging.DEBUG, 'process_group': None, 'timeout': None}
+# kfac_pytorch's enum for an option whose values it names with one.
+_ENUMS = {'compute_method': ComputeMethod, 'balance': AssignmentStrategy}
 
 
-def _enum(value: Any, enum: type, argument: str) -> Any:
-    if isinstance(value, enum):
-        return value
-    if isinstance(value, str) and value.upper() in enum.__members__:
-        return enum[value.upper()]
-    names = ', '.join(repr(n.lower()) for n in enum.__members__)
-    raise ValueError(f'{argument} must be one of {names} or {enum.__name__}, got {value!r}')
+def _python_default(option: dict[str, Any]) -> Any:
+    """An option's default as a kfac_pytorch user writes it: kfac_pytorch's own where it differs from dkfac's."""
+    text = option['kfac_pytorch_default'] or option['default']
+    kind = option['type']
+    if kind == 'bool':
+        return text == 'true'
+    if kind == 'int':
+        return int(text)
+    if kind == 'float':
+        return float(text)
+    if kind == 'dtype':
+        return None if text == 'none' else getattr(torch, text)
+    if kind in ('strings', 'ints'):
+        return []
+    enum = _ENUMS.get(option['name'])
+    return enum[text.upper()] if enum else text
+
+
+def _core_value(value: Any) -> Any:
+    """A keyword's value as the core takes it: kfac_pytorch's enums and torch dtypes by name."""
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix('torch.')
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _signature() -> inspect.Signature:
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter('self', inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter('model', inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(o['alias'] or o['name'], keyword, default=_python_default(o))
+               for o in _OPTIONS.values()]
+    params += [inspect.Parameter(name, keyword, default=value) for name, value in _FRONT_END.items()]
+    return inspect.Signature(params)
+
+
+def _options_doc() -> str:
+    lines = []
+    for o in _OPTIONS.values():
+        name = o['alias'] or o['name']
+        default = repr(_python_default(o))
+        kinds = ' (a number or a callable of the step)' if o['schedule'] else ''
+        also = f"; dkfac's name: {o['name']}" if o['alias'] else ''
+        lines.append(f'    ``{name}`` (default {default}{kinds}{also}): {o["doc"]}.')
+    return '\n'.join(lines)
 
 
 def _matches(patterns: list[str], *texts: str) -> bool:
@@ -64,134 +116,75 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     logged through the ``dkfac`` logger at ``loglevel``.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        factor_update_steps: Callable[[int], int] | int = 1,
-        inv_update_steps: Callable[[int], int] | int = 1,
-        damping: Callable[[int], float] | float = 0.001,
-        factor_decay: Callable[[int], float] | float = 0.95,
-        kl_clip: Callable[[int], float] | float | None = 0.001,
-        lr: Callable[[int], float] | float = 0.1,
-        accumulation_steps: int = 1,
-        allreduce_bucket_cap_mb: float = 25.0,
-        assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
-        colocate_factors: bool = True,
-        compute_method: ComputeMethod | str = ComputeMethod.EIGEN,
-        compute_eigenvalue_outer_product: bool = True,
-        grad_worker_fraction: DistributedStrategy | float = DistributedStrategy.COMM_OPT,
-        symmetry_aware: bool = False,
-        grad_scaler: Any = None,
-        factor_dtype: torch.dtype | None = None,
-        inv_dtype: torch.dtype = torch.float32,
-        skip_layers: list[str] | str | None = None,
-        update_factors_in_hook: bool = True,
-        loglevel: int = logging.DEBUG,
-        strategy: str = 'kaisa',
-        unused_layer_policy: str = 'error',
-        pi_damping: bool = False,
-        process_group: Any = None,
-        spd_redundant_dim: int | None = None,
-        timeout: float | None = None,
-        large_factor_dim: int = 4096,
-    ) -> None:
-        # The hyper-parameters, accumulation_steps and loglevel are BaseKFACPreconditioner's to check.
+    def __init__(self, model: torch.nn.Module, **kwargs: Any) -> None:
+        # The keywords are the core's options (dkfac/options.h; listed below) and the front end's own
+        # (grad_scaler, loglevel, process_group, timeout); the core checks every value and names the keyword.
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f'model must be a torch.nn.Module, got {type(model).__name__}')
-        if not isinstance(allreduce_bucket_cap_mb, (int, float)) or allreduce_bucket_cap_mb < 0:
-            raise ValueError(f'allreduce_bucket_cap_mb must be >= 0, got {allreduce_bucket_cap_mb!r}')
-        assignment_strategy = _enum(assignment_strategy, AssignmentStrategy, 'assignment_strategy')
-        compute_method = _enum(compute_method, ComputeMethod, 'compute_method')
-        if compute_method == ComputeMethod.EIGEN and compute_eigenvalue_outer_product and not colocate_factors:
+        for name in kwargs:
+            if name not in _KEYWORDS and name not in _FRONT_END:
+                raise TypeError(f'KFACPreconditioner() got an unexpected keyword argument {name!r}; its keywords are '
+                                f"{', '.join(p for p in _SIGNATURE.parameters if p not in ('self', 'model'))}")
+        front = {name: kwargs.pop(name, default) for name, default in _FRONT_END.items()}
+        given = {_KEYWORDS[name]['name']: value for name, value in kwargs.items()}  # dkfac's names
+        typed = {_KEYWORDS[name]['name']: name for name in kwargs}  # the core's messages name the keyword as typed
+        values = {name: given.get(name, _python_default(o)) for name, o in _OPTIONS.items()}  # as the user sees them
+        core = {name: _core_value(v) for name, v in values.items()
+                if name in given or _OPTIONS[name]['kfac_pytorch_default']}
+        if isinstance(core.get('skip_layers'), str):
+            core['skip_layers'] = [core['skip_layers']]
+        self.skip_layers = list(core.get('skip_layers', []))
+        resolved = dict(_C.option_values({typed.get(k, k): v for k, v in core.items()}))  # checked by the core
+
+        compute_method = _ENUMS['compute_method'][resolved['compute_method'].upper()]
+        colocate = values['colocate_factors']
+        if (compute_method == ComputeMethod.EIGEN and values['compute_eigenvalue_outer_product']
+                and not colocate):  # kfac_pytorch's rule, kept for its users
             raise ValueError('colocate_factors must be True to use compute_eigenvalue_outer_product')
-        if strategy not in _STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(map(repr, _STRATEGIES))}, got {strategy!r}")
-        if unused_layer_policy not in ('error', 'skip'):
-            raise ValueError(f"unused_layer_policy must be 'error' or 'skip', got {unused_layer_policy!r}")
-        if pi_damping and compute_method != ComputeMethod.INVERSE:
-            raise ValueError("pi_damping applies to compute_method='inverse' only")
-        for name, dtype in (('factor_dtype', factor_dtype), ('inv_dtype', inv_dtype)):
-            if dtype is not None and dtype not in _DTYPES:
-                raise ValueError(f'{name} must be a floating-point torch.dtype, got {dtype!r}')
+        grad_scaler = front['grad_scaler']
         if grad_scaler is not None and not (hasattr(grad_scaler, 'get_scale') or callable(grad_scaler)):
             raise TypeError(f'grad_scaler must have get_scale() or be a callable returning the scale, got {grad_scaler!r}')
-        if isinstance(large_factor_dim, bool) or not isinstance(large_factor_dim, int) or large_factor_dim < 0:
-            raise ValueError(f'large_factor_dim must be an int >= 0 (0: no warning), got {large_factor_dim!r}')
-        if isinstance(skip_layers, str):
-            skip_layers = [skip_layers]
-        skip_layers = list(skip_layers or [])
-        for pattern in skip_layers:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f'skip_layers pattern {pattern!r} is not a valid regular expression: {e}') from None
 
-        group = process_group
+        group = front['process_group']
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         size = dist.get_world_size(group) if group is not None else 1
-        grad_worker_fraction, distributed_strategy = self._resolve_fraction(grad_worker_fraction, size)
-        if not colocate_factors and distributed_strategy is DistributedStrategy.MEM_OPT:
+        fraction = float(resolved['grad_worker_fraction'])
+        workers = max(1, round(size * fraction))
+        distributed_strategy = (DistributedStrategy.COMM_OPT if workers == size else
+                                DistributedStrategy.MEM_OPT if workers == 1 else DistributedStrategy.HYBRID_OPT)
+        if size > 1 and distributed_strategy is DistributedStrategy.MEM_OPT and not colocate:
             warnings.warn('grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it',
                           stacklevel=2)
-            colocate_factors = True
-        if strategy != 'kaisa' and grad_worker_fraction != 1.0:
-            raise ValueError(f"grad_worker_fraction applies to strategy='kaisa' only ({strategy!r} places its own "
-                             f'work), got {grad_worker_fraction}')
+            core['colocate_factors'] = colocate = True
+        if fraction == 0:
+            fraction = 1.0 / size
 
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if allreduce_bucket_cap_mb > 0
-                                 else AllreduceMethod.ALLREDUCE)
-        self.assignment_strategy = assignment_strategy
-        self.colocate_factors = colocate_factors
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        # kfac_pytorch's attributes, with the values as given (or defaulted).
+        for name, value in values.items():
+            if name not in _BASE:
+                setattr(self, _OPTIONS[name]['alias'] or name, value)
+        self.colocate_factors = colocate
         self.compute_method = compute_method
+        self.grad_worker_fraction = fraction
         self.distributed_strategy = distributed_strategy
-        self.grad_worker_fraction = grad_worker_fraction
+        self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if values['allreduce_bucket_cap_mb'] > 0
+                                 else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
-        self.factor_dtype = factor_dtype
-        self.inv_dtype = inv_dtype
-        self.large_factor_dim = large_factor_dim
-        self.skip_layers = skip_layers
-        self.symmetry_aware = symmetry_aware
-        self.strategy = strategy
-        self.unused_layer_policy = unused_layer_policy
-        self.pi_damping = pi_damping
 
         layers = self._register(model)
-        options = dict(
-            compute_method=compute_method.name.lower(),
-            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
-            pi_damping=pi_damping,
-            unused_layer_policy=unused_layer_policy,
-            grad_worker_fraction=float(grad_worker_fraction),
-            symmetry_aware=symmetry_aware,
-            assignment_strategy=assignment_strategy.name.lower(),
-            colocate_factors=colocate_factors,
-            allreduce_bucket_cap_mb=float(allreduce_bucket_cap_mb),
-            strategy=strategy,
-            factor_dtype=None if factor_dtype is None else _DTYPES[factor_dtype],
-            inv_dtype=None if inv_dtype is None else _DTYPES[inv_dtype],
-            grad_scale=self._scale_function(grad_scaler),
-            spd_redundant_dim=spd_redundant_dim,
-            large_factor_dim=large_factor_dim,
-        )
-        # repr() entries beyond the base's, as kfac_pytorch lists them, then dkfac's own.
-        defaults = {
-            'allreduce_bucket_cap_mb': allreduce_bucket_cap_mb, 'allreduce_method': self.allreduce_method,
-            'assignment_strategy': assignment_strategy, 'colocate_factors': colocate_factors,
-            'compute_eigenvalue_outer_product': compute_eigenvalue_outer_product, 'compute_method': compute_method,
-            'distributed_strategy': distributed_strategy, 'grad_worker_fraction': grad_worker_fraction,
-            'grad_scaler': grad_scaler is not None, 'factor_dtype': factor_dtype, 'inv_dtype': inv_dtype,
-            'skip_layers': skip_layers, 'symmetry_aware': symmetry_aware,
-            'large_factor_dim': large_factor_dim, 'strategy': strategy, 'world_size': size,
-        }
+        options = {typed.get(k, k): v for k, v in core.items() if k not in _BASE}
+        options['grad_scale'] = self._scale_function(grad_scaler)
+        # repr(): every option (kfac_pytorch's names and values as given), then the fields kfac_pytorch derives.
+        defaults = {(_OPTIONS[n]['alias'] or n): v for n, v in values.items() if n not in _BASE}
+        defaults.update(allreduce_method=self.allreduce_method, colocate_factors=colocate,
+                        compute_method=compute_method, distributed_strategy=distributed_strategy,
+                        grad_worker_fraction=fraction, grad_scaler=grad_scaler is not None,
+                        skip_layers=self.skip_layers, world_size=size)
         super().__init__(
-            layers, options=options, process_group=group if size > 1 else None, timeout=timeout,
-            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
-            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
-            update_factors_in_hook=update_factors_in_hook, defaults=defaults, loglevel=loglevel)
+            layers, options=options, process_group=group if size > 1 else None, timeout=front['timeout'],
+            defaults=defaults, loglevel=front['loglevel'],
+            **{name: values[name] for name in _BASE})
 
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, Any]]:
@@ -233,29 +226,6 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return layers
 
     @staticmethod
-    def _resolve_fraction(fraction: Any, size: int) -> tuple[float, DistributedStrategy]:
-        if isinstance(fraction, DistributedStrategy):
-            value = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
-                     DistributedStrategy.MEM_OPT: 1.0 / size}[fraction]
-            if size % max(1, round(size * value)) != 0:
-                raise ValueError(f'grad_worker_fraction {fraction.name} gives {round(size * value)} gradient workers, '
-                                 f'which does not divide the world size {size}')
-            return value, fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise ValueError(f'grad_worker_fraction must be in [0, 1] or a DistributedStrategy, got {fraction!r}')
-        if fraction == 0:
-            fraction = 1.0 / size
-        if size % max(1, round(size * fraction)) != 0:
-            raise ValueError(f'grad_worker_fraction {fraction} must produce groups of equal size: '
-                             f'{max(1, round(size * fraction))} gradient workers do not divide {size} ranks')
-        fraction = float(fraction)
-        if fraction == 1.0:
-            return fraction, DistributedStrategy.COMM_OPT
-        if fraction <= 1 / size:
-            return fraction, DistributedStrategy.MEM_OPT
-        return fraction, DistributedStrategy.HYBRID_OPT
-
-    @staticmethod
     def _scale_function(grad_scaler: Any) -> Callable[[], torch.Tensor] | None:
         """The loss scale as a one-element tensor, read at each G capture without waiting for the device:
         a ``torch.amp.GradScaler``'s own scale tensor; a number from ``get_scale()`` or a callable, checked."""
@@ -278,3 +248,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             return torch.tensor(value, dtype=torch.float64)
 
         return scale
+
+
+_SIGNATURE = _signature()
+KFACPreconditioner.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
+KFACPreconditioner.__doc__ = (KFACPreconditioner.__doc__ or '') + '\n    Keyword arguments:\n\n' + _options_doc() + '\n'

@@ -63,49 +63,36 @@ math::Conv2dGeometry conv2d_geometry(Pair kernel, Pair stride, Pair dilation, co
   return g;
 }
 
-// Storage dtypes arrive as torch's names ("float32", "float64", "bfloat16", "float16").
-c10::ScalarType dtype_named(const std::string& option, const std::string& name) {
-  if (name == "float32") return c10::kFloat;
-  if (name == "float64") return c10::kDouble;
-  if (name == "bfloat16") return c10::kBFloat16;
-  if (name == "float16") return c10::kHalf;
-  TORCH_CHECK(false, option, " torch.", name, " is not a floating-point dtype dkfac can store factors in");
-}
-
-template <typename T>
-Schedule<T> schedule(const py::object& value) {
-  if (PyCallable_Check(value.ptr())) return Schedule<T>(value.cast<std::function<T(int64_t)>>());
-  return Schedule<T>(value.cast<T>());
-}
-
-// Options from the keyword dictionary the Python package builds (validated there for the names and
-// meanings kfac_pytorch users know; the core checks values again and names them).
+// Options from the keyword arguments the package was given, each set by its declaration (dkfac/options.h,
+// option_table()): the package turns enums into their names and torch dtypes into "float32" etc.; the core
+// checks types, ranges and choices and names the keyword. `grad_scale` is the package's loss-scale function.
 Options make_options(const py::dict& kw) {
   Options o;
-  o.lr(schedule<double>(kw["lr"])).damping(schedule<double>(kw["damping"]))
-      .kl_clip(schedule<double>(kw["kl_clip"])).factor_decay(schedule<double>(kw["factor_decay"]))
-      .factor_update_steps(schedule<int64_t>(kw["factor_update_steps"]))
-      .inv_update_steps(schedule<int64_t>(kw["inv_update_steps"]));
-  o.accumulation_steps(kw["accumulation_steps"].cast<int64_t>());
-  o.compute_method(kw["compute_method"].cast<std::string>() == "inverse" ? ComputeMethod::kInverse
-                                                                          : ComputeMethod::kEigen);
-  o.compute_eigenvalue_outer_product(kw["compute_eigenvalue_outer_product"].cast<bool>());
-  o.pi_damping(kw["pi_damping"].cast<bool>());
-  o.unused_layer_policy(kw["unused_layer_policy"].cast<std::string>() == "skip" ? UnusedLayerPolicy::kSkip
-                                                                                 : UnusedLayerPolicy::kError);
-  o.grad_worker_fraction(kw["grad_worker_fraction"].cast<double>());
-  o.symmetric_comm(kw["symmetry_aware"].cast<bool>());
-  o.balance_memory(kw["assignment_strategy"].cast<std::string>() == "memory");
-  o.colocate_factors(kw["colocate_factors"].cast<bool>());
-  o.update_factors_in_hook(kw["update_factors_in_hook"].cast<bool>());
-  o.allreduce_bucket_cap_mb(kw["allreduce_bucket_cap_mb"].cast<double>());
-  o.large_factor_dim(kw["large_factor_dim"].cast<int64_t>());
-  const auto strategy = kw["strategy"].cast<std::string>();
-  o.strategy(strategy == "spd" ? Strategy::kSpd : strategy == "dp" ? Strategy::kDp : Strategy::kKaisa);
-  if (!kw["factor_dtype"].is_none()) o.factor_dtype(dtype_named("factor_dtype", kw["factor_dtype"].cast<std::string>()));
-  if (!kw["inv_dtype"].is_none()) o.inv_dtype(dtype_named("inv_dtype", kw["inv_dtype"].cast<std::string>()));
-  if (!kw["grad_scale"].is_none()) o.grad_scaler(kw["grad_scale"].cast<GradScale>());
-  if (!kw["spd_redundant_dim"].is_none()) o.spd(SpdOptions().redundant_dim(kw["spd_redundant_dim"].cast<int64_t>()));
+  for (const auto& [key, value] : kw) {
+    const auto name = key.cast<std::string>();
+    if (name == "grad_scale") {
+      if (!value.is_none()) o.grad_scaler(value.cast<GradScale>());
+      continue;
+    }
+    OptionValue v;
+    try {
+      v = value.cast<OptionValue>();
+    } catch (const py::cast_error&) {
+      throw py::type_error(name + " must be " + (option_info(name).schedule ? "a number or a callable of the step"
+                                                                           : "of the declared type") +
+                           ", got " + py::repr(value).cast<std::string>());
+    }
+    try {
+      o.set(name, v);
+    } catch (const c10::Error& e) {
+      throw py::value_error(e.what_without_backtrace());
+    }
+  }
+  try {
+    o.validate();
+  } catch (const c10::Error& e) {
+    throw py::value_error(e.what_without_backtrace());
+  }
   return o;
 }
 
@@ -151,7 +138,33 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = DKFAC_VERSION_STRING;
   m.def("configure_allocator", &configure_allocator,
         "Keeps freed memory in the process (glibc: no mmap, trim threshold 1 GiB); once, at start-up");
-  m.attr("default_large_factor_dim") = Options().large_factor_dim();
+  m.def("option_table", [] {
+    // One dict per option (dkfac/options.h): what KFACPreconditioner's keywords, repr() and docs are made from.
+    py::list out;
+    const char* types[] = {"bool", "int", "float", "choice", "dtype", "strings", "ints"};
+    for (const auto& info : option_table()) {
+      py::dict d;
+      d["name"] = info.name;
+      d["type"] = types[static_cast<int>(info.type)];
+      d["schedule"] = info.schedule;
+      d["default"] = info.default_text;
+      d["kfac_pytorch_default"] = info.kfac_pytorch_default;
+      d["range"] = info.type == OptionType::kInt || info.type == OptionType::kDouble ? info.range.describe() : "";
+      d["choices"] = info.choices;
+      d["flag"] = info.flag;
+      d["alias"] = info.alias;
+      d["doc"] = info.doc;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("option_values", [](const py::dict& kw) {
+    // The options the keywords give, as the core holds them: name -> value text, in declaration order.
+    const auto o = make_options(kw);
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& info : option_table()) out.emplace_back(info.name, option_text(info, o.get(info.name)));
+    return out;
+  });
 
   py::class_<WarningCollector>(m, "WarningCollector")
       .def(py::init<>())

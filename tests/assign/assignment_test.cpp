@@ -66,7 +66,8 @@ TEST(Assignment, SeparateFactorsAndMemoryBalance) {
 }
 
 TEST(Assignment, RejectsBadFractions) {
-  EXPECT_THROW(grad_worker_count(4, 0.0), c10::Error);
+  EXPECT_EQ(grad_worker_count(4, 0.0), 1) << "0 means 1/P (MEM-OPT), as in kfac_pytorch";
+  EXPECT_THROW(grad_worker_count(4, -0.5), c10::Error);
   EXPECT_THROW(grad_worker_count(4, 1.5), c10::Error);
   EXPECT_THROW(grad_worker_count(6, 0.75), c10::Error);  // W = round(4.5) = 5 does not divide 6 (lround: 5)
   EXPECT_EQ(grad_worker_count(6, 0.5), 3);

@@ -41,24 +41,27 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
 
 
 @pytest.mark.parametrize('kwargs,message', [
-    (dict(damping=0), 'damping must be > 0'),
-    (dict(damping='x'), 'damping must be a number or a callable'),
-    (dict(factor_decay=1.5), r'factor_decay must be \[0, 1\]'),
-    (dict(factor_update_steps=0), 'factor_update_steps must be > 0'),
-    (dict(accumulation_steps=0), 'accumulation_steps must be an int > 0'),
-    (dict(allreduce_bucket_cap_mb=-1), 'allreduce_bucket_cap_mb must be >= 0'),
-    (dict(compute_method='svd'), "compute_method must be one of 'eigen', 'inverse'"),
-    (dict(assignment_strategy='time'), "assignment_strategy must be one of 'compute', 'memory'"),
+    (dict(damping=0), 'damping must be finite and > 0, got 0'),
+    (dict(damping='x'), "damping must be a number, got 'x'"),
+    (dict(factor_decay=1.5), r'factor_decay must be finite and in \[0, 1\], got 1.5'),
+    (dict(factor_update_steps=0), 'factor_update_steps must be >= 1, got 0'),
+    (dict(accumulation_steps=0), 'accumulation_steps must be >= 1, got 0'),
+    (dict(allreduce_bucket_cap_mb=-1), 'allreduce_bucket_cap_mb must be finite and >= 0, got -1'),
+    (dict(compute_method='svd'), "compute_method must be one of eigen, inverse, got 'svd'"),
+    (dict(assignment_strategy='time'), "assignment_strategy must be one of compute, memory, got 'time'"),
     (dict(colocate_factors=False), 'colocate_factors must be True to use compute_eigenvalue_outer_product'),
-    (dict(grad_worker_fraction=1.5), r'grad_worker_fraction must be in \[0, 1\]'),
-    (dict(strategy='horovod'), "strategy must be one of 'kaisa', 'spd', 'dp'"),
-    (dict(unused_layer_policy='ignore'), "unused_layer_policy must be 'error' or 'skip'"),
-    (dict(pi_damping=True), "pi_damping applies to compute_method='inverse' only"),
-    (dict(factor_dtype=torch.int32), 'factor_dtype must be a floating-point torch.dtype'),
+    (dict(grad_worker_fraction=1.5), r'grad_worker_fraction must be finite and in \[0, 1\], got 1.5'),
+    (dict(strategy='horovod'), "strategy must be one of kaisa, spd, dp, got 'horovod'"),
+    (dict(unused_layer_policy='ignore'), "unused_layer_policy must be one of error, skip, got 'ignore'"),
+    (dict(pi_damping=True), 'pi_damping applies to the inverse compute_method only, got compute_method=eigen'),
+    (dict(factor_dtype=torch.int32), "factor_dtype must be one of float32, float64, bfloat16, float16 or none \\(the default\\), got 'int32'"),
     (dict(skip_layers=['(']), "skip_layers pattern '\\(' is not a valid regular expression"),
     (dict(skip_layers=['.*']), 'found no torch.nn.Linear or torch.nn.Conv2d layer'),
-    (dict(large_factor_dim=-1), r'large_factor_dim must be an int >= 0 \(0: no warning\), got -1'),
-    (dict(large_factor_dim=2.5), r'large_factor_dim must be an int >= 0 \(0: no warning\), got 2.5'),
+    (dict(large_factor_dim=-1), r'large_factor_dim must be >= 0, got -1'),
+    (dict(large_factor_dim=2.5), r'large_factor_dim must be an integer, got 2.5'),
+    (dict(spd_profile_steps=0), r'spd_profile_steps must be >= 1, got 0'),  # SPD-KFAC's options reach Python too
+    (dict(spd_fusion=[2, 0]), r'spd_fusion entries must be >= 1, got 0'),
+    (dict(symmetric_comm='yes'), "symmetric_comm must be true or false, got 'yes'"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -66,7 +69,7 @@ def test_bad_arguments_are_named(kwargs, message):
 
 
 def test_unknown_argument_is_named():
-    with pytest.raises(TypeError, match="unexpected keyword argument 'dampening'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dampening'; its keywords are .*damping"):
         dkfac.KFACPreconditioner(tiny_mlp(), dampening=0.1)
 
 
@@ -76,9 +79,9 @@ def test_grad_scaler_type_is_checked():
 
 
 def test_storage_dtypes_that_are_not_floats_of_16_bits_or_more_are_refused():
-    with pytest.raises(ValueError, match='factor_dtype must be a floating-point torch.dtype'):
+    with pytest.raises(ValueError, match="factor_dtype must be one of float32, float64, bfloat16, float16 or none"):
         dkfac.KFACPreconditioner(tiny_mlp(), factor_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match='inv_dtype must be a floating-point torch.dtype'):
+    with pytest.raises(ValueError, match="inv_dtype must be one of float32, float64, bfloat16, float16 or none"):
         dkfac.KFACPreconditioner(tiny_mlp(), inv_dtype=torch.int32)
 
 

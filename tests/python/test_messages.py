@@ -100,9 +100,21 @@ def test_large_factor_warning_names_the_keyword_argument():
     assert not any('Options::' in m for m in messages), messages
 
 
+def test_keywords_and_defaults_are_the_cores_declaration():
+    # KFACPreconditioner's keywords are made from the core's option table (dkfac/options.h): each option by its
+    # kfac_pytorch name where it has one, with the core's default, or kfac_pytorch's where that differs.
+    parameters = inspect.signature(dkfac.KFACPreconditioner).parameters
+    table = {o['alias'] or o['name']: o for o in _C.option_table()}
+    assert set(table) <= set(parameters)
+    assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout'}
+    assert parameters['large_factor_dim'].default == int(table['large_factor_dim']['default']) == 4096
+    assert parameters['symmetry_aware'].default is False and table['symmetry_aware']['name'] == 'symmetric_comm'
+    assert parameters['inv_dtype'].default == torch.float32 and table['inv_dtype']['default'] == 'none'
+    assert parameters['spd_fusion'].default == [] and parameters['spd_profile_steps'].default == 3
+    assert 'large_factor_dim' in (dkfac.KFACPreconditioner.__doc__ or '')
+
+
 def test_large_factor_dim_default_is_the_cores():
-    default = inspect.signature(dkfac.KFACPreconditioner).parameters['large_factor_dim'].default
-    assert default == _C.default_large_factor_dim == 4096
     with pytest.warns(UserWarning, match=r"layer '0' \(Linear\) has a factor wider than large_factor_dim=4096: "
                                          r'A factor 4097 x 4097'):
         dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(4096, 2)))

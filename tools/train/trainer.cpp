@@ -257,7 +257,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
                            .strategy(config_.library_strategy())
                            .grad_worker_fraction(config_.fraction_for(world_))
                            .symmetric_comm(config_.symmetric_comm)
-                           .balance_memory(config_.balance_memory)
+                           .balance(config_.balance_memory ? assign::Balance::kMemory : assign::Balance::kCompute)
                            .colocate_factors(config_.colocate_factors),
         communicator_);
   }

@@ -1,0 +1,142 @@
+// dkfac/options.h: every option is declared once (DKFAC_OPTIONS); the table, the setters and the checks by name
+// that the Python front end and `dkfac train` use all come from that declaration.
+#include "dkfac/options.h"
+
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+const OptionInfo& info(const std::string& name) { return option_info(name); }
+
+TEST(OptionTable, ListsEveryOptionOnceWithItsDeclaration) {
+  std::set<std::string> names;
+  for (const auto& o : option_table()) {
+    EXPECT_TRUE(names.insert(o.name).second) << o.name << " declared twice";
+    EXPECT_FALSE(o.doc.empty()) << o.name;
+  }
+  for (const char* name : {"lr", "damping", "kl_clip", "factor_update_steps", "inv_update_steps", "factor_decay",
+                           "accumulation_steps", "compute_method", "compute_eigenvalue_outer_product", "factor_dtype",
+                           "inv_dtype", "pi_damping", "skip_layers", "large_factor_dim", "unused_layer_policy",
+                           "grad_worker_fraction", "symmetric_comm", "balance", "colocate_factors",
+                           "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy", "spd_redundant_dim",
+                           "spd_profile_steps", "spd_fusion"}) {
+    EXPECT_EQ(names.count(name), 1u) << name;
+  }
+  EXPECT_EQ(names.size(), 25u) << "a new option: add it to this list and to the README's table";
+  EXPECT_EQ(info("damping").default_text, "0.001");
+  EXPECT_EQ(info("damping").range.describe(), "> 0");
+  EXPECT_TRUE(info("damping").schedule);
+  EXPECT_EQ(info("damping").flag, "--damping");
+  EXPECT_EQ(info("compute_method").choices, (std::vector<std::string>{"eigen", "inverse"}));
+  EXPECT_EQ(info("factor_dtype").choices, (std::vector<std::string>{"float32", "float64", "bfloat16", "float16"}));
+  EXPECT_EQ(info("inv_dtype").default_text, "none");
+  EXPECT_EQ(info("inv_dtype").kfac_pytorch_default, "float32");
+  EXPECT_EQ(info("large_factor_dim").default_text, "4096");
+  EXPECT_EQ(info("lr").flag, "") << "the training loop sets it";
+}
+
+TEST(OptionTable, KfacPytorchNamesAreAliases) {
+  EXPECT_EQ(info("symmetry_aware").name, "symmetric_comm");
+  EXPECT_EQ(info("assignment_strategy").name, "balance");
+  EXPECT_EQ(Options().set("symmetry_aware", true).symmetric_comm(), true);
+  EXPECT_EQ(Options().set("assignment_strategy", std::string("memory")).balance(), assign::Balance::kMemory);
+}
+
+TEST(OptionTable, SetByNameConvertsAndChecksAgainstTheDeclaration) {
+  Options o;
+  o.set("damping", 0.01).set("factor_update_steps", int64_t{10}).set("compute_method", std::string("inverse"));
+  o.set("factor_dtype", std::string("bfloat16")).set("skip_layers", std::string("fc1"));
+  o.set("large_factor_dim", int64_t{0}).set("spd_fusion", std::vector<int64_t>{4, 2}).set("spd_redundant_dim", int64_t{64});
+  EXPECT_EQ(o.damping_at(3), 0.01);
+  EXPECT_EQ(o.factor_update_steps_at(0), 10);
+  EXPECT_EQ(o.compute_method(), ComputeMethod::kInverse);
+  EXPECT_EQ(o.factor_dtype(), c10::kBFloat16);
+  EXPECT_EQ(o.skip_layers(), std::vector<std::string>{"fc1"});
+  EXPECT_EQ(o.large_factor_dim(), 0);
+  EXPECT_EQ(o.spd().fusion(), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(o.spd().redundant_dim(), 64);
+  EXPECT_EQ(Options().set("damping", int64_t{1}).damping_at(0), 1.0) << "an integer is a number";
+  EXPECT_EQ(Options().set("grad_worker_fraction", std::string("mem-opt")).grad_worker_fraction(), 0.0);
+  EXPECT_EQ(Options().set("grad_worker_fraction", std::string("HYBRID_OPT")).grad_worker_fraction(), 0.5);
+  EXPECT_EQ(Options().set("kl_clip", std::monostate()).kl_clip_at(0), 0.0) << "none turns clipping off";
+  EXPECT_EQ(Options().set("factor_dtype", std::monostate()).factor_dtype(), std::nullopt);
+  EXPECT_EQ(Options().set("inv_update_steps", std::string("100")).inv_update_steps_at(0), 100) << "text as typed";
+  // Schedules: a function of the step; an integer schedule's values must be whole.
+  auto scheduled = Options().set("damping", std::function<double(int64_t)>([](int64_t s) { return 0.1 / (s + 1); }));
+  EXPECT_DOUBLE_EQ(scheduled.damping_at(4), 0.02);
+  auto halves = Options().set("inv_update_steps", std::function<double(int64_t)>([](int64_t) { return 2.5; }));
+  testing::expect_error<c10::Error>([&] { halves.inv_update_steps_at(3); }, {"inv_update_steps must be an integer, got 2.5 at step 3"});
+
+  using testing::expect_error;
+  expect_error<c10::Error>([] { Options().set("damping", 0.0); }, {"damping must be finite and > 0, got 0"});
+  expect_error<c10::Error>([] { Options().set("damping", 0.0, "--kfac-damping"); }, {"--kfac-damping must be finite and > 0"});
+  expect_error<c10::Error>([] { Options().set("damping", true); }, {"damping must be a number, got true"});
+  expect_error<c10::Error>([] { Options().set("factor_decay", 1.5); }, {"factor_decay must be finite and in [0, 1], got 1.5"});
+  expect_error<c10::Error>([] { Options().set("large_factor_dim", 2.5); }, {"large_factor_dim must be an integer, got 2.5"});
+  expect_error<c10::Error>([] { Options().set("large_factor_dim", int64_t{-1}); }, {"large_factor_dim must be >= 0, got -1"});
+  expect_error<c10::Error>([] { Options().set("compute_method", std::string("svd")); },
+                           {"compute_method must be one of eigen, inverse, got 'svd'"});
+  expect_error<c10::Error>([] { Options().set("strategy", std::string("horovod")); },
+                           {"strategy must be one of kaisa, spd, dp, got 'horovod'"});
+  expect_error<c10::Error>([] { Options().set("factor_dtype", std::string("int32")); },
+                           {"factor_dtype must be one of float32, float64, bfloat16, float16 or none"});
+  expect_error<c10::Error>([] { Options().set("grad_worker_fraction", std::string("most")); },
+                           {"grad_worker_fraction must be a number or one of comm-opt, hybrid-opt, mem-opt"});
+  expect_error<c10::Error>([] { Options().set("pi_damping", int64_t{1}); }, {"pi_damping must be true or false"});
+  expect_error<c10::Error>([] { Options().set("spd_fusion", std::vector<int64_t>{2, 0}); },
+                           {"spd_fusion entries must be >= 1, got 0"});
+  expect_error<c10::Error>([] { Options().set("dampening", 0.1); }, {"unknown option 'dampening'", "damping", "spd_fusion"});
+}
+
+TEST(OptionTable, DescribeAndGetShowEveryOption) {
+  const auto o = Options().damping(0.003).strategy(Strategy::kSpd).skip_layers({"fc1", "conv"});
+  const auto text = o.describe();
+  for (const auto& i : option_table()) EXPECT_NE(text.find(i.name + "="), std::string::npos) << i.name;
+  EXPECT_NE(text.find("damping=0.003"), std::string::npos) << text;
+  EXPECT_NE(text.find("strategy=spd"), std::string::npos) << text;
+  EXPECT_NE(text.find("skip_layers=[fc1, conv]"), std::string::npos) << text;
+  EXPECT_NE(text.find("factor_dtype=none"), std::string::npos) << text;
+  EXPECT_NE(Options().lr([](int64_t) { return 0.1; }).describe().find("lr=(a function of the step)"), std::string::npos);
+  EXPECT_EQ(std::get<double>(o.get("damping")), 0.003);
+}
+
+// The README's option table lists every option with its default and, where it has them, its flag and
+// kfac_pytorch keyword, as option_table() declares them.
+TEST(OptionTable, ReadmeTableIsTheDeclaration) {
+  std::ifstream in(std::string(DKFAC_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in) << "README.md not found";
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string readme = text.str();
+  // | `name` | default | `--flag` | `alias` | doc |
+  const std::regex row(R"(\n\| `(\w+)` \| `([^`]*)` \| ([^|]*) \| ([^|]*) \|)");
+  std::map<std::string, std::vector<std::string>> rows;
+  for (auto it = std::sregex_iterator(readme.begin(), readme.end(), row); it != std::sregex_iterator(); ++it) {
+    rows[(*it)[1]] = {(*it)[2], (*it)[3], (*it)[4]};
+  }
+  auto cell = [](const std::string& value) { return value.empty() ? std::string("") : "`" + value + "`"; };
+  auto trim = [](std::string s) {
+    s.erase(0, s.find_first_not_of(' '));
+    s.erase(s.find_last_not_of(' ') + 1);
+    return s;
+  };
+  for (const auto& o : option_table()) {
+    ASSERT_EQ(rows.count(o.name), 1u) << "README's option table has no row for " << o.name;
+    const auto& r = rows[o.name];
+    EXPECT_EQ(r[0], o.default_text) << o.name;
+    EXPECT_EQ(trim(r[1]), cell(o.flag)) << o.name;
+    EXPECT_EQ(trim(r[2]), cell(o.alias)) << o.name;
+  }
+  EXPECT_EQ(rows.size(), option_table().size()) << "README lists an option the code does not declare";
+}
+
+}  // namespace
+}  // namespace dkfac
