@@ -165,6 +165,10 @@ inline OptionRange any_value() { return {}; }
   Self&& name(std::function<T(int64_t)> fn) && {                     \
     return std::move(this->name(std::move(fn)));                     \
   }                                                                  \
+  Self& name(Schedule<T> schedule) & {                               \
+    name##_ = std::move(schedule);                                   \
+    return *this;                                                    \
+  }                                                                  \
   const Schedule<T>& name() const { return name##_; }                \
                                                                      \
  private:                                                            \

@@ -37,7 +37,7 @@ RUNS = [
     ("1p", "kfac-skip-fc1-e3", ["--epochs", "3", "--skip-layers", "^7$"]),
     ("4p", "sgd-4p-lr0.05-e3", FOUR + SGD + ["--lr", "0.05", "--epochs", "3"]),
     ("4p", "sgd-4p-lr0.05-e4", FOUR + SGD + ["--lr", "0.05", "--epochs", "4"]),
-    ("4p", "kfac-4p-dkfac-d0.1-e2", FOUR + ["--epochs", "2", "--damping", "0.1", "--strategy", "dkfac"]),
+    ("4p", "kfac-4p-dkfac-d0.1-e2", FOUR + ["--epochs", "2", "--damping", "0.1", "--strategy", "kaisa", "--grad-worker-fraction", "1"]),
     ("4p", "kfac-4p-spd-d0.1-e2", FOUR + ["--epochs", "2", "--damping", "0.1", "--strategy", "spd"]),
     ("4p", "kfac-4p-dp-d0.1-e2", FOUR + ["--epochs", "2", "--damping", "0.1", "--strategy", "dp"]),
 ]

@@ -56,6 +56,7 @@ TEST(OptionTable, SetByNameConvertsAndChecksAgainstTheDeclaration) {
   o.set("factor_dtype", std::string("bfloat16")).set("skip_layers", std::string("fc1"));
   o.set("large_factor_dim", int64_t{0}).set("spd_fusion", std::vector<int64_t>{4, 2}).set("spd_redundant_dim", int64_t{64});
   EXPECT_EQ(o.damping_at(3), 0.01);
+  EXPECT_TRUE(o.damping().is_constant()) << "a number set by name is a constant schedule, checked at construction";
   EXPECT_EQ(o.factor_update_steps_at(0), 10);
   EXPECT_EQ(o.compute_method(), ComputeMethod::kInverse);
   EXPECT_EQ(o.factor_dtype(), c10::kBFloat16);

@@ -43,7 +43,7 @@ grep -q 'step plan: KAISA (kaisa), P=2 W=1 (2 columns)' "$tmp/out.txt" || { echo
 
 echo "== 2 ranks, SC20 layer-wise, separate factors, memory balance; --print-plan: each layer once, from rank 0"
 "$dkfac" train --nproc 2 --model mlp --dataset synthetic --epochs 1 --max-steps 6 --log-every 3 \
-  --strategy dkfac-lw --separate-factors --balance-memory --print-plan > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
+  --strategy kaisa --grad-worker-fraction 0 --no-colocate-factors --balance memory --print-plan > "$tmp/lw.txt" 2>&1 || { cat "$tmp/lw.txt"; exit 1; }
 grep -q '^summary: ' "$tmp/lw.txt" || { echo "FAIL: dkfac-lw run did not finish"; cat "$tmp/lw.txt"; exit 1; }
 layers=$(grep -c '^  [^ ]* \[a=[0-9]*, g=[0-9]*\]: factors on every rank; A on rank [01], G on rank [01]; grad workers {[01]}$' "$tmp/lw.txt" || true)
 header=$(grep '^K-FAC layers' "$tmp/lw.txt" | tr ',' '\n' | wc -l)

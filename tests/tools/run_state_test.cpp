@@ -55,7 +55,7 @@ class RunStateTest : public ::testing::Test {
     c.batch_size = 256;
     c.epochs = 1;
     c.threads = 1;
-    c.damping = 0.1;
+    c.kfac_options.damping(0.1);
     c.log_every = 4;
     return c;
   }

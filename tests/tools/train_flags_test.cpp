@@ -68,11 +68,18 @@ TEST(TrainFlags, HelpGroupsFlagsAndStatesDefaultsOfPairedSwitches) {
   EXPECT_EQ(help.find("{true}"), std::string::npos) << help;
   for (const char* text : {"precondition with K-FAC (default: on)", "no K-FAC: plain SGD/Adam (default: off)",
                            "(lr / base lr)^2 (default: on)", "as kfac_pytorch does (default: off)",
-                           "on one rank (default: on)", "on different ranks (default: off)"}) {
+                           "decompose A and G of a layer on the same rank (default: on)",
+                           "the opposite of --colocate-factors (default: off)"}) {
     EXPECT_NE(help.find(text), std::string::npos) << text;
   }
-  // The damping default carries its reason.
-  EXPECT_NE(help.find("0.3 is the recipe the README's table measures"), std::string::npos);
+  // Every library option with a flag is there, with its declaration's documentation (dkfac/options.h).
+  for (const auto& info : option_table()) {
+    if (info.flag.empty()) continue;
+    EXPECT_NE(help.find("  " + info.flag), std::string::npos) << info.flag << " missing in:\n" << help;
+    EXPECT_NE(help.find(info.doc.substr(0, 40)), std::string::npos) << info.name << "'s documentation";
+  }
+  EXPECT_NE(help.find("--damping TEXT=0.3"), std::string::npos) << "the recipe's default: " << help;
+  EXPECT_NE(help.find("--large-factor-dim TEXT=4096"), std::string::npos) << help;
 }
 
 TEST(TrainFlags, PairedSwitchesSetAndExcludeEachOther) {
@@ -80,7 +87,9 @@ TEST(TrainFlags, PairedSwitchesSetAndExcludeEachOther) {
   EXPECT_FALSE(Parsed({"--no-kfac"}).config.kfac);
   EXPECT_TRUE(Parsed({"--kfac"}).config.kfac);
   EXPECT_FALSE(Parsed({"--kl-clip-fixed"}).config.kl_clip_follows_lr);
-  EXPECT_FALSE(Parsed({"--separate-factors"}).config.colocate_factors);
+  EXPECT_FALSE(Parsed({"--no-colocate-factors"}).config.kfac_options.colocate_factors());
+  EXPECT_TRUE(Parsed({"--symmetric-comm"}).config.kfac_options.symmetric_comm());
+  EXPECT_NE(error_of({"--colocate-factors", "--no-colocate-factors"}), "");
   EXPECT_NE(error_of({"--kfac", "--no-kfac"}), "");
 }
 
@@ -89,30 +98,30 @@ TEST(TrainFlags, KfacPytorchAliasesMeanWhatTheExamplesMean) {
             "--kfac-factor-update-steps", "1", "--kfac-inv-update-steps", "10", "--kfac-skip-layers", "Conv2d",
             "^7$", "--kfac-colocate-factors"});
   EXPECT_TRUE(p.config.kfac);
-  EXPECT_EQ(p.config.damping, 0.003);
-  EXPECT_EQ(p.config.factor_decay, 0.9);
-  EXPECT_EQ(p.config.kl_clip, 0.01);
-  EXPECT_EQ(p.config.factor_update_steps, 1);
-  EXPECT_EQ(p.config.inv_update_steps, 10);
-  EXPECT_EQ(p.config.skip_layers, (std::vector<std::string>{"Conv2d", "^7$"}));
-  EXPECT_TRUE(p.config.colocate_factors);
+  const auto& o = p.config.kfac_options;
+  EXPECT_EQ(o.damping_at(0), 0.003);
+  EXPECT_EQ(o.factor_decay_at(0), 0.9);
+  EXPECT_EQ(o.kl_clip_at(0), 0.01);
+  EXPECT_EQ(o.factor_update_steps_at(0), 1);
+  EXPECT_EQ(o.inv_update_steps_at(0), 10);
+  EXPECT_EQ(o.skip_layers(), (std::vector<std::string>{"Conv2d", "^7$"}));
+  EXPECT_TRUE(o.colocate_factors());
   // The examples' `--kfac-inv-update-steps 0` is SGD without K-FAC.
   EXPECT_FALSE(Parsed({"--kfac-inv-update-steps", "0"}).config.kfac);
   // Given together with the same value, an alias and its flag agree.
-  EXPECT_EQ(Parsed({"--damping", "0.1", "--kfac-damping", "0.1"}).config.damping, 0.1);
+  EXPECT_EQ(Parsed({"--damping", "0.1", "--kfac-damping", "0.1"}).config.kfac_options.damping_at(0), 0.1);
 }
 
 TEST(TrainFlags, KfacStrategyMapsToKaisaFractions) {
-  auto comm = Parsed({"--kfac-strategy", "comm-opt"}).config;
-  EXPECT_EQ(comm.strategy, train::TrainStrategy::kKaisa);
-  EXPECT_EQ(comm.fraction_for(4), 1.0);
-  auto mem = Parsed({"--kfac-strategy", "mem-opt"}).config;
-  EXPECT_EQ(mem.fraction_for(4), 0.25);
-  EXPECT_EQ(mem.fraction_for(2), 0.5);
-  EXPECT_EQ(Parsed({"--kfac-strategy", "hybrid-opt"}).config.fraction_for(8), 0.5);
-  EXPECT_EQ(Parsed({"--kfac-strategy", "hybrid-opt", "--kfac-grad-worker-fraction", "0.25"}).config.fraction_for(8),
-            0.25);
-  EXPECT_EQ(Parsed({"--kfac-grad-worker-fraction", "0.5"}).config.grad_worker_fraction, 0.5);
+  auto fraction = [](std::vector<std::string> args) { return Parsed(std::move(args)).config.kfac_options.grad_worker_fraction(); };
+  auto comm = Parsed({"--kfac-strategy", "comm-opt"}).config.kfac_options;
+  EXPECT_EQ(comm.strategy(), Strategy::kKaisa);
+  EXPECT_EQ(comm.grad_worker_fraction(), 1.0);
+  EXPECT_EQ(fraction({"--kfac-strategy", "mem-opt"}), 0.0) << "0: 1/P";
+  EXPECT_EQ(fraction({"--kfac-strategy", "hybrid-opt"}), 0.5);
+  EXPECT_EQ(fraction({"--kfac-strategy", "hybrid-opt", "--kfac-grad-worker-fraction", "0.25"}), 0.25);
+  EXPECT_EQ(fraction({"--kfac-grad-worker-fraction", "0.5"}), 0.5);
+  EXPECT_EQ(fraction({"--grad-worker-fraction", "mem-opt"}), 0.0) << "the declaration's named values";
   EXPECT_NE(error_of({"--kfac-strategy", "hybrid_opt"}), "");
 }
 
@@ -132,8 +141,8 @@ TEST(TrainFlags, AliasAndFlagWithDifferentValuesIsAnErrorNamingBoth) {
   EXPECT_NE(error_of({"--skip-layers", "a", "--kfac-skip-layers", "b"})
                 .find("--kfac-skip-layers b and --skip-layers a disagree"),
             std::string::npos);
-  EXPECT_EQ(error_of({"--separate-factors", "--kfac-colocate-factors"}),
-            "--kfac-colocate-factors and --separate-factors disagree; give one");
+  EXPECT_EQ(error_of({"--no-colocate-factors", "--kfac-colocate-factors"}),
+            "--kfac-colocate-factors and --no-colocate-factors disagree; give one");
   EXPECT_NE(error_of({"--kfac-strategy", "mem-opt", "--strategy", "spd"})
                 .find("--kfac-strategy mem-opt and --strategy spd disagree"),
             std::string::npos);
@@ -145,36 +154,44 @@ TEST(TrainFlags, AliasAndFlagWithDifferentValuesIsAnErrorNamingBoth) {
 }
 
 TEST(TrainFlags, BadValuesAreRefusedAtParseNamingTheFlagTyped) {
-  EXPECT_EQ(error_of({"--factor-decay", "2"}), "--factor-decay must be in [0, 1), got 2");
-  EXPECT_EQ(error_of({"--kfac-factor-decay", "2"}), "--kfac-factor-decay must be in [0, 1), got 2");
-  EXPECT_EQ(error_of({"--damping", "0"}), "--damping must be > 0, got 0");
-  EXPECT_EQ(error_of({"--kfac-damping", "-1"}), "--kfac-damping must be > 0, got -1");
+  // The library options' checks and messages are their declaration's (dkfac/options.h), naming the flag typed.
+  EXPECT_EQ(error_of({"--factor-decay", "2"}), "--factor-decay must be finite and in [0, 1], got 2");
+  EXPECT_EQ(error_of({"--kfac-factor-decay", "2"}), "--kfac-factor-decay must be finite and in [0, 1], got 2");
+  EXPECT_EQ(error_of({"--damping", "0"}), "--damping must be finite and > 0, got 0");
+  EXPECT_EQ(error_of({"--kfac-damping", "-1"}), "--kfac-damping must be finite and > 0, got -1");
+  EXPECT_EQ(error_of({"--large-factor-dim", "-1"}), "--large-factor-dim must be >= 0, got -1");
+  EXPECT_EQ(error_of({"--spd-fusion", "2", "x"}), "--spd-fusion takes integers, got 'x'");
   EXPECT_EQ(error_of({"--kfac-inv-update-steps", "-1"}), "--kfac-inv-update-steps must be >= 0 (0: K-FAC off), got -1");
   EXPECT_EQ(error_of({"--inv-update-steps", "0"}), "--inv-update-steps must be >= 1, got 0");
   EXPECT_EQ(error_of({"--kfac-grad-worker-fraction", "2"}),
-            "--kfac-grad-worker-fraction must be in [0, 1] (0: 1/P), got 2");
+            "--kfac-grad-worker-fraction must be finite and in [0, 1], got 2");
   EXPECT_EQ(error_of({"--threads", "-1"}), "--threads must be in [0, 4096] (0: LibTorch's default), got -1");
 }
 
 TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   const auto c = Parsed({"--model", "resnet20", "--dataset", "cifar10", "--optimizer", "adam", "--lr-schedule", "step",
                          "--compute-method", "eigen", "--factor-dtype", "float64", "--inv-dtype", "bfloat16",
-                         "--on-nan-loss", "skip", "--strategy", "dkfac-lw"})
+                         "--on-nan-loss", "skip", "--strategy", "dp", "--large-factor-dim", "100",
+                         "--spd-fusion", "4", "2", "--skip-layers", "fc1", "conv"})
                      .config;
   EXPECT_EQ(c.model, train::Model::kResnet20);
   EXPECT_EQ(c.dataset, train::Dataset::kCifar10);
   EXPECT_EQ(c.optimizer, train::Optimizer::kAdam);
   EXPECT_EQ(c.lr_schedule, train::LrSchedule::kStep);
-  EXPECT_EQ(c.compute_method, ComputeMethod::kEigen);
-  EXPECT_EQ(c.factor_dtype, train::StorageDtype::kFloat64);
-  EXPECT_EQ(c.inv_dtype, train::StorageDtype::kBfloat16);
+  EXPECT_EQ(c.kfac_options.compute_method(), ComputeMethod::kEigen);
+  EXPECT_EQ(c.kfac_options.factor_dtype(), c10::kDouble);
+  EXPECT_EQ(c.kfac_options.inv_dtype(), c10::kBFloat16);
   EXPECT_EQ(c.on_nan_loss, train::NanPolicy::kSkip);
-  EXPECT_EQ(c.strategy, train::TrainStrategy::kDkfacLw);
+  EXPECT_EQ(c.kfac_options.strategy(), Strategy::kDp);
+  EXPECT_EQ(c.kfac_options.large_factor_dim(), 100) << "a new option reaches the command line by its declaration";
+  EXPECT_EQ(c.kfac_options.spd().fusion(), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(c.kfac_options.skip_layers(), (std::vector<std::string>{"fc1", "conv"}));
+  EXPECT_EQ(train::to_json(c).at("large-factor-dim"), 100) << "and the metrics' run event";
   // The defaults, unparsed.
   const auto d = Parsed({}).config;
   EXPECT_EQ(d.model, train::Model::kCnn);
-  EXPECT_EQ(d.compute_method, ComputeMethod::kInverse);
-  EXPECT_EQ(d.factor_dtype, train::StorageDtype::kDefault);
+  EXPECT_EQ(d.kfac_options.compute_method(), ComputeMethod::kInverse);
+  EXPECT_EQ(d.kfac_options.factor_dtype(), std::nullopt);
 
   EXPECT_EQ(error_of({"--model", "nosuch"}), "--model must be one of mlp, cnn, resnet20, autoencoder, got 'nosuch'");
   EXPECT_EQ(error_of({"--dataset", "imagenet"}),
@@ -183,10 +200,10 @@ TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   EXPECT_EQ(error_of({"--lr-schedule", "linear"}), "--lr-schedule must be one of constant, step, cosine, got 'linear'");
   EXPECT_EQ(error_of({"--compute-method", "svd"}), "--compute-method must be one of eigen, inverse, got 'svd'");
   EXPECT_EQ(error_of({"--factor-dtype", "half"}),
-            "--factor-dtype must be one of float32, float64, bfloat16, got 'half'");
+            "--factor-dtype must be one of float32, float64, bfloat16, float16 or none (the default), got 'half'");
   EXPECT_EQ(error_of({"--on-nan-loss", "ignore"}), "--on-nan-loss must be one of stop, skip, got 'ignore'");
-  EXPECT_EQ(error_of({"--strategy", "hogwild"}),
-            "--strategy must be one of kaisa, dkfac, dkfac-lw, spd, dp, got 'hogwild'");
+  EXPECT_EQ(error_of({"--strategy", "hogwild"}), "--strategy must be one of kaisa, spd, dp, got 'hogwild'");
+  EXPECT_NE(error_of({"--strategy", "dkfac-lw"}).find("--strategy kaisa --grad-worker-fraction 1"), std::string::npos);
 
   // --help states each choice flag's default, as it did when they were strings.
   CLI::App app("train");
@@ -194,7 +211,7 @@ TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   add_train_options(app, config);
   const std::string help = app.help();
   for (const char* text : {"--model TEXT=cnn", "--dataset TEXT=fashion-mnist", "--optimizer TEXT=sgd",
-                           "--lr-schedule TEXT=cosine", "--compute-method TEXT=inverse",
+                           "--lr-schedule TEXT=cosine", "--compute-method TEXT=inverse", "--factor-dtype TEXT=none",
                            "--on-nan-loss TEXT=stop", "--strategy TEXT=kaisa"}) {
     EXPECT_NE(help.find(text), std::string::npos) << text << " missing in:\n" << help;
   }

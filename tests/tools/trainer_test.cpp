@@ -36,9 +36,7 @@ class TrainerTest : public ::testing::Test {
     c.epochs = 1;
     c.threads = 1;
     c.lr = 0.05;
-    c.damping = 0.1;
-    c.factor_update_steps = 3;
-    c.inv_update_steps = 7;
+    c.kfac_options.damping(0.1).factor_update_steps(3).inv_update_steps(7);
     c.log_every = 1000;
     return c;
   }
@@ -62,7 +60,7 @@ TEST_F(TrainerTest, SkipLayersLeavesMatchingLayersOutOfKfac) {
   auto c = config();
   c.max_steps = 6;
   const auto full = Trainer(c).run().step_losses;
-  c.skip_layers = {"^1$"};  // the mlp's first Linear (Sequential index 1)
+  c.kfac_options.skip_layers({"^1$"});  // the mlp's first Linear (Sequential index 1)
   const auto skipped = Trainer(c).run().step_losses;
   c.kfac = false;
   const auto sgd = Trainer(c).run().step_losses;
@@ -71,9 +69,9 @@ TEST_F(TrainerTest, SkipLayersLeavesMatchingLayersOutOfKfac) {
   EXPECT_NE(skipped.back(), full.back()) << "layer 1 was still preconditioned";
   EXPECT_NE(skipped.back(), sgd.back()) << "layers 3 and 5 were not preconditioned";
   c.kfac = true;
-  c.skip_layers = {"Linear"};
+  c.kfac_options.skip_layers({"Linear"});
   expect_error([&] { Trainer(c).run(); }, {"no dkfac::nn::Linear or dkfac::nn::Conv2d layer", "after applying skip_layers"});
-  c.skip_layers = {"^1$", "("};
+  c.kfac_options.skip_layers({"^1$", "("});
   expect_error([&] { Trainer(c).run(); }, {"skip_layers pattern '(' is not a valid regular expression"});
 }
 
@@ -115,13 +113,13 @@ TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
 
   // Another layout (strategy, world, placement) is refused the same way.
   c.model = Model::kMlp;
-  c.strategy = TrainStrategy::kDkfacLw;
+  c.kfac_options.strategy(Strategy::kSpd);
   expect_error([&] { Trainer(c).run(); }, {"was written with layout 'world 1, rank 0, strategy kaisa"});
   EXPECT_EQ(fs::file_size(path), size);
 
   // A foreign file is reported as such.
   std::ofstream(path, std::ios::binary | std::ios::trunc) << "not a checkpoint";
-  c.strategy = TrainStrategy::kKaisa;
+  c.kfac_options.strategy(Strategy::kKaisa);
   expect_error([&] { Trainer(c).run(); }, {"is not a dkfac checkpoint (no DKFACCKP header)"});
 }
 
@@ -374,14 +372,10 @@ TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
   expect([] { parse_choice<Optimizer>("--optimizer", "lamb"); }, "--optimizer must be one of sgd, adam, got 'lamb'");
   expect([] { parse_choice<LrSchedule>("--lr-schedule", "linear"); },
          "--lr-schedule must be one of constant, step, cosine, got 'linear'");
-  expect([] { parse_choice<TrainStrategy>("--strategy", "hogwild"); },
-         "--strategy must be one of kaisa, dkfac, dkfac-lw, spd, dp, got 'hogwild'");
   expect([] { parse_choice<NanPolicy>("--on-nan-loss", "ignore"); },
          "--on-nan-loss must be one of stop, skip, got 'ignore'");
   expect([] { parse_choice<ComputeMethod>("--compute-method", "svd"); },
          "--compute-method must be one of eigen, inverse, got 'svd'");
-  expect([] { parse_choice<StorageDtype>("--inv-dtype", "float16"); },
-         "--inv-dtype must be one of float32, float64, bfloat16, got 'float16'");
   expect([] { parse_choice<Model>("--model", "CNN"); }, "got 'CNN'");  // names are case-sensitive, as before
 
   // Every name parses to a value that prints as that name.
@@ -397,10 +391,7 @@ TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
   round_trips(Optimizer{});
   round_trips(LrSchedule{});
   round_trips(NanPolicy{});
-  round_trips(TrainStrategy{});
-  round_trips(StorageDtype{});
   round_trips(ComputeMethod{});
-  EXPECT_EQ(parse_choice<StorageDtype>("--factor-dtype", ""), StorageDtype::kDefault) << "empty: the default dtype";
 
   // The model and dataset choices are the ones the models and datasets modules build.
   std::vector<std::string> models, datasets;
@@ -416,8 +407,8 @@ TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
   EXPECT_EQ(json["optimizer"], "sgd");
   EXPECT_EQ(json["lr-schedule"], "cosine");
   EXPECT_EQ(json["compute-method"], "inverse");
-  EXPECT_EQ(json["factor-dtype"], "");
-  EXPECT_EQ(json["inv-dtype"], "");
+  EXPECT_EQ(json["factor-dtype"], "none");
+  EXPECT_EQ(json["inv-dtype"], "none");
   EXPECT_EQ(json["on-nan-loss"], "stop");
   EXPECT_EQ(json["strategy"], "kaisa");
 }
@@ -440,9 +431,8 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c.resume = true;
   expect(c, "--resume needs --checkpoint-dir");
   c = TrainConfig();
-  c.strategy = TrainStrategy::kDp;
-  c.grad_worker_fraction = 0.5;
-  expect(c, "--grad-worker-fraction applies to --strategy kaisa only, got 0.5 with --strategy dp");
+  c.kfac_options.strategy(Strategy::kDp).grad_worker_fraction(0.5);
+  expect(c, "grad_worker_fraction applies to strategy kaisa only (dp places its own work), got 0.5");
   c = TrainConfig();
   c.eval_examples = -1;
   expect(c, "--eval-examples must be >= 0, got -1");
@@ -467,31 +457,8 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
       {[](TrainConfig& t) { t.seed = -3; }, "--seed must be >= 0, got -3"},
       {[](TrainConfig& t) { t.threads = -1; }, "--threads must be in [0, 4096] (0: LibTorch's default), got -1"},
       {[](TrainConfig& t) { t.threads = 5000; }, "--threads must be in [0, 4096] (0: LibTorch's default), got 5000"},
-      {[](TrainConfig& t) { t.damping = 0; }, "--damping must be > 0, got 0"},
-      {[inf](TrainConfig& t) { t.damping = inf; }, "--damping must be > 0, got inf"},
-      {[](TrainConfig& t) { t.factor_decay = 2; }, "--factor-decay must be in [0, 1), got 2"},
-      {[](TrainConfig& t) { t.factor_decay = 1; }, "--factor-decay must be in [0, 1), got 1"},
-      {[](TrainConfig& t) { t.factor_decay = -0.1; }, "--factor-decay must be in [0, 1), got -0.1"},
-      {[](TrainConfig& t) { t.kl_clip = -1; }, "--kl-clip must be >= 0 (0: off), got -1"},
-      {[](TrainConfig& t) { t.factor_update_steps = 0; }, "--factor-update-steps must be >= 1, got 0"},
-      {[](TrainConfig& t) { t.inv_update_steps = -2; }, "--inv-update-steps must be >= 1, got -2"},
       {[](TrainConfig& t) { t.checkpoint_every_epochs = 0; }, "--checkpoint-every-epochs must be >= 1, got 0"},
       {[](TrainConfig& t) { t.log_every = -1; }, "--log-every must be >= 0, got -1"},
-      {[](TrainConfig& t) { t.grad_worker_fraction = 1.5; }, "--grad-worker-fraction must be in [0, 1] (0: 1/P), got 1.5"},
-      {[](TrainConfig& t) { t.grad_worker_fraction = -0.5; }, "--grad-worker-fraction must be in [0, 1] (0: 1/P), got -0.5"},
-      // A kfac_pytorch alias that set the field is the flag named.
-      {[](TrainConfig& t) {
-         t.damping = -1;
-         t.typed_as["--damping"] = "--kfac-damping";
-       }, "--kfac-damping must be > 0, got -1"},
-      {[](TrainConfig& t) {
-         t.factor_decay = 1.5;
-         t.typed_as["--factor-decay"] = "--kfac-factor-decay";
-       }, "--kfac-factor-decay must be in [0, 1), got 1.5"},
-      {[](TrainConfig& t) {
-         t.inv_update_steps = -1;
-         t.typed_as["--inv-update-steps"] = "--kfac-inv-update-steps";
-       }, "--kfac-inv-update-steps must be >= 1 (0: K-FAC off), got -1"},
   };
   for (const auto& [change, message] : numeric) {
     TrainConfig bad;
@@ -500,33 +467,10 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   }
   // The edges that are allowed.
   c = TrainConfig();
-  c.factor_decay = 0;
-  c.kl_clip = 0;
+  c.kfac_options.factor_decay(0).kl_clip(0).grad_worker_fraction(0);  // 0: 1/P
   c.momentum = 0;
-  c.grad_worker_fraction = 0;  // 1/P
   c.threads = 4096;
   EXPECT_NO_THROW(c.validate());
-}
-
-TEST(TrainConfigTest, StrategiesMapToKaisaFractions) {
-  TrainConfig c;
-  c.grad_worker_fraction = 0.5;
-  EXPECT_EQ(c.fraction_for(4), 0.5);
-  c.strategy = TrainStrategy::kDkfac;
-  EXPECT_EQ(c.fraction_for(4), 1.0);
-  c.strategy = TrainStrategy::kDkfacLw;
-  EXPECT_EQ(c.fraction_for(4), 0.25);
-  EXPECT_EQ(c.library_strategy(), Strategy::kKaisa);
-  c.strategy = TrainStrategy::kSpd;
-  EXPECT_EQ(c.fraction_for(4), 1.0);
-  EXPECT_EQ(c.library_strategy(), Strategy::kSpd);
-  c.strategy = TrainStrategy::kDp;
-  EXPECT_EQ(c.library_strategy(), Strategy::kDp);
-  // 0 is kfac_pytorch's 1/P (MEM-OPT), what --kfac-strategy mem-opt sets.
-  c.strategy = TrainStrategy::kKaisa;
-  c.grad_worker_fraction = 0;
-  EXPECT_EQ(c.fraction_for(4), 0.25);
-  EXPECT_EQ(c.fraction_for(8), 0.125);
 }
 
 }  // namespace

@@ -2,8 +2,11 @@
 // flag names of kfac_pytorch's example scripts as aliases.
 #include "tools/cli/train_flags.h"
 
+#include <algorithm>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -42,20 +45,106 @@ CLI::Option* add_switch(CLI::App& app, const std::string& on, const std::string&
   return off_flag;
 }
 
-// `alias` (kfac_pytorch's examples) stands for `flag` (dkfac's), whose value lives in `field`.
-template <typename T>
-void add_alias(CLI::App& app, Resolvers& resolvers, train::TrainConfig& c, const std::string& alias,
-               const std::string& flag, T& field, const std::string& help) {
-  auto value = std::make_shared<T>();
-  auto* option = app.add_option(alias, *value, help + " (= " + flag + ")")->group(kAliasGroup);
-  resolvers.push_back([&app, &c, &field, option, value, alias, flag] {
-    if (option->count() == 0) return;
-    if (app.count(flag) > 0 && field != *value) {
-      throw CLI::ValidationError(alias + " " + show(*value) + " and " + flag + " " + show(field) +
-                                 " disagree (" + alias + " is kfac_pytorch's name for " + flag + "); give one");
+// The library's options given on the command line: flag -> the values typed.
+using Given = std::map<std::string, std::vector<std::string>>;
+
+// Sets the library option `name` of `c` from the command line, naming `flag` (as typed) if it is refused.
+void set_option(train::TrainConfig& c, const std::string& name, const OptionValue& value, const std::string& flag) {
+  try {
+    c.kfac_options.set(name, value, flag);
+  } catch (const c10::Error& e) {
+    throw CLI::ValidationError(e.what_without_backtrace());
+  }
+}
+
+// The value typed for an option of `info`'s type.
+OptionValue typed_value(const OptionInfo& info, const std::vector<std::string>& text, const std::string& flag) {
+  if (info.type == OptionType::kStrings) return text;
+  if (info.type == OptionType::kInts) {
+    std::vector<int64_t> values;
+    for (const auto& t : text) {
+      try {
+        size_t used = 0;
+        values.push_back(std::stoll(t, &used));
+        if (used != t.size()) throw std::invalid_argument(t);
+      } catch (const std::exception&) {
+        throw CLI::ValidationError(flag + " takes integers, got '" + t + "'");
+      }
     }
-    field = *value;
+    return values;
+  }
+  return text.back();
+}
+
+// Options in the Distributed group of --help; the rest of the library's are in K-FAC.
+bool is_distributed(const std::string& name) {
+  static const std::set<std::string> names = {"grad_worker_fraction", "symmetric_comm", "balance", "colocate_factors",
+                                              "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy"};
+  return names.count(name) > 0 || name.rfind("spd_", 0) == 0;
+}
+
+// Every library option that has a flag (dkfac/options.h), made from its declaration: a switch pair for a bool,
+// a value (or values) otherwise, with its documentation, range or choices and default. Set when parsing completes.
+void add_library_options(CLI::App& app, train::TrainConfig& c, Resolvers& resolvers, Given& given) {
+  for (const auto& info : option_table()) {
+    if (info.flag.empty()) continue;
+    const std::string group = is_distributed(info.name) ? kDistributedGroup : kKfacGroup;
+    const OptionValue now = c.kfac_options.get(info.name);
+    if (info.type == OptionType::kBool) {
+      auto state = std::make_shared<bool>(std::get<bool>(now));
+      const std::string off = "--no-" + info.flag.substr(2);
+      add_switch(app, info.flag, off, *state, info.doc, "the opposite of " + info.flag, group);
+      resolvers.push_back([&app, &c, info, off, state] {
+        if (app.count(info.flag) + app.count(off) > 0) set_option(c, info.name, *state, info.flag);
+      });
+      continue;
+    }
+    std::string help = info.doc;
+    if (!info.choices.empty()) help += ": " + [&info] {
+      std::string names;
+      for (const auto& n : info.choices) names += (names.empty() ? "" : " | ") + n;
+      return names;
+    }();
+    if (info.type == OptionType::kInt || info.type == OptionType::kDouble) help += " (" + info.range.describe() + ")";
+    auto text = std::make_shared<std::vector<std::string>>();
+    auto* option = app.add_option(info.flag, *text, help)->group(group)->default_str(option_text(info, now));
+    if (info.type != OptionType::kStrings && info.type != OptionType::kInts) option->expected(1);
+    resolvers.push_back([&c, &given, info, text, option] {
+      if (option->count() == 0) return;
+      if (info.name == "strategy" && (text->back() == "dkfac" || text->back() == "dkfac-lw")) {
+        throw CLI::ValidationError("--strategy " + text->back() + " is KAISA's grid at one fraction: SC20's D-KFAC is "
+                                   "--strategy kaisa --grad-worker-fraction 1, its layer-wise variant "
+                                   "--grad-worker-fraction 0 (1/P)");
+      }
+      given[info.flag] = *text;
+      set_option(c, info.name, typed_value(info, *text, info.flag), c.flag(info.flag));
+    });
+  }
+}
+
+// `alias` (kfac_pytorch's examples) stands for the library option whose flag is `flag`: same values, checked the
+// same way; given with `flag` and another value, an error naming both.
+void add_alias(CLI::App& app, Resolvers& resolvers, Given& given, train::TrainConfig& c, const std::string& alias,
+               const std::string& flag, const std::string& extra_help = "") {
+  const auto& info = *std::find_if(option_table().begin(), option_table().end(),
+                                   [&flag](const OptionInfo& i) { return i.flag == flag; });
+  auto text = std::make_shared<std::vector<std::string>>();
+  auto* option = app.add_option(alias, *text, info.doc + extra_help + " (= " + flag + ")")->group(kAliasGroup);
+  if (info.type != OptionType::kStrings) option->expected(1);
+  resolvers.push_back([&c, &given, info, alias, flag, text, option] {
+    if (option->count() == 0) return;
+    const auto typed = given.find(flag);
+    if (typed != given.end()) {
+      const auto ours = c.kfac_options.get(info.name);
+      train::TrainConfig other;
+      set_option(other, info.name, typed_value(info, *text, alias), alias);
+      if (option_text(info, other.kfac_options.get(info.name)) != option_text(info, ours)) {
+        throw CLI::ValidationError(alias + " " + show(*text) + " and " + flag + " " + show(typed->second) +
+                                   " disagree (" + alias + " is kfac_pytorch's name for " + flag + "); give one");
+      }
+    }
     c.typed_as[flag] = alias;
+    set_option(c, info.name, typed_value(info, *text, alias), alias);
   });
 }
 
@@ -104,53 +193,14 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
              "that step and go on")
       ->group(kOptimizerGroup);
   // --- K-FAC. Paired switches are two flags each, so that --help says which one is the default.
+  auto resolvers = std::make_shared<Resolvers>();
   add_switch(app, "--kfac", "--no-kfac", c.kfac, "precondition with K-FAC", "no K-FAC: plain SGD/Adam", kKfacGroup);
-  app.add_option("--damping", c.damping,
-                 "K-FAC Tikhonov damping (> 0); 0.3 is the recipe the README's table measures "
-                 "(docs/PERFORMANCE.md: 0.1 reached 91% one epoch sooner there)")
-      ->capture_default_str()
-      ->group(kKfacGroup);
-  app.add_option("--factor-decay", c.factor_decay, "running-average decay of the factors, in [0, 1)")
-      ->capture_default_str()
-      ->group(kKfacGroup);
-  app.add_option("--kl-clip", c.kl_clip, "K-FAC KL clip (>= 0; 0: off)")->capture_default_str()->group(kKfacGroup);
   add_switch(app, "--kl-clip-follows-lr", "--kl-clip-fixed", c.kl_clip_follows_lr,
              "scale the KL-clip bound by (lr / base lr)^2", "keep the KL-clip bound fixed, as kfac_pytorch does",
              kKfacGroup);
-  app.add_option("--factor-update-steps", c.factor_update_steps, "steps between factor updates (>= 1)")
-      ->capture_default_str()
-      ->group(kKfacGroup);
-  app.add_option("--inv-update-steps", c.inv_update_steps, "steps between eigendecompositions/inverses (>= 1)")
-      ->capture_default_str()
-      ->group(kKfacGroup);
-  add_choice(app, "--compute-method", c.compute_method, "eigen | inverse")->group(kKfacGroup);
-  add_choice(app, "--factor-dtype", c.factor_dtype,
-             "storage dtype of K-FAC factors: float32 | float64 | bfloat16 (default: the model's)")
-      ->group(kKfacGroup);
-  add_choice(app, "--inv-dtype", c.inv_dtype,
-             "storage dtype of eigendecompositions/inverses: float32 | float64 | bfloat16 (default: the factors')")
-      ->group(kKfacGroup);
-  app.add_option("--skip-layers", c.skip_layers,
-                 "layers K-FAC leaves alone: regular expressions matched against module names (as the strategy "
-                 "log prints them) or kinds (Linear, Conv2d); a pattern that matches no layer is warned about")
-      ->group(kKfacGroup);
+  auto given = std::make_shared<Given>();
+  add_library_options(app, c, *resolvers, *given);
   // --- Distributed (the launcher's flags join this group in train.cpp)
-  add_choice(app, "--strategy", c.strategy,
-             "kaisa (--grad-worker-fraction) | dkfac (SC20, = kaisa f=1) | dkfac-lw (SC20 layer-wise, = kaisa "
-             "f=1/P) | spd (SPD-KFAC) | dp (DP-KFAC)")
-      ->group(kDistributedGroup);
-  app.add_option("--grad-worker-fraction", c.grad_worker_fraction,
-                 "KAISA: 1 = comm-opt, 0.5 = hybrid-opt, 1/P = mem-opt; 0 means 1/P (as in kfac_pytorch)")
-      ->capture_default_str()
-      ->group(kDistributedGroup);
-  app.add_flag("--balance-memory", c.balance_memory,
-               "place second-order work by dim^2 (memory) instead of dim^3 (default: off)")
-      ->group(kDistributedGroup);
-  auto* separate = add_switch(app, "--colocate-factors", "--separate-factors", c.colocate_factors,
-                              "decompose A and G of a layer on one rank",
-                              "decompose A and G of a layer on different ranks", kDistributedGroup);
-  app.add_flag("--symmetric-comm", c.symmetric_comm, "send symmetric factors as upper triangles (default: off)")
-      ->group(kDistributedGroup);
   add_choice(app, "--device", c.device,
              "cpu | cuda (rank r of a node on cuda:LOCAL_RANK) | auto (cuda when a CUDA device is visible, else "
              "cpu): where the model, optimizer and K-FAC state, batches and evaluation live")
@@ -192,13 +242,12 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
       ->group(kOutputGroup);
 
   // --- kfac_pytorch's example flags (examples/torch_cifar10_resnet.py, v0.4.2), with their meanings there.
-  auto resolvers = std::make_shared<Resolvers>();
   auto inv_steps_value = std::make_shared<int64_t>(0);
   auto* inv_steps = app.add_option("--kfac-inv-update-steps", *inv_steps_value,
                                    "steps between eigendecompositions/inverses; 0 turns K-FAC off (= "
                                    "--inv-update-steps, or --no-kfac for 0)")
                         ->group(kAliasGroup);
-  resolvers->push_back([&app, &c, inv_steps, inv_steps_value] {
+  resolvers->push_back([&app, &c, inv_steps, inv_steps_value, given] {
     if (inv_steps->count() == 0) return;
     const int64_t steps = *inv_steps_value;
     if (steps < 0) {
@@ -215,66 +264,63 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
       throw CLI::ValidationError("--kfac-inv-update-steps " + show(steps) + " (K-FAC on) and --no-kfac disagree; give "
                                  "one");
     }
-    if (app.count("--inv-update-steps") > 0 && c.inv_update_steps != steps) {
+    const auto flag = given->find("--inv-update-steps");
+    if (flag != given->end() && c.kfac_options.inv_update_steps_at(0) != steps) {
       throw CLI::ValidationError("--kfac-inv-update-steps " + show(steps) + " and --inv-update-steps " +
-                                 show(c.inv_update_steps) + " disagree (--kfac-inv-update-steps is kfac_pytorch's "
-                                 "name for --inv-update-steps); give one");
+                                 show(flag->second) + " disagree (--kfac-inv-update-steps is kfac_pytorch's name for "
+                                 "--inv-update-steps); give one");
     }
-    c.inv_update_steps = steps;
     c.typed_as["--inv-update-steps"] = "--kfac-inv-update-steps";
+    set_option(c, "inv_update_steps", steps, "--kfac-inv-update-steps");
   });
-  add_alias(app, *resolvers, c, "--kfac-factor-update-steps", "--factor-update-steps", c.factor_update_steps,
-            "steps between factor updates");
-  add_alias(app, *resolvers, c, "--kfac-damping", "--damping", c.damping, "K-FAC damping");
-  add_alias(app, *resolvers, c, "--kfac-factor-decay", "--factor-decay", c.factor_decay, "factor running-average decay");
-  add_alias(app, *resolvers, c, "--kfac-kl-clip", "--kl-clip", c.kl_clip, "KL clip");
-  add_alias(app, *resolvers, c, "--kfac-skip-layers", "--skip-layers", c.skip_layers, "layers K-FAC leaves alone");
-  add_alias(app, *resolvers, c, "--kfac-grad-worker-fraction", "--grad-worker-fraction", c.grad_worker_fraction,
-            "KAISA grad-worker fraction; with --kfac-strategy hybrid-opt, its fraction");
+  add_alias(app, *resolvers, *given, c, "--kfac-factor-update-steps", "--factor-update-steps");
+  add_alias(app, *resolvers, *given, c, "--kfac-damping", "--damping");
+  add_alias(app, *resolvers, *given, c, "--kfac-factor-decay", "--factor-decay");
+  add_alias(app, *resolvers, *given, c, "--kfac-kl-clip", "--kl-clip");
+  add_alias(app, *resolvers, *given, c, "--kfac-skip-layers", "--skip-layers");
+  add_alias(app, *resolvers, *given, c, "--kfac-grad-worker-fraction", "--grad-worker-fraction",
+            "; with --kfac-strategy hybrid-opt, its fraction");
   // The description as a named const std::string: built against torch 2.15's headers, a string literal here
   // made CLI11's add_flag(name, description) and add_flag(name, result&) ambiguous.
   static const std::string colocate_help = "decompose A and G of a layer on one rank (= --colocate-factors)";
-  auto* colocate_alias = app.add_flag("--kfac-colocate-factors", colocate_help)
-                             ->group(kAliasGroup);
-  resolvers->push_back([&c, colocate_alias, separate] {
+  auto* colocate_alias = app.add_flag("--kfac-colocate-factors", colocate_help)->group(kAliasGroup);
+  resolvers->push_back([&app, &c, colocate_alias] {
     if (colocate_alias->count() == 0) return;
-    if (separate->count() > 0) {
-      throw CLI::ValidationError("--kfac-colocate-factors and --separate-factors disagree; give one");
+    if (app.count("--no-colocate-factors") > 0) {
+      throw CLI::ValidationError("--kfac-colocate-factors and --no-colocate-factors disagree; give one");
     }
-    c.colocate_factors = true;
+    set_option(c, "colocate_factors", true, "--kfac-colocate-factors");
   });
   auto kfac_strategy_value = std::make_shared<std::string>();
   auto* kfac_strategy =
       app.add_option("--kfac-strategy", *kfac_strategy_value,
-                     "comm-opt (= --grad-worker-fraction 1) | mem-opt (= 1/P) | hybrid-opt (= 0.5, or "
+                     "comm-opt (= --grad-worker-fraction 1) | mem-opt (= 0, i.e. 1/P) | hybrid-opt (= 0.5, or "
                      "--kfac-grad-worker-fraction), all with --strategy kaisa")
           ->check(CLI::IsMember({"comm-opt", "mem-opt", "hybrid-opt"}))
           ->group(kAliasGroup);
-  // After --kfac-grad-worker-fraction's resolver: an explicit fraction is in c.grad_worker_fraction by then.
+  // After --kfac-grad-worker-fraction's resolver: an explicit fraction is in the options by then.
   resolvers->push_back([&app, &c, kfac_strategy, kfac_strategy_value] {
     if (kfac_strategy->count() == 0) return;
     const std::string name = *kfac_strategy_value;
-    if (app.count("--strategy") > 0 && c.strategy != train::TrainStrategy::kKaisa) {
-      throw CLI::ValidationError("--kfac-strategy " + name + " and --strategy " + train::to_string(c.strategy) +
+    if (app.count("--strategy") > 0 && c.kfac_options.strategy() != Strategy::kKaisa) {
+      throw CLI::ValidationError("--kfac-strategy " + name + " and --strategy " + to_string(c.kfac_options.strategy()) +
                                  " disagree (kfac_pytorch's strategies are --strategy kaisa); give one");
     }
     const bool explicit_fraction = app.count("--grad-worker-fraction") + app.count("--kfac-grad-worker-fraction") > 0;
-    const std::string fraction_flag = c.typed_as.count("--grad-worker-fraction") ? "--kfac-grad-worker-fraction"
-                                                                                   : "--grad-worker-fraction";
-    double fraction = 0.5;  // kfac_pytorch's DistributedStrategy.HYBRID_OPT
-    if (name == "comm-opt") fraction = 1.0;
-    if (name == "mem-opt") fraction = 0.0;  // 1/P, resolved by TrainConfig::fraction_for
-    if (name == "hybrid-opt" && explicit_fraction) fraction = c.grad_worker_fraction;
-    if (explicit_fraction && c.grad_worker_fraction != fraction) {
+    const std::string fraction_flag = c.flag("--grad-worker-fraction");
+    const double given_fraction = c.kfac_options.grad_worker_fraction();
+    double fraction = name == "comm-opt" ? 1.0 : name == "mem-opt" ? 0.0 : 0.5;  // kfac_pytorch's shortcuts
+    if (name == "hybrid-opt" && explicit_fraction) fraction = given_fraction;
+    if (explicit_fraction && given_fraction != fraction) {
       throw CLI::ValidationError("--kfac-strategy " + name + " (grad-worker fraction " +
                                  (name == "mem-opt" ? std::string("1/P") : show(fraction)) + ") and " + fraction_flag +
-                                 " " + show(c.grad_worker_fraction) + " disagree; give one");
+                                 " " + show(given_fraction) + " disagree; give one");
     }
-    c.strategy = train::TrainStrategy::kKaisa;
-    c.grad_worker_fraction = fraction;
+    set_option(c, "strategy", std::string("kaisa"), "--kfac-strategy");
+    set_option(c, "grad_worker_fraction", fraction, "--kfac-strategy");
   });
   // Aliases first, then every range check, naming the flag as typed: all before any worker starts.
-  app.parse_complete_callback([resolvers, &c] {
+  app.parse_complete_callback([resolvers, given, &c] {
     for (const auto& resolve : *resolvers) resolve();
     try {
       c.validate();
@@ -285,3 +331,4 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
 }
 
 }  // namespace dkfac::cli
+

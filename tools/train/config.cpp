@@ -51,23 +51,6 @@ const std::vector<std::pair<std::string, NanPolicy>>& choices<NanPolicy>() {
   return all;
 }
 template <>
-const std::vector<std::pair<std::string, TrainStrategy>>& choices<TrainStrategy>() {
-  static const std::vector<std::pair<std::string, TrainStrategy>> all = {{"kaisa", TrainStrategy::kKaisa},
-                                                                         {"dkfac", TrainStrategy::kDkfac},
-                                                                         {"dkfac-lw", TrainStrategy::kDkfacLw},
-                                                                         {"spd", TrainStrategy::kSpd},
-                                                                         {"dp", TrainStrategy::kDp}};
-  return all;
-}
-template <>
-const std::vector<std::pair<std::string, StorageDtype>>& choices<StorageDtype>() {
-  static const std::vector<std::pair<std::string, StorageDtype>> all = {{"", StorageDtype::kDefault},
-                                                                        {"float32", StorageDtype::kFloat32},
-                                                                        {"float64", StorageDtype::kFloat64},
-                                                                        {"bfloat16", StorageDtype::kBfloat16}};
-  return all;
-}
-template <>
 const std::vector<std::pair<std::string, DeviceChoice>>& choices<DeviceChoice>() {
   static const std::vector<std::pair<std::string, DeviceChoice>> all = {
       {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}, {"auto", DeviceChoice::kAuto}};
@@ -81,6 +64,7 @@ const std::vector<std::pair<std::string, comm::CudaBackend>>& choices<comm::Cuda
       {comm::to_string(comm::CudaBackend::kGloo), comm::CudaBackend::kGloo}};
   return all;
 }
+
 template <>
 const std::vector<std::pair<std::string, ComputeMethod>>& choices<ComputeMethod>() {
   static const std::vector<std::pair<std::string, ComputeMethod>> all = {
@@ -94,8 +78,6 @@ const char* to_string(Dataset value) { return name_of(value); }
 const char* to_string(Optimizer value) { return name_of(value); }
 const char* to_string(LrSchedule value) { return name_of(value); }
 const char* to_string(NanPolicy value) { return name_of(value); }
-const char* to_string(TrainStrategy value) { return name_of(value); }
-const char* to_string(StorageDtype value) { return name_of(value); }
 const char* to_string(DeviceChoice value) { return name_of(value); }
 
 template <typename E>
@@ -123,8 +105,6 @@ DKFAC_CHOICE(Dataset)
 DKFAC_CHOICE(Optimizer)
 DKFAC_CHOICE(LrSchedule)
 DKFAC_CHOICE(NanPolicy)
-DKFAC_CHOICE(TrainStrategy)
-DKFAC_CHOICE(StorageDtype)
 DKFAC_CHOICE(ComputeMethod)
 DKFAC_CHOICE(DeviceChoice)
 DKFAC_CHOICE(comm::CudaBackend)
@@ -154,14 +134,7 @@ void TrainConfig::validate() const {
   TORCH_CHECK(seed >= 0, "--seed must be >= 0, got ", seed);
   TORCH_CHECK(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096] (0: LibTorch's default), got ",
               threads);
-  // K-FAC (the library's Options::validate checks the same ranges, under its own option names).
-  TORCH_CHECK(damping > 0 && std::isfinite(damping), flag("--damping"), " must be > 0, got ", damping);
-  TORCH_CHECK(factor_decay >= 0 && factor_decay < 1, flag("--factor-decay"), " must be in [0, 1), got ",
-              factor_decay);
-  TORCH_CHECK(kl_clip >= 0 && std::isfinite(kl_clip), flag("--kl-clip"), " must be >= 0 (0: off), got ", kl_clip);
-  TORCH_CHECK(factor_update_steps >= 1, flag("--factor-update-steps"), " must be >= 1, got ", factor_update_steps);
-  TORCH_CHECK(inv_update_steps >= 1, flag("--inv-update-steps"), " must be >= 1",
-              flag("--inv-update-steps") == "--inv-update-steps" ? "" : " (0: K-FAC off)", ", got ", inv_update_steps);
+  kfac_options.validate();  // each flag was checked against its declaration when it was parsed
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
@@ -172,53 +145,37 @@ void TrainConfig::validate() const {
   TORCH_CHECK(!(device == DeviceChoice::kCpu && backend == comm::CudaBackend::kNccl),
               "--backend nccl carries CUDA tensors, but --device cpu trains on the CPU (its collectives always go "
               "through Gloo); pass --device cuda or auto, or leave --backend out");
-  TORCH_CHECK(grad_worker_fraction >= 0 && grad_worker_fraction <= 1, flag("--grad-worker-fraction"),
-              " must be in [0, 1] (0: 1/P), got ", grad_worker_fraction);
-  TORCH_CHECK(grad_worker_fraction == 1.0 || strategy == TrainStrategy::kKaisa, flag("--grad-worker-fraction"),
-              " applies to --strategy kaisa only, got ", grad_worker_fraction, " with --strategy ",
-              to_string(strategy));
-}
-
-Strategy TrainConfig::library_strategy() const {
-  switch (strategy) {
-    case TrainStrategy::kSpd:
-      return Strategy::kSpd;
-    case TrainStrategy::kDp:
-      return Strategy::kDp;
-    case TrainStrategy::kKaisa:
-    case TrainStrategy::kDkfac:
-    case TrainStrategy::kDkfacLw:
-      break;
-  }
-  return Strategy::kKaisa;
-}
-
-double TrainConfig::fraction_for(int world) const {
-  if (strategy != TrainStrategy::kKaisa && strategy != TrainStrategy::kDkfacLw) return 1.0;
-  if (strategy == TrainStrategy::kDkfacLw || grad_worker_fraction == 0.0) return 1.0 / world;
-  return grad_worker_fraction;
 }
 
 nlohmann::json to_json(const TrainConfig& c) {
-  // Everything that must agree between ranks (threads may differ).
-  return {{"model", to_string(c.model)}, {"dataset", to_string(c.dataset)}, {"data-dir", c.data_dir},
+  // Everything that must agree between ranks (threads may differ); the K-FAC options by flag, as declared.
+  nlohmann::json out = {{"model", to_string(c.model)}, {"dataset", to_string(c.dataset)}, {"data-dir", c.data_dir},
           {"optimizer", to_string(c.optimizer)},
           {"lr", c.lr}, {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"batch-size", c.batch_size},
           {"accumulation-steps", c.accumulation_steps},
           {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", to_string(c.lr_schedule)},
-          {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"damping", c.damping},
-          {"factor-decay", c.factor_decay}, {"kl-clip", c.kl_clip}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
-          {"factor-update-steps", c.factor_update_steps}, {"inv-update-steps", c.inv_update_steps},
-          {"compute-method", to_string(c.compute_method)}, {"factor-dtype", to_string(c.factor_dtype)},
-          {"inv-dtype", to_string(c.inv_dtype)},
-          {"skip-layers", c.skip_layers}, {"checkpoint-dir", c.checkpoint_dir},
+          {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
+          {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", to_string(c.on_nan_loss)}, {"resume", c.resume}, {"overwrite", c.overwrite},
           {"print-plan", c.print_plan},
-          {"strategy", to_string(c.strategy)},
-          {"grad-worker-fraction", c.grad_worker_fraction}, {"symmetric-comm", c.symmetric_comm},
-          {"balance-memory", c.balance_memory}, {"colocate-factors", c.colocate_factors},
           {"device", to_string(c.device)}, {"backend", to_string(c.backend)}};
+  for (const auto& info : option_table()) {
+    if (info.flag.empty()) continue;
+    // Numbers, switches and lists as JSON's own; names, "none" and schedules as text.
+    out[info.flag.substr(2)] = std::visit(
+        [&info](const auto& v) -> nlohmann::json {
+          using V = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<V, bool> || std::is_same_v<V, int64_t> || std::is_same_v<V, double> ||
+                        std::is_same_v<V, std::vector<std::string>> || std::is_same_v<V, std::vector<int64_t>>) {
+            return v;
+          } else {
+            return option_text(info, v);
+          }
+        },
+        c.kfac_options.get(info.name));
+  }
+  return out;
 }
 
 }  // namespace dkfac::train

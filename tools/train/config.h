@@ -28,15 +28,10 @@ enum class Optimizer { kSgd, kAdam };
 enum class LrSchedule { kConstant, kStep, kCosine };
 /// --on-nan-loss: stop with an error, or skip the step.
 enum class NanPolicy { kStop, kSkip };
-/// --strategy: kaisa, dkfac (SC20 KFAC-opt), dkfac-lw (SC20 layer-wise), spd, dp.
-enum class TrainStrategy { kKaisa, kDkfac, kDkfacLw, kSpd, kDp };
-/// --factor-dtype / --inv-dtype: kDefault ("" on the command line and in the output) keeps the
-/// model's (factors') dtype.
-enum class StorageDtype { kDefault, kFloat32, kFloat64, kBfloat16 };
 /// --device: the CPU, cuda:LOCAL_RANK, or auto (cuda:LOCAL_RANK when a CUDA device is visible, else the CPU).
 enum class DeviceChoice { kCpu, kCuda, kAuto };
-// --compute-method is the library's ComputeMethod (dkfac::to_string names it); --backend is the
-// communicator's comm::CudaBackend (comm::to_string names it).
+// --backend is the communicator's comm::CudaBackend (comm::to_string names it). The K-FAC flags are the
+// library's options (dkfac/options.h, option_table()): their flags, checks and help come from that declaration.
 
 /// A flag's names and the values they stand for, in the order --help and errors list them.
 template <typename E>
@@ -48,13 +43,11 @@ const char* to_string(Dataset value);
 const char* to_string(Optimizer value);
 const char* to_string(LrSchedule value);
 const char* to_string(NanPolicy value);
-const char* to_string(TrainStrategy value);
-const char* to_string(StorageDtype value);  // "" for kDefault
 const char* to_string(DeviceChoice value);
-using dkfac::to_string;                     // ComputeMethod
+using dkfac::to_string;                     // ComputeMethod (dkfac plan's --compute-method)
 using dkfac::comm::to_string;               // CudaBackend
 
-/// The choices' names, comma-separated ("mlp, cnn, resnet20, autoencoder"); a StorageDtype's "" is left out.
+/// The choices' names, comma-separated ("mlp, cnn, resnet20, autoencoder").
 template <typename E>
 std::string choice_names();
 
@@ -86,17 +79,12 @@ struct TrainConfig {
   // joins a one-rank group over that backend.
   comm::CudaBackend backend = comm::CudaBackend::kAuto;
   bool kfac = true;
-  double damping = 0.3;
-  double factor_decay = 0.95;
-  double kl_clip = 0.001;
   bool kl_clip_follows_lr = true;  // scale the KL bound by (lr / base lr)^2 so schedules shrink K-FAC steps
-  int64_t factor_update_steps = 10;
-  int64_t inv_update_steps = 100;
-  // inverse: the same accuracy as eigen on the cnn, in half the preconditioning time.
-  ComputeMethod compute_method = ComputeMethod::kInverse;
-  StorageDtype factor_dtype = StorageDtype::kDefault;  // kDefault: the model's dtype
-  StorageDtype inv_dtype = StorageDtype::kDefault;     // kDefault: the factors' dtype
-  std::vector<std::string> skip_layers;  // regular expressions: matching layers keep their plain gradient
+  /// The K-FAC options, every one a flag of its own (option_table()); `lr` and `accumulation_steps` follow the
+  /// optimizer's. The recipe the README measures: damping 0.3, factors every 10 steps, inverses every 100 (inverse:
+  /// the same accuracy as eigen on the cnn, in half the preconditioning time).
+  Options kfac_options = Options().damping(0.3).factor_update_steps(10).inv_update_steps(100).compute_method(
+      ComputeMethod::kInverse);
   std::string metrics;  // JSON Lines file; empty: none
   std::string checkpoint_dir;
   int64_t checkpoint_every_epochs = 1;
@@ -108,26 +96,12 @@ struct TrainConfig {
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
   bool print_plan = false;  // print the K-FAC step plan at start, one line per layer
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
-  // Distributed (data parallel + KAISA). --batch-size is per rank; the global batch is batch_size * world.
-  TrainStrategy strategy = TrainStrategy::kKaisa;
-  double grad_worker_fraction = 1.0;  // 0: 1/P (MEM-OPT; kfac_pytorch's convention), resolved by fraction_for
-  bool symmetric_comm = false;
-  bool balance_memory = false;    // KAISA placement by dim^2 instead of dim^3
-  bool colocate_factors = true;   // A and G of a layer on one rank
   /// The flag that set a field when it was not the dkfac flag itself: "--damping" -> "--kfac-damping" when
   /// kfac_pytorch's alias was typed. validate() names the flag as typed. Not an option: not in to_json().
   std::map<std::string, std::string> typed_as;
 
   /// `flag` ("--damping") or the alias that stood for it on the command line.
   std::string flag(const std::string& name) const;
-
-  /// The KAISA grad-worker fraction that `strategy` means for `world` ranks: kaisa -> grad_worker_fraction
-  /// (0 -> 1/world),
-  /// spd, dp -> 1 (they place their own work),
-  /// dkfac (SC20 KFAC-opt) -> 1, dkfac-lw (SC20 layer-wise: the owner preconditions and shares V) -> 1/world.
-  double fraction_for(int world) const;
-  /// The library strategy `strategy` names: spd -> kSpd, dp -> kDp, the others -> kKaisa.
-  Strategy library_strategy() const;
 
   /// Throws c10::Error naming the first bad field's flag (as typed: see typed_as) and its value. Every
   /// numeric flag is range-checked here, before the library sees it.

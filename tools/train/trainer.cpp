@@ -40,21 +40,6 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kCheckpointVersion = 2;  // 2: layout entry, DKFACCKP envelope
 
 // The dtype --factor-dtype / --inv-dtype names, or nullopt for the default.
-std::optional<torch::ScalarType> dtype_option(StorageDtype dtype) {
-  switch (dtype) {
-    case StorageDtype::kDefault:
-      return std::nullopt;
-    case StorageDtype::kFloat32:
-      return torch::kFloat32;
-    case StorageDtype::kFloat64:
-      return torch::kFloat64;
-    case StorageDtype::kBfloat16:
-      return torch::kBFloat16;
-  }
-  return std::nullopt;
-}
-
-
 // Layer shapes of a model, to refuse a checkpoint of another model with a clear message.
 std::string shape_signature(torch::nn::Module& model) {
   std::ostringstream out;
@@ -235,31 +220,19 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   }
   if (config_.kfac) {
     State* state = state_.get();
-    s.kfac = std::make_unique<Preconditioner>(
-        s.model.ptr(), Options()
-                           .lr([state](int64_t) { return state->current_lr; })
-                           .damping(config_.damping)
-                           .factor_decay(config_.factor_decay)
-                           .kl_clip([state, this](int64_t) {
-                             // While clipping is active the update length is sqrt(kl_clip / vg), whatever
-                             // the lr; scaling the bound with (lr / base lr)^2 lets the lr schedule act.
-                             if (!config_.kl_clip_follows_lr) return config_.kl_clip;
-                             const double ratio = state->current_lr / config_.lr;
-                             return config_.kl_clip * ratio * ratio;
-                           })
-                           .factor_update_steps(config_.factor_update_steps)
-                           .accumulation_steps(config_.accumulation_steps)
-                           .inv_update_steps(config_.inv_update_steps)
-                           .compute_method(config_.compute_method)
-                           .skip_layers(config_.skip_layers)
-                           .factor_dtype(dtype_option(config_.factor_dtype))
-                           .inv_dtype(dtype_option(config_.inv_dtype))
-                           .strategy(config_.library_strategy())
-                           .grad_worker_fraction(config_.fraction_for(world_))
-                           .symmetric_comm(config_.symmetric_comm)
-                           .balance(config_.balance_memory ? assign::Balance::kMemory : assign::Balance::kCompute)
-                           .colocate_factors(config_.colocate_factors),
-        communicator_);
+    // The flags' options (config_.kfac_options); the learning rate and accumulation follow the optimizer's.
+    Options options = config_.kfac_options;
+    const double kl_clip = options.kl_clip_at(0);
+    options.lr([state](int64_t) { return state->current_lr; })
+        .kl_clip([state, kl_clip, this](int64_t) {
+          // While clipping is active the update length is sqrt(kl_clip / vg), whatever the lr; scaling the
+          // bound with (lr / base lr)^2 lets the lr schedule act.
+          if (!config_.kl_clip_follows_lr) return kl_clip;
+          const double ratio = state->current_lr / config_.lr;
+          return kl_clip * ratio * ratio;
+        })
+        .accumulation_steps(config_.accumulation_steps);
+    s.kfac = std::make_unique<Preconditioner>(s.model.ptr(), options, communicator_);
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
   if (s.kfac && rank_ == 0) {
@@ -395,10 +368,11 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
 std::string Trainer::layout() const {
   // What decides which K-FAC state a rank holds: a checkpoint of another layout cannot be resumed.
   std::ostringstream out;
-  out << "world " << world_ << ", rank " << rank_ << ", strategy " << to_string(config_.strategy)
-      << ", grad-worker-fraction "
-      << config_.fraction_for(world_) << ", " << (config_.colocate_factors ? "colocated" : "separate") << " factors, "
-      << (config_.balance_memory ? "memory" : "compute") << " balance";
+  const auto& o = config_.kfac_options;
+  const double fraction = o.grad_worker_fraction() == 0.0 ? 1.0 / world_ : o.grad_worker_fraction();  // 0: 1/P
+  out << "world " << world_ << ", rank " << rank_ << ", strategy " << dkfac::to_string(o.strategy())
+      << ", grad-worker-fraction " << fraction << ", " << (o.colocate_factors() ? "colocated" : "separate")
+      << " factors, " << dkfac::to_string(o.balance()) << " balance";
   return out.str();
 }
 
