@@ -12,7 +12,7 @@
 namespace dkfac {
 namespace {
 
-constexpr int64_t kFormatVersion = 1;
+constexpr int64_t kFormatVersion = 2;  // 2: every layer's state, world-size independent (1: one rank's)
 
 bool matches_any(const std::vector<std::string>& patterns, const std::string& name, const std::string& kind) {
   for (const auto& pattern : patterns) {
@@ -219,11 +219,17 @@ void Preconditioner::load_layer_states(int64_t steps,
   TORCH_CHECK(states.size() == layers_.size(), "state holds ", states.size(), " K-FAC layers, the model has ",
               layers_.size());
   std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
-  for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], options_.compute_method());
+  for (size_t i = 0; i < loaded.size(); ++i) {
+    loaded[i].load_state(placed_here(i, states[i]), options_.compute_method());
+  }
   layers_ = std::move(loaded);
   steps_ = steps;
   reset_batch();
   arm_capture();
+}
+
+std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer_states() const {
+  return executor_->gather_states(layers_);
 }
 
 // This step's captured (A, G) batches of the layers that build factors here; undefined for the others.
@@ -506,40 +512,161 @@ int64_t Preconditioner::memory_bytes() const {
   return total;
 }
 
+namespace {
+
+const char* const kFactorKeys[] = {"a_factor", "g_factor"};
+
+bool is_factor_key(const std::string& key) {
+  return std::find(std::begin(kFactorKeys), std::end(kFactorKeys), key) != std::end(kFactorKeys);
+}
+
+// An integer entry of a preconditioner archive, or a refusal naming it.
+int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "dkfac preconditioner checkpoint", where,
+              " has no integer '", key, "' entry: the archive is damaged");
+  return value.toInt();
+}
+
+std::string read_string(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isString(), "dkfac preconditioner checkpoint", where,
+              " has no '", key, "' entry: the archive is damaged");
+  return value.toStringRef();
+}
+
+}  // namespace
+
+std::string StateRestore::describe(int world_size_now) const {
+  const auto ranks = [](int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); };
+  std::ostringstream out;
+  if (format_version == 1) {
+    out << "K-FAC state of this rank restored as written (format 1: one rank's own state)";
+    return out.str();
+  }
+  if (same_plan) {
+    out << "K-FAC state restored exactly (same world size and plan)";
+  } else {
+    out << "K-FAC state of a " << world_size << "-rank job re-placed for " << ranks(world_size_now)
+        << " (factors, and second-order state exact as saved)";
+  }
+  if (recomputed_layers > 0) {
+    out << "; the second-order state of " << recomputed_layers << " layer(s) recomputed from the factors (the "
+        << "archive's compute method is not this job's)";
+  }
+  return out.str();
+}
+
+std::map<std::string, torch::Tensor> Preconditioner::placed_here(size_t index,
+                                                                 std::map<std::string, torch::Tensor> state) const {
+  const bool factors = executor_->builds_factors(index);
+  const bool second_order = executor_->holds_second_order(index);
+  for (auto it = state.begin(); it != state.end();) {
+    const bool keep = is_factor_key(it->first) ? factors : second_order;
+    it = keep ? std::next(it) : state.erase(it);
+  }
+  return state;
+}
+
 void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
+  const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
+  const auto& plan = executor_->plan();
   archive.write("format_version", c10::IValue(kFormatVersion));
   archive.write("steps", c10::IValue(steps_));
   archive.write("num_layers", c10::IValue(static_cast<int64_t>(layers_.size())));
+  archive.write("world_size", c10::IValue(static_cast<int64_t>(plan.world_size())));
+  archive.write("plan", c10::IValue(plan.describe(/*per_layer=*/true)));
+  archive.write("method", c10::IValue(static_cast<int64_t>(plan.method)));
   for (size_t i = 0; i < layers_.size(); ++i) {
     torch::serialize::OutputArchive nested;
-    layers_[i].save(nested);
+    nested.write("name", c10::IValue(layers_[i].name()));
+    for (const auto& [key, tensor] : states[i]) nested.write(key, tensor, /*is_buffer=*/true);
     archive.write("layer" + std::to_string(i), nested);
   }
 }
 
-void Preconditioner::load(torch::serialize::InputArchive& archive) {
-  c10::IValue version;
-  c10::IValue steps;
-  c10::IValue num_layers;
-  TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
-              "not a dkfac preconditioner checkpoint (no format_version)");
-  TORCH_CHECK(version.toInt() == kFormatVersion, "dkfac preconditioner checkpoint has format version ",
-              version.toInt(), ", this build reads version ", kFormatVersion);
-  archive.read("steps", steps);
-  archive.read("num_layers", num_layers);
-  TORCH_CHECK(num_layers.toInt() == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers.toInt(),
-              " K-FAC layers, the model has ", layers_.size());
+void Preconditioner::load_own_state(torch::serialize::InputArchive& archive, int64_t steps) {
   // Load into copies first so that a damaged checkpoint leaves this preconditioner unchanged.
   std::vector<KfacLayer> loaded = layers_;
   for (size_t i = 0; i < loaded.size(); ++i) {
     torch::serialize::InputArchive nested;
-    archive.read("layer" + std::to_string(i), nested);
+    TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
+                "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
     loaded[i].load(nested);
   }
   layers_ = std::move(loaded);
-  steps_ = steps.toInt();
+  steps_ = steps;
+}
+
+StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
+  c10::IValue version;
+  TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
+              "not a dkfac preconditioner checkpoint (no format_version)");
+  StateRestore restore;
+  restore.format_version = version.toInt();
+  TORCH_CHECK(restore.format_version == 1 || restore.format_version == kFormatVersion,
+              "dkfac preconditioner checkpoint has format version ", restore.format_version,
+              ", this build reads versions 1 and ", kFormatVersion);
+  const int64_t steps = read_int(archive, "steps", "");
+  TORCH_CHECK(steps >= 0, "dkfac preconditioner checkpoint has steps ", steps, ": the archive is damaged");
+  const int64_t num_layers = read_int(archive, "num_layers", "");
+  TORCH_CHECK(num_layers == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers,
+              " K-FAC layers, the model has ", layers_.size());
+  if (restore.format_version == 1) {
+    load_own_state(archive, steps);
+  } else {
+    const auto& plan = executor_->plan();
+    restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
+    TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
+                ": the archive is damaged");
+    restore.same_plan = restore.world_size == plan.world_size() &&
+                        read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
+    const int64_t method = read_int(archive, "method", "");
+    TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
+                    method == static_cast<int64_t>(ComputeMethod::kInverse),
+                "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
+    const bool same_method = method == static_cast<int64_t>(plan.method);
+    std::vector<std::map<std::string, torch::Tensor>> states(layers_.size());
+    bool recompute = false;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const std::string where = " (K-FAC layer " + std::to_string(i) + ")";
+      torch::serialize::InputArchive nested;
+      TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
+                  "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
+      const auto name = read_string(nested, "name", where);
+      TORCH_CHECK(name == layers_[i].name(), "checkpoint holds K-FAC layer '", name, "' where the model has '",
+                  layers_[i].name(), "'");
+      bool has_second_order = false;
+      for (const auto& key : nested.keys()) {
+        if (key == "name") continue;
+        torch::Tensor tensor;
+        TORCH_CHECK(nested.try_read(key, tensor, /*is_buffer=*/true), "dkfac preconditioner checkpoint", where,
+                    ": entry '", key, "' is not a tensor: the archive is damaged");
+        if (!is_factor_key(key)) {
+          has_second_order = true;
+          if (!same_method) continue;  // of the other method: recomputed below
+        }
+        states[i][key] = tensor;
+      }
+      states[i] = placed_here(i, std::move(states[i]));
+      // Another method's state: every rank decides alike (the same archive), so the recompute is collective.
+      if (!same_method && has_second_order) recompute = true;
+      if (executor_->holds_second_order(i) && has_second_order && same_method) ++restore.placed_layers;
+    }
+    std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
+    for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], plan.method);
+    layers_ = std::move(loaded);
+    steps_ = steps;
+    if (recompute) {
+      update_second_order();
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
+      }
+    }
+  }
   for (auto& layer : layers_) layer.capture().clear();
   arm_capture();
+  return restore;
 }
 
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,

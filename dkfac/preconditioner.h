@@ -38,6 +38,17 @@ struct LayerEvents {
   int64_t second_order_failures = 0;  ///< decompositions/inverses that failed (previous state kept)
 };
 
+/// What Preconditioner::load() restored, for a training loop's resume line.
+struct StateRestore {
+  int64_t format_version = 0;     ///< the archive's (1: one rank's own state; 2: every layer's, world-size independent)
+  int world_size = 0;             ///< the world size that wrote it; 0 where the archive does not say (format 1)
+  bool same_plan = false;         ///< written under this job's step plan: every rank gets back exactly what it held
+  int64_t placed_layers = 0;      ///< layers whose second-order state this rank took from the archive
+  int64_t recomputed_layers = 0;  ///< layers whose second-order state was recomputed from the factors
+  /// In words: "K-FAC state of a 2-rank job re-placed for 1 rank (factors and second-order state of 4 layers)".
+  std::string describe(int world_size_now) const;
+};
+
 /// How the core's messages (warnings and errors about a layer or an option) name layers and options. The
 /// defaults are the C++ API's; a front end whose users know other names passes its own (the Python package:
 /// each module's torch.nn class and KFACPreconditioner's keyword arguments).
@@ -102,7 +113,10 @@ class Preconditioner {
   void reset_batch();
 
   /// Restores the step count and each layer's KfacLayer::state() (a missing second-order state is
-  /// left undefined). Checks every layer first and changes nothing on error.
+  /// left undefined), keeping of each the part this rank's plan gives it: factors where it builds them,
+  /// second-order state where it preconditions or decomposes the layer. `states` may be this rank's own
+  /// (layer_states()) or every layer's whole state (gathered_layer_states() of a job of any world size).
+  /// Checks every layer first and changes nothing on error.
   void load_layer_states(int64_t steps, const std::vector<std::map<std::string, torch::Tensor>>& states);
 
   /// K-FAC steps taken so far (0 before the first step()).
@@ -135,10 +149,25 @@ class Preconditioner {
   /// Bytes of K-FAC state (factors and second-order state) held now.
   int64_t memory_bytes() const;
 
-  /// Serialises step count, factors and second-order state (options are the caller's to rebuild).
+  /// Every layer's whole state (KfacLayer::state(): factors and second-order state), the same on every rank
+  /// and independent of the world size: factors from the ranks that build them (DP-KFAC's owners; KAISA and
+  /// SPD-KFAC hold the same averaged factors everywhere), second-order state from a rank that holds it.
+  /// Collective in a distributed job: every rank calls it. For load_layer_states on any world size.
+  std::vector<std::map<std::string, torch::Tensor>> gathered_layer_states() const;
+
+  /// Serialises the step count and every layer's factors and second-order state in a form that does not
+  /// depend on the world size (format 2: gathered_layer_states(), with the writer's world size and plan).
+  /// Collective in a distributed job: every rank calls it, and every rank's archive holds the whole state.
+  /// Options are the caller's to rebuild.
   void save(torch::serialize::OutputArchive& archive) const;
-  /// Restores what save() wrote into a preconditioner built on the same model with the same options.
-  void load(torch::serialize::InputArchive& archive);
+  /// Restores what save() wrote into a preconditioner built on the same model with the same options, on
+  /// any world size and strategy: this rank keeps what its plan gives it (load_layer_states). The
+  /// second-order state saved is exact whatever the plan; where the archive's compute method is not this
+  /// one's, it is recomputed from the factors (collective: then every rank must load the same archive).
+  /// Format 1 archives (one rank's own state, dkfac before elastic checkpoints) load as written: only on
+  /// the world size and plan that wrote them. A corrupt or mismatched archive is refused naming the problem
+  /// (nothing changes then).
+  StateRestore load(torch::serialize::InputArchive& archive);
 
  private:
   struct LayerPlan {
@@ -176,6 +205,11 @@ class Preconditioner {
     phase_ = phase;
     phase_layer_ = layer;
   }
+  /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
+  std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
+  /// Loads format 1 (this rank's own state as KfacLayer::save wrote it).
+  void load_own_state(torch::serialize::InputArchive& archive, int64_t steps);
+
   /// Warns that layer `index`'s captured factors were not finite, and counts the fallback.
   void warn_factor_fallback(size_t index);
   /// Warns about layer `index` once per `kind` of problem.

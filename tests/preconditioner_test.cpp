@@ -638,5 +638,154 @@ TEST_P(SingleLayer, MatchesDenseKroneckerSolve) {
 INSTANTIATE_TEST_SUITE_P(KindsAndGeometries, SingleLayer,
                          ::testing::Combine(::testing::Range(0, 5), ::testing::Bool()));
 
+// A preconditioner of make_net() after `steps` steps of distinct batches.
+std::unique_ptr<Preconditioner> trained(const std::shared_ptr<TinyNet>& net, const Options& options, int64_t steps) {
+  auto kfac = std::make_unique<Preconditioner>(net, options);
+  for (int64_t s = 0; s < steps; ++s) {
+    net->zero_grad();
+    auto batch = make_batch(700 + s);
+    net->loss(net->forward_taps(batch.x), batch.target).backward();
+    kfac->step();
+  }
+  return kfac;
+}
+
+TEST(Preconditioner, FormatOneArchivesStillLoad) {
+  // What save() wrote before world-size independent checkpoints: each layer as KfacLayer::save writes it.
+  auto net = make_net();
+  auto kfac = trained(net, Options().inv_update_steps(2), 3);
+  torch::serialize::OutputArchive archive;
+  archive.write("format_version", c10::IValue(int64_t{1}));
+  archive.write("steps", c10::IValue(kfac->steps()));
+  archive.write("num_layers", c10::IValue(static_cast<int64_t>(kfac->layers().size())));
+  for (size_t i = 0; i < kfac->layers().size(); ++i) {
+    torch::serialize::OutputArchive nested;
+    kfac->layers()[i].save(nested);
+    archive.write("layer" + std::to_string(i), nested);
+  }
+  std::stringstream bytes;
+  archive.save_to(bytes);
+  Preconditioner restored(make_net(), Options().inv_update_steps(2));
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  const auto restore = restored.load(in);
+  EXPECT_EQ(restore.format_version, 1);
+  EXPECT_EQ(restored.steps(), 3);
+  for (size_t i = 0; i < kfac->layers().size(); ++i) {
+    const auto want = kfac->layers()[i].state();
+    const auto got = restored.layers()[i].state();
+    ASSERT_EQ(got.size(), want.size()) << "layer " << i;
+    for (const auto& [key, tensor] : want) EXPECT_TRUE(torch::equal(got.at(key), tensor)) << key << " of layer " << i;
+  }
+}
+
+TEST(Preconditioner, FormatTwoRecordsWorldAndPlanAndRefusesDamage) {
+  auto net = make_net();
+  auto kfac = trained(net, Options(), 2);
+  std::stringstream bytes;
+  torch::save(*kfac, bytes);
+  auto reload = [&](const std::function<void(torch::serialize::InputArchive&, torch::serialize::OutputArchive&)>& edit) {
+    // A copy of the archive with its top-level entries passed through `edit`.
+    bytes.clear();
+    bytes.seekg(0);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    torch::serialize::OutputArchive out;
+    edit(in, out);
+    std::stringstream edited;
+    out.save_to(edited);
+    torch::serialize::InputArchive result;
+    result.load_from(edited);
+    return result;
+  };
+  auto copy_except = [](const std::set<std::string>& skip, std::map<std::string, c10::IValue> replace = {}) {
+    return [skip, replace](torch::serialize::InputArchive& in, torch::serialize::OutputArchive& out) {
+      for (const auto& key : in.keys()) {
+        if (skip.count(key)) continue;
+        if (replace.count(key)) {
+          out.write(key, replace.at(key));
+          continue;
+        }
+        c10::IValue value;
+        torch::serialize::InputArchive nested;
+        if (key.rfind("layer", 0) != 0 && in.try_read(key, value)) {
+          out.write(key, value);
+        } else if (in.try_read(key, nested)) {
+          torch::serialize::OutputArchive copy;
+          for (const auto& k : nested.keys()) {
+            c10::IValue v;
+            torch::Tensor t;
+            if (nested.try_read(k, t, /*is_buffer=*/true)) {
+              copy.write(k, t, /*is_buffer=*/true);
+            } else if (nested.try_read(k, v)) {
+              copy.write(k, v);
+            }
+          }
+          out.write(key, copy);
+        }
+      }
+    };
+  };
+  {
+    Preconditioner restored(make_net(), Options());
+    auto in = reload(copy_except({}));
+    const auto restore = restored.load(in);
+    EXPECT_EQ(restore.format_version, 2);
+    EXPECT_EQ(restore.world_size, 1);
+    EXPECT_TRUE(restore.same_plan);
+    EXPECT_EQ(restore.placed_layers, 3);
+    EXPECT_EQ(restore.recomputed_layers, 0);
+  }
+  const std::vector<std::pair<std::function<void(torch::serialize::InputArchive&, torch::serialize::OutputArchive&)>,
+                              std::string>>
+      damages = {
+          {copy_except({}, {{"format_version", c10::IValue(int64_t{7})}}),
+           "has format version 7, this build reads versions 1 and 2"},
+          {copy_except({"world_size"}), "has no integer 'world_size' entry: the archive is damaged"},
+          {copy_except({}, {{"world_size", c10::IValue(int64_t{0})}}), "has world_size 0: the archive is damaged"},
+          {copy_except({}, {{"method", c10::IValue(int64_t{9})}}), "has compute method 9: the archive is damaged"},
+          {copy_except({"layer1"}), "has no entry for K-FAC layer 1"},
+          {copy_except({}, {{"steps", c10::IValue(int64_t{-2})}}), "has steps -2: the archive is damaged"},
+      };
+  for (const auto& [edit, message] : damages) {
+    Preconditioner restored(make_net(), Options());
+    auto in = reload(edit);
+    testing::expect_error([&] { restored.load(in); }, {message});
+    EXPECT_EQ(restored.steps(), 0) << message;
+    for (const auto& layer : restored.layers()) EXPECT_FALSE(layer.a_factor().defined()) << message;
+  }
+}
+
+TEST(Preconditioner, AnotherComputeMethodIsRecomputedFromTheFactors) {
+  // Saved with eigendecompositions, loaded with inverses: the factors are kept and the inverses computed
+  // from them, as a preconditioner that had always used inverses computes them.
+  auto net = make_net();
+  auto kfac = trained(net, Options().compute_method(ComputeMethod::kEigen), 2);
+  std::stringstream bytes;
+  torch::save(*kfac, bytes);
+  const auto inverse = Options().compute_method(ComputeMethod::kInverse);
+  Preconditioner restored(make_net(), inverse);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  const auto restore = restored.load(in);
+  EXPECT_EQ(restore.recomputed_layers, 3);
+  EXPECT_EQ(restore.placed_layers, 0);
+  EXPECT_NE(restore.describe(1).find("recomputed from the factors"), std::string::npos) << restore.describe(1);
+  Preconditioner reference(make_net(), inverse);
+  std::vector<std::map<std::string, torch::Tensor>> factors;
+  for (const auto& layer : kfac->layers()) {
+    factors.push_back({{"a_factor", layer.a_factor()}, {"g_factor", layer.g_factor()}});
+  }
+  reference.load_layer_states(2, factors);
+  reference.update_second_order();
+  for (size_t i = 0; i < restored.layers().size(); ++i) {
+    const auto& got = restored.layers()[i].second_order();
+    ASSERT_EQ(got.method, ComputeMethod::kInverse);
+    EXPECT_TRUE(torch::equal(got.a_inverse, reference.layers()[i].second_order().a_inverse)) << "layer " << i;
+    EXPECT_TRUE(torch::equal(got.g_inverse, reference.layers()[i].second_order().g_inverse)) << "layer " << i;
+    EXPECT_FALSE(got.a_eigen.eigenvectors.defined()) << "layer " << i;
+  }
+}
+
 }  // namespace
 }  // namespace dkfac

@@ -1,5 +1,6 @@
 #include "dkfac/strategy/step_executor.h"
 
+#include <array>
 #include <sstream>
 
 #include "dkfac/comm/packing.h"
@@ -145,6 +146,83 @@ void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
                                                comm::Phase::kGradients));
   }
   comm::wait_all(handles);
+}
+
+}  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+// KfacLayer::state()'s entries, whether each is a factor (else second-order state), and its shape for a
+// layer of dimensions a and g.
+struct StateEntry {
+  const char* key;
+  bool factor;
+  std::vector<int64_t> (*shape)(int64_t a, int64_t g);
+};
+constexpr std::array<StateEntry, 9> kStateEntries = {{
+    {"a_factor", true, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
+    {"g_factor", true, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
+    {"a_eigenvectors", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
+    {"a_eigenvalues", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a}; }},
+    {"g_eigenvectors", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
+    {"g_eigenvalues", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g}; }},
+    {"denominator", false, [](int64_t a, int64_t g) { return std::vector<int64_t>{g, a}; }},
+    {"a_inverse", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
+    {"g_inverse", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
+}};
+
+}  // namespace
+
+std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
+    const std::vector<KfacLayer>& layers) const {
+  TORCH_INTERNAL_ASSERT(layers.size() == plan_.flows.size(), "gather_states got ", layers.size(),
+                        " layers for a plan of ", plan_.flows.size());
+  std::vector<std::map<std::string, torch::Tensor>> states;
+  for (const auto& layer : layers) states.push_back(layer.state());
+  const int world = plan_.world_size();
+  if (world == 1) return states;
+  // Per layer and entry, the rank that holds it, or -1 when every rank holds its own (identical) copy.
+  const auto source = [&](size_t i, bool factor) {
+    if (factor) return plan_.flows[i].factor_builder == assign::kEveryRank ? -1 : plan_.flows[i].factor_builder;
+    return plan_.grad_workers() == world ? -1 : plan_.placement.grad_source_for(i, 0);
+  };
+  // What each source holds, as dtype + 1 (0: nothing), so that the receivers can shape their buffers.
+  const auto entries = static_cast<int64_t>(kStateEntries.size());
+  auto held = torch::zeros({static_cast<int64_t>(layers.size()), entries}, torch::kInt64);
+  auto* table = held.data_ptr<int64_t>();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (int64_t k = 0; k < entries; ++k) {
+      const auto it = states[i].find(kStateEntries[k].key);
+      if (source(i, kStateEntries[k].factor) == rank_ && it != states[i].end()) {
+        table[i * entries + k] = static_cast<int64_t>(it->second.scalar_type()) + 1;
+      }
+    }
+  }
+  communicator_->allreduce_sum(held, comm::kWorld, comm::Phase::kSetup).wait();
+  std::vector<comm::Handle> handles;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (int64_t k = 0; k < entries; ++k) {
+      const auto& entry = kStateEntries[k];
+      const int root = source(i, entry.factor);
+      if (root < 0) continue;  // this rank's own copy is the state
+      const int64_t dtype = table[i * entries + k];
+      if (dtype == 0) {  // the holder has none: neither has anyone else
+        states[i].erase(entry.key);
+        continue;
+      }
+      auto& tensor = states[i][entry.key];
+      if (root == rank_) {
+        tensor = tensor.contiguous();
+      } else {
+        const auto options = layers[i].weight().options().dtype(static_cast<torch::ScalarType>(dtype - 1));
+        tensor = torch::empty(entry.shape(layers[i].a_dim(), layers[i].g_dim()), options);
+      }
+      handles.push_back(communicator_->broadcast(tensor, root, comm::kWorld, comm::Phase::kSetup));
+    }
+  }
+  comm::wait_all(handles);
+  return states;
 }
 
 }  // namespace dkfac::strategy

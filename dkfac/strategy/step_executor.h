@@ -1,6 +1,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -53,6 +54,15 @@ class StepExecutor {
   void share_second_order(std::vector<KfacLayer>& layers, double damping);
   /// Broadcasts each layer's V [g, a] along rows from its grad worker; receivers pass buffers.
   void share_gradients(std::vector<torch::Tensor>& preconditioned);
+
+  /// Every layer's whole K-FAC state (KfacLayer::state(): factors and second-order state), as the rank that
+  /// holds it has it, on every rank: the form of a checkpoint that does not depend on the world size.
+  /// Factors come from the layer's builder (DP-KFAC's owner; KAISA and SPD-KFAC: every rank already holds the
+  /// same averaged factors), second-order state from the layer's grad worker in rank 0's row. Collective
+  /// (every rank calls it, e.g. from Preconditioner::save); in one process it returns `layers`' own states.
+  std::vector<std::map<std::string, torch::Tensor>> gather_states(const std::vector<KfacLayer>& layers) const;
+  /// True when the plan gives this rank layer `layer`'s second-order state (it preconditions or decomposes it).
+  bool holds_second_order(size_t layer) const { return preconditions(layer) || computes_a(layer) || computes_g(layer); }
 
  private:
   /// Starts `op` on `tensor`, or on its packed upper triangle when `triangle`; in that case `finish`

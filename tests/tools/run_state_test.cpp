@@ -277,25 +277,60 @@ TEST_F(RunStateTest, DamagedNewestFallsBackToPrevSayingSo) {
                 "checkpoint.pt.prev' is not"});
 }
 
-TEST_F(RunStateTest, AnotherWorldSizeIsRefusedWithTheReason) {
-  // Checkpoints of a 2-rank job (names are enough: the world size is refused before any file is read).
-  std::ofstream(dir_ / "checkpoint-rank0.pt") << "x";
-  std::ofstream(dir_ / "checkpoint-rank1.pt") << "x";
+TEST_F(RunStateTest, AnotherWorldSizeResumesFromRankZerosFile) {
+  // Checkpoints of a 2-rank job: a job of another number of ranks reads rank 0's newest that verifies
+  // (every rank's file holds the whole state), naming the defects of those passed over.
+  auto write = [&](const std::string& name, int64_t step) {
+    save_atomically((dir_ / name).string(),
+                    [&](torch::serialize::OutputArchive& archive) { archive.write("global_step", c10::IValue(step)); });
+  };
+  write("checkpoint-rank0.pt", 8);
+  write("checkpoint-rank0.pt.prev", 4);
+  write("checkpoint-rank1.pt", 8);
   Checkpointer one_rank(dir_.string(), 0, 1, nullptr);
   one_rank.open(true, false);
-  expect_error([&] { one_rank.find(); },
-               {"holds the checkpoints of a 2-rank job (checkpoint-rank0.pt, checkpoint-rank1.pt); this job has 1 "
-                "rank. Resuming on another number of ranks is not supported",
-                "Resume with 2 ranks, or start over with --overwrite"});
-  fs::remove(dir_ / "checkpoint-rank0.pt");
-  fs::remove(dir_ / "checkpoint-rank1.pt");
-  std::ofstream(dir_ / "checkpoint.pt") << "x";
+  auto found = one_rank.find();
+  ASSERT_TRUE(found.has_value());
+  EXPECT_TRUE(found->other_world);
+  EXPECT_EQ(found->path, (dir_ / "checkpoint-rank0.pt").string());
+  EXPECT_EQ(found->note, "");
+  std::ofstream(dir_ / "checkpoint-rank0.pt", std::ios::trunc) << "x";
+  found = one_rank.find();
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->path, (dir_ / "checkpoint-rank0.pt.prev").string());
+  EXPECT_NE(found->note.find("is not a dkfac checkpoint (no DKFACCKP header)"), std::string::npos) << found->note;
+  std::ofstream(dir_ / "checkpoint-rank0.pt.prev", std::ios::trunc) << "x";
+  expect_error([&] { one_rank.find(); }, {"holds the checkpoints of a 2-rank job, but no rank 0 checkpoint there can "
+                                          "be resumed: ", "checkpoint-rank0.pt' is not a dkfac checkpoint",
+                                          "checkpoint-rank0.pt.prev' is not a dkfac checkpoint"});
+  // Once this job has written its own file, the other job's go, and a 4-rank job reads this one's.
+  write("checkpoint.pt", 12);
+  EXPECT_EQ(one_rank.remove_other_worlds(), 3);
+  EXPECT_TRUE(fs::exists(dir_ / "checkpoint.pt"));
+  EXPECT_FALSE(fs::exists(dir_ / "checkpoint-rank1.pt"));
   Checkpointer rank3_of_4(dir_.string(), 3, 4, nullptr);
   rank3_of_4.open(true, false);
-  expect_error([&] { rank3_of_4.find(); }, {"holds the checkpoints of a 1-rank job (checkpoint.pt); this job has 4 ranks"});
+  found = rank3_of_4.find();
+  ASSERT_TRUE(found.has_value());
+  EXPECT_TRUE(found->other_world);
+  EXPECT_EQ(found->path, (dir_ / "checkpoint.pt").string());
+  EXPECT_EQ(rank3_of_4.remove_other_worlds(), 1);
   // An empty directory is a first run.
-  fs::remove(dir_ / "checkpoint.pt");
   EXPECT_FALSE(rank3_of_4.find().has_value());
+}
+
+TEST_F(RunStateTest, GlobalBatchSizeSplitsOverTheRanksOrIsRefused) {
+  // One process: the whole global batch on this rank; a job's resume line says nothing of other ranks.
+  auto c = config();
+  c.global_batch_size = 128;
+  c.max_steps = 2;
+  c.checkpoint_dir = (dir_ / "ck").string();
+  EXPECT_EQ(Trainer(c).run().steps, 2);
+  c.accumulation_steps = 3;
+  c.batch_size = 3;  // ignored beside --global-batch-size, but checked against --accumulation-steps
+  expect_error<JobError>([&] { Trainer(c).run(); },
+               {"--global-batch-size 128 gives 128 examples per rank on 1 ranks, not a multiple of "
+                "--accumulation-steps 3"});
 }
 
 TEST_F(RunStateTest, FinishedRunSaysAlreadyCompleteAndChangesNothing) {

@@ -159,6 +159,12 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--batch-size", c.batch_size, "examples per rank per step (the global batch is this x ranks)")
       ->capture_default_str()
       ->group(kDataGroup);
+  app.add_option("--global-batch-size", c.global_batch_size,
+                 "examples per step over all ranks, B / ranks each (must divide); replaces --batch-size, so that a "
+                 "run resumed on another number of ranks sees the same batches; the logged step loss is then the "
+                 "global batch's (0: off)")
+      ->capture_default_str()
+      ->group(kDataGroup);
   app.add_option("--eval-examples", c.eval_examples, "evaluate on the first N test examples (0: all)")
       ->capture_default_str()
       ->group(kDataGroup);

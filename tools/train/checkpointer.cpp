@@ -95,13 +95,7 @@ void Checkpointer::save(const std::function<void(torch::serialize::OutputArchive
 std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
   const auto names = existing_files();
   const int found_world = world_of(names);
-  if (found_world != 0 && found_world != world_) {
-    TORCH_CHECK(false, "--checkpoint-dir '", dir_, "' holds the checkpoints of a ", found_world, "-rank job (",
-                c10::Join(", ", names), "); this job has ", world_, " rank", world_ == 1 ? "" : "s",
-                ". Resuming on another number of ranks is not supported: each rank's K-FAC state, data shard and "
-                "global batch depend on it. Resume with ", found_world, " rank", found_world == 1 ? "" : "s",
-                ", or start over with --overwrite (replaces them) or another --checkpoint-dir");
-  }
+  if (found_world != 0 && found_world != world_) return find_other_world(found_world, device);
   // This rank's files that verify, newest first; the defects of those that do not.
   std::vector<std::string> files;
   std::vector<torch::serialize::InputArchive> archives;
@@ -165,6 +159,64 @@ std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
   }
   TORCH_CHECK(false, "the ranks' checkpoints in '", dir_, "' have no step in common (", list.str(),
               "); resume needs a checkpoint of the same step on every rank");
+}
+
+std::optional<Checkpointer::Found> Checkpointer::find_other_world(int found_world, c10::Device device) {
+  // Rank 0's files of either naming (a job resumed on another world size writes the other one until
+  // remove_other_worlds()), newest step first; each holds the whole state.
+  std::vector<std::string> files;
+  std::vector<torch::serialize::InputArchive> archives;
+  std::vector<int64_t> steps;
+  std::vector<std::string> defects;
+  for (const char* name : {"checkpoint.pt", "checkpoint.pt.prev", "checkpoint-rank0.pt", "checkpoint-rank0.pt.prev"}) {
+    const auto file = dir_ + "/" + name;
+    if (!fs::exists(file)) continue;
+    try {
+      auto archive = load_verified(file, device);
+      c10::IValue step;
+      TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
+                  "' has no 'global_step' entry");
+      files.push_back(file);
+      archives.push_back(std::move(archive));
+      steps.push_back(step.toInt());
+    } catch (const c10::Error& e) {
+      defects.push_back(e.what_without_backtrace());
+    }
+  }
+  std::string all_defects;
+  for (const auto& d : defects) all_defects += (all_defects.empty() ? "" : "; ") + d;
+  TORCH_CHECK(!files.empty(), "--checkpoint-dir '", dir_, "' holds the checkpoints of a ", found_world,
+              "-rank job, but no rank 0 checkpoint there can be resumed",
+              all_defects.empty() ? std::string(" (none found: rank 0's files are the ones a job on another "
+                                                "number of ranks resumes from)")
+                                  : ": " + all_defects);
+  const size_t newest = static_cast<size_t>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+  if (communicator_ && world_ > 1) {
+    // Every rank must have read the same file: the directory is shared by this job's ranks.
+    auto chosen = torch::zeros({world_}, torch::kInt64);
+    chosen[rank_] = steps[newest];
+    communicator_->allreduce_sum(chosen, comm::kWorld, comm::Phase::kSetup).wait();
+    const auto lowest = chosen.min().item<int64_t>();
+    const auto highest = chosen.max().item<int64_t>();
+    TORCH_CHECK(lowest == highest, "resuming the ", found_world, "-rank job in '", dir_, "' on ", world_,
+                " ranks: the ranks found different newest rank 0 checkpoints (steps ", lowest, " to ", highest,
+                "); every rank must see the same --checkpoint-dir");
+  }
+  std::string note;
+  if (!defects.empty()) note = "passed over " + all_defects + "; resuming from " + files[newest];
+  return Found{files[newest], std::move(archives[newest]), note, /*other_world=*/true};
+}
+
+int Checkpointer::remove_other_worlds() {
+  int removed = 0;
+  std::error_code error;
+  for (const auto& name : existing_files()) {
+    const bool single = name.rfind("checkpoint.pt", 0) == 0;
+    const bool foreign = world_ > 1 ? single : !single;
+    const bool beyond = !single && writer_of(name) >= world_;
+    if ((foreign || beyond) && fs::remove(dir_ + "/" + name, error)) ++removed;
+  }
+  return removed;
 }
 
 }  // namespace dkfac::train

@@ -123,6 +123,8 @@ void TrainConfig::validate() const {
   TORCH_CHECK(momentum >= 0 && momentum < 1, "--momentum must be in [0, 1), got ", momentum);
   TORCH_CHECK(weight_decay >= 0 && std::isfinite(weight_decay), "--weight-decay must be >= 0, got ", weight_decay);
   TORCH_CHECK(batch_size >= 1, "--batch-size must be >= 1, got ", batch_size);
+  TORCH_CHECK(global_batch_size >= 0, "--global-batch-size must be >= 1 (or 0: off, --batch-size per rank), got ",
+              global_batch_size);
   TORCH_CHECK(accumulation_steps >= 1, "--accumulation-steps must be >= 1, got ", accumulation_steps);
   TORCH_CHECK(batch_size % accumulation_steps == 0, "--batch-size ", batch_size,
               " must be a multiple of --accumulation-steps ", accumulation_steps,
@@ -152,6 +154,7 @@ nlohmann::json to_json(const TrainConfig& c) {
   nlohmann::json out = {{"model", to_string(c.model)}, {"dataset", to_string(c.dataset)}, {"data-dir", c.data_dir},
           {"optimizer", to_string(c.optimizer)},
           {"lr", c.lr}, {"momentum", c.momentum}, {"weight-decay", c.weight_decay}, {"batch-size", c.batch_size},
+          {"global-batch-size", c.global_batch_size},
           {"accumulation-steps", c.accumulation_steps},
           {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", to_string(c.lr_schedule)},
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},

@@ -65,6 +65,9 @@ struct TrainConfig {
   double momentum = 0.9;
   double weight_decay = 5e-4;
   int64_t batch_size = 128;          // examples per rank per step
+  // --global-batch-size: examples per step over all ranks, split evenly (each rank B / world, which must
+  // divide); replaces batch_size, so that a job resumed on another world size sees the same batches. 0: off.
+  int64_t global_batch_size = 0;
   int64_t accumulation_steps = 1;    // micro-batches of batch_size / accumulation_steps per step
   int64_t epochs = 3;
   int64_t max_steps = -1;  // < 0: no limit

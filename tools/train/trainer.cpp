@@ -37,7 +37,9 @@ namespace {
 
 namespace F = torch::nn::functional;
 using Clock = std::chrono::steady_clock;
-constexpr int64_t kCheckpointVersion = 2;  // 2: layout entry, DKFACCKP envelope
+// 2: layout entry, DKFACCKP envelope; 3: world-size independent (the whole K-FAC state in every rank's file,
+// the data position in examples, the world size and global batch that wrote it). 2 is still read.
+constexpr int64_t kCheckpointVersion = 3;
 
 // The dtype --factor-dtype / --inv-dtype names, or nullopt for the default.
 // Layer shapes of a model, to refuse a checkpoint of another model with a clear message.
@@ -150,6 +152,14 @@ nlohmann::json report_json(int rank, const RankReport& report, bool with_gpu) {
   return json;
 }
 
+// True when `model` holds a BatchNorm layer (its statistics are those of each rank's own examples).
+bool has_batch_norm(torch::nn::Module& model) {
+  for (const auto& module : model.modules()) {
+    if (module->name().find("BatchNorm") != std::string::npos) return true;
+  }
+  return false;
+}
+
 // CRC-32 of the bytes of every parameter and buffer, in registration order.
 uint32_t parameters_crc32(torch::nn::Module& model) {
   uint32_t crc = 0;
@@ -180,6 +190,7 @@ struct Trainer::State {
   double wall_offset = 0.0;  // seconds trained before a resume
   Clock::time_point start;
   bool terminal = false;
+  bool remove_other_worlds = false;  // resumed from another world size's files: remove them after the first save
   Clock::time_point last_draw;
 
   double wall() const { return wall_offset + std::chrono::duration<double>(Clock::now() - start).count(); }
@@ -202,6 +213,21 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   auto& s = *state_;
   s.task = models::model_task(to_string(config_.model));
   s.dataset = data::load_dataset(to_string(config_.dataset), config_.data_dir, s.task == models::Task::kReconstruction);
+  if (config_.global_batch_size > 0) {
+    // Each global batch is split the same way on any number of ranks: rank r takes examples
+    // [r B/P, (r + 1) B/P) of it, so the ranks' examples together are always the same batch.
+    if (config_.global_batch_size % world_ != 0) {
+      throw JobError("--global-batch-size " + std::to_string(config_.global_batch_size) + " cannot be split over " +
+                     std::to_string(world_) + " ranks (" + std::to_string(config_.global_batch_size) + " is not a " +
+                     "multiple of " + std::to_string(world_) + "); pass a multiple of the number of ranks");
+    }
+    config_.batch_size = config_.global_batch_size / world_;
+    if (config_.batch_size % config_.accumulation_steps != 0) {
+      throw JobError("--global-batch-size " + std::to_string(config_.global_batch_size) + " gives " +
+                     std::to_string(config_.batch_size) + " examples per rank on " + std::to_string(world_) +
+                     " ranks, not a multiple of --accumulation-steps " + std::to_string(config_.accumulation_steps));
+    }
+  }
   s.steps_per_epoch = s.dataset.train.size() / (config_.batch_size * world_);
   TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " x ", world_, " ranks is larger than the training set (",
               s.dataset.train.size(), " examples)");
@@ -398,8 +424,13 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
     archive.write("optimizer_name", c10::IValue(std::string(to_string(config_.optimizer))));
     archive.write("shapes", c10::IValue(shape_signature(*s.model)));
     archive.write("layout", c10::IValue(layout()));
+    archive.write("job_layout", c10::IValue(job_layout()));
+    archive.write("world_size", c10::IValue(static_cast<int64_t>(world_)));
+    archive.write("global_batch", c10::IValue(global_batch()));
     archive.write("epoch", c10::IValue(at.epoch));
     archive.write("step_in_epoch", c10::IValue(at.step_in_epoch));
+    // The data position as examples of the epoch's order, which any world size can continue from.
+    archive.write("epoch_examples", c10::IValue(at.step_in_epoch * global_batch()));
     archive.write("global_step", c10::IValue(s.global_step));
     archive.write("best_accuracy", c10::IValue(s.best_accuracy));
     archive.write("wall_seconds", c10::IValue(s.wall()));
@@ -411,10 +442,22 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
     archive.write("optimizer", optimizer);
     if (s.kfac) {
       torch::serialize::OutputArchive kfac;
-      s.kfac->save(kfac);
+      s.kfac->save(kfac);  // collective: every rank's archive holds every layer's state
       archive.write("preconditioner", kfac);
     }
   });
+  if (s.remove_other_worlds) {
+    // Resumed from another world size's files: once every rank has written its own, they go.
+    if (communicator_ && world_ > 1) {
+      auto done = torch::ones({1}, torch::kInt64);
+      communicator_->allreduce_sum(done, comm::kWorld, comm::Phase::kSetup).wait();
+    }
+    if (rank_ == 0) {
+      const int removed = s.checkpointer->remove_other_worlds();
+      if (removed > 0) log() << "checkpoint: removed " << removed << " file(s) of the earlier job of another number of ranks" << std::endl;
+    }
+    s.remove_other_worlds = false;
+  }
   log() << "checkpoint: " << s.checkpointer->path() << (world_ > 1 ? " and the other ranks'" : "") << " (" << reason
         << (at.step_in_epoch > 0 ? ", in epoch " + std::to_string(at.epoch + 1) : std::string()) << ", step "
         << s.global_step << ")" << std::endl;
@@ -435,8 +478,9 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
     TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
     return v;
   };
-  TORCH_CHECK(read("format_version").toInt() == kCheckpointVersion, "checkpoint '", path, "' has format version ",
-              read("format_version").toInt(), ", this build reads ", kCheckpointVersion);
+  const int64_t version = read("format_version").toInt();
+  TORCH_CHECK(version == 2 || version == kCheckpointVersion, "checkpoint '", path, "' has format version ", version,
+              ", this build reads 2 and ", kCheckpointVersion);
   auto expect = [&](const char* key, const std::string& mine) {
     const auto value = read(key);
     TORCH_CHECK(value.isString(), "checkpoint '", path, "' has a damaged '", key, "' entry");
@@ -448,7 +492,19 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   expect("dataset", to_string(config_.dataset));
   expect("optimizer_name", to_string(config_.optimizer));
   expect("shapes", shape_signature(*s.model));
-  expect("layout", layout());
+  if (version == 2) {
+    // Each rank's own K-FAC state: only the job that wrote it can continue it.
+    TORCH_CHECK(!chosen->other_world, "checkpoint '", path, "' was written by a dkfac before elastic checkpoints ",
+                "(format 2: each rank holds only its own K-FAC state), with layout '", read("layout").toStringRef(),
+                "'; resume it with that number of ranks");
+    expect("layout", layout());
+  } else {
+    const auto theirs = read("job_layout");
+    TORCH_CHECK(theirs.isString(), "checkpoint '", path, "' has a damaged 'job_layout' entry");
+    TORCH_CHECK(theirs.toStringRef() == job_layout(), "checkpoint '", path, "' was written with layout '",
+                read("layout").toStringRef(), "', this run uses '", layout(), "' (a resume may change the number "
+                "of ranks, not the strategy or placement)");
+  }
   TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
               read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
   torch::serialize::InputArchive model, optimizer;
@@ -456,24 +512,88 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   archive.read("optimizer", optimizer);
   s.model->load(model);
   s.optimizer->load(optimizer);
+  std::optional<StateRestore> restore;
   if (s.kfac) {
     torch::serialize::InputArchive kfac;
     archive.read("preconditioner", kfac);
-    s.kfac->load(kfac);
+    restore = s.kfac->load(kfac);  // collective where it recomputes: every rank loads an archive of the same step
   }
   torch::Tensor rng;
   archive.read("rng", rng, /*is_buffer=*/true);
   at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
   generator.set_state(rng.to(torch::kCPU));  // the CPU generator's state, read onto device_ with the rest
+  const int64_t written_world = version == 2 ? world_ : read("world_size").toInt();
+  const int64_t written_batch = version == 2 ? global_batch() : read("global_batch").toInt();
   Position at{read("epoch").toInt(), read("step_in_epoch").toInt()};
+  int64_t repeated = 0;  // examples of the epoch seen before the checkpoint that this run sees again
+  if (version > 2) {
+    // The position in examples, as steps of this run's global batch (rounded down: a partial step is redone).
+    const int64_t examples = read("epoch_examples").toInt();
+    at.step_in_epoch = std::min(examples / global_batch(), s.steps_per_epoch);
+    repeated = examples - at.step_in_epoch * global_batch();
+  }
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
   s.wall_offset = read("wall_seconds").toDouble();
+  s.remove_other_worlds = chosen->other_world;
   log() << "resume: " << path << " (step " << s.global_step
         << (at.step_in_epoch == 0 && at.epoch > 0 ? ", end of epoch " + std::to_string(at.epoch)
                                                   : ", in epoch " + std::to_string(at.epoch + 1))
-        << ")" << std::endl;
+        << ")" << resume_differences(written_world, written_batch, repeated, restore) << std::endl;
   return at;
+}
+
+int64_t Trainer::global_batch() const { return config_.batch_size * world_; }
+
+std::string Trainer::job_layout() const {
+  // What a resume may not change: the strategy and placement as configured (world-size independent).
+  std::ostringstream out;
+  out << "strategy " << to_string(config_.strategy) << ", grad-worker-fraction " << config_.grad_worker_fraction
+      << ", " << (config_.colocate_factors ? "colocated" : "separate") << " factors, "
+      << (config_.balance_memory ? "memory" : "compute") << " balance";
+  return out.str();
+}
+
+// The end of the resume line: what a resume on another number of ranks or global batch re-placed or
+// recomputed, and whether the run goes on as the one that wrote the checkpoint would have.
+std::string Trainer::resume_differences(int64_t written_world, int64_t written_batch, int64_t repeated,
+                                        const std::optional<StateRestore>& restore) const {
+  const bool same_world = written_world == world_;
+  std::ostringstream out;
+  if (!same_world) {
+    out << "; written by a " << written_world << "-rank job, continued on " << world_ << " rank"
+        << (world_ == 1 ? "" : "s");
+  }
+  if (restore && (!restore->same_plan || restore->recomputed_layers > 0) && restore->format_version > 1) {
+    out << "; " << restore->describe(world_);
+  }
+  if (same_world && written_batch == global_batch() && repeated == 0) return out.str();
+  std::vector<std::string> differs;
+  if (written_batch != global_batch()) {
+    differs.push_back("the global batch is " + std::to_string(global_batch()) + " examples, it was " +
+                      std::to_string(written_batch) + " (--global-batch-size " + std::to_string(written_batch) +
+                      " keeps it on any number of ranks that divides it)");
+  }
+  if (repeated > 0) {
+    differs.push_back(std::to_string(repeated) + " examples of the epoch seen before the checkpoint are seen again "
+                      "(the position falls inside a step of this run's global batch)");
+  }
+  if (!same_world && config_.kfac && config_.library_strategy() == Strategy::kDp) {
+    differs.push_back("DP-KFAC builds each layer's factors from its owner's own batch, now " +
+                      std::to_string(config_.batch_size) + " examples instead of " +
+                      std::to_string(written_batch / written_world));
+  }
+  if (!same_world && has_batch_norm(*state_->model)) {
+    differs.push_back("BatchNorm statistics are per rank, now over " + std::to_string(config_.batch_size) +
+                      " examples instead of " + std::to_string(written_batch / written_world));
+  }
+  if (differs.empty()) {
+    out << "; the same batches: the run continues the " << written_world << "-rank run's trajectory up to "
+        << "floating-point reduction order";
+  } else {
+    out << "; the trajectory differs from the " << written_world << "-rank run's: " << c10::Join("; ", differs);
+  }
+  return out.str();
 }
 
 bool Trainer::finished(const Position& at) const {
@@ -557,6 +677,10 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
   }
   naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
                        [&] { s.optimizer->step(); });
+  if (config_.global_batch_size > 0 && communicator_ && world_ > 1) {
+    // The loss over the global batch, the same whatever the number of ranks that share it.
+    return global_mean(loss.item<double>(), 1);
+  }
   return loss.item<double>();
 }
 
@@ -817,7 +941,14 @@ Trainer::Batch Trainer::batch(const Position& at, const torch::Tensor& order) co
   Batch b{s.dataset.train_batch(idx), s.dataset.train.labels.index_select(0, idx)};
   if (s.dataset.augment) {
     auto aug = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config_.seed) * 7919 + s.global_step);
-    b.x = data::augment_crop_flip(b.x, aug);
+    if (config_.global_batch_size > 0 && world_ > 1) {
+      // The draws of the whole global batch, so that an example is augmented alike on any number of ranks.
+      const int64_t first = at.step_in_epoch * global_batch();
+      const auto all = data::augment_crop_flip(s.dataset.train_batch(order.slice(0, first, first + global_batch())), aug);
+      b.x = all.slice(0, begin - first, begin - first + config_.batch_size);
+    } else {
+      b.x = data::augment_crop_flip(b.x, aug);
+    }
   }
   return b;
 }

@@ -83,6 +83,12 @@ class Trainer {
   std::optional<Position> load_checkpoint();
   bool finished(const Position& at) const;
   std::string layout() const;
+  /// What a resume may not change (strategy and placement as configured; not the world size).
+  std::string job_layout() const;
+  /// Examples per step over all ranks.
+  int64_t global_batch() const;
+  std::string resume_differences(int64_t written_world, int64_t written_batch, int64_t repeated,
+                                 const std::optional<StateRestore>& restore) const;
   void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
   /// This rank's loss over an epoch's steps (skipped steps are not counted) and when the epoch began.
