@@ -548,9 +548,10 @@ int64_t Trainer::global_batch() const { return config_.batch_size * world_; }
 std::string Trainer::job_layout() const {
   // What a resume may not change: the strategy and placement as configured (world-size independent).
   std::ostringstream out;
-  out << "strategy " << to_string(config_.strategy) << ", grad-worker-fraction " << config_.grad_worker_fraction
-      << ", " << (config_.colocate_factors ? "colocated" : "separate") << " factors, "
-      << (config_.balance_memory ? "memory" : "compute") << " balance";
+  const auto& o = config_.kfac_options;
+  out << "strategy " << dkfac::to_string(o.strategy()) << ", grad-worker-fraction " << o.grad_worker_fraction() << ", "
+      << (o.colocate_factors() ? "colocated" : "separate") << " factors, " << dkfac::to_string(o.balance())
+      << " balance";
   return out.str();
 }
 
@@ -578,7 +579,7 @@ std::string Trainer::resume_differences(int64_t written_world, int64_t written_b
     differs.push_back(std::to_string(repeated) + " examples of the epoch seen before the checkpoint are seen again "
                       "(the position falls inside a step of this run's global batch)");
   }
-  if (!same_world && config_.kfac && config_.library_strategy() == Strategy::kDp) {
+  if (!same_world && config_.kfac && config_.kfac_options.strategy() == Strategy::kDp) {
     differs.push_back("DP-KFAC builds each layer's factors from its owner's own batch, now " +
                       std::to_string(config_.batch_size) + " examples instead of " +
                       std::to_string(written_batch / written_world));
