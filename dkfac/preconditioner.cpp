@@ -1,5 +1,6 @@
 #include "dkfac/preconditioner.h"
 
+#include "dkfac/layers/discovery.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/numbers.h"
 
@@ -13,14 +14,6 @@ namespace dkfac {
 namespace {
 
 constexpr int64_t kFormatVersion = 2;  // 2: every layer's state, world-size independent (1: one rank's)
-
-bool matches_any(const std::vector<std::string>& patterns, const std::string& name, const std::string& kind) {
-  for (const auto& pattern : patterns) {
-    const std::regex re(pattern);
-    if (std::regex_search(name, re) || std::regex_search(kind, re)) return true;
-  }
-  return false;
-}
 
 // Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
 // memory and the cost of one second-order update, which the first step() pays without a word otherwise.
@@ -100,36 +93,24 @@ PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
 
 namespace {
 
-// The dkfac::nn modules of `model` whose parameters all require grad and that skip_layers keeps.
+// The dkfac::nn modules of `model` that choose_layers (layers/discovery.h) keeps.
 std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>& model, const Options& options) {
   TORCH_CHECK(model != nullptr, "Preconditioner needs a model, got nullptr");
   options.validate();  // before the skip_layers patterns are used
-  const auto& skip_layers = options.skip_layers();
-  std::vector<LayerBinding> bindings;
-  std::vector<std::string> candidates;  // "name (Kind)" of every layer skip_layers could have matched
-  std::vector<bool> used(skip_layers.size(), false);
+  std::vector<ModuleCandidate> candidates;
+  std::vector<const nn::KfacModule*> modules;
   for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
     if (kfac_module == nullptr) continue;
-    if (!all_parameters_require_grad(*item.value())) continue;
-    candidates.push_back("'" + item.key() + "' (" + kfac_module->kfac_kind() + ")");
-    bool skipped = false;
-    for (size_t i = 0; i < skip_layers.size(); ++i) {
-      if (matches_any({skip_layers[i]}, item.key(), kfac_module->kfac_kind())) used[i] = skipped = true;
-    }
-    if (skipped) continue;
-    bindings.push_back({item.key(), kfac_module->kfac_weight(), kfac_module->kfac_bias(),
-                        kfac_module->shared_factor_capture()});
+    const auto kind = kfac_module->shared_factor_capture()->geometry().kind;
+    candidates.push_back({item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1});
+    modules.push_back(kfac_module);
   }
-  for (size_t i = 0; i < skip_layers.size(); ++i) {
-    if (used[i]) continue;
-    std::string names;
-    for (const auto& candidate : candidates) names += (names.empty() ? "" : ", ") + candidate;
-    TORCH_WARN("dkfac: skip_layers pattern '", skip_layers[i], "' matches no layer, so it skips nothing; ",
-               "patterns are searched (regex_search) in these layer names and kinds: ", names);
+  std::vector<LayerBinding> bindings;
+  for (size_t i : choose_layers(candidates, options.skip_layers(), model->name())) {
+    bindings.push_back({candidates[i].name, modules[i]->kfac_weight(), modules[i]->kfac_bias(),
+                        modules[i]->shared_factor_capture()});
   }
-  TORCH_CHECK(!bindings.empty(), "Preconditioner found no dkfac::nn::Linear or dkfac::nn::Conv2d layer to precondition",
-              " in the model (", model->name(), ") after applying skip_layers");
   return bindings;
 }
 

@@ -12,7 +12,6 @@ import enum
 import inspect
 import logging
 import math
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from dkfac import _C
 from dkfac.base_preconditioner import BaseKFACPreconditioner
+from dkfac.base_preconditioner import _CoreWarnings
 from dkfac.enums import AllreduceMethod
 from dkfac.enums import AssignmentStrategy
 from dkfac.enums import ComputeMethod
@@ -88,10 +88,6 @@ def _options_doc() -> str:
         also = f"; dkfac's name: {o['name']}" if o['alias'] else ''
         lines.append(f'    ``{name}`` (default {default}{kinds}{also}): {o["doc"]}.')
     return '\n'.join(lines)
-
-
-def _matches(patterns: list[str], *texts: str) -> bool:
-    return any(re.search(p, t) for p in patterns for t in texts)
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):
@@ -188,41 +184,30 @@ class KFACPreconditioner(BaseKFACPreconditioner):
 
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, Any]]:
-        """{module: (name, capture)} of the layers to precondition, in model order (hooked by the base)."""
-        layers: dict[torch.nn.Module, tuple[str, Any]] = {}
-        candidates: list[tuple[str, str]] = []  # (name, class name) of every layer skip_layers could match
+        """{module: (name, capture)} of the layers to precondition, in model order (hooked by the base): the
+        torch.nn.Linear and Conv2d leaves, chosen by the core's rules (dkfac/layers/discovery.h: frozen, grouped
+        and skip_layers), the same ones the C++ front end applies, with the same warnings and errors."""
+        modules, candidates = [], []
         for name, module in model.named_modules():
-            if any(True for _ in module.children()):
+            if any(True for _ in module.children()) or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
                 continue
+            kind = 'Linear' if isinstance(module, torch.nn.Linear) else 'Conv2d'
+            trainable = all(p.requires_grad for p in module.parameters())
+            candidates.append((name, type(module).__name__, kind, trainable, getattr(module, 'groups', 1)))
+            modules.append(module)
+        with _CoreWarnings():
+            chosen = _C.choose_layers(candidates, self.skip_layers, type(model).__name__)
+        layers: dict[torch.nn.Module, tuple[str, Any]] = {}
+        for index in chosen:
+            name, module = candidates[index][0], modules[index]
             if isinstance(module, torch.nn.Linear):
                 capture = _C.linear_capture(module.bias is not None)
-            elif isinstance(module, torch.nn.Conv2d):
-                if module.groups != 1:
-                    warnings.warn(f'dkfac: layer {name!r} is a grouped Conv2d (groups={module.groups}); it keeps '
-                                  'its plain gradient', stacklevel=3)
-                    continue
+            else:
                 capture = _C.conv2d_capture(
                     module.bias is not None, tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation),
                     module.padding if isinstance(module.padding, str) else tuple(module.padding),
                     module.padding_mode, tuple(module._reversed_padding_repeated_twice))
-            else:
-                continue
-            if not all(p.requires_grad for p in module.parameters()):
-                continue
-            kind = type(module).__name__  # e.g. NonDynamicallyQuantizableLinear, as messages name it
-            candidates.append((name, kind))
-            if _matches(self.skip_layers, name, kind):
-                continue
             layers[module] = (name, capture)
-        for pattern in self.skip_layers:
-            if not any(_matches([pattern], name, kind) for name, kind in candidates):
-                names = ', '.join(f'{name!r} ({kind})' for name, kind in candidates)
-                warnings.warn(f'dkfac: skip_layers pattern {pattern!r} matches no layer, so it skips nothing; '
-                              f'patterns are searched (re.search) in these layer names and kinds: {names}',
-                              stacklevel=3)
-        if not layers:
-            raise ValueError('KFACPreconditioner found no torch.nn.Linear or torch.nn.Conv2d layer to precondition in '
-                             f'{type(model).__name__} (after skip_layers={self.skip_layers!r} and frozen parameters)')
         return layers
 
     @staticmethod

@@ -17,6 +17,7 @@
 
 #include "dkfac/allocator.h"
 #include "dkfac/comm/communicator.h"
+#include "dkfac/layers/discovery.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/version.h"
 
@@ -158,6 +159,23 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  m.def(
+      "choose_layers",
+      // candidates: (name, class name, kind "Linear"/"Conv2d", trainable, groups) each; the core's one rule set
+      // (dkfac/layers/discovery.h), its warnings collected by the caller. Returns the chosen indices.
+      [](const std::vector<std::tuple<std::string, std::string, std::string, bool, int64_t>>& candidates,
+         const std::vector<std::string>& skip_layers, const std::string& model) {
+        std::vector<ModuleCandidate> modules;
+        for (const auto& [name, class_name, kind, trainable, groups] : candidates) {
+          modules.push_back({name, class_name, kind == "Conv2d" ? LayerKind::kConv2d : LayerKind::kLinear, trainable,
+                             groups});
+        }
+        try {
+          return choose_layers(modules, skip_layers, model);
+        } catch (const c10::Error& e) {
+          throw py::value_error(e.what_without_backtrace());
+        }
+      });
   m.def("option_values", [](const py::dict& kw) {
     // The options the keywords give, as the core holds them: name -> value text, in declaration order.
     const auto o = make_options(kw);

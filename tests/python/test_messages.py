@@ -149,3 +149,25 @@ def test_python_messages_name_the_modules_own_class(caplog):
                                              r"'head' \(Linear\)"):
             dkfac.KFACPreconditioner(Attention(), skip_layers=['^conv'], loglevel=logging.INFO)
     assert 'registered attn.out_proj (NonDynamicallyQuantizableLinear): A 9 x 9, G 8 x 8' in caplog.text
+
+
+def test_layer_discovery_is_the_cores_and_says_what_the_cpp_front_end_says():
+    # The same structure as tests/layers/discovery_test.cpp's: the same warnings, word for word.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Conv2d(8, 8, 3)
+            self.depthwise = torch.nn.Conv2d(8, 8, 3, groups=8)
+            self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+            self.head = torch.nn.Linear(4, 2)
+
+    with pytest.warns(UserWarning) as caught:
+        p = dkfac.KFACPreconditioner(Net(), skip_layers=['Embedding'])
+    assert [name for name, _ in p.layers] == ['stem', 'head']
+    messages = [str(w.message) for w in caught]
+    assert "dkfac: layer 'depthwise' is a grouped Conv2d (groups=8); it keeps its plain gradient" in messages
+    assert ("dkfac: skip_layers pattern 'Embedding' matches no layer, so it skips nothing; patterns are searched "
+            "(ECMAScript regular expressions) in these layer names, kinds and classes: 'stem' (Conv2d), "
+            "'head' (Linear)") in messages
+    with pytest.raises(ValueError, match='found no Linear or Conv2d layer to precondition in Net'):
+        dkfac.KFACPreconditioner(Net(), skip_layers=['.'])

@@ -1,0 +1,31 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dkfac/layers/factor_capture.h"
+
+namespace dkfac {
+
+/// A module a front end found while walking its model (the C++ front end: a dkfac::nn module; Python: a
+/// torch.nn.Linear or Conv2d leaf), for the one rule set that decides which are preconditioned.
+struct ModuleCandidate {
+  std::string name;        ///< as the model names it (named_modules)
+  std::string class_name;  ///< its class as the front end's users know it ("Linear", "NonDynamicallyQuantizableLinear")
+  LayerKind kind = LayerKind::kLinear;
+  bool trainable = true;   ///< every parameter requires grad
+  int64_t groups = 1;      ///< Conv2d: groups (K-FAC's Conv2d needs 1)
+};
+
+/// The candidates to precondition, as indices in their order. Rules, the same for both front ends:
+/// - a module whose parameters do not all require grad (frozen) is left alone, silently;
+/// - a grouped Conv2d keeps its plain gradient, with a warning naming it (TORCH_WARN);
+/// - a module is skipped when one of `skip_layers` (ECMAScript regular expressions, searched) matches its name,
+///   its kind ("Linear", "Conv2d") or its class name; a pattern that matches no candidate is warned about,
+///   listing the candidates;
+/// - none left is an error (c10::Error) naming `model`.
+std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates,
+                                  const std::vector<std::string>& skip_layers, const std::string& model);
+
+}  // namespace dkfac
