@@ -158,12 +158,12 @@ void Preconditioner::step() {
   const bool factor_step = is_factor_step(steps_);
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
   try {
-    auto plan = check_layers(factor_step);
-    if (factor_step) update_factors(plan);
-    if (is_inverse_step(steps_)) compute_second_order(plan);
-    auto preconditioned = precondition(plan);
-    const double scale = guard_and_clip(plan, preconditioned);
-    apply(plan, preconditioned, scale);
+    auto fates = check_layers(factor_step);
+    if (factor_step) update_factors(fates);
+    if (is_inverse_step(steps_)) compute_second_order(fates);
+    auto preconditioned = precondition(fates);
+    const double scale = guard_and_clip(fates, preconditioned);
+    apply(fates, preconditioned, scale);
   } catch (const c10::OutOfMemoryError& e) {
     const std::string layer = phase_layer_ >= 0 ? " of layer " + names_.layer(layers_[phase_layer_], phase_layer_) : "";
     device::rethrow_out_of_memory(e, std::string("K-FAC step ") + std::to_string(steps_) + ", " + phase_ + layer);
@@ -175,9 +175,9 @@ void Preconditioner::step() {
 
 void Preconditioner::discard_step() {
   const bool factor_step = is_factor_step(steps_);
-  auto plan = check_layers(factor_step);
+  auto fates = check_layers(factor_step);
   if (factor_step) {
-    auto batches = take_factor_batches(plan);
+    auto batches = take_factor_batches(fates);
     // The other ranks reduce this step's factors too (SPD has already started during backward).
     executor_->reduce_factors(batches);
   }
@@ -186,8 +186,8 @@ void Preconditioner::discard_step() {
 }
 
 void Preconditioner::update_second_order() {
-  std::vector<LayerPlan> plan(layers_.size());
-  compute_second_order(plan);
+  std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
+  compute_second_order(fates);
 }
 
 void Preconditioner::reset_batch() {
@@ -215,16 +215,16 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer
 
 // This step's captured (A, G) batches of the layers that build factors here; undefined for the others.
 std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor_batches(
-    const std::vector<LayerPlan>& plan) {
+    const std::vector<LayerFate>& fates) {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (plan[i].usable && executor_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
+    if (fates[i] == LayerFate::kPreconditioned && executor_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
   }
   return batches;
 }
 
-std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_step) {
-  std::vector<LayerPlan> plan(layers_.size());
+std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step) {
+  std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
@@ -245,21 +245,21 @@ std::vector<Preconditioner::LayerPlan> Preconditioner::check_layers(bool factor_
                 "skip (UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
     warn_once(i, "unused", what + "; keeping its plain gradient while it does not run");
     layer.capture().clear();
-    plan[i].usable = false;
+    fates[i] = LayerFate::kPlainGradient;
     ++events_.skipped_unused;
   }
-  return plan;
+  return fates;
 }
 
-void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
+void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   PhaseSpan span(*this, &PhaseTimes::factors);
   at("factor update");
-  auto batches = take_factor_batches(plan);
+  auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
   time_communication(&PhaseTimes::factors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable || !executor_->builds_factors(i)) continue;
+    if (fates[i] == LayerFate::kPlainGradient || !executor_->builds_factors(i)) continue;
     at("factor update", static_cast<int64_t>(i));
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
@@ -267,12 +267,12 @@ void Preconditioner::update_factors(std::vector<LayerPlan>& plan) {
     if (!layers_[i].a_factor().defined()) {  // a first update that was not finite: known here already
       factor_ok_[i] = torch::Tensor();
       warn_factor_fallback(i);
-      plan[i].usable = false;
+      fates[i] = LayerFate::kPlainGradient;
     }
   }
 }
 
-void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
+void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
   PhaseSpan span(*this, &PhaseTimes::second_order);
   const double damping = options_.damping_at(steps_);
   const auto method = executor_->plan().method;
@@ -307,7 +307,7 @@ void Preconditioner::compute_second_order(std::vector<LayerPlan>& plan) {
   at("second-order broadcast");
   time_communication(&PhaseTimes::second_order, [&] { executor_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i].second_order().defined() && executor_->preconditions(i)) plan[i].usable = false;
+    if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
   }
 }
 
@@ -324,7 +324,7 @@ void Preconditioner::keeping_previous_state(size_t index, const std::function<vo
   }
 }
 
-std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerPlan>& plan) {
+std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerFate>& fates) {
   PhaseSpan span(*this, &PhaseTimes::precondition);
   std::vector<torch::Tensor> preconditioned(layers_.size());
   torch::NoGradGuard no_grad;
@@ -334,7 +334,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerP
     at("preconditioning", static_cast<int64_t>(i));
     const bool mine = executor_->preconditions(i);
     const auto options = layer.weight().options();
-    if (mine && plan[i].usable && layer.second_order().defined()) {
+    if (mine && fates[i] == LayerFate::kPreconditioned && layer.second_order().defined()) {
       if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
         layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
       }
@@ -353,7 +353,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerP
   return preconditioned;
 }
 
-double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned) {
+double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned) {
   PhaseSpan span(*this, &PhaseTimes::apply);
   at("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
@@ -364,8 +364,8 @@ double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::v
   const auto one = torch::ones({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& v = preconditioned[i];
-    if (!plan[i].usable || !v.defined()) {
-      plan[i].usable = false;
+    if (fates[i] == LayerFate::kPlainGradient || !v.defined()) {
+      fates[i] = LayerFate::kPlainGradient;
       continue;
     }
     auto finite = torch::isfinite(v).all().to(torch::kFloat64);
@@ -381,7 +381,7 @@ double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::v
     const double* row = values.data_ptr<double>() + 3 * k;  // finite, folded, sum(V * grad)
     if (row[1] == 0.0) {
       warn_factor_fallback(i);
-      plan[i].usable = false;
+      fates[i] = LayerFate::kPlainGradient;
       continue;
     } else if (row[0] == 0.0) {
       warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
@@ -390,7 +390,7 @@ double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::v
       vg_sum += row[2];
       continue;
     }
-    plan[i].usable = false;
+    fates[i] = LayerFate::kPlainGradient;
     ++events_.fallbacks;
   }
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
@@ -399,14 +399,14 @@ double Preconditioner::guard_and_clip(std::vector<LayerPlan>& plan, const std::v
   return math::kl_clip_scale(vg_sum * lr * lr, kl_clip);
 }
 
-void Preconditioner::apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned,
+void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
                            double scale) {
   PhaseSpan span(*this, &PhaseTimes::apply);
   at("writing gradients");
   torch::NoGradGuard no_grad;
   last_kl_scale_ = scale;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!plan[i].usable) continue;
+    if (fates[i] == LayerFate::kPlainGradient) continue;
     layers_[i].set_gradient(scale == 1.0 ? preconditioned[i] : preconditioned[i] * scale);
   }
 }

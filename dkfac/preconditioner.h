@@ -170,9 +170,9 @@ class Preconditioner {
   StateRestore load(torch::serialize::InputArchive& archive);
 
  private:
-  struct LayerPlan {
-    bool usable = true;  // false: keep the plain gradient this step
-  };
+  /// What a layer's gradient becomes this step: preconditioned, or left plain (it did not run, its factors or
+  /// gradient were not finite, it has no second-order state yet).
+  enum class LayerFate { kPreconditioned, kPlainGradient };
 
   /// The time of `phase` between two marks; `sign` -1 takes a collective's time out of its enclosing phase.
   struct Span {
@@ -184,17 +184,17 @@ class Preconditioner {
   /// Records the time from its construction to its end as `phase` of this step.
   class PhaseSpan;
 
-  std::vector<LayerPlan> check_layers(bool factor_step);
-  void update_factors(std::vector<LayerPlan>& plan);
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerPlan>& plan);
-  void compute_second_order(std::vector<LayerPlan>& plan);
+  std::vector<LayerFate> check_layers(bool factor_step);
+  void update_factors(std::vector<LayerFate>& fates);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerFate>& fates);
+  void compute_second_order(std::vector<LayerFate>& fates);
   /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
   /// layer keeps its previous state.
   void keeping_previous_state(size_t index, const std::function<void()>& update);
-  std::vector<torch::Tensor> precondition(const std::vector<LayerPlan>& plan);
+  std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates);
   /// The NaN guard and KL clipping with one host synchronisation: marks unusable layers, returns nu.
-  double guard_and_clip(std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned);
-  void apply(const std::vector<LayerPlan>& plan, const std::vector<torch::Tensor>& preconditioned, double scale);
+  double guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned);
+  void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned, double scale);
   void arm_capture();
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
