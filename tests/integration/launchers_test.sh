@@ -73,7 +73,7 @@ if command -v mpirun > /dev/null; then
   if mpirun --allow-run-as-root --oversubscribe -np 2 "$dkfac" train --damping 0 > "$tmp/mpibad.txt" 2>&1; then
     cat "$tmp/mpibad.txt"; fail "mpirun with a bad flag exited 0"
   fi
-  [[ $(grep -c -- '--damping must be > 0' "$tmp/mpibad.txt") == 1 ]] || { cat "$tmp/mpibad.txt"; fail "the bad flag not reported once"; }
+  [[ $(grep -c -- '--damping must be finite and > 0' "$tmp/mpibad.txt") == 1 ]] || { cat "$tmp/mpibad.txt"; fail "the bad flag not reported once"; }
   passed=$((passed + 1))
 else
   echo "skipped: mpirun is not installed (scripts/setup.sh installs openmpi-bin)"
