@@ -120,11 +120,17 @@ def candidate_args(c):
 
 
 def measured_step(binary, model, extra, args, metrics):
-    times = []
-    for r in range(args.repeats):
-        t, _ = run_once(binary, model, extra, args, metrics + f"-{r}.jsonl")
-        times.append(t)
-    return statistics.median(times), times
+    """Median step time over the repeats, every run's time, and the median run's K-FAC phases (ms per step,
+    max over ranks: factor, decomp, precond, comm) as the trainer measured them."""
+    runs = [run_once(binary, model, extra, args, metrics + f"-{r}.jsonl") for r in range(args.repeats)]
+    times = [t for t, _ in runs]
+    median_run = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
+    phases = {}
+    if runs[median_run][1].get("ranks") and "--no-kfac" not in extra:
+        rows = per_rank({"summary": runs[median_run][1]})
+        for key in ["factors_ms", "second_order_ms", "precondition_ms", "comm_ms"]:
+            phases[key] = max(r[key] for r in rows)
+    return times[median_run], times, phases
 
 
 def auto_main(args):
@@ -152,16 +158,16 @@ def auto_main(args):
                      "--batch-size", str(args.batch_size), "--compute-method", args.compute_method,
                      "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps),
                      "--json"], check=True, stdout=subprocess.PIPE, text=True).stdout)
-                base, base_runs = measured_step(args.binary, model, ["--no-kfac"], args,
+                base, base_runs, _ = measured_step(args.binary, model, ["--no-kfac"], args,
                                                 os.path.join(tmp, f"{model}-{nproc}-sgd"))
                 rows = []
                 for c in plan["candidates"]:
-                    m, runs = measured_step(args.binary, model, candidate_args(c), args,
+                    m, runs, phases = measured_step(args.binary, model, candidate_args(c), args,
                                             os.path.join(tmp, f"{model}-{nproc}-{len(rows)}"))
                     rows.append({"name": c["name"], "predicted_kfac_s": c["step_seconds"],
                                  "predicted_step_s": base + c["step_seconds"], "measured_step_s": m,
                                  "measured_runs_s": runs, "memory_bytes": c["memory_bytes"],
-                                 "phases_s": c["max_over_ranks_seconds"]})
+                                 "phases_s": c["max_over_ranks_seconds"], "measured_phases_ms": phases})
                 results[f"{model}-{nproc}"] = {"rates": rates_json, "sgd_step_s": base, "sgd_runs_s": base_runs,
                                                "chosen": plan["chosen"], "reason": plan["reason"], "candidates": rows}
                 print_auto(model, nproc, args.batch_size, threads, results[f"{model}-{nproc}"])
@@ -174,12 +180,18 @@ def auto_main(args):
 def print_auto(model, nproc, batch, threads, res):
     print(f"\n## {model}, {nproc} processes x batch {batch}, {threads} LibTorch thread(s) each; --no-kfac step "
           f"{1e3 * res['sgd_step_s']:.1f} ms")
-    print(f"{'candidate':<30}{'pred K-FAC':>11}{'pred step':>11}{'measured':>10}{'error':>8}   (ms per step)")
+    print(f"{'candidate':<30}{'pred K-FAC':>11}{'pred step':>11}{'measured':>10}{'error':>8}   "
+          f"phases predicted / measured, max over ranks: factor, decomp, precond, comm (ms per step)")
     for r in res["candidates"]:
         err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
         mark = "*" if r["name"] == res["chosen"] else " "
+        p, m = r["phases_s"], r["measured_phases_ms"]
+        comm = 1e3 * (p["factor_comm"] + p["second_order_comm"] + p["gradient_comm"])
+        phases = (f"{1e3 * p['factor_build']:.0f}/{m.get('factors_ms', 0):.0f}  {1e3 * p['decomposition']:.0f}/"
+                  f"{m.get('second_order_ms', 0):.0f}  {1e3 * p['precondition']:.0f}/{m.get('precondition_ms', 0):.0f}  "
+                  f"{comm:.0f}/{m.get('comm_ms', 0):.0f}")
         print(f"{mark}{r['name']:<29}{1e3 * r['predicted_kfac_s']:>11.1f}{1e3 * r['predicted_step_s']:>11.1f}"
-              f"{1e3 * r['measured_step_s']:>10.1f}{err:>+7.1f}%")
+              f"{1e3 * r['measured_step_s']:>10.1f}{err:>+7.1f}%   {phases}")
     best = min(res["candidates"], key=lambda r: r["measured_step_s"])
     pick = next(r for r in res["candidates"] if r["name"] == res["chosen"])
     worst_err = max(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) for r in res["candidates"])

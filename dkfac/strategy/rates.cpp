@@ -1,6 +1,7 @@
 #include "dkfac/strategy/rates.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -59,7 +60,10 @@ bool solve(std::vector<std::vector<double>> m, std::vector<double> b, std::vecto
 /// Kernel timings shared by measure_rates and measure_local_rates. Every figure is appended to `figures`
 /// in a fixed order (so that ranks can average them element by element), then read back by `assemble`.
 struct KernelPlan {
-  std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 32}, {2048, 128}, {1024, 256}};
+  // (rows, d) of covariances, up to the sizes of real layers (a few GFLOP-equivalents in all).
+  std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
+  // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels.
+  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}};
   std::vector<int64_t> decomposition_dims;
   std::vector<std::pair<int64_t, int64_t>> precondition_shapes = {{10, 16}, {32, 64}, {64, 145}, {128, 577}, {256, 256}};
 };
@@ -67,8 +71,11 @@ struct KernelPlan {
 KernelPlan kernel_plan(ComputeMethod method) {
   KernelPlan k;
   // Eigendecompositions cost ~9 d^3 against an inverse's ~d^3: stop earlier to keep the measurement short.
-  k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 32, 64, 128, 256, 512}
-                                                         : std::vector<int64_t>{16, 32, 64, 128, 256, 512, 1024};
+  // No powers of two: LAPACK on CPUs is measurably slower at d = 512 or 1024 (cache associativity) than at
+  // the dimensions around them (inverse, one thread: 4.2 ms at 512, 4.2 ms at 576), which a table of powers
+  // of two would spread over every dimension between.
+  k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 48, 96, 192, 384, 640}
+                                                         : std::vector<int64_t>{16, 48, 96, 192, 384, 768, 1536};
   return k;
 }
 
@@ -86,9 +93,16 @@ void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype
     auto x = torch::randn({rows, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
     figures.push_back(time_median(device, 3, [&] { (void)math::covariance(x); }));
   }
+  math::Conv2dGeometry geometry;
+  geometry.kernel_size = {3, 3};
+  geometry.padding = {1, 1, 1, 1};
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    auto x = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_a_factor(x, geometry, false); }));
+  }
   for (int64_t d : k.decomposition_dims) {
     auto f = spd_matrix(d, options, gen);
-    const int repeats = d >= 512 ? 2 : 3;
+    const int repeats = d >= 640 ? 2 : 3;
     figures.push_back(time_median(device, repeats, [&] {
       if (method == ComputeMethod::kEigen) {
         (void)math::eigen_decompose(f);
@@ -124,6 +138,16 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
   }
   const auto f = fit_nonnegative(features, seconds);
   rates.factor = FactorRate{f[0], f[1], f[2]};
+  features.clear();
+  seconds.clear();
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    const double r = static_cast<double>(batch * side * side);
+    const double d = 9.0 * channels;
+    features.push_back({1.0, r * d, 2.0 * r * d * d});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto c = fit_nonnegative(features, seconds);
+  rates.conv_factor = FactorRate{c[0], c[1], c[2]};
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
     rates.decomposition.dims.push_back(d);
@@ -215,6 +239,9 @@ void Rates::validate() const {
   check("factor.seconds", factor.seconds);
   check("factor.per_entry", factor.per_entry);
   check("factor.per_flop", factor.per_flop);
+  check("conv_factor.seconds", conv_factor.seconds);
+  check("conv_factor.per_entry", conv_factor.per_entry);
+  check("conv_factor.per_flop", conv_factor.per_flop);
   check("decomposition.latency", decomposition.latency);
   check("decomposition.per_cubed_dim", decomposition.per_cubed_dim);
   check("precondition.seconds", precondition.seconds);

@@ -62,7 +62,11 @@ struct Rates {
   std::string conditions;                       ///< free text: machine, load, date (printed with every figure)
   assign::AlphaBeta allreduce;                  ///< seconds = alpha + beta bytes, on the world
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
-  FactorRate factor;
+  FactorRate factor;       ///< a Linear layer's factors and a convolution's G (a plain covariance)
+  /// A convolution's A factor (a layer with rows_per_sample > 1), measured on 3 x 3 stride-1 convolutions,
+  /// whose factor math::conv2d_a_factor builds from kernel-row shifts (about 2/3 of the covariance's work).
+  /// LayerShape carries no kernel size, so 1 x 1 and strided convolutions are predicted with this rate too.
+  FactorRate conv_factor;
   DecompositionRate decomposition;
   PreconditionRate precondition;
 
@@ -84,7 +88,7 @@ struct Rates {
 /// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
 /// time (ranks that share cores then contend as they will in training). Collectives: allreduces and
 /// broadcasts of 4 B to 4 MiB on the world (median of 5 each); kernels on `device` in `dtype`: factor
-/// covariances of a few (rows, d), decompositions (`method`) of d = 16 .. 1024 (eigen: .. 512), and
+/// covariances of a few (rows, d) and 3 x 3 convolutions' A factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
 /// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark. Every
 /// figure is averaged over the ranks (comm::average_over), so every rank returns the same Rates. About
 /// 0.5-1.5 s on 2 CPU cores. A communicator of one rank measures the kernels only (collectives cost 0).

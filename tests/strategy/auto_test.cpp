@@ -23,6 +23,7 @@ Rates rates(double seconds_per_flop, double alpha, double beta, int world = 4) {
   r.allreduce = {alpha, beta};
   r.broadcast = {alpha, beta};
   r.factor.per_flop = seconds_per_flop;
+  r.conv_factor.per_flop = seconds_per_flop;
   r.decomposition.per_cubed_dim = seconds_per_flop;
   r.precondition.per_flop = seconds_per_flop;
   return r;

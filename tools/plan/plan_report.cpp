@@ -316,6 +316,10 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
           {"allreduce", {{"alpha_s", r.allreduce.alpha}, {"beta_s_per_byte", r.allreduce.beta}}},
           {"broadcast", {{"alpha_s", r.broadcast.alpha}, {"beta_s_per_byte", r.broadcast.beta}}},
           {"factor", {{"seconds", r.factor.seconds}, {"per_entry_s", r.factor.per_entry}, {"per_flop_s", r.factor.per_flop}}},
+          {"conv_factor",
+           {{"seconds", r.conv_factor.seconds},
+            {"per_entry_s", r.conv_factor.per_entry},
+            {"per_flop_s", r.conv_factor.per_flop}}},
           {"decomposition",
            {{"dims", r.decomposition.dims},
             {"seconds", r.decomposition.seconds},
@@ -342,11 +346,13 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
     link.alpha = field<double>(j, kind, "alpha_s");
     link.beta = field<double>(j, kind, "beta_s_per_byte");
   }
-  for (const char* part : {"factor", "decomposition", "precondition"}) {
+  for (const char* part : {"factor", "conv_factor", "decomposition", "precondition"}) {
     TORCH_CHECK(j.contains(part), "rates: missing field ", part);
   }
   r.factor = {field<double>(j, "factor", "seconds"), field<double>(j, "factor", "per_entry_s"),
               field<double>(j, "factor", "per_flop_s")};
+  r.conv_factor = {field<double>(j, "conv_factor", "seconds"), field<double>(j, "conv_factor", "per_entry_s"),
+                   field<double>(j, "conv_factor", "per_flop_s")};
   r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
   r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
   r.decomposition.latency = field<double>(j, "decomposition", "latency_s");
@@ -454,7 +460,10 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
        << " ns/B, broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
        << " ns/B (on the measured ranks; scaled to each group's size)\n";
   text << "    factor covariance " << us(rates.factor.seconds) << " + " << rates.factor.per_entry * 1e9
-       << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0) << " GFLOP/s; "
+       << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0)
+       << " GFLOP/s (2 rows d^2), 3x3 conv A " << us(rates.conv_factor.seconds) << " + "
+       << rates.conv_factor.per_entry * 1e9 << " ns/entry + "
+       << (rates.conv_factor.per_flop > 0 ? 1e-9 / rates.conv_factor.per_flop : 0.0) << " GFLOP/s;\n    "
        << to_string(rates.method) << " d=64 / 256 / 1024: " << 1e3 * rates.decomposition.seconds_for(64) << " / "
        << 1e3 * rates.decomposition.seconds_for(256) << " / " << 1e3 * rates.decomposition.seconds_for(1024)
        << " ms; preconditioning " << us(rates.precondition.seconds) << " + "
