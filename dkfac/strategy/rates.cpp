@@ -84,6 +84,19 @@ torch::Tensor spd_matrix(int64_t d, const torch::TensorOptions& options, at::Gen
   return x.matmul(x.t()) / d + torch::eye(d, options);
 }
 
+size_t kernel_count(const KernelPlan& k) {
+  return k.factor_shapes.size() + k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
+}
+
+/// The kernel every rank runs at once to measure how ranks share the machine: a [8192, 256] covariance.
+double time_probe(c10::Device device, c10::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  auto x = torch::randn({8192, 256}, gen, torch::TensorOptions().dtype(torch::kFloat32))
+               .to(torch::TensorOptions().dtype(dtype).device(device));
+  torch::NoGradGuard no_grad;
+  return time_median(device, 5, [&] { (void)math::covariance(x); });
+}
+
 void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype, ComputeMethod method,
                   std::vector<double>& figures) {
   const auto options = torch::TensorOptions().dtype(dtype).device(device);
@@ -167,6 +180,8 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
 Rates conditions(c10::Device device, c10::ScalarType dtype, ComputeMethod method, int world_size) {
   Rates rates;
   rates.world_size = world_size;
+  rates.ranks_per_node = world_size;
+  rates.parallel_ranks = world_size;  // measure_rates measures it
   rates.device = device.str();
   rates.dtype = dtype;
   rates.method = method;
@@ -229,6 +244,9 @@ int64_t Rates::spd_redundant_dim(int group_size) const {
 void Rates::validate() const {
   TORCH_CHECK(world_size >= 1, "rates: world_size must be >= 1, got ", world_size);
   TORCH_CHECK(threads >= 1, "rates: threads must be >= 1, got ", threads);
+  TORCH_CHECK(ranks_per_node >= 1, "rates: ranks_per_node must be >= 1, got ", ranks_per_node);
+  TORCH_CHECK(std::isfinite(parallel_ranks) && parallel_ranks >= 1 && parallel_ranks <= ranks_per_node,
+              "rates: parallel_ranks must be in [1, ranks_per_node = ", ranks_per_node, "], got ", parallel_ranks);
   const auto check = [](const char* name, double v) {
     TORCH_CHECK(std::isfinite(v) && v >= 0, "rates: ", name, " must be finite and >= 0, got ", v);
   };
@@ -325,10 +343,26 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
       }
     }
   }
+  if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
+  // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
   const KernelPlan k = kernel_plan(method);
   const size_t kernels_at = figures.size();
-  time_kernels(k, device, dtype, method, figures);
-  if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
+  std::vector<double> kernels;
+  if (communicator.rank() == 0) {
+    time_kernels(k, device, dtype, method, kernels);
+    kernels.push_back(time_probe(device, dtype));
+  }
+  if (world > 1) {
+    auto t = torch::zeros({static_cast<int64_t>(kernel_count(k) + 1)}, torch::kFloat64);
+    if (communicator.rank() == 0) t.copy_(torch::tensor(kernels, torch::kFloat64));
+    communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+    kernels.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+    // The same kernel on every rank at once: how many ranks compute at full speed together.
+    std::vector<double> together = {time_probe(device, dtype)};
+    comm::average_over(communicator, comm::kWorld, together);
+    rates.parallel_ranks = std::clamp(world * kernels.back() / std::max(together[0], 1e-12), 1.0, double(world));
+  }
+  figures.insert(figures.end(), kernels.begin(), kernels.end() - 1);
   if (world > 1) {
     std::vector<double> bytes;
     for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));

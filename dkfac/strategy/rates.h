@@ -55,6 +55,13 @@ struct PreconditionRate {
 /// costs nothing. Using rates measured on P ranks for a plan on more ranks extrapolates the same way.
 struct Rates {
   int world_size = 1;                           ///< ranks the collectives were measured on
+  /// Ranks that share one machine's compute (consecutive ranks form a node): measure_rates runs on one
+  /// machine, so its world. The time model lets a node's busy ranks share `parallel_ranks` full speeds.
+  int ranks_per_node = 1;
+  /// How many of a node's ranks compute at full speed at once: P t_alone / t_together for one kernel run by
+  /// rank 0 alone and by every rank at once, in [1, ranks_per_node] (CPU ranks sharing 2 cores: about 2;
+  /// one GPU per rank: ranks_per_node). The kernel rates below are one rank's alone.
+  double parallel_ranks = 1;
   std::string device = "cpu";                   ///< where the kernels ran ("cpu", "cuda:0")
   c10::ScalarType dtype = c10::ScalarType::Float;  ///< K-FAC tensors' dtype
   ComputeMethod method = ComputeMethod::kInverse;  ///< what decomposition and precondition measured
@@ -86,12 +93,15 @@ struct Rates {
 };
 
 /// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
-/// time (ranks that share cores then contend as they will in training). Collectives: allreduces and
+/// time, on one machine. Collectives: allreduces and
 /// broadcasts of 4 B to 4 MiB on the world (median of 5 each); kernels on `device` in `dtype`: factor
 /// covariances of a few (rows, d) and 3 x 3 convolutions' A factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
-/// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark. Every
-/// figure is averaged over the ranks (comm::average_over), so every rank returns the same Rates. About
-/// 0.5-1.5 s on 2 CPU cores. A communicator of one rank measures the kernels only (collectives cost 0).
+/// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
+/// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
+/// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
+/// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
+/// same Rates. About 1-2 s on 2 CPU cores. A communicator of one rank measures the kernels only
+/// (collectives cost 0).
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method);
 

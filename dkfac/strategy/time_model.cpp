@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -71,6 +72,56 @@ void meet(std::vector<double>& t, const std::vector<std::vector<int>>& groups, c
   }
 }
 
+/// Each rank r starts `work[r]` seconds (its speed alone) at t[r]; the ranks of one node (consecutive
+/// groups of `per_node`) share `slots` full speeds: while n of them are busy each runs at min(1, slots / n).
+/// Moves each t[r] to when its work ends.
+void run_shared(std::vector<double>& t, const std::vector<double>& work, int per_node, double slots) {
+  const int p = static_cast<int>(t.size());
+  for (int first = 0; first < p; first += per_node) {
+    const int last = std::min(p, first + per_node);
+    std::vector<double> left(work.begin() + first, work.begin() + last);
+    std::vector<bool> busy(left.size(), false);
+    double now = std::numeric_limits<double>::infinity();
+    for (int r = first; r < last; ++r) {
+      if (left[r - first] > 0) now = std::min(now, t[r]);
+    }
+    while (std::isfinite(now)) {
+      int active = 0;
+      double next_start = std::numeric_limits<double>::infinity();
+      for (int r = first; r < last; ++r) {
+        if (left[r - first] <= 0) continue;
+        if (t[r] <= now) {
+          busy[r - first] = true;
+          ++active;
+        } else {
+          next_start = std::min(next_start, t[r]);
+        }
+      }
+      if (active == 0) {
+        now = next_start;
+        continue;
+      }
+      const double speed = std::min(1.0, slots / active);
+      double step = next_start - now;
+      for (int r = first; r < last; ++r) {
+        if (busy[r - first] && left[r - first] > 0) step = std::min(step, left[r - first] / speed);
+      }
+      now += step;
+      for (int r = first; r < last; ++r) {
+        if (!busy[r - first] || left[r - first] <= 0) continue;
+        left[r - first] -= speed * step;
+        if (left[r - first] <= 1e-15 * std::max(1.0, work[r])) {
+          left[r - first] = 0;
+          t[r] = now;
+        }
+      }
+      bool any = false;
+      for (double x : left) any |= x > 0;
+      if (!any) break;
+    }
+  }
+}
+
 std::string fraction_name(int w, int p) { return w == p ? "1" : "1/" + std::to_string(p / w); }
 
 std::string ms(double seconds) {
@@ -129,10 +180,20 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
   // Simulates one step of each kind: ranks add their work and meet at the plan's collectives.
   const auto columns = plan.placement.columns();
   const auto rows = plan.placement.rows();
+  // A node's busy ranks share its compute (rates.parallel_ranks full speeds per rates.ranks_per_node ranks).
+  const int per_node = std::max(1, rates.ranks_per_node);
+  const double slots = std::max(1.0, rates.parallel_ranks);
+  const auto share = [&](std::vector<double>& t, const std::vector<double>& work) {
+    if (slots >= per_node) {
+      for (int r = 0; r < p; ++r) t[r] += work[r];
+    } else {
+      run_shared(t, work, per_node, slots);
+    }
+  };
   const auto step = [&](bool factor_step, bool inverse_step) {
     std::vector<double> t(p, 0.0);
     if (factor_step) {
-      for (int r = 0; r < p; ++r) t[r] += build[r];
+      share(t, build);
       if (plan.reduction != FactorReduction::kNone) {
         std::vector<int> world(p);
         std::iota(world.begin(), world.end(), 0);
@@ -140,14 +201,14 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
       }
     }
     if (inverse_step) {
-      for (int r = 0; r < p; ++r) t[r] += decompose[r];
+      share(t, decompose);
       if (plan.shares_second_order()) {
         std::vector<double> cost;
         for (const auto& c : columns) cost.push_back(second_order[c.front()]);
         meet(t, columns, cost);
       }
     }
-    for (int r = 0; r < p; ++r) t[r] += precondition[r];
+    share(t, precondition);
     if (plan.broadcast_gradients) meet(t, rows, std::vector<double>(rows.size(), gradient_comm));
     return *std::max_element(t.begin(), t.end());  // the next gradient allreduce waits for the slowest
   };

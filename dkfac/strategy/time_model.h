@@ -38,8 +38,10 @@ struct TimePrediction {
   /// The job's K-FAC seconds per step: ranks run their work and meet at every collective the plan names
   /// (the factor allreduce over the world, second-order broadcasts in each column, V broadcasts in each
   /// row, and the next step's gradient allreduce), where each waits for the slowest of its group. A phase
-  /// without a collective carries its imbalance into the next meeting. Collectives are not overlapped
-  /// with computation (on CPUs over loopback the transport runs on the cores that compute; docs/STRATEGIES.md).
+  /// without a collective carries its imbalance into the next meeting. Ranks of one node that compute at
+  /// the same time share its speed (Rates::parallel_ranks); a rank that waits at a collective does not
+  /// compute. Collectives are not overlapped with computation (on CPUs over loopback the transport runs on
+  /// the cores that compute; docs/STRATEGIES.md).
   double step_seconds = 0;
 };
 

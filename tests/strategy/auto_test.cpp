@@ -127,6 +127,37 @@ TEST(TimeModel, TheJobWaitsForItsSlowestRank) {
   EXPECT_NEAR(t.step_seconds, slowest, 1e-12);
 }
 
+TEST(TimeModel, RanksSharingCoresSlowDownOnlyWhileTheyComputeTogether) {
+  // Factors only, on every rank: 4 ranks on a node with 2 full speeds take twice as long as alone.
+  Rates r;
+  r.world_size = 4;
+  r.factor.per_flop = 1e-9;
+  r.conv_factor.per_flop = 1e-9;
+  const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse));
+  const double alone = predict_time(plan, r, 32, {1, 1000}).step_seconds;
+  r.ranks_per_node = 4;
+  r.parallel_ranks = 2;
+  EXPECT_NEAR(predict_time(plan, r, 32, {1, 1000}).step_seconds, 2 * alone, 1e-9 * alone);
+  // Decompositions only: the rank with the largest share finishes alone at full speed once the others
+  // are done; sharing costs at most the others' work.
+  Rates d;
+  d.world_size = 4;
+  d.decomposition.per_cubed_dim = 1e-9;
+  const auto solo = predict_time(plan, d, 32, {1000, 1});
+  d.ranks_per_node = 4;
+  d.parallel_ranks = 2;
+  const auto shared = predict_time(plan, d, 32, {1000, 1});
+  double most = 0, all = 0;
+  for (const auto& x : solo.ranks) {
+    most = std::max(most, x.decomposition);
+    all += x.decomposition;
+  }
+  EXPECT_NEAR(solo.step_seconds, most, 1e-12);
+  EXPECT_GE(shared.step_seconds, most - 1e-12);
+  EXPECT_LE(shared.step_seconds, all / 2 + most);
+  EXPECT_GE(shared.step_seconds, all / 2 - 1e-12);  // 2 speeds cannot do the total work faster
+}
+
 TEST(ChooseStrategy, TheTableListsEveryCandidate) {
   const auto choice = choose_strategy(shapes(), 4, Options(), rates(1e-10, 1e-4, 1e-9), kNoMemoryBudget, 32, {1, 1});
   // W in {4, 2, 1}, each with and without triangles, then SPD-KFAC and DP-KFAC.

@@ -70,6 +70,8 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   if (!have) {
     rates.method = request.compute_method;
     rates.world_size = request.nproc;
+    rates.ranks_per_node = 1;  // one rank per node: nothing shared
+    rates.parallel_ranks = 1;
     rates.conditions = "given as flags";
   }
   if (c.rates_world_size > 0) rates.world_size = c.rates_world_size;

@@ -308,6 +308,8 @@ std::string us(double seconds) {
 nlohmann::json rates_to_json(const strategy::Rates& r) {
   return {{"format", "dkfac rates 1"},
           {"world_size", r.world_size},
+          {"ranks_per_node", r.ranks_per_node},
+          {"parallel_ranks", r.parallel_ranks},
           {"device", r.device},
           {"dtype", dtype_name(r.dtype)},
           {"compute_method", to_string(r.method)},
@@ -332,6 +334,8 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   TORCH_CHECK(j.is_object(), "rates: expected a JSON object");
   strategy::Rates r;
   r.world_size = field<int>(j, nullptr, "world_size");
+  r.ranks_per_node = field<int>(j, nullptr, "ranks_per_node");
+  r.parallel_ranks = field<double>(j, nullptr, "parallel_ranks");
   r.device = field<std::string>(j, nullptr, "device");
   r.dtype = dtype_from_name(field<std::string>(j, nullptr, "dtype"));
   const auto method = field<std::string>(j, nullptr, "compute_method");
@@ -455,7 +459,9 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
        << "; strategy auto\n";
   text << "  rates: measured on " << rates.world_size << (rates.world_size == 1 ? " rank" : " ranks") << ", "
        << rates.device << ", " << dtype_name(rates.dtype) << ", " << to_string(rates.method) << ", " << rates.threads
-       << " intra-op thread(s) per rank" << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
+       << " intra-op thread(s) per rank; nodes of " << rates.ranks_per_node << " ranks computing at "
+       << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once"
+       << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
   text << "    allreduce " << us(rates.allreduce.alpha) << " + " << std::setprecision(3) << rates.allreduce.beta * 1e9
        << " ns/B, broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
        << " ns/B (on the measured ranks; scaled to each group's size)\n";
