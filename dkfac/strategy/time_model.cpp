@@ -279,6 +279,8 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   TORCH_CHECK(memory_budget_bytes >= 0, "memory budget must be >= 0 bytes (0: none), got ", memory_budget_bytes);
   rates.validate();
+  TORCH_CHECK(rates.method == base.compute_method(), "the rates were measured for the ", to_string(rates.method),
+              " method, but the options use ", to_string(base.compute_method()), ": measure them for it");
   const int p = world_size;
   StrategyChoice choice;
   const auto add = [&](std::string name, Options options) {

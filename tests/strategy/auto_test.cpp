@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <thread>
+
+#include "dkfac/comm/communicator.h"
 
 #include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/rates.h"
@@ -26,6 +29,7 @@ Rates rates(double seconds_per_flop, double alpha, double beta, int world = 4) {
   r.conv_factor.per_flop = seconds_per_flop;
   r.decomposition.per_cubed_dim = seconds_per_flop;
   r.precondition.per_flop = seconds_per_flop;
+  r.method = ComputeMethod::kEigen;  // Options' default
   return r;
 }
 
@@ -179,14 +183,18 @@ TEST(ChooseStrategy, TheTableListsEveryCandidate) {
 }
 
 TEST(ChooseStrategy, ASlowLinkPrefersFewerBytes) {
-  const auto choice = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse),
-                                      rates(1e-12, 1e-5, 1e-6), kNoMemoryBudget, 32, {1, 1});
+  Rates slow = rates(1e-12, 1e-5, 1e-6);
+  slow.method = ComputeMethod::kInverse;
+  const auto choice = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse), slow,
+                                      kNoMemoryBudget, 32, {1, 1});
   const int64_t chosen = update_bytes(choice.pick().plan);
   for (const auto& c : choice.candidates) EXPECT_LE(chosen, update_bytes(c.plan)) << c.name;
   EXPECT_EQ(choice.pick().options.strategy(), Strategy::kDp);
   // Free links and dear decompositions: spreading inverses over ranks beats moving nothing.
-  const auto compute = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse),
-                                       rates(1e-9, 0, 0), kNoMemoryBudget, 32, {100, 1});
+  Rates dear = rates(1e-9, 0, 0);
+  dear.method = ComputeMethod::kInverse;
+  const auto compute = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse), dear,
+                                       kNoMemoryBudget, 32, {100, 1});
   EXPECT_LT(compute.pick().time.step_seconds,
             predict_time(StepPlan::single_process(shapes(), ComputeMethod::kInverse), rates(1e-9, 0, 0, 1), 32, {100, 1})
                 .step_seconds);
@@ -227,7 +235,10 @@ TEST(ChooseStrategy, TiesAreBrokenByMemoryThenOrderAndTheChoiceIsRepeatable) {
 
 TEST(ChooseStrategy, ApplySetsOnlyTheStrategysOptions) {
   const Options base = Options().damping(0.3).inv_update_steps(7).compute_method(ComputeMethod::kInverse);
-  const auto choice = choose_strategy(shapes(), 4, base, rates(1e-12, 1e-5, 1e-6), kNoMemoryBudget, 32, {1, 7});
+  Rates r = rates(1e-12, 1e-5, 1e-6);
+  r.method = ComputeMethod::kInverse;
+  const auto choice = choose_strategy(shapes(), 4, base, r, kNoMemoryBudget, 32, {1, 7});
+  EXPECT_THROW(choose_strategy(shapes(), 4, Options(), r, kNoMemoryBudget, 32, {1, 7}), c10::Error);
   const Options o = choice.apply(base);
   EXPECT_EQ(o.strategy(), choice.pick().options.strategy());
   EXPECT_EQ(o.grad_worker_fraction(), choice.pick().options.grad_worker_fraction());
@@ -244,6 +255,36 @@ TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
   EXPECT_GT(r.factor.seconds_for(4096, 256), r.factor.seconds_for(64, 16));
   EXPECT_GT(r.decomposition.seconds_for(1024), r.decomposition.seconds_for(16));
   EXPECT_GT(r.precondition.seconds_for(256, 256, ComputeMethod::kInverse), 0.0);
+}
+
+TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<Rates> out(2);
+  std::vector<size_t> agreed(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      at::set_num_threads(1);
+      auto communicator = comm::Communicator::connect_in_process(store, rank, 2);
+      out[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+      agreed[rank] = agree_on_choice(*communicator, rank == 0 ? 3 : 5);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  out[0].validate();
+  EXPECT_EQ(out[0].world_size, 2);
+  EXPECT_EQ(out[0].ranks_per_node, 2);
+  EXPECT_GE(out[0].parallel_ranks, 1.0);
+  EXPECT_LE(out[0].parallel_ranks, 2.0);
+  EXPECT_GT(out[0].allreduce.seconds(1 << 20), 0.0);
+  EXPECT_EQ(out[0].allreduce.alpha, out[1].allreduce.alpha);
+  EXPECT_EQ(out[0].broadcast.beta, out[1].broadcast.beta);
+  EXPECT_EQ(out[0].parallel_ranks, out[1].parallel_ranks);
+  EXPECT_EQ(out[0].factor.per_flop, out[1].factor.per_flop);
+  EXPECT_EQ(out[0].decomposition.seconds, out[1].decomposition.seconds);
+  EXPECT_EQ(out[0].precondition.per_flop, out[1].precondition.per_flop);
+  EXPECT_EQ(agreed[0], 3u);
+  EXPECT_EQ(agreed[1], 3u);
 }
 
 }  // namespace
