@@ -67,6 +67,8 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   }
   TORCH_CHECK(have || any_rate_flag(c), "--strategy auto needs rates: --rates FILE (written by --measure-rates), "
               "--measure-rates FILE, or the rate flags (--gflops, --allreduce-alpha-us, ...)");
+  TORCH_CHECK(have || c.gflops > 0, "--strategy auto without --rates needs at least --gflops (the link flags "
+              "default to a free link)");
   if (!have) {
     rates.method = request.compute_method;
     rates.world_size = request.nproc;
