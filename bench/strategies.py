@@ -10,6 +10,14 @@ the repeats. Then the ratios the issue targets: DP-KFAC vs D-KFAC and SPD-KFAC v
     python3 bench/strategies.py                        # cnn and resnet20, 2 processes x batch 64, 3 repeats
     python3 bench/strategies.py --nproc 4 --batch-size 32   # 4 processes on the same global batch
     python3 bench/strategies.py --models cnn --repeats 1 --json runs/strategies.json
+
+With --auto it checks `strategy auto` against reality instead (docs/STRATEGIES.md, "Choosing automatically"):
+for each --nproc in the list it measures this machine's rates (`dkfac plan --measure-rates`), asks
+`dkfac plan --strategy auto --json` for every candidate's predicted K-FAC time, runs every candidate and
+plain SGD (`--no-kfac`, the forward/backward/optimizer time every strategy shares) with `dkfac train`, and
+prints predicted vs measured step time per candidate and auto's pick against the measured best.
+
+    python3 bench/strategies.py --auto --nproc-list 2,4 --global-batch 128 --steps 12 --warmup 3 --repeats 3
 """
 import argparse
 import json
@@ -64,7 +72,12 @@ def main():
     parser.add_argument("--compute-method", default="inverse")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--auto", action="store_true", help="check strategy auto's predictions and pick (see above)")
+    parser.add_argument("--nproc-list", default="2,4", help="--auto: process counts")
+    parser.add_argument("--global-batch", type=int, default=128, help="--auto: batch per rank = this / nproc")
     args = parser.parse_args()
+    if args.auto:
+        return auto_main(args)
 
     version = subprocess.run([args.binary, "--version"], stdout=subprocess.PIPE, text=True).stdout.strip()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
@@ -96,6 +109,96 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"version": version, "cpu": cpu, "args": vars(args), "results": results}, f, indent=2)
+
+
+def candidate_args(c):
+    """dkfac train flags for one candidate of `dkfac plan --strategy auto --json`."""
+    if c["strategy"] == "kaisa":
+        return ["--strategy", "kaisa", "--grad-worker-fraction", repr(c["grad_worker_fraction"])] + (
+            ["--symmetric-comm"] if c["symmetric_comm"] else [])
+    return ["--strategy", c["strategy"]]
+
+
+def measured_step(binary, model, extra, args, metrics):
+    """Median step time over the repeats, every run's time, and the median run's K-FAC phases (ms per step,
+    max over ranks: factor, decomp, precond, comm) as the trainer measured them."""
+    runs = [run_once(binary, model, extra, args, metrics + f"-{r}.jsonl") for r in range(args.repeats)]
+    times = [t for t, _ in runs]
+    median_run = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
+    phases = {}
+    if runs[median_run][1].get("ranks") and "--no-kfac" not in extra:
+        rows = per_rank({"summary": runs[median_run][1]})
+        for key in ["factors_ms", "second_order_ms", "precondition_ms", "comm_ms"]:
+            phases[key] = max(r[key] for r in rows)
+    return times[median_run], times, phases
+
+
+def auto_main(args):
+    version = subprocess.run([args.binary, "--version"], stdout=subprocess.PIPE, text=True).stdout.strip()
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    print(f"# {version}; {platform.platform()}; {cpu}; {os.cpu_count()} cores; load average at start "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"# strategy auto against reality: global batch {args.global_batch}, factors every {args.factor_steps}, "
+          f"second order every {args.inv_steps} steps, {args.compute_method}; {args.steps} steps per run, step time = "
+          f"median of rank 0's step-to-step times (first {args.warmup} intervals skipped), median of {args.repeats} "
+          f"runs; predicted step = measured --no-kfac step + predicted K-FAC time")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for nproc in [int(n) for n in args.nproc_list.split(",")]:
+            args.nproc = nproc
+            args.batch_size = args.global_batch // nproc
+            threads = max(1, (os.cpu_count() or 1) // nproc)
+            rates = os.path.join(tmp, f"rates-{nproc}.json")
+            subprocess.run([args.binary, "plan", "--measure-rates", rates, "--nproc", str(nproc),
+                            "--compute-method", args.compute_method], check=True, stdout=subprocess.DEVNULL)
+            rates_json = json.load(open(rates))
+            for model in args.models.split(","):
+                plan = json.loads(subprocess.run(
+                    [args.binary, "plan", "--strategy", "auto", "--rates", rates, "--model", model, "--nproc", str(nproc),
+                     "--batch-size", str(args.batch_size), "--compute-method", args.compute_method,
+                     "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps),
+                     "--json"], check=True, stdout=subprocess.PIPE, text=True).stdout)
+                base, base_runs, _ = measured_step(args.binary, model, ["--no-kfac"], args,
+                                                os.path.join(tmp, f"{model}-{nproc}-sgd"))
+                rows = []
+                for c in plan["candidates"]:
+                    m, runs, phases = measured_step(args.binary, model, candidate_args(c), args,
+                                            os.path.join(tmp, f"{model}-{nproc}-{len(rows)}"))
+                    rows.append({"name": c["name"], "predicted_kfac_s": c["step_seconds"],
+                                 "predicted_step_s": base + c["step_seconds"], "measured_step_s": m,
+                                 "measured_runs_s": runs, "memory_bytes": c["memory_bytes"],
+                                 "phases_s": c["max_over_ranks_seconds"], "measured_phases_ms": phases})
+                results[f"{model}-{nproc}"] = {"rates": rates_json, "sgd_step_s": base, "sgd_runs_s": base_runs,
+                                               "chosen": plan["chosen"], "reason": plan["reason"], "candidates": rows}
+                print_auto(model, nproc, args.batch_size, threads, results[f"{model}-{nproc}"])
+    print(f"# load average at end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"version": version, "cpu": cpu, "args": vars(args), "results": results}, f, indent=2)
+
+
+def print_auto(model, nproc, batch, threads, res):
+    print(f"\n## {model}, {nproc} processes x batch {batch}, {threads} LibTorch thread(s) each; --no-kfac step "
+          f"{1e3 * res['sgd_step_s']:.1f} ms")
+    print(f"{'candidate':<30}{'pred K-FAC':>11}{'pred step':>11}{'measured':>10}{'error':>8}   "
+          f"phases predicted / measured, max over ranks: factor, decomp, precond, comm (ms per step)")
+    for r in res["candidates"]:
+        err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        mark = "*" if r["name"] == res["chosen"] else " "
+        p, m = r["phases_s"], r["measured_phases_ms"]
+        comm = 1e3 * (p["factor_comm"] + p["second_order_comm"] + p["gradient_comm"])
+        phases = (f"{1e3 * p['factor_build']:.0f}/{m.get('factors_ms', 0):.0f}  {1e3 * p['decomposition']:.0f}/"
+                  f"{m.get('second_order_ms', 0):.0f}  {1e3 * p['precondition']:.0f}/{m.get('precondition_ms', 0):.0f}  "
+                  f"{comm:.0f}/{m.get('comm_ms', 0):.0f}")
+        print(f"{mark}{r['name']:<29}{1e3 * r['predicted_kfac_s']:>11.1f}{1e3 * r['predicted_step_s']:>11.1f}"
+              f"{1e3 * r['measured_step_s']:>10.1f}{err:>+7.1f}%   {phases}")
+    best = min(res["candidates"], key=lambda r: r["measured_step_s"])
+    pick = next(r for r in res["candidates"] if r["name"] == res["chosen"])
+    worst_err = max(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) for r in res["candidates"])
+    print(f"auto picked {pick['name']} (measured {1e3 * pick['measured_step_s']:.1f} ms); measured best {best['name']} "
+          f"({1e3 * best['measured_step_s']:.1f} ms): pick {100 * (pick['measured_step_s'] / best['measured_step_s'] - 1):.1f}% "
+          f"slower than the best (goal <= 5%); largest prediction error {100 * worst_err:.1f}% (goal <= 20%)")
+    sys.stdout.flush()
 
 
 def per_rank(entry):

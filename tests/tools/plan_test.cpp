@@ -191,5 +191,88 @@ TEST(Plan, SmallModelsKeepTheirDefaults) {
   EXPECT_EQ(text.find("median"), std::string::npos);
 }
 
+strategy::Rates given_rates(ComputeMethod method) {
+  strategy::Rates r;
+  r.world_size = 4;
+  r.method = method;
+  r.allreduce = {1e-4, 1e-9};
+  r.broadcast = {5e-5, 5e-10};
+  r.factor = {1e-6, 1e-10, 1e-11};
+  r.conv_factor = {2e-6, 0, 5e-12};
+  r.decomposition.dims = {16, 96, 768};
+  r.decomposition.seconds = {1e-5, 1e-4, 1e-2};
+  r.precondition = {1e-6, 1e-11};
+  r.conditions = "test";
+  return r;
+}
+
+TEST(PlanAuto, RatesRoundTripThroughJson) {
+  const auto r = given_rates(ComputeMethod::kEigen);
+  const auto back = rates_from_json(rates_to_json(r));
+  EXPECT_EQ(back.world_size, 4);
+  EXPECT_EQ(back.method, ComputeMethod::kEigen);
+  EXPECT_EQ(back.dtype, c10::kFloat);
+  EXPECT_EQ(back.allreduce.alpha, r.allreduce.alpha);
+  EXPECT_EQ(back.broadcast.beta, r.broadcast.beta);
+  EXPECT_EQ(back.factor.per_flop, r.factor.per_flop);
+  EXPECT_EQ(back.conv_factor.seconds, r.conv_factor.seconds);
+  EXPECT_EQ(back.decomposition.dims, r.decomposition.dims);
+  EXPECT_EQ(back.decomposition.seconds, r.decomposition.seconds);
+  EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
+  EXPECT_EQ(back.conditions, "test");
+  auto broken = rates_to_json(r);
+  broken["factor"].erase("per_flop_s");
+  try {
+    rates_from_json(broken);
+    FAIL() << "a missing field must be named";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("factor.per_flop_s"), std::string::npos);
+  }
+  broken = rates_to_json(r);
+  broken["allreduce"]["alpha_s"] = -1.0;
+  EXPECT_THROW(rates_from_json(broken), c10::Error);
+}
+
+TEST(PlanAuto, ResNet50At64RanksListsEveryCandidateAndThePick) {
+  PlanRequest request;
+  request.model = "resnet50";
+  request.nproc = 64;
+  request.batch_size = 32;
+  request.factor_update_steps = 10;
+  request.inv_update_steps = 100;
+  const auto report = auto_report(request, given_rates(ComputeMethod::kInverse));
+  // W in {64, 32, 16, 8, 4, 2, 1} with and without triangles, SPD-KFAC, DP-KFAC.
+  ASSERT_EQ(report.json["candidates"].size(), 16u);
+  bool chosen_listed = false;
+  for (const auto& c : report.json["candidates"]) {
+    const auto name = c["name"].get<std::string>();
+    EXPECT_NE(report.text.find(name), std::string::npos) << name;
+    EXPECT_GT(c["step_seconds"].get<double>(), 0.0);
+    EXPECT_GT(c["memory_bytes"].get<int64_t>(), 0);
+    chosen_listed |= name == report.json["chosen"].get<std::string>();
+  }
+  EXPECT_TRUE(chosen_listed);
+  EXPECT_TRUE(report.json["fits"].get<bool>());
+  EXPECT_NE(report.text.find("picked " + report.json["chosen"].get<std::string>()), std::string::npos);
+  EXPECT_NE(report.text.find("measured on 4 ranks"), std::string::npos);
+  // A budget below every candidate's memory: said so, and the least memory is picked.
+  request.memory_budget_bytes = 1024;
+  const auto tight = auto_report(request, given_rates(ComputeMethod::kInverse));
+  EXPECT_FALSE(tight.json["fits"].get<bool>());
+  EXPECT_NE(tight.text.find("no candidate fits"), std::string::npos);
+}
+
+TEST(PlanAuto, RatesOfAnotherMethodAreRefused) {
+  PlanRequest request;
+  request.model = "cnn";
+  request.compute_method = ComputeMethod::kEigen;
+  try {
+    auto_report(request, given_rates(ComputeMethod::kInverse));
+    FAIL() << "rates of the inverse method must not plan the eigen method";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("--compute-method"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace dkfac::plan

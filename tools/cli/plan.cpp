@@ -1,5 +1,9 @@
 // `dkfac plan`: every strategy's placement and predicted cost for a model, without training.
+#include <algorithm>
+#include <fstream>
 #include <iostream>
+#include <sstream>
+#include <thread>
 
 #include "tools/cli/commands.h"
 #include "tools/cli/train_flags.h"
@@ -14,7 +18,83 @@ struct PlanConfig {
   plan::PlanRequest request;
   bool json = false;
   bool per_rank = false;
+  std::string strategy;       // "" or "auto"
+  std::string rates_file;     // --rates
+  std::string measure_file;   // --measure-rates
+  double memory_budget_mb = 0;
+  // Rates given as flags (override --rates); negative: not given.
+  double allreduce_alpha_us = -1, allreduce_beta_ns = -1, broadcast_alpha_us = -1, broadcast_beta_ns = -1;
+  double gflops = -1;
+  int rates_world_size = 0;
 };
+
+bool any_rate_flag(const PlanConfig& c) {
+  return c.allreduce_alpha_us >= 0 || c.allreduce_beta_ns >= 0 || c.broadcast_alpha_us >= 0 ||
+         c.broadcast_beta_ns >= 0 || c.gflops > 0;
+}
+
+/// --measure-rates and --strategy auto.
+int run_auto(const PlanConfig& c, plan::PlanRequest request) {
+  strategy::Rates rates;
+  bool have = false;
+  if (!c.measure_file.empty()) {
+    const int threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / request.nproc);
+    rates = plan::measure_rates_in_process(request.nproc, threads, request.compute_method);
+    std::ostringstream conditions;
+    conditions << "dkfac plan --measure-rates, " << request.nproc << " in-process ranks on "
+               << std::thread::hardware_concurrency() << " hardware threads";
+    rates.conditions = conditions.str();
+    std::ofstream out(c.measure_file);
+    out << plan::rates_to_json(rates).dump(2) << "\n";
+    out.close();
+    TORCH_CHECK(out, "--measure-rates: could not write ", c.measure_file);
+    if (c.strategy.empty()) {
+      std::cerr << "rates written to " << c.measure_file << "\n";
+      return 0;
+    }
+    have = true;
+  } else if (!c.rates_file.empty()) {
+    std::ifstream in(c.rates_file);
+    TORCH_CHECK(in, "--rates: cannot read ", c.rates_file);
+    nlohmann::json j;
+    try {
+      in >> j;
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "--rates ", c.rates_file, ": not JSON (", e.what(), ")");
+    }
+    rates = plan::rates_from_json(j);
+    have = true;
+  }
+  TORCH_CHECK(have || any_rate_flag(c), "--strategy auto needs rates: --rates FILE (written by --measure-rates), "
+              "--measure-rates FILE, or the rate flags (--gflops, --allreduce-alpha-us, ...)");
+  TORCH_CHECK(have || c.gflops > 0, "--strategy auto without --rates needs at least --gflops (the link flags "
+              "default to a free link)");
+  if (!have) {
+    rates.method = request.compute_method;
+    rates.world_size = request.nproc;
+    rates.ranks_per_node = 1;  // one rank per node: nothing shared
+    rates.parallel_ranks = 1;
+    rates.conditions = "given as flags";
+  }
+  if (c.rates_world_size > 0) rates.world_size = c.rates_world_size;
+  if (c.allreduce_alpha_us >= 0) rates.allreduce.alpha = c.allreduce_alpha_us * 1e-6;
+  if (c.allreduce_beta_ns >= 0) rates.allreduce.beta = c.allreduce_beta_ns * 1e-9;
+  if (c.broadcast_alpha_us >= 0) rates.broadcast.alpha = c.broadcast_alpha_us * 1e-6;
+  if (c.broadcast_beta_ns >= 0) rates.broadcast.beta = c.broadcast_beta_ns * 1e-9;
+  if (c.gflops > 0) {
+    const double per_flop = 1e-9 / c.gflops;
+    rates.factor = {0, 0, per_flop};
+    rates.conv_factor = {0, 0, per_flop};
+    rates.precondition = {0, per_flop};
+    rates.decomposition = {};
+    rates.decomposition.per_cubed_dim = (rates.method == ComputeMethod::kEigen ? 9.0 : 1.0) * per_flop;
+  }
+  if (any_rate_flag(c)) rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("flags override");
+  request.memory_budget_bytes = static_cast<int64_t>(c.memory_budget_mb * 1024 * 1024);
+  const auto report = plan::auto_report(request, rates);
+  std::cout << (c.json ? report.json.dump(2) : report.text) << std::endl;
+  return 0;
+}
 
 }  // namespace
 
@@ -52,6 +132,40 @@ Command add_plan_command(CLI::App& app) {
                  "text: every rank's row and every layer's placement (the default when --nproc <= 8 and the model "
                  "has <= 32 K-FAC layers; otherwise min / median / max over ranks)");
   plan->add_flag("--json", config->json, "print JSON (raw bytes and FLOPs, every rank) instead of tables");
+  // --- strategy auto (docs/STRATEGIES.md, "Choosing automatically")
+  const char* kAuto = "Strategy auto";
+  plan->add_option("--strategy", config->strategy,
+                   "auto: instead of every strategy's bytes, predict every candidate's step time (from --rates or the "
+                   "rate flags) and memory, and print strategy auto's pick")
+      ->check(CLI::IsMember({"auto"}))->group(kAuto);
+  plan->add_option("--rates", config->rates_file, "rates JSON written by --measure-rates (strategy auto)")->group(kAuto);
+  plan->add_option("--measure-rates", config->measure_file,
+                   "measure this machine's rates on --nproc ranks that are threads of this process (Gloo on "
+                   "loopback, cores / nproc intra-op threads each, CPU float32, --compute-method), write them to "
+                   "this JSON file and stop (with --strategy auto: go on and plan with them)")
+      ->group(kAuto);
+  plan->add_option("--factor-update-steps", r.factor_update_steps, "strategy auto: steps between factor updates")
+      ->capture_default_str()->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--inv-update-steps", r.inv_update_steps, "strategy auto: steps between second-order updates")
+      ->capture_default_str()->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--memory-budget-mb", config->memory_budget_mb,
+                   "strategy auto: K-FAC memory a rank may hold, MiB (0: no budget)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber)->group(kAuto);
+  plan->add_option("--allreduce-alpha-us", config->allreduce_alpha_us, "rate: allreduce start-up, microseconds")
+      ->check(CLI::NonNegativeNumber)->group(kAuto);
+  plan->add_option("--allreduce-beta-ns", config->allreduce_beta_ns, "rate: allreduce nanoseconds per byte")
+      ->check(CLI::NonNegativeNumber)->group(kAuto);
+  plan->add_option("--broadcast-alpha-us", config->broadcast_alpha_us, "rate: broadcast start-up, microseconds")
+      ->check(CLI::NonNegativeNumber)->group(kAuto);
+  plan->add_option("--broadcast-beta-ns", config->broadcast_beta_ns, "rate: broadcast nanoseconds per byte")
+      ->check(CLI::NonNegativeNumber)->group(kAuto);
+  plan->add_option("--gflops", config->gflops,
+                   "rate: one FLOP rate for factors, decompositions (d^3 per inverse, 9 d^3 per eigh) and "
+                   "preconditioning, replacing those of --rates")
+      ->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--rates-world-size", config->rates_world_size,
+                   "rate flags: ranks the link rates hold for (default --nproc)")
+      ->check(CLI::PositiveNumber)->group(kAuto);
 
   return {plan, [config, seq](const Invocation&) {
             plan::PlanRequest request = config->request;
@@ -59,6 +173,7 @@ Command add_plan_command(CLI::App& app) {
                         "--seq-len applies only to --model bert-large, got --model ", request.model);
             TORCH_CHECK(seq->count() == 0 || (request.seq_len >= 1 && request.seq_len <= 512),
                         "--seq-len must be in [1, 512] (BERT-Large's positions), got ", config->request.seq_len);
+            if (!config->measure_file.empty() || !config->strategy.empty()) return run_auto(*config, request);
             const auto report = plan::plan_report(request);
             std::cout << (config->json ? report.json.dump(2) : plan::plan_text(report, config->per_rank)) << std::endl;
             return 0;

@@ -5,9 +5,11 @@
 #include <cstdio>
 #include <iomanip>
 #include <sstream>
+#include <thread>
 
 #include "dkfac/dkfac.h"
 #include "dkfac/numbers.h"
+#include "dkfac/comm/communicator.h"
 #include "dkfac/strategy/prediction.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
@@ -257,6 +259,224 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
     }
   }
   return text.str();
+}
+
+namespace {
+
+c10::ScalarType dtype_from_name(const std::string& name) {
+  if (name == "float32") return c10::kFloat;
+  if (name == "float64") return c10::kDouble;
+  if (name == "bfloat16") return c10::kBFloat16;
+  if (name == "float16") return c10::kHalf;
+  TORCH_CHECK(false, "rates: dtype must be float32, float64, bfloat16 or float16, got '", name, "'");
+}
+
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      return "float32";
+    case c10::kDouble:
+      return "float64";
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kHalf:
+      return "float16";
+    default:
+      return c10::toString(dtype);
+  }
+}
+
+template <typename T>
+T field(const nlohmann::json& json, const char* object, const char* key) {
+  const nlohmann::json& o = object ? json.at(object) : json;
+  TORCH_CHECK(o.contains(key), "rates: missing field ", object ? std::string(object) + "." : "", key);
+  try {
+    return o.at(key).get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "rates: field ", object ? std::string(object) + "." : "", key, ": ", e.what());
+  }
+}
+
+std::string us(double seconds) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << seconds * 1e6 << " us";
+  return out.str();
+}
+
+}  // namespace
+
+nlohmann::json rates_to_json(const strategy::Rates& r) {
+  return {{"format", "dkfac rates 1"},
+          {"world_size", r.world_size},
+          {"ranks_per_node", r.ranks_per_node},
+          {"parallel_ranks", r.parallel_ranks},
+          {"device", r.device},
+          {"dtype", dtype_name(r.dtype)},
+          {"compute_method", to_string(r.method)},
+          {"threads", r.threads},
+          {"conditions", r.conditions},
+          {"allreduce", {{"alpha_s", r.allreduce.alpha}, {"beta_s_per_byte", r.allreduce.beta}}},
+          {"broadcast", {{"alpha_s", r.broadcast.alpha}, {"beta_s_per_byte", r.broadcast.beta}}},
+          {"factor", {{"seconds", r.factor.seconds}, {"per_entry_s", r.factor.per_entry}, {"per_flop_s", r.factor.per_flop}}},
+          {"conv_factor",
+           {{"seconds", r.conv_factor.seconds},
+            {"per_entry_s", r.conv_factor.per_entry},
+            {"per_flop_s", r.conv_factor.per_flop}}},
+          {"decomposition",
+           {{"dims", r.decomposition.dims},
+            {"seconds", r.decomposition.seconds},
+            {"latency_s", r.decomposition.latency},
+            {"per_cubed_dim_s", r.decomposition.per_cubed_dim}}},
+          {"precondition", {{"seconds", r.precondition.seconds}, {"per_flop_s", r.precondition.per_flop}}}};
+}
+
+strategy::Rates rates_from_json(const nlohmann::json& j) {
+  TORCH_CHECK(j.is_object(), "rates: expected a JSON object");
+  strategy::Rates r;
+  r.world_size = field<int>(j, nullptr, "world_size");
+  r.ranks_per_node = field<int>(j, nullptr, "ranks_per_node");
+  r.parallel_ranks = field<double>(j, nullptr, "parallel_ranks");
+  r.device = field<std::string>(j, nullptr, "device");
+  r.dtype = dtype_from_name(field<std::string>(j, nullptr, "dtype"));
+  const auto method = field<std::string>(j, nullptr, "compute_method");
+  TORCH_CHECK(method == "eigen" || method == "inverse", "rates: compute_method must be eigen or inverse, got '",
+              method, "'");
+  r.method = method == "eigen" ? ComputeMethod::kEigen : ComputeMethod::kInverse;
+  r.threads = field<int>(j, nullptr, "threads");
+  r.conditions = j.value("conditions", std::string());
+  for (const char* kind : {"allreduce", "broadcast"}) {
+    TORCH_CHECK(j.contains(kind), "rates: missing field ", kind);
+    auto& link = std::string(kind) == "allreduce" ? r.allreduce : r.broadcast;
+    link.alpha = field<double>(j, kind, "alpha_s");
+    link.beta = field<double>(j, kind, "beta_s_per_byte");
+  }
+  for (const char* part : {"factor", "conv_factor", "decomposition", "precondition"}) {
+    TORCH_CHECK(j.contains(part), "rates: missing field ", part);
+  }
+  r.factor = {field<double>(j, "factor", "seconds"), field<double>(j, "factor", "per_entry_s"),
+              field<double>(j, "factor", "per_flop_s")};
+  r.conv_factor = {field<double>(j, "conv_factor", "seconds"), field<double>(j, "conv_factor", "per_entry_s"),
+                   field<double>(j, "conv_factor", "per_flop_s")};
+  r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
+  r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
+  r.decomposition.latency = field<double>(j, "decomposition", "latency_s");
+  r.decomposition.per_cubed_dim = field<double>(j, "decomposition", "per_cubed_dim_s");
+  r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
+  r.validate();
+  return r;
+}
+
+strategy::Rates measure_rates_in_process(int nproc, int threads, ComputeMethod method) {
+  TORCH_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  TORCH_CHECK(threads >= 1, "threads must be >= 1, got ", threads);
+  if (nproc == 1) {
+    at::set_num_threads(threads);
+    return strategy::measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, method);
+  }
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<strategy::Rates> out(nproc);
+  std::vector<std::exception_ptr> errors(nproc);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < nproc; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        at::set_num_threads(threads);  // per thread: each rank's own intra-op team, as a process would have
+        auto communicator = comm::Communicator::connect_in_process(store, rank, nproc);
+        out[rank] = strategy::measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, method);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return out[0];
+}
+
+AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
+  TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);
+  TORCH_CHECK(r.batch_size >= 1, "--batch-size must be >= 1, got ", r.batch_size);
+  TORCH_CHECK(r.factor_update_steps >= 1 && r.inv_update_steps >= 1,
+              "--factor-update-steps and --inv-update-steps must be >= 1, got ", r.factor_update_steps, " and ",
+              r.inv_update_steps);
+  TORCH_CHECK(rates.method == r.compute_method, "the rates were measured for --compute-method ",
+              to_string(rates.method), ", but the plan is for ", to_string(r.compute_method),
+              ": measure them for that method (dkfac plan --measure-rates FILE --compute-method ",
+              to_string(r.compute_method), ")");
+  rates.validate();
+  const ModelTable t = model_table(r);
+  const Options base = Options().compute_method(r.compute_method).spd(SpdOptions().redundant_dim(-1));
+  const auto choice = strategy::choose_strategy(t.layers, r.nproc, base, rates, r.memory_budget_bytes, r.batch_size,
+                                                {r.factor_update_steps, r.inv_update_steps});
+  AutoReport report;
+  nlohmann::json candidates = nlohmann::json::array();
+  for (const auto& c : choice.candidates) {
+    strategy::PhaseSeconds m;
+    for (const auto& x : c.time.ranks) {
+      m.factor_build = std::max(m.factor_build, x.factor_build);
+      m.factor_comm = std::max(m.factor_comm, x.factor_comm);
+      m.decomposition = std::max(m.decomposition, x.decomposition);
+      m.second_order_comm = std::max(m.second_order_comm, x.second_order_comm);
+      m.precondition = std::max(m.precondition, x.precondition);
+      m.gradient_comm = std::max(m.gradient_comm, x.gradient_comm);
+    }
+    candidates.push_back({{"name", c.name},
+                          {"strategy", to_string(c.options.strategy())},
+                          {"grad_worker_fraction", c.options.grad_worker_fraction()},
+                          {"grad_workers", c.plan.grad_workers()},
+                          {"symmetric_comm", c.options.symmetric_comm()},
+                          {"redundant_dim", c.plan.redundant_dim},
+                          {"step_seconds", c.time.step_seconds},
+                          {"max_over_ranks_seconds",
+                           {{"factor_build", m.factor_build},
+                            {"factor_comm", m.factor_comm},
+                            {"decomposition", m.decomposition},
+                            {"second_order_comm", m.second_order_comm},
+                            {"precondition", m.precondition},
+                            {"gradient_comm", m.gradient_comm}}},
+                          {"memory_bytes", c.memory_bytes},
+                          {"fits", c.fits}});
+  }
+  report.json = {{"model", r.model},
+                 {"dataset", t.dataset},
+                 {"input", t.input},
+                 {"nproc", r.nproc},
+                 {"batch_size", r.batch_size},
+                 {"compute_method", to_string(r.compute_method)},
+                 {"factor_update_steps", r.factor_update_steps},
+                 {"inv_update_steps", r.inv_update_steps},
+                 {"memory_budget_bytes", r.memory_budget_bytes},
+                 {"rates", rates_to_json(rates)},
+                 {"candidates", candidates},
+                 {"chosen", choice.pick().name},
+                 {"fits", choice.fits},
+                 {"reason", choice.reason}};
+  std::ostringstream text;
+  text << "plan: " << r.model << " on " << t.dataset << " (" << t.input << "), " << r.nproc << " ranks x batch "
+       << r.batch_size << ", " << to_string(r.compute_method) << ", " << dtype_name(rates.dtype)
+       << "; strategy auto\n";
+  text << "  rates: measured on " << rates.world_size << (rates.world_size == 1 ? " rank" : " ranks") << ", "
+       << rates.device << ", " << dtype_name(rates.dtype) << ", " << to_string(rates.method) << ", " << rates.threads
+       << " intra-op thread(s) per rank; nodes of " << rates.ranks_per_node << " ranks computing at "
+       << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once"
+       << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
+  text << "    allreduce " << us(rates.allreduce.alpha) << " + " << std::setprecision(3) << rates.allreduce.beta * 1e9
+       << " ns/B, broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
+       << " ns/B (on the measured ranks; scaled to each group's size)\n";
+  text << "    factor covariance " << us(rates.factor.seconds) << " + " << rates.factor.per_entry * 1e9
+       << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0)
+       << " GFLOP/s (2 rows d^2), 3x3 conv A " << us(rates.conv_factor.seconds) << " + "
+       << rates.conv_factor.per_entry * 1e9 << " ns/entry + "
+       << (rates.conv_factor.per_flop > 0 ? 1e-9 / rates.conv_factor.per_flop : 0.0) << " GFLOP/s;\n    "
+       << to_string(rates.method) << " d=64 / 256 / 1024: " << 1e3 * rates.decomposition.seconds_for(64) << " / "
+       << 1e3 * rates.decomposition.seconds_for(256) << " / " << 1e3 * rates.decomposition.seconds_for(1024)
+       << " ms; preconditioning " << us(rates.precondition.seconds) << " + "
+       << (rates.precondition.per_flop > 0 ? 1e-9 / rates.precondition.per_flop : 0.0) << " GFLOP/s\n";
+  text << choice.describe();
+  report.text = text.str();
+  return report;
 }
 
 }  // namespace dkfac::plan

@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "dkfac/options.h"
+#include "dkfac/strategy/rates.h"
+#include "dkfac/strategy/time_model.h"
 
 /// `dkfac plan`: every strategy's placement and predicted per-rank cost for a model (tools model or
 /// paper-scale table), as JSON and as text. Nothing runs: shapes in, strategy::make_step_plan and
@@ -26,6 +28,11 @@ struct PlanRequest {
   bool symmetric_comm = false;
   /// Extra KAISA rows ("kaisa f=1/4", ...) besides f = 1, 1/2 and 1/P; each must give W dividing nproc.
   std::vector<double> grad_worker_fractions;
+  /// `--strategy auto` (auto_report) only: the intervals its time is averaged over, and the K-FAC memory per
+  /// rank a candidate may hold (0: no budget).
+  int64_t factor_update_steps = 10;
+  int64_t inv_update_steps = 100;
+  int64_t memory_budget_bytes = 0;
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
@@ -46,5 +53,26 @@ PlanReport plan_report(const PlanRequest& request);
 /// placement; otherwise only when nproc <= 8 and the model has <= 32 K-FAC layers, else min / median /
 /// max over ranks.
 std::string plan_text(const PlanReport& report, bool per_rank);
+
+/// `dkfac plan --strategy auto`: strategy::choose_strategy over the model's layers with `rates`, as JSON
+/// (model, nproc, batch_size, compute_method, intervals, memory_budget_bytes, rates, candidates[] with
+/// name, strategy, grad_worker_fraction, symmetric_comm, step_seconds, the max over ranks of each phase's
+/// seconds, memory_bytes, fits; chosen, fits, reason) and as text (the rates and their conditions, then
+/// StrategyChoice::describe). Throws c10::Error when the rates were measured for another compute method.
+struct AutoReport {
+  nlohmann::json json;
+  std::string text;
+};
+AutoReport auto_report(const PlanRequest& request, const strategy::Rates& rates);
+
+/// Rates as JSON (seconds, bytes, FLOPs; every field of strategy::Rates) and back. rates_from_json throws
+/// c10::Error naming a missing or invalid field.
+nlohmann::json rates_to_json(const strategy::Rates& rates);
+strategy::Rates rates_from_json(const nlohmann::json& json);
+
+/// `dkfac plan --measure-rates`: strategy::measure_rates on `nproc` ranks that are threads of this process
+/// (Gloo over loopback, an in-process store), each with `threads` intra-op threads, CPU float32 kernels
+/// of `method`. Returns rank 0's rates (every rank's are the same average).
+strategy::Rates measure_rates_in_process(int nproc, int threads, ComputeMethod method);
 
 }  // namespace dkfac::plan

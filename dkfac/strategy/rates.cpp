@@ -1,0 +1,399 @@
+#include "dkfac/strategy/rates.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "dkfac/comm/communicator.h"
+#include "dkfac/device.h"
+#include "dkfac/math/factors.h"
+#include "dkfac/math/second_order.h"
+#include "dkfac/numbers.h"
+
+namespace dkfac::strategy {
+namespace {
+
+double cube(int64_t d) { return static_cast<double>(d) * d * d; }
+
+/// Median seconds of `repeats` runs of `work` after one warm-up run, timed with device marks.
+double time_median(c10::Device device, int repeats, const std::function<void()>& work) {
+  work();
+  std::vector<double> runs;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = device::Mark::now(device);
+    work();
+    runs.push_back(device::Mark::seconds_between(start, device::Mark::now(device)));
+  }
+  return median(runs);
+}
+
+/// Solves the small dense system m x = b in place (Gaussian elimination, partial pivoting); false when singular.
+bool solve(std::vector<std::vector<double>> m, std::vector<double> b, std::vector<double>& x) {
+  const size_t n = b.size();
+  for (size_t c = 0; c < n; ++c) {
+    size_t pivot = c;
+    for (size_t r = c + 1; r < n; ++r) {
+      if (std::abs(m[r][c]) > std::abs(m[pivot][c])) pivot = r;
+    }
+    if (std::abs(m[pivot][c]) < 1e-12) return false;
+    std::swap(m[c], m[pivot]);
+    std::swap(b[c], b[pivot]);
+    for (size_t r = c + 1; r < n; ++r) {
+      const double k = m[r][c] / m[c][c];
+      for (size_t j = c; j < n; ++j) m[r][j] -= k * m[c][j];
+      b[r] -= k * b[c];
+    }
+  }
+  x.assign(n, 0.0);
+  for (size_t c = n; c-- > 0;) {
+    double s = b[c];
+    for (size_t j = c + 1; j < n; ++j) s -= m[c][j] * x[j];
+    x[c] = s / m[c][c];
+  }
+  return true;
+}
+
+/// Kernel timings shared by measure_rates and measure_local_rates. Every figure is appended to `figures`
+/// in a fixed order (so that ranks can average them element by element), then read back by `assemble`.
+struct KernelPlan {
+  // (rows, d) of covariances, up to the sizes of real layers (a few GFLOP-equivalents in all).
+  std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
+  // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels.
+  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}};
+  std::vector<int64_t> decomposition_dims;
+  std::vector<std::pair<int64_t, int64_t>> precondition_shapes = {{10, 16}, {32, 64}, {64, 145}, {128, 577}, {256, 256}};
+};
+
+KernelPlan kernel_plan(ComputeMethod method) {
+  KernelPlan k;
+  // Eigendecompositions cost ~9 d^3 against an inverse's ~d^3: stop earlier to keep the measurement short.
+  // No powers of two: LAPACK on CPUs is measurably slower at d = 512 or 1024 (cache associativity) than at
+  // the dimensions around them (inverse, one thread: 4.2 ms at 512, 4.2 ms at 576), which a table of powers
+  // of two would spread over every dimension between.
+  k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 48, 96, 192, 384, 640}
+                                                         : std::vector<int64_t>{16, 48, 96, 192, 384, 768, 1536};
+  return k;
+}
+
+torch::Tensor spd_matrix(int64_t d, const torch::TensorOptions& options, at::Generator& gen) {
+  auto x = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+  return x.matmul(x.t()) / d + torch::eye(d, options);
+}
+
+size_t kernel_count(const KernelPlan& k) {
+  return k.factor_shapes.size() + k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
+}
+
+/// The kernel every rank runs at once to measure how ranks share the machine: a [8192, 256] covariance.
+double time_probe(c10::Device device, c10::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(13);
+  auto x = torch::randn({8192, 256}, gen, torch::TensorOptions().dtype(torch::kFloat32))
+               .to(torch::TensorOptions().dtype(dtype).device(device));
+  torch::NoGradGuard no_grad;
+  return time_median(device, 5, [&] { (void)math::covariance(x); });
+}
+
+void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype, ComputeMethod method,
+                  std::vector<double>& figures) {
+  const auto options = torch::TensorOptions().dtype(dtype).device(device);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  torch::NoGradGuard no_grad;
+  for (const auto& [rows, d] : k.factor_shapes) {
+    auto x = torch::randn({rows, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    figures.push_back(time_median(device, 3, [&] { (void)math::covariance(x); }));
+  }
+  math::Conv2dGeometry geometry;
+  geometry.kernel_size = {3, 3};
+  geometry.padding = {1, 1, 1, 1};
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    auto x = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_a_factor(x, geometry, false); }));
+  }
+  for (int64_t d : k.decomposition_dims) {
+    auto f = spd_matrix(d, options, gen);
+    const int repeats = d >= 640 ? 2 : 3;
+    figures.push_back(time_median(device, repeats, [&] {
+      if (method == ComputeMethod::kEigen) {
+        (void)math::eigen_decompose(f);
+      } else {
+        (void)math::damped_inverse(f, 1e-3);
+      }
+    }));
+  }
+  for (const auto& [g, a] : k.precondition_shapes) {
+    auto grad = torch::randn({g, a}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    if (method == ComputeMethod::kEigen) {
+      const auto ea = math::eigen_decompose(spd_matrix(a, options, gen));
+      const auto eg = math::eigen_decompose(spd_matrix(g, options, gen));
+      const auto denominator = math::eigen_denominator(ea, eg, 1e-3);
+      figures.push_back(time_median(device, 3, [&] { (void)math::precondition_eigen(ea, eg, denominator, grad); }));
+    } else {
+      const auto ia = math::damped_inverse(spd_matrix(a, options, gen), 1e-3);
+      const auto ig = math::damped_inverse(spd_matrix(g, options, gen), 1e-3);
+      figures.push_back(time_median(device, 3, [&] { (void)math::precondition_inverse(ia, ig, grad); }));
+    }
+  }
+}
+
+/// Reads the kernel figures (in time_kernels' order) starting at `at` into `rates`.
+void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
+                      Rates& rates) {
+  std::vector<std::vector<double>> features;
+  std::vector<double> seconds;
+  for (const auto& [rows, d] : k.factor_shapes) {
+    const double r = static_cast<double>(rows);
+    features.push_back({1.0, r * d, 2.0 * r * d * d});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto f = fit_nonnegative(features, seconds);
+  rates.factor = FactorRate{f[0], f[1], f[2]};
+  features.clear();
+  seconds.clear();
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    const double r = static_cast<double>(batch * side * side);
+    const double d = 9.0 * channels;
+    features.push_back({1.0, r * d, 2.0 * r * d * d});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto c = fit_nonnegative(features, seconds);
+  rates.conv_factor = FactorRate{c[0], c[1], c[2]};
+  rates.decomposition = DecompositionRate{};
+  for (int64_t d : k.decomposition_dims) {
+    rates.decomposition.dims.push_back(d);
+    rates.decomposition.seconds.push_back(figures.at(at++));
+  }
+  features.clear();
+  seconds.clear();
+  for (const auto& [g, a] : k.precondition_shapes) {
+    const double flops = (method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a);
+    features.push_back({1.0, flops});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto p = fit_nonnegative(features, seconds);
+  rates.precondition = PreconditionRate{p[0], p[1]};
+}
+
+Rates conditions(c10::Device device, c10::ScalarType dtype, ComputeMethod method, int world_size) {
+  Rates rates;
+  rates.world_size = world_size;
+  rates.ranks_per_node = world_size;
+  rates.parallel_ranks = world_size;  // measure_rates measures it
+  rates.device = device.str();
+  rates.dtype = dtype;
+  rates.method = method;
+  rates.threads = at::get_num_threads();
+  return rates;
+}
+
+}  // namespace
+
+double FactorRate::seconds_for(int64_t rows, int64_t d) const {
+  const double r = static_cast<double>(rows);
+  return seconds + per_entry * r * d + per_flop * 2.0 * r * d * d;
+}
+
+double DecompositionRate::seconds_for(int64_t d) const {
+  if (dims.empty()) return latency + per_cubed_dim * cube(d);
+  if (d <= dims.front()) return seconds.front();
+  if (d >= dims.back()) return seconds.back() * cube(d) / cube(dims.back());
+  const size_t hi = static_cast<size_t>(std::lower_bound(dims.begin(), dims.end(), d) - dims.begin());
+  if (dims[hi] == d) return seconds[hi];
+  const size_t lo = hi - 1;
+  // Log-log interpolation: exact for a power law between the two measured points.
+  const double t = (std::log(static_cast<double>(d)) - std::log(static_cast<double>(dims[lo]))) /
+                   (std::log(static_cast<double>(dims[hi])) - std::log(static_cast<double>(dims[lo])));
+  const double low = std::max(seconds[lo], 1e-12);
+  const double high = std::max(seconds[hi], 1e-12);
+  return std::exp(std::log(low) + t * (std::log(high) - std::log(low)));
+}
+
+double PreconditionRate::seconds_for(int64_t g, int64_t a, ComputeMethod method) const {
+  const double flops = (method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a);
+  return seconds + per_flop * flops;
+}
+
+int64_t Rates::element_bytes() const { return static_cast<int64_t>(c10::elementSize(dtype)); }
+
+double Rates::allreduce_seconds(int group_size, double bytes) const {
+  if (group_size <= 1) return 0.0;
+  if (world_size <= 1) return allreduce.seconds(bytes);  // nothing measured to scale from
+  const double k = group_size;
+  const double p = world_size;
+  return allreduce.alpha * (k - 1) / (p - 1) + allreduce.beta * bytes * ((k - 1) / k) / ((p - 1) / p);
+}
+
+double Rates::broadcast_seconds(int group_size, double bytes) const {
+  if (group_size <= 1) return 0.0;
+  if (world_size <= 1) return broadcast.seconds(bytes);
+  const double scale = static_cast<double>(group_size - 1) / (world_size - 1);
+  return scale * broadcast.seconds(bytes);
+}
+
+int64_t Rates::spd_redundant_dim(int group_size) const {
+  const double element = static_cast<double>(element_bytes());
+  const double per_entry = method == ComputeMethod::kEigen ? element : element / 2;
+  const double alpha = allreduce_seconds(group_size, 0.0);
+  const assign::AlphaBeta link{alpha, allreduce_seconds(group_size, 1.0) - alpha};
+  return assign::redundant_dim_threshold(decomposition.seconds_for(256) / cube(256), link, per_entry);
+}
+
+void Rates::validate() const {
+  TORCH_CHECK(world_size >= 1, "rates: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(threads >= 1, "rates: threads must be >= 1, got ", threads);
+  TORCH_CHECK(ranks_per_node >= 1, "rates: ranks_per_node must be >= 1, got ", ranks_per_node);
+  TORCH_CHECK(std::isfinite(parallel_ranks) && parallel_ranks >= 1 && parallel_ranks <= ranks_per_node,
+              "rates: parallel_ranks must be in [1, ranks_per_node = ", ranks_per_node, "], got ", parallel_ranks);
+  const auto check = [](const char* name, double v) {
+    TORCH_CHECK(std::isfinite(v) && v >= 0, "rates: ", name, " must be finite and >= 0, got ", v);
+  };
+  check("allreduce.alpha", allreduce.alpha);
+  check("allreduce.beta", allreduce.beta);
+  check("broadcast.alpha", broadcast.alpha);
+  check("broadcast.beta", broadcast.beta);
+  check("factor.seconds", factor.seconds);
+  check("factor.per_entry", factor.per_entry);
+  check("factor.per_flop", factor.per_flop);
+  check("conv_factor.seconds", conv_factor.seconds);
+  check("conv_factor.per_entry", conv_factor.per_entry);
+  check("conv_factor.per_flop", conv_factor.per_flop);
+  check("decomposition.latency", decomposition.latency);
+  check("decomposition.per_cubed_dim", decomposition.per_cubed_dim);
+  check("precondition.seconds", precondition.seconds);
+  check("precondition.per_flop", precondition.per_flop);
+  TORCH_CHECK(decomposition.dims.size() == decomposition.seconds.size(), "rates: decomposition has ",
+              decomposition.dims.size(), " dims but ", decomposition.seconds.size(), " times");
+  for (size_t i = 0; i < decomposition.dims.size(); ++i) {
+    TORCH_CHECK(decomposition.dims[i] >= 1 && (i == 0 || decomposition.dims[i] > decomposition.dims[i - 1]),
+                "rates: decomposition dims must be ascending and >= 1, got ", decomposition.dims[i], " at ", i);
+    check("decomposition.seconds", decomposition.seconds[i]);
+  }
+}
+
+std::vector<double> fit_nonnegative(const std::vector<std::vector<double>>& features,
+                                    const std::vector<double>& seconds) {
+  TORCH_CHECK(!features.empty() && features.size() == seconds.size(), "fit_nonnegative: ", features.size(),
+              " rows of features for ", seconds.size(), " times");
+  const size_t n = features.front().size();
+  TORCH_CHECK(n >= 1 && n <= 8, "fit_nonnegative: 1 to 8 features, got ", n);
+  std::vector<double> best(n, 0.0);
+  double best_error = std::numeric_limits<double>::infinity();
+  const auto weight = [&](size_t i) { return 1.0 / std::max(seconds[i], 1e-12); };
+  for (unsigned mask = 1; mask < (1u << n); ++mask) {
+    std::vector<size_t> used;
+    for (size_t j = 0; j < n; ++j) {
+      if (mask & (1u << j)) used.push_back(j);
+    }
+    // Columns scaled to unit maximum so that the normal equations stay well conditioned.
+    std::vector<double> scale(used.size(), 0.0);
+    for (size_t u = 0; u < used.size(); ++u) {
+      for (size_t i = 0; i < features.size(); ++i) scale[u] = std::max(scale[u], std::abs(features[i][used[u]] * weight(i)));
+      if (scale[u] == 0) scale[u] = 1;
+    }
+    std::vector<std::vector<double>> m(used.size(), std::vector<double>(used.size(), 0.0));
+    std::vector<double> b(used.size(), 0.0);
+    for (size_t i = 0; i < features.size(); ++i) {
+      const double w = weight(i);
+      for (size_t u = 0; u < used.size(); ++u) {
+        const double xu = features[i][used[u]] * w / scale[u];
+        b[u] += xu * seconds[i] * w;
+        for (size_t v = 0; v < used.size(); ++v) m[u][v] += xu * features[i][used[v]] * w / scale[v];
+      }
+    }
+    std::vector<double> x;
+    if (!solve(m, b, x)) continue;
+    if (std::any_of(x.begin(), x.end(), [](double c) { return c < 0; })) continue;
+    std::vector<double> c(n, 0.0);
+    for (size_t u = 0; u < used.size(); ++u) c[used[u]] = x[u] / scale[u];
+    double error = 0;
+    for (size_t i = 0; i < features.size(); ++i) {
+      double predicted = 0;
+      for (size_t j = 0; j < n; ++j) predicted += c[j] * features[i][j];
+      const double r = (predicted - seconds[i]) * weight(i);
+      error += r * r;
+    }
+    if (error < best_error) {
+      best_error = error;
+      best = c;
+    }
+  }
+  return best;
+}
+
+Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
+                    ComputeMethod method) {
+  const int world = communicator.size();
+  Rates rates = conditions(device, dtype, method, world);
+  std::vector<double> figures;
+  // Collectives first, while every rank is at the same point; sizes as strategy::measure_link's, whose
+  // start-up timings were noisy where ranks share cores: median of 5, slopes from messages up to 4 MiB.
+  const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18, 1 << 20};  // float32: 4 B .. 4 MiB
+  if (world > 1) {
+    for (const bool broadcast : {false, true}) {
+      for (int64_t n : sizes) {
+        auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+        figures.push_back(time_median(device, 5, [&] {
+          auto handle = broadcast ? communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration)
+                                  : communicator.allreduce_sum(t, comm::kWorld, comm::Phase::kCalibration);
+          handle.wait();
+        }));
+      }
+    }
+  }
+  if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
+  // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
+  const KernelPlan k = kernel_plan(method);
+  const size_t kernels_at = figures.size();
+  std::vector<double> kernels;
+  if (communicator.rank() == 0) {
+    time_kernels(k, device, dtype, method, kernels);
+    kernels.push_back(time_probe(device, dtype));
+  }
+  if (world > 1) {
+    auto t = torch::zeros({static_cast<int64_t>(kernel_count(k) + 1)}, torch::kFloat64);
+    if (communicator.rank() == 0) t.copy_(torch::tensor(kernels, torch::kFloat64));
+    communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+    kernels.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+    // The same kernel on every rank at once: how many ranks compute at full speed together.
+    std::vector<double> together = {time_probe(device, dtype)};
+    comm::average_over(communicator, comm::kWorld, together);
+    rates.parallel_ranks = std::clamp(world * kernels.back() / std::max(together[0], 1e-12), 1.0, double(world));
+  }
+  figures.insert(figures.end(), kernels.begin(), kernels.end() - 1);
+  if (world > 1) {
+    std::vector<double> bytes;
+    for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));
+    std::vector<std::vector<double>> features;
+    for (double b : bytes) features.push_back({1.0, b});
+    for (const bool broadcast : {false, true}) {
+      const size_t at = broadcast ? sizes.size() : 0;
+      const std::vector<double> seconds(figures.begin() + static_cast<std::ptrdiff_t>(at),
+                                        figures.begin() + static_cast<std::ptrdiff_t>(at + sizes.size()));
+      const auto c = fit_nonnegative(features, seconds);
+      (broadcast ? rates.broadcast : rates.allreduce) = assign::AlphaBeta{c[0], c[1]};
+    }
+  }
+  assemble_kernels(k, figures, kernels_at, method, rates);
+  return rates;
+}
+
+size_t agree_on_choice(comm::Communicator& communicator, size_t index) {
+  if (communicator.size() <= 1) return index;
+  auto t = torch::tensor({static_cast<int64_t>(index)}, torch::kInt64);
+  communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+  return static_cast<size_t>(t.item<int64_t>());
+}
+
+Rates measure_local_rates(c10::Device device, c10::ScalarType dtype, ComputeMethod method) {
+  Rates rates = conditions(device, dtype, method, 1);
+  const KernelPlan k = kernel_plan(method);
+  std::vector<double> figures;
+  time_kernels(k, device, dtype, method, figures);
+  assemble_kernels(k, figures, 0, method, rates);
+  return rates;
+}
+
+}  // namespace dkfac::strategy

@@ -1,0 +1,121 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "dkfac/assign/assignment.h"
+#include "dkfac/options.h"
+
+namespace dkfac::comm {
+class Communicator;
+}  // namespace dkfac::comm
+
+/// Measured speeds of one machine (a device, its transport, a world of ranks), the inputs of the
+/// time model (strategy/time_model.h) and of `Strategy` auto's choice (strategy::choose_strategy).
+/// Rates are values: measured once by measure_rates (collective), or read from JSON (`dkfac plan --rates`,
+/// tools/plan/plan_report.h), or written by hand for a machine one does not have.
+namespace dkfac::strategy {
+
+/// Seconds to build one factor from `rows` x `d` input rows (covariance X^T X / n of a [rows, d] matrix):
+/// seconds + per_entry rows d + per_flop 2 rows d^2.
+struct FactorRate {
+  double seconds = 0;    ///< per factor: start-up (latency-bound small factors)
+  double per_entry = 0;  ///< per input entry read (rows x d): memory-bound part
+  double per_flop = 0;   ///< per multiply-add pair (2 rows d^2)
+  double seconds_for(int64_t rows, int64_t d) const;
+};
+
+/// Seconds of one eigendecomposition or damped inverse of a d x d factor, by dimension: small d is
+/// latency-bound, so the measured (dim, seconds) table is interpolated log-log between its points, taken as
+/// the smallest point's time below it and scaled by d^3 above the largest. With an empty table:
+/// seconds + per_cubed_dim d^3 (rates given by hand).
+struct DecompositionRate {
+  std::vector<int64_t> dims;    ///< ascending
+  std::vector<double> seconds;  ///< measured, one per dim
+  double latency = 0;           ///< empty table only: seconds per decomposition
+  double per_cubed_dim = 0;     ///< empty table only: seconds per d^3
+  double seconds_for(int64_t d) const;
+};
+
+/// Seconds to precondition one layer's [g, a] gradient (G^-1 grad A^-1, or the four eigenbasis products):
+/// seconds + per_flop x 2 g a (g + a) (x 2 for eigen, whose FLOPs strategy::predict counts twice).
+struct PreconditionRate {
+  double seconds = 0;   ///< per layer
+  double per_flop = 0;  ///< per FLOP of strategy::RankCost::precondition_flops
+  double seconds_for(int64_t g, int64_t a, ComputeMethod method) const;
+};
+
+/// One machine's rates. Collectives were measured on `world_size` ranks; on a group of k ranks the
+/// time model scales them as a ring would (allreduce: alpha by (k-1)/(P-1), beta by ((k-1)/k)/((P-1)/P);
+/// broadcast from one root, which sends to each peer: alpha and beta by (k-1)/(P-1)), and a group of one
+/// costs nothing. Using rates measured on P ranks for a plan on more ranks extrapolates the same way.
+struct Rates {
+  int world_size = 1;                           ///< ranks the collectives were measured on
+  /// Ranks that share one machine's compute (consecutive ranks form a node): measure_rates runs on one
+  /// machine, so its world. The time model lets a node's busy ranks share `parallel_ranks` full speeds.
+  int ranks_per_node = 1;
+  /// How many of a node's ranks compute at full speed at once: P t_alone / t_together for one kernel run by
+  /// rank 0 alone and by every rank at once, in [1, ranks_per_node] (CPU ranks sharing 2 cores: about 2;
+  /// one GPU per rank: ranks_per_node). The kernel rates below are one rank's alone.
+  double parallel_ranks = 1;
+  std::string device = "cpu";                   ///< where the kernels ran ("cpu", "cuda:0")
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< K-FAC tensors' dtype
+  ComputeMethod method = ComputeMethod::kInverse;  ///< what decomposition and precondition measured
+  int threads = 1;                              ///< intra-op threads per rank while measuring
+  std::string conditions;                       ///< free text: machine, load, date (printed with every figure)
+  assign::AlphaBeta allreduce;                  ///< seconds = alpha + beta bytes, on the world
+  assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
+  FactorRate factor;       ///< a Linear layer's factors and a convolution's G (a plain covariance)
+  /// A convolution's A factor (a layer with rows_per_sample > 1), measured on 3 x 3 stride-1 convolutions,
+  /// whose factor math::conv2d_a_factor builds from kernel-row shifts (about 2/3 of the covariance's work).
+  /// LayerShape carries no kernel size, so 1 x 1 and strided convolutions are predicted with this rate too.
+  FactorRate conv_factor;
+  DecompositionRate decomposition;
+  PreconditionRate precondition;
+
+  /// Bytes of one K-FAC tensor element (of `dtype`).
+  int64_t element_bytes() const;
+  /// A collective of `bytes` payload on a group of `group_size` ranks (0 for a group of one).
+  double allreduce_seconds(int group_size, double bytes) const;
+  double broadcast_seconds(int group_size, double bytes) const;
+  /// What SPD-KFAC's executor measures before planning (spd.h), from these rates: seconds per d^3 of a
+  /// 256 x 256 decomposition, turned into the redundancy threshold with the allreduce link on
+  /// `group_size` ranks (assign::redundant_dim_threshold), so that a predicted SPD-KFAC plan places factors
+  /// as its job would.
+  int64_t spd_redundant_dim(int group_size) const;
+  /// Checks every field (finite, non-negative, table ascending and as long as its times); throws c10::Error
+  /// naming the field.
+  void validate() const;
+};
+
+/// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
+/// time, on one machine. Collectives: allreduces and
+/// broadcasts of 4 B to 4 MiB on the world (median of 5 each); kernels on `device` in `dtype`: factor
+/// covariances of a few (rows, d) and 3 x 3 convolutions' A factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
+/// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
+/// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
+/// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
+/// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
+/// same Rates. About 1-2 s on 2 CPU cores. A communicator of one rank measures the kernels only
+/// (collectives cost 0).
+Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
+                    ComputeMethod method);
+
+/// Rank 0's `index` on every rank (one 8-byte broadcast over the world): the caller of choose_strategy
+/// (time_model.h) agrees on rank 0's choice with it. Collective; returns `index` itself in one process.
+size_t agree_on_choice(comm::Communicator& communicator, size_t index);
+
+/// Kernels only, in this process, without a communicator (collectives left at 0): for tests and one-rank use.
+Rates measure_local_rates(c10::Device device, c10::ScalarType dtype, ComputeMethod method);
+
+/// Least-squares fit of seconds ~ sum_j c_j features[i][j] with every c_j >= 0, minimising relative error
+/// (each row weighted by 1 / seconds[i]) so that small and large measurements count alike. Tries every
+/// subset of the features and keeps the best feasible fit. Pure; exposed for tests.
+std::vector<double> fit_nonnegative(const std::vector<std::vector<double>>& features,
+                                    const std::vector<double>& seconds);
+
+}  // namespace dkfac::strategy

@@ -1,0 +1,359 @@
+#include "dkfac/strategy/time_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+#include "dkfac/comm/packing.h"
+#include "dkfac/numbers.h"
+#include "dkfac/strategy/prediction.h"
+
+namespace dkfac::strategy {
+namespace {
+
+int64_t entries(int64_t n, bool triangle) { return triangle ? n * (n + 1) / 2 : n * n; }
+
+/// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
+/// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
+double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::vector<double>& build_seconds) {
+  const int p = plan.world_size();
+  std::vector<int64_t> bytes;
+  const size_t layers = plan.shapes.size();
+  for (size_t slot = 0; slot < 2 * layers; ++slot) {
+    const auto& shape = plan.shapes[slot < layers ? slot : 2 * layers - 1 - slot];
+    const int64_t n = slot < layers ? shape.a_dim : shape.g_dim;
+    bytes.push_back(rates.element_bytes() * entries(n, plan.factor_triangles));
+  }
+  std::vector<int64_t> groups;
+  switch (plan.reduction) {
+    case FactorReduction::kNone:
+      return 0.0;
+    case FactorReduction::kAllreduce:
+      groups.assign(bytes.size(), 1);
+      break;
+    case FactorReduction::kHookBuckets:
+      groups = comm::bucket_groups(bytes, static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024));
+      break;
+    case FactorReduction::kSpdPipeline:
+      if (!plan.fusion.empty()) {
+        groups = plan.fusion;
+      } else {
+        // Profiled in a job: the factors' ready times there are their build times here, in ready order.
+        std::vector<double> ready(bytes.size(), 0.0);
+        std::partial_sum(build_seconds.begin(), build_seconds.end(), ready.begin());
+        const double alpha = rates.allreduce_seconds(p, 0.0);
+        const assign::AlphaBeta link{alpha, rates.allreduce_seconds(p, 1.0) - alpha};
+        groups = assign::fuse_groups(ready, bytes, link);
+      }
+      break;
+  }
+  double seconds = 0;
+  size_t at = 0;
+  for (int64_t size : groups) {
+    double group_bytes = 0;
+    for (int64_t k = 0; k < size && at < bytes.size(); ++k) group_bytes += static_cast<double>(bytes[at++]);
+    seconds += rates.allreduce_seconds(p, group_bytes);
+  }
+  return seconds;
+}
+
+/// Every rank in `groups` waits for the slowest of its group, then spends `cost[group index]`.
+void meet(std::vector<double>& t, const std::vector<std::vector<int>>& groups, const std::vector<double>& cost) {
+  for (size_t k = 0; k < groups.size(); ++k) {
+    double latest = 0;
+    for (int r : groups[k]) latest = std::max(latest, t[r]);
+    for (int r : groups[k]) t[r] = latest + cost[k];
+  }
+}
+
+/// Each rank r starts `work[r]` seconds (its speed alone) at t[r]; the ranks of one node (consecutive
+/// groups of `per_node`) share `slots` full speeds: while n of them are busy each runs at min(1, slots / n).
+/// Moves each t[r] to when its work ends.
+void run_shared(std::vector<double>& t, const std::vector<double>& work, int per_node, double slots) {
+  const int p = static_cast<int>(t.size());
+  for (int first = 0; first < p; first += per_node) {
+    const int last = std::min(p, first + per_node);
+    std::vector<double> left(work.begin() + first, work.begin() + last);
+    std::vector<bool> busy(left.size(), false);
+    double now = std::numeric_limits<double>::infinity();
+    for (int r = first; r < last; ++r) {
+      if (left[r - first] > 0) now = std::min(now, t[r]);
+    }
+    while (std::isfinite(now)) {
+      int active = 0;
+      double next_start = std::numeric_limits<double>::infinity();
+      for (int r = first; r < last; ++r) {
+        if (left[r - first] <= 0) continue;
+        if (t[r] <= now) {
+          busy[r - first] = true;
+          ++active;
+        } else {
+          next_start = std::min(next_start, t[r]);
+        }
+      }
+      if (active == 0) {
+        now = next_start;
+        continue;
+      }
+      const double speed = std::min(1.0, slots / active);
+      double step = next_start - now;
+      for (int r = first; r < last; ++r) {
+        if (busy[r - first] && left[r - first] > 0) step = std::min(step, left[r - first] / speed);
+      }
+      now += step;
+      for (int r = first; r < last; ++r) {
+        if (!busy[r - first] || left[r - first] <= 0) continue;
+        left[r - first] -= speed * step;
+        if (left[r - first] <= 1e-15 * std::max(1.0, work[r])) {
+          left[r - first] = 0;
+          t[r] = now;
+        }
+      }
+      bool any = false;
+      for (double x : left) any |= x > 0;
+      if (!any) break;
+    }
+  }
+}
+
+std::string fraction_name(int w, int p) { return w == p ? "1" : "1/" + std::to_string(p / w); }
+
+std::string ms(double seconds) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(seconds < 0.01 ? 3 : seconds < 1 ? 2 : 1) << 1e3 * seconds;
+  return out.str();
+}
+
+}  // namespace
+
+double PhaseSeconds::total() const {
+  return factor_build + factor_comm + decomposition + second_order_comm + precondition + gradient_comm;
+}
+
+TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals) {
+  TORCH_CHECK(intervals.factor_update_steps >= 1 && intervals.inv_update_steps >= 1,
+              "intervals must be >= 1, got factor_update_steps ", intervals.factor_update_steps,
+              " and inv_update_steps ", intervals.inv_update_steps);
+  TORCH_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
+  const int p = plan.world_size();
+  const size_t layers = plan.shapes.size();
+  const bool eigen = plan.method == ComputeMethod::kEigen;
+  const int64_t e = rates.element_bytes();
+  std::vector<double> build(p, 0.0), decompose(p, 0.0), precondition(p, 0.0), second_order(p, 0.0);
+  std::vector<double> slot_build(2 * layers, 0.0);  // one builder's seconds per factor, in ready order
+  for (size_t i = 0; i < layers; ++i) {
+    const auto& s = plan.shapes[i];
+    const int64_t rows = batch_size * s.rows_per_sample;
+    const double a_build = (s.rows_per_sample > 1 ? rates.conv_factor : rates.factor).seconds_for(rows, s.a_dim);
+    const double g_build = rates.factor.seconds_for(rows, s.g_dim);
+    slot_build[i] = a_build;
+    slot_build[2 * layers - 1 - i] = g_build;
+    const auto& flow = plan.flows[i];
+    const int w = plan.grad_workers();
+    const auto share = [&](int64_t n) {
+      if (eigen) return rates.broadcast_seconds(w, e * n * n) + rates.broadcast_seconds(w, e * n);
+      return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
+    };
+    for (int r = 0; r < p; ++r) {
+      if (plan.builds_factors(i, r)) build[r] += a_build + g_build;
+      if (!plan.preconditions(i, r)) continue;
+      if (plan.computes_a(i, r)) decompose[r] += rates.decomposition.seconds_for(s.a_dim);
+      if (plan.computes_g(i, r)) decompose[r] += rates.decomposition.seconds_for(s.g_dim);
+      if (flow.broadcast_a) second_order[r] += share(s.a_dim);
+      if (flow.broadcast_g) second_order[r] += share(s.g_dim);
+      precondition[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
+    }
+  }
+  const double factor_comm = factor_comm_seconds(plan, rates, slot_build);
+  double gradient_comm = 0;
+  if (plan.broadcast_gradients) {
+    const int row = p / plan.grad_workers();
+    for (const auto& s : plan.shapes) gradient_comm += rates.broadcast_seconds(row, static_cast<double>(e * s.g_dim * s.a_dim));
+  }
+
+  // Simulates one step of each kind: ranks add their work and meet at the plan's collectives.
+  const auto columns = plan.placement.columns();
+  const auto rows = plan.placement.rows();
+  // A node's busy ranks share its compute (rates.parallel_ranks full speeds per rates.ranks_per_node ranks).
+  const int per_node = std::max(1, rates.ranks_per_node);
+  const double slots = std::max(1.0, rates.parallel_ranks);
+  const auto share = [&](std::vector<double>& t, const std::vector<double>& work) {
+    if (slots >= per_node) {
+      for (int r = 0; r < p; ++r) t[r] += work[r];
+    } else {
+      run_shared(t, work, per_node, slots);
+    }
+  };
+  const auto step = [&](bool factor_step, bool inverse_step) {
+    std::vector<double> t(p, 0.0);
+    if (factor_step) {
+      share(t, build);
+      if (plan.reduction != FactorReduction::kNone) {
+        std::vector<int> world(p);
+        std::iota(world.begin(), world.end(), 0);
+        meet(t, {world}, {factor_comm});
+      }
+    }
+    if (inverse_step) {
+      share(t, decompose);
+      if (plan.shares_second_order()) {
+        std::vector<double> cost;
+        for (const auto& c : columns) cost.push_back(second_order[c.front()]);
+        meet(t, columns, cost);
+      }
+    }
+    share(t, precondition);
+    if (plan.broadcast_gradients) meet(t, rows, std::vector<double>(rows.size(), gradient_comm));
+    return *std::max_element(t.begin(), t.end());  // the next gradient allreduce waits for the slowest
+  };
+  const double f = static_cast<double>(intervals.factor_update_steps);
+  const double v = static_cast<double>(intervals.inv_update_steps);
+  const double both = 1.0 / static_cast<double>(std::lcm(intervals.factor_update_steps, intervals.inv_update_steps));
+  const double factor_only = 1.0 / f - both;
+  const double inverse_only = 1.0 / v - both;
+  const double neither = 1.0 - both - factor_only - inverse_only;
+
+  TimePrediction out;
+  out.step_seconds = both * step(true, true) + factor_only * step(true, false) + inverse_only * step(false, true) +
+                     neither * step(false, false);
+  for (int r = 0; r < p; ++r) {
+    PhaseSeconds x;
+    x.factor_build = build[r] / f;
+    x.factor_comm = factor_comm / f;
+    x.decomposition = decompose[r] / v;
+    x.second_order_comm = second_order[r] / v;
+    x.precondition = precondition[r];
+    x.gradient_comm = gradient_comm;
+    out.ranks.push_back(x);
+  }
+  return out;
+}
+
+Options StrategyChoice::apply(const Options& base) const {
+  const Options& o = pick().options;
+  return Options(base)
+      .strategy(o.strategy())
+      .grad_worker_fraction(o.grad_worker_fraction())
+      .symmetric_comm(o.symmetric_comm());
+}
+
+std::string StrategyChoice::describe() const {
+  std::ostringstream out;
+  out << "strategy auto: " << candidates.size() << " candidates; predicted K-FAC ms per step of the job "
+      << "(slowest rank, waiting at collectives; averaged over the update intervals), phases as the max over ranks; "
+         "memory = K-FAC state of the fullest rank\n";
+  out << "    " << std::left << std::setw(30) << "candidate" << std::right << std::setw(10) << "step ms"
+      << std::setw(9) << "factor" << std::setw(9) << "f-comm" << std::setw(9) << "decomp" << std::setw(9)
+      << "2nd-comm" << std::setw(9) << "precond" << std::setw(9) << "V-comm" << std::setw(12) << "memory"
+      << "\n";
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const auto& c = candidates[k];
+    PhaseSeconds m;
+    for (const auto& r : c.time.ranks) {
+      m.factor_build = std::max(m.factor_build, r.factor_build);
+      m.factor_comm = std::max(m.factor_comm, r.factor_comm);
+      m.decomposition = std::max(m.decomposition, r.decomposition);
+      m.second_order_comm = std::max(m.second_order_comm, r.second_order_comm);
+      m.precondition = std::max(m.precondition, r.precondition);
+      m.gradient_comm = std::max(m.gradient_comm, r.gradient_comm);
+    }
+    out << (k == chosen ? "  * " : c.fits ? "    " : "  - ") << std::left << std::setw(30) << c.name << std::right
+        << std::setw(10) << ms(c.time.step_seconds) << std::setw(9) << ms(m.factor_build) << std::setw(9)
+        << ms(m.factor_comm) << std::setw(9) << ms(m.decomposition) << std::setw(9) << ms(m.second_order_comm)
+        << std::setw(9) << ms(m.precondition) << std::setw(9) << ms(m.gradient_comm) << std::setw(12)
+        << human_bytes(static_cast<double>(c.memory_bytes)) << "\n";
+  }
+  out << "  (* the pick; - over the memory budget)\n  " << reason << "\n";
+  return out.str();
+}
+
+StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& base,
+                               const Rates& rates, int64_t memory_budget_bytes, int64_t batch_size,
+                               Intervals intervals) {
+  TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  TORCH_CHECK(memory_budget_bytes >= 0, "memory budget must be >= 0 bytes (0: none), got ", memory_budget_bytes);
+  rates.validate();
+  TORCH_CHECK(rates.method == base.compute_method(), "the rates were measured for the ", to_string(rates.method),
+              " method, but the options use ", to_string(base.compute_method()), ": measure them for it");
+  const int p = world_size;
+  StrategyChoice choice;
+  const auto add = [&](std::string name, Options options) {
+    Candidate c;
+    c.name = std::move(name);
+    c.options = std::move(options);
+    c.plan = make_step_plan(shapes, p, c.options, rates.spd_redundant_dim(p));
+    c.time = predict_time(c.plan, rates, batch_size, intervals);
+    for (const auto& r : predict(c.plan, rates.element_bytes(), batch_size)) {
+      c.memory_bytes = std::max(c.memory_bytes, r.memory_bytes);
+    }
+    c.fits = memory_budget_bytes == kNoMemoryBudget || c.memory_bytes <= memory_budget_bytes;
+    choice.candidates.push_back(std::move(c));
+  };
+  for (int w = p; w >= 1; --w) {
+    if (p % w != 0) continue;
+    for (const bool triangles : {false, true}) {
+      const double f = static_cast<double>(w) / p;
+      add("kaisa f=" + fraction_name(w, p) + " (W=" + std::to_string(w) + ")" + (triangles ? " triangles" : ""),
+          Options(base).strategy(Strategy::kKaisa).grad_worker_fraction(f).symmetric_comm(triangles));
+    }
+  }
+  add("spd", Options(base).strategy(Strategy::kSpd).grad_worker_fraction(1.0).symmetric_comm(true));
+  add("dp", Options(base).strategy(Strategy::kDp).grad_worker_fraction(1.0).symmetric_comm(false));
+
+  const auto& all = choice.candidates;
+  const auto same_time = [](double x, double y) { return std::abs(x - y) <= 1e-9 * std::max(std::abs(x), std::abs(y)); };
+  // Strictly better: faster, or as fast with less memory; earlier candidates win exact ties.
+  const auto faster = [&](const Candidate& x, const Candidate& y) {
+    if (!same_time(x.time.step_seconds, y.time.step_seconds)) return x.time.step_seconds < y.time.step_seconds;
+    return x.memory_bytes < y.memory_bytes;
+  };
+  const auto smaller = [&](const Candidate& x, const Candidate& y) {
+    if (x.memory_bytes != y.memory_bytes) return x.memory_bytes < y.memory_bytes;
+    return !same_time(x.time.step_seconds, y.time.step_seconds) && x.time.step_seconds < y.time.step_seconds;
+  };
+  choice.fits = std::any_of(all.begin(), all.end(), [](const Candidate& c) { return c.fits; });
+  std::optional<size_t> best;
+  for (size_t k = 0; k < all.size(); ++k) {
+    if (choice.fits && !all[k].fits) continue;
+    if (!best || (choice.fits ? faster(all[k], all[*best]) : smaller(all[k], all[*best]))) best = k;
+  }
+  choice.chosen = *best;
+  const auto& pick = all[choice.chosen];
+  std::ostringstream why;
+  const std::string budget = memory_budget_bytes == kNoMemoryBudget
+                                 ? std::string("no memory budget")
+                                 : "a memory budget of " + human_bytes(static_cast<double>(memory_budget_bytes)) +
+                                       " per rank";
+  if (choice.fits) {
+    std::optional<size_t> next;
+    size_t fitting = 0;
+    for (size_t k = 0; k < all.size(); ++k) {
+      if (!all[k].fits) continue;
+      ++fitting;
+      if (k != choice.chosen && (!next || faster(all[k], all[*next]))) next = k;
+    }
+    why << "picked " << pick.name << ": the fastest (" << ms(pick.time.step_seconds) << " ms) of the " << fitting
+        << " of " << all.size() << " candidates that fit (" << budget << ")";
+    if (next) {
+      const double gain = all[*next].time.step_seconds - pick.time.step_seconds;
+      why << "; next " << all[*next].name << " at " << ms(all[*next].time.step_seconds) << " ms (+"
+          << std::fixed << std::setprecision(1)
+          << (pick.time.step_seconds > 0 ? 100.0 * gain / pick.time.step_seconds : 0.0) << "%)";
+    }
+  } else {
+    why << "no candidate fits " << budget << "; picked " << pick.name << ", the least memory ("
+        << human_bytes(static_cast<double>(pick.memory_bytes)) << ", " << ms(pick.time.step_seconds) << " ms)";
+  }
+  why << "; " << p << " ranks x batch " << batch_size << ", factors every " << intervals.factor_update_steps
+      << ", second order every " << intervals.inv_update_steps << " steps";
+  choice.reason = why.str();
+  return choice;
+}
+
+}  // namespace dkfac::strategy

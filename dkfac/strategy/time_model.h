@@ -1,0 +1,105 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dkfac/options.h"
+#include "dkfac/strategy/rates.h"
+#include "dkfac/strategy/step_plan.h"
+
+/// Predicted K-FAC time of a StepPlan from measured Rates, and `Strategy` auto's choice among the
+/// strategies' plans (docs/STRATEGIES.md, "Choosing automatically"). Pure: no tensors, no processes.
+namespace dkfac::strategy {
+
+/// Steps between factor updates and between second-order updates (Options' two intervals at the step of
+/// interest). A step s is a factor step when s % factor_update_steps == 0, a second-order step when
+/// s % inv_update_steps == 0.
+struct Intervals {
+  int64_t factor_update_steps = 1;
+  int64_t inv_update_steps = 1;
+};
+
+/// Seconds per step of each K-FAC phase, averaged over the intervals.
+struct PhaseSeconds {
+  double factor_build = 0;       ///< covariances of the factors this rank builds (factor steps)
+  double factor_comm = 0;        ///< factor allreduces, as the plan groups them (factor steps)
+  double decomposition = 0;      ///< this rank's eigendecompositions / inverses (second-order steps)
+  double second_order_comm = 0;  ///< broadcasts inside this rank's column (second-order steps)
+  double precondition = 0;       ///< this rank's preconditioning products (every step)
+  double gradient_comm = 0;      ///< V broadcasts along this rank's row (every step)
+  double total() const;
+};
+
+/// A plan's predicted time. K-FAC's own time only: forward, backward, the data-parallel gradient allreduce
+/// and the optimizer are the same for every strategy and are not modelled.
+struct TimePrediction {
+  std::vector<PhaseSeconds> ranks;  ///< each rank's own work per phase, without waiting for others
+  /// The job's K-FAC seconds per step: ranks run their work and meet at every collective the plan names
+  /// (the factor allreduce over the world, second-order broadcasts in each column, V broadcasts in each
+  /// row, and the next step's gradient allreduce), where each waits for the slowest of its group. A phase
+  /// without a collective carries its imbalance into the next meeting. Ranks of one node that compute at
+  /// the same time share its speed (Rates::parallel_ranks); a rank that waits at a collective does not
+  /// compute. Collectives are not overlapped with computation (on CPUs over loopback the transport runs on
+  /// the cores that compute; docs/STRATEGIES.md).
+  double step_seconds = 0;
+};
+
+/// The predicted time of `plan` with `batch_size` samples per rank per step. Factor covariances read each
+/// shape's rows_per_sample; bucketed factor allreduces are grouped as comm::bucket_groups groups them,
+/// SPD-KFAC's as its fusion says (or, left to profiling, by assign::fuse_groups with the factors' build
+/// times as their ready times and the allreduce link). `rates.method` should be the plan's method
+/// (decomposition and preconditioning times are for it).
+TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals);
+
+/// No limit for choose_strategy's memory budget.
+constexpr int64_t kNoMemoryBudget = 0;
+
+/// One strategy that `Strategy` auto considers, with its prediction.
+struct Candidate {
+  std::string name;         ///< "kaisa f=1/2 W=2 triangles", "spd", "dp", ...
+  Options options;          ///< the base options with this candidate's strategy, fraction and symmetric_comm
+  StepPlan plan;            ///< make_step_plan(shapes, world, options) (SPD-KFAC: its redundancy threshold
+                            ///< from the rates, as its executor would measure it)
+  TimePrediction time;
+  int64_t memory_bytes = 0;  ///< K-FAC state of the rank holding most (strategy::predict)
+  bool fits = true;          ///< memory_bytes <= the budget
+};
+
+/// What choose_strategy decided.
+struct StrategyChoice {
+  std::vector<Candidate> candidates;  ///< every candidate, in the order they were built
+  size_t chosen = 0;                  ///< index into candidates
+  bool fits = true;                   ///< false: no candidate fits the budget (chosen is the least memory)
+  std::string reason;                 ///< one sentence: why this candidate
+
+  const Candidate& pick() const { return candidates.at(chosen); }
+  /// `base` with the chosen strategy, grad_worker_fraction and symmetric_comm set (all else untouched).
+  Options apply(const Options& base) const;
+  /// The table of every candidate (predicted ms per step and memory) and the reason, in words.
+  std::string describe() const;
+};
+
+/// `Strategy` auto's choice for a job of `world_size` ranks on layers `shapes`: candidates KAISA at every
+/// W dividing P (f = W/P: 1/P, the divisors between, 1), each with and without symmetric_comm; SPD-KFAC;
+/// DP-KFAC. Each candidate's StepPlan comes from make_step_plan (the one place a strategy's behaviour is
+/// written) with `base` otherwise unchanged; its time from predict_time, its memory from predict. The pick is
+/// the fastest candidate whose K-FAC memory per rank fits `memory_budget_bytes` (kNoMemoryBudget: any);
+/// equal predicted times (within 1e-9 relative) go to less memory, then to the earlier candidate. When none
+/// fits, the candidate with the least memory (then the fastest), and `fits` is false. Pure given the rates:
+/// every rank that calls it with the same arguments gets the same choice.
+///
+/// For the caller (Options' `Strategy` auto, the Preconditioner, `dkfac train --strategy auto`):
+///  1. rates = measure_rates(communicator, device, dtype, method) on every rank at once (collective; every
+///     rank gets the same averaged numbers), or Rates read from a file written earlier;
+///  2. choice = choose_strategy(shapes, P, options, rates, budget, batch, {factor, inv intervals at step 0});
+///  3. to be safe against a rank computing a different answer (different inputs, floating point), agree on
+///     rank 0's: chosen = agree_on_choice(communicator, choice.chosen) (one 8-byte broadcast from rank 0;
+///     measure_rates already made the rates equal);
+///  4. options = choice.apply(options) with that index, log choice.describe() on rank 0, and build the
+///     StepExecutor from those options (SPD-KFAC measures its own threshold then, as it does today).
+StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& base,
+                               const Rates& rates, int64_t memory_budget_bytes, int64_t batch_size,
+                               Intervals intervals);
+
+}  // namespace dkfac::strategy

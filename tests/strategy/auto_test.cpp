@@ -1,0 +1,291 @@
+// Strategy auto: the rates' fits, the time model against hand sums, and choose_strategy's decisions.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <thread>
+
+#include "dkfac/comm/communicator.h"
+
+#include "dkfac/strategy/prediction.h"
+#include "dkfac/strategy/rates.h"
+#include "dkfac/strategy/time_model.h"
+
+namespace dkfac::strategy {
+namespace {
+
+std::vector<assign::LayerShape> shapes() {
+  return {{"conv1", 28, 16, 64}, {"conv2", 145, 32, 16}, {"fc1", 513, 128, 1}, {"fc2", 129, 10, 1}};
+}
+
+/// Rates with every compute cost from one FLOP rate and a link of `alpha`, `beta` for both collectives.
+Rates rates(double seconds_per_flop, double alpha, double beta, int world = 4) {
+  Rates r;
+  r.world_size = world;
+  r.allreduce = {alpha, beta};
+  r.broadcast = {alpha, beta};
+  r.factor.per_flop = seconds_per_flop;
+  r.conv_factor.per_flop = seconds_per_flop;
+  r.decomposition.per_cubed_dim = seconds_per_flop;
+  r.precondition.per_flop = seconds_per_flop;
+  r.method = ComputeMethod::kEigen;  // Options' default
+  return r;
+}
+
+int64_t update_bytes(const StepPlan& plan) {
+  int64_t most = 0;
+  for (const auto& r : predict(plan, 4, 32)) most = std::max(most, r.factor_bytes + r.second_order_bytes + r.gradient_bytes);
+  return most;
+}
+
+TEST(Rates, NonNegativeFitRecoversCoefficientsAndDropsNegativeOnes) {
+  std::vector<std::vector<double>> x;
+  std::vector<double> t;
+  for (double n : {1.0, 10.0, 100.0, 1000.0}) {
+    x.push_back({1.0, n});
+    t.push_back(2e-3 + 5e-6 * n);
+  }
+  auto c = fit_nonnegative(x, t);
+  EXPECT_NEAR(c[0], 2e-3, 1e-9);
+  EXPECT_NEAR(c[1], 5e-6, 1e-12);
+  // A decreasing trend has no non-negative slope: the fit keeps the intercept alone.
+  c = fit_nonnegative(x, {4.0, 3.0, 2.0, 1.0});
+  EXPECT_EQ(c[1], 0.0);
+  EXPECT_GT(c[0], 0.0);
+}
+
+TEST(Rates, DecompositionTableInterpolatesAndExtrapolates) {
+  DecompositionRate d;
+  d.dims = {16, 64, 256};
+  d.seconds = {1e-5, 1e-4, 4e-3};
+  EXPECT_DOUBLE_EQ(d.seconds_for(64), 1e-4);
+  EXPECT_DOUBLE_EQ(d.seconds_for(4), 1e-5);  // latency-bound: the smallest point's time
+  EXPECT_NEAR(d.seconds_for(32), std::sqrt(1e-5 * 1e-4), 1e-12);  // log-log midpoint
+  EXPECT_NEAR(d.seconds_for(512), 4e-3 * 8, 1e-12);  // d^3 beyond the table
+  DecompositionRate fit;
+  fit.latency = 1e-4;
+  fit.per_cubed_dim = 1e-9;
+  EXPECT_DOUBLE_EQ(fit.seconds_for(100), 1e-4 + 1e-3);
+}
+
+TEST(Rates, GroupsScaleAndAGroupOfOneIsFree) {
+  Rates r = rates(0, 1e-3, 1e-9, 4);
+  EXPECT_EQ(r.allreduce_seconds(1, 1e6), 0.0);
+  EXPECT_DOUBLE_EQ(r.allreduce_seconds(4, 1e6), 1e-3 + 1e-3);
+  EXPECT_DOUBLE_EQ(r.broadcast_seconds(4, 1e6), 2e-3);
+  EXPECT_NEAR(r.broadcast_seconds(2, 1e6), 2e-3 / 3, 1e-15);
+  r.allreduce.alpha = -1;
+  EXPECT_THROW(r.validate(), c10::Error);
+}
+
+TEST(TimeModel, SingleProcessIsTheSumOfItsKernels) {
+  const Rates r = rates(1e-9, 0, 0, 1);
+  const auto plan = StepPlan::single_process(shapes(), ComputeMethod::kInverse);
+  double expected = 0;
+  for (const auto& s : shapes()) {
+    const double rows = 32.0 * s.rows_per_sample;
+    expected += 1e-9 * 2 * rows * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);                  // factors
+    expected += 1e-9 * (std::pow(s.a_dim, 3) + std::pow(s.g_dim, 3));                        // inverses
+    expected += 1e-9 * 2.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim);                          // precondition
+  }
+  const auto t = predict_time(plan, r, 32, {1, 1});
+  EXPECT_NEAR(t.step_seconds, expected, 1e-12);
+  ASSERT_EQ(t.ranks.size(), 1u);
+  EXPECT_NEAR(t.ranks[0].total(), expected, 1e-12);
+  // Factors every 10 steps and inverses every 100: those phases count 1/10 and 1/100 per step.
+  const auto sparse = predict_time(plan, r, 32, {10, 100});
+  EXPECT_NEAR(sparse.ranks[0].factor_build, t.ranks[0].factor_build / 10, 1e-15);
+  EXPECT_NEAR(sparse.ranks[0].decomposition, t.ranks[0].decomposition / 100, 1e-15);
+  EXPECT_NEAR(sparse.step_seconds, sparse.ranks[0].total(), 1e-12);
+}
+
+TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
+  // Link only: D-KFAC f=1 in one bucket pays one allreduce of every factor, then each inverse's broadcast.
+  const Rates r = rates(0, 1e-3, 1e-9, 4);
+  const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse));
+  ASSERT_EQ(plan.reduction, FactorReduction::kHookBuckets);
+  double factor_bytes = 0, broadcasts = 0;
+  for (const auto& s : shapes()) {
+    factor_bytes += 4.0 * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);
+    broadcasts += 2e-3 + 1e-9 * 4.0 * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);
+  }
+  const auto t = predict_time(plan, r, 32, {1, 1});
+  EXPECT_NEAR(t.ranks[0].factor_comm, 1e-3 + 1e-9 * factor_bytes, 1e-12);
+  EXPECT_NEAR(t.ranks[0].second_order_comm, broadcasts, 1e-12);
+  EXPECT_EQ(t.ranks[0].gradient_comm, 0.0);
+  EXPECT_NEAR(t.step_seconds, t.ranks[0].factor_comm + t.ranks[0].second_order_comm, 1e-12);
+  // Without buckets (factors reduced in step(), one allreduce each): 8 start-ups instead of one.
+  const auto each = make_step_plan(shapes(), 4, Options().update_factors_in_hook(false));
+  EXPECT_NEAR(predict_time(each, r, 32, {1, 1}).ranks[0].factor_comm, 8e-3 + 1e-9 * factor_bytes, 1e-12);
+}
+
+TEST(TimeModel, TheJobWaitsForItsSlowestRank) {
+  // Compute only, DP-KFAC: each owner builds, inverts and preconditions its layers; V's broadcast makes
+  // every rank wait for the busiest owner.
+  const Rates r = rates(1e-9, 0, 0, 4);
+  const auto plan = make_step_plan(shapes(), 4, Options().strategy(Strategy::kDp).compute_method(ComputeMethod::kInverse));
+  const auto t = predict_time(plan, r, 32, {1, 1});
+  double slowest = 0;
+  for (const auto& x : t.ranks) slowest = std::max(slowest, x.total());
+  EXPECT_NEAR(t.step_seconds, slowest, 1e-12);
+}
+
+TEST(TimeModel, RanksSharingCoresSlowDownOnlyWhileTheyComputeTogether) {
+  // Factors only, on every rank: 4 ranks on a node with 2 full speeds take twice as long as alone.
+  Rates r;
+  r.world_size = 4;
+  r.factor.per_flop = 1e-9;
+  r.conv_factor.per_flop = 1e-9;
+  const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse));
+  const double alone = predict_time(plan, r, 32, {1, 1000}).step_seconds;
+  r.ranks_per_node = 4;
+  r.parallel_ranks = 2;
+  EXPECT_NEAR(predict_time(plan, r, 32, {1, 1000}).step_seconds, 2 * alone, 1e-9 * alone);
+  // Decompositions only: the rank with the largest share finishes alone at full speed once the others
+  // are done; sharing costs at most the others' work.
+  Rates d;
+  d.world_size = 4;
+  d.decomposition.per_cubed_dim = 1e-9;
+  const auto solo = predict_time(plan, d, 32, {1000, 1});
+  d.ranks_per_node = 4;
+  d.parallel_ranks = 2;
+  const auto shared = predict_time(plan, d, 32, {1000, 1});
+  double most = 0, all = 0;
+  for (const auto& x : solo.ranks) {
+    most = std::max(most, x.decomposition);
+    all += x.decomposition;
+  }
+  EXPECT_NEAR(solo.step_seconds, most, 1e-12);
+  EXPECT_GE(shared.step_seconds, most - 1e-12);
+  EXPECT_LE(shared.step_seconds, all / 2 + most);
+  EXPECT_GE(shared.step_seconds, all / 2 - 1e-12);  // 2 speeds cannot do the total work faster
+}
+
+TEST(ChooseStrategy, TheTableListsEveryCandidate) {
+  const auto choice = choose_strategy(shapes(), 4, Options(), rates(1e-10, 1e-4, 1e-9), kNoMemoryBudget, 32, {1, 1});
+  // W in {4, 2, 1}, each with and without triangles, then SPD-KFAC and DP-KFAC.
+  ASSERT_EQ(choice.candidates.size(), 8u);
+  std::set<std::string> names;
+  const auto text = choice.describe();
+  for (const auto& c : choice.candidates) {
+    names.insert(c.name);
+    EXPECT_NE(text.find(c.name), std::string::npos) << c.name;
+    EXPECT_TRUE(c.fits);
+    EXPECT_GT(c.time.step_seconds, 0.0);
+  }
+  EXPECT_EQ(names.size(), 8u);
+  EXPECT_EQ(choice.candidates[0].name, "kaisa f=1 (W=4)");
+  EXPECT_EQ(choice.candidates[5].name, "kaisa f=1/4 (W=1) triangles");
+  EXPECT_NE(text.find(choice.reason), std::string::npos);
+  // The pick is the fastest.
+  for (const auto& c : choice.candidates) EXPECT_LE(choice.pick().time.step_seconds, c.time.step_seconds);
+}
+
+TEST(ChooseStrategy, ASlowLinkPrefersFewerBytes) {
+  Rates slow = rates(1e-12, 1e-5, 1e-6);
+  slow.method = ComputeMethod::kInverse;
+  const auto choice = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse), slow,
+                                      kNoMemoryBudget, 32, {1, 1});
+  const int64_t chosen = update_bytes(choice.pick().plan);
+  for (const auto& c : choice.candidates) EXPECT_LE(chosen, update_bytes(c.plan)) << c.name;
+  EXPECT_EQ(choice.pick().options.strategy(), Strategy::kDp);
+  // Free links and dear decompositions: spreading inverses over ranks beats moving nothing.
+  Rates dear = rates(1e-9, 0, 0);
+  dear.method = ComputeMethod::kInverse;
+  const auto compute = choose_strategy(shapes(), 4, Options().compute_method(ComputeMethod::kInverse), dear,
+                                       kNoMemoryBudget, 32, {100, 1});
+  EXPECT_LT(compute.pick().time.step_seconds,
+            predict_time(StepPlan::single_process(shapes(), ComputeMethod::kInverse), rates(1e-9, 0, 0, 1), 32, {100, 1})
+                .step_seconds);
+}
+
+TEST(ChooseStrategy, ATinyBudgetPicksTheLeastMemoryAndSaysNoneFits) {
+  const auto choice = choose_strategy(shapes(), 4, Options(), rates(1e-10, 1e-4, 1e-9), 1, 32, {1, 1});
+  EXPECT_FALSE(choice.fits);
+  for (const auto& c : choice.candidates) {
+    EXPECT_FALSE(c.fits);
+    EXPECT_LE(choice.pick().memory_bytes, c.memory_bytes);
+  }
+  EXPECT_NE(choice.reason.find("no candidate fits"), std::string::npos) << choice.reason;
+  // A budget between the smallest and the largest excludes the larger candidates.
+  int64_t least = INT64_MAX, most = 0;
+  for (const auto& c : choice.candidates) {
+    least = std::min(least, c.memory_bytes);
+    most = std::max(most, c.memory_bytes);
+  }
+  ASSERT_LT(least, most);
+  const auto fitted = choose_strategy(shapes(), 4, Options(), rates(1e-10, 1e-4, 1e-9), least, 32, {1, 1});
+  EXPECT_TRUE(fitted.fits);
+  EXPECT_LE(fitted.pick().memory_bytes, least);
+  EXPECT_TRUE(fitted.pick().fits);
+}
+
+TEST(ChooseStrategy, TiesAreBrokenByMemoryThenOrderAndTheChoiceIsRepeatable) {
+  // Free everything: every candidate takes 0 s, so the least memory wins, the earliest among equals.
+  const auto a = choose_strategy(shapes(), 4, Options(), rates(0, 0, 0), kNoMemoryBudget, 32, {1, 1});
+  const auto b = choose_strategy(shapes(), 4, Options(), rates(0, 0, 0), kNoMemoryBudget, 32, {1, 1});
+  EXPECT_EQ(a.chosen, b.chosen);
+  for (size_t k = 0; k < a.candidates.size(); ++k) {
+    EXPECT_EQ(a.candidates[k].time.step_seconds, 0.0);
+    EXPECT_LE(a.pick().memory_bytes, a.candidates[k].memory_bytes);
+    if (a.candidates[k].memory_bytes == a.pick().memory_bytes) EXPECT_GE(k, a.chosen);
+  }
+}
+
+TEST(ChooseStrategy, ApplySetsOnlyTheStrategysOptions) {
+  const Options base = Options().damping(0.3).inv_update_steps(7).compute_method(ComputeMethod::kInverse);
+  Rates r = rates(1e-12, 1e-5, 1e-6);
+  r.method = ComputeMethod::kInverse;
+  const auto choice = choose_strategy(shapes(), 4, base, r, kNoMemoryBudget, 32, {1, 7});
+  EXPECT_THROW(choose_strategy(shapes(), 4, Options(), r, kNoMemoryBudget, 32, {1, 7}), c10::Error);
+  const Options o = choice.apply(base);
+  EXPECT_EQ(o.strategy(), choice.pick().options.strategy());
+  EXPECT_EQ(o.grad_worker_fraction(), choice.pick().options.grad_worker_fraction());
+  EXPECT_EQ(o.damping()(0), 0.3);
+  EXPECT_EQ(o.inv_update_steps()(0), 7);
+  EXPECT_EQ(o.compute_method(), ComputeMethod::kInverse);
+  o.validate();
+}
+
+TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
+  const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+  r.validate();
+  EXPECT_EQ(r.world_size, 1);
+  EXPECT_GT(r.factor.seconds_for(4096, 256), r.factor.seconds_for(64, 16));
+  EXPECT_GT(r.decomposition.seconds_for(1024), r.decomposition.seconds_for(16));
+  EXPECT_GT(r.precondition.seconds_for(256, 256, ComputeMethod::kInverse), 0.0);
+}
+
+TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<Rates> out(2);
+  std::vector<size_t> agreed(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      at::set_num_threads(1);
+      auto communicator = comm::Communicator::connect_in_process(store, rank, 2);
+      out[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+      agreed[rank] = agree_on_choice(*communicator, rank == 0 ? 3 : 5);
+    });
+  }
+  for (auto& t : ranks) t.join();
+  out[0].validate();
+  EXPECT_EQ(out[0].world_size, 2);
+  EXPECT_EQ(out[0].ranks_per_node, 2);
+  EXPECT_GE(out[0].parallel_ranks, 1.0);
+  EXPECT_LE(out[0].parallel_ranks, 2.0);
+  EXPECT_GT(out[0].allreduce.seconds(1 << 20), 0.0);
+  EXPECT_EQ(out[0].allreduce.alpha, out[1].allreduce.alpha);
+  EXPECT_EQ(out[0].broadcast.beta, out[1].broadcast.beta);
+  EXPECT_EQ(out[0].parallel_ranks, out[1].parallel_ranks);
+  EXPECT_EQ(out[0].factor.per_flop, out[1].factor.per_flop);
+  EXPECT_EQ(out[0].decomposition.seconds, out[1].decomposition.seconds);
+  EXPECT_EQ(out[0].precondition.per_flop, out[1].precondition.per_flop);
+  EXPECT_EQ(agreed[0], 3u);
+  EXPECT_EQ(agreed[1], 3u);
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
