@@ -32,6 +32,36 @@ int world_of(const std::vector<std::string>& names) {
   return world;
 }
 
+// The checkpoint files among `candidates` (in their order) that exist and verify, with their global steps, and
+// the defects of those that do not, listed and joined with "; ".
+struct Verified {
+  std::vector<std::string> files;
+  std::vector<torch::serialize::InputArchive> archives;
+  std::vector<int64_t> steps;
+  std::vector<std::string> defects;
+  std::string all_defects;
+};
+
+Verified read_verified(const std::vector<std::string>& candidates, c10::Device device) {
+  Verified v;
+  for (const auto& file : candidates) {
+    if (!fs::exists(file)) continue;
+    try {
+      auto archive = load_verified(file, device);
+      c10::IValue step;
+      TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
+                  "' has no 'global_step' entry");
+      v.files.push_back(file);
+      v.archives.push_back(std::move(archive));
+      v.steps.push_back(step.toInt());
+    } catch (const c10::Error& e) {
+      v.defects.push_back(e.what_without_backtrace());
+    }
+  }
+  for (const auto& d : v.defects) v.all_defects += (v.all_defects.empty() ? "" : "; ") + d;
+  return v;
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(std::string dir, int rank, int world, std::shared_ptr<comm::Communicator> communicator)
@@ -97,26 +127,7 @@ std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
   const int found_world = world_of(names);
   if (found_world != 0 && found_world != world_) return find_other_world(found_world, device);
   // This rank's files that verify, newest first; the defects of those that do not.
-  std::vector<std::string> files;
-  std::vector<torch::serialize::InputArchive> archives;
-  std::vector<int64_t> steps;
-  std::vector<std::string> defects;
-  for (const auto& file : {path(), path() + ".prev"}) {
-    if (!fs::exists(file)) continue;
-    try {
-      auto archive = load_verified(file, device);
-      c10::IValue step;
-      TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
-                  "' has no 'global_step' entry");
-      files.push_back(file);
-      archives.push_back(std::move(archive));
-      steps.push_back(step.toInt());
-    } catch (const c10::Error& e) {
-      defects.push_back(e.what_without_backtrace());
-    }
-  }
-  std::string all_defects;
-  for (const auto& d : defects) all_defects += (all_defects.empty() ? "" : "; ") + d;
+  auto [files, archives, steps, defects, all_defects] = read_verified({path(), path() + ".prev"}, device);
   auto found = [&](size_t i) {
     std::string note;
     if (i > 0 || !defects.empty()) {
@@ -164,27 +175,11 @@ std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
 std::optional<Checkpointer::Found> Checkpointer::find_other_world(int found_world, c10::Device device) {
   // Rank 0's files of either naming (a job resumed on another world size writes the other one until
   // remove_other_worlds()), newest step first; each holds the whole state.
-  std::vector<std::string> files;
-  std::vector<torch::serialize::InputArchive> archives;
-  std::vector<int64_t> steps;
-  std::vector<std::string> defects;
+  std::vector<std::string> candidates;
   for (const char* name : {"checkpoint.pt", "checkpoint.pt.prev", "checkpoint-rank0.pt", "checkpoint-rank0.pt.prev"}) {
-    const auto file = dir_ + "/" + name;
-    if (!fs::exists(file)) continue;
-    try {
-      auto archive = load_verified(file, device);
-      c10::IValue step;
-      TORCH_CHECK(archive.try_read("global_step", step) && step.isInt(), "checkpoint '", file,
-                  "' has no 'global_step' entry");
-      files.push_back(file);
-      archives.push_back(std::move(archive));
-      steps.push_back(step.toInt());
-    } catch (const c10::Error& e) {
-      defects.push_back(e.what_without_backtrace());
-    }
+    candidates.push_back(dir_ + "/" + name);
   }
-  std::string all_defects;
-  for (const auto& d : defects) all_defects += (all_defects.empty() ? "" : "; ") + d;
+  auto [files, archives, steps, defects, all_defects] = read_verified(candidates, device);
   TORCH_CHECK(!files.empty(), "--checkpoint-dir '", dir_, "' holds the checkpoints of a ", found_world,
               "-rank job, but no rank 0 checkpoint there can be resumed",
               all_defects.empty() ? std::string(" (none found: rank 0's files are the ones a job on another "
