@@ -136,6 +136,19 @@ double PhaseSeconds::total() const {
   return factor_build + factor_comm + decomposition + second_order_comm + precondition + gradient_comm;
 }
 
+PhaseSeconds TimePrediction::slowest_phases() const {
+  PhaseSeconds m;
+  for (const auto& r : ranks) {
+    m.factor_build = std::max(m.factor_build, r.factor_build);
+    m.factor_comm = std::max(m.factor_comm, r.factor_comm);
+    m.decomposition = std::max(m.decomposition, r.decomposition);
+    m.second_order_comm = std::max(m.second_order_comm, r.second_order_comm);
+    m.precondition = std::max(m.precondition, r.precondition);
+    m.gradient_comm = std::max(m.gradient_comm, r.gradient_comm);
+  }
+  return m;
+}
+
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals) {
   TORCH_CHECK(intervals.factor_update_steps >= 1 && intervals.inv_update_steps >= 1,
               "intervals must be >= 1, got factor_update_steps ", intervals.factor_update_steps,
@@ -254,15 +267,7 @@ std::string StrategyChoice::describe() const {
       << "\n";
   for (size_t k = 0; k < candidates.size(); ++k) {
     const auto& c = candidates[k];
-    PhaseSeconds m;
-    for (const auto& r : c.time.ranks) {
-      m.factor_build = std::max(m.factor_build, r.factor_build);
-      m.factor_comm = std::max(m.factor_comm, r.factor_comm);
-      m.decomposition = std::max(m.decomposition, r.decomposition);
-      m.second_order_comm = std::max(m.second_order_comm, r.second_order_comm);
-      m.precondition = std::max(m.precondition, r.precondition);
-      m.gradient_comm = std::max(m.gradient_comm, r.gradient_comm);
-    }
+    const PhaseSeconds m = c.time.slowest_phases();
     out << (k == chosen ? "  * " : c.fits ? "    " : "  - ") << std::left << std::setw(30) << c.name << std::right
         << std::setw(10) << ms(c.time.step_seconds) << std::setw(9) << ms(m.factor_build) << std::setw(9)
         << ms(m.factor_comm) << std::setw(9) << ms(m.decomposition) << std::setw(9) << ms(m.second_order_comm)

@@ -43,6 +43,9 @@ struct TimePrediction {
   /// compute. Collectives are not overlapped with computation (on CPUs over loopback the transport runs on
   /// the cores that compute; docs/STRATEGIES.md).
   double step_seconds = 0;
+
+  /// Each phase's largest time over the ranks (what a table of phases shows per candidate).
+  PhaseSeconds slowest_phases() const;
 };
 
 /// The predicted time of `plan` with `batch_size` samples per rank per step. Factor covariances read each

@@ -413,15 +413,7 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
   AutoReport report;
   nlohmann::json candidates = nlohmann::json::array();
   for (const auto& c : choice.candidates) {
-    strategy::PhaseSeconds m;
-    for (const auto& x : c.time.ranks) {
-      m.factor_build = std::max(m.factor_build, x.factor_build);
-      m.factor_comm = std::max(m.factor_comm, x.factor_comm);
-      m.decomposition = std::max(m.decomposition, x.decomposition);
-      m.second_order_comm = std::max(m.second_order_comm, x.second_order_comm);
-      m.precondition = std::max(m.precondition, x.precondition);
-      m.gradient_comm = std::max(m.gradient_comm, x.gradient_comm);
-    }
+    const strategy::PhaseSeconds m = c.time.slowest_phases();
     candidates.push_back({{"name", c.name},
                           {"strategy", to_string(c.options.strategy())},
                           {"grad_worker_fraction", c.options.grad_worker_fraction()},
