@@ -292,6 +292,11 @@ const char* to_string(ComputeMethod method);
 /// The dtype second-order work is computed in for factors of `factor_dtype` stored as `inv_dtype`.
 c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarType inv_dtype);
 
+/// The torch name of a storage dtype factors and second-order state may have ("float32", "float64", "bfloat16",
+/// "float16"; another dtype: c10's name), and the dtype of such a name (nullopt for any other name).
+std::string storage_dtype_name(c10::ScalarType dtype);
+std::optional<c10::ScalarType> storage_dtype_named(const std::string& name);
+
 /// Readable name of a strategy ("kaisa", "spd", "dp").
 const char* to_string(Strategy strategy);
 /// Readable name of a placement balance ("compute", "memory") and of an unused-layer policy ("error", "skip").

@@ -157,9 +157,7 @@ T convert(const OptionValue& value, const OptionRange& range, const std::string&
     if (std::holds_alternative<std::monostate>(value)) return std::nullopt;
     const auto* name = std::get_if<std::string>(&value);
     if (name != nullptr) {
-      for (const auto& [n, v] : dtype_names()) {
-        if (n == *name) return v;
-      }
+      if (const auto dtype = storage_dtype_named(*name)) return dtype;
     }
     TORCH_CHECK(false, shown, " must be one of ", joined(choice_names<T>()), " or none (the default), got ",
                 given(value));
@@ -191,10 +189,7 @@ OptionValue value_of(const T& v) {
     return std::string("unknown");
   } else if constexpr (std::is_same_v<T, Dtype>) {
     if (!v) return std::monostate();
-    for (const auto& [n, d] : dtype_names()) {
-      if (d == *v) return n;
-    }
-    return std::string(c10::toString(*v));
+    return storage_dtype_name(*v);
   } else {
     return v;
   }
@@ -345,6 +340,20 @@ std::string Options::describe() const {
     out += (out.empty() ? "" : ", ") + info.name + "=" + option_text(info, get(info.name));
   }
   return out;
+}
+
+std::string storage_dtype_name(c10::ScalarType dtype) {
+  for (const auto& [name, d] : dtype_names()) {
+    if (d == dtype) return name;
+  }
+  return c10::toString(dtype);
+}
+
+std::optional<c10::ScalarType> storage_dtype_named(const std::string& name) {
+  for (const auto& [n, d] : dtype_names()) {
+    if (n == name) return d;
+  }
+  return std::nullopt;
 }
 
 const char* to_string(assign::Balance balance) {

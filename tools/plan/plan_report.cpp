@@ -264,26 +264,9 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
 namespace {
 
 c10::ScalarType dtype_from_name(const std::string& name) {
-  if (name == "float32") return c10::kFloat;
-  if (name == "float64") return c10::kDouble;
-  if (name == "bfloat16") return c10::kBFloat16;
-  if (name == "float16") return c10::kHalf;
-  TORCH_CHECK(false, "rates: dtype must be float32, float64, bfloat16 or float16, got '", name, "'");
-}
-
-std::string dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kFloat:
-      return "float32";
-    case c10::kDouble:
-      return "float64";
-    case c10::kBFloat16:
-      return "bfloat16";
-    case c10::kHalf:
-      return "float16";
-    default:
-      return c10::toString(dtype);
-  }
+  const auto dtype = storage_dtype_named(name);
+  TORCH_CHECK(dtype, "rates: dtype must be float32, float64, bfloat16 or float16, got '", name, "'");
+  return *dtype;
 }
 
 template <typename T>
@@ -311,7 +294,7 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
           {"ranks_per_node", r.ranks_per_node},
           {"parallel_ranks", r.parallel_ranks},
           {"device", r.device},
-          {"dtype", dtype_name(r.dtype)},
+          {"dtype", storage_dtype_name(r.dtype)},
           {"compute_method", to_string(r.method)},
           {"threads", r.threads},
           {"conditions", r.conditions},
@@ -447,10 +430,10 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
                  {"reason", choice.reason}};
   std::ostringstream text;
   text << "plan: " << r.model << " on " << t.dataset << " (" << t.input << "), " << r.nproc << " ranks x batch "
-       << r.batch_size << ", " << to_string(r.compute_method) << ", " << dtype_name(rates.dtype)
+       << r.batch_size << ", " << to_string(r.compute_method) << ", " << storage_dtype_name(rates.dtype)
        << "; strategy auto\n";
   text << "  rates: measured on " << rates.world_size << (rates.world_size == 1 ? " rank" : " ranks") << ", "
-       << rates.device << ", " << dtype_name(rates.dtype) << ", " << to_string(rates.method) << ", " << rates.threads
+       << rates.device << ", " << storage_dtype_name(rates.dtype) << ", " << to_string(rates.method) << ", " << rates.threads
        << " intra-op thread(s) per rank; nodes of " << rates.ranks_per_node << " ranks computing at "
        << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once"
        << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
