@@ -249,9 +249,16 @@ TEST(ChooseStrategy, ApplySetsOnlyTheStrategysOptions) {
 }
 
 TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
+  // One intra-op thread: with two, a test running beside this one on a 2-core machine made a 16 x 16 inverse
+  // take 1 ms instead of 17 us (the threads' barrier waits for a descheduled thread), so that the sizes'
+  // order, which this test checks, was the load's and not the kernels'.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
   const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+  at::set_num_threads(threads);
   r.validate();
   EXPECT_EQ(r.world_size, 1);
+  EXPECT_EQ(r.threads, 1);
   EXPECT_GT(r.factor.seconds_for(4096, 256), r.factor.seconds_for(64, 16));
   EXPECT_GT(r.decomposition.seconds_for(1024), r.decomposition.seconds_for(16));
   EXPECT_GT(r.precondition.seconds_for(256, 256, ComputeMethod::kInverse), 0.0);
