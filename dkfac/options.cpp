@@ -58,6 +58,9 @@ void Options::validate() const {
               "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
               "strategy kaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
+  checked("memory_budget", memory_budget_);
+  TORCH_CHECK(memory_budget_ == 0 || strategy_ == Strategy::kAuto, "memory_budget applies to strategy auto only (",
+              to_string(strategy_), " places its own work), got ", memory_budget_);
   spd_.validate();
   for (const auto& pattern : skip_layers_) {
     try {
@@ -111,6 +114,8 @@ const char* to_string(Strategy strategy) {
       return "spd";
     case Strategy::kDp:
       return "dp";
+    case Strategy::kAuto:
+      return "auto";
   }
   return "unknown";
 }
@@ -123,6 +128,8 @@ const char* system_name(Strategy strategy) {
       return "SPD-KFAC";
     case Strategy::kDp:
       return "DP-KFAC";
+    case Strategy::kAuto:
+      return "strategy auto";
   }
   return "unknown";
 }

@@ -33,6 +33,8 @@ enum class Strategy {
   kKaisa,  ///< KAISA (SC21); grad_worker_fraction 1 is SC20's D-KFAC, 1/P its layer-wise variant
   kSpd,    ///< SPD-KFAC (ICDCS'21): pipelined, fused factor allreduce; small factors decomposed everywhere
   kDp,     ///< DP-KFAC: one owner per layer builds its factors from its own batch; V broadcast every step
+  kAuto,   ///< chosen by the Preconditioner at its first step: the fastest of the above on measured rates that
+           ///< fits memory_budget (strategy::choose_strategy; docs/STRATEGIES.md, "Choosing automatically")
 };
 
 /// The loss scale of a mixed-precision gradient scaler as a one-element tensor, e.g. torch.amp.GradScaler's
@@ -136,8 +138,10 @@ inline OptionRange any_value() { return {}; }
   X(Value, double, allreduce_bucket_cap_mb, 25.0, at_least(0), "--allreduce-bucket-cap-mb", "", "",                  \
     "KAISA in hooks: largest factor bucket in MiB (0: each factor alone)")                                          \
   X(Value, Strategy, strategy, Strategy::kKaisa, any_value(), "--strategy", "", "",                                  \
-    "the published system that places and moves K-FAC work: kaisa (with grad_worker_fraction), spd (SPD-KFAC) or "   \
-    "dp (DP-KFAC)")
+    "the published system that places and moves K-FAC work: kaisa (with grad_worker_fraction), spd (SPD-KFAC), "   \
+    "dp (DP-KFAC), or auto (the fastest on this machine's measured rates, chosen at the first step)")                \
+  X(Value, int64_t, memory_budget, 0, at_least(0), "--kfac-memory-budget", "", "",                                   \
+    "strategy auto: most bytes of K-FAC state per rank a candidate may need (0: no limit)")
 
 // SPD-KFAC's own options (Options::spd), declared as above; their names in option_table() start with "spd_".
 #define DKFAC_SPD_OPTIONS(X)                                                                                         \

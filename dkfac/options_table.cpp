@@ -31,7 +31,7 @@ struct Choices<UnusedLayerPolicy> {
 template <>
 struct Choices<Strategy> {
   static std::vector<std::pair<std::string, Strategy>> all() {
-    return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}};
+    return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}, {"auto", Strategy::kAuto}};
   }
 };
 template <>

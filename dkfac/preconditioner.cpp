@@ -3,6 +3,7 @@
 #include "dkfac/layers/discovery.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/numbers.h"
+#include "dkfac/strategy/time_model.h"
 
 #include <algorithm>
 #include <iomanip>
@@ -140,8 +141,66 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   device_ = layers_.front().weight().device();
   factor_ok_.resize(layers_.size());
   report_large_factors(layers_, options_, names_);
-  executor_ = std::make_unique<strategy::StepExecutor>(std::move(communicator), layers_, options_);
+  communicator_ = std::move(communicator);
+  Options plan_options = options_;
+  if (options_.strategy() == Strategy::kAuto) {
+    if (!communicator_ || communicator_->size() == 1) {
+      strategy_choice_ = "strategy auto: one process, where every strategy is the same plan: kaisa";
+      options_.strategy(Strategy::kKaisa).memory_budget(0);
+      plan_options = options_;
+    } else {
+      // Until the first step chooses: every rank captures every layer (a superset of any candidate's
+      // captures) and nothing moves before step(), so the choice can still replace the executor.
+      choice_pending_ = true;
+      plan_options = Options(options_).strategy(Strategy::kKaisa).memory_budget(0).update_factors_in_hook(false);
+    }
+  }
+  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, plan_options);
   arm_capture();
+}
+
+std::string Preconditioner::take_plan_change() {
+  std::string change = std::exchange(choice_to_report_, "");
+  return change + executor_->take_plan_change();
+}
+
+void Preconditioner::use_rates(strategy::Rates rates) {
+  TORCH_CHECK(!strategy_choice_.empty() || choice_pending_, "use_rates: rates are for strategy auto, but this "
+              "preconditioner's strategy is ", to_string(options_.strategy()));
+  TORCH_CHECK(choice_pending_ || communicator_ == nullptr || communicator_->size() == 1, "use_rates: strategy "
+              "auto already chose at the first step (", to_string(options_.strategy()), "); give rates before it");
+  rates.validate();
+  rates_ = std::move(rates);
+}
+
+void Preconditioner::choose_strategy() {
+  choice_pending_ = false;
+  const int world = communicator_->size();
+  int64_t samples = 1;
+  for (const auto& layer : layers_) samples = std::max(samples, layer.capture().samples_per_pass());
+  const int64_t batch = samples * options_.accumulation_steps();
+  const auto dtype = options_.factor_dtype().value_or(layers_.front().weight().scalar_type());
+  const auto rates = rates_ ? *rates_ : strategy::measure_rates(*communicator_, device_, dtype, options_.compute_method());
+  auto choice = strategy::choose_strategy(strategy::layer_shapes(layers_), world, options_, rates,
+                                          options_.memory_budget(), batch,
+                                          {options_.factor_update_steps_at(steps_), options_.inv_update_steps_at(steps_)});
+  choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
+  const Options chosen = choice.apply(options_);
+  // State loaded (or computed) under the provisional plan: every rank holds every factor there, so they
+  // agree on whether there is any; it is gathered whole and placed again as the chosen plan says.
+  const bool has_state = std::any_of(layers_.begin(), layers_.end(), [](const KfacLayer& l) { return l.a_factor().defined(); });
+  std::vector<std::map<std::string, torch::Tensor>> states;
+  if (has_state) states = executor_->gather_states(layers_);
+  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, chosen);
+  options_ = chosen;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (has_state) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
+    if (!executor_->builds_factors(i)) layers_[i].capture().clear();  // captured under the provisional plan
+  }
+  if (is_factor_step(steps_)) executor_->arm_factor_step(options_.accumulation_steps());
+  strategy_choice_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
+                     (rates_ ? "given (use_rates)" : "measured now on " + std::to_string(world) + " ranks");
+  choice_to_report_ = strategy_choice_ + "\n";
 }
 
 Preconditioner::~Preconditioner() {
@@ -155,6 +214,7 @@ bool Preconditioner::is_factor_step(int64_t step) const {
 bool Preconditioner::is_inverse_step(int64_t step) const { return step % options_.inv_update_steps_at(step) == 0; }
 
 void Preconditioner::step() {
+  if (choice_pending_) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
   try {
@@ -174,6 +234,7 @@ void Preconditioner::step() {
 }
 
 void Preconditioner::discard_step() {
+  if (choice_pending_) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   auto fates = check_layers(factor_step);
   if (factor_step) {
@@ -594,13 +655,15 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(num_layers == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers,
               " K-FAC layers, the model has ", layers_.size());
   if (restore.format_version == 1) {
+    TORCH_CHECK(!choice_pending_, "a format 1 dkfac preconditioner checkpoint holds one rank's state of the plan "
+                "that wrote it; strategy auto cannot resume it: resume with the strategy that wrote it");
     load_own_state(archive, steps);
   } else {
     const auto& plan = executor_->plan();
     restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
     TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
                 ": the archive is damaged");
-    restore.same_plan = restore.world_size == plan.world_size() &&
+    restore.same_plan = !choice_pending_ && restore.world_size == plan.world_size() &&
                         read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
     const int64_t method = read_int(archive, "method", "");
     TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||

@@ -4,6 +4,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
+#include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/step_executor.h"
 
 namespace dkfac {
@@ -125,12 +127,22 @@ class Preconditioner {
   bool is_factor_step(int64_t step) const;
   bool is_inverse_step(int64_t step) const;
 
+  /// The options in force. With Strategy::kAuto: auto until the first step() chose, then the choice's
+  /// (StrategyChoice::apply); in one process kaisa from the start (every strategy is the same plan there).
   const Options& options() const { return options_; }
   /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
+  /// With Strategy::kAuto, until the first step() chose: a provisional KAISA plan (every rank builds every
+  /// factor, all collectives in step()), under which save() and load() work as for any plan.
   const strategy::StepPlan& plan() const { return executor_->plan(); }
-  /// A change of the plan made while training, in words, once (SPD-KFAC's fusion grouping, chosen after its
-  /// profiled steps); "" when there is none to report. For a training loop's log.
-  std::string take_plan_change() { return executor_->take_plan_change(); }
+  /// A change of the plan made while training, in words, once: strategy auto's choice (its table of
+  /// candidates and reason), SPD-KFAC's fusion grouping chosen after its profiled steps; "" when there is
+  /// none to report. For a training loop's log.
+  std::string take_plan_change();
+  /// Strategy auto's choice in words (StrategyChoice::describe), "" before it is made or without auto.
+  const std::string& strategy_choice() const { return strategy_choice_; }
+  /// Strategy auto: the rates to choose from instead of measuring them at the first step (strategy::Rates,
+  /// e.g. read from `dkfac plan --measure-rates`'s JSON, or fixed by a test). Every rank must pass the same.
+  void use_rates(strategy::Rates rates);
   /// What executes the plan (its collectives are no-ops in one process).
   const strategy::StepExecutor& executor() const { return *executor_; }
   /// The preconditioned layers, in model order.
@@ -207,6 +219,10 @@ class Preconditioner {
   }
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
+  /// Strategy auto at the first step: measures the rates (or takes use_rates'), chooses with
+  /// strategy::choose_strategy from this step's batch and the layers' observed shapes, agrees on rank 0's
+  /// choice, and replaces the provisional executor, re-placing any K-FAC state (collective).
+  void choose_strategy();
   /// Loads format 1 (this rank's own state as KfacLayer::save wrote it).
   void load_own_state(torch::serialize::InputArchive& archive, int64_t steps);
 
@@ -234,6 +250,11 @@ class Preconditioner {
   double last_kl_scale_ = 1.0;
   std::set<std::pair<std::string, std::string>> warned_;
   std::unique_ptr<strategy::StepExecutor> executor_;  // never nullptr
+  std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)
+  bool choice_pending_ = false;                       // strategy auto, not chosen yet
+  std::optional<strategy::Rates> rates_;              // use_rates'
+  std::string strategy_choice_;
+  std::string choice_to_report_;                      // for take_plan_change, once
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

@@ -26,11 +26,11 @@ TEST(OptionTable, ListsEveryOptionOnceWithItsDeclaration) {
                            "accumulation_steps", "compute_method", "compute_eigenvalue_outer_product", "factor_dtype",
                            "inv_dtype", "pi_damping", "skip_layers", "large_factor_dim", "unused_layer_policy",
                            "grad_worker_fraction", "symmetric_comm", "balance", "colocate_factors",
-                           "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy", "spd_redundant_dim",
+                           "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy", "memory_budget", "spd_redundant_dim",
                            "spd_profile_steps", "spd_fusion"}) {
     EXPECT_EQ(names.count(name), 1u) << name;
   }
-  EXPECT_EQ(names.size(), 25u) << "a new option: add it to this list and to the README's table";
+  EXPECT_EQ(names.size(), 26u) << "a new option: add it to this list and to the README's table";
   EXPECT_EQ(info("damping").default_text, "0.001");
   EXPECT_EQ(info("damping").range.describe(), "> 0");
   EXPECT_TRUE(info("damping").schedule);
@@ -86,7 +86,7 @@ TEST(OptionTable, SetByNameConvertsAndChecksAgainstTheDeclaration) {
   expect_error<c10::Error>([] { Options().set("compute_method", std::string("svd")); },
                            {"compute_method must be one of eigen, inverse, got 'svd'"});
   expect_error<c10::Error>([] { Options().set("strategy", std::string("horovod")); },
-                           {"strategy must be one of kaisa, spd, dp, got 'horovod'"});
+                           {"strategy must be one of kaisa, spd, dp, auto, got 'horovod'"});
   expect_error<c10::Error>([] { Options().set("factor_dtype", std::string("int32")); },
                            {"factor_dtype must be one of float32, float64, bfloat16, float16 or none"});
   expect_error<c10::Error>([] { Options().set("grad_worker_fraction", std::string("most")); },

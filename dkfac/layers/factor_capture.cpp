@@ -23,7 +23,22 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
   add_and_notify(true, a_batch, 0.0, std::pair{std::move(start), device::Mark::now(input.device())});
 }
 
+void FactorCapture::observe_output(const torch::Tensor& output) {
+  const bool conv = geometry_.kind == LayerKind::kConv2d;
+  const int64_t unbatched_dims = conv ? 3 : 1;
+  if (output.dim() < unbatched_dims) return;
+  const bool batched = output.dim() > unbatched_dims;
+  samples_per_pass_ = batched ? output.size(0) : 1;
+  if (conv) {
+    rows_per_sample_ = output.size(-1) * output.size(-2);
+  } else {
+    const int64_t per_row = output.size(-1) * samples_per_pass_;
+    rows_per_sample_ = per_row > 0 ? output.numel() / per_row : 1;
+  }
+}
+
 void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
+  observe_output(grad_output);
   auto start = device::Mark::now(grad_output.device());
   torch::NoGradGuard no_grad;
   auto g = in_factor_dtype(grad_output.detach());

@@ -64,12 +64,17 @@ class FactorCapture {
   /// The gradient is divided by the grad scale first, when one is set (mixed-precision loss scaling).
   void capture_output_grad(const torch::Tensor& grad_output);
 
-  /// Rows each sample adds to the factor's input matrix in the last forward (whether or not it captured):
-  /// output positions H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in]).
-  /// The dkfac::nn modules' forward sets it; the Python package does not (its layers keep 1). Plans use
-  /// it to predict factor FLOPs.
+  /// Records the shape of the layer's output ([B, ..., out_features] or [B, C_out, H_out, W_out], or
+  /// unbatched): rows_per_sample and samples_per_pass. capture_output_grad records its gradient's (the same
+  /// shape), so both front ends' captures know it after a captured backward; the dkfac::nn modules also
+  /// record every training forward's.
+  void observe_output(const torch::Tensor& output);
+  /// Rows each sample adds to the factor's input matrix in the last observed pass: output positions
+  /// H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in]); 1 before any.
+  /// Plans use it to predict factor FLOPs.
   int64_t rows_per_sample() const { return rows_per_sample_; }
-  void set_rows_per_sample(int64_t rows) { rows_per_sample_ = rows; }
+  /// Samples in the last observed pass (its batch dimension; 1 unbatched); 0 before any.
+  int64_t samples_per_pass() const { return samples_per_pass_; }
 
   /// Storage dtype of captured factors (Options::factor_dtype); nullopt keeps the activations' dtype.
   void set_factor_dtype(std::optional<torch::ScalarType> dtype) { factor_dtype_ = dtype; }
@@ -120,6 +125,7 @@ class FactorCapture {
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
+  std::atomic<int64_t> samples_per_pass_{0};
   torch::Tensor a_sum_;  // [a, a]
   torch::Tensor g_sum_;  // [g, g]
   int64_t a_count_ = 0;

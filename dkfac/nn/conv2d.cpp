@@ -53,7 +53,7 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::Conv2dImpl::forward(input);
-  capture_->set_rows_per_sample(output.size(-1) * output.size(-2));
+  capture_->observe_output(output);
   if (!capture_->active(is_training())) return output;
 
   capture_->capture_input(input);

@@ -8,7 +8,7 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& options) : torch::nn::Lin
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::LinearImpl::forward(input);
-  capture_->set_rows_per_sample(input.dim() > 2 ? input.numel() / (input.size(0) * input.size(-1)) : 1);
+  capture_->observe_output(output);
   if (!capture_->active(is_training())) return output;
 
   capture_->capture_input(input);

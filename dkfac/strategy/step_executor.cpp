@@ -8,13 +8,18 @@
 
 namespace dkfac::strategy {
 
-StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
-                           const Options& options)
-    : communicator_(std::move(communicator)), rank_(communicator_ ? communicator_->rank() : 0) {
+std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layers) {
   std::vector<assign::LayerShape> shapes;
   for (const auto& layer : layers) {
     shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
   }
+  return shapes;
+}
+
+StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std::vector<KfacLayer>& layers,
+                           const Options& options)
+    : communicator_(std::move(communicator)), rank_(communicator_ ? communicator_->rank() : 0) {
+  const auto shapes = layer_shapes(layers);
   const int world = communicator_ ? communicator_->size() : 1;
   assign::AlphaBeta link;
   int64_t redundant = options.spd().redundant_dim();

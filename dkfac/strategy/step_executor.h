@@ -17,6 +17,9 @@
 
 namespace dkfac::strategy {
 
+/// The layers as plans see them: name, dimensions and rows per sample (as last observed by their capture).
+std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layers);
+
 /// Executes a job's StepPlan (step_plan.h; docs/MATH.md section 5): runs the collectives the plan names
 /// between the preconditioner's phases, and answers for this rank which work the plan gives it. The
 /// plan is computed once, in the constructor; in one process (no communicator, or a world of one) it is

@@ -48,6 +48,8 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
                         int64_t measured_redundant_dim) {
   options.validate();
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  TORCH_CHECK(options.strategy() != Strategy::kAuto, "strategy auto has no plan of its own: choose_strategy "
+              "(strategy/time_model.h) picks kaisa, spd or dp first, as the Preconditioner does at its first step");
   if (world_size == 1) return StepPlan::single_process(shapes, options.compute_method(), options.strategy());
   StepPlan plan;
   plan.strategy = options.strategy();
@@ -75,6 +77,8 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     case Strategy::kDp:
       plan.placement = assign::assign_dp(shapes, world_size);
       plan.reduction = FactorReduction::kNone;  // each owner keeps the factors of its own batch
+      break;
+    case Strategy::kAuto:  // refused above
       break;
   }
   const int w = plan.placement.grad_workers;

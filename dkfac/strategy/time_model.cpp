@@ -250,10 +250,15 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
 
 Options StrategyChoice::apply(const Options& base) const {
   const Options& o = pick().options;
-  return Options(base)
-      .strategy(o.strategy())
-      .grad_worker_fraction(o.grad_worker_fraction())
-      .symmetric_comm(o.symmetric_comm());
+  Options out = Options(base)
+                    .strategy(o.strategy())
+                    .grad_worker_fraction(o.grad_worker_fraction())
+                    .symmetric_comm(o.symmetric_comm())
+                    .memory_budget(0);  // spent on the choice; it applies to strategy auto only
+  if (o.strategy() == Strategy::kSpd && base.spd().redundant_dim() < 0) {
+    out.spd(SpdOptions(base.spd()).redundant_dim(pick().plan.redundant_dim));  // the threshold predicted with
+  }
+  return out;
 }
 
 std::string StrategyChoice::describe() const {
@@ -291,7 +296,7 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
   const auto add = [&](std::string name, Options options) {
     Candidate c;
     c.name = std::move(name);
-    c.options = std::move(options);
+    c.options = std::move(options.memory_budget(0));  // the budget is the choice's, not a candidate's option
     c.plan = make_step_plan(shapes, p, c.options, rates.spd_redundant_dim(p));
     c.time = predict_time(c.plan, rates, batch_size, intervals);
     for (const auto& r : predict(c.plan, rates.element_bytes(), batch_size)) {

@@ -77,7 +77,9 @@ struct StrategyChoice {
   std::string reason;                 ///< one sentence: why this candidate
 
   const Candidate& pick() const { return candidates.at(chosen); }
-  /// `base` with the chosen strategy, grad_worker_fraction and symmetric_comm set (all else untouched).
+  /// `base` with the chosen strategy, grad_worker_fraction and symmetric_comm set, memory_budget (spent on
+  /// the choice) 0, and for SPD-KFAC without a redundancy threshold the one its prediction used (from the
+  /// rates); all else untouched.
   Options apply(const Options& base) const;
   /// The table of every candidate (predicted ms per step and memory) and the reason, in words.
   std::string describe() const;
@@ -92,7 +94,8 @@ struct StrategyChoice {
 /// fits, the candidate with the least memory (then the fastest), and `fits` is false. Pure given the rates:
 /// every rank that calls it with the same arguments gets the same choice.
 ///
-/// For the caller (Options' `Strategy` auto, the Preconditioner, `dkfac train --strategy auto`):
+/// What the Preconditioner does with Options' `Strategy` auto at its first step (dkfac train --strategy auto and
+/// Python's strategy='auto' go through it):
 ///  1. rates = measure_rates(communicator, device, dtype, method) on every rank at once (collective; every
 ///     rank gets the same averaged numbers), or Rates read from a file written earlier;
 ///  2. choice = choose_strategy(shapes, P, options, rates, budget, batch, {factor, inv intervals at step 0});
@@ -100,7 +103,7 @@ struct StrategyChoice {
 ///     rank 0's: chosen = agree_on_choice(communicator, choice.chosen) (one 8-byte broadcast from rank 0;
 ///     measure_rates already made the rates equal);
 ///  4. options = choice.apply(options) with that index, log choice.describe() on rank 0, and build the
-///     StepExecutor from those options (SPD-KFAC measures its own threshold then, as it does today).
+///     StepExecutor from those options (SPD-KFAC with the threshold its prediction used).
 StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& base,
                                const Rates& rates, int64_t memory_budget_bytes, int64_t batch_size,
                                Intervals intervals);

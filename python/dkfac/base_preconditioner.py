@@ -200,6 +200,12 @@ class BaseKFACPreconditioner:
         return list(zip(self._names, self._modules))
 
     @property
+    def strategy_choice(self) -> str:
+        """strategy='auto''s choice in words: every candidate's predicted K-FAC time and memory per rank, the
+        pick and why ('' before the first step() chose, and without 'auto'). Logged at ``loglevel`` too."""
+        return self._core.strategy_choice
+
+    @property
     def plan(self) -> str:
         """The step plan this job runs, in words (a str): how factors are reduced, who decomposes and
         preconditions each layer, what is broadcast (the C++ core's StepPlan; every rank computes the same
@@ -216,6 +222,9 @@ class BaseKFACPreconditioner:
         """
         with torch.no_grad(), _CoreWarnings():
             self._core.step()
+        change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
+        if change:
+            logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update."""

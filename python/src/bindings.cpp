@@ -276,6 +276,9 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
       .def("describe", [](const Preconditioner& p) { return p.executor().describe(); })
+      .def("take_plan_change", &Preconditioner::take_plan_change)
+      .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })
+      .def_property_readonly("strategy_choice", &Preconditioner::strategy_choice)
       .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })

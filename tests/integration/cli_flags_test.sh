@@ -30,7 +30,7 @@ echo "== a flag with a fixed set of choices refuses another value, naming the fl
 refused --model nosuch
 has "--model must be one of mlp, cnn, resnet20, autoencoder, got 'nosuch'"
 refused --nproc 2 --strategy hogwild
-has "--strategy must be one of kaisa, spd, dp, got 'hogwild'"
+has "--strategy must be one of kaisa, spd, dp, auto, got 'hogwild'"
 
 echo "== an alias and its flag that disagree are named together"
 refused --kfac-damping 0.003 --damping 0.3

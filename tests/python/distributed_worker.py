@@ -63,7 +63,8 @@ def main() -> None:
             after.append([q.grad.clone() for q in m.parameters()])
         extra = {'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
-                'state': preconditioner.state_dict(), 'plan': preconditioner.plan}, output)
+                'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
+                'choice': preconditioner.strategy_choice}, output)
     dist.destroy_process_group()
 
 

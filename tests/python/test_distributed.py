@@ -163,3 +163,27 @@ def test_state_dict_resume_under_torch_distributed(source, tmp_path):
                 assert torch.equal(a, b), f'rank {rank}: exact resume differs by {(a - b).abs().max()}'
             else:
                 assert torch.isfinite(a).all()
+
+
+def test_strategy_auto_picks_on_every_rank_alike_and_trains_as_its_pick(tmp_path):
+    """strategy='auto' measures this machine at the first step, every rank runs rank 0's pick, and the
+    gradients are that strategy's (whichever this machine's rates pick): KAISA's and SPD-KFAC's equal the
+    single-process reference, DP-KFAC's a DP-KFAC run's."""
+    kwargs = {**COMMON, 'kl_clip': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1}
+    results = run_workers(2, {**kwargs, 'strategy': 'auto'}, tmp_path)
+    choice = results[0]['choice']
+    assert choice.startswith('strategy auto: 6 candidates'), choice
+    assert 'rates measured now on 2 ranks' in choice, choice
+    assert all(r['choice'] == choice and r['plan'] == results[0]['plan'] for r in results)
+    picked = choice.split('picked ')[1].split(':')[0]
+    system = picked.split()[0]
+    assert results[0]['plan'].startswith('step plan: ' + {'kaisa': 'KAISA', 'spd': 'SPD-KFAC', 'dp': 'DP-KFAC'}[system]
+                                         + f' ({system}), P=2 '), (picked, results[0]['plan'])
+    if system == 'dp':
+        expected = run_workers(2, {**kwargs, 'strategy': 'dp'}, tmp_path)[0]['grads']
+    else:
+        expected = reference(2, kwargs)
+    for rank, result in enumerate(results):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'{picked}: rank {rank}, step {step}, parameter {i}: {(a - b).abs().max()}'

@@ -51,7 +51,7 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
     (dict(assignment_strategy='time'), "assignment_strategy must be one of compute, memory, got 'time'"),
     (dict(colocate_factors=False), 'colocate_factors must be True to use compute_eigenvalue_outer_product'),
     (dict(grad_worker_fraction=1.5), r'grad_worker_fraction must be finite and in \[0, 1\], got 1.5'),
-    (dict(strategy='horovod'), "strategy must be one of kaisa, spd, dp, got 'horovod'"),
+    (dict(strategy='horovod'), "strategy must be one of kaisa, spd, dp, auto, got 'horovod'"),
     (dict(unused_layer_policy='ignore'), "unused_layer_policy must be one of error, skip, got 'ignore'"),
     (dict(pi_damping=True), 'pi_damping applies to the inverse compute_method only, got compute_method=eigen'),
     (dict(factor_dtype=torch.int32), "factor_dtype must be one of float32, float64, bfloat16, float16 or none \\(the default\\), got 'int32'"),
@@ -62,6 +62,8 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
     (dict(spd_profile_steps=0), r'spd_profile_steps must be >= 1, got 0'),  # SPD-KFAC's options reach Python too
     (dict(spd_fusion=[2, 0]), r'spd_fusion entries must be >= 1, got 0'),
     (dict(symmetric_comm='yes'), "symmetric_comm must be true or false, got 'yes'"),
+    (dict(memory_budget=-1), 'memory_budget must be >= 0, got -1'),
+    (dict(memory_budget=1 << 20), r'memory_budget applies to strategy auto only \(kaisa places its own work\)'),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -421,3 +423,10 @@ def test_import_under_another_torch_version_names_both():
     assert f'dkfac was built against torch {built}' in message, message
     assert 'this Python has torch 2.99.0+other' in message, message
     assert 'pip install .' in message, message
+
+
+def test_strategy_auto_in_one_process_is_kaisa_and_says_why():
+    preconditioner = dkfac.KFACPreconditioner(tiny_mlp(), strategy='auto', memory_budget=1 << 20)
+    assert preconditioner.strategy == 'auto'  # as given, like every keyword
+    assert 'one process' in preconditioner.strategy_choice
+    assert preconditioner.plan.startswith('step plan: single process'), preconditioner.plan

@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <mutex>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "dkfac/strategy/prediction.h"
+#include "dkfac/strategy/time_model.h"
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
@@ -115,13 +118,16 @@ std::vector<std::vector<torch::Tensor>> reference(int world, const Options& opti
 // gradients after kfac.step(). `inspect` sees each rank's preconditioner and communicator at the end;
 // `after_backward` runs on each rank after backward, before the gradient allreduce and kfac.step().
 using Inspect = std::function<void(int, Preconditioner&, comm::Communicator&)>;
+// `prepare` runs on each rank once its preconditioner is built.
 std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
     int world, const Options& options, const Inspect& inspect = nullptr,
-    const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr) {
+    const std::function<void(int, int64_t, Preconditioner&, comm::Communicator&)>& after_backward = nullptr,
+    const std::function<void(Preconditioner&)>& prepare = nullptr) {
   std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
   run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
     auto net = make_net(testing::test_device());
     Preconditioner kfac(net, options, communicator);
+    if (prepare) prepare(kfac);
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
     for (int64_t step = 0; step < kSteps; ++step) {
       sgd.zero_grad();
@@ -435,6 +441,149 @@ TEST_P(DpEquivalence, MatchesOwnerLocalReference) {
 
 INSTANTIATE_TEST_SUITE_P(Methods, DpEquivalence, ::testing::Combine(::testing::Values(2, 4), ::testing::Values(0, 1, 2)));
 
+// Strategy auto on the test model. The shapes as the preconditioner observes them in the first step (conv:
+// 5 x 5 output positions per sample; local_loss's batch of 3 samples).
+const std::vector<assign::LayerShape> kObservedShapes = {{"conv", 19, 3, 25}, {"fc1", 76, 6, 1}, {"fc2", 6, 4, 1}};
+constexpr int64_t kBatch = 3;
+
+// Rates of one FLOP rate and one link, for both collectives, measured on 2 ranks in float64.
+Rates auto_rates(double seconds_per_flop, double alpha, double beta, ComputeMethod method) {
+  Rates r;
+  r.world_size = 2;
+  r.dtype = torch::kFloat64;
+  r.method = method;
+  r.allreduce = {alpha, beta};
+  r.broadcast = {alpha, beta};
+  r.factor.per_flop = seconds_per_flop;
+  r.conv_factor.per_flop = seconds_per_flop;
+  r.decomposition.per_cubed_dim = seconds_per_flop;
+  r.precondition.per_flop = seconds_per_flop;
+  return r;
+}
+
+// With strategy auto every rank runs the plan choose_strategy picks from the given rates and the observed
+// batch and shapes, and trains exactly as a job given that strategy from the start: the same gradients at
+// every step (the first step's factors, captured under the provisional plan, included). Rates of two kinds
+// of machine pick DP-KFAC and SPD-KFAC, so that the provisional executor is replaced by another strategy's.
+TEST(StrategyAuto, RunsWhatChooseStrategyPicksAsThatStrategyWould) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kInverse;
+  const Options base = base_options(method, false, 1.0);
+  std::set<std::string> picked;
+  std::string tables;
+  // A free link (DP-KFAC splits every kernel) and a latency-bound one (SPD-KFAC's one fused allreduce). On this
+  // 3-layer model KAISA is never the fastest candidate at 2 ranks.
+  for (const auto& r : {auto_rates(1e-9, 0.0, 0.0, method), auto_rates(1e-12, 1e-2, 1e-12, method)}) {
+    const auto expected = choose_strategy(kObservedShapes, 2, base, r, kNoMemoryBudget, kBatch, {1, 2});
+    const Options chosen = expected.apply(base);
+    picked.insert(expected.pick().name);
+    tables += expected.describe();
+    SCOPED_TRACE("expected pick " + expected.pick().name);
+    std::vector<std::string> choices(2);
+    const auto got = run_distributed(
+        2, Options(base).strategy(Strategy::kAuto),
+        [&](int rank, Preconditioner& kfac, comm::Communicator&) {
+          EXPECT_EQ(kfac.options().strategy(), chosen.strategy());
+          EXPECT_EQ(kfac.options().grad_worker_fraction(), chosen.grad_worker_fraction());
+          EXPECT_EQ(kfac.options().symmetric_comm(), chosen.symmetric_comm());
+          EXPECT_EQ(kfac.plan().describe(), make_step_plan(kObservedShapes, 2, chosen).describe());
+          choices[rank] = kfac.strategy_choice();
+        },
+        nullptr, [&](Preconditioner& kfac) { kfac.use_rates(r); });
+    const auto same = run_distributed(2, chosen);
+    for (int rank = 0; rank < 2; ++rank) {
+      for (int64_t step = 0; step < kSteps; ++step) {
+        for (size_t p = 0; p < same[rank][step].size(); ++p) {
+          EXPECT_TENSOR_NEAR(got[rank][step][p], same[rank][step][p], 1e-12)
+              << "rank " << rank << " step " << step << " param " << p;
+        }
+      }
+    }
+    EXPECT_NE(choices[0].find(expected.reason), std::string::npos) << choices[0];
+    EXPECT_NE(choices[0].find("batch 3 samples per rank per step, rates given"), std::string::npos) << choices[0];
+    EXPECT_EQ(choices[0], choices[1]);
+  }
+  EXPECT_EQ(picked, (std::set<std::string>{"dp", "spd"})) << tables;
+}
+
+// A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
+// on as a job of that strategy that loaded the same checkpoint.
+TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kEigen;
+  const Options base = base_options(method, false, 1.0);
+  const auto r = auto_rates(1e-12, 1e-2, 1e-6, method);  // a slow link: not KAISA f = 1 without triangles
+  const Options chosen = choose_strategy(kObservedShapes, 2, base, r, kNoMemoryBudget, kBatch, {1, 2}).apply(base);
+  ASSERT_FALSE(chosen.strategy() == Strategy::kKaisa && chosen.grad_worker_fraction() == 1.0);
+  std::vector<std::string> archives(2);
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net(testing::test_device());
+    Preconditioner kfac(net, base, communicator);
+    for (int64_t step = 0; step < 3; ++step) {
+      net->zero_grad();
+      local_loss(*net, step, rank).backward();
+      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+      kfac.step();
+    }
+    torch::serialize::OutputArchive archive;
+    kfac.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    archives[rank] = out.str();
+  });
+  const auto resumed = [&](const Options& options, bool use_rates) {
+    std::vector<std::vector<torch::Tensor>> grads(2);
+    run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+      auto net = make_net(testing::test_device());
+      Preconditioner kfac(net, options, communicator);
+      if (use_rates) kfac.use_rates(r);
+      torch::serialize::InputArchive archive;
+      std::istringstream in(archives[0]);
+      archive.load_from(in);
+      kfac.load(archive);
+      net->zero_grad();
+      local_loss(*net, 3, rank).backward();
+      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+      kfac.step();
+      EXPECT_EQ(kfac.options().strategy(), chosen.strategy());
+      grads[rank] = grads_of(*net);
+    });
+    return grads;
+  };
+  const auto got = resumed(Options(base).strategy(Strategy::kAuto), true);
+  const auto expected = resumed(chosen, false);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (size_t p = 0; p < expected[rank].size(); ++p) {
+      EXPECT_TENSOR_NEAR(got[rank][p], expected[rank][p], 1e-12) << "rank " << rank << " param " << p;
+    }
+  }
+}
+
+// Over the budget: the candidate with the least memory, and the choice says that nothing fits. In one
+// process nothing is measured and the plan is KAISA's single-process one.
+TEST(StrategyAuto, BudgetAndOneProcess) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kInverse;
+  const Options base = base_options(method, false, 1.0);
+  const auto r = auto_rates(1e-9, 0.0, 0.0, method);
+  const auto expected = choose_strategy(kObservedShapes, 2, base, r, 1, kBatch, {1, 2});
+  ASSERT_FALSE(expected.fits);
+  run_distributed(
+      2, Options(base).strategy(Strategy::kAuto).memory_budget(1),
+      [&](int, Preconditioner& kfac, comm::Communicator&) {
+        EXPECT_EQ(kfac.options().strategy(), expected.pick().options.strategy());
+        EXPECT_EQ(kfac.options().memory_budget(), 0);
+        EXPECT_NE(kfac.strategy_choice().find(expected.reason), std::string::npos) << kfac.strategy_choice();
+      },
+      nullptr, [&](Preconditioner& kfac) { kfac.use_rates(r); });
+
+  Preconditioner single(make_net(), Options(base).strategy(Strategy::kAuto));
+  EXPECT_EQ(single.options().strategy(), Strategy::kKaisa);
+  EXPECT_EQ(single.plan().world_size(), 1);
+  EXPECT_NE(single.strategy_choice().find("one process"), std::string::npos);
+  EXPECT_THROW(Options(base).memory_budget(1).validate(), c10::Error);  // the budget is for auto only
+}
+
 TEST(StrategyOptions, FractionIsForKaisaOnly) {
   EXPECT_THROW(Options().strategy(Strategy::kDp).grad_worker_fraction(0.5).validate(), c10::Error);
   EXPECT_NO_THROW(Options().strategy(Strategy::kSpd).validate());
@@ -451,13 +600,7 @@ struct PlanCase {
   Options options;
 };
 
-std::vector<assign::LayerShape> shapes_of(const Preconditioner& kfac) {
-  std::vector<assign::LayerShape> shapes;
-  for (const auto& layer : kfac.layers()) {
-    shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
-  }
-  return shapes;
-}
+std::vector<assign::LayerShape> shapes_of(const Preconditioner& kfac) { return layer_shapes(kfac.layers()); }
 
 class PlanPredicts : public ::testing::TestWithParam<int> {};
 

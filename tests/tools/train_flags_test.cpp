@@ -202,7 +202,7 @@ TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   EXPECT_EQ(error_of({"--factor-dtype", "half"}),
             "--factor-dtype must be one of float32, float64, bfloat16, float16 or none (the default), got 'half'");
   EXPECT_EQ(error_of({"--on-nan-loss", "ignore"}), "--on-nan-loss must be one of stop, skip, got 'ignore'");
-  EXPECT_EQ(error_of({"--strategy", "hogwild"}), "--strategy must be one of kaisa, spd, dp, got 'hogwild'");
+  EXPECT_EQ(error_of({"--strategy", "hogwild"}), "--strategy must be one of kaisa, spd, dp, auto, got 'hogwild'");
   EXPECT_NE(error_of({"--strategy", "dkfac-lw"}).find("--strategy kaisa --grad-worker-fraction 1"), std::string::npos);
 
   // --help states each choice flag's default, as it did when they were strings.

@@ -54,15 +54,7 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
     }
     have = true;
   } else if (!c.rates_file.empty()) {
-    std::ifstream in(c.rates_file);
-    TORCH_CHECK(in, "--rates: cannot read ", c.rates_file);
-    nlohmann::json j;
-    try {
-      in >> j;
-    } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, "--rates ", c.rates_file, ": not JSON (", e.what(), ")");
-    }
-    rates = plan::rates_from_json(j);
+    rates = plan::read_rates(c.rates_file, "--rates");
     have = true;
   }
   TORCH_CHECK(have || any_rate_flag(c), "--strategy auto needs rates: --rates FILE (written by --measure-rates), "

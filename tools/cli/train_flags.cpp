@@ -79,7 +79,8 @@ OptionValue typed_value(const OptionInfo& info, const std::vector<std::string>& 
 // Options in the Distributed group of --help; the rest of the library's are in K-FAC.
 bool is_distributed(const std::string& name) {
   static const std::set<std::string> names = {"grad_worker_fraction", "symmetric_comm", "balance", "colocate_factors",
-                                              "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy"};
+                                              "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy",
+                                              "memory_budget"};
   return names.count(name) > 0 || name.rfind("spd_", 0) == 0;
 }
 
@@ -241,6 +242,11 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   app.add_option("--log-every", c.log_every, "steps between progress lines (0: ~10 per epoch)")
       ->capture_default_str()
       ->group(kOutputGroup);
+  app.add_option("--kfac-rates", c.kfac_rates,
+                 "--strategy auto: choose from the rates in this JSON file (written by dkfac plan --measure-rates) "
+                 "instead of measuring them at the first step")
+      ->check(CLI::ExistingFile)
+      ->group(kDistributedGroup);
   app.add_flag("--print-plan", c.print_plan,
                "print the K-FAC step plan this job runs at start: how factors are reduced, which rank decomposes "
                "each layer's A and G, which ranks precondition it, what is broadcast (default: off; a distributed "

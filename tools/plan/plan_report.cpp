@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iomanip>
 #include <sstream>
 #include <thread>
@@ -94,10 +95,8 @@ ModelTable model_table(const PlanRequest& r) {
   }
   for (const auto& p : model->parameters()) t.parameters += p.numel();
   dkfac::Preconditioner kfac(model.ptr());  // single process: only to list the K-FAC layers
-  for (const auto& layer : kfac.layers()) {
-    t.layers.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
-    t.kfac_parameters += layer.a_dim() * layer.g_dim();
-  }
+  t.layers = strategy::layer_shapes(kfac.layers());
+  for (const auto& layer : kfac.layers()) t.kfac_parameters += layer.a_dim() * layer.g_dim();
   return t;
 }
 
@@ -347,6 +346,22 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
   r.validate();
   return r;
+}
+
+strategy::Rates read_rates(const std::string& path, const std::string& flag) {
+  std::ifstream in(path);
+  TORCH_CHECK(in, flag, ": cannot read ", path);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, flag, " ", path, ": not JSON (", e.what(), ")");
+  }
+  try {
+    return rates_from_json(j);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, flag, " ", path, ": ", e.what_without_backtrace());
+  }
 }
 
 strategy::Rates measure_rates_in_process(int nproc, int threads, ComputeMethod method) {

@@ -137,6 +137,8 @@ void TrainConfig::validate() const {
   TORCH_CHECK(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096] (0: LibTorch's default), got ",
               threads);
   kfac_options.validate();  // each flag was checked against its declaration when it was parsed
+  TORCH_CHECK(kfac_rates.empty() || kfac_options.strategy() == Strategy::kAuto, "--kfac-rates are for --strategy "
+              "auto, but --strategy is ", to_string(kfac_options.strategy()));
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
@@ -161,7 +163,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", to_string(c.on_nan_loss)}, {"resume", c.resume}, {"overwrite", c.overwrite},
-          {"print-plan", c.print_plan},
+          {"print-plan", c.print_plan}, {"kfac-rates", c.kfac_rates},
           {"device", to_string(c.device)}, {"backend", to_string(c.backend)}};
   for (const auto& info : option_table()) {
     if (info.flag.empty()) continue;

@@ -98,6 +98,7 @@ struct TrainConfig {
   std::string command_line;  // as typed, for the metrics file's run event (not an option)
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch
   bool print_plan = false;  // print the K-FAC step plan at start, one line per layer
+  std::string kfac_rates;   // --strategy auto: rates JSON to choose from (empty: measured at the first step)
   int64_t eval_examples = 0;  // test examples evaluated (the first ones); 0: the whole test set
   /// The flag that set a field when it was not the dkfac flag itself: "--damping" -> "--kfac-damping" when
   /// kfac_pytorch's alias was typed. validate() names the flag as typed. Not an option: not in to_json().

@@ -259,6 +259,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
         })
         .accumulation_steps(config_.accumulation_steps);
     s.kfac = std::make_unique<Preconditioner>(s.model.ptr(), options, communicator_);
+    if (!config_.kfac_rates.empty()) s.kfac->use_rates(plan::read_rates(config_.kfac_rates, "--kfac-rates"));
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
   if (s.kfac && rank_ == 0) {
