@@ -199,8 +199,8 @@ void Preconditioner::choose_strategy() {
   }
   if (is_factor_step(steps_)) executor_->arm_factor_step(options_.accumulation_steps());
   strategy_choice_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
-                     (rates_ ? "given (use_rates)" : "measured now on " + std::to_string(world) + " ranks");
-  choice_to_report_ = strategy_choice_ + "\n";
+                     (rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
+  choice_to_report_ = strategy_choice_ + "\n" + executor_->describe(/*per_layer=*/false);
 }
 
 Preconditioner::~Preconditioner() {

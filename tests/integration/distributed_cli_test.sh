@@ -122,4 +122,35 @@ cat "$tmp/r0.txt" "$tmp/r1.txt"
 [[ $rc0 -ne 0 && $rc1 -ne 0 ]] || { echo "FAIL: mismatched ranks must both fail ($rc0, $rc1)"; exit 1; }
 grep -q -- '--lr is 0.1 on rank 1 but 0.05 on rank 0' "$tmp/r1.txt" || { echo "FAIL: rank 1 does not name --lr"; exit 1; }
 grep -q 'rank(s) 1 differ from rank 0' "$tmp/r0.txt" || { echo "FAIL: rank 0 does not name rank 1"; exit 1; }
-echo "5 passed, 0 failed"
+echo "== --strategy auto: rank 0's pick from the rates, run as that strategy would run"
+"$dkfac" plan --measure-rates "$tmp/rates.json" --nproc 2 --compute-method inverse > "$tmp/out" 2>&1 \
+  || { cat "$tmp/out"; fail "dkfac plan --measure-rates"; }
+auto_run=(train --nproc 2 --model cnn --dataset synthetic --max-steps 6 --batch-size 32 --log-every 1 --threads 1
+          --factor-update-steps 1 --inv-update-steps 3 --compute-method inverse)
+"$dkfac" "${auto_run[@]}" --strategy auto --kfac-rates "$tmp/rates.json" --metrics "$tmp/auto.jsonl" > "$tmp/out" 2>&1 \
+  || { cat "$tmp/out"; fail "--strategy auto"; }
+has "step plan: strategy auto chooses it at the first step, from the rates in $tmp/rates.json"
+has "strategy auto: 6 candidates"
+has "batch 32 samples per rank per step, rates given"
+# The pick as flags: "picked kaisa f=1/2 (W=1) triangles: ...", "picked spd: ...", "picked dp: ...".
+picked=$(grep -o 'picked [^:]*' "$tmp/out" | head -1 | cut -d' ' -f2-)
+flags=(--strategy "${picked%% *}")
+if [[ $picked == kaisa* ]]; then
+  w=$(sed -E 's/.*\(W=([0-9]+)\).*/\1/' <<< "$picked")
+  flags+=(--grad-worker-fraction "$(python3 -c "print($w / 2)")")
+  [[ $picked == *triangles ]] && flags+=(--symmetric-comm)
+elif [[ $picked == spd ]]; then
+  # The threshold auto predicted with (from the rates), as the plan after the choice prints it.
+  flags+=(--spd-redundant-dim "$(grep -o 'factors of dim <= [0-9]*' "$tmp/out" | head -1 | grep -o '[0-9]*$')")
+fi
+echo "picked: $picked -> ${flags[*]}"
+has "step plan: $(case ${picked%% *} in kaisa) echo KAISA;; spd) echo SPD-KFAC;; dp) echo DP-KFAC;; esac) (${picked%% *}), P=2"
+"$dkfac" "${auto_run[@]}" "${flags[@]}" --metrics "$tmp/picked.jsonl" > "$tmp/picked.txt" 2>&1 \
+  || { cat "$tmp/picked.txt"; fail "the picked strategy's run"; }
+compare_runs "$tmp/auto.jsonl" "$tmp/picked.jsonl" --steps 6 --rtol 1e-5
+refused --model mlp --dataset synthetic --strategy kaisa --kfac-rates "$tmp/rates.json"
+has "--kfac-rates are for --strategy auto, but --strategy is kaisa"
+refused --model mlp --dataset synthetic --kfac-memory-budget 1000
+has "memory_budget applies to strategy auto only"
+
+echo "6 passed, 0 failed"

@@ -271,7 +271,11 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
              << dkfac::to_string(layer.kind()) << " " << layer.a_dim() << "x" << layer.g_dim();
     }
     log() << layers.str() << "\n";
-    if (config_.print_plan || s.kfac->plan().world_size() > 1) {
+    if (s.kfac->options().strategy() == Strategy::kAuto) {
+      log() << "step plan: strategy auto chooses it at the first step, from "
+            << (config_.kfac_rates.empty() ? "this machine's rates measured then" : "the rates in " + config_.kfac_rates)
+            << std::endl;
+    } else if (config_.print_plan || s.kfac->plan().world_size() > 1) {
       log() << s.kfac->executor().describe(/*per_layer=*/config_.print_plan) << std::flush;
     }
   } else if (config_.print_plan && rank_ == 0) {
