@@ -556,10 +556,9 @@ int64_t Preconditioner::memory_bytes() const {
 
 namespace {
 
-const char* const kFactorKeys[] = {"a_factor", "g_factor"};
-
 bool is_factor_key(const std::string& key) {
-  return std::find(std::begin(kFactorKeys), std::end(kFactorKeys), key) != std::end(kFactorKeys);
+  const auto* entry = layer_state_entry(key);  // an unknown key is refused by KfacLayer::load_state
+  return entry != nullptr && entry->factor;
 }
 
 // An integer entry of a preconditioner archive, or a refusal naming it.

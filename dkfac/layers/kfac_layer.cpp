@@ -17,17 +17,35 @@ torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor&
   return base.mul(alpha).add_(batch, 1.0 - alpha);
 }
 
-// Every entry KfacLayer::state() may hold, in save order.
-constexpr std::array<const char*, 9> kStateKeys = {"a_factor",       "g_factor",      "a_eigenvectors",
-                                                   "a_eigenvalues",  "g_eigenvectors", "g_eigenvalues",
-                                                   "denominator",    "a_inverse",     "g_inverse"};
-
-void check_shape(const std::string& layer, const char* what, const torch::Tensor& t, at::IntArrayRef expected) {
-  TORCH_CHECK(!t.defined() || t.sizes() == expected, "checkpoint for layer '", layer, "': ", what, " has shape ",
-              t.sizes(), ", the model expects ", expected);
-}
+std::vector<int64_t> square_a(int64_t a, int64_t) { return {a, a}; }
+std::vector<int64_t> square_g(int64_t, int64_t g) { return {g, g}; }
+std::vector<int64_t> vector_a(int64_t a, int64_t) { return {a}; }
+std::vector<int64_t> vector_g(int64_t, int64_t g) { return {g}; }
+std::vector<int64_t> g_by_a(int64_t a, int64_t g) { return {g, a}; }
 
 }  // namespace
+
+const std::array<LayerStateEntry, 9>& layer_state_entries() {
+  static const std::array<LayerStateEntry, 9> entries = {{
+      {"a_factor", true, 'a', "A factor", square_a},
+      {"g_factor", true, 'g', "G factor", square_g},
+      {"a_eigenvectors", false, 'a', "Q_A", square_a},
+      {"a_eigenvalues", false, 'a', "d_A", vector_a},
+      {"g_eigenvectors", false, 'g', "Q_G", square_g},
+      {"g_eigenvalues", false, 'g', "d_G", vector_g},
+      {"denominator", false, 'g', "eigenvalue denominator", g_by_a},
+      {"a_inverse", false, 'a', "A inverse", square_a},
+      {"g_inverse", false, 'g', "G inverse", square_g},
+  }};
+  return entries;
+}
+
+const LayerStateEntry* layer_state_entry(const std::string& key) {
+  for (const auto& entry : layer_state_entries()) {
+    if (key == entry.key) return &entry;
+  }
+  return nullptr;
+}
 
 torch::Tensor SecondOrderState::precondition(const torch::Tensor& grad) const {
   TORCH_INTERNAL_ASSERT(defined(), "precondition() before the second-order state was computed");
@@ -226,15 +244,16 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     return it == state.end() || !it->second.defined() ? torch::Tensor() : it->second.to(binding_.weight.device());
   };
   for (const auto& [key, tensor] : state) {
-    const bool known = std::find(kStateKeys.begin(), kStateKeys.end(), key) != kStateKeys.end();
-    TORCH_CHECK(known, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
+    TORCH_CHECK(layer_state_entry(key) != nullptr, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
   }
-  const int64_t a = a_dim();
-  const int64_t g = g_dim();
+  for (const auto& entry : layer_state_entries()) {
+    const auto t = get(entry.key);
+    const auto expected = entry.shape(a_dim(), g_dim());
+    TORCH_CHECK(!t.defined() || t.sizes() == at::IntArrayRef(expected), "checkpoint for layer '", name(), "': ",
+                entry.what, " has shape ", t.sizes(), ", the model expects ", at::IntArrayRef(expected));
+  }
   torch::Tensor a_factor = get("a_factor");
   torch::Tensor g_factor = get("g_factor");
-  check_shape(name(), "A factor", a_factor, {a, a});
-  check_shape(name(), "G factor", g_factor, {g, g});
   SecondOrderState next;
   next.method = method;
   next.a_eigen = {get("a_eigenvectors"), get("a_eigenvalues")};
@@ -242,13 +261,6 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   next.denominator = get("denominator");
   next.a_inverse = get("a_inverse");
   next.g_inverse = get("g_inverse");
-  check_shape(name(), "Q_A", next.a_eigen.eigenvectors, {a, a});
-  check_shape(name(), "d_A", next.a_eigen.eigenvalues, {a});
-  check_shape(name(), "Q_G", next.g_eigen.eigenvectors, {g, g});
-  check_shape(name(), "d_G", next.g_eigen.eigenvalues, {g});
-  check_shape(name(), "eigenvalue denominator", next.denominator, {g, a});
-  check_shape(name(), "A inverse", next.a_inverse, {a, a});
-  check_shape(name(), "G inverse", next.g_inverse, {g, g});
   a_factor_ = a_factor;
   g_factor_ = g_factor;
   second_order_ = std::move(next);
@@ -269,9 +281,9 @@ void KfacLayer::load(torch::serialize::InputArchive& archive) {
   c10::IValue method;
   archive.read("method", method);
   std::map<std::string, torch::Tensor> state;
-  for (const char* key : kStateKeys) {
+  for (const auto& entry : layer_state_entries()) {
     torch::Tensor t;
-    if (archive.try_read(key, t, /*is_buffer=*/true)) state[key] = t;
+    if (archive.try_read(entry.key, t, /*is_buffer=*/true)) state[entry.key] = t;
   }
   load_state(state, static_cast<ComputeMethod>(method.toInt()));
 }

@@ -1,10 +1,12 @@
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -47,6 +49,20 @@ struct LayerBinding {
   torch::Tensor bias;    ///< [g], or undefined
   std::shared_ptr<FactorCapture> capture;  ///< fed by the front end's hooks; knows the layer kind
 };
+
+/// One entry of KfacLayer::state(): the one list of a layer's state that checkpoints, the collective gather
+/// (StepExecutor::gather_states), placement on load and the Python package (dkfac._C.layer_state_entries) read.
+struct LayerStateEntry {
+  const char* key;   ///< "a_factor", "a_eigenvectors", ...
+  bool factor;       ///< a Kronecker factor; else second-order state
+  char side;         ///< 'a' or 'g': the factor it belongs to (the eigenvalue denominator [g, a] counts as G's)
+  const char* what;  ///< as messages name it: "A factor", "Q_A", ...
+  std::vector<int64_t> (*shape)(int64_t a, int64_t g);  ///< for a layer of factor dimensions a and g
+};
+/// Every entry KfacLayer::state() may hold, in save order.
+const std::array<LayerStateEntry, 9>& layer_state_entries();
+/// The entry named `key`, or nullptr when there is none.
+const LayerStateEntry* layer_state_entry(const std::string& key);
 
 /// K-FAC state and operations of one layer: running factors, second-order state, and the layer
 /// gradient seen as a [g, a] matrix. Holds no communication; strategies sequence its phases.
@@ -119,8 +135,7 @@ class KfacLayer {
   /// Bytes of factors and second-order state held by this layer.
   int64_t memory_bytes() const;
 
-  /// Factors and second-order state by name ("a_factor", "g_factor", "a_eigenvectors", "a_eigenvalues",
-  /// "g_eigenvectors", "g_eigenvalues", "denominator", "a_inverse", "g_inverse"); only those held.
+  /// Factors and second-order state by name (layer_state_entries()' keys); only those held.
   std::map<std::string, torch::Tensor> state() const;
   /// Restores what state() returned (moved to the weight's device); checks every shape and refuses
   /// unknown entries, leaving the layer unchanged on error.

@@ -153,32 +153,6 @@ void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
   comm::wait_all(handles);
 }
 
-}  // namespace dkfac::strategy
-
-namespace dkfac::strategy {
-namespace {
-
-// KfacLayer::state()'s entries, whether each is a factor (else second-order state), and its shape for a
-// layer of dimensions a and g.
-struct StateEntry {
-  const char* key;
-  bool factor;
-  std::vector<int64_t> (*shape)(int64_t a, int64_t g);
-};
-constexpr std::array<StateEntry, 9> kStateEntries = {{
-    {"a_factor", true, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
-    {"g_factor", true, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
-    {"a_eigenvectors", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
-    {"a_eigenvalues", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a}; }},
-    {"g_eigenvectors", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
-    {"g_eigenvalues", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g}; }},
-    {"denominator", false, [](int64_t a, int64_t g) { return std::vector<int64_t>{g, a}; }},
-    {"a_inverse", false, [](int64_t a, int64_t) { return std::vector<int64_t>{a, a}; }},
-    {"g_inverse", false, [](int64_t, int64_t g) { return std::vector<int64_t>{g, g}; }},
-}};
-
-}  // namespace
-
 std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
     const std::vector<KfacLayer>& layers) const {
   TORCH_INTERNAL_ASSERT(layers.size() == plan_.flows.size(), "gather_states got ", layers.size(),
@@ -193,13 +167,14 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
     return plan_.grad_workers() == world ? -1 : plan_.placement.grad_source_for(i, 0);
   };
   // What each source holds, as dtype + 1 (0: nothing), so that the receivers can shape their buffers.
-  const auto entries = static_cast<int64_t>(kStateEntries.size());
+  const auto& all = layer_state_entries();
+  const auto entries = static_cast<int64_t>(all.size());
   auto held = torch::zeros({static_cast<int64_t>(layers.size()), entries}, torch::kInt64);
   auto* table = held.data_ptr<int64_t>();
   for (size_t i = 0; i < layers.size(); ++i) {
     for (int64_t k = 0; k < entries; ++k) {
-      const auto it = states[i].find(kStateEntries[k].key);
-      if (source(i, kStateEntries[k].factor) == rank_ && it != states[i].end()) {
+      const auto it = states[i].find(all[k].key);
+      if (source(i, all[k].factor) == rank_ && it != states[i].end()) {
         table[i * entries + k] = static_cast<int64_t>(it->second.scalar_type()) + 1;
       }
     }
@@ -208,7 +183,7 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
   std::vector<comm::Handle> handles;
   for (size_t i = 0; i < layers.size(); ++i) {
     for (int64_t k = 0; k < entries; ++k) {
-      const auto& entry = kStateEntries[k];
+      const auto& entry = all[k];
       const int root = source(i, entry.factor);
       if (root < 0) continue;  // this rank's own copy is the state
       const int64_t dtype = table[i * entries + k];

@@ -30,7 +30,9 @@ logger = logging.getLogger('dkfac')
 
 _STATE_FORMAT = 1
 _SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
-_FACTOR_KEYS = {'a_factor': 'A', 'g_factor': 'G'}
+# The core's layer state entries (key, is a factor, side 'a' or 'g'); factors by kfac_pytorch's names 'A', 'G'.
+_STATE_ENTRIES = _C.layer_state_entries()
+_FACTOR_KEYS = {key: side.upper() for key, factor, side in _STATE_ENTRIES if factor}
 _communicators = itertools.count()  # a process-local id, the same on every rank that builds in the same order
 
 
@@ -233,9 +235,7 @@ class BaseKFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held on this rank, by kind, and their total."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
-        kinds = {'a_factor': 'a_factors', 'g_factor': 'g_factors', 'a_eigenvectors': 'a_inverses',
-                 'a_eigenvalues': 'a_inverses', 'a_inverse': 'a_inverses', 'g_eigenvectors': 'g_inverses',
-                 'g_eigenvalues': 'g_inverses', 'g_inverse': 'g_inverses', 'denominator': 'g_inverses'}
+        kinds = {key: f"{side}_{'factors' if factor else 'inverses'}" for key, factor, side in _STATE_ENTRIES}
         for state in self._core.layer_states():
             for key, tensor in state.items():
                 sizes[kinds[key]] += tensor.numel() * tensor.element_size()
@@ -251,12 +251,23 @@ class BaseKFACPreconditioner:
         return self._core.total_times() if total else self._core.last_step_times()
 
     # --- state ---------------------------------------------------------------------------------------------
-    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+    def state_dict(self, include_factors: bool = True, gathered: bool = False) -> dict[str, Any]:
         """The state an exact resume needs, in kfac_pytorch's layout plus dkfac's second-order state.
 
         ``steps``; each hyper-parameter that is not a callable; with ``include_factors``, ``layers``
         ({name: {'A': A, 'G': G}}, what kfac_pytorch reads) and ``dkfac`` (format version, compute method,
-        world size and rank, and each layer's second-order state as this rank holds it).
+        strategy, world size and rank, and each layer's second-order state).
+
+        What it holds in a distributed job:
+
+        - ``gathered=False`` (kfac_pytorch's behaviour, callable on one rank alone): this rank's own state.
+          KAISA and SPD-KFAC hold every layer's factors on every rank, so rank 0's dict resumes on any world
+          size (the second-order state is recomputed from the factors there; exactly restored on the same
+          world size and rank). DP-KFAC holds only the factors of the layers this rank owns: its dict resumes
+          on the same world size and rank only (elsewhere ``load_state_dict`` refuses it, saying so).
+        - ``gathered=True`` (collective: every rank calls it, e.g. before rank 0 saves): every layer's factors
+          and second-order state, the same on every rank, whatever the strategy. It loads exactly on any world
+          size and strategy: each rank keeps the part its plan gives it.
         """
         state: dict[str, Any] = {'steps': self.steps}
         for name in _SCHEDULED:
@@ -264,13 +275,16 @@ class BaseKFACPreconditioner:
             if not callable(value):
                 state[name] = value
         if include_factors:
-            layer_states = self._core.layer_states()
+            with _CoreWarnings():
+                layer_states = self._core.gathered_layer_states() if gathered else self._core.layer_states()
             state['layers'] = {
                 name: {'A': s.get('a_factor'), 'G': s.get('g_factor')} for name, s in zip(self._names, layer_states)
             }
             state['dkfac'] = {
                 'format_version': _STATE_FORMAT,
                 'compute_method': self._core.compute_method,
+                'strategy': self._core.strategy,
+                'gathered': bool(gathered),
                 'world_size': self._world_size,
                 'rank': self._rank,
                 'second_order': {
@@ -283,9 +297,10 @@ class BaseKFACPreconditioner:
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
         """Restores a state dict from dkfac's or kfac_pytorch's state_dict().
 
-        dkfac's own (same compute method, world size and rank) restores the second-order state exactly.
-        Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with ``compute_inverses``, the second-order
-        state is recomputed from them now (collective: every rank calls it).
+        dkfac's own restores the second-order state exactly when it has the same compute method and is either
+        gathered (``state_dict(gathered=True)``: any world size and strategy) or this rank's own (same world
+        size and rank). Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with ``compute_inverses``,
+        the second-order state is recomputed from them now (collective: every rank calls it).
         """
         if 'steps' not in state_dict:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
@@ -293,9 +308,10 @@ class BaseKFACPreconditioner:
         ours = state_dict.get('dkfac')
         if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
             raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
+        gathered = isinstance(ours, dict) and bool(ours.get('gathered', False))
+        own = isinstance(ours, dict) and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank
         exact = (isinstance(ours, dict) and ours.get('format_version') == _STATE_FORMAT
-                 and ours.get('compute_method') == self._core.compute_method
-                 and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank)
+                 and ours.get('compute_method') == self._core.compute_method and (gathered or own))
         if self._communicator is not None:
             # Exact restore is rank-local (each rank's own second-order state); the recompute is collective,
             # so every rank must take the same branch: exact only if it is exact everywhere.
@@ -313,6 +329,13 @@ class BaseKFACPreconditioner:
                 entry = layers[name]
                 if 'A' not in entry or 'G' not in entry:
                     raise KeyError(f"state of layer {name!r} must hold 'A' and 'G'")
+                if (isinstance(ours, dict) and ours.get('strategy') == 'dp' and not gathered and not own
+                        and any(entry[v] is None for v in _FACTOR_KEYS.values())):
+                    raise ValueError(
+                        f"state_dict() of rank {ours.get('rank')} of a {ours.get('world_size')}-rank DP-KFAC job "
+                        f"holds the factors of that rank's own layers only (layer {name!r} has none), so it resumes "
+                        f"on that rank of that world size only; to resume on rank {self._rank} of "
+                        f"{self._world_size}, save state_dict(gathered=True), called on every rank")
                 s = {k: entry[v] for k, v in _FACTOR_KEYS.items() if entry[v] is not None}
                 if exact:
                     s.update(ours['second_order'].get(name, {}))

@@ -159,6 +159,12 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  m.def("layer_state_entries", [] {
+    // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g'.
+    std::vector<std::tuple<std::string, bool, std::string>> out;
+    for (const auto& e : layer_state_entries()) out.emplace_back(e.key, e.factor, std::string(1, e.side));
+    return out;
+  });
   m.def(
       "choose_layers",
       // candidates: (name, class name, kind "Linear"/"Conv2d", trainable, groups) each; the core's one rule set
@@ -275,6 +281,7 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
+      .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("describe", [](const Preconditioner& p) { return p.executor().describe(); })
       .def("take_plan_change", &Preconditioner::take_plan_change)
       .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })

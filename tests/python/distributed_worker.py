@@ -26,6 +26,7 @@ def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     explicit_group = kwargs.pop('explicit_group', False)
     resume = kwargs.pop('resume', None)  # 'own' or 'rank0': reload a state dict after the run, one more step
+    save_gathered = kwargs.pop('save_gathered', False)  # also save state_dict(gathered=True) and state_dict()
     device = torch.device(kwargs.pop('device', 'cpu'))
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -47,6 +48,8 @@ def main() -> None:
         grads.append([p.grad.to('cpu', copy=True) for p in model.parameters()])
         optimizer.step()
     extra = {}
+    if save_gathered:
+        extra = {'gathered': preconditioner.state_dict(gathered=True), 'own': preconditioner.state_dict()}
     if resume:
         states = [None] * size
         dist.all_gather_object(states, preconditioner.state_dict())
@@ -61,7 +64,7 @@ def main() -> None:
                                               y[rank * shard:(rank + 1) * shard]).backward()
             p.step()
             after.append([q.grad.clone() for q in m.parameters()])
-        extra = {'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
+        extra = {**extra, 'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
                 'choice': preconditioner.strategy_choice}, output)

@@ -187,3 +187,55 @@ def test_strategy_auto_picks_on_every_rank_alike_and_trains_as_its_pick(tmp_path
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
                 assert close(a, b), f'{picked}: rank {rank}, step {step}, parameter {i}: {(a - b).abs().max()}'
+
+
+class _Wrapped(torch.nn.Module):
+    """The model under the name DDP gives it ('module'), so that layer names match a DDP job's."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize('strategy', ['dp', 'kaisa'])
+def test_gathered_state_dict_resumes_exactly_on_another_world_size(strategy, tmp_path):
+    """state_dict(gathered=True), called on every rank of a 2-rank job, is the same on both and holds every
+    layer's whole state; one process loads it exactly. A DP-KFAC rank's own state_dict holds only its layers'
+    factors, and loading it elsewhere is refused with the way out."""
+    kwargs = {**COMMON, 'compute_method': 'inverse', 'strategy': strategy}
+    if strategy == 'kaisa':
+        kwargs['grad_worker_fraction'] = 0.5
+    results = run_workers(2, {**kwargs, 'save_gathered': True}, tmp_path)
+    gathered = [r['gathered'] for r in results]
+    names = list(gathered[0]['layers'])
+    for rank in (0, 1):
+        assert gathered[rank]['dkfac']['gathered'] and gathered[rank]['dkfac']['strategy'] == strategy
+        for name in names:
+            for key in ('A', 'G'):
+                assert torch.equal(gathered[rank]['layers'][name][key], gathered[0]['layers'][name][key])
+            second = gathered[rank]['dkfac']['second_order'][name]
+            assert sorted(second) == ['a_inverse', 'g_inverse'], (rank, name, sorted(second))
+            for key, tensor in second.items():
+                assert torch.equal(tensor, gathered[0]['dkfac']['second_order'][name][key])
+    single = {k: v for k, v in kwargs.items() if k not in ('strategy', 'grad_worker_fraction')}
+    preconditioner = dkfac.KFACPreconditioner(_Wrapped(scenarios.make_model('cnn')), **single)
+    preconditioner.load_state_dict(gathered[0])
+    assert preconditioner.steps == STEPS
+    for name, state in zip(names, preconditioner._core.layer_states()):
+        expected = {'a_factor': gathered[0]['layers'][name]['A'], 'g_factor': gathered[0]['layers'][name]['G'],
+                    **gathered[0]['dkfac']['second_order'][name]}
+        assert sorted(state) == sorted(expected), name
+        for key, tensor in expected.items():
+            assert torch.equal(state[key], tensor), (name, key)
+    own = results[0]['own']
+    if strategy == 'dp':
+        assert any(own['layers'][name]['A'] is None for name in names), 'rank 0 owns every layer?'
+        with pytest.raises(ValueError, match=r"holds the factors of that rank's own layers only .* "
+                                             r'save state_dict\(gathered=True\), called on every rank'):
+            dkfac.KFACPreconditioner(_Wrapped(scenarios.make_model('cnn')), **single).load_state_dict(own)
+    else:  # every rank holds every factor: rank 0's own dict resumes on one process (second order recomputed)
+        twin = dkfac.KFACPreconditioner(_Wrapped(scenarios.make_model('cnn')), **single)
+        twin.load_state_dict(own)
+        for name, state in zip(names, twin._core.layer_states()):
+            assert torch.equal(state['a_factor'], gathered[0]['layers'][name]['A'])
+            assert 'a_inverse' in state and 'g_inverse' in state
