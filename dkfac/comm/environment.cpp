@@ -179,7 +179,7 @@ JobEnvironment read_job_environment() {
 
 std::string JobEnvironment::describe() const {
   std::ostringstream out;
-  out << world_size << " ranks from " << to_string(launcher);
+  out << world_size << (world_size == 1 ? " rank" : " ranks") << " from " << to_string(launcher);
   if (launcher != Launcher::kNone) {
     out << ", rendezvous at " << host << ":" << port;
     if (agent_store) out << " (the agent's store)";

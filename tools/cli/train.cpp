@@ -37,10 +37,11 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
     config.resume = true;
     config.overwrite = false;
   }
+  // A launcher's one-rank job says so too: an elastic agent's restart on fewer nodes may leave one rank.
+  if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
+    std::cout << "launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
+  }
   if (job.world_size > 1) {
-    if (job.rank == 0 && job.launcher != dkfac::comm::Launcher::kNone) {
-      std::cout << "launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
-    }
     auto rendezvous = job.rendezvous(std::chrono::seconds(timeout_s));
     rendezvous.cuda_backend = config.backend;
     communicator = dkfac::comm::Communicator::connect(rendezvous);
