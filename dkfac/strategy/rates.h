@@ -60,7 +60,8 @@ struct Rates {
   int ranks_per_node = 1;
   /// How many of a node's ranks compute at full speed at once: P t_alone / t_together for one kernel run by
   /// rank 0 alone and by every rank at once, in [1, ranks_per_node] (CPU ranks sharing 2 cores: about 2;
-  /// one GPU per rank: ranks_per_node). The kernel rates below are one rank's alone.
+  /// one GPU per rank: ranks_per_node; on CPUs measure_rates caps it at cores / threads per rank). The kernel
+  /// rates below are one rank's alone.
   double parallel_ranks = 1;
   std::string device = "cpu";                   ///< where the kernels ran ("cpu", "cuda:0")
   c10::ScalarType dtype = c10::ScalarType::Float;  ///< K-FAC tensors' dtype

@@ -264,6 +264,29 @@ TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
   EXPECT_GT(r.precondition.seconds_for(256, 256, ComputeMethod::kInverse), 0.0);
 }
 
+// Four CPU ranks of one intra-op thread each can run at full speed together on at most as many cores as
+// the machine has (on 2 cores the probe alone measured 2.6-3.6).
+TEST(Rates, RanksComputingTogetherOnCpusAreNoMoreThanTheCores) {
+  auto store = std::make_shared<comm::InProcessStore>();
+  std::vector<double> parallel(4);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 4; ++rank) {
+    ranks.emplace_back([&, rank] {
+      at::set_num_threads(1);
+      auto communicator = comm::Communicator::connect_in_process(store, rank, 4);
+      parallel[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse)
+                           .parallel_ranks;
+    });
+  }
+  for (auto& t : ranks) t.join();
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  for (double p : parallel) {
+    EXPECT_GE(p, 1.0);
+    EXPECT_LE(p, std::min(cores, 4.0));
+    EXPECT_EQ(p, parallel[0]);
+  }
+}
+
 TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
   auto store = std::make_shared<comm::InProcessStore>();
   std::vector<Rates> out(2);
