@@ -11,6 +11,8 @@
 #include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/time_model.h"
+#include "tests/multi_rank.h"
+#include "tests/strategy/uniform_rates.h"
 
 namespace dkfac::strategy {
 namespace {
@@ -19,18 +21,9 @@ std::vector<assign::LayerShape> shapes() {
   return {{"conv1", 28, 16, 64}, {"conv2", 145, 32, 16}, {"fc1", 513, 128, 1}, {"fc2", 129, 10, 1}};
 }
 
-/// Rates with every compute cost from one FLOP rate and a link of `alpha`, `beta` for both collectives.
+/// testing::uniform_rates on `world` ranks for Options' default method (eigen), in float32.
 Rates rates(double seconds_per_flop, double alpha, double beta, int world = 4) {
-  Rates r;
-  r.world_size = world;
-  r.allreduce = {alpha, beta};
-  r.broadcast = {alpha, beta};
-  r.factor.per_flop = seconds_per_flop;
-  r.conv_factor.per_flop = seconds_per_flop;
-  r.decomposition.per_cubed_dim = seconds_per_flop;
-  r.precondition.per_flop = seconds_per_flop;
-  r.method = ComputeMethod::kEigen;  // Options' default
-  return r;
+  return testing::uniform_rates(seconds_per_flop, alpha, beta, world, ComputeMethod::kEigen, c10::kFloat);
 }
 
 int64_t update_bytes(const StepPlan& plan) {
@@ -267,18 +260,12 @@ TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
 // Four CPU ranks of one intra-op thread each can run at full speed together on at most as many cores as
 // the machine has (on 2 cores the probe alone measured 2.6-3.6).
 TEST(Rates, RanksComputingTogetherOnCpusAreNoMoreThanTheCores) {
-  auto store = std::make_shared<comm::InProcessStore>();
   std::vector<double> parallel(4);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < 4; ++rank) {
-    ranks.emplace_back([&, rank] {
-      at::set_num_threads(1);
-      auto communicator = comm::Communicator::connect_in_process(store, rank, 4);
-      parallel[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse)
-                           .parallel_ranks;
-    });
-  }
-  for (auto& t : ranks) t.join();
+  testing::run_ranks(4, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    at::set_num_threads(1);
+    parallel[rank] =
+        measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse).parallel_ranks;
+  });
   const double cores = std::max(1u, std::thread::hardware_concurrency());
   for (double p : parallel) {
     EXPECT_GE(p, 1.0);
@@ -288,19 +275,13 @@ TEST(Rates, RanksComputingTogetherOnCpusAreNoMoreThanTheCores) {
 }
 
 TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
-  auto store = std::make_shared<comm::InProcessStore>();
   std::vector<Rates> out(2);
   std::vector<size_t> agreed(2);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back([&, rank] {
-      at::set_num_threads(1);
-      auto communicator = comm::Communicator::connect_in_process(store, rank, 2);
-      out[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
-      agreed[rank] = agree_on_choice(*communicator, rank == 0 ? 3 : 5);
-    });
-  }
-  for (auto& t : ranks) t.join();
+  testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    at::set_num_threads(1);
+    out[rank] = measure_rates(*communicator, c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+    agreed[rank] = agree_on_choice(*communicator, rank == 0 ? 3 : 5);
+  });
   out[0].validate();
   EXPECT_EQ(out[0].world_size, 2);
   EXPECT_EQ(out[0].ranks_per_node, 2);

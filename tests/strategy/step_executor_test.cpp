@@ -15,6 +15,7 @@
 #include "dkfac/strategy/time_model.h"
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
+#include "tests/strategy/uniform_rates.h"
 #include "tests/test_util.h"
 
 namespace dkfac::strategy {
@@ -446,19 +447,9 @@ INSTANTIATE_TEST_SUITE_P(Methods, DpEquivalence, ::testing::Combine(::testing::V
 const std::vector<assign::LayerShape> kObservedShapes = {{"conv", 19, 3, 25}, {"fc1", 76, 6, 1}, {"fc2", 6, 4, 1}};
 constexpr int64_t kBatch = 3;
 
-// Rates of one FLOP rate and one link, for both collectives, measured on 2 ranks in float64.
+// testing::uniform_rates measured on 2 ranks in float64 (the test model's dtype).
 Rates auto_rates(double seconds_per_flop, double alpha, double beta, ComputeMethod method) {
-  Rates r;
-  r.world_size = 2;
-  r.dtype = torch::kFloat64;
-  r.method = method;
-  r.allreduce = {alpha, beta};
-  r.broadcast = {alpha, beta};
-  r.factor.per_flop = seconds_per_flop;
-  r.conv_factor.per_flop = seconds_per_flop;
-  r.decomposition.per_cubed_dim = seconds_per_flop;
-  r.precondition.per_flop = seconds_per_flop;
-  return r;
+  return testing::uniform_rates(seconds_per_flop, alpha, beta, 2, method, torch::kFloat64);
 }
 
 // With strategy auto every rank runs the plan choose_strategy picks from the given rates and the observed
