@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <iomanip>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -41,6 +42,14 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
   bool stopping = false;
   std::vector<std::string> last_value;
   std::vector<Clock::time_point> last_change;
+  std::vector<int64_t> change_round;  // the store round that last saw each rank's heartbeat change
+  int64_t rounds_done = 0;
+  Clock::time_point round_start;      // of the last round that returned
+  Clock::duration round_time{0};      // how long it took
+  // A diagnosis under way (diagnose()): the first round that started after the failure, and when it ended.
+  std::optional<Clock::time_point> failure_time;
+  int64_t failure_round = 0;
+  Clock::time_point failure_round_end;
   std::string store_error;
   std::string remote_lost;  // another rank's published diagnosis, "rank 3 (...) (reported by rank 0)"
   std::string to_publish;   // this rank's diagnosis, written to the store by the thread
@@ -58,6 +67,7 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
   void start() {
     last_value.assign(size, "");
     last_change.assign(size, Clock::now());
+    change_round.assign(size, 0);
     thread = std::thread([this] { run(); });
   }
 
@@ -73,6 +83,7 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
   // One round with the store, without the lock: publish a pending diagnosis, beat, read the others'
   // heartbeats and any published diagnosis; then record what was seen.
   void poll(int64_t beat) {
+    const auto started = Clock::now();
     std::string publish_now;
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -101,10 +112,18 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
     std::lock_guard<std::mutex> lock(mutex);
     const auto now = Clock::now();
     if (!error.empty() && store_error.empty()) store_error = error;
+    ++rounds_done;
+    round_start = started;
+    round_time = now - started;
+    if (failure_time && failure_round == 0 && started >= *failure_time) {
+      failure_round = rounds_done;
+      failure_round_end = now;
+    }
     for (int r = 0; r < size; ++r) {
       if (r == rank || seen[r].empty() || seen[r] == last_value[r]) continue;
       last_value[r] = seen[r];
       last_change[r] = now;
+      change_round[r] = rounds_done;
     }
     const auto bar = lost_value.find('|');
     if (bar != std::string::npos && remote_lost.empty() && lost_value.substr(0, bar) != std::to_string(rank)) {
@@ -236,19 +255,35 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
     return describe(silent, now);
   }
 
-  // After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile,
-  // or the diagnosis another rank published first. The result is published for the other ranks.
+  // After a failed collective: names the ranks whose heartbeat did not change between the first store
+  // round that started after the failure and a round that started long enough after it, or the diagnosis
+  // another rank published first. The result is published for the other ranks.
+  //
+  // Long enough: a live rank beats at most an interval plus its own round with the store apart. The span
+  // allows its rounds to take twice as long as this rank's, and half an interval of scheduling delay. The
+  // span is counted between this rank's own reads, not on the clock: a fixed window of three intervals did
+  // not hold on a loaded machine, where this rank's rounds ran late, no read fell into the window, and a
+  // live rank was named lost with the dead one. Each round is bounded by the timeout (a round that does not
+  // return sets store_error), so the wait is too; past 4 timeouts the rule falls back to the clock.
   std::string diagnose() {
     const auto since = Clock::now();
+    const auto deadline = since + 3 * interval + 4 * timeout;
     std::unique_lock<std::mutex> lock(mutex);
     failure_seen = true;
-    wake.wait_for(lock, 3 * interval, [this] { return stopping || !remote_lost.empty(); });
+    if (!failure_time) failure_time = since;
+    const auto decided = [&] {
+      if (stopping || !remote_lost.empty() || !store_error.empty()) return true;
+      const auto span = interval + interval / 2 + 2 * round_time;
+      return failure_round != 0 && round_start >= failure_round_end + span;
+    };
+    while (!decided() && Clock::now() < deadline) wake.wait_until(lock, std::min(deadline, Clock::now() + interval));
     if (!remote_lost.empty()) return remote_lost;
     if (!store_error.empty() && rank != 0) return "rank 0 (its rendezvous store stopped answering)";
     std::vector<int> silent;
     for (int r = 0; r < size; ++r) {
-      // A live rank beats every interval; allow one interval for this thread to notice.
-      if (r != rank && last_change[r] <= since + interval) silent.push_back(r);
+      if (r == rank) continue;
+      const bool beat = failure_round != 0 ? change_round[r] > failure_round : last_change[r] > since + interval;
+      if (!beat) silent.push_back(r);
     }
     auto found = describe(silent, Clock::now());
     if (!found.empty() && to_publish.empty()) to_publish = found;

@@ -45,8 +45,9 @@ class Heartbeat {
   /// Called once, from the heartbeat thread, with "rank R lost <diagnosis>" when a loss is seen.
   void on_lost_rank(std::function<void(const std::string&)> callback);
 
-  /// After a failed collective: waits a few heartbeats and names the ranks that did not beat meanwhile,
-  /// or the diagnosis another rank published first; empty when none went silent.
+  /// After a failed collective: names the ranks that did not beat in the store rounds after it (about
+  /// two beat intervals, longer when the rounds run slow), or the diagnosis another rank published first;
+  /// empty when none went silent.
   std::string diagnose();
 
   /// The beat interval for a collective timeout: min(1 s, timeout / 10), at least 50 ms.

@@ -40,7 +40,8 @@ for victim in 2 0; do
     elapsed=$(( $(date +%s) - start ))
     tail -2 "$tmp/lost$victim.$r.txt"
     [[ $rc -ne 0 ]] || { echo "FAIL: rank $r exited 0"; exit 1; }
-    grep -q "lost rank $victim" "$tmp/lost$victim.$r.txt" || { echo "FAIL: rank $r does not name rank $victim"; exit 1; }
+    grep -q "lost rank $victim" "$tmp/lost$victim.$r.txt" \
+      || { tail -n 3 "$tmp/lost$victim".*.txt; echo "FAIL: rank $r does not name rank $victim"; exit 1; }
     (( elapsed <= 15 )) || { echo "FAIL: rank $r took ${elapsed}s"; exit 1; }
     echo "rank $r ended ${elapsed}s after the kill, exit $rc, naming rank $victim"
   done
