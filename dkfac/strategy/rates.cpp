@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -88,6 +89,35 @@ torch::Tensor spd_matrix(int64_t d, const torch::TensorOptions& options, at::Gen
 size_t kernel_count(const KernelPlan& k) {
   return k.factor_shapes.size() + k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
 }
+
+/// A covariance loop on a thread of its own for as long as the object lives: a rank that computes while
+/// its collectives are timed.
+class ComputeLoop {
+ public:
+  ComputeLoop(c10::Device device, c10::ScalarType dtype) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
+    auto x = torch::randn({2048, 256}, gen, torch::TensorOptions().dtype(torch::kFloat32))
+                 .to(torch::TensorOptions().dtype(dtype).device(device));
+    thread_ = std::thread([this, x, device] {
+      torch::NoGradGuard no_grad;
+      while (!stop_.load()) {
+        const auto start = device::Mark::now(device);
+        (void)math::covariance(x);
+        (void)device::Mark::seconds_between(start, device::Mark::now(device));  // waits for a device
+      }
+    });
+  }
+  ~ComputeLoop() {
+    stop_ = true;
+    thread_.join();
+  }
+  ComputeLoop(const ComputeLoop&) = delete;
+  ComputeLoop& operator=(const ComputeLoop&) = delete;
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 /// The kernel every rank runs at once to measure how ranks share the machine: a [8192, 256] covariance.
 double time_probe(c10::Device device, c10::ScalarType dtype) {
@@ -219,12 +249,25 @@ double PreconditionRate::seconds_for(int64_t g, int64_t a, ComputeMethod method)
 
 int64_t Rates::element_bytes() const { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
-double Rates::allreduce_seconds(int group_size, double bytes) const {
+namespace {
+
+/// An allreduce `link` measured on `world_size` ranks, scaled to a group of `group_size` as a ring would.
+double ring_seconds(const assign::AlphaBeta& link, int world_size, int group_size, double bytes) {
   if (group_size <= 1) return 0.0;
-  if (world_size <= 1) return allreduce.seconds(bytes);  // nothing measured to scale from
+  if (world_size <= 1) return link.seconds(bytes);  // nothing measured to scale from
   const double k = group_size;
   const double p = world_size;
-  return allreduce.alpha * (k - 1) / (p - 1) + allreduce.beta * bytes * ((k - 1) / k) / ((p - 1) / p);
+  return link.alpha * (k - 1) / (p - 1) + link.beta * bytes * ((k - 1) / k) / ((p - 1) / p);
+}
+
+}  // namespace
+
+double Rates::allreduce_seconds(int group_size, double bytes) const {
+  return ring_seconds(allreduce, world_size, group_size, bytes);
+}
+
+double Rates::busy_allreduce_seconds(int group_size, double bytes) const {
+  return ring_seconds(allreduce_busy, world_size, group_size, bytes);
 }
 
 double Rates::broadcast_seconds(int group_size, double bytes) const {
@@ -253,6 +296,8 @@ void Rates::validate() const {
   };
   check("allreduce.alpha", allreduce.alpha);
   check("allreduce.beta", allreduce.beta);
+  check("allreduce_busy.alpha", allreduce_busy.alpha);
+  check("allreduce_busy.beta", allreduce_busy.beta);
   check("broadcast.alpha", broadcast.alpha);
   check("broadcast.beta", broadcast.beta);
   check("factor.seconds", factor.seconds);
@@ -332,17 +377,21 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   // Collectives first, while every rank is at the same point; sizes as strategy::measure_link's, whose
   // start-up timings were noisy where ranks share cores: median of 5, slopes from messages up to 4 MiB.
   const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18, 1 << 20};  // float32: 4 B .. 4 MiB
-  if (world > 1) {
-    for (const bool broadcast : {false, true}) {
-      for (int64_t n : sizes) {
-        auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-        figures.push_back(time_median(device, 5, [&] {
-          auto handle = broadcast ? communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration)
-                                  : communicator.allreduce_sum(t, comm::kWorld, comm::Phase::kCalibration);
-          handle.wait();
-        }));
-      }
+  const auto time_collectives = [&](bool broadcast) {
+    for (int64_t n : sizes) {
+      auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+      figures.push_back(time_median(device, 5, [&] {
+        auto handle = broadcast ? communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration)
+                                : communicator.allreduce_sum(t, comm::kWorld, comm::Phase::kCalibration);
+        handle.wait();
+      }));
     }
+  };
+  if (world > 1) {
+    time_collectives(/*broadcast=*/false);
+    time_collectives(/*broadcast=*/true);
+    ComputeLoop busy(device, dtype);  // the allreduces again, with this rank computing meanwhile
+    time_collectives(/*broadcast=*/false);
   }
   if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
   // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
@@ -373,12 +422,12 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));
     std::vector<std::vector<double>> features;
     for (double b : bytes) features.push_back({1.0, b});
-    for (const bool broadcast : {false, true}) {
-      const size_t at = broadcast ? sizes.size() : 0;
+    for (auto* link : {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy}) {  // in the order timed
+      const size_t at = static_cast<size_t>(link == &rates.allreduce ? 0 : link == &rates.broadcast ? 1 : 2) * sizes.size();
       const std::vector<double> seconds(figures.begin() + static_cast<std::ptrdiff_t>(at),
                                         figures.begin() + static_cast<std::ptrdiff_t>(at + sizes.size()));
       const auto c = fit_nonnegative(features, seconds);
-      (broadcast ? rates.broadcast : rates.allreduce) = assign::AlphaBeta{c[0], c[1]};
+      *link = assign::AlphaBeta{c[0], c[1]};
     }
   }
   assemble_kernels(k, figures, kernels_at, method, rates);

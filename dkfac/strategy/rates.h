@@ -69,6 +69,12 @@ struct Rates {
   int threads = 1;                              ///< intra-op threads per rank while measuring
   std::string conditions;                       ///< free text: machine, load, date (printed with every figure)
   assign::AlphaBeta allreduce;                  ///< seconds = alpha + beta bytes, on the world
+  /// The allreduce while every rank also computes (a kernel loop on a thread of its own): what a collective
+  /// started during backward costs, as SPD-KFAC's pipelined factor groups are. Where ranks outnumber the
+  /// cores, a collective waits for its peers' transport threads to be scheduled between their compute
+  /// (measured with 4 Gloo processes on 2 cores: a 4 B allreduce 0.4 ms idle, 8 ms busy). Rates files
+  /// without it (written before it existed) read it as `allreduce`.
+  assign::AlphaBeta allreduce_busy;
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
   FactorRate factor;       ///< a Linear layer's factors and a convolution's G (a plain covariance)
   /// A convolution's A factor (a layer with rows_per_sample > 1), measured on 3 x 3 stride-1 convolutions,
@@ -82,6 +88,8 @@ struct Rates {
   int64_t element_bytes() const;
   /// A collective of `bytes` payload on a group of `group_size` ranks (0 for a group of one).
   double allreduce_seconds(int group_size, double bytes) const;
+  /// The same, started while the ranks compute (allreduce_busy).
+  double busy_allreduce_seconds(int group_size, double bytes) const;
   double broadcast_seconds(int group_size, double bytes) const;
   /// What SPD-KFAC's executor measures before planning (spd.h), from these rates: seconds per d^3 of a
   /// 256 x 256 decomposition, turned into the redundancy threshold with the allreduce link on
@@ -95,7 +103,8 @@ struct Rates {
 
 /// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
 /// time, on one machine. Collectives: allreduces and
-/// broadcasts of 4 B to 4 MiB on the world (median of 5 each); kernels on `device` in `dtype`: factor
+/// broadcasts of 4 B to 4 MiB on the world (median of 5 each), and the allreduces again while every rank
+/// runs a covariance loop on a thread of its own (allreduce_busy); kernels on `device` in `dtype`: factor
 /// covariances of a few (rows, d) and 3 x 3 convolutions' A factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
 /// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);

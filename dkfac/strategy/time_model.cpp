@@ -21,6 +21,8 @@ int64_t entries(int64_t n, bool triangle) { return triangle ? n * (n + 1) / 2 : 
 
 /// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
+/// Groups started from the capture hooks before the last factor is ready (every bucket or SPD-KFAC group
+/// but the last) run while the ranks compute backward, at the busy link's cost (Rates::allreduce_busy).
 double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::vector<double>& build_seconds) {
   const int p = plan.world_size();
   std::vector<int64_t> bytes;
@@ -53,12 +55,14 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
       }
       break;
   }
+  const bool from_hooks = plan.reduction != FactorReduction::kAllreduce;
   double seconds = 0;
   size_t at = 0;
-  for (int64_t size : groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
     double group_bytes = 0;
-    for (int64_t k = 0; k < size && at < bytes.size(); ++k) group_bytes += static_cast<double>(bytes[at++]);
-    seconds += rates.allreduce_seconds(p, group_bytes);
+    for (int64_t k = 0; k < groups[g] && at < bytes.size(); ++k) group_bytes += static_cast<double>(bytes[at++]);
+    const bool during_backward = from_hooks && g + 1 < groups.size();
+    seconds += during_backward ? rates.busy_allreduce_seconds(p, group_bytes) : rates.allreduce_seconds(p, group_bytes);
   }
   return seconds;
 }

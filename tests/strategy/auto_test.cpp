@@ -113,6 +113,41 @@ TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
   EXPECT_NEAR(predict_time(each, r, 32, {1, 1}).ranks[0].factor_comm, 8e-3 + 1e-9 * factor_bytes, 1e-12);
 }
 
+TEST(TimeModel, CollectivesStartedDuringBackwardCostTheBusyLink) {
+  // Link only; a collective started while the ranks compute costs ten times as much. The factors' ready
+  // order is A in layer order, then G in reverse layer order.
+  Rates r = rates(0, 1e-3, 1e-9, 4);
+  r.allreduce_busy = {1e-2, 1e-8};
+  std::vector<double> slot_bytes;
+  for (const auto& s : shapes()) slot_bytes.push_back(4.0 * s.a_dim * s.a_dim);
+  for (auto s = shapes().rbegin(); s != shapes().rend(); ++s) slot_bytes.push_back(4.0 * s->g_dim * s->g_dim);
+  const auto idle = [&](double bytes) { return 1e-3 + 1e-9 * bytes; };
+  const auto busy = [&](double bytes) { return 1e-2 + 1e-8 * bytes; };
+  // KAISA with a bucket per factor (cap 0): every bucket but the last is sent from the hooks during backward.
+  const auto buckets = make_step_plan(shapes(), 4, Options().allreduce_bucket_cap_mb(0));
+  ASSERT_EQ(buckets.reduction, FactorReduction::kHookBuckets);
+  double expected = idle(slot_bytes.back());
+  for (size_t k = 0; k + 1 < slot_bytes.size(); ++k) expected += busy(slot_bytes[k]);
+  EXPECT_NEAR(predict_time(buckets, r, 32, {1, 1}).ranks[0].factor_comm, expected, 1e-12);
+  // SPD-KFAC (upper triangles) fused into two groups of four: the first during backward, the second after it.
+  const auto spd =
+      make_step_plan(shapes(), 4, Options().strategy(Strategy::kSpd).spd(SpdOptions().fusion({4, 4}).redundant_dim(0)));
+  ASSERT_EQ(spd.reduction, FactorReduction::kSpdPipeline);
+  std::vector<double> triangle_bytes;
+  for (double b : slot_bytes) {
+    const double n = std::sqrt(b / 4.0);
+    triangle_bytes.push_back(4.0 * n * (n + 1) / 2);
+  }
+  const double first = triangle_bytes[0] + triangle_bytes[1] + triangle_bytes[2] + triangle_bytes[3];
+  const double second = triangle_bytes[4] + triangle_bytes[5] + triangle_bytes[6] + triangle_bytes[7];
+  EXPECT_NEAR(predict_time(spd, r, 32, {1, 1}).ranks[0].factor_comm, busy(first) + idle(second), 1e-12);
+  // Factors reduced after backward, in step(): the idle link, one allreduce each.
+  const auto after = make_step_plan(shapes(), 4, Options().update_factors_in_hook(false));
+  double each = 0;
+  for (double b : slot_bytes) each += idle(b);
+  EXPECT_NEAR(predict_time(after, r, 32, {1, 1}).ranks[0].factor_comm, each, 1e-12);
+}
+
 TEST(TimeModel, TheJobWaitsForItsSlowestRank) {
   // Compute only, DP-KFAC: each owner builds, inverts and preconditions its layers; V's broadcast makes
   // every rank wait for the busiest owner.
@@ -288,7 +323,9 @@ TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
   EXPECT_GE(out[0].parallel_ranks, 1.0);
   EXPECT_LE(out[0].parallel_ranks, 2.0);
   EXPECT_GT(out[0].allreduce.seconds(1 << 20), 0.0);
+  EXPECT_GT(out[0].allreduce_busy.seconds(1 << 20), 0.0);
   EXPECT_EQ(out[0].allreduce.alpha, out[1].allreduce.alpha);
+  EXPECT_EQ(out[0].allreduce_busy.beta, out[1].allreduce_busy.beta);
   EXPECT_EQ(out[0].broadcast.beta, out[1].broadcast.beta);
   EXPECT_EQ(out[0].parallel_ranks, out[1].parallel_ranks);
   EXPECT_EQ(out[0].factor.per_flop, out[1].factor.per_flop);

@@ -6,7 +6,7 @@
 namespace dkfac::testing {
 
 /// Rates with every compute cost from one FLOP rate and a link of `alpha` (seconds) and `beta` (seconds per
-/// byte) for both collectives, as if measured on `world` ranks for `method` in `dtype`.
+/// byte) for both collectives (idle and busy), as if measured on `world` ranks for `method` in `dtype`.
 inline strategy::Rates uniform_rates(double seconds_per_flop, double alpha, double beta, int world, ComputeMethod method,
                            c10::ScalarType dtype) {
   strategy::Rates r;
@@ -14,6 +14,7 @@ inline strategy::Rates uniform_rates(double seconds_per_flop, double alpha, doub
   r.dtype = dtype;
   r.method = method;
   r.allreduce = {alpha, beta};
+  r.allreduce_busy = {alpha, beta};
   r.broadcast = {alpha, beta};
   r.factor.per_flop = seconds_per_flop;
   r.conv_factor.per_flop = seconds_per_flop;

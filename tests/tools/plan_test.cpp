@@ -196,6 +196,7 @@ strategy::Rates given_rates(ComputeMethod method) {
   r.world_size = 4;
   r.method = method;
   r.allreduce = {1e-4, 1e-9};
+  r.allreduce_busy = {3e-3, 2e-8};
   r.broadcast = {5e-5, 5e-10};
   r.factor = {1e-6, 1e-10, 1e-11};
   r.conv_factor = {2e-6, 0, 5e-12};
@@ -213,6 +214,8 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.method, ComputeMethod::kEigen);
   EXPECT_EQ(back.dtype, c10::kFloat);
   EXPECT_EQ(back.allreduce.alpha, r.allreduce.alpha);
+  EXPECT_EQ(back.allreduce_busy.alpha, r.allreduce_busy.alpha);
+  EXPECT_EQ(back.allreduce_busy.beta, r.allreduce_busy.beta);
   EXPECT_EQ(back.broadcast.beta, r.broadcast.beta);
   EXPECT_EQ(back.factor.per_flop, r.factor.per_flop);
   EXPECT_EQ(back.conv_factor.seconds, r.conv_factor.seconds);
@@ -231,6 +234,12 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   broken = rates_to_json(r);
   broken["allreduce"]["alpha_s"] = -1.0;
   EXPECT_THROW(rates_from_json(broken), c10::Error);
+  // A file written before the busy link was measured reads it as the idle one.
+  auto older = rates_to_json(r);
+  older.erase("allreduce_busy");
+  const auto read = rates_from_json(older);
+  EXPECT_EQ(read.allreduce_busy.alpha, r.allreduce.alpha);
+  EXPECT_EQ(read.allreduce_busy.beta, r.allreduce.beta);
 }
 
 TEST(PlanAuto, ResNet50At64RanksListsEveryCandidateAndThePick) {

@@ -71,6 +71,8 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   if (c.rates_world_size > 0) rates.world_size = c.rates_world_size;
   if (c.allreduce_alpha_us >= 0) rates.allreduce.alpha = c.allreduce_alpha_us * 1e-6;
   if (c.allreduce_beta_ns >= 0) rates.allreduce.beta = c.allreduce_beta_ns * 1e-9;
+  // A link given as flags has transport hardware of its own: it costs the same while the ranks compute.
+  if (!have || c.allreduce_alpha_us >= 0 || c.allreduce_beta_ns >= 0) rates.allreduce_busy = rates.allreduce;
   if (c.broadcast_alpha_us >= 0) rates.broadcast.alpha = c.broadcast_alpha_us * 1e-6;
   if (c.broadcast_beta_ns >= 0) rates.broadcast.beta = c.broadcast_beta_ns * 1e-9;
   if (c.gflops > 0) {
@@ -143,7 +145,7 @@ Command add_plan_command(CLI::App& app) {
   plan->add_option("--memory-budget-mb", config->memory_budget_mb,
                    "strategy auto: K-FAC memory a rank may hold, MiB (0: no budget)")
       ->capture_default_str()->check(CLI::NonNegativeNumber)->group(kAuto);
-  plan->add_option("--allreduce-alpha-us", config->allreduce_alpha_us, "rate: allreduce start-up, microseconds")
+  plan->add_option("--allreduce-alpha-us", config->allreduce_alpha_us, "rate: allreduce start-up, microseconds (also while the ranks compute)")
       ->check(CLI::NonNegativeNumber)->group(kAuto);
   plan->add_option("--allreduce-beta-ns", config->allreduce_beta_ns, "rate: allreduce nanoseconds per byte")
       ->check(CLI::NonNegativeNumber)->group(kAuto);

@@ -298,6 +298,7 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
           {"threads", r.threads},
           {"conditions", r.conditions},
           {"allreduce", {{"alpha_s", r.allreduce.alpha}, {"beta_s_per_byte", r.allreduce.beta}}},
+          {"allreduce_busy", {{"alpha_s", r.allreduce_busy.alpha}, {"beta_s_per_byte", r.allreduce_busy.beta}}},
           {"broadcast", {{"alpha_s", r.broadcast.alpha}, {"beta_s_per_byte", r.broadcast.beta}}},
           {"factor", {{"seconds", r.factor.seconds}, {"per_entry_s", r.factor.per_entry}, {"per_flop_s", r.factor.per_flop}}},
           {"conv_factor",
@@ -331,6 +332,10 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
     auto& link = std::string(kind) == "allreduce" ? r.allreduce : r.broadcast;
     link.alpha = field<double>(j, kind, "alpha_s");
     link.beta = field<double>(j, kind, "beta_s_per_byte");
+  }
+  r.allreduce_busy = r.allreduce;  // files written before it was measured
+  if (j.contains("allreduce_busy")) {
+    r.allreduce_busy = {field<double>(j, "allreduce_busy", "alpha_s"), field<double>(j, "allreduce_busy", "beta_s_per_byte")};
   }
   for (const char* part : {"factor", "conv_factor", "decomposition", "precondition"}) {
     TORCH_CHECK(j.contains(part), "rates: missing field ", part);
@@ -453,7 +458,8 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
        << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once"
        << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
   text << "    allreduce " << us(rates.allreduce.alpha) << " + " << std::setprecision(3) << rates.allreduce.beta * 1e9
-       << " ns/B, broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
+       << " ns/B (" << us(rates.allreduce_busy.alpha) << " + " << rates.allreduce_busy.beta * 1e9
+       << " ns/B while the ranks compute), broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
        << " ns/B (on the measured ranks; scaled to each group's size)\n";
   text << "    factor covariance " << us(rates.factor.seconds) << " + " << rates.factor.per_entry * 1e9
        << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0)
