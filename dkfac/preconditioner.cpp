@@ -143,7 +143,8 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   report_large_factors(layers_, options_, names_);
   communicator_ = std::move(communicator);
   Options plan_options = options_;
-  if (options_.strategy() == Strategy::kAuto) {
+  auto_requested_ = options_.strategy() == Strategy::kAuto;
+  if (auto_requested_) {
     if (!communicator_ || communicator_->size() == 1) {
       strategy_choice_ = "strategy auto: one process, where every strategy is the same plan: kaisa";
       options_.strategy(Strategy::kKaisa).memory_budget(0);
@@ -165,8 +166,8 @@ std::string Preconditioner::take_plan_change() {
 }
 
 void Preconditioner::use_rates(strategy::Rates rates) {
-  TORCH_CHECK(!strategy_choice_.empty() || choice_pending_, "use_rates: rates are for strategy auto, but this "
-              "preconditioner's strategy is ", to_string(options_.strategy()));
+  TORCH_CHECK(auto_requested_, "use_rates: rates are for strategy auto, but this preconditioner's strategy is ",
+              to_string(options_.strategy()));
   TORCH_CHECK(choice_pending_ || communicator_ == nullptr || communicator_->size() == 1, "use_rates: strategy "
               "auto already chose at the first step (", to_string(options_.strategy()), "); give rates before it");
   rates.validate();

@@ -251,6 +251,7 @@ class Preconditioner {
   std::set<std::pair<std::string, std::string>> warned_;
   std::unique_ptr<strategy::StepExecutor> executor_;  // never nullptr
   std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)
+  bool auto_requested_ = false;                       // the options asked for strategy auto
   bool choice_pending_ = false;                       // strategy auto, not chosen yet
   std::optional<strategy::Rates> rates_;              // use_rates'
   std::string strategy_choice_;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <thread>
 
 #include <torch/torch.h>
@@ -21,8 +22,8 @@ namespace {
 
 double cube(int64_t d) { return static_cast<double>(d) * d * d; }
 
-/// Median seconds of `repeats` runs of `work` after one warm-up run, timed with device marks.
-double time_median(c10::Device device, int repeats, const std::function<void()>& work) {
+/// Seconds of `repeats` runs of `work` after one warm-up run, timed with device marks.
+std::vector<double> time_runs(c10::Device device, int repeats, const std::function<void()>& work) {
   work();
   std::vector<double> runs;
   for (int r = 0; r < repeats; ++r) {
@@ -30,7 +31,11 @@ double time_median(c10::Device device, int repeats, const std::function<void()>&
     work();
     runs.push_back(device::Mark::seconds_between(start, device::Mark::now(device)));
   }
-  return median(runs);
+  return runs;
+}
+
+double time_median(c10::Device device, int repeats, const std::function<void()>& work) {
+  return median(time_runs(device, repeats, work));
 }
 
 /// Solves the small dense system m x = b in place (Gaussian elimination, partial pivoting); false when singular.
@@ -371,27 +376,33 @@ std::vector<double> fit_nonnegative(const std::vector<std::vector<double>>& feat
 
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method) {
+  constexpr int kBusyRepeats = 25;
   const int world = communicator.size();
   Rates rates = conditions(device, dtype, method, world);
   std::vector<double> figures;
   // Collectives first, while every rank is at the same point; sizes as strategy::measure_link's, whose
   // start-up timings were noisy where ranks share cores: median of 5, slopes from messages up to 4 MiB.
   const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18, 1 << 20};  // float32: 4 B .. 4 MiB
-  const auto time_collectives = [&](bool broadcast) {
+  const auto time_collectives = [&](bool broadcast, bool busy) {
     for (int64_t n : sizes) {
       auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-      figures.push_back(time_median(device, 5, [&] {
+      const auto runs = time_runs(device, busy ? kBusyRepeats : 5, [&] {
         auto handle = broadcast ? communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration)
                                 : communicator.allreduce_sum(t, comm::kWorld, comm::Phase::kCalibration);
         handle.wait();
-      }));
+      });
+      figures.push_back(busy ? std::accumulate(runs.begin(), runs.end(), 0.0) / static_cast<double>(runs.size())
+                             : median(runs));
     }
   };
   if (world > 1) {
-    time_collectives(/*broadcast=*/false);
-    time_collectives(/*broadcast=*/true);
-    ComputeLoop busy(device, dtype);  // the allreduces again, with this rank computing meanwhile
-    time_collectives(/*broadcast=*/false);
+    time_collectives(/*broadcast=*/false, /*busy=*/false);
+    time_collectives(/*broadcast=*/true, /*busy=*/false);
+    // The allreduces again, with this rank computing meanwhile. Waiting to be scheduled comes and goes
+    // (4 ranks on 2 cores: single collectives of 0.3 ms and of 8 ms, and medians of 5 that fitted a start-up
+    // anywhere in between), and a job pays the mean of many: the mean of 25.
+    ComputeLoop computing(device, dtype);
+    time_collectives(/*broadcast=*/false, /*busy=*/true);
   }
   if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
   // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
