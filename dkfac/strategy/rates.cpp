@@ -69,7 +69,8 @@ bool solve(std::vector<std::vector<double>> m, std::vector<double> b, std::vecto
 struct KernelPlan {
   // (rows, d) of covariances, up to the sizes of real layers (a few GFLOP-equivalents in all).
   std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
-  // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels.
+  // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels;
+  // and output gradients of the same shapes for the G factor: d = channels.
   std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}};
   std::vector<int64_t> decomposition_dims;
   std::vector<std::pair<int64_t, int64_t>> precondition_shapes = {{10, 16}, {32, 64}, {64, 145}, {128, 577}, {256, 256}};
@@ -92,7 +93,7 @@ torch::Tensor spd_matrix(int64_t d, const torch::TensorOptions& options, at::Gen
 }
 
 size_t kernel_count(const KernelPlan& k) {
-  return k.factor_shapes.size() + k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
+  return k.factor_shapes.size() + 2 * k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
 }
 
 /// A covariance loop on a thread of its own for as long as the object lives: a rank that computes while
@@ -149,6 +150,10 @@ void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype
     auto x = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
     figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_a_factor(x, geometry, false); }));
   }
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    auto y = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_g_factor(y); }));
+  }
   for (int64_t d : k.decomposition_dims) {
     auto f = spd_matrix(d, options, gen);
     const int repeats = d >= 640 ? 2 : 3;
@@ -197,6 +202,16 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
   }
   const auto c = fit_nonnegative(features, seconds);
   rates.conv_factor = FactorRate{c[0], c[1], c[2]};
+  features.clear();
+  seconds.clear();
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    const double r = static_cast<double>(batch * side * side);
+    const double d = static_cast<double>(channels);
+    features.push_back({1.0, r * d, 2.0 * r * d * d});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto g = fit_nonnegative(features, seconds);
+  rates.conv_g_factor = FactorRate{g[0], g[1], g[2]};
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
     rates.decomposition.dims.push_back(d);
@@ -311,6 +326,9 @@ void Rates::validate() const {
   check("conv_factor.seconds", conv_factor.seconds);
   check("conv_factor.per_entry", conv_factor.per_entry);
   check("conv_factor.per_flop", conv_factor.per_flop);
+  check("conv_g_factor.seconds", conv_g_factor.seconds);
+  check("conv_g_factor.per_entry", conv_g_factor.per_entry);
+  check("conv_g_factor.per_flop", conv_g_factor.per_flop);
   check("decomposition.latency", decomposition.latency);
   check("decomposition.per_cubed_dim", decomposition.per_cubed_dim);
   check("precondition.seconds", precondition.seconds);

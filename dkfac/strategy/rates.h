@@ -81,6 +81,10 @@ struct Rates {
   /// whose factor math::conv2d_a_factor builds from kernel-row shifts (about 2/3 of the covariance's work).
   /// LayerShape carries no kernel size, so 1 x 1 and strided convolutions are predicted with this rate too.
   FactorRate conv_factor;
+  /// A convolution's G factor from its [B, C, H, W] output gradient (math::conv2d_g_factor; rows = B H W,
+  /// d = C), which reads the gradient in its stored layout rather than as the contiguous [rows, d] matrix
+  /// `factor` was measured on. Rates files without it read it as `factor`.
+  FactorRate conv_g_factor;
   DecompositionRate decomposition;
   PreconditionRate precondition;
 

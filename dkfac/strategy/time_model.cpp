@@ -168,7 +168,7 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
     const auto& s = plan.shapes[i];
     const int64_t rows = batch_size * s.rows_per_sample;
     const double a_build = (s.rows_per_sample > 1 ? rates.conv_factor : rates.factor).seconds_for(rows, s.a_dim);
-    const double g_build = rates.factor.seconds_for(rows, s.g_dim);
+    const double g_build = (s.rows_per_sample > 1 ? rates.conv_g_factor : rates.factor).seconds_for(rows, s.g_dim);
     slot_build[i] = a_build;
     slot_build[2 * layers - 1 - i] = g_build;
     const auto& flow = plan.flows[i];

@@ -91,6 +91,14 @@ TEST(TimeModel, SingleProcessIsTheSumOfItsKernels) {
   EXPECT_NEAR(sparse.ranks[0].factor_build, t.ranks[0].factor_build / 10, 1e-15);
   EXPECT_NEAR(sparse.ranks[0].decomposition, t.ranks[0].decomposition / 100, 1e-15);
   EXPECT_NEAR(sparse.step_seconds, sparse.ranks[0].total(), 1e-12);
+  // A convolution's G (rows_per_sample > 1) is built at conv_g_factor's rate, a Linear layer's at factor's.
+  Rates slower = r;
+  slower.conv_g_factor.per_flop = 3e-9;
+  double extra = 0;
+  for (const auto& s : shapes()) {
+    if (s.rows_per_sample > 1) extra += 2e-9 * 2 * 32.0 * s.rows_per_sample * s.g_dim * s.g_dim;
+  }
+  EXPECT_NEAR(predict_time(plan, slower, 32, {1, 1}).ranks[0].factor_build, t.ranks[0].factor_build + extra, 1e-12);
 }
 
 TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
@@ -165,6 +173,7 @@ TEST(TimeModel, RanksSharingCoresSlowDownOnlyWhileTheyComputeTogether) {
   r.world_size = 4;
   r.factor.per_flop = 1e-9;
   r.conv_factor.per_flop = 1e-9;
+  r.conv_g_factor.per_flop = 1e-9;
   const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse));
   const double alone = predict_time(plan, r, 32, {1, 1000}).step_seconds;
   r.ranks_per_node = 4;

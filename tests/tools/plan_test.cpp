@@ -200,6 +200,7 @@ strategy::Rates given_rates(ComputeMethod method) {
   r.broadcast = {5e-5, 5e-10};
   r.factor = {1e-6, 1e-10, 1e-11};
   r.conv_factor = {2e-6, 0, 5e-12};
+  r.conv_g_factor = {3e-6, 1e-10, 7e-12};
   r.decomposition.dims = {16, 96, 768};
   r.decomposition.seconds = {1e-5, 1e-4, 1e-2};
   r.precondition = {1e-6, 1e-11};
@@ -219,6 +220,7 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.broadcast.beta, r.broadcast.beta);
   EXPECT_EQ(back.factor.per_flop, r.factor.per_flop);
   EXPECT_EQ(back.conv_factor.seconds, r.conv_factor.seconds);
+  EXPECT_EQ(back.conv_g_factor.per_entry, r.conv_g_factor.per_entry);
   EXPECT_EQ(back.decomposition.dims, r.decomposition.dims);
   EXPECT_EQ(back.decomposition.seconds, r.decomposition.seconds);
   EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
@@ -237,9 +239,11 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   // A file written before the busy link was measured reads it as the idle one.
   auto older = rates_to_json(r);
   older.erase("allreduce_busy");
+  older.erase("conv_g_factor");
   const auto read = rates_from_json(older);
   EXPECT_EQ(read.allreduce_busy.alpha, r.allreduce.alpha);
   EXPECT_EQ(read.allreduce_busy.beta, r.allreduce.beta);
+  EXPECT_EQ(read.conv_g_factor.per_flop, r.factor.per_flop);
 }
 
 TEST(PlanAuto, ResNet50At64RanksListsEveryCandidateAndThePick) {

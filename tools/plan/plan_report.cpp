@@ -305,6 +305,10 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
            {{"seconds", r.conv_factor.seconds},
             {"per_entry_s", r.conv_factor.per_entry},
             {"per_flop_s", r.conv_factor.per_flop}}},
+          {"conv_g_factor",
+           {{"seconds", r.conv_g_factor.seconds},
+            {"per_entry_s", r.conv_g_factor.per_entry},
+            {"per_flop_s", r.conv_g_factor.per_flop}}},
           {"decomposition",
            {{"dims", r.decomposition.dims},
             {"seconds", r.decomposition.seconds},
@@ -344,6 +348,11 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
               field<double>(j, "factor", "per_flop_s")};
   r.conv_factor = {field<double>(j, "conv_factor", "seconds"), field<double>(j, "conv_factor", "per_entry_s"),
                    field<double>(j, "conv_factor", "per_flop_s")};
+  r.conv_g_factor = r.factor;  // files written before it was measured
+  if (j.contains("conv_g_factor")) {
+    r.conv_g_factor = {field<double>(j, "conv_g_factor", "seconds"), field<double>(j, "conv_g_factor", "per_entry_s"),
+                       field<double>(j, "conv_g_factor", "per_flop_s")};
+  }
   r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
   r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
   r.decomposition.latency = field<double>(j, "decomposition", "latency_s");
@@ -465,7 +474,9 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
        << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0)
        << " GFLOP/s (2 rows d^2), 3x3 conv A " << us(rates.conv_factor.seconds) << " + "
        << rates.conv_factor.per_entry * 1e9 << " ns/entry + "
-       << (rates.conv_factor.per_flop > 0 ? 1e-9 / rates.conv_factor.per_flop : 0.0) << " GFLOP/s;\n    "
+       << (rates.conv_factor.per_flop > 0 ? 1e-9 / rates.conv_factor.per_flop : 0.0) << " GFLOP/s, conv G "
+       << us(rates.conv_g_factor.seconds) << " + " << rates.conv_g_factor.per_entry * 1e9 << " ns/entry + "
+       << (rates.conv_g_factor.per_flop > 0 ? 1e-9 / rates.conv_g_factor.per_flop : 0.0) << " GFLOP/s;\n    "
        << to_string(rates.method) << " d=64 / 256 / 1024: " << 1e3 * rates.decomposition.seconds_for(64) << " / "
        << 1e3 * rates.decomposition.seconds_for(256) << " / " << 1e3 * rates.decomposition.seconds_for(1024)
        << " ms; preconditioning " << us(rates.precondition.seconds) << " + "
