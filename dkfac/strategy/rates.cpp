@@ -71,7 +71,7 @@ struct KernelPlan {
   std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
   // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels;
   // and output gradients of the same shapes for the G factor: d = channels.
-  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}};
+  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}, {32, 16, 32}};
   std::vector<int64_t> decomposition_dims;
   std::vector<std::pair<int64_t, int64_t>> precondition_shapes = {{10, 16}, {32, 64}, {64, 145}, {128, 577}, {256, 256}};
 };
