@@ -114,7 +114,7 @@ struct Rates {
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
 /// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
-/// same Rates. About 1-2 s on 2 CPU cores. A communicator of one rank measures the kernels only
+/// same Rates. About 2-3 s on 2 CPU cores. A communicator of one rank measures the kernels only
 /// (collectives cost 0).
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method);
