@@ -181,44 +181,38 @@ void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype
 }
 
 /// Reads the kernel figures (in time_kernels' order) starting at `at` into `rates`.
-void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
-                      Rates& rates) {
+/// The FactorRate fitted to one figure per (rows, d) point, read from `figures` at `at` on (advanced).
+FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points, const std::vector<double>& figures,
+                           size_t& at) {
   std::vector<std::vector<double>> features;
   std::vector<double> seconds;
-  for (const auto& [rows, d] : k.factor_shapes) {
-    const double r = static_cast<double>(rows);
-    features.push_back({1.0, r * d, 2.0 * r * d * d});
-    seconds.push_back(figures.at(at++));
-  }
-  const auto f = fit_nonnegative(features, seconds);
-  rates.factor = FactorRate{f[0], f[1], f[2]};
-  features.clear();
-  seconds.clear();
-  for (const auto& [batch, channels, side] : k.conv_inputs) {
-    const double r = static_cast<double>(batch * side * side);
-    const double d = 9.0 * channels;
+  for (const auto& [r, d] : points) {
     features.push_back({1.0, r * d, 2.0 * r * d * d});
     seconds.push_back(figures.at(at++));
   }
   const auto c = fit_nonnegative(features, seconds);
-  rates.conv_factor = FactorRate{c[0], c[1], c[2]};
-  features.clear();
-  seconds.clear();
+  return FactorRate{c[0], c[1], c[2]};
+}
+
+void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
+                      Rates& rates) {
+  std::vector<std::pair<double, double>> plain, conv_a, conv_g;
+  for (const auto& [rows, d] : k.factor_shapes) plain.emplace_back(static_cast<double>(rows), static_cast<double>(d));
   for (const auto& [batch, channels, side] : k.conv_inputs) {
-    const double r = static_cast<double>(batch * side * side);
-    const double d = static_cast<double>(channels);
-    features.push_back({1.0, r * d, 2.0 * r * d * d});
-    seconds.push_back(figures.at(at++));
+    const double rows = static_cast<double>(batch * side * side);
+    conv_a.emplace_back(rows, 9.0 * static_cast<double>(channels));  // 3 x 3 patches
+    conv_g.emplace_back(rows, static_cast<double>(channels));
   }
-  const auto g = fit_nonnegative(features, seconds);
-  rates.conv_g_factor = FactorRate{g[0], g[1], g[2]};
+  rates.factor = fit_factor_rate(plain, figures, at);  // in time_kernels' order
+  rates.conv_factor = fit_factor_rate(conv_a, figures, at);
+  rates.conv_g_factor = fit_factor_rate(conv_g, figures, at);
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
     rates.decomposition.dims.push_back(d);
     rates.decomposition.seconds.push_back(figures.at(at++));
   }
-  features.clear();
-  seconds.clear();
+  std::vector<std::vector<double>> features;
+  std::vector<double> seconds;
   for (const auto& [g, a] : k.precondition_shapes) {
     const double flops = (method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a);
     features.push_back({1.0, flops});
@@ -451,12 +445,12 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));
     std::vector<std::vector<double>> features;
     for (double b : bytes) features.push_back({1.0, b});
-    for (auto* link : {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy}) {  // in the order timed
-      const size_t at = static_cast<size_t>(link == &rates.allreduce ? 0 : link == &rates.broadcast ? 1 : 2) * sizes.size();
-      const std::vector<double> seconds(figures.begin() + static_cast<std::ptrdiff_t>(at),
-                                        figures.begin() + static_cast<std::ptrdiff_t>(at + sizes.size()));
+    const std::array<assign::AlphaBeta*, 3> timed = {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy};
+    for (size_t j = 0; j < timed.size(); ++j) {  // in the order timed above
+      const auto first = figures.begin() + static_cast<std::ptrdiff_t>(j * sizes.size());
+      const std::vector<double> seconds(first, first + static_cast<std::ptrdiff_t>(sizes.size()));
       const auto c = fit_nonnegative(features, seconds);
-      *link = assign::AlphaBeta{c[0], c[1]};
+      *timed[j] = assign::AlphaBeta{c[0], c[1]};
     }
   }
   assemble_kernels(k, figures, kernels_at, method, rates);

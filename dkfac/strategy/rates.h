@@ -76,7 +76,7 @@ struct Rates {
   /// without it (written before it existed) read it as `allreduce`.
   assign::AlphaBeta allreduce_busy;
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
-  FactorRate factor;       ///< a Linear layer's factors and a convolution's G (a plain covariance)
+  FactorRate factor;       ///< a Linear layer's factors (a covariance of a contiguous [rows, d] matrix)
   /// A convolution's A factor (a layer with rows_per_sample > 1), measured on 3 x 3 stride-1 convolutions,
   /// whose factor math::conv2d_a_factor builds from kernel-row shifts (about 2/3 of the covariance's work).
   /// LayerShape carries no kernel size, so 1 x 1 and strided convolutions are predicted with this rate too.
@@ -109,7 +109,7 @@ struct Rates {
 /// time, on one machine. Collectives: allreduces and
 /// broadcasts of 4 B to 4 MiB on the world (median of 5 each), and the allreduces again while every rank
 /// runs a covariance loop on a thread of its own (allreduce_busy); kernels on `device` in `dtype`: factor
-/// covariances of a few (rows, d) and 3 x 3 convolutions' A factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
+/// covariances of a few (rows, d), 3 x 3 convolutions' A factors and their G factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
 /// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
 /// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
