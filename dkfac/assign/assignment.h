@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "dkfac/math/factor_kernel.h"
+
 /// Placement of K-FAC work on workers (docs/MATH.md section 5). Pure data and pure functions: no
 /// communication, no tensors; printable and testable without any process.
 namespace dkfac::assign {
@@ -20,6 +22,10 @@ struct LayerShape {
   int64_t a_dim = 0;
   int64_t g_dim = 0;
   int64_t rows_per_sample = 1;  ///< rows each sample adds to the factors' input matrices (conv: H_out W_out)
+  /// The kernels that build the A and G factors (what the time model prices them by): a Linear layer's
+  /// covariances, or a Conv2d's math::conv2d_a_kernel and kConvGradient.
+  math::FactorKernel a_kernel = math::FactorKernel::kCovariance;
+  math::FactorKernel g_kernel = math::FactorKernel::kCovariance;
 };
 
 /// A factor decomposed redundantly by every rank (SPD-KFAC's small factors): nothing is broadcast.

@@ -10,13 +10,6 @@ namespace {
 
 int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
-// F = alpha F + (1 - alpha) F_batch with F = I before the first update.
-torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha) {
-  // eye() has no bfloat16 kernel on CPU: build the identity in float32 and convert.
-  auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
-  return base.mul(alpha).add_(batch, 1.0 - alpha);
-}
-
 std::vector<int64_t> square_a(int64_t a, int64_t) { return {a, a}; }
 std::vector<int64_t> square_g(int64_t, int64_t g) { return {g, g}; }
 std::vector<int64_t> vector_a(int64_t a, int64_t) { return {a}; }
@@ -88,17 +81,18 @@ std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {
 }
 
 torch::Tensor KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha) {
-  auto finite = torch::isfinite(a_batch).all().logical_and_(torch::isfinite(g_batch).all());
   if (!a_factor_.defined() || !g_factor_.defined()) {
     // Nothing to keep if the batch is not finite: decide here (the first update only).
+    auto finite = math::all_finite(a_batch, g_batch);
     if (!finite.item<bool>()) return finite;
-    a_factor_ = running_average(a_factor_, a_batch, alpha);
-    g_factor_ = running_average(g_factor_, g_batch, alpha);
+    a_factor_ = math::running_average(a_factor_, a_batch, alpha);
+    g_factor_ = math::running_average(g_factor_, g_batch, alpha);
     return finite;
   }
-  a_factor_ = torch::where(finite, running_average(a_factor_, a_batch, alpha), a_factor_);
-  g_factor_ = torch::where(finite, running_average(g_factor_, g_batch, alpha), g_factor_);
-  return finite;
+  auto folded = math::fold_factors(a_factor_, g_factor_, a_batch, g_batch, alpha);
+  a_factor_ = std::move(folded.a);
+  g_factor_ = std::move(folded.g);
+  return folded.finite;
 }
 
 void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,

@@ -11,10 +11,6 @@ namespace F = torch::nn::functional;
 namespace dkfac::math {
 namespace {
 
-// Inputs with fewer channels build their patches with unfold: a channels-last copy would move
-// runs of fewer than this many floats.
-constexpr int64_t kChannelsLastMin = 8;
-
 // [sym, column; column^T, s n]: the factor of [X, 1] from sym = s X^T X and column = s X^T 1.
 torch::Tensor with_bias_border(const torch::Tensor& sym, const torch::Tensor& column, double s, int64_t n) {
   const auto k = sym.size(0);
@@ -168,7 +164,8 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
                               bool with_bias) {
   TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
   const int64_t channels = input.size(1);
-  if (channels < kChannelsLastMin) {
+  const auto kernel = conv2d_a_kernel(channels, geometry.kernel_size[0], geometry.stride[0]);
+  if (kernel == FactorKernel::kConvUnfold) {
     const auto columns = unfolded_patches(input, geometry);
     const auto spatial = columns.size(2);
     if (columns.size(1) <= spatial) return batched_covariance(columns, with_bias, 1.0 / static_cast<double>(spatial));
@@ -187,7 +184,7 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
   const int64_t out_w = (width - dl[1] * (k[1] - 1) - 1) / st[1] + 1;
   TORCH_CHECK(out_h > 0 && out_w > 0, "Conv2d input ", input.sizes(), " is smaller than its kernel");
   torch::Tensor cov;
-  if (st[0] == 1 && k[0] > 1) {
+  if (kernel == FactorKernel::kConvRowShift) {
     auto [sum, column] = row_shift_patch_sums(padded, geometry, out_h, out_w);
     const int64_t n = batch * out_h * out_w;
     const double scale = 1.0 / static_cast<double>(out_h * out_w);
@@ -223,6 +220,23 @@ torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
   }
   auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, channels});
   return covariance(y, false, 1.0 / static_cast<double>(spatial));
+}
+
+torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha) {
+  // eye() has no bfloat16 kernel on CPU: build the identity in float32 and convert.
+  auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
+  return base.mul(alpha).add_(batch, 1.0 - alpha);
+}
+
+torch::Tensor all_finite(const torch::Tensor& a_batch, const torch::Tensor& g_batch) {
+  return torch::isfinite(a_batch).all().logical_and_(torch::isfinite(g_batch).all());
+}
+
+FoldedFactors fold_factors(const torch::Tensor& a, const torch::Tensor& g, const torch::Tensor& a_batch,
+                           const torch::Tensor& g_batch, double alpha) {
+  auto finite = all_finite(a_batch, g_batch);
+  return {torch::where(finite, running_average(a, a_batch, alpha), a),
+          torch::where(finite, running_average(g, g_batch, alpha), g), finite};
 }
 
 }  // namespace dkfac::math

@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include "dkfac/math/factor_kernel.h"
+
 /// Kronecker factors of one mini-batch (docs/MATH.md section 1, kfac_pytorch v0.4.2 convention).
 /// Pure functions: tensors in, tensors out; no state, no communication. All results are
 /// symmetric, in the dtype of the input.
@@ -40,12 +42,31 @@ std::array<int64_t, 4> conv2d_same_padding(std::array<int64_t, 2> kernel_size, s
 torch::Tensor conv2d_patches(const torch::Tensor& input, const Conv2dGeometry& geometry);
 
 /// Conv2d A factor: cov([patches, 1] / S). input: [B, C, H, W] -> [a, a], a = C*kh*kw (+1).
-/// With stride 1 in height (and C >= 8, kh > 1) it is built from products of kernel-row shifts of the
-/// input instead of the patch matrix (kh products of width kw*C instead of one of width kh*kw*C).
+/// The kernel is conv2d_a_kernel's (factor_kernel.h): with stride 1 in height (and C >= 8, kh > 1) it is built
+/// from products of kernel-row shifts of the input instead of the patch matrix (kh products of width kw*C
+/// instead of one of width kh*kw*C).
 torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& geometry, bool with_bias);
 
 /// Conv2d G factor: cov(Y / S) with Y the output gradient as [B*S, C_out].
 /// grad_output: [B, C_out, H_out, W_out] -> [C_out, C_out].
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output);
+
+/// F = alpha F + (1 - alpha) F_batch, with F = I before the first update (`running` undefined).
+torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha);
+
+/// True (a 0-dim bool tensor, on the device) when every entry of both batches is finite.
+torch::Tensor all_finite(const torch::Tensor& a_batch, const torch::Tensor& g_batch);
+
+/// A layer's factors after one update, and whether it happened.
+struct FoldedFactors {
+  torch::Tensor a;
+  torch::Tensor g;
+  torch::Tensor finite;  ///< 0-dim bool: false when a batch held NaN/Inf and `a`, `g` are the old factors
+};
+
+/// One update of a layer's existing factors A and G, decided on the device without waiting for it: both
+/// running averages where both batches are finite, the old factors otherwise.
+FoldedFactors fold_factors(const torch::Tensor& a, const torch::Tensor& g, const torch::Tensor& a_batch,
+                           const torch::Tensor& g_batch, double alpha);
 
 }  // namespace dkfac::math

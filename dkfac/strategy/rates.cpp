@@ -70,8 +70,19 @@ struct KernelPlan {
   // (rows, d) of covariances, up to the sizes of real layers (a few GFLOP-equivalents in all).
   std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
   // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels;
-  // and output gradients of the same shapes for the G factor: d = channels.
-  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}, {32, 16, 32}};
+  // and output gradients of the same shapes for the G factor: d = channels. Up to [64, 16, 28, 28] (a
+  // ResNet's first stage at batch 64: 50176 rows), past which the input no longer fits this CPU's L2 cache.
+  std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}, {32, 16, 32},
+                                                     {64, 16, 28}};
+  // Convolutions of the patches kernel, {batch, channels, height (= width), kernel (square), stride}: the
+  // strided 3 x 3 and 1 x 1 (projection shortcut) convolutions of a ResNet's downsampling blocks.
+  std::vector<std::array<int64_t, 5>> patch_convs = {
+      {8, 16, 28, 3, 2}, {32, 16, 28, 1, 2}, {32, 32, 14, 3, 2}, {64, 16, 28, 3, 2}, {16, 64, 14, 3, 2}};
+  // 3 x 3 stride-1 convolutions of the unfold kernel (fewer than math::kChannelsLastMin channels: a first layer
+  // on images), {batch, channels, height (= width)}.
+  std::vector<std::array<int64_t, 3>> unfold_convs = {{8, 1, 28}, {16, 3, 16}, {32, 3, 32}, {64, 1, 28}};
+  // Folds of one layer's two factors, {a, g}.
+  std::vector<std::pair<int64_t, int64_t>> fold_shapes = {{10, 16}, {145, 32}, {577, 64}, {1153, 256}};
   std::vector<int64_t> decomposition_dims;
   std::vector<std::pair<int64_t, int64_t>> precondition_shapes = {{10, 16}, {32, 64}, {64, 145}, {128, 577}, {256, 256}};
 };
@@ -92,8 +103,25 @@ torch::Tensor spd_matrix(int64_t d, const torch::TensorOptions& options, at::Gen
   return x.matmul(x.t()) / d + torch::eye(d, options);
 }
 
+/// A square `kernel` x `kernel` convolution with stride `stride` and 'same'-style padding kernel / 2.
+math::Conv2dGeometry conv_geometry(int64_t kernel, int64_t stride) {
+  math::Conv2dGeometry geometry;
+  geometry.kernel_size = {kernel, kernel};
+  geometry.stride = {stride, stride};
+  const int64_t pad = kernel / 2;
+  geometry.padding = {pad, pad, pad, pad};
+  return geometry;
+}
+
+/// Rows and d of a convolution's A factor: {batch, channels, side} input, square kernel, stride, kernel / 2 padding.
+std::pair<double, double> conv_a_point(int64_t batch, int64_t channels, int64_t side, int64_t kernel, int64_t stride) {
+  const int64_t out = (side + 2 * (kernel / 2) - kernel) / stride + 1;
+  return {static_cast<double>(batch * out * out), static_cast<double>(channels * kernel * kernel)};
+}
+
 size_t kernel_count(const KernelPlan& k) {
-  return k.factor_shapes.size() + 2 * k.conv_inputs.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
+  return k.factor_shapes.size() + 2 * k.conv_inputs.size() + k.patch_convs.size() + k.unfold_convs.size() +
+         k.fold_shapes.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
 }
 
 /// A covariance loop on a thread of its own for as long as the object lives: a rank that computes while
@@ -143,16 +171,27 @@ void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype
     auto x = torch::randn({rows, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
     figures.push_back(time_median(device, 3, [&] { (void)math::covariance(x); }));
   }
-  math::Conv2dGeometry geometry;
-  geometry.kernel_size = {3, 3};
-  geometry.padding = {1, 1, 1, 1};
-  for (const auto& [batch, channels, side] : k.conv_inputs) {
-    auto x = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+  const auto random = [&](std::vector<int64_t> sizes) {
+    return torch::randn(sizes, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+  };
+  const auto time_conv_a = [&](int64_t batch, int64_t channels, int64_t side, int64_t kernel, int64_t stride) {
+    const auto geometry = conv_geometry(kernel, stride);
+    auto x = random({batch, channels, side, side});
     figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_a_factor(x, geometry, false); }));
-  }
+  };
+  for (const auto& [batch, channels, side] : k.conv_inputs) time_conv_a(batch, channels, side, 3, 1);
   for (const auto& [batch, channels, side] : k.conv_inputs) {
-    auto y = torch::randn({batch, channels, side, side}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+    auto y = random({batch, channels, side, side});
     figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_g_factor(y); }));
+  }
+  for (const auto& [batch, channels, side, kernel, stride] : k.patch_convs) {
+    time_conv_a(batch, channels, side, kernel, stride);
+  }
+  for (const auto& [batch, channels, side] : k.unfold_convs) time_conv_a(batch, channels, side, 3, 1);
+  for (const auto& [a, g] : k.fold_shapes) {
+    auto a_factor = spd_matrix(a, options, gen), g_factor = spd_matrix(g, options, gen);
+    auto a_batch = spd_matrix(a, options, gen), g_batch = spd_matrix(g, options, gen);
+    figures.push_back(time_median(device, 3, [&] { (void)math::fold_factors(a_factor, g_factor, a_batch, g_batch, 0.95); }));
   }
   for (int64_t d : k.decomposition_dims) {
     auto f = spd_matrix(d, options, gen);
@@ -196,16 +235,31 @@ FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points,
 
 void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
                       Rates& rates) {
-  std::vector<std::pair<double, double>> plain, conv_a, conv_g;
+  std::vector<std::pair<double, double>> plain, conv_a, conv_g, patches, unfold;
   for (const auto& [rows, d] : k.factor_shapes) plain.emplace_back(static_cast<double>(rows), static_cast<double>(d));
   for (const auto& [batch, channels, side] : k.conv_inputs) {
-    const double rows = static_cast<double>(batch * side * side);
-    conv_a.emplace_back(rows, 9.0 * static_cast<double>(channels));  // 3 x 3 patches
-    conv_g.emplace_back(rows, static_cast<double>(channels));
+    conv_a.push_back(conv_a_point(batch, channels, side, 3, 1));
+    conv_g.emplace_back(static_cast<double>(batch * side * side), static_cast<double>(channels));
   }
+  for (const auto& [batch, channels, side, kernel, stride] : k.patch_convs) {
+    patches.push_back(conv_a_point(batch, channels, side, kernel, stride));
+  }
+  for (const auto& [batch, channels, side] : k.unfold_convs) unfold.push_back(conv_a_point(batch, channels, side, 3, 1));
   rates.factor = fit_factor_rate(plain, figures, at);  // in time_kernels' order
   rates.conv_factor = fit_factor_rate(conv_a, figures, at);
   rates.conv_g_factor = fit_factor_rate(conv_g, figures, at);
+  rates.conv_patches_factor = fit_factor_rate(patches, figures, at);
+  rates.conv_unfold_factor = fit_factor_rate(unfold, figures, at);
+  {
+    std::vector<std::vector<double>> features;
+    std::vector<double> seconds;
+    for (const auto& [a, g] : k.fold_shapes) {
+      features.push_back({1.0, static_cast<double>(a * a + g * g)});
+      seconds.push_back(figures.at(at++));
+    }
+    const auto c = fit_nonnegative(features, seconds);
+    rates.fold = FoldRate{c[0], c[1]};
+  }
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
     rates.decomposition.dims.push_back(d);
@@ -241,6 +295,10 @@ double FactorRate::seconds_for(int64_t rows, int64_t d) const {
   return seconds + per_entry * r * d + per_flop * 2.0 * r * d * d;
 }
 
+double FoldRate::seconds_for(int64_t a, int64_t g) const {
+  return seconds + per_entry * static_cast<double>(a * a + g * g);
+}
+
 double DecompositionRate::seconds_for(int64_t d) const {
   if (dims.empty()) return latency + per_cubed_dim * cube(d);
   if (d <= dims.front()) return seconds.front();
@@ -259,6 +317,17 @@ double DecompositionRate::seconds_for(int64_t d) const {
 double PreconditionRate::seconds_for(int64_t g, int64_t a, ComputeMethod method) const {
   const double flops = (method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a);
   return seconds + per_flop * flops;
+}
+
+const FactorRate& Rates::for_kernel(math::FactorKernel kernel) const {
+  switch (kernel) {
+    case math::FactorKernel::kCovariance: return factor;
+    case math::FactorKernel::kConvRowShift: return conv_factor;
+    case math::FactorKernel::kConvPatches: return conv_patches_factor;
+    case math::FactorKernel::kConvUnfold: return conv_unfold_factor;
+    case math::FactorKernel::kConvGradient: return conv_g_factor;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown factor kernel ", static_cast<int>(kernel));
 }
 
 int64_t Rates::element_bytes() const { return static_cast<int64_t>(c10::elementSize(dtype)); }
@@ -305,7 +374,7 @@ void Rates::validate() const {
   TORCH_CHECK(ranks_per_node >= 1, "rates: ranks_per_node must be >= 1, got ", ranks_per_node);
   TORCH_CHECK(std::isfinite(parallel_ranks) && parallel_ranks >= 1 && parallel_ranks <= ranks_per_node,
               "rates: parallel_ranks must be in [1, ranks_per_node = ", ranks_per_node, "], got ", parallel_ranks);
-  const auto check = [](const char* name, double v) {
+  const auto check = [](const std::string& name, double v) {
     TORCH_CHECK(std::isfinite(v) && v >= 0, "rates: ", name, " must be finite and >= 0, got ", v);
   };
   check("allreduce.alpha", allreduce.alpha);
@@ -314,15 +383,18 @@ void Rates::validate() const {
   check("allreduce_busy.beta", allreduce_busy.beta);
   check("broadcast.alpha", broadcast.alpha);
   check("broadcast.beta", broadcast.beta);
-  check("factor.seconds", factor.seconds);
-  check("factor.per_entry", factor.per_entry);
-  check("factor.per_flop", factor.per_flop);
-  check("conv_factor.seconds", conv_factor.seconds);
-  check("conv_factor.per_entry", conv_factor.per_entry);
-  check("conv_factor.per_flop", conv_factor.per_flop);
-  check("conv_g_factor.seconds", conv_g_factor.seconds);
-  check("conv_g_factor.per_entry", conv_g_factor.per_entry);
-  check("conv_g_factor.per_flop", conv_g_factor.per_flop);
+  const auto check_factor = [&](const std::string& name, const FactorRate& rate) {
+    check(name + ".seconds", rate.seconds);
+    check(name + ".per_entry", rate.per_entry);
+    check(name + ".per_flop", rate.per_flop);
+  };
+  check_factor("factor", factor);
+  check_factor("conv_factor", conv_factor);
+  check_factor("conv_g_factor", conv_g_factor);
+  check_factor("conv_patches_factor", conv_patches_factor);
+  check_factor("conv_unfold_factor", conv_unfold_factor);
+  check("fold.seconds", fold.seconds);
+  check("fold.per_entry", fold.per_entry);
   check("decomposition.latency", decomposition.latency);
   check("decomposition.per_cubed_dim", decomposition.per_cubed_dim);
   check("precondition.seconds", precondition.seconds);

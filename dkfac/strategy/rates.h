@@ -29,6 +29,14 @@ struct FactorRate {
   double seconds_for(int64_t rows, int64_t d) const;
 };
 
+/// Seconds to fold one layer's batch factors into its running averages (math::fold_factors: the finite check
+/// and both averages): seconds + per_entry (a^2 + g^2).
+struct FoldRate {
+  double seconds = 0;    ///< per layer
+  double per_entry = 0;  ///< per entry of the two factors
+  double seconds_for(int64_t a, int64_t g) const;
+};
+
 /// Seconds of one eigendecomposition or damped inverse of a d x d factor, by dimension: small d is
 /// latency-bound, so the measured (dim, seconds) table is interpolated log-log between its points, taken as
 /// the smallest point's time below it and scaled by d^3 above the largest. With an empty table:
@@ -76,18 +84,30 @@ struct Rates {
   /// without it (written before it existed) read it as `allreduce`.
   assign::AlphaBeta allreduce_busy;
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
-  FactorRate factor;       ///< a Linear layer's factors (a covariance of a contiguous [rows, d] matrix)
-  /// A convolution's A factor (a layer with rows_per_sample > 1), measured on 3 x 3 stride-1 convolutions,
-  /// whose factor math::conv2d_a_factor builds from kernel-row shifts (about 2/3 of the covariance's work).
-  /// LayerShape carries no kernel size, so 1 x 1 and strided convolutions are predicted with this rate too.
+  /// One rate per math::FactorKernel (for_kernel picks it), each measured on its own kernel:
+  FactorRate factor;  ///< kCovariance: a Linear layer's factors (a covariance of a contiguous [rows, d] matrix)
+  /// kConvRowShift: 3 x 3 stride-1 convolutions' A factors, which math::conv2d_a_factor builds from
+  /// kernel-row shifts (about 2/3 of the covariance's work).
   FactorRate conv_factor;
-  /// A convolution's G factor from its [B, C, H, W] output gradient (math::conv2d_g_factor; rows = B H W,
-  /// d = C), which reads the gradient in its stored layout rather than as the contiguous [rows, d] matrix
-  /// `factor` was measured on. Rates files without it read it as `factor`.
+  /// kConvPatches: strided and 1 x 1 convolutions' A factors (a channels-last patch copy, then a covariance:
+  /// measured 2-3x the row-shift rate's time for the same rows and d). Rates files without it read it as
+  /// `conv_factor`.
+  FactorRate conv_patches_factor;
+  /// kConvUnfold: A factors of convolutions with fewer than math::kChannelsLastMin input channels (unfold).
+  /// Rates files without it read it as `conv_factor`.
+  FactorRate conv_unfold_factor;
+  /// kConvGradient: a convolution's G factor from its [B, C, H, W] output gradient (math::conv2d_g_factor;
+  /// rows = B H W, d = C), which reads the gradient in its stored layout rather than as the contiguous
+  /// [rows, d] matrix `factor` was measured on. Rates files without it read it as `factor`.
   FactorRate conv_g_factor;
+  /// Folding each built layer's batch factors into its running averages, once per factor step. Rates files
+  /// without it read it as free.
+  FoldRate fold;
   DecompositionRate decomposition;
   PreconditionRate precondition;
 
+  /// The rate of factors built by `kernel`.
+  const FactorRate& for_kernel(math::FactorKernel kernel) const;
   /// Bytes of one K-FAC tensor element (of `dtype`).
   int64_t element_bytes() const;
   /// A collective of `bytes` payload on a group of `group_size` ranks (0 for a group of one).
@@ -109,8 +129,8 @@ struct Rates {
 /// time, on one machine. Collectives: allreduces and
 /// broadcasts of 4 B to 4 MiB on the world (median of 5 each), and the allreduces again while every rank
 /// runs a covariance loop on a thread of its own (allreduce_busy); kernels on `device` in `dtype`: factor
-/// covariances of a few (rows, d), 3 x 3 convolutions' A factors and their G factors, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and
-/// preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
+/// covariances of a few (rows, d), convolutions' A factors by each of their three kernels and their G
+/// factors, folds, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
 /// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the

@@ -11,7 +11,14 @@ namespace dkfac::strategy {
 std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layers) {
   std::vector<assign::LayerShape> shapes;
   for (const auto& layer : layers) {
-    shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()});
+    assign::LayerShape shape{layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()};
+    const auto& geometry = layer.capture().geometry();
+    if (geometry.kind == LayerKind::kConv2d) {
+      const int64_t in_channels = layer.weight().size(1);  // [out, in, kh, kw]
+      shape.a_kernel = math::conv2d_a_kernel(in_channels, geometry.conv.kernel_size[0], geometry.conv.stride[0]);
+      shape.g_kernel = math::FactorKernel::kConvGradient;
+    }
+    shapes.push_back(std::move(shape));
   }
   return shapes;
 }

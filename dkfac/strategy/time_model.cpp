@@ -167,8 +167,9 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
   for (size_t i = 0; i < layers; ++i) {
     const auto& s = plan.shapes[i];
     const int64_t rows = batch_size * s.rows_per_sample;
-    const double a_build = (s.rows_per_sample > 1 ? rates.conv_factor : rates.factor).seconds_for(rows, s.a_dim);
-    const double g_build = (s.rows_per_sample > 1 ? rates.conv_g_factor : rates.factor).seconds_for(rows, s.g_dim);
+    const double a_build = rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
+    const double g_build = rates.for_kernel(s.g_kernel).seconds_for(rows, s.g_dim);
+    const double fold = rates.fold.seconds_for(s.a_dim, s.g_dim);
     slot_build[i] = a_build;
     slot_build[2 * layers - 1 - i] = g_build;
     const auto& flow = plan.flows[i];
@@ -178,7 +179,7 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
       return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
     };
     for (int r = 0; r < p; ++r) {
-      if (plan.builds_factors(i, r)) build[r] += a_build + g_build;
+      if (plan.builds_factors(i, r)) build[r] += a_build + g_build + fold;
       if (!plan.preconditions(i, r)) continue;
       if (plan.computes_a(i, r)) decompose[r] += rates.decomposition.seconds_for(s.a_dim);
       if (plan.computes_g(i, r)) decompose[r] += rates.decomposition.seconds_for(s.g_dim);

@@ -22,7 +22,7 @@ struct Intervals {
 
 /// Seconds per step of each K-FAC phase, averaged over the intervals.
 struct PhaseSeconds {
-  double factor_build = 0;       ///< covariances of the factors this rank builds (factor steps)
+  double factor_build = 0;       ///< building and folding the factors this rank builds (factor steps)
   double factor_comm = 0;        ///< factor allreduces, as the plan groups them (factor steps)
   double decomposition = 0;      ///< this rank's eigendecompositions / inverses (second-order steps)
   double second_order_comm = 0;  ///< broadcasts inside this rank's column (second-order steps)
@@ -48,10 +48,11 @@ struct TimePrediction {
   PhaseSeconds slowest_phases() const;
 };
 
-/// The predicted time of `plan` with `batch_size` samples per rank per step. Factor covariances read each
-/// shape's rows_per_sample; bucketed factor allreduces are grouped as comm::bucket_groups groups them,
-/// SPD-KFAC's as its fusion says (or, left to profiling, by assign::fuse_groups with the factors' build
-/// times as their ready times and the allreduce link). `rates.method` should be the plan's method
+/// The predicted time of `plan` with `batch_size` samples per rank per step. Factors are priced at the rate
+/// of the kernel that builds them (each shape's a_kernel and g_kernel, Rates::for_kernel) on each shape's
+/// rows_per_sample, plus Rates::fold per layer built; bucketed factor allreduces are grouped as
+/// comm::bucket_groups groups them, SPD-KFAC's as its fusion says (or, left to profiling, by
+/// assign::fuse_groups with the factors' build times as their ready times and the allreduce link). `rates.method` should be the plan's method
 /// (decomposition and preconditioning times are for it).
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals);
 

@@ -18,7 +18,11 @@ namespace dkfac::strategy {
 namespace {
 
 std::vector<assign::LayerShape> shapes() {
-  return {{"conv1", 28, 16, 64}, {"conv2", 145, 32, 16}, {"fc1", 513, 128, 1}, {"fc2", 129, 10, 1}};
+  using math::FactorKernel;
+  return {{"conv1", 28, 16, 64, FactorKernel::kConvUnfold, FactorKernel::kConvGradient},
+          {"conv2", 145, 32, 16, FactorKernel::kConvPatches, FactorKernel::kConvGradient},
+          {"fc1", 513, 128, 1},
+          {"fc2", 129, 10, 1}};
 }
 
 /// testing::uniform_rates on `world` ranks for Options' default method (eigen), in float32.
@@ -91,14 +95,36 @@ TEST(TimeModel, SingleProcessIsTheSumOfItsKernels) {
   EXPECT_NEAR(sparse.ranks[0].factor_build, t.ranks[0].factor_build / 10, 1e-15);
   EXPECT_NEAR(sparse.ranks[0].decomposition, t.ranks[0].decomposition / 100, 1e-15);
   EXPECT_NEAR(sparse.step_seconds, sparse.ranks[0].total(), 1e-12);
-  // A convolution's G (rows_per_sample > 1) is built at conv_g_factor's rate, a Linear layer's at factor's.
-  Rates slower = r;
-  slower.conv_g_factor.per_flop = 3e-9;
-  double extra = 0;
+}
+
+TEST(TimeModel, FactorsArePricedByTheKernelThatBuildsThemAndFoldedPerLayer) {
+  // Each kernel's rate differs; every factor must be priced at its own kernel's (shapes(): an unfold and a
+  // patches convolution, two Linear layers), and each layer built pays one fold.
+  Rates r;
+  r.factor = {1e-6, 0, 1e-9};
+  r.conv_factor = {0, 0, 1e-3};  // row shifts: no layer of shapes() uses it
+  r.conv_patches_factor = {2e-6, 1e-8, 2e-9};
+  r.conv_unfold_factor = {3e-6, 2e-8, 3e-9};
+  r.conv_g_factor = {4e-6, 0, 4e-9};
+  r.fold = {5e-6, 1e-9};
+  const auto plan = StepPlan::single_process(shapes(), ComputeMethod::kInverse);
+  const auto price = [](const FactorRate& rate, double rows, double d) {
+    return rate.seconds + rate.per_entry * rows * d + rate.per_flop * 2 * rows * d * d;
+  };
+  double expected = 0;
   for (const auto& s : shapes()) {
-    if (s.rows_per_sample > 1) extra += 2e-9 * 2 * 32.0 * s.rows_per_sample * s.g_dim * s.g_dim;
+    const double rows = 32.0 * s.rows_per_sample;
+    const bool conv = s.rows_per_sample > 1;
+    const FactorRate& a_rate = !conv ? r.factor : s.a_dim == 28 ? r.conv_unfold_factor : r.conv_patches_factor;
+    expected += price(a_rate, rows, s.a_dim) + price(conv ? r.conv_g_factor : r.factor, rows, s.g_dim);
+    expected += 5e-6 + 1e-9 * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);
   }
-  EXPECT_NEAR(predict_time(plan, slower, 32, {1, 1}).ranks[0].factor_build, t.ranks[0].factor_build + extra, 1e-12);
+  EXPECT_NEAR(predict_time(plan, r, 32, {1, 1}).ranks[0].factor_build, expected, 1e-12);
+  // Layers a rank does not build (DP-KFAC: the owner's only) cost it neither the factors nor the fold.
+  const auto dp = make_step_plan(shapes(), 2, Options().strategy(Strategy::kDp).compute_method(ComputeMethod::kInverse));
+  const auto t = predict_time(dp, r, 32, {1, 1});
+  EXPECT_NEAR(t.ranks[0].factor_build + t.ranks[1].factor_build, expected, 1e-12);
+  EXPECT_LT(t.ranks[0].factor_build, expected);
 }
 
 TEST(TimeModel, CommunicationFollowsThePlansCollectives) {

@@ -98,6 +98,30 @@ TEST(ModelShapes, ConvFc1Fc2) {
   EXPECT_EQ(model_shapes()[1].name, "fc1");
 }
 
+TEST(ModelShapes, NameTheKernelThatBuildsEachFactor) {
+  // The time model prices each factor by its kernel: a Linear's covariances; a Conv2d's A by
+  // math::conv2d_a_kernel (unfold under 8 channels, row shifts at stride 1 with kernel height > 1, patches
+  // otherwise), its G from the output gradient. make_net's conv has 2 channels: unfold.
+  using math::FactorKernel;
+  EXPECT_EQ(model_shapes()[0].a_kernel, FactorKernel::kConvUnfold);
+  EXPECT_EQ(model_shapes()[0].g_kernel, FactorKernel::kConvGradient);
+  EXPECT_EQ(model_shapes()[1].a_kernel, FactorKernel::kCovariance);
+  EXPECT_EQ(model_shapes()[1].g_kernel, FactorKernel::kCovariance);
+  torch::nn::Sequential convs(nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)),
+                              nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).stride(2).padding(1)),
+                              nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 1)),
+                              nn::Conv2d(torch::nn::Conv2dOptions(8, 8, {1, 3}).padding({0, 1})));
+  const Preconditioner kfac(convs.ptr(), Options());
+  std::vector<FactorKernel> a_kernels;
+  for (const auto& s : kfac.plan().shapes) {
+    a_kernels.push_back(s.a_kernel);
+    EXPECT_EQ(s.g_kernel, FactorKernel::kConvGradient);
+  }
+  const std::vector<FactorKernel> expected = {FactorKernel::kConvRowShift, FactorKernel::kConvPatches,
+                                              FactorKernel::kConvPatches, FactorKernel::kConvPatches};
+  EXPECT_EQ(a_kernels, expected);
+}
+
 // Reference: one process, the P local batches as accumulation micro-batches, gradient averaged.
 std::vector<std::vector<torch::Tensor>> reference(int world, const Options& options) {
   auto net = make_net();

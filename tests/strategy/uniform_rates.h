@@ -19,6 +19,8 @@ inline strategy::Rates uniform_rates(double seconds_per_flop, double alpha, doub
   r.factor.per_flop = seconds_per_flop;
   r.conv_factor.per_flop = seconds_per_flop;
   r.conv_g_factor.per_flop = seconds_per_flop;
+  r.conv_patches_factor.per_flop = seconds_per_flop;
+  r.conv_unfold_factor.per_flop = seconds_per_flop;
   r.decomposition.per_cubed_dim = seconds_per_flop;
   r.precondition.per_flop = seconds_per_flop;
   return r;

@@ -81,6 +81,22 @@ TEST(PaperShapes, ResNetShapesByHand) {
   expect_shape(paper_model("resnet152"), "layer3.35.conv3", 256, 1024, 14 * 14);
 }
 
+TEST(PaperShapes, FactorKernelsFollowEachConvolutionsGeometry) {
+  using math::FactorKernel;
+  const auto m = paper_model("resnet50");
+  EXPECT_EQ(layer(m, "conv1").a_kernel, FactorKernel::kConvUnfold);             // 3 channels
+  EXPECT_EQ(layer(m, "layer1.0.conv1").a_kernel, FactorKernel::kConvPatches);   // 1x1
+  EXPECT_EQ(layer(m, "layer1.0.conv2").a_kernel, FactorKernel::kConvRowShift);  // 3x3, stride 1
+  EXPECT_EQ(layer(m, "layer2.0.conv2").a_kernel, FactorKernel::kConvPatches);   // 3x3, stride 2
+  EXPECT_EQ(layer(m, "layer2.0.conv2").g_kernel, FactorKernel::kConvGradient);
+  EXPECT_EQ(layer(m, "fc").a_kernel, FactorKernel::kCovariance);
+  EXPECT_EQ(layer(m, "fc").g_kernel, FactorKernel::kCovariance);
+  const auto i = paper_model("inception-v4");
+  EXPECT_EQ(layer(i, "stem.mixed_4a.branch1.1").a_kernel, FactorKernel::kConvPatches);  // 1x7: one kernel row
+  const auto b = paper_model("bert-large");
+  for (const auto& l : b.layers) EXPECT_EQ(l.a_kernel, FactorKernel::kCovariance) << l.name;  // 128 rows, Linear
+}
+
 TEST(PaperShapes, DenseNetShapesByHand) {
   const auto m = paper_model("densenet201");
   expect_shape(m, "features.conv0", 147, 64, 112 * 112);

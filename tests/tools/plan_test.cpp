@@ -201,6 +201,9 @@ strategy::Rates given_rates(ComputeMethod method) {
   r.factor = {1e-6, 1e-10, 1e-11};
   r.conv_factor = {2e-6, 0, 5e-12};
   r.conv_g_factor = {3e-6, 1e-10, 7e-12};
+  r.conv_patches_factor = {4e-6, 2e-10, 8e-12};
+  r.conv_unfold_factor = {5e-6, 3e-10, 9e-12};
+  r.fold = {6e-6, 4e-10};
   r.decomposition.dims = {16, 96, 768};
   r.decomposition.seconds = {1e-5, 1e-4, 1e-2};
   r.precondition = {1e-6, 1e-11};
@@ -221,6 +224,10 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.factor.per_flop, r.factor.per_flop);
   EXPECT_EQ(back.conv_factor.seconds, r.conv_factor.seconds);
   EXPECT_EQ(back.conv_g_factor.per_entry, r.conv_g_factor.per_entry);
+  EXPECT_EQ(back.conv_patches_factor.per_flop, r.conv_patches_factor.per_flop);
+  EXPECT_EQ(back.conv_unfold_factor.per_entry, r.conv_unfold_factor.per_entry);
+  EXPECT_EQ(back.fold.seconds, r.fold.seconds);
+  EXPECT_EQ(back.fold.per_entry, r.fold.per_entry);
   EXPECT_EQ(back.decomposition.dims, r.decomposition.dims);
   EXPECT_EQ(back.decomposition.seconds, r.decomposition.seconds);
   EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
@@ -240,10 +247,18 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   auto older = rates_to_json(r);
   older.erase("allreduce_busy");
   older.erase("conv_g_factor");
+  older.erase("conv_patches_factor");
+  older.erase("conv_unfold_factor");
+  older.erase("fold");
   const auto read = rates_from_json(older);
   EXPECT_EQ(read.allreduce_busy.alpha, r.allreduce.alpha);
   EXPECT_EQ(read.allreduce_busy.beta, r.allreduce.beta);
   EXPECT_EQ(read.conv_g_factor.per_flop, r.factor.per_flop);
+  // ... and prices every convolution's A at the one convolution rate it had, with a free fold.
+  EXPECT_EQ(read.conv_patches_factor.per_flop, r.conv_factor.per_flop);
+  EXPECT_EQ(read.conv_unfold_factor.seconds, r.conv_factor.seconds);
+  EXPECT_EQ(read.fold.seconds, 0.0);
+  EXPECT_EQ(read.fold.per_entry, 0.0);
 }
 
 TEST(PlanAuto, ResNet50At64RanksListsEveryCandidateAndThePick) {

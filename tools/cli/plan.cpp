@@ -80,6 +80,8 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
     rates.factor = {0, 0, per_flop};
     rates.conv_factor = {0, 0, per_flop};
     rates.conv_g_factor = {0, 0, per_flop};
+    rates.conv_patches_factor = {0, 0, per_flop};
+    rates.conv_unfold_factor = {0, 0, per_flop};
     rates.precondition = {0, per_flop};
     rates.decomposition = {};
     rates.decomposition.per_cubed_dim = (rates.method == ComputeMethod::kEigen ? 9.0 : 1.0) * per_flop;

@@ -28,7 +28,7 @@ class Builder {
     const Size y{(x.h + 2 * ph - kh) / stride + 1, (x.w + 2 * pw - kw) / stride + 1};
     TORCH_CHECK(y.h > 0 && y.w > 0, name, ": empty output");
     const int64_t a = in * kh * kw + (bias ? 1 : 0);
-    add_layer(name, a, out, y.h * y.w);
+    add_layer({name, a, out, y.h * y.w, math::conv2d_a_kernel(in, kh, stride), math::FactorKernel::kConvGradient});
     return y;
   }
   /// Square kernel k, stride s, padding p.
@@ -38,7 +38,7 @@ class Builder {
   }
   /// Linear `in -> out` with a bias applied to `rows` rows per sample.
   void linear(const std::string& name, int64_t in, int64_t out, int64_t rows = 1, bool bias = true) {
-    add_layer(name, in + (bias ? 1 : 0), out, rows);
+    add_layer({name, in + (bias ? 1 : 0), out, rows});
   }
   /// Parameters outside K-FAC: a BatchNorm's or LayerNorm's weight and bias over `channels`.
   void norm(int64_t channels) { model_.parameters += 2 * channels; }
@@ -48,10 +48,11 @@ class Builder {
   PaperModel done() { return std::move(model_); }
 
  private:
-  void add_layer(const std::string& name, int64_t a, int64_t g, int64_t rows) {
-    model_.layers.push_back({name, a, g, rows});
-    model_.parameters += a * g;  // the bias is the A factor's last column
-    model_.kfac_parameters += a * g;
+  void add_layer(assign::LayerShape shape) {
+    const int64_t parameters = shape.a_dim * shape.g_dim;  // the bias is the A factor's last column
+    model_.layers.push_back(std::move(shape));
+    model_.parameters += parameters;
+    model_.kfac_parameters += parameters;
   }
   PaperModel model_;
 };

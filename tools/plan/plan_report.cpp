@@ -165,8 +165,12 @@ PlanReport plan_report(const PlanRequest& r) {
   if (t.seq_len > 0) out["seq_len"] = t.seq_len;
   if (r.spd_redundant_dim > 0) out["spd_redundant_dim"] = r.spd_redundant_dim;
   for (const auto& s : shapes) {
-    out["layers"].push_back(
-        {{"name", s.name}, {"a_dim", s.a_dim}, {"g_dim", s.g_dim}, {"rows_per_sample", s.rows_per_sample}});
+    out["layers"].push_back({{"name", s.name},
+                             {"a_dim", s.a_dim},
+                             {"g_dim", s.g_dim},
+                             {"rows_per_sample", s.rows_per_sample},
+                             {"a_kernel", math::to_string(s.a_kernel)},
+                             {"g_kernel", math::to_string(s.g_kernel)}});
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
   for (const auto& row : rows) {
@@ -285,6 +289,15 @@ std::string us(double seconds) {
   return out.str();
 }
 
+nlohmann::json factor_rate_json(const strategy::FactorRate& rate) {
+  return {{"seconds", rate.seconds}, {"per_entry_s", rate.per_entry}, {"per_flop_s", rate.per_flop}};
+}
+
+/// The FactorRate in `j[name]`.
+strategy::FactorRate factor_rate_from_json(const nlohmann::json& j, const char* name) {
+  return {field<double>(j, name, "seconds"), field<double>(j, name, "per_entry_s"), field<double>(j, name, "per_flop_s")};
+}
+
 }  // namespace
 
 nlohmann::json rates_to_json(const strategy::Rates& r) {
@@ -300,15 +313,12 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
           {"allreduce", {{"alpha_s", r.allreduce.alpha}, {"beta_s_per_byte", r.allreduce.beta}}},
           {"allreduce_busy", {{"alpha_s", r.allreduce_busy.alpha}, {"beta_s_per_byte", r.allreduce_busy.beta}}},
           {"broadcast", {{"alpha_s", r.broadcast.alpha}, {"beta_s_per_byte", r.broadcast.beta}}},
-          {"factor", {{"seconds", r.factor.seconds}, {"per_entry_s", r.factor.per_entry}, {"per_flop_s", r.factor.per_flop}}},
-          {"conv_factor",
-           {{"seconds", r.conv_factor.seconds},
-            {"per_entry_s", r.conv_factor.per_entry},
-            {"per_flop_s", r.conv_factor.per_flop}}},
-          {"conv_g_factor",
-           {{"seconds", r.conv_g_factor.seconds},
-            {"per_entry_s", r.conv_g_factor.per_entry},
-            {"per_flop_s", r.conv_g_factor.per_flop}}},
+          {"factor", factor_rate_json(r.factor)},
+          {"conv_factor", factor_rate_json(r.conv_factor)},
+          {"conv_g_factor", factor_rate_json(r.conv_g_factor)},
+          {"conv_patches_factor", factor_rate_json(r.conv_patches_factor)},
+          {"conv_unfold_factor", factor_rate_json(r.conv_unfold_factor)},
+          {"fold", {{"seconds", r.fold.seconds}, {"per_entry_s", r.fold.per_entry}}},
           {"decomposition",
            {{"dims", r.decomposition.dims},
             {"seconds", r.decomposition.seconds},
@@ -344,15 +354,16 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   for (const char* part : {"factor", "conv_factor", "decomposition", "precondition"}) {
     TORCH_CHECK(j.contains(part), "rates: missing field ", part);
   }
-  r.factor = {field<double>(j, "factor", "seconds"), field<double>(j, "factor", "per_entry_s"),
-              field<double>(j, "factor", "per_flop_s")};
-  r.conv_factor = {field<double>(j, "conv_factor", "seconds"), field<double>(j, "conv_factor", "per_entry_s"),
-                   field<double>(j, "conv_factor", "per_flop_s")};
-  r.conv_g_factor = r.factor;  // files written before it was measured
-  if (j.contains("conv_g_factor")) {
-    r.conv_g_factor = {field<double>(j, "conv_g_factor", "seconds"), field<double>(j, "conv_g_factor", "per_entry_s"),
-                       field<double>(j, "conv_g_factor", "per_flop_s")};
-  }
+  r.factor = factor_rate_from_json(j, "factor");
+  r.conv_factor = factor_rate_from_json(j, "conv_factor");
+  // Files written before these were measured: the rates that priced those factors then, and a free fold.
+  const auto optional_rate = [&](const char* name, const strategy::FactorRate& before) {
+    return j.contains(name) ? factor_rate_from_json(j, name) : before;
+  };
+  r.conv_g_factor = optional_rate("conv_g_factor", r.factor);
+  r.conv_patches_factor = optional_rate("conv_patches_factor", r.conv_factor);
+  r.conv_unfold_factor = optional_rate("conv_unfold_factor", r.conv_factor);
+  if (j.contains("fold")) r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
   r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
   r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
   r.decomposition.latency = field<double>(j, "decomposition", "latency_s");
@@ -470,13 +481,17 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
        << " ns/B (" << us(rates.allreduce_busy.alpha) << " + " << rates.allreduce_busy.beta * 1e9
        << " ns/B while the ranks compute), broadcast " << us(rates.broadcast.alpha) << " + " << rates.broadcast.beta * 1e9
        << " ns/B (on the measured ranks; scaled to each group's size)\n";
-  text << "    factor covariance " << us(rates.factor.seconds) << " + " << rates.factor.per_entry * 1e9
-       << " ns/entry + " << (rates.factor.per_flop > 0 ? 1e-9 / rates.factor.per_flop : 0.0)
-       << " GFLOP/s (2 rows d^2), 3x3 conv A " << us(rates.conv_factor.seconds) << " + "
-       << rates.conv_factor.per_entry * 1e9 << " ns/entry + "
-       << (rates.conv_factor.per_flop > 0 ? 1e-9 / rates.conv_factor.per_flop : 0.0) << " GFLOP/s, conv G "
-       << us(rates.conv_g_factor.seconds) << " + " << rates.conv_g_factor.per_entry * 1e9 << " ns/entry + "
-       << (rates.conv_g_factor.per_flop > 0 ? 1e-9 / rates.conv_g_factor.per_flop : 0.0) << " GFLOP/s;\n    "
+  const auto factor_rate = [](const strategy::FactorRate& rate) {
+    std::ostringstream out;
+    out << us(rate.seconds) << " + " << std::setprecision(3) << rate.per_entry * 1e9 << " ns/entry + "
+        << (rate.per_flop > 0 ? 1e-9 / rate.per_flop : 0.0) << " GFLOP/s";
+    return out.str();
+  };
+  text << "    factors (start-up + per input entry + 2 rows d^2 FLOPs): covariance " << factor_rate(rates.factor)
+       << ";\n    conv A, 3x3 stride 1 (row shifts) " << factor_rate(rates.conv_factor) << ", strided or 1x1 (patches) "
+       << factor_rate(rates.conv_patches_factor) << ", under " << math::kChannelsLastMin << " channels (unfold) "
+       << factor_rate(rates.conv_unfold_factor) << ";\n    conv G " << factor_rate(rates.conv_g_factor) << "; fold "
+       << us(rates.fold.seconds) << " + " << rates.fold.per_entry * 1e9 << " ns/entry;\n    "
        << to_string(rates.method) << " d=64 / 256 / 1024: " << 1e3 * rates.decomposition.seconds_for(64) << " / "
        << 1e3 * rates.decomposition.seconds_for(256) << " / " << 1e3 * rates.decomposition.seconds_for(1024)
        << " ms; preconditioning " << us(rates.precondition.seconds) << " + "
