@@ -141,7 +141,10 @@ inline OptionRange any_value() { return {}; }
     "the published system that places and moves K-FAC work: kaisa (with grad_worker_fraction), spd (SPD-KFAC), "   \
     "dp (DP-KFAC), or auto (the fastest on this machine's measured rates, chosen at the first step)")                \
   X(Value, int64_t, memory_budget, 0, at_least(0), "--kfac-memory-budget", "", "",                                   \
-    "strategy auto: most bytes of K-FAC state per rank a candidate may need (0: no limit)")
+    "strategy auto: most bytes of K-FAC state per rank a candidate may need (0: no limit)")                         \
+  X(Value, int64_t, auto_recheck_steps, 10, at_least(0), "--auto-recheck-steps", "", "",                            \
+    "strategy auto: steps profiled after the choice; where a K-FAC phase measured over them is more than 20% off "  \
+    "its prediction, the rates are scaled by the measurement and the strategy chosen again (0: choose once)")
 
 // SPD-KFAC's own options (Options::spd), declared as above; their names in option_table() start with "spd_".
 #define DKFAC_SPD_OPTIONS(X)                                                                                         \

@@ -186,22 +186,79 @@ void Preconditioner::choose_strategy() {
                                           options_.memory_budget(), batch,
                                           {options_.factor_update_steps_at(steps_), options_.inv_update_steps_at(steps_)});
   choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
-  const Options chosen = choice.apply(options_);
+  const Options base = options_;
   // State loaded (or computed) under the provisional plan: every rank holds every factor there, so they
   // agree on whether there is any; it is gathered whole and placed again as the chosen plan says.
   const bool has_state = std::any_of(layers_.begin(), layers_.end(), [](const KfacLayer& l) { return l.a_factor().defined(); });
-  std::vector<std::map<std::string, torch::Tensor>> states;
-  if (has_state) states = executor_->gather_states(layers_);
-  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, chosen);
-  options_ = chosen;
+  replace_executor(choice.apply(options_), has_state);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (has_state) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
     if (!executor_->builds_factors(i)) layers_[i].capture().clear();  // captured under the provisional plan
   }
   if (is_factor_step(steps_)) executor_->arm_factor_step(options_.accumulation_steps());
   strategy_choice_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
                      (rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
   choice_to_report_ = strategy_choice_ + "\n" + executor_->describe(/*per_layer=*/false);
+  if (base.auto_recheck_steps() > 0) {
+    recheck_ = Recheck{base, rates, batch, steps_ + 1, steps_ + base.auto_recheck_steps(), {}};
+  }
+}
+
+void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
+  std::vector<std::map<std::string, torch::Tensor>> states;
+  if (has_state) states = executor_->gather_states(layers_);
+  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, chosen);
+  options_ = chosen;
+  if (!has_state) return;
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
+}
+
+void Preconditioner::recheck_strategy() {
+  const Recheck check = std::move(*recheck_);
+  recheck_.reset();
+  const Strategy check_strategy = options_.strategy();
+  // Every rank decides from the same figures: each compute phase as the slowest rank measured it (the step
+  // waits for it), communication as the rank that waited least (the collectives' own time, as the model has it).
+  const auto& mine = check.profiled;
+  const auto all = comm::gather_over(*communicator_, comm::kWorld,
+                                     {mine.factors, mine.second_order, mine.precondition, mine.communication});
+  strategy::ProfiledSteps measured;
+  measured.kinds = mine.kinds;
+  measured.communication = all.front()[3];
+  for (const auto& rank : all) {
+    measured.factors = std::max(measured.factors, rank[0]);
+    measured.second_order = std::max(measured.second_order, rank[1]);
+    measured.precondition = std::max(measured.precondition, rank[2]);
+    measured.communication = std::min(measured.communication, rank[3]);
+  }
+  const auto scales = strategy::calibrate(executor_->plan(), check.rates, check.batch, measured);
+  std::ostringstream report;
+  report << "strategy auto re-checked after " << measured.kinds.size() << " profiled steps (" << check.first_step
+         << " to " << check.last_step << "): measured / predicted " << scales.describe();
+  if (scales.within(strategy::kRecheckTolerance)) {
+    report << "; all within " << strategy::kRecheckTolerance * 100 << "%: kept " << to_string(options_.strategy());
+  } else {
+    const int world = communicator_->size();
+    auto choice = strategy::choose_strategy(
+        strategy::layer_shapes(layers_), world, check.base, strategy::scaled(check.rates, scales),
+        check.base.memory_budget(), check.batch,
+        {check.base.factor_update_steps_at(steps_), check.base.inv_update_steps_at(steps_)});
+    choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
+    const Options chosen = choice.apply(check.base);
+    const bool same = chosen.strategy() == options_.strategy() &&
+                      chosen.grad_worker_fraction() == options_.grad_worker_fraction() &&
+                      chosen.symmetric_comm() == options_.symmetric_comm();
+    report << "; chose again with the rates scaled so:\n" << choice.describe();
+    if (same) {
+      report << "  kept " << choice.pick().name;
+    } else {
+      replace_executor(chosen, /*has_state=*/true);
+      report << "  switched to " << choice.pick().name << " from step " << steps_;
+    }
+  }
+  report << "\n";
+  strategy_choice_ += (strategy_choice_.empty() || strategy_choice_.back() == '\n' ? "" : "\n") + report.str();
+  choice_to_report_ += report.str();
+  if (options_.strategy() != check_strategy) choice_to_report_ += executor_->describe(/*per_layer=*/false);
 }
 
 Preconditioner::~Preconditioner() {
@@ -230,7 +287,17 @@ void Preconditioner::step() {
     device::rethrow_out_of_memory(e, std::string("K-FAC step ") + std::to_string(steps_) + ", " + phase_ + layer);
   }
   close_step_timing();
+  if (recheck_ && steps_ >= recheck_->first_step) {
+    const auto t = last_step_times();
+    auto& p = recheck_->profiled;
+    p.kinds.push_back({factor_step, is_inverse_step(steps_)});
+    p.factors += t.factors;
+    p.second_order += t.second_order;
+    p.precondition += t.precondition;
+    p.communication += t.communication;
+  }
   ++steps_;
+  if (recheck_ && steps_ > recheck_->last_step) recheck_strategy();
   arm_capture();
 }
 

@@ -476,4 +476,23 @@ void average_over(Communicator& communicator, GroupId group, std::vector<double>
   for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<double>();
 }
 
+std::vector<std::vector<double>> gather_over(Communicator& communicator, GroupId group,
+                                             const std::vector<double>& values, Phase phase) {
+  const auto& members = communicator.members(group);
+  const auto at = std::find(members.begin(), members.end(), communicator.rank());
+  TORCH_CHECK(at != members.end(), "gather_over: rank ", communicator.rank(), " is not in the group");
+  const auto n = static_cast<int64_t>(values.size());
+  auto table = torch::zeros({static_cast<int64_t>(members.size()), n}, torch::kFloat64);
+  table[at - members.begin()].copy_(torch::tensor(values, torch::kFloat64));
+  auto t = table.to(communicator.control_device());
+  communicator.allreduce_sum(t, group, phase).wait();
+  t = t.to(torch::kCPU).contiguous();
+  std::vector<std::vector<double>> out;
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    const double* row = t[r].data_ptr<double>();
+    out.emplace_back(row, row + n);
+  }
+  return out;
+}
+
 }  // namespace dkfac::comm

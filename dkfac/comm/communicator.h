@@ -208,4 +208,9 @@ class Communicator {
 void average_over(Communicator& communicator, GroupId group, std::vector<double>& values,
                   Phase phase = Phase::kCalibration);
 
+/// Every rank's `values` (as many on each rank), indexed by rank within `group` (one allreduce of
+/// group size x values, counted under `phase`; waits for it). Collective.
+std::vector<std::vector<double>> gather_over(Communicator& communicator, GroupId group,
+                                             const std::vector<double>& values, Phase phase = Phase::kCalibration);
+
 }  // namespace dkfac::comm

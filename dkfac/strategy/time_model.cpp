@@ -153,83 +153,129 @@ PhaseSeconds TimePrediction::slowest_phases() const {
   return m;
 }
 
+namespace {
+
+/// One plan's work per rank and its collectives on `rates`, from which predict_time and predict_step_seconds
+/// simulate steps.
+class StepSimulation {
+ public:
+  StepSimulation(const StepPlan& plan, const Rates& rates, int64_t batch_size)
+      : plan_(plan), rates_(rates), p_(plan.world_size()) {
+    TORCH_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
+    const size_t layers = plan.shapes.size();
+    const bool eigen = plan.method == ComputeMethod::kEigen;
+    const int64_t e = rates.element_bytes();
+    build_.assign(p_, 0.0);
+    decompose_.assign(p_, 0.0);
+    precondition_.assign(p_, 0.0);
+    second_order_.assign(p_, 0.0);
+    std::vector<double> slot_build(2 * layers, 0.0);  // one builder's seconds per factor, in ready order
+    for (size_t i = 0; i < layers; ++i) {
+      const auto& s = plan.shapes[i];
+      const int64_t rows = batch_size * s.rows_per_sample;
+      const double a_build = rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
+      const double g_build = rates.for_kernel(s.g_kernel).seconds_for(rows, s.g_dim);
+      const double fold = rates.fold.seconds_for(s.a_dim, s.g_dim);
+      slot_build[i] = a_build;
+      slot_build[2 * layers - 1 - i] = g_build;
+      const auto& flow = plan.flows[i];
+      const int w = plan.grad_workers();
+      const auto share = [&](int64_t n) {
+        if (eigen) return rates.broadcast_seconds(w, e * n * n) + rates.broadcast_seconds(w, e * n);
+        return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
+      };
+      for (int r = 0; r < p_; ++r) {
+        if (plan.builds_factors(i, r)) build_[r] += a_build + g_build + fold;
+        if (!plan.preconditions(i, r)) continue;
+        if (plan.computes_a(i, r)) decompose_[r] += rates.decomposition.seconds_for(s.a_dim);
+        if (plan.computes_g(i, r)) decompose_[r] += rates.decomposition.seconds_for(s.g_dim);
+        if (flow.broadcast_a) second_order_[r] += share(s.a_dim);
+        if (flow.broadcast_g) second_order_[r] += share(s.g_dim);
+        precondition_[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
+      }
+    }
+    factor_comm_ = factor_comm_seconds(plan, rates, slot_build);
+    if (plan.broadcast_gradients) {
+      const int row = p_ / plan.grad_workers();
+      for (const auto& s : plan.shapes) {
+        gradient_comm_ += rates.broadcast_seconds(row, static_cast<double>(e * s.g_dim * s.a_dim));
+      }
+    }
+    columns_ = plan.placement.columns();
+    rows_ = plan.placement.rows();
+  }
+
+  /// One step of the given kind: ranks add their work and meet at the plan's collectives; the end of the
+  /// slowest rank (the next gradient allreduce waits for it).
+  double step(bool factor_step, bool inverse_step) const {
+    std::vector<double> t(p_, 0.0);
+    if (factor_step) {
+      share(t, build_);
+      if (plan_.reduction != FactorReduction::kNone) {
+        std::vector<int> world(p_);
+        std::iota(world.begin(), world.end(), 0);
+        meet(t, {world}, {factor_comm_});
+      }
+    }
+    if (inverse_step) {
+      share(t, decompose_);
+      if (plan_.shares_second_order()) {
+        std::vector<double> cost;
+        for (const auto& c : columns_) cost.push_back(second_order_[c.front()]);
+        meet(t, columns_, cost);
+      }
+    }
+    share(t, precondition_);
+    if (plan_.broadcast_gradients) meet(t, rows_, std::vector<double>(rows_.size(), gradient_comm_));
+    return *std::max_element(t.begin(), t.end());
+  }
+
+  /// Each rank's own work per phase, per step averaged over `intervals`.
+  std::vector<PhaseSeconds> ranks(Intervals intervals) const {
+    const double f = static_cast<double>(intervals.factor_update_steps);
+    const double v = static_cast<double>(intervals.inv_update_steps);
+    std::vector<PhaseSeconds> out;
+    for (int r = 0; r < p_; ++r) {
+      PhaseSeconds x;
+      x.factor_build = build_[r] / f;
+      x.factor_comm = factor_comm_ / f;
+      x.decomposition = decompose_[r] / v;
+      x.second_order_comm = second_order_[r] / v;
+      x.precondition = precondition_[r];
+      x.gradient_comm = gradient_comm_;
+      out.push_back(x);
+    }
+    return out;
+  }
+
+ private:
+  /// A node's busy ranks share its compute (rates.parallel_ranks full speeds per rates.ranks_per_node ranks).
+  void share(std::vector<double>& t, const std::vector<double>& work) const {
+    const int per_node = std::max(1, rates_.ranks_per_node);
+    const double slots = std::max(1.0, rates_.parallel_ranks);
+    if (slots >= per_node) {
+      for (int r = 0; r < p_; ++r) t[r] += work[r];
+    } else {
+      run_shared(t, work, per_node, slots);
+    }
+  }
+
+  const StepPlan& plan_;
+  const Rates& rates_;
+  int p_;
+  std::vector<double> build_, decompose_, precondition_, second_order_;
+  double factor_comm_ = 0;
+  double gradient_comm_ = 0;
+  std::vector<std::vector<int>> columns_, rows_;
+};
+
+}  // namespace
+
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals) {
   TORCH_CHECK(intervals.factor_update_steps >= 1 && intervals.inv_update_steps >= 1,
               "intervals must be >= 1, got factor_update_steps ", intervals.factor_update_steps,
               " and inv_update_steps ", intervals.inv_update_steps);
-  TORCH_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
-  const int p = plan.world_size();
-  const size_t layers = plan.shapes.size();
-  const bool eigen = plan.method == ComputeMethod::kEigen;
-  const int64_t e = rates.element_bytes();
-  std::vector<double> build(p, 0.0), decompose(p, 0.0), precondition(p, 0.0), second_order(p, 0.0);
-  std::vector<double> slot_build(2 * layers, 0.0);  // one builder's seconds per factor, in ready order
-  for (size_t i = 0; i < layers; ++i) {
-    const auto& s = plan.shapes[i];
-    const int64_t rows = batch_size * s.rows_per_sample;
-    const double a_build = rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
-    const double g_build = rates.for_kernel(s.g_kernel).seconds_for(rows, s.g_dim);
-    const double fold = rates.fold.seconds_for(s.a_dim, s.g_dim);
-    slot_build[i] = a_build;
-    slot_build[2 * layers - 1 - i] = g_build;
-    const auto& flow = plan.flows[i];
-    const int w = plan.grad_workers();
-    const auto share = [&](int64_t n) {
-      if (eigen) return rates.broadcast_seconds(w, e * n * n) + rates.broadcast_seconds(w, e * n);
-      return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
-    };
-    for (int r = 0; r < p; ++r) {
-      if (plan.builds_factors(i, r)) build[r] += a_build + g_build + fold;
-      if (!plan.preconditions(i, r)) continue;
-      if (plan.computes_a(i, r)) decompose[r] += rates.decomposition.seconds_for(s.a_dim);
-      if (plan.computes_g(i, r)) decompose[r] += rates.decomposition.seconds_for(s.g_dim);
-      if (flow.broadcast_a) second_order[r] += share(s.a_dim);
-      if (flow.broadcast_g) second_order[r] += share(s.g_dim);
-      precondition[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
-    }
-  }
-  const double factor_comm = factor_comm_seconds(plan, rates, slot_build);
-  double gradient_comm = 0;
-  if (plan.broadcast_gradients) {
-    const int row = p / plan.grad_workers();
-    for (const auto& s : plan.shapes) gradient_comm += rates.broadcast_seconds(row, static_cast<double>(e * s.g_dim * s.a_dim));
-  }
-
-  // Simulates one step of each kind: ranks add their work and meet at the plan's collectives.
-  const auto columns = plan.placement.columns();
-  const auto rows = plan.placement.rows();
-  // A node's busy ranks share its compute (rates.parallel_ranks full speeds per rates.ranks_per_node ranks).
-  const int per_node = std::max(1, rates.ranks_per_node);
-  const double slots = std::max(1.0, rates.parallel_ranks);
-  const auto share = [&](std::vector<double>& t, const std::vector<double>& work) {
-    if (slots >= per_node) {
-      for (int r = 0; r < p; ++r) t[r] += work[r];
-    } else {
-      run_shared(t, work, per_node, slots);
-    }
-  };
-  const auto step = [&](bool factor_step, bool inverse_step) {
-    std::vector<double> t(p, 0.0);
-    if (factor_step) {
-      share(t, build);
-      if (plan.reduction != FactorReduction::kNone) {
-        std::vector<int> world(p);
-        std::iota(world.begin(), world.end(), 0);
-        meet(t, {world}, {factor_comm});
-      }
-    }
-    if (inverse_step) {
-      share(t, decompose);
-      if (plan.shares_second_order()) {
-        std::vector<double> cost;
-        for (const auto& c : columns) cost.push_back(second_order[c.front()]);
-        meet(t, columns, cost);
-      }
-    }
-    share(t, precondition);
-    if (plan.broadcast_gradients) meet(t, rows, std::vector<double>(rows.size(), gradient_comm));
-    return *std::max_element(t.begin(), t.end());  // the next gradient allreduce waits for the slowest
-  };
+  const StepSimulation simulation(plan, rates, batch_size);
   const double f = static_cast<double>(intervals.factor_update_steps);
   const double v = static_cast<double>(intervals.inv_update_steps);
   const double both = 1.0 / static_cast<double>(std::lcm(intervals.factor_update_steps, intervals.inv_update_steps));
@@ -238,18 +284,68 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
   const double neither = 1.0 - both - factor_only - inverse_only;
 
   TimePrediction out;
-  out.step_seconds = both * step(true, true) + factor_only * step(true, false) + inverse_only * step(false, true) +
-                     neither * step(false, false);
-  for (int r = 0; r < p; ++r) {
-    PhaseSeconds x;
-    x.factor_build = build[r] / f;
-    x.factor_comm = factor_comm / f;
-    x.decomposition = decompose[r] / v;
-    x.second_order_comm = second_order[r] / v;
-    x.precondition = precondition[r];
-    x.gradient_comm = gradient_comm;
-    out.ranks.push_back(x);
+  out.step_seconds = both * simulation.step(true, true) + factor_only * simulation.step(true, false) +
+                     inverse_only * simulation.step(false, true) + neither * simulation.step(false, false);
+  out.ranks = simulation.ranks(intervals);
+  return out;
+}
+
+double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind) {
+  return StepSimulation(plan, rates, batch_size).step(kind.factor_step, kind.inverse_step);
+}
+
+Rates scaled(const Rates& rates, const RateScales& scales) {
+  Rates r = rates;
+  for (auto* rate : {&r.factor, &r.conv_factor, &r.conv_patches_factor, &r.conv_unfold_factor, &r.conv_g_factor}) {
+    rate->seconds *= scales.factors;
+    rate->per_entry *= scales.factors;
+    rate->per_flop *= scales.factors;
   }
+  r.fold.seconds *= scales.factors;
+  r.fold.per_entry *= scales.factors;
+  for (double& seconds : r.decomposition.seconds) seconds *= scales.decomposition;
+  r.decomposition.latency *= scales.decomposition;
+  r.decomposition.per_cubed_dim *= scales.decomposition;
+  r.precondition.seconds *= scales.precondition;
+  r.precondition.per_flop *= scales.precondition;
+  for (auto* link : {&r.allreduce, &r.allreduce_busy, &r.broadcast}) {
+    link->alpha *= scales.communication;
+    link->beta *= scales.communication;
+  }
+  return r;
+}
+
+bool RateScales::within(double tolerance) const {
+  for (double s : {factors, decomposition, precondition, communication}) {
+    if (std::abs(s - 1.0) > tolerance) return false;
+  }
+  return true;
+}
+
+std::string RateScales::describe() const {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(2) << "factors x" << factors << ", second order x" << decomposition
+      << ", preconditioning x" << precondition << ", communication x" << communication;
+  return out.str();
+}
+
+RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured) {
+  // Each group's predicted seconds over the profiled steps: the plan simulated with only that group's rates.
+  const auto predicted = [&](RateScales only) {
+    const Rates r = scaled(rates, only);
+    const StepSimulation simulation(plan, r, batch_size);
+    double seconds = 0;
+    for (const auto& kind : measured.kinds) seconds += simulation.step(kind.factor_step, kind.inverse_step);
+    return seconds;
+  };
+  const auto ratio = [](double measured_seconds, double predicted_seconds) {
+    return measured_seconds > 0 && predicted_seconds > 0 ? measured_seconds / predicted_seconds : 1.0;
+  };
+  RateScales out;
+  out.factors = ratio(measured.factors, predicted({1, 0, 0, 0}));
+  out.decomposition = ratio(measured.second_order, predicted({0, 1, 0, 0}));
+  out.precondition = ratio(measured.precondition, predicted({0, 0, 1, 0}));
+  out.communication = ratio(measured.communication, predicted({0, 0, 0, 1}));
   return out;
 }
 

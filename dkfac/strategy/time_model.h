@@ -56,6 +56,50 @@ struct TimePrediction {
 /// (decomposition and preconditioning times are for it).
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals);
 
+/// A step's kind: whether it updates the factors, the second-order state, both or neither.
+struct StepKind {
+  bool factor_step = true;
+  bool inverse_step = true;
+};
+
+/// The seconds of one step of `kind`, as predict_time simulates each step (its step_seconds averages them).
+double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind);
+
+/// Factors by which measured times differ from a prediction, per group of rates: the factor kernels and the
+/// fold; decompositions; preconditioning; the links (allreduce idle and busy, broadcast).
+struct RateScales {
+  double factors = 1;
+  double decomposition = 1;
+  double precondition = 1;
+  double communication = 1;
+  /// Every scale within 1 +- tolerance.
+  bool within(double tolerance) const;
+  /// "factors x1.31, second order x0.97, preconditioning x1.02, communication x2.40".
+  std::string describe() const;
+};
+
+/// How far from its prediction a phase measured in a job may be (as a RateScales scale) before strategy auto
+/// chooses again (Options::auto_recheck_steps): the 20% that bench/strategies.py holds predictions to.
+constexpr double kRecheckTolerance = 0.2;
+
+/// `rates` with each group's rates (every coefficient of them) multiplied by its scale.
+Rates scaled(const Rates& rates, const RateScales& scales);
+
+/// What a job measured over a few steps of one plan: each step's kind, and seconds per K-FAC phase summed over
+/// them, as the Preconditioner's PhaseTimes count them (collectives under `communication` only).
+struct ProfiledSteps {
+  std::vector<StepKind> kinds;
+  double factors = 0;        ///< building and folding factors
+  double second_order = 0;   ///< decompositions
+  double precondition = 0;   ///< preconditioning products
+  double communication = 0;  ///< K-FAC collectives, waiting included
+};
+
+/// Measured over predicted per group of rates, for `plan` with `batch_size` samples per rank: each group's
+/// prediction is the plan's steps of `measured.kinds` simulated with that group's rates alone (sharing and
+/// waiting as predict_time has them). A group predicted or measured at 0 keeps scale 1. Pure.
+RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured);
+
 /// No limit for choose_strategy's memory budget.
 constexpr int64_t kNoMemoryBudget = 0;
 

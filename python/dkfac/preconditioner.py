@@ -102,7 +102,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     kfac_pytorch's keyword arguments keep their meanings and defaults; each of ``factor_update_steps``,
     ``inv_update_steps``, ``damping``, ``factor_decay``, ``kl_clip`` and ``lr`` is a number or a callable of
     the K-FAC step. dkfac's own: ``strategy`` ('kaisa', 'spd', 'dp', or 'auto': the
-    fastest of them on rates measured at the first step that fits ``memory_budget`` bytes of K-FAC state per rank;
+    fastest of them on rates measured at the first step that fits ``memory_budget`` bytes of K-FAC state per rank,
+    chosen again after ``auto_recheck_steps`` profiled steps where they measured more than 20% off the prediction;
     see ``strategy_choice``), ``unused_layer_policy`` ('error' or
     'skip'), ``pi_damping`` (inverse method), ``process_group`` (default: torch.distributed's default group
     when initialised), ``spd_redundant_dim``, ``timeout`` (seconds for dkfac's own subgroups) and

@@ -148,6 +148,11 @@ has "step plan: $(case ${picked%% *} in kaisa) echo KAISA;; spd) echo SPD-KFAC;;
 "$dkfac" "${auto_run[@]}" "${flags[@]}" --metrics "$tmp/picked.jsonl" > "$tmp/picked.txt" 2>&1 \
   || { cat "$tmp/picked.txt"; fail "the picked strategy's run"; }
 compare_runs "$tmp/auto.jsonl" "$tmp/picked.jsonl" --steps 6 --rtol 1e-5
+# The re-check: after 2 profiled steps the measured phases are set against the prediction, and what it found
+# and decided is printed (the rates were measured on this machine a moment ago: kept or chosen again alike).
+"$dkfac" "${auto_run[@]}" --strategy auto --kfac-rates "$tmp/rates.json" --auto-recheck-steps 2 \
+  --metrics "$tmp/recheck.jsonl" > "$tmp/out" 2>&1 || { cat "$tmp/out"; fail "--auto-recheck-steps 2"; }
+has "strategy auto re-checked after 2 profiled steps (1 to 2): measured / predicted factors x"
 refused --model mlp --dataset synthetic --strategy kaisa --kfac-rates "$tmp/rates.json"
 has "--kfac-rates are for --strategy auto, but --strategy is kaisa"
 refused --model mlp --dataset synthetic --kfac-memory-budget 1000

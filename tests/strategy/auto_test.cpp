@@ -127,6 +127,67 @@ TEST(TimeModel, FactorsArePricedByTheKernelThatBuildsThemAndFoldedPerLayer) {
   EXPECT_LT(t.ranks[0].factor_build, expected);
 }
 
+TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
+  // Phases "measured" on a machine where every group of rates is off by its own factor: calibrate recovers
+  // the factors, whatever mix of step kinds was profiled, on a plan with sharing, waiting and collectives.
+  Rates r = rates(1e-9, 1e-4, 1e-9, 4);
+  r.fold = {2e-6, 1e-9};
+  r.ranks_per_node = 4;
+  r.parallel_ranks = 2;
+  const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse).grad_worker_fraction(0.5));
+  const RateScales truth{1.5, 0.5, 2.0, 3.0};
+  ProfiledSteps measured;
+  measured.kinds = {{true, true}, {true, false}, {false, false}, {false, true}};
+  for (const auto& kind : measured.kinds) {
+    measured.factors += predict_step_seconds(plan, scaled(r, {truth.factors, 0, 0, 0}), 32, kind);
+    measured.second_order += predict_step_seconds(plan, scaled(r, {0, truth.decomposition, 0, 0}), 32, kind);
+    measured.precondition += predict_step_seconds(plan, scaled(r, {0, 0, truth.precondition, 0}), 32, kind);
+    measured.communication += predict_step_seconds(plan, scaled(r, {0, 0, 0, truth.communication}), 32, kind);
+  }
+  const auto got = calibrate(plan, r, 32, measured);
+  EXPECT_NEAR(got.factors, 1.5, 1e-9);
+  EXPECT_NEAR(got.decomposition, 0.5, 1e-9);
+  EXPECT_NEAR(got.precondition, 2.0, 1e-9);
+  EXPECT_NEAR(got.communication, 3.0, 1e-9);
+  EXPECT_FALSE(got.within(kRecheckTolerance));
+  EXPECT_NE(got.describe().find("factors x1.50, second order x0.50, preconditioning x2.00, communication x3.00"),
+            std::string::npos)
+      << got.describe();
+  // Scaling the rates by them predicts what was measured.
+  const auto scaled_rates = scaled(r, got);
+  double predicted = 0, total = measured.factors + measured.second_order + measured.precondition + measured.communication;
+  for (const auto& kind : measured.kinds) predicted += predict_step_seconds(plan, scaled_rates, 32, kind);
+  EXPECT_GT(predicted, 0.5 * total);  // phases meet at collectives, so their sum is an upper bound
+  EXPECT_LE(predicted, total * (1 + 1e-12));
+  // A group that was not run in the profiled steps (no second-order step) or measured 0 keeps its scale.
+  ProfiledSteps plain;
+  plain.kinds = {{false, false}};
+  plain.precondition = 2 * predict_step_seconds(plan, scaled(r, {0, 0, 1, 0}), 32, {false, false});
+  const auto partial = calibrate(plan, r, 32, plain);
+  EXPECT_EQ(partial.factors, 1.0);
+  EXPECT_EQ(partial.decomposition, 1.0);
+  EXPECT_NEAR(partial.precondition, 2.0, 1e-9);
+  EXPECT_EQ(partial.communication, 1.0);  // measured 0
+  EXPECT_TRUE(RateScales{}.within(kRecheckTolerance));
+  EXPECT_TRUE((RateScales{1.19, 0.81, 1, 1}.within(kRecheckTolerance)));
+  EXPECT_FALSE((RateScales{1, 1, 1, 0.79}.within(kRecheckTolerance)));
+}
+
+TEST(TimeModel, ChoosingWithCalibratedRatesFollowsTheMeasuredMachine) {
+  // Rates that put the cost in compute pick DP-KFAC (it splits every kernel); a job that then measures its
+  // communication 1e6 times the prediction and its compute 1e-3 of it is latency-bound, and the choice with
+  // the rates scaled so is the one made from such rates directly.
+  const Options base;  // the eigen method, as rates() measured
+  const Rates believed = rates(1e-8, 1e-9, 1e-15, 4);
+  const auto first = choose_strategy(shapes(), 4, base, believed, kNoMemoryBudget, 32, {1, 1});
+  EXPECT_EQ(first.pick().name, "dp") << first.describe();
+  const RateScales measured{1e-3, 1e-3, 1e-3, 1e6};
+  const auto again = choose_strategy(shapes(), 4, base, scaled(believed, measured), kNoMemoryBudget, 32, {1, 1});
+  const auto direct = choose_strategy(shapes(), 4, base, rates(1e-11, 1e-3, 1e-9, 4), kNoMemoryBudget, 32, {1, 1});
+  EXPECT_NE(again.pick().name, "dp") << again.describe();
+  EXPECT_EQ(again.pick().name, direct.pick().name) << again.describe() << direct.describe();
+}
+
 TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
   // Link only: D-KFAC f=1 in one bucket pays one allreduce of every factor, then each inverse's broadcast.
   const Rates r = rates(0, 1e-3, 1e-9, 4);

@@ -468,7 +468,10 @@ INSTANTIATE_TEST_SUITE_P(Methods, DpEquivalence, ::testing::Combine(::testing::V
 
 // Strategy auto on the test model. The shapes as the preconditioner observes them in the first step (conv:
 // 5 x 5 output positions per sample; local_loss's batch of 3 samples).
-const std::vector<assign::LayerShape> kObservedShapes = {{"conv", 19, 3, 25}, {"fc1", 76, 6, 1}, {"fc2", 6, 4, 1}};
+const std::vector<assign::LayerShape> kObservedShapes = {
+    {"conv", 19, 3, 25, math::FactorKernel::kConvUnfold, math::FactorKernel::kConvGradient},
+    {"fc1", 76, 6, 1},
+    {"fc2", 6, 4, 1}};
 constexpr int64_t kBatch = 3;
 
 // testing::uniform_rates measured on 2 ranks in float64 (the test model's dtype).
@@ -570,6 +573,122 @@ TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
   for (int rank = 0; rank < 2; ++rank) {
     for (size_t p = 0; p < expected[rank].size(); ++p) {
       EXPECT_TENSOR_NEAR(got[rank][p], expected[rank][p], 1e-12) << "rank " << rank << " param " << p;
+    }
+  }
+}
+
+// Two equal wide layers and many rows per rank: building the factors is most of K-FAC's work, and DP-KFAC,
+// whose owner builds each layer's alone (half the work per rank, no factor allreduce), is this machine's pick.
+struct WideNet : torch::nn::Module {
+  WideNet() {
+    fc1 = register_module("fc1", nn::Linear(256, 256));
+    fc2 = register_module("fc2", nn::Linear(256, 256));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+std::shared_ptr<WideNet> make_wide_net() {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(7);
+  auto net = std::make_shared<WideNet>();
+  net->to(testing::test_device(), torch::kFloat64);
+  return net;
+}
+
+// One step of `net` on rank `rank`'s batch: backward, gradients averaged over the world, kfac.step(), the
+// gradients kept, plain SGD (lr 0.1).
+std::vector<torch::Tensor> wide_step(WideNet& net, Preconditioner& kfac, comm::Communicator& communicator,
+                                     int64_t step, int rank) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * step + rank);
+  const auto device = net.fc1->weight.device();
+  auto x = torch::randn({2048, 256}, g, torch::kFloat64).to(device);
+  auto y = torch::randn({2048, 256}, g, torch::kFloat64).to(device);
+  net.zero_grad();
+  (net.forward(x) - y).pow(2).mean().backward();
+  for (auto& p : net.parameters()) communicator.allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+  kfac.step();
+  std::vector<torch::Tensor> grads;
+  torch::NoGradGuard no_grad;
+  for (auto& p : net.parameters()) {
+    grads.push_back(p.grad().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    p.sub_(p.grad(), 0.1);
+  }
+  return grads;
+}
+
+// The re-check (Options::auto_recheck_steps). Rates that are wrong by orders of magnitude (a collective costs
+// 10 s, compute nothing) pick SPD-KFAC (one fused allreduce a step, every factor decomposed everywhere); the
+// steps profiled after the choice measure otherwise, and the choice made again with the rates scaled by the
+// measurement is this machine's: DP-KFAC. The job trains on exactly as one that ran SPD-KFAC up to the
+// re-check, saved its state and went on as DP-KFAC loading it: the state is re-placed, never lost.
+TEST(StrategyAuto, RecheckChoosesAgainFromMeasuredPhasesAndGoesOnFromTheSameState) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kInverse;
+  const Options base = base_options(method, false, 1.0).auto_recheck_steps(2);
+  const auto wrong = auto_rates(1e-15, 10.0, 1e-15, method);
+  const std::vector<assign::LayerShape> shapes = {{"fc1", 257, 256, 1}, {"fc2", 257, 256, 1}};
+  const Options first = choose_strategy(shapes, 2, base, wrong, kNoMemoryBudget, 2048, {1, 2}).apply(base);
+  ASSERT_EQ(first.strategy(), Strategy::kSpd);
+  constexpr int64_t kRecheckAfter = 3;  // the choice at step 0, steps 1 and 2 profiled
+  constexpr int64_t kTotal = 5;
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(2), expected(2);
+  std::vector<Options> second(2);
+  std::vector<std::string> reports(2);
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_wide_net();
+    Preconditioner kfac(net, Options(base).strategy(Strategy::kAuto), communicator);
+    kfac.use_rates(wrong);
+    for (int64_t step = 0; step < kTotal; ++step) {
+      got[rank].push_back(wide_step(*net, kfac, *communicator, step, rank));
+      if (step < kRecheckAfter - 1) EXPECT_EQ(kfac.options().strategy(), Strategy::kSpd);
+    }
+    second[rank] = kfac.options();
+    reports[rank] = kfac.strategy_choice();
+  });
+  EXPECT_EQ(reports[0], reports[1]);
+  EXPECT_NE(reports[0].find("strategy auto re-checked after 2 profiled steps (1 to 2): measured / predicted factors x"),
+            std::string::npos)
+      << reports[0];
+  EXPECT_NE(reports[0].find("switched to dp from step 3"), std::string::npos) << reports[0];
+  EXPECT_EQ(second[0].strategy(), Strategy::kDp);
+  EXPECT_EQ(second[1].strategy(), Strategy::kDp);
+
+  // The reference: SPD-KFAC (with the threshold auto used) up to the re-check, its state saved; then DP-KFAC.
+  std::vector<std::string> archives(2);
+  std::vector<std::vector<torch::Tensor>> params(2);
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_wide_net();
+    Preconditioner kfac(net, first, communicator);
+    for (int64_t step = 0; step < kRecheckAfter; ++step) expected[rank].push_back(wide_step(*net, kfac, *communicator, step, rank));
+    torch::serialize::OutputArchive archive;
+    kfac.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    archives[rank] = out.str();
+    for (const auto& p : net->parameters()) params[rank].push_back(p.detach().clone());
+  });
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_wide_net();
+    {
+      torch::NoGradGuard no_grad;
+      auto own = net->parameters();
+      for (size_t p = 0; p < own.size(); ++p) own[p].copy_(params[rank][p]);
+    }
+    Preconditioner kfac(net, second[rank], communicator);
+    torch::serialize::InputArchive archive;
+    std::istringstream in(archives[rank]);
+    archive.load_from(in);
+    kfac.load(archive);
+    for (int64_t step = kRecheckAfter; step < kTotal; ++step) expected[rank].push_back(wide_step(*net, kfac, *communicator, step, rank));
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int64_t step = 0; step < kTotal; ++step) {
+      for (size_t p = 0; p < expected[rank][step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], 1e-12)
+            << "rank " << rank << " step " << step << " param " << p;
+      }
     }
   }
 }
