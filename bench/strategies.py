@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,8 @@ def main():
     parser.add_argument("--auto", action="store_true", help="check strategy auto's predictions and pick (see above)")
     parser.add_argument("--nproc-list", default="2,4", help="--auto: process counts")
     parser.add_argument("--global-batch", type=int, default=128, help="--auto: batch per rank = this / nproc")
+    parser.add_argument("--recheck-steps", type=int, default=5,
+                        help="--auto: steps strategy auto's re-check profiles (--auto-recheck-steps)")
     args = parser.parse_args()
     if args.auto:
         return auto_main(args)
@@ -153,11 +156,7 @@ def auto_main(args):
                             "--compute-method", args.compute_method], check=True, stdout=subprocess.DEVNULL)
             rates_json = json.load(open(rates))
             for model in args.models.split(","):
-                plan = json.loads(subprocess.run(
-                    [args.binary, "plan", "--strategy", "auto", "--rates", rates, "--model", model, "--nproc", str(nproc),
-                     "--batch-size", str(args.batch_size), "--compute-method", args.compute_method,
-                     "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps),
-                     "--json"], check=True, stdout=subprocess.PIPE, text=True).stdout)
+                plan = auto_plan(args, model, nproc, rates)
                 base, base_runs, _ = measured_step(args.binary, model, ["--no-kfac"], args,
                                                 os.path.join(tmp, f"{model}-{nproc}-sgd"))
                 rows = []
@@ -168,8 +167,13 @@ def auto_main(args):
                                  "predicted_step_s": base + c["step_seconds"], "measured_step_s": m,
                                  "measured_runs_s": runs, "memory_bytes": c["memory_bytes"],
                                  "phases_s": c["max_over_ranks_seconds"], "measured_phases_ms": phases})
+                scales, rechecked = recheck(args, model, nproc, rates, os.path.join(tmp, f"{model}-{nproc}-auto"))
+                for row, c in zip(rows, rechecked["candidates"]):
+                    row["rechecked_step_s"] = base + c["step_seconds"]
                 results[f"{model}-{nproc}"] = {"rates": rates_json, "sgd_step_s": base, "sgd_runs_s": base_runs,
-                                               "chosen": plan["chosen"], "reason": plan["reason"], "candidates": rows}
+                                               "chosen": plan["chosen"], "reason": plan["reason"], "candidates": rows,
+                                               "recheck_scales": scales, "rechecked_chosen": rechecked["chosen"],
+                                               "recheck_steps": args.recheck_steps}
                 print_auto(model, nproc, args.batch_size, threads, results[f"{model}-{nproc}"])
     print(f"# load average at end {os.getloadavg()[0]:.2f}")
     if args.json:
@@ -177,13 +181,41 @@ def auto_main(args):
             json.dump({"version": version, "cpu": cpu, "args": vars(args), "results": results}, f, indent=2)
 
 
+def auto_plan(args, model, nproc, rates, extra=()):
+    """`dkfac plan --strategy auto --json` for this model and process count on `rates`."""
+    return json.loads(subprocess.run(
+        [args.binary, "plan", "--strategy", "auto", "--rates", rates, "--model", model, "--nproc", str(nproc),
+         "--batch-size", str(args.batch_size), "--compute-method", args.compute_method,
+         "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps), "--json",
+         *extra], check=True, stdout=subprocess.PIPE, text=True).stdout)
+
+
+def recheck(args, model, nproc, rates, metrics):
+    """Strategy auto's re-check as a job makes it: `dkfac train --strategy auto` on `rates` profiles
+    --recheck-steps steps of its pick and prints measured / predicted per group of rates; the candidates are
+    then predicted again with the rates scaled so (`dkfac plan --rate-scales`, the same scaling)."""
+    cmd = [args.binary, "train", "--nproc", str(nproc), "--model", model, "--batch-size", str(args.batch_size),
+           "--max-steps", str(args.recheck_steps + 1), "--eval-examples", "1000",
+           "--factor-update-steps", str(args.factor_steps), "--inv-update-steps", str(args.inv_steps),
+           "--compute-method", args.compute_method, "--metrics", metrics + ".jsonl", "--strategy", "auto",
+           "--kfac-rates", rates, "--auto-recheck-steps", str(args.recheck_steps)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = re.search(r"measured / predicted factors x(\S+), second order x(\S+), preconditioning x(\S+), "
+                      r"communication x([^\s;]+)", done.stdout)
+    if done.returncode != 0 or not found:
+        sys.exit("strategy auto's re-check run failed: " + " ".join(cmd) + "\n" + done.stdout[-3000:])
+    scales = [float(x) for x in found.groups()]
+    return scales, auto_plan(args, model, nproc, rates, ["--rate-scales", ",".join(repr(x) for x in scales)])
+
+
 def print_auto(model, nproc, batch, threads, res):
     print(f"\n## {model}, {nproc} processes x batch {batch}, {threads} LibTorch thread(s) each; --no-kfac step "
           f"{1e3 * res['sgd_step_s']:.1f} ms")
-    print(f"{'candidate':<30}{'pred K-FAC':>11}{'pred step':>11}{'measured':>10}{'error':>8}   "
-          f"phases predicted / measured, max over ranks: factor, decomp, precond, comm (ms per step)")
+    print(f"{'candidate':<30}{'pred K-FAC':>11}{'pred step':>11}{'measured':>10}{'error':>8}{'re-checked':>12}"
+          f"{'error':>8}   phases predicted / measured, max over ranks: factor, decomp, precond, comm (ms per step)")
     for r in res["candidates"]:
         err = 100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        rerr = 100 * (r["rechecked_step_s"] / r["measured_step_s"] - 1)
         mark = "*" if r["name"] == res["chosen"] else " "
         p, m = r["phases_s"], r["measured_phases_ms"]
         comm = 1e3 * (p["factor_comm"] + p["second_order_comm"] + p["gradient_comm"])
@@ -191,13 +223,22 @@ def print_auto(model, nproc, batch, threads, res):
                   f"{m.get('second_order_ms', 0):.0f}  {1e3 * p['precondition']:.0f}/{m.get('precondition_ms', 0):.0f}  "
                   f"{comm:.0f}/{m.get('comm_ms', 0):.0f}")
         print(f"{mark}{r['name']:<29}{1e3 * r['predicted_kfac_s']:>11.1f}{1e3 * r['predicted_step_s']:>11.1f}"
-              f"{1e3 * r['measured_step_s']:>10.1f}{err:>+7.1f}%   {phases}")
+              f"{1e3 * r['measured_step_s']:>10.1f}{err:>+7.1f}%{1e3 * r['rechecked_step_s']:>12.1f}{rerr:>+7.1f}%   "
+              f"{phases}")
     best = min(res["candidates"], key=lambda r: r["measured_step_s"])
     pick = next(r for r in res["candidates"] if r["name"] == res["chosen"])
     worst_err = max(abs(r["predicted_step_s"] / r["measured_step_s"] - 1) for r in res["candidates"])
     print(f"auto picked {pick['name']} (measured {1e3 * pick['measured_step_s']:.1f} ms); measured best {best['name']} "
           f"({1e3 * best['measured_step_s']:.1f} ms): pick {100 * (pick['measured_step_s'] / best['measured_step_s'] - 1):.1f}% "
           f"slower than the best (goal <= 5%); largest prediction error {100 * worst_err:.1f}% (goal <= 20%)")
+    re_pick = next(r for r in res["candidates"] if r["name"] == res["rechecked_chosen"])
+    re_err = max(abs(r["rechecked_step_s"] / r["measured_step_s"] - 1) for r in res["candidates"])
+    s = res["recheck_scales"]
+    print(f"re-check (a --strategy auto job's {res['recheck_steps']} profiled steps of its pick): measured / "
+          f"predicted factors x{s[0]:.3g}, second order x{s[1]:.3g}, preconditioning x{s[2]:.3g}, communication "
+          f"x{s[3]:.3g}; with the rates scaled so: pick {re_pick['name']} "
+          f"({100 * (re_pick['measured_step_s'] / best['measured_step_s'] - 1):.1f}% slower than the best), largest "
+          f"prediction error {100 * re_err:.1f}%")
     sys.stdout.flush()
 
 

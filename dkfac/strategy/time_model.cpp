@@ -324,7 +324,7 @@ bool RateScales::within(double tolerance) const {
 
 std::string RateScales::describe() const {
   std::ostringstream out;
-  out << std::fixed << std::setprecision(2) << "factors x" << factors << ", second order x" << decomposition
+  out << std::setprecision(3) << "factors x" << factors << ", second order x" << decomposition
       << ", preconditioning x" << precondition << ", communication x" << communication;
   return out.str();
 }
@@ -338,8 +338,10 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
     for (const auto& kind : measured.kinds) seconds += simulation.step(kind.factor_step, kind.inverse_step);
     return seconds;
   };
-  const auto ratio = [](double measured_seconds, double predicted_seconds) {
-    return measured_seconds > 0 && predicted_seconds > 0 ? measured_seconds / predicted_seconds : 1.0;
+  const double whole = measured.factors + measured.second_order + measured.precondition + measured.communication;
+  const auto ratio = [&](double measured_seconds, double predicted_seconds) {
+    const bool enough = measured_seconds > 0 && measured_seconds >= kLeastCalibratedShare * whole;
+    return enough && predicted_seconds > 0 ? measured_seconds / predicted_seconds : 1.0;
   };
   RateScales out;
   out.factors = ratio(measured.factors, predicted({1, 0, 0, 0}));

@@ -74,7 +74,7 @@ struct RateScales {
   double communication = 1;
   /// Every scale within 1 +- tolerance.
   bool within(double tolerance) const;
-  /// "factors x1.31, second order x0.97, preconditioning x1.02, communication x2.40".
+  /// "factors x1.31, second order x0.97, preconditioning x1.02, communication x2.4" (3 significant digits).
   std::string describe() const;
 };
 
@@ -92,12 +92,17 @@ struct ProfiledSteps {
   double factors = 0;        ///< building and folding factors
   double second_order = 0;   ///< decompositions
   double precondition = 0;   ///< preconditioning products
-  double communication = 0;  ///< K-FAC collectives, waiting included
+  double communication = 0;  ///< K-FAC collectives (the rank that waited least: the collectives' own time)
 };
+
+/// A group of rates measured at less than this share of the profiled K-FAC phases keeps its scale: so little
+/// time is mostly noise (a plan that hardly communicates says little about its links).
+constexpr double kLeastCalibratedShare = 0.1;
 
 /// Measured over predicted per group of rates, for `plan` with `batch_size` samples per rank: each group's
 /// prediction is the plan's steps of `measured.kinds` simulated with that group's rates alone (sharing and
-/// waiting as predict_time has them). A group predicted or measured at 0 keeps scale 1. Pure.
+/// waiting as predict_time has them). A group predicted at 0, or measured under kLeastCalibratedShare of the
+/// four phases' sum, keeps scale 1. Pure.
 RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured);
 
 /// No limit for choose_strategy's memory budget.

@@ -130,12 +130,12 @@ TEST(TimeModel, FactorsArePricedByTheKernelThatBuildsThemAndFoldedPerLayer) {
 TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
   // Phases "measured" on a machine where every group of rates is off by its own factor: calibrate recovers
   // the factors, whatever mix of step kinds was profiled, on a plan with sharing, waiting and collectives.
-  Rates r = rates(1e-9, 1e-4, 1e-9, 4);
+  Rates r = rates(1e-9, 6e-3, 1e-9, 4);  // each group over 10% of the step
   r.fold = {2e-6, 1e-9};
   r.ranks_per_node = 4;
   r.parallel_ranks = 2;
   const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse).grad_worker_fraction(0.5));
-  const RateScales truth{1.5, 0.5, 2.0, 3.0};
+  const RateScales truth{1.5, 0.8, 2.0, 3.0};
   ProfiledSteps measured;
   measured.kinds = {{true, true}, {true, false}, {false, false}, {false, true}};
   for (const auto& kind : measured.kinds) {
@@ -146,19 +146,19 @@ TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
   }
   const auto got = calibrate(plan, r, 32, measured);
   EXPECT_NEAR(got.factors, 1.5, 1e-9);
-  EXPECT_NEAR(got.decomposition, 0.5, 1e-9);
+  EXPECT_NEAR(got.decomposition, 0.8, 1e-9);
   EXPECT_NEAR(got.precondition, 2.0, 1e-9);
   EXPECT_NEAR(got.communication, 3.0, 1e-9);
   EXPECT_FALSE(got.within(kRecheckTolerance));
-  EXPECT_NE(got.describe().find("factors x1.50, second order x0.50, preconditioning x2.00, communication x3.00"),
+  EXPECT_NE(got.describe().find("factors x1.5, second order x0.8, preconditioning x2, communication x3"),
             std::string::npos)
       << got.describe();
-  // Scaling the rates by them predicts what was measured.
-  const auto scaled_rates = scaled(r, got);
-  double predicted = 0, total = measured.factors + measured.second_order + measured.precondition + measured.communication;
-  for (const auto& kind : measured.kinds) predicted += predict_step_seconds(plan, scaled_rates, 32, kind);
-  EXPECT_GT(predicted, 0.5 * total);  // phases meet at collectives, so their sum is an upper bound
-  EXPECT_LE(predicted, total * (1 + 1e-12));
+  // A group measured under kLeastCalibratedShare of the phases' sum keeps its scale, however far off its
+  // prediction: here the collectives took a sliver of the profiled time.
+  ProfiledSteps sliver = measured;
+  sliver.communication = 0.05 * (measured.factors + measured.second_order + measured.precondition);
+  EXPECT_EQ(calibrate(plan, r, 32, sliver).communication, 1.0);
+  EXPECT_NEAR(calibrate(plan, r, 32, sliver).factors, 1.5, 1e-9);
   // A group that was not run in the profiled steps (no second-order step) or measured 0 keeps its scale.
   ProfiledSteps plain;
   plain.kinds = {{false, false}};

@@ -627,7 +627,7 @@ TEST(StrategyAuto, RecheckChoosesAgainFromMeasuredPhasesAndGoesOnFromTheSameStat
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto method = ComputeMethod::kInverse;
   const Options base = base_options(method, false, 1.0).auto_recheck_steps(2);
-  const auto wrong = auto_rates(1e-15, 10.0, 1e-15, method);
+  const auto wrong = auto_rates(1e-15, 1e-3, 1e-8, method);
   const std::vector<assign::LayerShape> shapes = {{"fc1", 257, 256, 1}, {"fc2", 257, 256, 1}};
   const Options first = choose_strategy(shapes, 2, base, wrong, kNoMemoryBudget, 2048, {1, 2}).apply(base);
   ASSERT_EQ(first.strategy(), Strategy::kSpd);

@@ -9,6 +9,7 @@
 #include "tools/cli/train_flags.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
+#include "dkfac/strategy/time_model.h"
 #include "tools/plan/plan_report.h"
 
 namespace dkfac::cli {
@@ -26,6 +27,7 @@ struct PlanConfig {
   double allreduce_alpha_us = -1, allreduce_beta_ns = -1, broadcast_alpha_us = -1, broadcast_beta_ns = -1;
   double gflops = -1;
   int rates_world_size = 0;
+  std::vector<double> rate_scales;  // --rate-scales: factors, second order, preconditioning, communication
 };
 
 bool any_rate_flag(const PlanConfig& c) {
@@ -87,6 +89,13 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
     rates.decomposition.per_cubed_dim = (rates.method == ComputeMethod::kEigen ? 9.0 : 1.0) * per_flop;
   }
   if (any_rate_flag(c)) rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("flags override");
+  if (!c.rate_scales.empty()) {
+    TORCH_CHECK(c.rate_scales.size() == 4, "--rate-scales takes 4 numbers (factors, second order, preconditioning, "
+                "communication), got ", c.rate_scales.size());
+    const strategy::RateScales scales{c.rate_scales[0], c.rate_scales[1], c.rate_scales[2], c.rate_scales[3]};
+    rates = strategy::scaled(rates, scales);
+    rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("scaled: ") + scales.describe();
+  }
   request.memory_budget_bytes = static_cast<int64_t>(c.memory_budget_mb * 1024 * 1024);
   const auto report = plan::auto_report(request, rates);
   std::cout << (c.json ? report.json.dump(2) : report.text) << std::endl;
@@ -163,6 +172,10 @@ Command add_plan_command(CLI::App& app) {
   plan->add_option("--rates-world-size", config->rates_world_size,
                    "rate flags: ranks the link rates hold for (default --nproc)")
       ->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--rate-scales", config->rate_scales,
+                   "4 numbers: multiply the factor, second-order, preconditioning and communication rates by them, "
+                   "as strategy auto's re-check does with what a job measured (its 'measured / predicted' line)")
+      ->delimiter(',')->expected(4)->check(CLI::PositiveNumber)->group(kAuto);
 
   return {plan, [config, seq](const Invocation&) {
             plan::PlanRequest request = config->request;
