@@ -199,7 +199,7 @@ void Preconditioner::choose_strategy() {
                      (rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
   choice_to_report_ = strategy_choice_ + "\n" + executor_->describe(/*per_layer=*/false);
   if (base.auto_recheck_steps() > 0) {
-    recheck_ = Recheck{base, rates, batch, steps_ + 1, steps_ + base.auto_recheck_steps(), {}};
+    recheck_ = Recheck{base, rates, choice.pick().name, batch, steps_ + 1, steps_ + base.auto_recheck_steps(), {}};
   }
 }
 
@@ -213,9 +213,8 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
 }
 
 void Preconditioner::recheck_strategy() {
-  const Recheck check = std::move(*recheck_);
+  const Recheck check = *recheck_;
   recheck_.reset();
-  const Strategy check_strategy = options_.strategy();
   // Every rank decides from the same figures: each compute phase as the slowest rank measured it (the step
   // waits for it), communication as the rank that waited least (the collectives' own time, as the model has it).
   const auto& mine = check.profiled;
@@ -234,31 +233,31 @@ void Preconditioner::recheck_strategy() {
   std::ostringstream report;
   report << "strategy auto re-checked after " << measured.kinds.size() << " profiled steps (" << check.first_step
          << " to " << check.last_step << "): measured / predicted " << scales.describe();
+  bool switched = false;
   if (scales.within(strategy::kRecheckTolerance)) {
-    report << "; all within " << strategy::kRecheckTolerance * 100 << "%: kept " << to_string(options_.strategy());
+    report << "; all within " << strategy::kRecheckTolerance * 100 << "%: kept " << check.picked;
   } else {
     const int world = communicator_->size();
     auto choice = strategy::choose_strategy(
         strategy::layer_shapes(layers_), world, check.base, strategy::scaled(check.rates, scales),
         check.base.memory_budget(), check.batch,
         {check.base.factor_update_steps_at(steps_), check.base.inv_update_steps_at(steps_)});
+    strategy::prefer_running(choice, options_);
     choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
     const Options chosen = choice.apply(check.base);
-    const bool same = chosen.strategy() == options_.strategy() &&
-                      chosen.grad_worker_fraction() == options_.grad_worker_fraction() &&
-                      chosen.symmetric_comm() == options_.symmetric_comm();
     report << "; chose again with the rates scaled so:\n" << choice.describe();
-    if (same) {
+    if (strategy::runs_as(choice.pick(), options_)) {
       report << "  kept " << choice.pick().name;
     } else {
       replace_executor(chosen, /*has_state=*/true);
+      switched = true;
       report << "  switched to " << choice.pick().name << " from step " << steps_;
     }
   }
   report << "\n";
   strategy_choice_ += (strategy_choice_.empty() || strategy_choice_.back() == '\n' ? "" : "\n") + report.str();
   choice_to_report_ += report.str();
-  if (options_.strategy() != check_strategy) choice_to_report_ += executor_->describe(/*per_layer=*/false);
+  if (switched) choice_to_report_ += executor_->describe(/*per_layer=*/false);
 }
 
 Preconditioner::~Preconditioner() {

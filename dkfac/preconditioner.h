@@ -270,6 +270,7 @@ class Preconditioner {
   struct Recheck {
     Options base;                       // the options that asked for auto
     strategy::Rates rates;              // those the choice was made with
+    std::string picked;                 // the candidate picked with them
     int64_t batch = 1;                  // samples per rank per step
     int64_t first_step = 0;             // the profiled steps: first_step .. last_step
     int64_t last_step = 0;

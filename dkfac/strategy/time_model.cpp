@@ -386,6 +386,25 @@ std::string StrategyChoice::describe() const {
   return out.str();
 }
 
+bool runs_as(const Candidate& candidate, const Options& running) {
+  return candidate.options.strategy() == running.strategy() &&
+         candidate.options.grad_worker_fraction() == running.grad_worker_fraction() &&
+         candidate.options.symmetric_comm() == running.symmetric_comm();
+}
+
+void prefer_running(StrategyChoice& choice, const Options& running) {
+  const auto current = std::find_if(choice.candidates.begin(), choice.candidates.end(),
+                                    [&](const Candidate& c) { return runs_as(c, running); });
+  if (current == choice.candidates.end() || !current->fits || runs_as(choice.pick(), running)) return;
+  if (choice.pick().time.step_seconds < (1 - kRecheckGain) * current->time.step_seconds) return;
+  std::ostringstream why;
+  why << "kept " << current->name << " (" << ms(current->time.step_seconds) << " ms): the fastest, "
+      << choice.pick().name << " (" << ms(choice.pick().time.step_seconds) << " ms), is predicted less than "
+      << kRecheckGain * 100 << "% faster, too little to switch for";
+  choice.reason = why.str();
+  choice.chosen = static_cast<size_t>(current - choice.candidates.begin());
+}
+
 StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& base,
                                const Rates& rates, int64_t memory_budget_bytes, int64_t batch_size,
                                Intervals intervals) {

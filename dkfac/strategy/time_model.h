@@ -82,6 +82,10 @@ struct RateScales {
 /// chooses again (Options::auto_recheck_steps): the 20% that bench/strategies.py holds predictions to.
 constexpr double kRecheckTolerance = 0.2;
 
+/// How much faster than the running plan the re-check's pick must be predicted for the job to switch to it: the
+/// 5% within which the benchmark asks the pick to be of the measured best.
+constexpr double kRecheckGain = 0.05;
+
 /// `rates` with each group's rates (every coefficient of them) multiplied by its scale.
 Rates scaled(const Rates& rates, const RateScales& scales);
 
@@ -134,6 +138,15 @@ struct StrategyChoice {
   /// The table of every candidate (predicted ms per step and memory) and the reason, in words.
   std::string describe() const;
 };
+
+/// True when `candidate` is the strategy `running` runs (strategy, grad_worker_fraction, symmetric_comm).
+bool runs_as(const Candidate& candidate, const Options& running);
+
+/// The re-check's decision for a job running `running`'s strategy, on `choice` made again with scaled rates:
+/// switching gathers and re-places the K-FAC state, so a pick predicted less than kRecheckGain faster than
+/// the running candidate (when that fits the budget) gives way to it, and `choice.reason` says so. Else
+/// unchanged. Pure.
+void prefer_running(StrategyChoice& choice, const Options& running);
 
 /// `Strategy` auto's choice for a job of `world_size` ranks on layers `shapes`: candidates KAISA at every
 /// W dividing P (f = W/P: 1/P, the divisors between, 1), each with and without symmetric_comm; SPD-KFAC;

@@ -188,6 +188,37 @@ TEST(TimeModel, ChoosingWithCalibratedRatesFollowsTheMeasuredMachine) {
   EXPECT_EQ(again.pick().name, direct.pick().name) << again.describe() << direct.describe();
 }
 
+TEST(ChooseStrategy, TheRecheckKeepsTheRunningPlanUnlessThePickIsFivePercentFaster) {
+  const Options base;
+  const auto choice = choose_strategy(shapes(), 4, base, rates(1e-9, 1e-4, 1e-9, 4), kNoMemoryBudget, 32, {1, 1});
+  ASSERT_GE(choice.candidates.size(), 2u);
+  const auto& pick = choice.pick();
+  // The running plan: another candidate, made 4% and then 6% slower than the pick.
+  const size_t other = choice.chosen == 0 ? 1 : 0;
+  for (const double slower : {1.04, 1.06}) {
+    auto again = choice;
+    again.candidates[other].time.step_seconds = slower * pick.time.step_seconds;
+    const Options running = again.candidates[other].options;
+    EXPECT_TRUE(runs_as(again.candidates[other], running));
+    EXPECT_FALSE(runs_as(pick, running));
+    prefer_running(again, running);
+    if (slower < 1.05) {
+      EXPECT_EQ(again.chosen, other);
+      EXPECT_NE(again.reason.find("kept " + again.candidates[other].name), std::string::npos) << again.reason;
+      EXPECT_NE(again.reason.find("less than 5% faster"), std::string::npos) << again.reason;
+    } else {
+      EXPECT_EQ(again.chosen, choice.chosen);
+      EXPECT_EQ(again.reason, choice.reason);
+    }
+  }
+  // A running plan over the budget gives way whatever the gain.
+  auto over = choice;
+  over.candidates[other].time.step_seconds = pick.time.step_seconds;
+  over.candidates[other].fits = false;
+  prefer_running(over, over.candidates[other].options);
+  EXPECT_EQ(over.chosen, choice.chosen);
+}
+
 TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
   // Link only: D-KFAC f=1 in one bucket pays one allreduce of every factor, then each inverse's broadcast.
   const Rates r = rates(0, 1e-3, 1e-9, 4);
