@@ -233,6 +233,18 @@ FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points,
   return FactorRate{c[0], c[1], c[2]};
 }
 
+/// {start-up, per unit} fitted to one figure per `units` value, read from `figures` at `at` on (advanced).
+std::pair<double, double> fit_affine(const std::vector<double>& units, const std::vector<double>& figures, size_t& at) {
+  std::vector<std::vector<double>> features;
+  std::vector<double> seconds;
+  for (double u : units) {
+    features.push_back({1.0, u});
+    seconds.push_back(figures.at(at++));
+  }
+  const auto c = fit_nonnegative(features, seconds);
+  return {c[0], c[1]};
+}
+
 void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
                       Rates& rates) {
   std::vector<std::pair<double, double>> plain, conv_a, conv_g, patches, unfold;
@@ -250,30 +262,21 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
   rates.conv_g_factor = fit_factor_rate(conv_g, figures, at);
   rates.conv_patches_factor = fit_factor_rate(patches, figures, at);
   rates.conv_unfold_factor = fit_factor_rate(unfold, figures, at);
-  {
-    std::vector<std::vector<double>> features;
-    std::vector<double> seconds;
-    for (const auto& [a, g] : k.fold_shapes) {
-      features.push_back({1.0, static_cast<double>(a * a + g * g)});
-      seconds.push_back(figures.at(at++));
-    }
-    const auto c = fit_nonnegative(features, seconds);
-    rates.fold = FoldRate{c[0], c[1]};
-  }
+  std::vector<double> entries;
+  for (const auto& [a, g] : k.fold_shapes) entries.push_back(static_cast<double>(a * a + g * g));
+  const auto [fold_seconds, per_entry] = fit_affine(entries, figures, at);
+  rates.fold = FoldRate{fold_seconds, per_entry};
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
     rates.decomposition.dims.push_back(d);
     rates.decomposition.seconds.push_back(figures.at(at++));
   }
-  std::vector<std::vector<double>> features;
-  std::vector<double> seconds;
+  std::vector<double> flops;
   for (const auto& [g, a] : k.precondition_shapes) {
-    const double flops = (method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a);
-    features.push_back({1.0, flops});
-    seconds.push_back(figures.at(at++));
+    flops.push_back((method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a));
   }
-  const auto p = fit_nonnegative(features, seconds);
-  rates.precondition = PreconditionRate{p[0], p[1]};
+  const auto [precondition_seconds, per_flop] = fit_affine(flops, figures, at);
+  rates.precondition = PreconditionRate{precondition_seconds, per_flop};
 }
 
 Rates conditions(c10::Device device, c10::ScalarType dtype, ComputeMethod method, int world_size) {
