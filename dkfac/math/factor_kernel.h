@@ -20,6 +20,11 @@ enum class FactorKernel {
   kConvGradient,  ///< a Conv2d G, from its [B, C, H, W] output gradient
 };
 
+/// Every FactorKernel, in declaration order.
+constexpr FactorKernel kFactorKernels[] = {FactorKernel::kCovariance, FactorKernel::kConvRowShift,
+                                           FactorKernel::kConvPatches, FactorKernel::kConvUnfold,
+                                           FactorKernel::kConvGradient};
+
 /// The kernel math::conv2d_a_factor runs for `in_channels` input channels, a kernel `kernel_h` high and
 /// stride `stride_h` in height.
 constexpr FactorKernel conv2d_a_kernel(int64_t in_channels, int64_t kernel_h, int64_t stride_h) {

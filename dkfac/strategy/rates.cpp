@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <utility>
 
 #include <torch/torch.h>
 
@@ -322,6 +323,10 @@ double PreconditionRate::seconds_for(int64_t g, int64_t a, ComputeMethod method)
   return seconds + per_flop * flops;
 }
 
+FactorRate& Rates::for_kernel(math::FactorKernel kernel) {
+  return const_cast<FactorRate&>(std::as_const(*this).for_kernel(kernel));
+}
+
 const FactorRate& Rates::for_kernel(math::FactorKernel kernel) const {
   switch (kernel) {
     case math::FactorKernel::kCovariance: return factor;
@@ -518,14 +523,10 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   if (world > 1) {
     std::vector<double> bytes;
     for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));
-    std::vector<std::vector<double>> features;
-    for (double b : bytes) features.push_back({1.0, b});
-    const std::array<assign::AlphaBeta*, 3> timed = {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy};
-    for (size_t j = 0; j < timed.size(); ++j) {  // in the order timed above
-      const auto first = figures.begin() + static_cast<std::ptrdiff_t>(j * sizes.size());
-      const std::vector<double> seconds(first, first + static_cast<std::ptrdiff_t>(sizes.size()));
-      const auto c = fit_nonnegative(features, seconds);
-      *timed[j] = assign::AlphaBeta{c[0], c[1]};
+    size_t at = 0;
+    for (auto* link : {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy}) {  // in the order timed above
+      const auto [alpha, beta] = fit_affine(bytes, figures, at);
+      *link = assign::AlphaBeta{alpha, beta};
     }
   }
   assemble_kernels(k, figures, kernels_at, method, rates);

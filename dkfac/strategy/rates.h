@@ -108,6 +108,7 @@ struct Rates {
 
   /// The rate of factors built by `kernel`.
   const FactorRate& for_kernel(math::FactorKernel kernel) const;
+  FactorRate& for_kernel(math::FactorKernel kernel);
   /// Bytes of one K-FAC tensor element (of `dtype`).
   int64_t element_bytes() const;
   /// A collective of `bytes` payload on a group of `group_size` ranks (0 for a group of one).

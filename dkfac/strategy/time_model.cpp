@@ -296,10 +296,11 @@ double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t ba
 
 Rates scaled(const Rates& rates, const RateScales& scales) {
   Rates r = rates;
-  for (auto* rate : {&r.factor, &r.conv_factor, &r.conv_patches_factor, &r.conv_unfold_factor, &r.conv_g_factor}) {
-    rate->seconds *= scales.factors;
-    rate->per_entry *= scales.factors;
-    rate->per_flop *= scales.factors;
+  for (const auto kernel : math::kFactorKernels) {
+    FactorRate& rate = r.for_kernel(kernel);
+    rate.seconds *= scales.factors;
+    rate.per_entry *= scales.factors;
+    rate.per_flop *= scales.factors;
   }
   r.fold.seconds *= scales.factors;
   r.fold.per_entry *= scales.factors;

@@ -16,11 +16,7 @@ inline strategy::Rates uniform_rates(double seconds_per_flop, double alpha, doub
   r.allreduce = {alpha, beta};
   r.allreduce_busy = {alpha, beta};
   r.broadcast = {alpha, beta};
-  r.factor.per_flop = seconds_per_flop;
-  r.conv_factor.per_flop = seconds_per_flop;
-  r.conv_g_factor.per_flop = seconds_per_flop;
-  r.conv_patches_factor.per_flop = seconds_per_flop;
-  r.conv_unfold_factor.per_flop = seconds_per_flop;
+  for (const auto kernel : math::kFactorKernels) r.for_kernel(kernel).per_flop = seconds_per_flop;
   r.decomposition.per_cubed_dim = seconds_per_flop;
   r.precondition.per_flop = seconds_per_flop;
   return r;

@@ -79,19 +79,13 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   if (c.broadcast_beta_ns >= 0) rates.broadcast.beta = c.broadcast_beta_ns * 1e-9;
   if (c.gflops > 0) {
     const double per_flop = 1e-9 / c.gflops;
-    rates.factor = {0, 0, per_flop};
-    rates.conv_factor = {0, 0, per_flop};
-    rates.conv_g_factor = {0, 0, per_flop};
-    rates.conv_patches_factor = {0, 0, per_flop};
-    rates.conv_unfold_factor = {0, 0, per_flop};
+    for (const auto kernel : math::kFactorKernels) rates.for_kernel(kernel) = {0, 0, per_flop};
     rates.precondition = {0, per_flop};
     rates.decomposition = {};
     rates.decomposition.per_cubed_dim = (rates.method == ComputeMethod::kEigen ? 9.0 : 1.0) * per_flop;
   }
   if (any_rate_flag(c)) rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("flags override");
-  if (!c.rate_scales.empty()) {
-    TORCH_CHECK(c.rate_scales.size() == 4, "--rate-scales takes 4 numbers (factors, second order, preconditioning, "
-                "communication), got ", c.rate_scales.size());
+  if (!c.rate_scales.empty()) {  // 4 numbers: CLI11 checks the count
     const strategy::RateScales scales{c.rate_scales[0], c.rate_scales[1], c.rate_scales[2], c.rate_scales[3]};
     rates = strategy::scaled(rates, scales);
     rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("scaled: ") + scales.describe();
