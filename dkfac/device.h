@@ -34,6 +34,9 @@ class Mark {
   std::shared_ptr<c10::Event> event_;  // null on the CPU
 };
 
+/// Timing events created so far in this process (Marks reuse them: after the first steps, the count stays).
+int64_t events_created();
+
 /// Allocator statistics of a device, in bytes.
 struct MemoryStats {
   int64_t allocated = 0;       ///< held by tensors now

@@ -142,6 +142,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   factor_ok_.resize(layers_.size());
   report_large_factors(layers_, options_, names_);
   communicator_ = std::move(communicator);
+  if (communicator_) communicator_->use_device(device_);  // control tensors follow the layers (NCCL-only groups)
   Options plan_options = options_;
   auto_requested_ = options_.strategy() == Strategy::kAuto;
   if (auto_requested_) {

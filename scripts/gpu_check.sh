@@ -3,18 +3,28 @@
 # .gpu-bundle (scripts/gpu_bundle.sh makes it on the Debian machine), runs the GPU tests and the GPU
 # benchmark, and leaves every log, JSON and table in one folder with a summary (docs/GPU.md).
 #
-#   ./scripts/gpu_check.sh [STAGE] [OUT_DIR]      (defaults: all, ./gpu-results)
+#   ./scripts/gpu_check.sh [STAGE] [OUT_DIR]      (defaults: call1, ./gpu-results)
 #
-# Stages, each within the GPU machine's 10 minutes per command when run alone (the build resumes where a
-# stopped one left off); every stage first records the environment (step env):
-#   build           googletest from the bundle's sources, configure (Release, Ninja), build
+# The device tool lends one GPU for 15 minutes of device time in all (its start included), at most 10 minutes
+# per command, and a machine left idle for 30 s goes back bare. So the check is two calls, each one command:
+#   call1           from a cold machine: env, build (only what the checks need), ctest -L gpu and pytest -m gpu
+#                   side by side, then the benchmark at (10,100) with one repeat if at least 3 minutes remain
+#   call2           from a cold machine, if at least 4 minutes of device time remain: env, build, then the rest
+#                   of the benchmark (DKFAC_GPU_CALL2_INTERVALS, default "1,10")
+# One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
+# bounds every step: each step's timeout is what is left of it, less DKFAC_GPU_EXPORT_RESERVE_S (15) for the
+# last export. After every step, summary.md and OUT_DIR packed as gpu-results.tar.gz are copied to
+# DKFAC_GPU_EXPORT (the device tool's $OUT), so a call cut short still brings back all that ran.
+#
+# Single stages (each records the environment first):
+#   build           googletest from the bundle's sources, configure (Release, Ninja), build DKFAC_GPU_TARGETS
 #   ctest           ctest -L gpu (the GPU-labelled GoogleTest and integration tests)
 #   pytest          pytest -m gpu tests/python against the built extension
-#   test            ctest, then pytest
+#   test            ctest and pytest side by side
 #   bench-resnet50  bench/python_step.py --device cuda --models resnet50 (SGD, dkfac, kfac_pytorch)
 #   bench-bert      the same for the BERT-Large-shaped encoder
 #   bench           both benchmarks
-#   all             build, test, bench (longer than 10 minutes: for a machine without that limit)
+#   all             build, test, bench (no deadline: for a machine without the tool's limits)
 #   summary         only rewrites OUT_DIR/summary.md from the steps recorded so far
 #
 # Settings (environment):
@@ -22,24 +32,39 @@
 #   DKFAC_GPU_BUILD_DIR     build directory (build-gpu, ignored by git)
 #   DKFAC_GPU_BUNDLE        the bundle (.gpu-bundle)
 #   DKFAC_GPU_JOBS          build parallelism (nproc)
-#   DKFAC_GPU_STEP_TIMEOUT  seconds one step may take before it is stopped and marked TIMEOUT (540)
-#   DKFAC_GPU_CTEST_ARGS    more ctest arguments (e.g. "-R Cuda" or "-E train" to split a long run)
+#   DKFAC_GPU_TARGETS       what the build step builds ("dkfac_tests dkfac_cli dkfac_python"; "all" for all)
+#   DKFAC_GPU_DEADLINE_S    seconds from the start that every step must finish within (above)
+#   DKFAC_GPU_EXPORT_RESERVE_S  seconds kept back from the deadline for the last export (15)
+#   DKFAC_GPU_STEP_TIMEOUT  the most seconds one step may take, deadline or not (540)
+#   DKFAC_GPU_BENCH_MIN_S   seconds that must remain for call1's benchmark to start (180)
+#   DKFAC_GPU_CTEST_JOBS    ctest -j (4); DKFAC_GPU_PYTEST_JOBS: pytest-xdist's -n where installed (4)
+#   DKFAC_GPU_CTEST_ARGS    more ctest arguments (e.g. "-R Cuda" or "-E train")
 #   DKFAC_GPU_PYTEST_ARGS   more pytest arguments (e.g. "-k autocast" or "-x")
 #   DKFAC_GPU_BENCH_DEVICE  the benchmark's --device (cuda; cpu runs the stage's plumbing without a GPU)
 #   DKFAC_GPU_BENCH_ARGS    more arguments for bench/python_step.py (e.g. "--quick" or "--bert-layers 12")
-#   DKFAC_GPU_EXPORT        a folder that also gets summary.md and OUT_DIR packed as gpu-results.tar.gz at the
-#                           end (the device tool's $OUT, which brings back at most 8 files)
+#   DKFAC_GPU_CALL2_INTERVALS  the intervals call2 benchmarks ("1,10"; bench/python_step.py's --intervals)
+#   DKFAC_GPU_EXPORT        a folder that gets summary.md and gpu-results.tar.gz after every step
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 repo=$PWD
 
-stage=${1:-all}
+stage=${1:-call1}
 out=${2:-gpu-results}
 python=${DKFAC_GPU_PYTHON:-python3}
 build=${DKFAC_GPU_BUILD_DIR:-build-gpu}
 bundle=${DKFAC_GPU_BUNDLE:-.gpu-bundle}
 jobs=${DKFAC_GPU_JOBS:-$(nproc)}
 step_timeout=${DKFAC_GPU_STEP_TIMEOUT:-540}
+targets=${DKFAC_GPU_TARGETS:-dkfac_tests dkfac_cli dkfac_python}
+export_reserve=${DKFAC_GPU_EXPORT_RESERVE_S:-15}
+bench_min=${DKFAC_GPU_BENCH_MIN_S:-180}
+ctest_jobs=${DKFAC_GPU_CTEST_JOBS:-4}
+pytest_jobs=${DKFAC_GPU_PYTEST_JOBS:-4}
+call2_intervals=${DKFAC_GPU_CALL2_INTERVALS:-1,10}
+case $stage in
+  call1 | call2) deadline=${DKFAC_GPU_DEADLINE_S:-540} ;;
+  *) deadline=${DKFAC_GPU_DEADLINE_S:-} ;;
+esac
 bench_device=${DKFAC_GPU_BENCH_DEVICE:-cuda}
 read -r -a bench_args <<<"${DKFAC_GPU_BENCH_ARGS:-}"
 read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
@@ -52,24 +77,63 @@ mkdir -p "$out/status" "$build"
 out=$(realpath "$out")
 build=$(realpath "$build")
 [[ -d $bundle ]] && bundle=$(realpath "$bundle")
-failed=0
 
 log() { echo "gpu_check: $*" >&2; }
 
-# record STEP RESULT DETAIL: RESULT is PASS, FAIL, TIMEOUT or SKIP.
-record() {
-  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$out/status/$1.tsv"
-  log "$1: $2${3:+ ($3)}"
-  if [[ $2 == FAIL || $2 == TIMEOUT ]]; then failed=1; fi
+# --- one clock: the deadline every step's timeout comes from ----------------------------------------------
+# remaining: seconds left before the deadline, less the export reserve (a large number without a deadline).
+remaining() {
+  if [[ -z $deadline ]]; then echo 999999; else echo $((deadline - SECONDS - export_reserve)); fi
 }
 
-# run_logged LOG COMMAND...: runs COMMAND under the step timeout with its output appended to LOG; returns
-# its status.
+# budget: the timeout for the next step: the smaller of the step timeout and what remains of the deadline.
+budget() {
+  local left
+  left=$(remaining)
+  echo $((left < step_timeout ? left : step_timeout))
+}
+
+# record STEP RESULT DETAIL: RESULT is PASS, FAIL, TIMEOUT or SKIP; then exports what there is.
+record() {
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$out/status/$1.tsv"
+  log "$1: $2${3:+ ($3)} [${SECONDS} s${deadline:+ of $deadline}]"
+  export_results
+}
+
+# export_results: summary.md and the packed results to DKFAC_GPU_EXPORT, after every step (steps that run side
+# by side take turns through a lock), so a call stopped at its limit still brings back every finished step.
+export_results() {
+  [[ -n ${DKFAC_GPU_EXPORT:-} ]] || return 0
+  mkdir -p "$DKFAC_GPU_EXPORT"
+  (
+    flock 9
+    write_summary >/dev/null
+    cp "$out/summary.md" "$DKFAC_GPU_EXPORT/summary.md.tmp" && mv "$DKFAC_GPU_EXPORT/summary.md.tmp" "$DKFAC_GPU_EXPORT/summary.md"
+    tar -C "$(dirname "$out")" -czf "$DKFAC_GPU_EXPORT/gpu-results.tar.gz.tmp" --exclude=.export.lock "$(basename "$out")" &&
+      mv "$DKFAC_GPU_EXPORT/gpu-results.tar.gz.tmp" "$DKFAC_GPU_EXPORT/gpu-results.tar.gz"
+  ) 9>"$out/.export.lock"
+}
+
+# no_time STEP [MIN [RESULT]]: if fewer than MIN seconds (20) remain before the deadline, records STEP as not
+# started with RESULT (TIMEOUT; the benchmark's optional runs say SKIP) and returns 0.
+no_time() {
+  local left
+  left=$(remaining)
+  if ((left < ${2:-20})); then
+    record "$1" "${3:-TIMEOUT}" "not started: $left s left before the deadline (${deadline} s), ${2:-20} s needed"
+    return 0
+  fi
+  return 1
+}
+
+# run_logged LOG COMMAND...: runs COMMAND under the step's budget with its output appended to LOG; returns
+# its status (124 or 137 when stopped at the budget).
 run_logged() {
-  local logfile=$1
+  local logfile=$1 limit
   shift
-  echo "+ $*" >>"$logfile"
-  timeout --kill-after=20 "$step_timeout" "$@" >>"$logfile" 2>&1
+  limit=$(budget)
+  echo "+ [timeout ${limit} s] $*" >>"$logfile"
+  timeout --kill-after=10 "$limit" "$@" >>"$logfile" 2>&1
 }
 
 # result_of STATUS: the result word for a command's exit status.
@@ -203,11 +267,16 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Pyth
 }
 
 step_build() {
-  local rc=0 start=$SECONDS
+  no_time build 60 && return 1
+  local rc=0 start=$SECONDS target_args=()
+  read -r -a target_list <<<"$targets"
+  if [[ $targets != all ]]; then target_args=(--target "${target_list[@]}"); fi
   : >"$out/build.log"
-  run_logged "$out/build.log" cmake --build "$build" --parallel "$jobs" || rc=$?
-  local detail="$((SECONDS - start)) s with $jobs jobs; log build.log"
-  if ((rc == 124 || rc == 137)); then detail="stopped after $step_timeout s: run the build stage again to continue"; fi
+  run_logged "$out/build.log" cmake --build "$build" --parallel "$jobs" "${target_args[@]}" || rc=$?
+  local detail="$((SECONDS - start)) s with $jobs jobs, targets: $targets; log build.log"
+  if ((rc == 124 || rc == 137)); then
+    detail="stopped after $((SECONDS - start)) s by the deadline: run the build stage again to continue"
+  fi
   if ((rc != 0 && rc != 124 && rc != 137)); then
     detail="$(grep -m1 -E 'error|FAILED' "$out/build.log" | cut -c1-200); log build.log"
   fi
@@ -253,11 +322,14 @@ step_ctest() {
     record ctest-gpu FAIL "no build in $build: run the build stage first"
     return 1
   fi
+  no_time ctest-gpu 30 && return 1
   local rc=0 counts
   rm -f "$out/ctest-gpu.xml"
   : >"$out/ctest-gpu.log"
+  # Each test's own limit is what remains of the step's, so that ctest itself writes the JUnit file.
   DKFAC_FASHION_MNIST="$bundle/fashion-mnist" run_logged "$out/ctest-gpu.log" \
-    ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error --timeout 480 \
+    ctest --test-dir "$build" -L gpu --output-on-failure --no-tests=error -j "$ctest_jobs" \
+    --timeout "$(($(budget) - 10 > 30 ? $(budget) - 10 : 30))" \
     --output-junit "$out/ctest-gpu.xml" "${ctest_args[@]}" || rc=$?
   counts=$([[ -f $out/ctest-gpu.xml ]] && summarise_junit "$out/ctest-gpu.xml" "$out/ctest-gpu-tests.txt")
   if grep -q "No tests were found" "$out/ctest-gpu.log"; then counts="no test has the label gpu"; fi
@@ -270,12 +342,14 @@ step_pytest() {
     record pytest-gpu FAIL "no $build/python/dkfac: run the build stage first"
     return 1
   fi
-  local rc=0 counts detail
+  no_time pytest-gpu 30 && return 1
+  local rc=0 counts detail parallel=()
+  if ((pytest_jobs > 1)) && "$python" -c "import xdist" 2>/dev/null; then parallel=(-n "$pytest_jobs"); fi
   rm -f "$out/pytest-gpu.xml"
   : >"$out/pytest-gpu.log"
   DKFAC_BUILD_PYTHON="$build/python" PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
     DKFAC_CPP_REFERENCE="$build/tests/dkfac_cpp_reference" DKFAC_FASHION_MNIST="$bundle/fashion-mnist" \
-    run_logged "$out/pytest-gpu.log" "$python" -m pytest -m gpu -v -rs -p no:cacheprovider \
+    run_logged "$out/pytest-gpu.log" "$python" -m pytest -m gpu -v -rs -p no:cacheprovider "${parallel[@]}" \
     --junitxml="$out/pytest-gpu.xml" "${pytest_args[@]}" tests/python || rc=$?
   counts=$([[ -f $out/pytest-gpu.xml ]] && summarise_junit "$out/pytest-gpu.xml" "$out/pytest-gpu-tests.txt")
   detail="${counts:-no JUnit file}; every test in pytest-gpu-tests.txt, log pytest-gpu.log"
@@ -285,8 +359,9 @@ step_pytest() {
 }
 
 # --- bench: bench/python_step.py on the GPU ------------------------------------------------------------
-step_bench() {  # step_bench MODEL
+step_bench() {  # step_bench MODEL [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARGS
   local model=$1 name=bench-$1
+  shift
   if [[ $bench_device == cuda ]] &&
     ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
     record "$name" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
@@ -296,16 +371,20 @@ step_bench() {  # step_bench MODEL
     record "$name" FAIL "no extension in $build/python/dkfac: run the build stage first"
     return 1
   fi
-  local reference=() rc=0
+  no_time "$name" "$bench_min" SKIP && return 0
+  local reference=() rc=0 limit
+  limit=$(budget)
   if [[ -d $bundle/kfac-pytorch/kfac ]]; then
     reference=(--kfac-pytorch-src "$bundle/kfac-pytorch")
   else
     log "$name: no $bundle/kfac-pytorch: kfac_pytorch is left out"
   fi
-  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=20 "$step_timeout" \
+  echo "+ [timeout $limit s] bench/python_step.py --device $bench_device --models $model ${bench_args[*]} $*" \
+    >"$out/$name.log"
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
     "$python" bench/python_step.py --device "$bench_device" --models "$model" "${reference[@]}" \
-    --json "$out/$name.json" --markdown "$out/$name.md" "${bench_args[@]}" \
-    >"$out/$name.txt" 2>"$out/$name.log" || rc=$?
+    --json "$out/$name.json" --markdown "$out/$name.md" "${bench_args[@]}" "$@" \
+    >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
   local verdicts
   verdicts=$(sed -n 's/^verdict: //p' "$out/$name.txt" | awk 'NR > 1 {printf " / "} {printf "%s", $0}')
   if ((rc != 0)) && [[ -z $verdicts ]]; then verdicts=$(grep -v -i warn "$out/$name.log" | tail -1 | cut -c1-200); fi
@@ -352,14 +431,24 @@ EOF
 }
 
 run_build() { step_googletest && step_configure && step_build; }
-run_test() { step_ctest; step_pytest; }
-run_bench() { step_bench resnet50; step_bench bert; }
+# ctest and pytest side by side (one GPU, 139 GiB: the tests are small); each records its own row.
+run_test() {
+  step_ctest &
+  local ctest_pid=$!
+  step_pytest &
+  local pytest_pid=$!
+  wait "$ctest_pid"
+  wait "$pytest_pid"
+}
+run_bench() { step_bench resnet50 "$@"; step_bench bert "$@"; }
 
 case $stage in
-  build | ctest | pytest | test | bench-resnet50 | bench-bert | bench | all) step_env ;;
+  build | ctest | pytest | test | bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
   summary) ;;
-  *) echo "usage: $0 [build|ctest|pytest|test|bench-resnet50|bench-bert|bench|all|summary] [OUT_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-resnet50|bench-bert|bench|all|summary] [OUT_DIR]" >&2
+     exit 2 ;;
 esac
+log "stage $stage${deadline:+, deadline $deadline s}, results in $out"
 case $stage in
   build) run_build ;;
   ctest) step_ctest ;;
@@ -369,13 +458,11 @@ case $stage in
   bench-bert) step_bench bert ;;
   bench) run_bench ;;
   all) run_build && run_test; run_bench ;;
+  call1) run_build && { run_test; run_bench --intervals 10,100 --repeats 1; } ;;
+  call2) run_build && run_bench --intervals "$call2_intervals" ;;
 esac
 write_summary
-log "results in $out"
-if [[ -n ${DKFAC_GPU_EXPORT:-} ]]; then
-  mkdir -p "$DKFAC_GPU_EXPORT"
-  cp "$out/summary.md" "$DKFAC_GPU_EXPORT/"
-  tar -C "$(dirname "$out")" -czf "$DKFAC_GPU_EXPORT/gpu-results.tar.gz" "$(basename "$out")"
-  log "summary.md and gpu-results.tar.gz in $DKFAC_GPU_EXPORT"
-fi
-exit $failed
+export_results
+log "results in $out${DKFAC_GPU_EXPORT:+; summary.md and gpu-results.tar.gz in $DKFAC_GPU_EXPORT}"
+# The exit status: 1 if any step recorded FAIL or TIMEOUT (steps run side by side record in their own shells).
+! grep -q -E $'\t(FAIL|TIMEOUT)\t' "$out"/status/*.tsv 2>/dev/null

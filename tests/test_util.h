@@ -24,11 +24,30 @@ inline c10::Device test_device() {
   return c10::Device(c10::kCPU);
 }
 
-/// Skips the current test, with the reason, when it should run on a CUDA device and none is visible.
-#define DKFAC_SKIP_WITHOUT_TEST_DEVICE()                                                                   \
-  if (::dkfac::testing::test_device().is_cuda() && !torch::cuda::is_available())                          \
-  GTEST_SKIP() << "no CUDA device visible (DKFAC_TEST_DEVICE=cuda): this GPU test runs on a GPU machine, " \
-                  "see scripts/gpu_check.sh"
+/// CUDA math as exact as the CPU's, for tests that compare CUDA results with a float32/float64 reference or
+/// with another CUDA run: no TF32 in cuBLAS or cuDNN (torch 2.11 leaves cuDNN's on for float32 convolutions,
+/// about 5e-4 relative), no reduced-precision float16/bfloat16 reductions in cuBLAS, and deterministic
+/// algorithms (cuBLAS's needs CUBLAS_WORKSPACE_CONFIG before its first handle; ops without a deterministic
+/// kernel warn rather than fail). Each ctest case runs in its own process, so this holds for the whole test.
+inline void exact_cuda_math() {
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  auto& context = at::globalContext();
+  context.setAllowTF32CuBLAS(false);
+  context.setAllowTF32CuDNN(false);
+  context.setAllowFP16ReductionCuBLAS(false);
+  context.setAllowBF16ReductionCuBLAS(false);
+  context.setDeterministicCuDNN(true);
+  context.setBenchmarkCuDNN(false);
+  context.setDeterministicAlgorithms(true, /*warn_only=*/true);
+}
+
+/// Skips the current test, with the reason, when it should run on a CUDA device and none is visible; on a
+/// CUDA device, makes its math exact (exact_cuda_math).
+#define DKFAC_SKIP_WITHOUT_TEST_DEVICE()                                                                     \
+  if (::dkfac::testing::test_device().is_cuda() && !torch::cuda::is_available())                            \
+    GTEST_SKIP() << "no CUDA device visible (DKFAC_TEST_DEVICE=cuda): this GPU test runs on a GPU machine, " \
+                    "see scripts/gpu_check.sh";                                                              \
+  if (::dkfac::testing::test_device().is_cuda()) ::dkfac::testing::exact_cuda_math()
 
 /// A fresh directory for the running test, named after it, removed when the scope ends.
 class ScratchDir {

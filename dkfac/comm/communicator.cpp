@@ -356,9 +356,26 @@ const std::vector<int>& Communicator::members(GroupId group) const { return impl
 
 CudaBackend Communicator::cuda_backend() const { return impl_->cuda_backend; }
 
-c10::Device Communicator::control_device() const {
-  if (impl_->world_has_cpu) return c10::Device(c10::kCPU);
+c10::Device control_device_for(bool world_has_cpu, std::optional<c10::Device> work_device) {
+  if (world_has_cpu) return c10::Device(c10::kCPU);
+  TORCH_CHECK(work_device.has_value(), "the process group has no CPU backend (an NCCL-only group) and no device "
+              "was given for dkfac's control tensors: build the Preconditioner (which gives its layers' device) "
+              "before any collective, or create the group with backend 'cpu:gloo,cuda:nccl'");
+  TORCH_CHECK(work_device->is_cuda(), "the process group has no CPU backend (an NCCL-only group), but the layers "
+              "are on ", work_device->str(), ": an NCCL group carries CUDA tensors only; move the model to its GPU "
+              "or create the group with backend 'gloo' or 'cpu:gloo,cuda:nccl'");
+  if (work_device->has_index()) return *work_device;
   return c10::Device(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+}
+
+c10::Device Communicator::control_device() const {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  return control_device_for(impl_->world_has_cpu, work_device_);
+}
+
+void Communicator::use_device(c10::Device device) {
+  std::lock_guard<std::mutex> lock(traffic_mutex_);
+  work_device_ = device;
 }
 
 void Communicator::add_traffic(Phase phase, int64_t calls, int64_t bytes) {

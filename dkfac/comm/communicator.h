@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,9 +145,12 @@ class Communicator {
   int size() const { return size_; }
   /// What carries CUDA tensors here (kNccl or kGloo; never kAuto once connected).
   CudaBackend cuda_backend() const;
-  /// Where small control tensors (flags, calibration timings) live: the CPU, or the current CUDA device when
-  /// the world group has no CPU backend (a torch.distributed group built with backend "nccl" alone).
+  /// Where small control tensors (flags, calibration timings, state tables) live: control_device_for(whether the
+  /// world group has a CPU backend, the device given to use_device).
   c10::Device control_device() const;
+  /// The device this rank's K-FAC tensors live on (the Preconditioner gives its layers'): where control tensors
+  /// go when the world group has no CPU backend.
+  void use_device(c10::Device device);
 
   /// Creates a subgroup of `ranks` (ascending). Every rank must call it with the same arguments in
   /// the same order; ranks outside the group get an id they must not use for collectives.
@@ -199,9 +203,16 @@ class Communicator {
   std::shared_ptr<Heartbeat> heartbeat_;  // null without a watchdog (one rank, from_process_group)
   void start_heartbeat();
   std::function<std::string()> diagnosis() const;
-  mutable std::mutex traffic_mutex_;
+  mutable std::mutex traffic_mutex_;  // also guards work_device_
   std::map<Phase, Traffic> traffic_;
+  std::optional<c10::Device> work_device_;
 };
+
+/// Where a rank's control tensors live: the CPU when the world group carries CPU tensors, else the device of the
+/// rank's layers (`work_device`: a torch.distributed group built with backend "nccl" alone carries CUDA tensors
+/// only, and a rank's NCCL communicator is bound to its own GPU, which need not be the thread's current one).
+/// Throws, naming the problem, when neither can carry them.
+c10::Device control_device_for(bool world_has_cpu, std::optional<c10::Device> work_device);
 
 /// Replaces each of `values` by its mean over the ranks of `group` (one allreduce, counted under `phase`;
 /// waits for it), so that every rank decides from the same numbers. Collective.

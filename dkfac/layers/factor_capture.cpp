@@ -1,19 +1,43 @@
 #include "dkfac/layers/factor_capture.h"
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 namespace dkfac {
 
 const char* to_string(LayerKind kind) { return kind == LayerKind::kLinear ? "Linear" : "Conv2d"; }
 
 FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {}
 
-torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t) const {
-  return factor_dtype_ && t.scalar_type() != *factor_dtype_ ? t.to(*factor_dtype_) : t;
+torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autocast) const {
+  auto dtype = t.scalar_type();
+  if (factor_dtype_) {
+    dtype = *factor_dtype_;
+  } else if (autocast) {
+    dtype = c10::promoteTypes(dtype, torch::kFloat);  // the region's half dtype is for the layer, not its factors
+  }
+  return dtype != t.scalar_type() ? t.to(dtype) : t;
 }
 
+namespace {
+
+/// True when `t`'s device type has autocast on in this thread (the capture runs inside the user's region).
+bool autocast_on(const torch::Tensor& t) {
+  const auto type = t.device().type();
+  return at::autocast::is_autocast_available(type) && at::autocast::is_autocast_enabled(type);
+}
+
+}  // namespace
+
 void FactorCapture::capture_input(const torch::Tensor& input) {
+  const bool autocast = autocast_on(input);
+  forward_autocast_ = autocast;
+  // The factor products run in the factor dtype: outside the user's autocast region, whose float16 sums of
+  // batch x height x width rows pass 65504.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto start = device::Mark::now(input.device());
   torch::NoGradGuard no_grad;
-  auto x = in_factor_dtype(input.detach());
+  auto x = in_factor_dtype(input.detach(), autocast);
   torch::Tensor a_batch;
   if (geometry_.kind == LayerKind::kLinear) {
     a_batch = math::linear_a_factor(x, geometry_.has_bias);
@@ -39,9 +63,11 @@ void FactorCapture::observe_output(const torch::Tensor& output) {
 
 void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   observe_output(grad_output);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto start = device::Mark::now(grad_output.device());
   torch::NoGradGuard no_grad;
-  auto g = in_factor_dtype(grad_output.detach());
+  // The backward runs outside the region, but its gradients carry the region's dtype: the forward decides.
+  auto g = in_factor_dtype(grad_output.detach(), forward_autocast_ || autocast_on(grad_output));
   if (grad_scale_) {
     const auto scale = grad_scale_();
     TORCH_CHECK(scale.defined() && scale.numel() == 1, "grad scaler returned ",

@@ -76,7 +76,10 @@ class FactorCapture {
   /// Samples in the last observed pass (its batch dimension; 1 unbatched); 0 before any.
   int64_t samples_per_pass() const { return samples_per_pass_; }
 
-  /// Storage dtype of captured factors (Options::factor_dtype); nullopt keeps the activations' dtype.
+  /// Storage dtype of captured factors (Options::factor_dtype). nullopt keeps the activations' dtype, except
+  /// under autocast: a forward captured inside a torch.autocast region (and the backward of that forward)
+  /// builds its factors in float32 (float64 inputs stay float64), never in the region's float16/bfloat16.
+  /// Either way the products run outside autocast, in the factor dtype.
   void set_factor_dtype(std::optional<torch::ScalarType> dtype) { factor_dtype_ = dtype; }
   const std::optional<torch::ScalarType>& factor_dtype() const { return factor_dtype_; }
   /// Current loss scale of a mixed-precision gradient scaler; G is built from grad_output / scale.
@@ -117,7 +120,9 @@ class FactorCapture {
   /// Adds under the lock, then calls the listener outside it.
   void add_and_notify(bool is_a, const torch::Tensor& batch, double seconds,
                       std::optional<std::pair<device::Mark, device::Mark>> span = std::nullopt);
-  torch::Tensor in_factor_dtype(const torch::Tensor& t) const;
+  /// `t` in the dtype its factor is built in (see set_factor_dtype); `autocast` says whether the forward that
+  /// produced it ran under autocast.
+  torch::Tensor in_factor_dtype(const torch::Tensor& t, bool autocast) const;
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
@@ -126,6 +131,7 @@ class FactorCapture {
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
   std::atomic<int64_t> samples_per_pass_{0};
+  std::atomic<bool> forward_autocast_{false};  // the last captured forward ran under autocast
   torch::Tensor a_sum_;  // [a, a]
   torch::Tensor g_sum_;  // [g, g]
   int64_t a_count_ = 0;

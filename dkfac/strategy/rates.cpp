@@ -508,7 +508,9 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   if (world > 1) {
     auto t = torch::zeros({static_cast<int64_t>(kernel_count(k) + 1)}, torch::kFloat64);
     if (communicator.rank() == 0) t.copy_(torch::tensor(kernels, torch::kFloat64));
+    t = t.to(communicator.control_device());
     communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+    t = t.cpu();
     kernels.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
     // The same kernel on every rank at once: how many ranks compute at full speed together.
     std::vector<double> together = {time_probe(device, dtype)};
@@ -535,7 +537,7 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
 
 size_t agree_on_choice(comm::Communicator& communicator, size_t index) {
   if (communicator.size() <= 1) return index;
-  auto t = torch::tensor({static_cast<int64_t>(index)}, torch::kInt64);
+  auto t = torch::tensor({static_cast<int64_t>(index)}, torch::kInt64).to(communicator.control_device());
   communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
   return static_cast<size_t>(t.item<int64_t>());
 }

@@ -186,7 +186,10 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
       }
     }
   }
-  communicator_->allreduce_sum(held, comm::kWorld, comm::Phase::kSetup).wait();
+  auto summed = held.to(communicator_->control_device());  // an NCCL-only group carries CUDA tensors alone
+  communicator_->allreduce_sum(summed, comm::kWorld, comm::Phase::kSetup).wait();
+  held = summed.cpu();
+  table = held.data_ptr<int64_t>();
   std::vector<comm::Handle> handles;
   for (size_t i = 0; i < layers.size(); ++i) {
     for (int64_t k = 0; k < entries; ++k) {

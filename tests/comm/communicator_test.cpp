@@ -79,5 +79,30 @@ TEST(Communicator, LostRankIsNamed) {
   EXPECT_NE(lost.find("rank 0 lost rank 1 (no heartbeat for"), std::string::npos) << lost;
 }
 
+// Control tensors (flags, timings, state tables) go where the world group can carry them: the CPU when it has a
+// CPU backend, else the layers' own GPU, not the thread's current device (a rank that never called set_device
+// would put every rank's flags on cuda:0); no device that fits is an error naming the problem.
+TEST(Communicator, ControlDeviceFollowsTheLayersInAnNcclOnlyWorld) {
+  const c10::Device cuda1(c10::kCUDA, 1);
+  EXPECT_EQ(control_device_for(true, cuda1), c10::Device(c10::kCPU));
+  EXPECT_EQ(control_device_for(true, std::nullopt), c10::Device(c10::kCPU));
+  EXPECT_EQ(control_device_for(false, cuda1), cuda1);
+  EXPECT_EQ(control_device_for(false, c10::Device(c10::kCUDA, 3)), c10::Device(c10::kCUDA, 3));
+  try {
+    control_device_for(false, c10::Device(c10::kCPU));
+    ADD_FAILURE() << "CPU layers in an NCCL-only world were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no CPU backend (an NCCL-only group), but the layers are on cpu"),
+              std::string::npos) << e.what();
+  }
+  try {
+    control_device_for(false, std::nullopt);
+    ADD_FAILURE() << "no device in an NCCL-only world was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no device was given for dkfac's control tensors"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace dkfac::comm

@@ -11,8 +11,11 @@
 namespace dkfac {
 namespace {
 
-#define DKFAC_REQUIRE_CUDA() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)"
+// Skips without a CUDA device; with one, compares exactly: TF32 and reduced-precision reductions off.
+#define DKFAC_REQUIRE_CUDA()                                                                                    \
+  if (!torch::cuda::is_available())                                                                            \
+    GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)";      \
+  testing::exact_cuda_math()
 
 struct Net : torch::nn::Module {
   Net() {
@@ -150,6 +153,30 @@ TEST(OnCudaTiming, PhaseTimesFromEvents) {
   EXPECT_GT(last.second_order, 0.0);
   EXPECT_GT(last.precondition, 0.0);
   EXPECT_GE(kfac.total_times().total(), last.total());
+}
+
+// Timing events are pooled: once the first steps have filled the pool, further steps create none (without
+// the pool, 4 per layer per factor step).
+TEST(OnCudaTiming, StepsReuseTheirEvents) {
+  DKFAC_REQUIRE_CUDA();
+  torch::manual_seed(1);
+  auto net = std::make_shared<Net>();
+  net->to(c10::Device(c10::kCUDA, 0));
+  Preconditioner kfac(net, Options().damping(0.01).inv_update_steps(2));
+  const auto steps = [&](int n) {
+    for (int step = 0; step < n; ++step) {
+      net->zero_grad();
+      net->forward(torch::randn({32, 3, 8, 8}, c10::kCUDA)).pow(2).mean().backward();
+      kfac.step();
+      torch::cuda::synchronize();  // every span reached: the next step resolves (and frees) them
+    }
+  };
+  steps(4);
+  const int64_t created = device::events_created();
+  EXPECT_GT(created, 0);
+  steps(6);
+  EXPECT_EQ(device::events_created(), created) << "steps after the first ones created new CUDA events";
+  EXPECT_GT(kfac.total_times().factors, 0.0);
 }
 
 TEST(OnCudaMemory, AllocatorStatisticsSeeTheState) {

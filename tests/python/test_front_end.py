@@ -150,6 +150,57 @@ def test_autocast_with_the_real_grad_scaler_divides_g():
         model(torch.randn(2, 4)).sum().backward()
 
 
+def factors_under_autocast(device: str, dtype: torch.dtype, scale: float = 1.0,
+                           loss_scale: float | None = None) -> tuple[dict, dict]:
+    """One step of a small conv net whose forward runs under torch.autocast(device, dtype), inputs times `scale`:
+    the factors dkfac built, and those a second preconditioner builds, outside autocast, from the same inputs and
+    output gradients as the first saw them (recorded by hooks, then fed to its captures in float32). With
+    `loss_scale`, a torch.amp.GradScaler of that scale scales the loss and the reference divides its gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, stride=2), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 7 * 7, 10)).to(device)
+    twin = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler(device, init_scale=loss_scale) if loss_scale else None
+    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, grad_scaler=scaler)
+    seen: dict[str, list] = {}
+    for module, (name, _) in preconditioner._layers.items():
+        def record(m, inputs, output, name=name):
+            seen[name] = [inputs[0].detach().clone(), None]
+            output.register_hook(lambda g: seen[name].__setitem__(1, g.detach().clone()))
+        module.register_forward_hook(record)
+    x = scale * torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.autocast(device, dtype=dtype):
+        out = model(x)
+    assert out.dtype == dtype, 'the model did run under autocast'
+    loss = out.float().pow(2).mean()
+    (scaler.scale(loss) if scaler else loss).backward()
+    preconditioner.step()
+    reference = dkfac.KFACPreconditioner(twin, factor_update_steps=1, inv_update_steps=1)
+    for module, (name, capture) in reference._layers.items():
+        capture.capture_input(seen[name][0].float())
+        capture.capture_output_grad(seen[name][1].float() / (loss_scale or 1.0))
+    for p in twin.parameters():
+        p.grad = torch.zeros_like(p)
+    reference.step()
+    return preconditioner.state_dict()['layers'], reference.state_dict()['layers']
+
+
+@pytest.mark.parametrize('dtype,scale', [(torch.bfloat16, 1.0), (torch.float16, 8.0)], ids=['bfloat16', 'float16-overflow'])
+def test_factors_under_autocast_equal_float32_factors_of_the_same_inputs(dtype, scale):
+    """Capture leaves the autocast region: the factors are float32 products of what the layers saw, not products
+    in the region's dtype (kfac_pytorch v0.4.2's; in float16 the first convolution's sums over 4096 rows of inputs
+    scaled by 8 pass 65504 and become inf)."""
+    got, expected = factors_under_autocast('cpu', dtype, scale)
+    assert got.keys() == expected.keys() and len(got) == 3
+    for name in expected:
+        for factor in 'AG':
+            a, b = got[name][factor], expected[name][factor]
+            assert a.dtype == torch.float32, (name, factor, a.dtype)
+            assert torch.isfinite(a).all(), (name, factor)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=f'{name} {factor}')
+
+
 def test_float16_storage_on_cpu():
     model = tiny_mlp()
     reference_model = copy.deepcopy(model)
