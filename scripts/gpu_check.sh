@@ -248,6 +248,11 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Pyth
     notes+=("no Python.h for $python: built without the Python extension (pytest-gpu and the benchmark cannot"
       "run dkfac)")
   fi
+  # The compiler: DKFAC_GPU_CXX, else the system's c++. The GPU machine's image also has a GCC in /opt/gcc
+  # (found first by CMake) that links libstdc++ statically: an extension built with it holds its own copy of
+  # iostreams and locales beside torch's shared libstdc++, and crashed in its first std::ostringstream.
+  local cxx=${DKFAC_GPU_CXX:-$(command -v c++ || command -v g++)}
+  if [[ -n $cxx ]]; then extra+=(-DCMAKE_CXX_COMPILER="$cxx"); fi
   local rc=0
   : >"$out/configure.log"
   run_logged "$out/configure.log" cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
