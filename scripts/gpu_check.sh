@@ -412,8 +412,10 @@ print(f"- torch {e.get('torch', '-')}, CUDA {e.get('cuda', '-')}, driver {e.get(
       f"cuDNN {e.get('cudnn', '-')}, NCCL {e.get('nccl', '-')}, torchvision {e.get('torchvision', '-')}")
 print(f"- Python {e.get('python')}, {e.get('cores')} cores, {e.get('platform')}")
 EOF
-    echo "- commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown); build: $build;" \
-      "bundle: $bundle"
+    local changed
+    changed=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+    echo "- commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+      "(the working tree differs from it in $changed tracked files); build: $build; bundle: $bundle"
     echo
     echo "| step | result | detail | at (UTC) |"
     echo "|---|---|---|---|"
