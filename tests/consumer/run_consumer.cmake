@@ -34,6 +34,26 @@ if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
 endif()
 
+# The installed command line starts with no environment to find LibTorch (its run path), and trains.
+if(DKFAC_INSTALLED_CLI)
+  set(cli ${prefix}/${DKFAC_INSTALLED_CLI})
+  if(NOT EXISTS ${cli})
+    message(FATAL_ERROR "cmake --install put no dkfac command at ${cli}")
+  endif()
+  set(no_env ${CMAKE_COMMAND} -E env --unset=LD_LIBRARY_PATH --unset=PYTHONPATH)
+  execute_process(COMMAND ${no_env} ${cli} --help OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  if(rc OR NOT out MATCHES "train")
+    message(FATAL_ERROR "the installed dkfac --help failed (${rc}): ${out}${err}")
+  endif()
+  execute_process(COMMAND ${no_env} ${cli} train --dataset synthetic --model cnn --epochs 1 --max-steps 2 --device cpu
+                          --metrics ${WORK_DIR}/installed-train.jsonl
+                  WORKING_DIRECTORY ${WORK_DIR} OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  if(rc OR NOT out MATCHES "stopped at --max-steps 2")
+    message(FATAL_ERROR "the installed dkfac train failed (${rc}): ${out}${err}")
+  endif()
+  message(STATUS "installed dkfac: --help and a two-step train ran with no LD_LIBRARY_PATH")
+endif()
+
 # The installed Python package: <prefix>/lib/python3.X/site-packages/dkfac imports and preconditions.
 if(DKFAC_PYTHON)
   file(GLOB package ${prefix}/lib/python3*/site-packages/dkfac/__init__.py)
