@@ -1,14 +1,12 @@
 // The process groups: c10d's ProcessGroup with a Gloo backend for CPU tensors and, when a GPU is
 // present and torch was built with NCCL, an NCCL backend for CUDA tensors (torch.distributed's
 // "cpu:gloo,cuda:nccl").
-#define USE_C10D_GLOO 1
 #include "dkfac/comm/communicator.h"
 #include "dkfac/comm/heartbeat.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef DKFAC_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -114,7 +112,7 @@ struct Communicator::Impl {
   std::string address = "this process";          // where the store lives, for messages
   std::string prefix = "dkfac/";                   // of every key this communicator's groups write
   std::chrono::milliseconds timeout;
-  std::shared_ptr<::gloo::transport::Device> device;
+  GlooBackendMaker make_gloo;  // every group's Gloo backend
   CudaBackend cuda_backend = CudaBackend::kGloo;  // settled: kNccl or kGloo
   bool world_has_cpu = true;                      // false: a group from elsewhere with an NCCL backend alone
   struct Group {
@@ -128,10 +126,7 @@ struct Communicator::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> make_group(const std::string& prefix, int rank, int size) {
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(this->prefix + prefix, store);
     auto group = c10::make_intrusive<c10d::ProcessGroup>(prefixed, rank, size);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-    gloo_options->devices.push_back(device);
-    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("gloo/", prefixed), rank, size, gloo_options);
+    auto gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo/", prefixed), rank, size, timeout);
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
     if (cuda_backend == CudaBackend::kGloo) {
@@ -151,18 +146,6 @@ struct Communicator::Impl {
 };
 
 namespace {
-
-std::shared_ptr<::gloo::transport::Device> make_device(const std::string& host) {
-  if (const char* ifname = std::getenv("DKFAC_GLOO_IFNAME")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  }
-  // torch.distributed's own variable, so that groups next to a torch.distributed job use its interface.
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  }
-  if (host == "127.0.0.1" || host == "localhost") return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
 
 // torch's collective flight recorder (on by default since 2.x, for Gloo too) records every collective with a
 // captured traceback, and its first record for a process group updates a shared map outside its lock:
@@ -293,7 +276,7 @@ std::shared_ptr<Communicator> Communicator::connect(const RendezvousOptions& opt
                                           ": second connection to the rendezvous store at " + where);
   }
   impl->address = where;
-  impl->device = make_device(options.host);
+  impl->make_gloo = native_gloo_backends(options.host);
   impl->cuda_backend = settle(options.cuda_backend);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), options.rank, options.world_size));
 }
@@ -306,7 +289,7 @@ std::shared_ptr<Communicator> Communicator::connect_in_process(const std::shared
   auto impl = std::make_unique<Impl>();
   impl->store = store->impl_->store;
   impl->timeout = timeout;
-  impl->device = make_device("127.0.0.1");
+  impl->make_gloo = native_gloo_backends("127.0.0.1");
   impl->cuda_backend = settle(cuda_backend);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, world_size));
 }
@@ -314,7 +297,8 @@ std::shared_ptr<Communicator> Communicator::connect_in_process(const std::shared
 std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                                c10::intrusive_ptr<c10d::Store> store,
                                                                const std::string& prefix,
-                                                               std::chrono::milliseconds timeout) {
+                                                               std::chrono::milliseconds timeout,
+                                                               GlooBackendMaker make_gloo) {
   TORCH_CHECK(group, "from_process_group needs a process group, got None");
   TORCH_CHECK(store, "from_process_group needs the store its subgroups meet through, got None");
   auto impl = std::make_unique<Impl>();
@@ -334,7 +318,7 @@ std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_pt
   const bool nccl = cuda && group->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
   impl->cuda_backend = nccl ? settle(CudaBackend::kNccl) : CudaBackend::kGloo;
   impl->groups.push_back({all_ranks(size), std::move(group)});
-  if (size > 1) impl->device = make_device("");
+  if (size > 1) impl->make_gloo = make_gloo ? std::move(make_gloo) : native_gloo_backends("");
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, /*watchdog=*/false));
 }
 

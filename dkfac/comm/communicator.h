@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 namespace c10d {
+class Backend;
 class ProcessGroup;
 class Store;
 }  // namespace c10d
@@ -110,6 +111,20 @@ class InProcessStore {
   std::unique_ptr<Impl> impl_;
 };
 
+/// Makes the Gloo backend of one of dkfac's groups: `size` ranks meeting through `store`, this one `rank`, its
+/// collectives failing after `timeout`. The C++ library's own (native_gloo_backends) needs gloo's headers at build
+/// time; the Python extension is built without them and passes one that asks torch.distributed for a
+/// ProcessGroupGloo (pip's torch compiles Gloo in but ships no headers).
+using GlooBackendMaker = std::function<c10::intrusive_ptr<c10d::Backend>(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout)>;
+
+/// Gloo backends made with gloo's headers, over the transport device for `host` ("127.0.0.1": the loopback; "":
+/// the machine's default; DKFAC_GLOO_IFNAME or GLOO_SOCKET_IFNAME name an interface instead). Throws, naming
+/// the way out, in a build without gloo's headers (`gloo_headers_built_in()` is false).
+GlooBackendMaker native_gloo_backends(const std::string& host);
+/// Whether this build of dkfac had gloo's headers (the command line and C++ rendezvous need them).
+bool gloo_headers_built_in();
+
 /// Group handle: 0 is the world.
 using GroupId = int;
 constexpr GroupId kWorld = 0;
@@ -132,11 +147,13 @@ class Communicator {
   /// columns and rows) are new groups with the same backends (Gloo for CPU tensors; for CUDA tensors NCCL
   /// when `group` uses NCCL for them, else Gloo), meeting through `store` under `prefix`, which must be the
   /// same on every rank of `group` and unique among the communicators built on that store. No heartbeat
-  /// watchdog runs: failures surface as the group's own collective errors and timeouts.
+  /// watchdog runs: failures surface as the group's own collective errors and timeouts. `make_gloo` makes the
+  /// subgroups' Gloo backends (default: native_gloo_backends(""), which needs gloo's headers in the build).
   static std::shared_ptr<Communicator> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                           c10::intrusive_ptr<c10d::Store> store,
                                                           const std::string& prefix,
-                                                          std::chrono::milliseconds timeout);
+                                                          std::chrono::milliseconds timeout,
+                                                          GlooBackendMaker make_gloo = nullptr);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -1,19 +1,43 @@
 #!/usr/bin/env bash
 # `pip wheel .` and `pip install` of the wheel, as a user runs them in an environment that has torch: the build
-# (PEP 517, scikit-build-core, with pip's build isolation) uses that torch and installs no second one; the wheel
-# holds the Python package only; the installed package imports, preconditions a step, and names the torch it
-# was built against.
+# (PEP 517, scikit-build-core, with pip's build isolation) uses that torch and installs no second one, and needs
+# no gloo headers (pip's torch ships none: the build runs with the system's hidden where a private mount
+# namespace can be made, as root or in an unprivileged user namespace); the wheel holds the Python package only;
+# the installed package imports, preconditions a step, names the torch it was built against, reports itself
+# (python -m dkfac.env) and trains under torch.distributed with KAISA subgroups against the single-process
+# reference (tests/python/test_distributed.py, run against the installed wheel, not the build tree).
 #   tests/integration/pip_install_test.sh SOURCE_DIR PYTHON
 set -euo pipefail
 src="$1"
 python="$2"
+
+# Inside the private mount namespace: gloo's headers hidden, then the wheel build.
+if [[ ${1:-} == --build-hidden ]]; then
+  shift
+  [[ -d /usr/include/gloo ]] && mount -t tmpfs -o ro,size=4k tmpfs /usr/include/gloo
+  [[ ! -e /usr/include/gloo/algorithm.h ]] || { echo "gloo's headers are still visible" >&2; exit 1; }
+  echo "gloo's headers hidden (/usr/include/gloo is empty)"
+  exec "$2" -m pip wheel -v "$1" --no-deps -w "$3"
+fi
+
 source "$(dirname "$0")/lib.sh"
 scratch_dir
 
 echo "== pip wheel (build isolation on)"
 started=$(date +%s)
-"$python" -m pip wheel "$src" --no-deps -w "$tmp/wheels" > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel"; }
-echo "built in $(( $(date +%s) - started )) s"
+unshare_flags=(--mount)
+if [[ $(id -u) -ne 0 ]]; then unshare_flags=(--user --map-root-user --mount); fi
+hidden=0
+if command -v unshare > /dev/null && unshare "${unshare_flags[@]}" true 2> /dev/null; then
+  hidden=1
+  unshare "${unshare_flags[@]}" --propagation private "$0" --build-hidden "$src" "$python" "$tmp/wheels" \
+    > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel with gloo's headers hidden"; }
+  grep -q "dkfac: no gloo headers" "$tmp/wheel.log" || { grep -n "gloo" "$tmp/wheel.log" | head; fail "the build still found gloo's headers"; }
+else
+  echo "(no private mount namespace here: the wheel is built with the system's gloo headers visible)"
+  "$python" -m pip wheel "$src" --no-deps -w "$tmp/wheels" > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel"; }
+fi
+echo "built in $(( $(date +%s) - started )) s$( ((hidden)) && echo ", gloo's headers hidden")"
 if grep -Ei 'Collecting torch|Downloading torch|Installing collected packages:.*torch' "$tmp/wheel.log"; then
   fail "the isolated build pulled a torch"
 fi
@@ -45,4 +69,16 @@ preconditioner.step()
 assert not torch.equal(plain, model[0].weight.grad), 'the gradient was not preconditioned'
 print('installed dkfac', dkfac.__version__, 'built against torch', _build_info.torch_version)
 PY
+
+echo "== python -m dkfac.env from the installed package"
+PYTHONPATH="$tmp/site" "$python" -m dkfac.env > "$tmp/env.txt" 2>&1 || { cat "$tmp/env.txt"; fail "python -m dkfac.env"; }
+grep -E "^(dkfac|dkfac built against torch|process-group backends): " "$tmp/env.txt"
+grep -q "^dkfac: .*$tmp/site" "$tmp/env.txt" || fail "dkfac.env did not report the installed package"
+
+echo "== the installed package under torch.distributed: KAISA subgroups (Gloo backends from torch.distributed)"
+DKFAC_BUILD_PYTHON="$tmp/no-build-tree" PYTHONPATH="$tmp/site" "$python" -m pytest -q -p no:cacheprovider \
+  "$src/tests/python/test_distributed.py" -k "test_equals_single_process_reference and (4-kaisa-0.5 or 2-kaisa-0.5-inverse)" \
+  > "$tmp/pytest.log" 2>&1 || { tail -30 "$tmp/pytest.log"; fail "test_distributed against the installed wheel"; }
+tail -1 "$tmp/pytest.log"
+grep -q "2 passed" "$tmp/pytest.log" || fail "expected 2 distributed tests to run"
 echo "1 passed, 0 failed"
