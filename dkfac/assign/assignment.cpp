@@ -47,21 +47,50 @@ int Assignment::grad_source_for(size_t layer, int rank) const {
   return layers.at(layer).grad_workers.at(row_of(rank));
 }
 
-int grad_worker_count(int world_size, double grad_worker_fraction) {
+DistributedStrategy Assignment::distributed_strategy() const {
+  if (grad_workers == world_size) return DistributedStrategy::kCommOpt;
+  return grad_workers == 1 ? DistributedStrategy::kMemOpt : DistributedStrategy::kHybridOpt;
+}
+
+const char* to_string(DistributedStrategy strategy) {
+  switch (strategy) {
+    case DistributedStrategy::kCommOpt:
+      return "comm-opt";
+    case DistributedStrategy::kHybridOpt:
+      return "hybrid-opt";
+    case DistributedStrategy::kMemOpt:
+      return "mem-opt";
+  }
+  return "unknown";
+}
+
+Assignment kaisa_layout(int world_size, double grad_worker_fraction, bool colocate_factors) {
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   TORCH_CHECK(grad_worker_fraction >= 0.0 && grad_worker_fraction <= 1.0,
               "grad_worker_fraction must be in [0, 1] (0: 1/P), got ", grad_worker_fraction);
-  const int w = std::max(1, static_cast<int>(std::lround(world_size * grad_worker_fraction)));
-  TORCH_CHECK(world_size % w == 0, "grad_worker_fraction ", grad_worker_fraction, " gives W=", w,
-              " gradient workers, which does not divide the world size ", world_size);
-  return w;
+  Assignment out;
+  out.world_size = world_size;
+  // std::lround rounds halves away from zero (Python's round() would take P = 5, f = 0.9 to W = 4).
+  out.grad_workers = std::max(1, static_cast<int>(std::lround(world_size * grad_worker_fraction)));
+  TORCH_CHECK(world_size % out.grad_workers == 0, "grad_worker_fraction ", grad_worker_fraction, " gives W=",
+              out.grad_workers, " gradient workers, which does not divide the world size ", world_size);
+  out.grad_worker_fraction = grad_worker_fraction == 0.0 ? 1.0 / world_size : grad_worker_fraction;
+  // kfac_pytorch's rule: MEM-OPT keeps A and G of a layer on its one grad worker.
+  out.colocate_factors = colocate_factors || out.distributed_strategy() == DistributedStrategy::kMemOpt;
+  return out;
+}
+
+int grad_worker_count(int world_size, double grad_worker_fraction) {
+  return kaisa_layout(world_size, grad_worker_fraction, /*colocate_factors=*/true).grad_workers;
 }
 
 Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
                         Balance balance, bool colocate) {
-  Assignment out;
-  out.world_size = world_size;
-  out.grad_workers = grad_worker_count(world_size, grad_worker_fraction);
+  Assignment out = kaisa_layout(world_size, grad_worker_fraction, colocate);
+  if (out.colocate_factors != colocate) {
+    TORCH_WARN("grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it");
+  }
+  colocate = out.colocate_factors;
   out.layers.resize(layers.size());
   const auto columns = out.columns();
   std::vector<double> column_load(columns.size(), 0.0);
@@ -105,6 +134,7 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
   Assignment out;
   out.world_size = world_size;
   out.grad_workers = world_size;
+  out.colocate_factors = false;  // A and G are placed one by one
   out.layers.resize(layers.size());
   std::vector<int> everyone(world_size);
   std::iota(everyone.begin(), everyone.end(), 0);

@@ -38,11 +38,21 @@ struct LayerAssignment {
   std::vector<int> grad_workers;  ///< ranks that precondition this layer (its KAISA column), ascending
 };
 
+/// kfac_pytorch's names for KAISA's grid (its DistributedStrategy), by W: every rank preconditions every
+/// layer (W = P), one rank per layer (W = 1 < P), or between.
+enum class DistributedStrategy { kCommOpt, kHybridOpt, kMemOpt };
+
 /// KAISA's W x (P/W) grid and the per-layer placement.
 struct Assignment {
   int world_size = 1;
   int grad_workers = 1;  ///< W: ranks per column (gradient workers per layer)
+  double grad_worker_fraction = 1.0;  ///< KAISA's f as given, 0 read as 1/P (kaisa_layout)
+  bool colocate_factors = true;       ///< A and G of a layer on one rank of its column (kaisa_layout)
   std::vector<LayerAssignment> layers;
+
+  /// kfac_pytorch's name for this grid: kCommOpt where W = P (one rank included), kMemOpt where W = 1 < P, else
+  /// kHybridOpt.
+  DistributedStrategy distributed_strategy() const;
 
   /// Column groups (share second-order state): {i, i + P/W, i + 2P/W, ...} for i < P/W.
   std::vector<std::vector<int>> columns() const;
@@ -57,13 +67,21 @@ struct Assignment {
   int grad_source_for(size_t layer, int rank) const;
 };
 
-/// W = max(1, round(P * fraction)), so fraction 0 means 1/P (W = 1); throws c10::Error unless fraction is in
-/// [0, 1] and P % W == 0.
+/// KAISA's grid on `world_size` ranks for the options grad_worker_fraction f and colocate_factors, without
+/// layers: the one place these rules live (assign_kaisa places on it; the front ends report it).
+/// - W = max(1, round(P f)), halves rounded away from zero (P = 5, f = 0.9: W = 5), so f = 0 means 1/P (W = 1);
+/// - grad_worker_fraction is f as given, or 1/P for f = 0;
+/// - colocate_factors is forced on where W = 1 < P (MEM-OPT; kfac_pytorch's rule; assign_kaisa warns).
+/// Pure: no warning, no process. Throws c10::Error unless f is in [0, 1] and W divides P.
+Assignment kaisa_layout(int world_size, double grad_worker_fraction, bool colocate_factors);
+
+/// W of kaisa_layout(world_size, grad_worker_fraction, ...).
 int grad_worker_count(int world_size, double grad_worker_fraction);
 
-/// KAISA placement: layers are placed largest first (greedy longest-processing-time). Each goes to the
-/// column with the least load so far; within it, A and G go to its least-loaded rank together
-/// (`colocate`) or each factor separately. Ties go to the lowest index.
+/// KAISA placement on kaisa_layout's grid, warning (TORCH_WARN) where that grid turns `colocate` on:
+/// layers are placed largest first (greedy longest-processing-time). Each goes to the column with the least
+/// load so far; within it, A and G go to its least-loaded rank together (`colocate`) or each factor
+/// separately. Ties go to the lowest index.
 Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
                         Balance balance = Balance::kCompute, bool colocate = true);
 
@@ -75,6 +93,10 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
 /// DP-KFAC placement: each layer has one owner (A and G together, W = 1), greedy largest-first on the
 /// least dim^3-loaded rank. The owner alone builds the layer's factors, decomposes and preconditions.
 Assignment assign_dp(const std::vector<LayerShape>& layers, int world_size);
+
+/// kfac_pytorch's name of a grid, as grad_worker_fraction's named values spell it: "comm-opt", "hybrid-opt",
+/// "mem-opt".
+const char* to_string(DistributedStrategy strategy);
 
 /// Transport cost model t(bytes) = alpha + beta * bytes (seconds).
 struct AlphaBeta {

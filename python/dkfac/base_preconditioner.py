@@ -5,7 +5,7 @@ The counterpart of kfac_pytorch's ``kfac.base_preconditioner.BaseKFACPreconditio
 state dicts, ``memory_usage()``, ``reset_batch()`` and ``__repr__``. The K-FAC work (factors, second-order
 state, preconditioning, KL clipping and every collective) runs in the C++ core, ``dkfac._C.Preconditioner``;
 this class hands it the layers and options and re-raises its warnings through Python's ``warnings`` module.
-``dkfac.preconditioner.KFACPreconditioner`` chooses the layers of a model and the distributed placement.
+``dkfac.preconditioner.KFACPreconditioner`` finds a model's layers and reports the placement the core chose.
 """
 
 from __future__ import annotations

@@ -1,20 +1,22 @@
 """KFACPreconditioner: kfac_pytorch's preconditioner API on dkfac's C++ core.
 
-Python finds the model's ``torch.nn.Linear`` / ``torch.nn.Conv2d`` modules and chooses the distributed
-placement; BaseKFACPreconditioner hooks them, and the hooks hand each layer's input and output gradient to
-the core, which builds the factors, reduces them, computes the second-order state, preconditions, clips and
-runs every collective (the same code as the C++ API).
+Python finds the model's ``torch.nn.Linear`` / ``torch.nn.Conv2d`` modules; BaseKFACPreconditioner hooks them,
+and the hooks hand each layer's input and output gradient to the core, which chooses the layers and the
+distributed placement, builds the factors, reduces them, computes the second-order state, preconditions, clips
+and runs every collective (the same code as the C++ API). What this file reports of the placement
+(``distributed_strategy``, ``grad_worker_fraction``, ``colocate_factors``) is read back from the core.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,11 +33,12 @@ from dkfac.enums import DistributedStrategy
 # checks come from this table. A keyword is the option's kfac_pytorch name where it has one.
 _OPTIONS = {o['name']: o for o in _C.option_table()}
 _KEYWORDS = {(o['alias'] or o['name']): o for o in _OPTIONS.values()}
-_KEYWORDS.update({o['name']: o for o in _OPTIONS.values()})  # dkfac's own name is accepted too
+# dkfac's own name of an option kfac_pytorch names otherwise (symmetric_comm: symmetry_aware) is a keyword too.
+_DKFAC_NAMES = {o['name']: o['alias'] for o in _OPTIONS.values() if o['alias']}
 # The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them), and the front end's own.
 _BASE = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr', 'accumulation_steps',
          'update_factors_in_hook')
-_FRONT_END = {'grad_scaler': None, 'loglevel': logging.DEBUG, 'process_group': None, 'timeout': None}
+_FRONT_END = ('grad_scaler', 'loglevel', 'process_group', 'timeout')
 # kfac_pytorch's enum for an option whose values it names with one.
 _ENUMS = {'compute_method': ComputeMethod, 'balance': AssignmentStrategy}
 
@@ -58,6 +61,11 @@ def _python_default(option: dict[str, Any]) -> Any:
     return enum[text.upper()] if enum else text
 
 
+def _default(keyword: str) -> Any:
+    """The default of KFACPreconditioner's keyword ``keyword``, from the core's option table."""
+    return _python_default(_KEYWORDS[keyword])
+
+
 def _core_value(value: Any) -> Any:
     """A keyword's value as the core takes it: kfac_pytorch's enums and torch dtypes by name."""
     if isinstance(value, enum.Enum):
@@ -69,14 +77,15 @@ def _core_value(value: Any) -> Any:
     return value
 
 
-def _signature() -> inspect.Signature:
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter('self', inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter('model', inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    params += [inspect.Parameter(o['alias'] or o['name'], keyword, default=_python_default(o))
-               for o in _OPTIONS.values()]
-    params += [inspect.Parameter(name, keyword, default=value) for name, value in _FRONT_END.items()]
-    return inspect.Signature(params)
+def _layout_fields(layout: dict[str, Any]) -> dict[str, Any]:
+    """kfac_pytorch's fields for the KAISA grid as the core resolved it (``_C.kaisa_layout``; a running core's
+    ``layout``): W = round(P f) with halves away from zero, f = 0 read as 1/P, and colocate_factors forced on
+    for MEM_OPT are the core's rules (dkfac/assign/assignment.h); this only converts names."""
+    return {
+        'distributed_strategy': DistributedStrategy[layout['distributed_strategy'].replace('-', '_').upper()],
+        'grad_worker_fraction': float(layout['grad_worker_fraction']),
+        'colocate_factors': bool(layout['colocate_factors']),
+    }
 
 
 def _options_doc() -> str:
@@ -88,6 +97,25 @@ def _options_doc() -> str:
         also = f"; dkfac's name: {o['name']}" if o['alias'] else ''
         lines.append(f'    ``{name}`` (default {default}{kinds}{also}): {o["doc"]}.')
     return '\n'.join(lines)
+
+
+_Init = TypeVar('_Init', bound=Callable[..., None])
+
+
+def _names_its_keywords(init: _Init) -> _Init:
+    """``init`` refusing an unknown keyword with the list of its keywords (Python's own TypeError lists none)."""
+    parameters = inspect.signature(init).parameters
+    keywords = ', '.join(p for p in parameters if p not in ('self', 'model'))
+
+    @functools.wraps(init)
+    def checked(*args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in parameters:
+                raise TypeError(f'KFACPreconditioner() got an unexpected keyword argument {name!r}; its keywords are '
+                                f'{keywords}')
+        init(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
 
 
 class KFACPreconditioner(BaseKFACPreconditioner):
@@ -108,82 +136,116 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     'skip'), ``pi_damping`` (inverse method), ``process_group`` (default: torch.distributed's default group
     when initialised), ``spd_redundant_dim``, ``timeout`` (seconds for dkfac's own subgroups) and
     ``large_factor_dim`` (a layer with a factor wider than this is warned about when the preconditioner is
-    built, with the factor's memory and the cost of its second-order updates; 0: never).
+    built, with the factor's memory and the cost of its second-order updates; 0: never). ``symmetric_comm``
+    and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give one of each pair).
+
+    ``distributed_strategy``, ``grad_worker_fraction`` and ``colocate_factors`` are KAISA's grid as the core
+    placed the work when the preconditioner was built: W = round(P f) gradient workers per layer (halves away
+    from zero), f = 0 meaning 1/P, and colocate_factors turned on, with a warning, for MEM_OPT (W = 1 < P).
 
     Warnings, the C++ core's included, go through Python's ``warnings`` module (UserWarning, attributed to
     the caller's line) and name layers by their torch.nn class; the registered layers and the step plan are
     logged through the ``dkfac`` logger at ``loglevel``.
     """
 
-    def __init__(self, model: torch.nn.Module, **kwargs: Any) -> None:
-        # The keywords are the core's options (dkfac/options.h; listed below) and the front end's own
-        # (grad_scaler, loglevel, process_group, timeout); the core checks every value and names the keyword.
+    @_names_its_keywords
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        # kfac_pytorch's keywords, in its order (a schedule: a number or a callable of the K-FAC step)
+        factor_update_steps: Callable[[int], int] | int = _default('factor_update_steps'),
+        inv_update_steps: Callable[[int], int] | int = _default('inv_update_steps'),
+        damping: Callable[[int], float] | float = _default('damping'),
+        factor_decay: Callable[[int], float] | float = _default('factor_decay'),
+        kl_clip: Callable[[int], float] | float | None = _default('kl_clip'),
+        lr: Callable[[int], float] | float = _default('lr'),
+        accumulation_steps: int = _default('accumulation_steps'),
+        allreduce_bucket_cap_mb: float = _default('allreduce_bucket_cap_mb'),
+        assignment_strategy: AssignmentStrategy | str = _default('assignment_strategy'),
+        colocate_factors: bool = _default('colocate_factors'),
+        compute_method: ComputeMethod | str = _default('compute_method'),
+        compute_eigenvalue_outer_product: bool = _default('compute_eigenvalue_outer_product'),
+        grad_worker_fraction: DistributedStrategy | float | str = _default('grad_worker_fraction'),
+        symmetry_aware: bool = _default('symmetry_aware'),
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = _default('factor_dtype'),
+        inv_dtype: torch.dtype | None = _default('inv_dtype'),
+        skip_layers: list[str] | str | None = _default('skip_layers'),
+        update_factors_in_hook: bool = _default('update_factors_in_hook'),
+        loglevel: int = logging.DEBUG,
+        # dkfac's own
+        strategy: str = _default('strategy'),
+        memory_budget: int = _default('memory_budget'),
+        auto_recheck_steps: int = _default('auto_recheck_steps'),
+        unused_layer_policy: str = _default('unused_layer_policy'),
+        pi_damping: bool = _default('pi_damping'),
+        large_factor_dim: int = _default('large_factor_dim'),
+        spd_redundant_dim: int | None = _default('spd_redundant_dim'),
+        spd_profile_steps: int = _default('spd_profile_steps'),
+        spd_fusion: list[int] = _default('spd_fusion'),
+        process_group: Any = None,
+        timeout: float | None = None,
+        symmetric_comm: bool | None = None,
+        balance: AssignmentStrategy | str | None = None,
+    ) -> None:
+        arguments = dict(locals())
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f'model must be a torch.nn.Module, got {type(model).__name__}')
-        for name in kwargs:
-            if name not in _KEYWORDS and name not in _FRONT_END:
-                raise TypeError(f'KFACPreconditioner() got an unexpected keyword argument {name!r}; its keywords are '
-                                f"{', '.join(p for p in _SIGNATURE.parameters if p not in ('self', 'model'))}")
-        front = {name: kwargs.pop(name, default) for name, default in _FRONT_END.items()}
-        given = {_KEYWORDS[name]['name']: value for name, value in kwargs.items()}  # dkfac's names
-        typed = {_KEYWORDS[name]['name']: name for name in kwargs}  # the core's messages name the keyword as typed
-        values = {name: given.get(name, _python_default(o)) for name, o in _OPTIONS.items()}  # as the user sees them
-        core = {name: _core_value(v) for name, v in values.items()
-                if name in given or _OPTIONS[name]['kfac_pytorch_default']}
-        if isinstance(core.get('skip_layers'), str):
+        # Each option's keyword as given (the core's messages name it so): kfac_pytorch's name, or dkfac's.
+        typed = {name: o['alias'] or name for name, o in _OPTIONS.items()}
+        for name, alias in _DKFAC_NAMES.items():
+            if arguments[name] is not None:
+                if arguments[alias] != _default(alias):
+                    raise TypeError(f'{alias} and {name} name one option; give one')
+                typed[name] = name
+        # Each option's value by dkfac's name, as the user sees it (lists copied: the defaults are shared).
+        values = {name: arguments[keyword] for name, keyword in typed.items()}
+        values = {name: list(v) if isinstance(v, list) else v for name, v in values.items()}
+        core = {name: _core_value(v) for name, v in values.items()}
+        if isinstance(core['skip_layers'], str):
             core['skip_layers'] = [core['skip_layers']]
-        self.skip_layers = list(core.get('skip_layers', []))
-        resolved = dict(_C.option_values({typed.get(k, k): v for k, v in core.items()}))  # checked by the core
+        core['skip_layers'] = list(core['skip_layers'] or [])  # None: kfac_pytorch's default
+        resolved = dict(_C.option_values({typed[k]: v for k, v in core.items()}))  # checked by the core
 
         compute_method = _ENUMS['compute_method'][resolved['compute_method'].upper()]
-        colocate = values['colocate_factors']
         if (compute_method == ComputeMethod.EIGEN and values['compute_eigenvalue_outer_product']
-                and not colocate):  # kfac_pytorch's rule, kept for its users
+                and not values['colocate_factors']):  # kfac_pytorch's rule, kept for its users
             raise ValueError('colocate_factors must be True to use compute_eigenvalue_outer_product')
-        grad_scaler = front['grad_scaler']
         if grad_scaler is not None and not (hasattr(grad_scaler, 'get_scale') or callable(grad_scaler)):
             raise TypeError(f'grad_scaler must have get_scale() or be a callable returning the scale, got {grad_scaler!r}')
 
-        group = front['process_group']
+        group = process_group
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         size = dist.get_world_size(group) if group is not None else 1
-        fraction = float(resolved['grad_worker_fraction'])
-        workers = max(1, round(size * fraction))
-        distributed_strategy = (DistributedStrategy.COMM_OPT if workers == size else
-                                DistributedStrategy.MEM_OPT if workers == 1 else DistributedStrategy.HYBRID_OPT)
-        if size > 1 and distributed_strategy is DistributedStrategy.MEM_OPT and not colocate:
-            warnings.warn('grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it',
-                          stacklevel=2)
-            core['colocate_factors'] = colocate = True
-        if fraction == 0:
-            fraction = 1.0 / size
 
         # kfac_pytorch's attributes, with the values as given (or defaulted).
         for name, value in values.items():
             if name not in _BASE:
                 setattr(self, _OPTIONS[name]['alias'] or name, value)
-        self.colocate_factors = colocate
+        self.skip_layers = list(core['skip_layers'])
         self.compute_method = compute_method
-        self.grad_worker_fraction = fraction
-        self.distributed_strategy = distributed_strategy
         self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if values['allreduce_bucket_cap_mb'] > 0
                                  else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
 
         layers = self._register(model)
-        options = {typed.get(k, k): v for k, v in core.items() if k not in _BASE}
+        options = {typed[k]: v for k, v in core.items() if k not in _BASE}
         options['grad_scale'] = self._scale_function(grad_scaler)
         # repr(): every option (kfac_pytorch's names and values as given), then the fields kfac_pytorch derives.
         defaults = {(_OPTIONS[n]['alias'] or n): v for n, v in values.items() if n not in _BASE}
-        defaults.update(allreduce_method=self.allreduce_method, colocate_factors=colocate,
-                        compute_method=compute_method, distributed_strategy=distributed_strategy,
-                        grad_worker_fraction=fraction, grad_scaler=grad_scaler is not None,
-                        skip_layers=self.skip_layers, world_size=size)
+        defaults.update(allreduce_method=self.allreduce_method, compute_method=compute_method,
+                        grad_scaler=grad_scaler is not None, skip_layers=self.skip_layers, world_size=size)
         super().__init__(
-            layers, options=options, process_group=group if size > 1 else None, timeout=front['timeout'],
-            defaults=defaults, loglevel=front['loglevel'],
+            layers, options=options, process_group=group if size > 1 else None, timeout=timeout,
+            defaults=defaults, loglevel=loglevel,
             **{name: values[name] for name in _BASE})
+        # The grid the core placed the work on (its rules: dkfac/assign/assignment.h), as kfac_pytorch names it.
+        layout = _layout_fields(self._core.layout)
+        for name, value in layout.items():
+            setattr(self, name, value)
+        self._defaults.update(layout)  # repr()
 
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, Any]]:
@@ -238,6 +300,4 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         return scale
 
 
-_SIGNATURE = _signature()
-KFACPreconditioner.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
 KFACPreconditioner.__doc__ = (KFACPreconditioner.__doc__ or '') + '\n    Keyword arguments:\n\n' + _options_doc() + '\n'

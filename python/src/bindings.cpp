@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/extension.h>
 
+#include <pybind11/chrono.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -19,6 +20,7 @@
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/preconditioner.h"
+#include "dkfac/strategy/step_plan.h"
 #include "dkfac/version.h"
 
 namespace py = pybind11;
@@ -125,6 +127,18 @@ class WarningCollector : public c10::WarningHandler {
   std::optional<c10::WarningUtils::WarningHandlerGuard> guard_;
 };
 
+// KAISA's grid as the core resolved it (assign::kaisa_layout): what the package reports as kfac_pytorch's
+// distributed_strategy, grad_worker_fraction and colocate_factors.
+py::dict layout_dict(const assign::Assignment& grid) {
+  py::dict d;
+  d["world_size"] = grid.world_size;
+  d["grad_workers"] = grid.grad_workers;
+  d["grad_worker_fraction"] = grid.grad_worker_fraction;
+  d["colocate_factors"] = grid.colocate_factors;
+  d["distributed_strategy"] = assign::to_string(grid.distributed_strategy());
+  return d;
+}
+
 std::map<std::string, double> phase_seconds(const PhaseTimes& t) {
   return {{"factors", t.factors}, {"second_order", t.second_order}, {"precondition", t.precondition},
           {"apply", t.apply},     {"communication", t.communication}};
@@ -190,6 +204,40 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
 
+  m.def(
+      "kaisa_layout",
+      // The grid the core places KAISA's work on for these options on `world_size` ranks (no process needed);
+      // a running preconditioner's is its `layout`.
+      [](int world_size, double grad_worker_fraction, bool colocate_factors) {
+        try {
+          return layout_dict(assign::kaisa_layout(world_size, grad_worker_fraction, colocate_factors));
+        } catch (const c10::Error& e) {
+          throw py::value_error(e.what_without_backtrace());
+        }
+      },
+      py::arg("world_size"), py::arg("grad_worker_fraction"), py::arg("colocate_factors"));
+  m.def(
+      "step_plan_placement",
+      // The placement of the step plan a job of `world_size` ranks runs for these options and layers (a_dim, g_dim)
+      // each: strategy::make_step_plan, as StepExecutor calls it, with nothing run. The grid as layout_dict, plus
+      // per layer (a_worker, g_worker, grad_workers).
+      [](int world_size, const py::dict& options, const std::vector<std::pair<int64_t, int64_t>>& dims) {
+        std::vector<assign::LayerShape> shapes;
+        for (const auto& [a, g] : dims) shapes.push_back({"layer" + std::to_string(shapes.size()), a, g});
+        const auto o = make_options(options);
+        try {
+          const auto placement = strategy::make_step_plan(shapes, world_size, o).placement;
+          auto out = layout_dict(placement);
+          std::vector<std::tuple<int, int, std::vector<int>>> layers;
+          for (const auto& l : placement.layers) layers.emplace_back(l.a_worker, l.g_worker, l.grad_workers);
+          out["layers"] = layers;
+          return out;
+        } catch (const c10::Error& e) {
+          throw py::value_error(e.what_without_backtrace());
+        }
+      },
+      py::arg("world_size"), py::arg("options"), py::arg("layers"));
+
   py::class_<WarningCollector>(m, "WarningCollector")
       .def(py::init<>())
       .def("start", &WarningCollector::start)
@@ -240,8 +288,18 @@ PYBIND11_MODULE(_C, m) {
       "communicator",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::intrusive_ptr<c10d::Store>& store,
          const std::string& prefix, double timeout_seconds) {
+        // The subgroups' Gloo backends come from torch.distributed: this extension needs no gloo headers (pip's
+        // torch compiles Gloo in but ships none), and they are the same backends torch's own groups use.
+        comm::GlooBackendMaker torch_gloo = [](c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                               std::chrono::milliseconds timeout) {
+          py::gil_scoped_acquire gil;
+          py::object backend =
+              py::module_::import("torch.distributed").attr("ProcessGroupGloo")(store, rank, size, timeout);
+          return backend.cast<c10::intrusive_ptr<c10d::Backend>>();
+        };
         return comm::Communicator::from_process_group(
-            group, store, prefix, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+            group, store, prefix, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)),
+            std::move(torch_gloo));
       },
       py::call_guard<py::gil_scoped_release>());
 
@@ -286,6 +344,14 @@ PYBIND11_MODULE(_C, m) {
       .def("take_plan_change", &Preconditioner::take_plan_change)
       .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })
       .def_property_readonly("strategy_choice", &Preconditioner::strategy_choice)
+      .def_property_readonly("layout",
+                             [](const Preconditioner& p) {
+                               // KAISA's grid for the running options on this job's ranks: the one assign_kaisa
+                               // places on (SPD-KFAC and DP-KFAC place their own work: see describe()).
+                               return layout_dict(assign::kaisa_layout(p.plan().placement.world_size,
+                                                                       p.options().grad_worker_fraction(),
+                                                                       p.options().colocate_factors()));
+                             })
       .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })

@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
 namespace dkfac::assign {
 namespace {
 
@@ -72,6 +77,86 @@ TEST(Assignment, RejectsBadFractions) {
   EXPECT_THROW(grad_worker_count(6, 0.75), c10::Error);  // W = round(4.5) = 5 does not divide 6 (lround: 5)
   EXPECT_EQ(grad_worker_count(6, 0.5), 3);
   EXPECT_EQ(grad_worker_count(1, 0.5), 1);
+}
+
+class Warnings : public c10::WarningHandler {
+ public:
+  Warnings() : previous_(c10::WarningUtils::get_warning_handler()) { c10::WarningUtils::set_warning_handler(this); }
+  ~Warnings() override { c10::WarningUtils::set_warning_handler(previous_); }
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
+// What the front ends report (kaisa_layout) at P f = k + 1/2: halves go up, so P = 5, f = 0.9 is COMM-OPT
+// (Python's round() would say W = 4, HYBRID-OPT), and a W that does not divide P is refused.
+TEST(KaisaLayout, RoundsHalvesAwayFromZero) {
+  const auto five = kaisa_layout(5, 0.9, true);
+  EXPECT_EQ(five.grad_workers, 5);
+  EXPECT_EQ(five.distributed_strategy(), DistributedStrategy::kCommOpt);
+  EXPECT_EQ(five.grad_worker_fraction, 0.9) << "the fraction as given";
+  EXPECT_EQ(kaisa_layout(2, 0.25, true).grad_workers, 1);  // 0.5 -> 1
+  EXPECT_EQ(kaisa_layout(2, 0.25, true).distributed_strategy(), DistributedStrategy::kMemOpt);
+  EXPECT_EQ(kaisa_layout(6, 0.25, true).grad_workers, 2);  // 1.5 -> 2
+  EXPECT_EQ(kaisa_layout(6, 0.25, true).distributed_strategy(), DistributedStrategy::kHybridOpt);
+  EXPECT_THROW(kaisa_layout(8, 0.5625, true), c10::Error);  // 4.5 -> 5, which does not divide 8 (round(): 4)
+  EXPECT_THROW(kaisa_layout(4, 0.625, true), c10::Error);   // 2.5 -> 3 (round(): 2)
+  EXPECT_EQ(to_string(five.distributed_strategy()), std::string("comm-opt"));
+}
+
+TEST(KaisaLayout, FractionZeroIsOneOverPAndMemOptColocates) {
+  const auto mem = kaisa_layout(4, 0.0, /*colocate_factors=*/false);
+  EXPECT_EQ(mem.grad_workers, 1);
+  EXPECT_EQ(mem.grad_worker_fraction, 0.25);
+  EXPECT_EQ(mem.distributed_strategy(), DistributedStrategy::kMemOpt);
+  EXPECT_TRUE(mem.colocate_factors) << "kfac_pytorch: MEM_OPT requires colocate_factors";
+  EXPECT_FALSE(kaisa_layout(4, 0.5, false).colocate_factors) << "HYBRID_OPT keeps the choice";
+  const auto one = kaisa_layout(1, 0.0, false);
+  EXPECT_EQ(one.grad_worker_fraction, 1.0);
+  EXPECT_EQ(one.distributed_strategy(), DistributedStrategy::kCommOpt) << "one rank is every rank";
+  EXPECT_FALSE(one.colocate_factors);
+}
+
+// assign_kaisa places on kaisa_layout's grid for every world size and fraction, and refuses what it refuses.
+TEST(KaisaLayout, IsTheGridAssignKaisaPlacesOn) {
+  for (int p = 1; p <= 8; ++p) {
+    for (double f : {0.0, 1.0 / p, 0.1, 0.25, 0.3, 0.5, 0.5625, 0.625, 0.75, 0.9, 1.0}) {
+      for (bool colocate : {true, false}) {
+        SCOPED_TRACE("P=" + std::to_string(p) + " f=" + std::to_string(f) + " colocate=" + std::to_string(colocate));
+        Assignment layout;
+        try {
+          layout = kaisa_layout(p, f, colocate);
+        } catch (const c10::Error&) {
+          EXPECT_THROW(assign_kaisa(kLayers, p, f, Balance::kCompute, colocate), c10::Error);
+          continue;
+        }
+        Warnings warnings;
+        const auto placed = assign_kaisa(kLayers, p, f, Balance::kCompute, colocate);
+        EXPECT_EQ(placed.grad_workers, layout.grad_workers);
+        EXPECT_EQ(placed.grad_worker_fraction, layout.grad_worker_fraction);
+        EXPECT_EQ(placed.colocate_factors, layout.colocate_factors);
+        EXPECT_EQ(static_cast<int>(placed.columns().size()), p / layout.grad_workers);
+        if (layout.colocate_factors) {
+          for (const auto& l : placed.layers) EXPECT_EQ(l.a_worker, l.g_worker);
+        }
+        EXPECT_EQ(warnings.messages.size(), layout.colocate_factors != colocate ? 1u : 0u);
+      }
+    }
+  }
+}
+
+TEST(KaisaLayout, AssignKaisaWarnsWhereMemOptTurnsColocationOn) {
+  Warnings warnings;
+  const auto a = assign_kaisa(kLayers, 4, 0.0, Balance::kCompute, /*colocate=*/false);
+  ASSERT_EQ(warnings.messages.size(), 1u);
+  EXPECT_EQ(warnings.messages[0],
+            "grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it");
+  EXPECT_TRUE(a.colocate_factors);
+  assign_kaisa(kLayers, 4, 0.5, Balance::kCompute, /*colocate=*/false);
+  assign_kaisa(kLayers, 4, 0.25, Balance::kCompute, /*colocate=*/true);
+  EXPECT_EQ(warnings.messages.size(), 1u) << "nothing to turn on";
 }
 
 // SPD-KFAC: factors largest first; small ones everywhere, large ones on the least dim^3-loaded rank.

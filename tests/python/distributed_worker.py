@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,12 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if explicit_group:
         kwargs['process_group'] = dist.new_group(list(range(size)))
-    preconditioner = dkfac.KFACPreconditioner(model, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:  # the workers run with PYTHONWARNINGS=ignore
+        warnings.simplefilter('always')
+        preconditioner = dkfac.KFACPreconditioner(model, **kwargs)
+    layout = {'distributed_strategy': preconditioner.distributed_strategy.name,
+              'grad_worker_fraction': preconditioner.grad_worker_fraction,
+              'colocate_factors': preconditioner.colocate_factors}
     shard = GLOBAL_BATCH // size
     grads, params = [], []
     for step in range(STEPS):
@@ -67,7 +73,8 @@ def main() -> None:
         extra = {**extra, 'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
-                'choice': preconditioner.strategy_choice}, output)
+                'choice': preconditioner.strategy_choice, 'layout': layout,
+                'warnings': [str(w.message) for w in caught]}, output)
     dist.destroy_process_group()
 
 

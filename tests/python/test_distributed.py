@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -104,6 +105,7 @@ CASES = [
     (2, dict(strategy='kaisa', grad_worker_fraction=1.0)),
     (2, dict(strategy='kaisa', grad_worker_fraction=0.5, compute_method='inverse')),
     (2, dict(strategy='kaisa', grad_worker_fraction=1.0, symmetry_aware=True, explicit_group=True)),
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.25, colocate_factors=False, compute_method='inverse')),
     (2, dict(strategy='spd')),
     (4, dict(strategy='kaisa', grad_worker_fraction=1.0)),
     (4, dict(strategy='kaisa', grad_worker_fraction=0.5)),
@@ -121,6 +123,15 @@ def test_equals_single_process_reference(size, kwargs, tmp_path):
     system = {'kaisa': 'KAISA', 'spd': 'SPD-KFAC'}[kwargs['strategy']]
     assert results[0]['plan'].startswith(f"step plan: {system} ({kwargs['strategy']}), P={size} "), results[0]['plan']
     assert 'module.2 [' in results[0]['plan'], results[0]['plan']
+    # What Python reports of the grid is the one the plan ran (W from its header), by the core's rules.
+    workers = int(re.search(r' W=(\d+)', results[0]['plan']).group(1))
+    fraction = kwargs.get('grad_worker_fraction', 1.0)
+    mem_opt = workers == 1
+    assert results[0]['layout'] == {
+        'distributed_strategy': 'COMM_OPT' if workers == size else 'MEM_OPT' if mem_opt else 'HYBRID_OPT',
+        'grad_worker_fraction': fraction, 'colocate_factors': kwargs.get('colocate_factors', True) or mem_opt}
+    forced = 'grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it'
+    assert (forced in results[0]['warnings']) == (mem_opt and kwargs.get('colocate_factors') is False), results[0]
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
     for rank, result in enumerate(results):
         for step in range(STEPS):

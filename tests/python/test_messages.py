@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import pydoc
 import warnings
 
 import pytest
@@ -101,17 +102,43 @@ def test_large_factor_warning_names_the_keyword_argument():
 
 
 def test_keywords_and_defaults_are_the_cores_declaration():
-    # KFACPreconditioner's keywords are made from the core's option table (dkfac/options.h): each option by its
-    # kfac_pytorch name where it has one, with the core's default, or kfac_pytorch's where that differs.
+    # KFACPreconditioner's keywords are the core's option table (dkfac/options.h): each option by its kfac_pytorch
+    # name where it has one, with the core's default, or kfac_pytorch's where that differs; dkfac's own name of
+    # such an option is a keyword too (default None: not given).
     parameters = inspect.signature(dkfac.KFACPreconditioner).parameters
     table = {o['alias'] or o['name']: o for o in _C.option_table()}
+    dkfac_names = {o['name'] for o in _C.option_table() if o['alias']}
+    assert dkfac_names == {'symmetric_comm', 'balance'}
     assert set(table) <= set(parameters)
-    assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout'}
+    assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout'} | dkfac_names
+    for name, option in table.items():
+        assert parameters[name].default == dkfac.preconditioner._python_default(option), name
+    assert all(parameters[name].default is None for name in dkfac_names)
     assert parameters['large_factor_dim'].default == int(table['large_factor_dim']['default']) == 4096
     assert parameters['symmetry_aware'].default is False and table['symmetry_aware']['name'] == 'symmetric_comm'
     assert parameters['inv_dtype'].default == torch.float32 and table['inv_dtype']['default'] == 'none'
     assert parameters['spd_fusion'].default == [] and parameters['spd_profile_steps'].default == 3
     assert 'large_factor_dim' in (dkfac.KFACPreconditioner.__doc__ or '')
+
+
+def test_keywords_are_explicit_in_the_signature():
+    # Written in __init__'s def (what IDEs and type checkers read), not set at run time, and shown by help().
+    init = dkfac.KFACPreconditioner.__init__
+    code = inspect.unwrap(init).__code__
+    keywords = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    assert set(keywords) == set(inspect.signature(dkfac.KFACPreconditioner).parameters) - {'model'}
+    assert not code.co_flags & inspect.CO_VARKEYWORDS, 'no **kwargs'
+    assert '__signature__' not in vars(init)
+    assert inspect.signature(init).parameters['damping'].annotation == 'Callable[[int], float] | float'
+    text = pydoc.render_doc(dkfac.KFACPreconditioner)
+    assert 'grad_worker_fraction: ' in text and 'spd_fusion: ' in text and 'damping: ' in text
+
+
+def test_dkfac_and_kfac_pytorch_names_of_one_option_are_given_once():
+    assert dkfac.KFACPreconditioner(tiny_mlp(), symmetric_comm=True).symmetry_aware is True
+    assert dkfac.KFACPreconditioner(tiny_mlp(), balance='memory').assignment_strategy == 'memory'
+    with pytest.raises(TypeError, match='symmetry_aware and symmetric_comm name one option; give one'):
+        dkfac.KFACPreconditioner(tiny_mlp(), symmetry_aware=True, symmetric_comm=False)
 
 
 def test_large_factor_dim_default_is_the_cores():
