@@ -267,21 +267,7 @@ TEST(Preconditioner, SkipLayersByPatternKeepsPlainGradient) {
   EXPECT_THROW(Preconditioner(make_net(), Options().skip_layers({"."})), c10::Error);
 }
 
-// Collects TORCH_WARN messages while alive.
-class CapturedWarnings : public c10::WarningHandler {
- public:
-  CapturedWarnings() : guard_(this) {}
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-  std::string all() const {
-    std::string out;
-    for (const auto& m : messages) out += m + "\n";
-    return out;
-  }
-  std::vector<std::string> messages;
-
- private:
-  c10::WarningUtils::WarningHandlerGuard guard_;
-};
+using testing::CapturedWarnings;
 
 TEST(Preconditioner, SkipLayersPatternThatMatchesNothingIsWarned) {
   CapturedWarnings warnings;

@@ -49,6 +49,23 @@ inline void exact_cuda_math() {
                     "see scripts/gpu_check.sh";                                                              \
   if (::dkfac::testing::test_device().is_cuda()) ::dkfac::testing::exact_cuda_math()
 
+/// Collects TORCH_WARN messages while alive (the handler in place before it is restored at the end).
+class CapturedWarnings : public c10::WarningHandler {
+ public:
+  CapturedWarnings() : guard_(this) {}
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  /// Every message, one per line (for failure messages).
+  std::string all() const {
+    std::string out;
+    for (const auto& m : messages) out += m + "\n";
+    return out;
+  }
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningUtils::WarningHandlerGuard guard_;
+};
+
 /// A fresh directory for the running test, named after it, removed when the scope ends.
 class ScratchDir {
  public:

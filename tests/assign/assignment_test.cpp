@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "tests/test_util.h"
+
 namespace dkfac::assign {
 namespace {
 
@@ -79,16 +81,7 @@ TEST(Assignment, RejectsBadFractions) {
   EXPECT_EQ(grad_worker_count(1, 0.5), 1);
 }
 
-class Warnings : public c10::WarningHandler {
- public:
-  Warnings() : previous_(c10::WarningUtils::get_warning_handler()) { c10::WarningUtils::set_warning_handler(this); }
-  ~Warnings() override { c10::WarningUtils::set_warning_handler(previous_); }
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-  std::vector<std::string> messages;
-
- private:
-  c10::WarningHandler* previous_;
-};
+using Warnings = testing::CapturedWarnings;
 
 // What the front ends report (kaisa_layout) at P f = k + 1/2: halves go up, so P = 5, f = 0.9 is COMM-OPT
 // (Python's round() would say W = 4, HYBRID-OPT), and a W that does not divide P is refused.

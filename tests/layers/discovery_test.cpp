@@ -8,16 +8,7 @@
 namespace dkfac {
 namespace {
 
-class Warnings : public c10::WarningHandler {
- public:
-  Warnings() : previous_(c10::WarningUtils::get_warning_handler()) { c10::WarningUtils::set_warning_handler(this); }
-  ~Warnings() override { c10::WarningUtils::set_warning_handler(previous_); }
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-  std::vector<std::string> messages;
-
- private:
-  c10::WarningHandler* previous_;
-};
+using Warnings = testing::CapturedWarnings;
 
 const std::vector<ModuleCandidate> kModel = {
     {"stem", "Conv2d", LayerKind::kConv2d, true, 1},
