@@ -5,10 +5,15 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "dkfac/comm/communicator.h"
+#include "tests/test_util.h"
 
 namespace dkfac::testing {
 
@@ -20,6 +25,13 @@ inline void run_ranks(int world, const std::function<void(int, std::shared_ptr<c
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
+        // DKFAC_TEST_DIAG=rank_stream: each rank works on its own CUDA stream, as separate processes do
+        // (threads otherwise share the device's default stream).
+        std::optional<c10::StreamGuard> own_stream;
+        if (diagnostic("rank_stream") && test_device().is_cuda()) {
+          c10::impl::VirtualGuardImpl cuda(c10::kCUDA);
+          own_stream.emplace(cuda.getStreamFromGlobalPool(test_device(), /*isHighPriority=*/false));
+        }
         body(rank, comm::Communicator::connect_in_process(store, rank, world, std::chrono::seconds(30),
                                                          comm::CudaBackend::kGloo));
       } catch (...) {

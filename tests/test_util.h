@@ -24,6 +24,15 @@ inline c10::Device test_device() {
   return c10::Device(c10::kCPU);
 }
 
+/// True when DKFAC_TEST_DIAG (a comma-separated list) names `knob`: switches for diagnosing a failure on a
+/// machine lent for minutes (scripts/gpu_diagnose.sh), read by the distributed test harness.
+inline bool diagnostic(const std::string& knob) {
+  const char* list = std::getenv("DKFAC_TEST_DIAG");
+  if (list == nullptr) return false;
+  const std::string all = "," + std::string(list) + ",";
+  return all.find("," + knob + ",") != std::string::npos;
+}
+
 /// CUDA math as exact as the CPU's, for tests that compare CUDA results with a float32/float64 reference or
 /// with another CUDA run: no TF32 in cuBLAS or cuDNN (torch 2.11 leaves cuDNN's on for float32 convolutions,
 /// about 5e-4 relative), no reduced-precision float16/bfloat16 reductions in cuBLAS, and deterministic

@@ -63,7 +63,9 @@ using testing::run_ranks;
 constexpr int64_t kSteps = 3;
 
 Options base_options(ComputeMethod method, bool symmetric, double fraction) {
+  // DKFAC_TEST_DIAG=in_step: factors reduced inside step(), not from the capture hooks.
   return Options()
+      .update_factors_in_hook(!testing::diagnostic("in_step"))
       .lr(0.1)
       .damping(0.01)
       .kl_clip(1e-3)
@@ -156,14 +158,25 @@ std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
     for (int64_t step = 0; step < kSteps; ++step) {
       sgd.zero_grad();
-      local_loss(*net, step, rank).backward();
+      {
+        // DKFAC_TEST_DIAG=serial_backward: one rank's forward and backward at a time (on CUDA, every rank's
+        // backward otherwise runs on the device's one autograd thread, interleaved).
+        static std::mutex one_at_a_time;
+        std::unique_lock<std::mutex> lock(one_at_a_time, std::defer_lock);
+        if (testing::diagnostic("serial_backward")) lock.lock();
+        local_loss(*net, step, rank).backward();
+      }
+      const bool sync = testing::diagnostic("sync") && net->fc1->weight.is_cuda();  // the host waits for the device
+      if (sync) torch::cuda::synchronize();
       if (after_backward) after_backward(rank, step, kfac, *communicator);
       std::vector<comm::Handle> handles;
       for (auto& p : net->parameters()) {
         handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel));
       }
       comm::wait_all(handles);
+      if (sync) torch::cuda::synchronize();
       kfac.step();
+      if (sync) torch::cuda::synchronize();
       got[rank].push_back(grads_of(*net));
       sgd.step();
     }
