@@ -3,13 +3,29 @@
 #include "dkfac/math/gemm.h"
 
 #include <cmath>
+#include <mutex>
 
 namespace dkfac::math {
 namespace {
 
 bool all_finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
 
+/// torch loads CUDA's linear algebra (cuSOLVER, MAGMA: the torch_cuda_linalg library) at its first use, and
+/// that first use is not thread safe: of two threads that decompose at once, one fails with "lazy wrapper
+/// should be called at most once" (measured on an H200 with ranks as threads of one process, docs/GPU.md).
+/// So the process's first CUDA decomposition runs alone, and the others wait for it.
+void load_cuda_linalg_once(const torch::Tensor& like) {
+  if (!like.is_cuda()) return;
+  static std::once_flag loaded;
+  std::call_once(loaded, [&like] {
+    const auto identity = torch::eye(2, like.options().dtype(torch::kFloat32));
+    torch::linalg_eigh(identity);
+    torch::linalg_cholesky_ex(identity);
+  });
+}
+
 EigenFactor eigh_clamped(const torch::Tensor& factor) {
+  load_cuda_linalg_once(factor);
   auto [values, vectors] = torch::linalg_eigh(factor, "U");
   return {vectors, values.clamp_min_(0.0)};
 }
@@ -62,6 +78,7 @@ torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, con
 torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
   TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
               "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  load_cuda_linalg_once(factor);
   auto damped = factor.clone();
   damped.diagonal().add_(damping);
   auto [l, info] = torch::linalg_cholesky_ex(damped);
@@ -80,6 +97,7 @@ torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
 DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch::Tensor& damping) {
   TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
               "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  load_cuda_linalg_once(factor);
   auto damped = factor.clone();
   damped.diagonal().add_(damping.to(factor.scalar_type()));
   auto [l, info] = torch::linalg_cholesky_ex(damped);

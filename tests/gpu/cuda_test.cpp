@@ -3,6 +3,9 @@
 // every test skips, saying why, where no CUDA device is visible.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dkfac/dkfac.h"
@@ -82,21 +85,37 @@ using DtypeParam = std::tuple<ComputeMethod, int>;  // storage: 0 float32, 1 bfl
 class OnCudaMatchesCpu : public ::testing::TestWithParam<DtypeParam> {};
 
 // float32 on the GPU against float64 on the CPU: float32 round-off through a damped (condition <= 1/damping)
-// preconditioner. bfloat16 and float16 storage against the same storage on the CPU in float32: the storage's
-// round-off (2^-8, 2^-11), one rounding apart at most, through the same preconditioner.
+// preconditioner. float16 storage against the same storage on the CPU: its round-off (2^-11) through the same
+// preconditioner, at every step. bfloat16 storage (2^-8) is coarse enough that its rounding sends the
+// trajectories apart on any device: measured on an H200, the CPU's own bfloat16 run is 7.7% from float64 at
+// step 3 where CUDA's is 0.8%, and in this test CUDA's was 12% from the CPU's at step 3 with steps 0-2 within
+// 3% (docs/GPU.md). So bfloat16 is held to the CPU where both start alike (step 0: same weights, same data),
+// and at every step to float64 within twice the CPU's own worst error (at least 5%).
 TEST_P(OnCudaMatchesCpu, LinearAndConv2d) {
   DKFAC_REQUIRE_CUDA();
   const auto [method, storage_index] = GetParam();
   const c10::Device cuda(c10::kCUDA, 0);
+  const auto float64 = run(c10::kCPU, torch::kFloat64, options_for(method, std::nullopt));
   if (storage_index == 0) {
-    const auto expected = run(c10::kCPU, torch::kFloat64, options_for(method, std::nullopt));
-    expect_close(run(cuda, torch::kFloat32, options_for(method, std::nullopt)), expected, 1e-4, "float32");
+    expect_close(run(cuda, torch::kFloat32, options_for(method, std::nullopt)), float64, 1e-4, "float32");
     return;
   }
   const auto storage = storage_index == 1 ? torch::kBFloat16 : torch::kHalf;
-  const auto expected = run(c10::kCPU, torch::kFloat32, options_for(method, storage));
-  const double rtol = storage_index == 1 ? 3e-2 : 5e-3;
-  expect_close(run(cuda, torch::kFloat32, options_for(method, storage)), expected, rtol, c10::toString(storage));
+  const auto on_cpu = run(c10::kCPU, torch::kFloat32, options_for(method, storage));
+  const auto on_cuda = run(cuda, torch::kFloat32, options_for(method, storage));
+  if (storage == torch::kHalf) {
+    expect_close(on_cuda, on_cpu, 5e-3, "float16");
+    return;
+  }
+  expect_close({on_cuda.front()}, {on_cpu.front()}, 3e-2, "bfloat16, first step, against the CPU");
+  double cpu_worst = 0.0;
+  for (size_t step = 0; step < on_cpu.size(); ++step) {
+    for (size_t p = 0; p < on_cpu[step].size(); ++p) {
+      cpu_worst = std::max(cpu_worst, testing::relative_error(on_cpu[step][p], float64[step][p]));
+    }
+  }
+  expect_close(on_cuda, float64, std::max(5e-2, 2 * cpu_worst),
+               "bfloat16 against float64 (the CPU's worst " + std::to_string(cpu_worst) + ")");
 }
 
 std::string storage_name(const ::testing::TestParamInfo<DtypeParam>& info) {
@@ -109,6 +128,48 @@ INSTANTIATE_TEST_SUITE_P(Storage, OnCudaMatchesCpu,
                          ::testing::Combine(::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse),
                                             ::testing::Values(0, 1, 2)),
                          storage_name);
+
+// torch loads CUDA's linear algebra at its first use, and that load is not thread safe: without dkfac's
+// load_cuda_linalg_once, one of several threads that decompose first at the same moment failed with "lazy
+// wrapper should be called at most once" (ranks as threads, H200). Each ctest case is a fresh process, so these
+// are the process's first decompositions.
+TEST(OnCudaLinalg, FirstDecompositionsOfSeveralThreadsAtOnce) {
+  DKFAC_REQUIRE_CUDA();
+  constexpr int kThreads = 8;
+  std::vector<torch::Tensor> factors;
+  for (int i = 0; i < kThreads; ++i) {
+    auto x = torch::randn({32, 6 + i}, torch::kFloat64);
+    factors.push_back(x.t().mm(x) / 32);
+  }
+  std::atomic<int> arrived{0};
+  std::vector<std::string> errors(kThreads);
+  std::vector<torch::Tensor> eigen(kThreads), inverse(kThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      const auto on_cuda = factors[i].to(torch::kCUDA);
+      ++arrived;
+      while (arrived.load() < kThreads) std::this_thread::yield();  // start together
+      try {
+        const auto e = i % 2 == 0 ? math::eigen_decompose(on_cuda) : math::EigenFactor{};
+        if (i % 2 == 0) eigen[i] = e.eigenvectors.mm(torch::diag(e.eigenvalues)).mm(e.eigenvectors.t()).cpu();
+        if (i % 2 == 1) inverse[i] = math::damped_inverse(on_cuda, 0.1).cpu();
+      } catch (const c10::Error& error) {
+        errors[i] = error.what_without_backtrace();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kThreads; ++i) {
+    ASSERT_EQ(errors[i], "") << "thread " << i;
+    if (i % 2 == 0) {
+      EXPECT_TENSOR_NEAR(eigen[i], factors[i], 1e-10) << "thread " << i << ": Q diag(d) Q^T is the factor";
+    } else {
+      const auto eye = torch::eye(factors[i].size(0), torch::kFloat64);
+      EXPECT_TENSOR_NEAR(inverse[i].mm(factors[i] + 0.1 * eye), eye, 1e-10) << "thread " << i;
+    }
+  }
+}
 
 TEST(OnCudaNccl, OneRankGroupServesCollectives) {
   DKFAC_REQUIRE_CUDA();

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # The `dkfac train --nproc N` launcher's process lifecycle:
+#  0. each worker is the program started afresh (fork and exec), not a forked copy of the launcher (a copy
+#     inherits libraries in the state fork() leaves them: on a 16-core machine one died in OpenMP's
+#     gomp_team_start): its command line lacks --nproc and its environment has RANK, as torchrun's workers;
 #  1. SIGTERM (and SIGINT) to the launcher only, as a supervisor or subprocess.terminate() sends it: every
 #     worker stops, the launcher exits 128+signal saying so, and no process is left;
 #  2. a hung worker (SIGSTOP): rank 0 reports the lost rank, the launcher kills the stopped worker after its
@@ -33,6 +36,11 @@ for sig in TERM INT; do
   wait_for "$tmp/$sig.txt" "step 3/"
   workers=($(pgrep -P "$launcher"))
   (( ${#workers[@]} == 2 )) || fail "expected 2 workers, found ${#workers[@]}"
+  for w in "${workers[@]}"; do
+    command=$(tr '\0' ' ' < "/proc/$w/cmdline")
+    [[ $command == *" train "* && $command != *--nproc* ]] || fail "worker $w runs '$command': not a fresh program"
+    tr '\0' '\n' < "/proc/$w/environ" | grep -q -E '^RANK=[01]$' || fail "worker $w has no RANK in its environment"
+  done
   start=$(date +%s)
   kill -"$sig" "$launcher"
   set +e; wait "$launcher"; rc=$?; set -e

@@ -84,13 +84,30 @@ def test_cuda_float32_matches_cpu_float64(method):
 
 @pytest.mark.parametrize('storage', [torch.bfloat16, torch.float16])
 def test_half_storage_matches_cpu_with_the_same_storage(storage):
+    """float16: CUDA within its round-off of the CPU's run at every step. bfloat16's coarser rounding sends the
+    trajectories apart on any device (on an H200 the CPU's bfloat16 run was 7.7% from float64 at step 3, CUDA's
+    0.8%; docs/GPU.md): CUDA is held to the CPU at the first step, where both start alike, and at every step to
+    float64 within twice the CPU's own worst error (at least 5%)."""
     kwargs = dict(factor_dtype=storage, inv_dtype=storage)
-    expected = train('cpu', torch.float32, **kwargs)
-    got = train('cuda', torch.float32, **kwargs)
-    rtol = 3e-2 if storage is torch.bfloat16 else 5e-3
-    for step, (g, e) in enumerate(zip(got, expected)):
+    on_cpu = train('cpu', torch.float32, **kwargs)
+    on_cuda = train('cuda', torch.float32, **kwargs)
+
+    def error(a, b):
+        return ((a - b).norm() / (b.norm() + 1e-12)).item()
+
+    if storage is torch.float16:
+        for step, (g, e) in enumerate(zip(on_cuda, on_cpu)):
+            for i, (a, b) in enumerate(zip(g, e)):
+                assert error(a, b) <= 5e-3, f'step {step}, parameter {i}'
+        return
+    for i, (a, b) in enumerate(zip(on_cuda[0], on_cpu[0])):
+        assert error(a, b) <= 3e-2, f'first step, parameter {i}'
+    float64 = train('cpu', torch.float64)
+    cpu_worst = max(error(a, b) for g, e in zip(on_cpu, float64) for a, b in zip(g, e))
+    bound = max(5e-2, 2 * cpu_worst)
+    for step, (g, e) in enumerate(zip(on_cuda, float64)):
         for i, (a, b) in enumerate(zip(g, e)):
-            assert (a - b).norm() <= rtol * b.norm() + 1e-8, f'step {step}, parameter {i}'
+            assert error(a, b) <= bound, f'step {step}, parameter {i}: CPU worst {cpu_worst:.4f}'
 
 
 def test_step_synchronises_at_most_once():

@@ -1,6 +1,7 @@
 // `dkfac train --nproc N`: the local launcher.
 #include "tools/cli/launch.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -12,7 +13,10 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <fstream>
 #include <iostream>
+#include <iterator>
+#include <set>
 #include <optional>
 #include <regex>
 #include <thread>
@@ -45,6 +49,79 @@ volatile std::sig_atomic_t g_launcher_signal = 0;
 
 // A worker's end of its report pipe to the launcher (-1: not a launch_local worker).
 int g_report_fd = -1;
+
+// How the launcher tells a worker, which it starts as a fresh program, where its report pipe is.
+constexpr const char* kReportFdVariable = "DKFAC_LAUNCH_REPORT_FD";
+// The command as the user typed it (with --nproc), for what the workers record of it.
+constexpr const char* kCommandLineVariable = "DKFAC_LAUNCH_COMMAND_LINE";
+
+// The arguments this process was started with.
+std::vector<std::string> own_arguments() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  const std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TORCH_CHECK(!all.empty(), "cannot start the workers: /proc/self/cmdline is unreadable");
+  std::vector<std::string> args;
+  size_t begin = 0;
+  while (begin < all.size()) {
+    const size_t end = all.find('\0', begin);
+    args.push_back(all.substr(begin, end == std::string::npos ? std::string::npos : end - begin));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return args;
+}
+
+// A worker's command line: the launcher's, less the flags that its environment replaces.
+std::vector<std::string> worker_arguments(const std::vector<std::string>& args) {
+  static const std::vector<std::string> replaced = {"--nproc", "--master-addr", "--master-port"};
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    bool drop = false;
+    for (const auto& flag : replaced) {
+      if (args[i] == flag) {
+        ++i;  // and its value
+        drop = true;
+      } else if (args[i].rfind(flag + "=", 0) == 0) {
+        drop = true;
+      }
+      if (drop) break;
+    }
+    if (!drop) out.push_back(args[i]);
+  }
+  return out;
+}
+
+// A worker's environment: the launcher's, with the job's variables (as torchrun sets them) in place of any
+// inherited ones, and the report pipe.
+std::vector<std::string> worker_environment(const comm::JobEnvironment& job, int report_fd,
+                                            const std::string& command_line) {
+  static const std::set<std::string> replaced = {
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", kReportFdVariable,
+      kCommandLineVariable};
+  std::vector<std::string> out;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string variable(*entry);
+    if (replaced.count(variable.substr(0, variable.find('='))) == 0) out.push_back(variable);
+  }
+  out.push_back("RANK=" + std::to_string(job.rank));
+  out.push_back("WORLD_SIZE=" + std::to_string(job.world_size));
+  out.push_back("LOCAL_RANK=" + std::to_string(job.local_rank));
+  out.push_back("LOCAL_WORLD_SIZE=" + std::to_string(job.local_world_size));
+  out.push_back("MASTER_ADDR=" + job.host);
+  out.push_back("MASTER_PORT=" + std::to_string(job.port));
+  out.push_back(std::string(kReportFdVariable) + "=" + std::to_string(report_fd));
+  out.push_back(std::string(kCommandLineVariable) + "=" + command_line);
+  return out;
+}
+
+// NULL-terminated pointers into `strings`, for execve.
+std::vector<char*> c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
 
 // What the launcher knows of one worker.
 struct Worker {
@@ -136,6 +213,22 @@ int cuda_devices_counted_in_child() {
 
 }  // namespace
 
+bool adopt_launcher_report(train::TrainConfig& config) {
+  const char* fd = std::getenv(kReportFdVariable);
+  if (fd == nullptr) return false;
+  char* end = nullptr;
+  const long value = std::strtol(fd, &end, 10);
+  TORCH_CHECK(end != fd && *end == '\0' && value >= 0 && ::fcntl(static_cast<int>(value), F_GETFD) != -1,
+              kReportFdVariable, "='", fd, "' names no open pipe: it is set by dkfac train --nproc for its "
+              "workers; unset it");
+  g_report_fd = static_cast<int>(value);
+  ::fcntl(g_report_fd, F_SETFD, FD_CLOEXEC);
+  if (const char* line = std::getenv(kCommandLineVariable)) config.command_line = line;
+  ::unsetenv(kReportFdVariable);
+  ::unsetenv(kCommandLineVariable);
+  return true;
+}
+
 bool report_to_launcher(LauncherReport kind, const std::string& message) {
   if (g_report_fd < 0) return false;
   const std::string line = std::string(kind == LauncherReport::kError ? "E " : kind == LauncherReport::kLostPeer ? "L " : "J ") + message + "\n";
@@ -159,24 +252,35 @@ int launch_local(const dkfac::train::TrainConfig& config, int nproc, int timeout
   ::sigaction(SIGINT, &action, &previous_int);
   ::sigaction(SIGTERM, &action, &previous_term);
   const pid_t launcher = ::getpid();
+  auto arguments = worker_arguments(own_arguments());
+  auto argv = c_strings(arguments);
   std::vector<Worker> workers(nproc);
   for (int rank = 0; rank < nproc; ++rank) {
     int report[2];
-    TORCH_CHECK(::pipe(report) == 0, "cannot start worker ", rank, ": pipe failed (", std::strerror(errno), ")");
+    // Both ends close on exec; the worker's end is kept open in the worker alone, below.
+    TORCH_CHECK(::pipe2(report, O_CLOEXEC) == 0, "cannot start worker ", rank, ": pipe failed (",
+                std::strerror(errno), ")");
+    job.rank = rank;
+    job.local_rank = rank;
+    // Everything the worker needs is built before fork(): after it, only async-signal-safe calls.
+    auto environment = worker_environment(job, report[1], config.command_line);
+    auto envp = c_strings(environment);
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Default actions, even where the launcher's were "ignore" (a shell's background job ignores
       // SIGINT): a signal the launcher forwards must stop the worker.
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // kept across execve
       if (::getppid() != launcher) std::_Exit(1);  // the launcher died before prctl took effect
-      for (int r = 0; r < rank; ++r) ::close(workers[r].report_fd);
-      ::close(report[0]);
-      g_report_fd = report[1];
-      job.rank = rank;
-      job.local_rank = rank;
-      std::_Exit(run_launched_rank(config, job, timeout_s));
+      ::fcntl(report[1], F_SETFD, 0);
+      // A fresh program, not a forked copy of this one: a copy inherits the launcher's libraries in the
+      // state fork() leaves them (OpenMP's thread team without its threads), and on a 16-core machine such
+      // a copy died of a segmentation fault in gomp_team_start at its first parallel region (docs/GPU.md).
+      ::execve("/proc/self/exe", argv.data(), envp.data());
+      static const char kFailed[] = "E could not start the worker: execve(/proc/self/exe) failed\n";
+      [[maybe_unused]] const auto written = ::write(report[1], kFailed, sizeof(kFailed) - 1);
+      std::_Exit(127);
     }
     ::close(report[1]);
     if (pid < 0) ::close(report[0]);

@@ -5,7 +5,8 @@
 #include "dkfac/comm/environment.h"
 #include "tools/train/trainer.h"
 
-/// `dkfac train --nproc N`: N workers forked on this machine, supervised until they end.
+/// `dkfac train --nproc N`: N workers on this machine, each this program started afresh (fork and exec, with
+/// the job in torchrun's environment variables), supervised until they end.
 namespace dkfac::cli {
 
 /// Runs one rank of a job started by a launcher (this one or another) and returns its exit code. Its
@@ -23,7 +24,13 @@ enum class LauncherReport {
 /// the job. Returns false in any other process (then the caller prints it). Safe from any thread.
 bool report_to_launcher(LauncherReport kind, const std::string& message);
 
-/// Forks `nproc` workers with a TCPStore rendezvous on a free loopback port and waits for them. The
+/// In a worker that launch_local() started: takes the report pipe and the user's command line (for
+/// `config`) from the environment the launcher gave it, and returns true; false in any other process.
+bool adopt_launcher_report(train::TrainConfig& config);
+
+/// Starts `nproc` workers (this program, its command line less --nproc, --master-addr and --master-port; RANK,
+/// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) with a TCPStore rendezvous on
+/// a free loopback port and waits for them. The
 /// first worker to fail is named with its reason, and the others get SIGTERM and, after a grace period,
 /// SIGKILL (a stopped or hung worker too). SIGINT/SIGTERM to the launcher go to every worker, with the
 /// same escalation. Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind even if the

@@ -138,9 +138,11 @@ Command add_train_command(CLI::App& app) {
 
   return {train, [flags](const Invocation& invocation) {
     flags->config.command_line = invocation.command_line;
+    const bool launched = adopt_launcher_report(flags->config);  // a worker of `--nproc` (launch.cpp)
     if (flags->nproc > 1) dkfac::tools::check_memory_for_workers(flags->config, flags->nproc);
     if (flags->nproc > 1) return launch_local(flags->config, flags->nproc, flags->timeout_s);
-    const auto job = job_of_this_process(flags->rendezvous);
+    auto job = job_of_this_process(flags->rendezvous);
+    if (launched) job.launcher = dkfac::comm::Launcher::kNone;  // the launcher's own workers: no "launch:" line
     if (job.world_size == 1) {
       try {
         return run_rank(flags->config, job, flags->timeout_s);
