@@ -1,5 +1,6 @@
 #include "dkfac/preconditioner.h"
 
+#include "dkfac/comm/agreement.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/numbers.h"
@@ -143,6 +144,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   report_large_factors(layers_, options_, names_);
   communicator_ = std::move(communicator);
   if (communicator_) communicator_->use_device(device_);  // control tensors follow the layers (NCCL-only groups)
+  check_ranks_agree();
   Options plan_options = options_;
   auto_requested_ = options_.strategy() == Strategy::kAuto;
   if (auto_requested_) {
@@ -159,6 +161,29 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   }
   executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, plan_options);
   arm_capture();
+}
+
+std::vector<std::string> Preconditioner::description() const {
+  std::vector<std::string> lines;
+  lines.push_back(std::to_string(layers_.size()) + " layers");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    std::ostringstream line;
+    line << "layer " << i << " '" << layer.name() << "': " << to_string(layer.kind()) << ", weight "
+         << layer.weight().sizes() << " " << layer.weight().scalar_type() << (layer.bias().defined() ? ", bias" : ", no bias");
+    lines.push_back(line.str());
+  }
+  for (const auto& info : option_table()) lines.push_back(info.name + "=" + option_text(info, options_.get(info.name)));
+  return lines;
+}
+
+void Preconditioner::check_ranks_agree() {
+  // Before any collective that depends on the options or the layers (the plan's groups, strategy auto's
+  // measurements): ranks that differ there would start different collectives and hang or abort.
+  if (!communicator_ || communicator_->size() == 1) return;
+  const auto difference = comm::first_difference(*communicator_, comm::kWorld, description());
+  TORCH_CHECK(difference.empty(), "the ranks built their preconditioners differently: ", difference,
+              ". Every rank must register the same layers (names, kinds, shapes, dtypes) with the same options");
 }
 
 std::string Preconditioner::take_plan_change() {

@@ -85,7 +85,9 @@ class Preconditioner {
   /// Registers the model's K-FAC layers and validates `options` (throws c10::Error naming the bad value).
   /// With a `communicator` (every rank constructs its preconditioner with the same model and options),
   /// work is placed and factors move as Options::strategy says (KAISA with grad_worker_fraction,
-  /// SPD-KFAC or DP-KFAC); gradients must already be averaged over ranks when step() is called.
+  /// SPD-KFAC or DP-KFAC); gradients must already be averaged over ranks when step() is called. The ranks
+  /// check that at construction, before any other collective: where their layers or options differ, every
+  /// rank throws, naming the first difference (comm/agreement.h).
   explicit Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options = Options(),
                           std::shared_ptr<comm::Communicator> communicator = nullptr);
   /// Preconditions `layers` as registered by a front end (the Python package binds torch.nn modules
@@ -210,6 +212,11 @@ class Preconditioner {
   double guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned);
   void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned, double scale);
   void arm_capture();
+  /// What must be the same on every rank, one line per item: the layers (names, kinds, shapes, dtypes) and every
+  /// option (a schedule given as a function reads "schedule": its values are not compared).
+  std::vector<std::string> description() const;
+  /// Fails on every rank, naming the first difference, when the ranks' descriptions differ (comm/agreement.h).
+  void check_ranks_agree();
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.

@@ -1,0 +1,21 @@
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dkfac/comm/communicator.h"
+
+/// Whether every rank of a group holds the same description of something (options, layers), checked without
+/// any collective that could differ between ranks: a hash of every rank's lines first (one allreduce), the
+/// lines themselves only when the hashes differ.
+namespace dkfac::comm {
+
+/// The first difference between this rank's `lines` and those of the other ranks of `group`, as every rank
+/// sees it ("rank 1 has 'damping=0.01' where rank 0 has 'damping=0.001'"), or "" when all agree. Every rank
+/// returns the same text. The lowest rank that differs from the group's first rank is the one named. Costs one
+/// allreduce of group size x 4 numbers when the ranks agree; when they differ, a few broadcasts more.
+/// Collective over `group` (counted under `phase`).
+std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
+                             Phase phase = Phase::kSetup);
+
+}  // namespace dkfac::comm

@@ -1,0 +1,115 @@
+// comm::first_difference and the Preconditioner's agreement check at construction: ranks (threads of this
+// process over real Gloo groups) that built their preconditioners differently all fail, naming the difference,
+// instead of hanging in collectives that differ or aborting in Gloo.
+#include "dkfac/comm/agreement.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <mutex>
+
+#include "dkfac/dkfac.h"
+#include "tests/multi_rank.h"
+
+namespace dkfac::comm {
+namespace {
+
+using testing::run_ranks;
+
+// Each rank's result of first_difference over `lines_of(rank)`, and the setup traffic it cost.
+std::vector<std::pair<std::string, Traffic>> run(int world, const std::function<std::vector<std::string>(int)>& lines_of) {
+  std::vector<std::pair<std::string, Traffic>> out(world);
+  run_ranks(world, [&](int rank, std::shared_ptr<Communicator> communicator) {
+    out[rank].first = first_difference(*communicator, kWorld, lines_of(rank));
+    out[rank].second = communicator->traffic()["setup"];
+  });
+  return out;
+}
+
+TEST(FirstDifference, AgreeingRanksCostOneAllreduce) {
+  const auto got = run(3, [](int) { return std::vector<std::string>{"2 layers", "damping=0.001"}; });
+  for (const auto& [difference, traffic] : got) {
+    EXPECT_EQ(difference, "");
+    EXPECT_EQ(traffic.calls, 1);
+    EXPECT_EQ(traffic.bytes, 3 * 4 * 8);  // 3 ranks x 4 parts of the hash, float64
+  }
+}
+
+TEST(FirstDifference, EveryRankNamesTheLowestDifferingRankAndItsLine) {
+  const auto got = run(4, [](int rank) {
+    return std::vector<std::string>{"2 layers", rank >= 2 ? "damping=0.01" : "damping=0.001", "lr=0.1"};
+  });
+  for (const auto& [difference, traffic] : got) {
+    EXPECT_EQ(difference, "rank 2 has 'damping=0.01' where rank 0 has 'damping=0.001'");
+  }
+}
+
+TEST(FirstDifference, NamesAnExtraOrMissingLine) {
+  auto extra = run(2, [](int rank) {
+    std::vector<std::string> lines{"a", "b"};
+    if (rank == 1) lines.push_back("c");
+    return lines;
+  });
+  EXPECT_EQ(extra[0].first, "rank 1 has 'c' where rank 0 has nothing more");
+  EXPECT_EQ(extra[1].first, extra[0].first);
+  auto missing = run(2, [](int rank) { return rank == 1 ? std::vector<std::string>{"a"} : std::vector<std::string>{"a", "b"}; });
+  EXPECT_EQ(missing[1].first, "rank 1 has nothing more where rank 0 has 'b'");
+}
+
+// A small model whose layers and options the ranks may change.
+std::shared_ptr<torch::nn::Sequential> model(int64_t hidden) {
+  static std::mutex mutex;  // ranks are threads: seeding and drawing must not interleave
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(0);
+  return std::make_shared<torch::nn::Sequential>(nn::Linear(4, hidden), torch::nn::Tanh(), nn::Linear(hidden, 2));
+}
+
+// Builds a preconditioner on each of 2 ranks with `options_of(rank)` and `hidden_of(rank)`; returns each
+// rank's error ("" if it built), within a bound that a hang would break.
+std::vector<std::string> build(const std::function<Options(int)>& options_of,
+                               const std::function<int64_t(int)>& hidden_of = [](int) { return 8; }) {
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(2, [&](int rank, std::shared_ptr<Communicator> communicator) {
+    try {
+      const auto net = model(hidden_of(rank));
+      Preconditioner kfac(net->ptr(), options_of(rank), communicator);
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20)) << "no hang";
+  return errors;
+}
+
+TEST(RanksAgree, SameOptionsAndLayersBuild) {
+  const auto errors = build([](int) { return Options().damping(0.003).grad_worker_fraction(0.5); });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(RanksAgree, DifferentDampingFailsOnEveryRankNamingIt) {
+  const auto errors = build([](int rank) { return Options().damping(rank == 0 ? 1e-3 : 1e-2); });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("the ranks built their preconditioners differently: rank 1 has 'damping=0.01' where rank 0 "
+                     "has 'damping=0.001'"), std::string::npos) << e;
+  }
+}
+
+TEST(RanksAgree, DifferentStrategiesFailInsteadOfStartingDifferentCollectives) {
+  // SPD-KFAC measures the link and the decomposition speed at construction, KAISA does not: without the
+  // check, the ranks would wait for each other in different collectives.
+  const auto errors = build([](int rank) { return Options().strategy(rank == 0 ? Strategy::kKaisa : Strategy::kSpd); });
+  for (const auto& e : errors) EXPECT_NE(e.find("rank 1 has 'strategy=spd' where rank 0 has 'strategy=kaisa'"), std::string::npos) << e;
+}
+
+TEST(RanksAgree, DifferentLayerShapesFailNamingTheFirstLayer) {
+  const auto errors = build([](int) { return Options(); }, [](int rank) { return rank == 0 ? 8 : 6; });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 1 has 'layer 0 '0': Linear, weight [6, 4] Float, bias' where rank 0 has 'layer 0 '0': "
+                     "Linear, weight [8, 4] Float, bias'"), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace dkfac::comm
