@@ -296,7 +296,33 @@ bool Preconditioner::is_factor_step(int64_t step) const {
 
 bool Preconditioner::is_inverse_step(int64_t step) const { return step % options_.inv_update_steps_at(step) == 0; }
 
+void Preconditioner::check_schedules_agree() const {
+  // The constructor compared every constant option; a schedule (a function, as every Python hyper-parameter
+  // is, so that assigning preconditioner.damping works) is compared by its values, at every step, first:
+  // ranks whose intervals differ would otherwise start different collectives.
+  if (!communicator_ || communicator_->size() == 1) return;
+  const int64_t s = steps_;
+  const std::vector<std::pair<const char*, double>> values = {
+      {"lr", options_.lr_at(s)},
+      {"damping", options_.damping_at(s)},
+      {"kl_clip", options_.kl_clip_at(s)},
+      {"factor_decay", options_.factor_decay_at(s)},
+      {"factor_update_steps", static_cast<double>(options_.factor_update_steps_at(s))},
+      {"inv_update_steps", static_cast<double>(options_.inv_update_steps_at(s))}};
+  std::vector<double> mine;
+  for (const auto& [name, value] : values) mine.push_back(value);
+  const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Phase::kControl);
+  for (size_t rank = 1; rank < table.size(); ++rank) {
+    for (size_t k = 0; k < values.size(); ++k) {
+      TORCH_CHECK(table[rank][k] == table[0][k], "the ranks' hyper-parameters differ at K-FAC step ", s, ": rank ",
+                  rank, " has ", values[k].first, "=", table[rank][k], " where rank 0 has ", values[k].first, "=",
+                  table[0][k], ". Every rank must use the same values (a schedule: the same function of the step)");
+    }
+  }
+}
+
 void Preconditioner::step() {
+  check_schedules_agree();
   if (choice_pending_) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());

@@ -101,7 +101,8 @@ class Preconditioner {
   Preconditioner& operator=(const Preconditioner&) = delete;
 
   /// One K-FAC step: update factors (factor steps) -> second order (inverse steps) -> precondition
-  /// -> KL clip -> write gradients. Then arms capture for the next step.
+  /// -> KL clip -> write gradients. Then arms capture for the next step. With several ranks it first checks
+  /// that every rank's schedules give the same values at this step (check_schedules_agree).
   void step();
 
   /// Drops the current step without touching gradients, factors or the step counter, for a training loop
@@ -217,6 +218,10 @@ class Preconditioner {
   std::vector<std::string> description() const;
   /// Fails on every rank, naming the first difference, when the ranks' descriptions differ (comm/agreement.h).
   void check_ranks_agree();
+  /// Fails on every rank, naming the hyper-parameter and the values, when the ranks' schedules (lr, damping,
+  /// kl_clip, factor_decay and the two intervals) give different values at this step: one allreduce of
+  /// world x 6 numbers at the start of every step().
+  void check_schedules_agree() const;
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.

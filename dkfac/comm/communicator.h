@@ -60,7 +60,7 @@ enum class Phase {
   kCalibration,   ///< "calibration": SPD-KFAC's link and decomposition measurements
   kSetup,         ///< "setup": configuration checks, checkpoint and summary tables
   kFiniteCheck,   ///< "finite-check": the ranks' agreement on a non-finite loss (dkfac train)
-  kControl,       ///< "control": the Python front end's all_true
+  kControl,       ///< "control": the ranks' schedule values each step, the Python front end's all_true
 };
 
 /// The phase's name: "data_parallel", "factors", "second_order", "gradients", "calibration", "setup",

@@ -111,5 +111,51 @@ TEST(RanksAgree, DifferentLayerShapesFailNamingTheFirstLayer) {
   }
 }
 
+// Schedules (functions of the step, as every Python hyper-parameter is) cannot be compared when built: their
+// values are, at the start of every step. `damping_of(rank, step)` and `interval_of(rank, step)` per rank;
+// returns each rank's error and the step it came at (-1: none in 4 steps).
+std::vector<std::pair<std::string, int64_t>> train(const std::function<double(int, int64_t)>& damping_of,
+                                                   const std::function<int64_t(int, int64_t)>& interval_of) {
+  std::vector<std::pair<std::string, int64_t>> out(2, {"", -1});
+  run_ranks(2, [&](int rank, std::shared_ptr<Communicator> communicator) {
+    const auto net = model(8);
+    Options options;
+    options.damping(std::function<double(int64_t)>([&, rank](int64_t step) { return damping_of(rank, step); }));
+    options.factor_update_steps(std::function<int64_t(int64_t)>([&, rank](int64_t step) { return interval_of(rank, step); }));
+    Preconditioner kfac(net->ptr(), options, communicator);
+    for (int64_t step = 0; step < 4; ++step) {
+      (*net)->zero_grad();
+      (*net)->forward(torch::randn({5, 4})).pow(2).sum().backward();
+      for (auto& p : (*net)->parameters()) communicator->allreduce_mean(p.mutable_grad(), kWorld, Phase::kDataParallel).wait();
+      try {
+        kfac.step();
+      } catch (const c10::Error& e) {
+        out[rank] = {e.what_without_backtrace(), step};
+        return;
+      }
+    }
+  });
+  return out;
+}
+
+TEST(RanksAgree, SchedulesAreComparedByTheirValuesEachStep) {
+  const auto same = train([](int, int64_t) { return 0.003; }, [](int, int64_t) { return 1; });
+  EXPECT_EQ(same[0], std::make_pair(std::string(), int64_t{-1}));
+  EXPECT_EQ(same[1], same[0]);
+  const auto damping = train([](int rank, int64_t step) { return rank == 1 && step >= 2 ? 0.01 : 0.003; },
+                             [](int, int64_t) { return 1; });
+  for (const auto& [error, step] : damping) {
+    EXPECT_EQ(step, 2);
+    EXPECT_NE(error.find("the ranks' hyper-parameters differ at K-FAC step 2: rank 1 has damping=0.01 where rank 0 "
+                         "has damping=0.003"), std::string::npos) << error;
+  }
+  // Intervals that differ would make the ranks' factor collectives differ: refused before any of them.
+  const auto interval = train([](int, int64_t) { return 0.003; }, [](int rank, int64_t) { return rank + 1; });
+  for (const auto& [error, step] : interval) {
+    EXPECT_EQ(step, 0);
+    EXPECT_NE(error.find("rank 1 has factor_update_steps=2 where rank 0 has factor_update_steps=1"), std::string::npos) << error;
+  }
+}
+
 }  // namespace
 }  // namespace dkfac::comm

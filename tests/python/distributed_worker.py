@@ -2,8 +2,10 @@
 dkfac, on this rank's shard of each global batch, and saves every step's preconditioned gradients.
 
 Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment). Besides the
-preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cuda': every rank on cuda:0) and
-'backend' (torch.distributed's, default 'gloo').
+preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cuda': every rank on cuda:0),
+'backend' (torch.distributed's, default 'gloo') and 'per_rank' ({"RANK": {keyword: value}}: this rank's own
+values). A worker whose preconditioner refuses to be built prints "refused: MESSAGE" and exits with 3; one whose
+step() refuses, "refused at step N: MESSAGE", and exits with 4.
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if explicit_group:
         kwargs['process_group'] = dist.new_group(list(range(size)))
+    kwargs.update(kwargs.pop('per_rank', {}).get(str(rank), {}))
     with warnings.catch_warnings(record=True) as caught:  # the workers run with PYTHONWARNINGS=ignore
         warnings.simplefilter('always')
-        preconditioner = dkfac.KFACPreconditioner(model, **kwargs)
+        try:
+            preconditioner = dkfac.KFACPreconditioner(model, **kwargs)
+        except (RuntimeError, ValueError) as error:
+            print(f'refused: {error}', flush=True)
+            sys.exit(3)
     layout = {'distributed_strategy': preconditioner.distributed_strategy.name,
               'grad_worker_fraction': preconditioner.grad_worker_fraction,
               'colocate_factors': preconditioner.colocate_factors}
@@ -50,7 +57,13 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(model(x[rank * shard:(rank + 1) * shard]),
                                                  y[rank * shard:(rank + 1) * shard])
         loss.backward()
-        preconditioner.step()
+        try:
+            preconditioner.step()
+        except RuntimeError as error:
+            if 'the ranks\' hyper-parameters differ' not in str(error):
+                raise
+            print(f'refused at step {step}: {error}', flush=True)
+            sys.exit(4)
         grads.append([p.grad.to('cpu', copy=True) for p in model.parameters()])
         optimizer.step()
     extra = {}

@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
+def start_workers(size: int, kwargs: dict, tmp_path) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(size):
@@ -44,6 +45,11 @@ def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, 'distributed_worker.py'),
                                        str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
+    procs = start_workers(size, kwargs, tmp_path)
     outputs = []
     for rank, proc in enumerate(procs):
         try:
@@ -250,3 +256,36 @@ def test_gathered_state_dict_resumes_exactly_on_another_world_size(strategy, tmp
         for name, state in zip(names, twin._core.layer_states()):
             assert torch.equal(state['a_factor'], gathered[0]['layers'][name]['A'])
             assert 'a_inverse' in state and 'g_inverse' in state
+
+
+@pytest.mark.parametrize('per_rank,refused,named', [
+    # Constant options are compared when the preconditioner is built (exit 3)...
+    ({'1': {'strategy': 'spd'}}, 3, "rank 1 has 'strategy=spd' where rank 0 has 'strategy=kaisa'"),
+    ({'0': {'grad_worker_fraction': 0.5}}, 3,
+     "rank 1 has 'grad_worker_fraction=1' where rank 0 has 'grad_worker_fraction=0.5'"),
+    # ... hyper-parameters, which Python passes as schedules (so that assigning preconditioner.damping works), by
+    # their values at the start of each step (exit 4), before any collective that they decide.
+    ({'1': {'damping': 0.01}}, 4, 'rank 1 has damping=0.01 where rank 0 has damping=0.003'),
+    ({'1': {'kl_clip': 0.01}}, 4, 'rank 1 has kl_clip=0.01 where rank 0 has kl_clip=0.001'),
+    ({'1': {'factor_update_steps': 2}}, 4, 'rank 1 has factor_update_steps=2 where rank 0 has factor_update_steps=1'),
+])
+def test_ranks_that_differ_refuse_within_seconds_naming_the_difference(tmp_path, per_rank, refused, named):
+    """Under DDP, ranks whose options differed used to train on with different parameters, or hang for torch's
+    30-minute timeout when the difference changed the collectives: now every rank refuses, naming it."""
+    start = time.monotonic()
+    procs = start_workers(2, dict(COMMON, per_rank=per_rank), tmp_path)
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=60)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail('a rank did not end within 60 s')
+    elapsed = time.monotonic() - start
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == refused, f'rank {rank} exit {proc.returncode}:\n{out}'
+        assert named in out, out
+        assert ('the ranks built their preconditioners differently' if refused == 3
+                else "the ranks' hyper-parameters differ at K-FAC step 0") in out, out
+    assert elapsed < 30, f'took {elapsed:.1f} s'
