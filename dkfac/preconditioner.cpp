@@ -186,6 +186,11 @@ void Preconditioner::check_ranks_agree() {
               ". Every rank must register the same layers (names, kinds, shapes, dtypes) with the same options");
 }
 
+void Preconditioner::rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias) {
+  TORCH_CHECK(index < layers_.size(), "rebind_layer: no layer ", index, " (", layers_.size(), " are registered)");
+  layers_[index].rebind(std::move(weight), std::move(bias));
+}
+
 std::string Preconditioner::take_plan_change() {
   std::string change = std::exchange(choice_to_report_, "");
   return change + executor_->take_plan_change();

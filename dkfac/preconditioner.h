@@ -152,6 +152,9 @@ class Preconditioner {
   const strategy::StepExecutor& executor() const { return *executor_; }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
+  /// Layer `index` now preconditions `weight` and `bias` (KfacLayer::rebind): a front end calls it when the
+  /// module's parameters were replaced since registration (the Python package checks at every step()).
+  void rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias);
   std::vector<KfacLayer>& layers() { return layers_; }
 
   /// Phase times of the last step and summed over all steps. On a CUDA device, reading them waits until

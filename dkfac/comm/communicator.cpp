@@ -174,7 +174,9 @@ Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool 
 }
 
 
-Communicator::~Communicator() {
+Communicator::~Communicator() { stop_watchdog(); }
+
+void Communicator::stop_watchdog() {
   if (heartbeat_) heartbeat_->stop();
 }
 
@@ -319,7 +321,17 @@ std::shared_ptr<Communicator> Communicator::from_process_group(c10::intrusive_pt
   impl->cuda_backend = nccl ? settle(CudaBackend::kNccl) : CudaBackend::kGloo;
   impl->groups.push_back({all_ranks(size), std::move(group)});
   if (size > 1) impl->make_gloo = make_gloo ? std::move(make_gloo) : native_gloo_backends("");
-  return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, /*watchdog=*/false));
+  // The heartbeat watchdog needs a store client of its own (a TCPStore's clone: torch.distributed's default
+  // store); a store that cannot be cloned (a FileStore, a HashStore) leaves failures to the group's own errors.
+  if (size > 1) {
+    try {
+      impl->watch_store = impl->store->clone();
+    } catch (const std::exception&) {
+      impl->watch_store.reset();
+    }
+  }
+  const bool watchdog = static_cast<bool>(impl->watch_store);
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl), rank, size, watchdog));
 }
 
 GroupId Communicator::new_group(const std::vector<int>& ranks) {

@@ -146,8 +146,10 @@ class Communicator {
   /// program built) with no second rendezvous: its collectives are the world's. dkfac's subgroups (KAISA
   /// columns and rows) are new groups with the same backends (Gloo for CPU tensors; for CUDA tensors NCCL
   /// when `group` uses NCCL for them, else Gloo), meeting through `store` under `prefix`, which must be the
-  /// same on every rank of `group` and unique among the communicators built on that store. No heartbeat
-  /// watchdog runs: failures surface as the group's own collective errors and timeouts. `make_gloo` makes the
+  /// same on every rank of `group` and unique among the communicators built on that store. The heartbeat
+  /// watchdog runs on a clone of `store` (a TCPStore, as torch.distributed's default store is), so that a failed
+  /// collective names the lost rank; with a store that cannot be cloned, failures surface as the group's own
+  /// collective errors and timeouts. `make_gloo` makes the
   /// subgroups' Gloo backends (default: native_gloo_backends(""), which needs gloo's headers in the build).
   static std::shared_ptr<Communicator> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                           c10::intrusive_ptr<c10d::Store> store,
@@ -155,6 +157,9 @@ class Communicator {
                                                           std::chrono::milliseconds timeout,
                                                           GlooBackendMaker make_gloo = nullptr);
   ~Communicator();
+  /// Stops the heartbeat watchdog now, as a clean end (every rank marks itself done); idempotent. A front end
+  /// whose communicator may outlive its process's orderly shutdown (Python's) calls it at exit.
+  void stop_watchdog();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 

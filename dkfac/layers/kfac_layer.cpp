@@ -68,6 +68,27 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
 
 void KfacLayer::set_inv_dtype(std::optional<torch::ScalarType> inv_dtype) { inv_dtype_ = inv_dtype; }
 
+void KfacLayer::rebind(torch::Tensor weight, torch::Tensor bias) {
+  const auto& old = binding_.weight;
+  TORCH_CHECK(weight.defined() && weight.sizes() == old.sizes() && weight.scalar_type() == old.scalar_type() &&
+                  weight.device() == old.device(),
+              "layer '", name(), "': its weight was replaced by ",
+              weight.defined() ? c10::str("a tensor of shape ", weight.sizes(), ", ", weight.scalar_type(), " on ",
+                                          weight.device())
+                               : std::string("nothing"),
+              "; K-FAC registered one of shape ", old.sizes(), ", ", old.scalar_type(), " on ", old.device(),
+              ". A replacement must match (load weights of the same model); for another shape build a new "
+              "preconditioner");
+  TORCH_CHECK(bias.defined() == binding_.bias.defined() &&
+                  (!bias.defined() || (bias.sizes() == binding_.bias.sizes() && bias.device() == old.device())),
+              "layer '", name(), "': its bias was replaced by ", bias.defined() ? c10::str("one of shape ", bias.sizes())
+                                                                                : std::string("none"),
+              " (K-FAC registered ", binding_.bias.defined() ? c10::str("one of shape ", binding_.bias.sizes()) : "none",
+              ")");
+  binding_.weight = std::move(weight);
+  binding_.bias = std::move(bias);
+}
+
 int64_t KfacLayer::captured_batches() const {
   const auto& capture = *binding_.capture;
   return std::min(capture.a_count(), capture.g_count());
@@ -233,10 +254,22 @@ std::map<std::string, torch::Tensor> KfacLayer::state() const {
 }
 
 void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, ComputeMethod method) {
+  // Loaded state takes the dtypes this layer keeps (its factors', its Options::inv_dtype), whatever the
+  // checkpoint's: a float64 checkpoint must not quietly change them.
+  const auto factor_type = a_factor_.defined() ? a_factor_.scalar_type() : factor_dtype();
+  const auto stored_type = inv_dtype_.value_or(factor_type);
   auto get = [&](const char* key) {
     const auto it = state.find(key);
-    return it == state.end() || !it->second.defined() ? torch::Tensor() : it->second.to(binding_.weight.device());
+    if (it == state.end() || !it->second.defined()) return torch::Tensor();
+    const auto* entry = layer_state_entry(key);
+    return it->second.to(binding_.weight.device(), entry->factor ? factor_type : stored_type);
   };
+  for (const auto& [key, tensor] : state) {
+    const auto* entry = layer_state_entry(key);
+    TORCH_CHECK(entry == nullptr || !tensor.defined() || torch::isfinite(tensor).all().item<bool>(),
+                "checkpoint for layer '", name(), "': ", entry ? entry->what : key, " holds NaN or Inf; nothing was "
+                "loaded (a running average would keep it for good)");
+  }
   for (const auto& [key, tensor] : state) {
     TORCH_CHECK(layer_state_entry(key) != nullptr, "state of K-FAC layer '", name(), "' has an unknown entry '", key, "'");
   }

@@ -75,6 +75,10 @@ class KfacLayer {
   LayerKind kind() const { return binding_.capture->geometry().kind; }
   const torch::Tensor& weight() const { return binding_.weight; }
   const torch::Tensor& bias() const { return binding_.bias; }
+  /// Follows the module's parameters when they were replaced by others of the same shape, dtype and device (a
+  /// Hugging Face or meta-device load: `load_state_dict(assign=True)`, or `layer.weight = Parameter(...)`);
+  /// throws naming the layer and both tensors otherwise. Factors and second-order state are kept.
+  void rebind(torch::Tensor weight, torch::Tensor bias);
   FactorCapture& capture() { return *binding_.capture; }
   const FactorCapture& capture() const { return *binding_.capture; }
   /// a = weight columns (+1 with bias), g = weight rows.

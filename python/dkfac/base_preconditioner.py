@@ -133,6 +133,10 @@ class BaseKFACPreconditioner:
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
         self._communicator = self._make_communicator(process_group, timeout) if self._world_size > 1 else None
+        if self._communicator is not None:
+            # Its heartbeat watchdog (which names a lost rank in a failed collective's error) stops as a clean end
+            # when this preconditioner goes, or at the interpreter's exit, before torch's store does.
+            weakref.finalize(self, self._communicator.stop_watchdog)
 
         for module, (name, _) in self._layers.items():
             a = module.weight[0].numel() + (module.bias is not None)
@@ -147,6 +151,7 @@ class BaseKFACPreconditioner:
                        for module, (name, capture) in self._layers.items()]
         with _CoreWarnings():
             self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
+        self._bound = [(module.weight, module.bias) for module in self._modules]  # what the core preconditions
         for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
             module.register_forward_hook(self._forward_hook(capture))
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
@@ -222,11 +227,32 @@ class BaseKFACPreconditioner:
         KL-clips and writes the gradients. Call after backward (after all accumulation micro-batches), with
         gradients already averaged across ranks, and before the optimizer's step().
         """
+        self._follow_parameters()
         with torch.no_grad(), _CoreWarnings():
             self._core.step()
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    def _follow_parameters(self) -> None:
+        """Re-binds the core to each module's current parameters where they were replaced since the last step:
+        ``load_state_dict(assign=True)`` (how meta-device initialisation and Hugging Face load weights) and
+        ``layer.weight = torch.nn.Parameter(...)`` give a module new Parameter objects, and the core would
+        otherwise keep preconditioning the old ones, whose gradients no longer change: K-FAC silently off."""
+        for index, module in enumerate(self._modules):
+            weight, bias = module.weight, module.bias
+            bound_weight, bound_bias = self._bound[index]
+            if weight is bound_weight and bias is bound_bias:
+                continue
+            name = self._names[index]
+            if any(type(t).__name__ == 'DTensor' for t in (weight, bias) if t is not None):
+                raise RuntimeError(
+                    f"dkfac: layer {name!r}'s parameters were replaced by DTensors (FSDP2's fully_shard, or "
+                    'another tensor-parallel wrapper, after the preconditioner was built): dkfac does not '
+                    'precondition sharded parameters yet; build it on a model that is not sharded')
+            with _CoreWarnings():
+                self._core.rebind_layer(index, weight, bias)
+            self._bound[index] = (weight, bias)
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update."""
@@ -346,13 +372,20 @@ class BaseKFACPreconditioner:
                               'skipping it', stacklevel=2)
             compute_inverses = False
             states = self._core.layer_states()
-        for name in _SCHEDULED:
-            if name in state_dict:
-                setattr(self, '_' + name, state_dict[name])
+        # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
+        hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
+        if hyper.get('kl_clip', 0.0) is None:
+            hyper['kl_clip'] = 0.0  # as the constructor: None turns KL clipping off
+        try:
+            _C.option_values(hyper)  # the constructor's checks (dkfac/options.h), naming the option
+        except (TypeError, RuntimeError, ValueError) as error:
+            raise ValueError(f'state_dict: {error}') from None
         with _CoreWarnings():
             self._core.load_layer_states(steps, states)
             if 'layers' in state_dict and not exact and compute_inverses:
                 self._core.update_second_order()
+        for name, value in hyper.items():
+            setattr(self, '_' + name, value)
 
     def __repr__(self) -> str:
         """kfac_pytorch's fields (and the subclass's ``defaults``), one per line, sorted by name."""

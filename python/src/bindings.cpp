@@ -279,6 +279,11 @@ PYBIND11_MODULE(_C, m) {
             return no.item<double>() == 0.0;
           },
           py::call_guard<py::gil_scoped_release>())
+      .def("stop_watchdog", &comm::Communicator::stop_watchdog, py::call_guard<py::gil_scoped_release>())
+      .def("silent_ranks",
+           [](const comm::Communicator& c, double seconds) {
+             return c.silent_ranks(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+           })
       .def("traffic", [](const comm::Communicator& c) {
         std::map<std::string, std::pair<int64_t, int64_t>> out;
         for (const auto& [phase, t] : c.traffic()) out[phase] = {t.calls, t.bytes};
@@ -326,6 +331,7 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
+      .def("rebind_layer", &Preconditioner::rebind_layer)
       .def_property_readonly("steps", &Preconditioner::steps)
       .def("is_factor_step", &Preconditioner::is_factor_step)
       .def("memory_bytes", &Preconditioner::memory_bytes)

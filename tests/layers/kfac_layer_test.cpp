@@ -242,7 +242,7 @@ INSTANTIATE_TEST_SUITE_P(PiDamping, KfacLayerInverse, ::testing::Bool());
 // A failed computation throws and keeps the state that was there (MATH.md 2.4).
 class KfacLayerFailure : public ::testing::TestWithParam<ComputeMethod> {};
 
-TEST_P(KfacLayerFailure, NonFiniteFactorKeepsThePreviousState) {
+TEST_P(KfacLayerFailure, NonFiniteLoadedFactorIsRefusedKeepingTheState) {
   const auto method = GetParam();
   torch::manual_seed(7);
   auto layer = layer_with_factors(random_spd(3, 6, torch::kFloat64), random_spd(2, 6, torch::kFloat64));
@@ -250,10 +250,13 @@ TEST_P(KfacLayerFailure, NonFiniteFactorKeepsThePreviousState) {
   const auto grad = torch::randn({2, 3}, kF64);
   const auto before = layer.second_order().precondition(grad);
 
+  // A NaN running factor can no longer be loaded (a running average would keep it for good): refused, and the
+  // layer keeps what it had.
   auto state = layer.state();
+  const auto a_before = layer.a_factor().clone();
   state["a_factor"] = torch::full({3, 3}, kNaN, kF64);
-  layer.load_state(state, method);  // a NaN running factor, the old second-order state
-  EXPECT_THROW(layer.compute_second_order(method, 0.1, false), c10::Error);
+  expect_error([&] { layer.load_state(state, method); }, {"checkpoint for layer 'fc': A factor holds NaN or Inf"});
+  EXPECT_TRUE(torch::equal(layer.a_factor(), a_before));
   EXPECT_TRUE(torch::equal(layer.second_order().precondition(grad), before));
 }
 
@@ -366,11 +369,20 @@ TEST_P(KfacLayerStorage, ReducedPrecisionFoldsDecomposesAndRoundTrips) {
   EXPECT_EQ(v.scalar_type(), torch::kFloat32);
   EXPECT_TENSOR_NEAR(v, dense_eigen_reference(layer.a_factor(), layer.g_factor(), grad, damping), 5 * rounding);
 
-  KfacLayer copy(linear_binding(3, 2, true, torch::kFloat32));
+  auto same = linear_binding(3, 2, true, torch::kFloat32);
+  same.capture->set_factor_dtype(dtype);
+  KfacLayer copy(same);
   copy.load_state(layer.state(), ComputeMethod::kEigen);
   EXPECT_EQ(copy.a_factor().scalar_type(), dtype);
   EXPECT_TRUE(torch::equal(copy.a_factor(), layer.a_factor()));
   EXPECT_TRUE(torch::equal(copy.second_order().precondition(grad), v));
+  // A layer that asked for float32 keeps float32 when it loads this state: the checkpoint's dtype does not
+  // quietly replace the one asked for.
+  KfacLayer wide(linear_binding(3, 2, true, torch::kFloat32));
+  wide.load_state(layer.state(), ComputeMethod::kEigen);
+  EXPECT_EQ(wide.a_factor().scalar_type(), torch::kFloat32);
+  EXPECT_EQ(wide.second_order().a_eigen.eigenvectors.scalar_type(), torch::kFloat32);
+  EXPECT_TRUE(torch::equal(wide.a_factor(), layer.a_factor().to(torch::kFloat32)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KfacLayerStorage, ::testing::Values(torch::kBFloat16, torch::kHalf));

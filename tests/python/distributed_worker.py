@@ -5,13 +5,15 @@ Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the
 preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cuda': every rank on cuda:0),
 'backend' (torch.distributed's, default 'gloo') and 'per_rank' ({"RANK": {keyword: value}}: this rank's own
 values). A worker whose preconditioner refuses to be built prints "refused: MESSAGE" and exits with 3; one whose
-step() refuses, "refused at step N: MESSAGE", and exits with 4.
+step() refuses, "refused at step N: MESSAGE", and exits with 4. 'die_at' ({"RANK": step}) makes that rank exit
+(status 9, no cleanup) after that step's backward.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import warnings
 
@@ -38,6 +40,7 @@ def main() -> None:
     if explicit_group:
         kwargs['process_group'] = dist.new_group(list(range(size)))
     kwargs.update(kwargs.pop('per_rank', {}).get(str(rank), {}))
+    die_at = kwargs.pop('die_at', {}).get(str(rank))  # this rank ends abruptly before that step's K-FAC step
     with warnings.catch_warnings(record=True) as caught:  # the workers run with PYTHONWARNINGS=ignore
         warnings.simplefilter('always')
         try:
@@ -57,6 +60,8 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(model(x[rank * shard:(rank + 1) * shard]),
                                                  y[rank * shard:(rank + 1) * shard])
         loss.backward()
+        if die_at == step:
+            os._exit(9)
         try:
             preconditioner.step()
         except RuntimeError as error:

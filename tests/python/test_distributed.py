@@ -289,3 +289,23 @@ def test_ranks_that_differ_refuse_within_seconds_naming_the_difference(tmp_path,
         assert ('the ranks built their preconditioners differently' if refused == 3
                 else "the ranks' hyper-parameters differ at K-FAC step 0") in out, out
     assert elapsed < 30, f'took {elapsed:.1f} s'
+
+
+def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
+    """Python jobs run dkfac's heartbeat watchdog (on a clone of torch's store): when a rank dies, the survivor's
+    failed collective names it, as the command line does, instead of 'a peer died' with no rank."""
+    start = time.monotonic()
+    procs = start_workers(2, dict(COMMON, die_at={'1': 2}), tmp_path)
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=60)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail('a rank did not end within 60 s')
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == 9
+    assert procs[0].returncode != 0
+    assert re.search(r'lost rank 1 \(no heartbeat for [0-9.]+ s\)', outputs[0]), outputs[0]
+    assert elapsed < 30, f'took {elapsed:.1f} s'

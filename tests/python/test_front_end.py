@@ -481,3 +481,98 @@ def test_strategy_auto_in_one_process_is_kaisa_and_says_why():
     assert preconditioner.strategy == 'auto'  # as given, like every keyword
     assert 'one process' in preconditioner.strategy_choice
     assert preconditioner.plan.startswith('step plan: single process'), preconditioner.plan
+
+
+def _replace_parameters(model: torch.nn.Module, state: dict, how: str) -> None:
+    if how == 'load_state_dict(assign=True)':  # meta-device initialisation, Hugging Face's loading
+        model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    elif how == 'assignment':
+        for name, module in model.named_modules():
+            for kind in ('weight', 'bias'):
+                if getattr(module, kind, None) is not None:
+                    setattr(module, kind, torch.nn.Parameter(state[f'{name}.{kind}'].clone()))
+    else:  # to() keeps each Parameter object and replaces its data
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize('how', ['load_state_dict(assign=True)', 'assignment', 'to()'])
+def test_replaced_parameters_keep_being_preconditioned(how):
+    """The core holds the Parameters it registered; a module whose Parameters were replaced used to have its
+    gradients left plain at every later step, without a word. Now step() follows the replacement: the job
+    equals one whose preconditioner was built after it."""
+    weights = tiny_mlp()
+    with torch.no_grad():
+        for p in weights.parameters():
+            p.mul_(1.5)
+    state = weights.state_dict()
+    model = tiny_mlp()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, lr=0.1)
+    _replace_parameters(model, state, how)
+    reference = tiny_mlp()
+    if how != 'to()':
+        reference.load_state_dict(state)
+    reference_preconditioner = dkfac.KFACPreconditioner(reference, damping=0.01, lr=0.1)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        raw = []
+        for m, p in ((model, preconditioner), (reference, reference_preconditioner)):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+            raw.append([q.grad.clone() for q in m.parameters()])
+            p.step()
+        for got, expected, plain in zip(model.parameters(), reference.parameters(), raw[0]):
+            assert torch.equal(got.grad, expected.grad), f'step {step}'
+            assert not torch.allclose(got.grad, plain), f'step {step}: the gradient was left plain'
+
+
+def test_a_replacement_of_another_shape_is_refused_naming_the_layer():
+    model = tiny_mlp()
+    preconditioner = dkfac.KFACPreconditioner(model)
+    model[0].weight = torch.nn.Parameter(torch.zeros(7, 4))
+    with pytest.raises(RuntimeError, match=r"layer '0': its weight was replaced by a tensor of shape \[7, 4\].*"
+                                           r"registered one of shape \[6, 4\]"):
+        preconditioner.step()
+
+
+def _trained():
+    model = tiny_mlp()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.003)
+    train(model, preconditioner, 2)
+    return model, preconditioner
+
+
+@pytest.mark.parametrize('change,message', [
+    (lambda sd: sd['layers']['0'].update(A=torch.zeros(3, 3)), r"layer '0'.*has shape \[3, 3\]"),
+    (lambda sd: sd['layers']['2'].update(G=sd['layers']['2']['G'] * float('nan')), r"layer '2'.*NaN or Inf"),
+    (lambda sd: sd.update(damping=-1.0), r'damping'),
+    (lambda sd: sd.update(damping='a lot'), r'damping'),
+    (lambda sd: sd.update(factor_update_steps=0), r'factor_update_steps'),
+])
+def test_a_refused_state_dict_changes_nothing(change, message):
+    """load_state_dict checks everything, then applies everything: a state dict with one bad entry used to
+    leave damping changed, load damping=-1 (every later step then raised), or keep a NaN factor for good."""
+    model, preconditioner = _trained()
+    before = copy.deepcopy(preconditioner.state_dict())
+    bad = copy.deepcopy(before)
+    bad['damping'] = 0.5  # a good change that must not land either
+    change(bad)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        preconditioner.load_state_dict(bad)
+    after = preconditioner.state_dict()
+    assert after['damping'] == 0.003 and preconditioner.damping == 0.003
+    for name, entry in before['layers'].items():
+        for key in ('A', 'G'):
+            assert torch.equal(after['layers'][name][key], entry[key]), (name, key)
+
+
+def test_loaded_factors_keep_the_dtype_asked_for():
+    model, preconditioner = _trained()
+    state = preconditioner.state_dict()
+    wide = copy.deepcopy(state)
+    for entry in wide['layers'].values():
+        entry['A'], entry['G'] = entry['A'].double(), entry['G'].double()
+    preconditioner.load_state_dict(wide)
+    for entry in preconditioner.state_dict()['layers'].values():
+        assert entry['A'].dtype == torch.float32 and entry['G'].dtype == torch.float32
+    for name, entry in state['layers'].items():
+        assert torch.equal(preconditioner.state_dict()['layers'][name]['A'], entry['A'])
