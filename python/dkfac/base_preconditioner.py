@@ -51,6 +51,18 @@ def _stacklevel_outside_dkfac() -> int:
     return level
 
 
+# Module -> the preconditioner that registered it (weakly): one model, one preconditioner.
+_PRECONDITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _release(hooks: list, modules: list, owner: weakref.ref) -> None:
+    for hook in hooks:
+        hook.remove()
+    for module in modules:
+        if _PRECONDITIONED.get(module) is owner:
+            del _PRECONDITIONED[module]
+
+
 class _CoreWarnings:
     """Re-raises the C++ core's warnings (TORCH_WARN) of the calls made inside the block with
     ``warnings.warn``, attributed to the user's line, once the core has returned (it runs with the GIL
@@ -143,6 +155,12 @@ class BaseKFACPreconditioner:
             g = module.weight.shape[0]
             logger.log(loglevel, 'dkfac: registered %s (%s): A %d x %d, G %d x %d', name, type(module).__name__,
                        a, a, g, g)
+        for module, (name, _) in self._layers.items():
+            other = _PRECONDITIONED.get(module)
+            if other is not None and other() is not None:
+                raise ValueError(f'layer {name!r} ({type(module).__name__}) is already registered with another '
+                                 f'{type(other()).__name__}: both would precondition its gradient. Build one '
+                                 'preconditioner per model (delete the other one first)')
         owner = weakref.ref(self)
         core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
         core_options.update(options, accumulation_steps=accumulation_steps,
@@ -152,8 +170,12 @@ class BaseKFACPreconditioner:
         with _CoreWarnings():
             self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
         self._bound = [(module.weight, module.bias) for module in self._modules]  # what the core preconditions
+        hooks = []
         for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
-            module.register_forward_hook(self._forward_hook(capture))
+            hooks.append(module.register_forward_hook(self._forward_hook(capture)))
+            _PRECONDITIONED[module] = owner
+        # A preconditioner that goes leaves its modules as it found them, free for another one.
+        weakref.finalize(self, _release, hooks, list(self._layers), owner)
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
 
     @staticmethod

@@ -202,6 +202,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # Each option's value by dkfac's name, as the user sees it (lists copied: the defaults are shared).
         values = {name: arguments[keyword] for name, keyword in typed.items()}
         values = {name: list(v) if isinstance(v, list) else v for name, v in values.items()}
+        for name, v in values.items():  # pybind would read a Python int beyond 64 bits as a bool ("got true")
+            if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+                raise ValueError(f'{typed[name]} must be an integer of at most 64 bits, got {v}')
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds (None: the process group's), got {timeout!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError('process_group must be a torch.distributed ProcessGroup (None: the default group), got '
+                            f'{type(process_group).__name__}')
         core = {name: _core_value(v) for name, v in values.items()}
         if isinstance(core['skip_layers'], str):
             core['skip_layers'] = [core['skip_layers']]

@@ -576,3 +576,35 @@ def test_loaded_factors_keep_the_dtype_asked_for():
         assert entry['A'].dtype == torch.float32 and entry['G'].dtype == torch.float32
     for name, entry in state['layers'].items():
         assert torch.equal(preconditioner.state_dict()['layers'][name]['A'], entry['A'])
+
+
+@pytest.mark.parametrize('kwargs,error,message', [
+    (dict(factor_update_steps=2**70), ValueError, r'factor_update_steps must be an integer of at most 64 bits, got 1180591620717411303424'),
+    (dict(timeout=0), ValueError, r'timeout must be a positive number of seconds.*got 0'),
+    (dict(timeout=-5), ValueError, r'timeout must be a positive number of seconds.*got -5'),
+    (dict(timeout=float('nan')), ValueError, r'timeout must be a positive number'),
+    (dict(process_group=5), TypeError, r'process_group must be a torch.distributed ProcessGroup.*got int'),
+])
+def test_argument_errors_name_the_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        dkfac.KFACPreconditioner(tiny_mlp(), **kwargs)
+
+
+def test_a_second_preconditioner_on_the_same_model_is_refused_until_the_first_goes():
+    """Two preconditioners on one model both preconditioned its gradients (twice), without a word."""
+    model = tiny_mlp()
+    first = dkfac.KFACPreconditioner(model)
+    with pytest.raises(ValueError, match=r"layer '0' \(Linear\) is already registered with another "
+                                         r'KFACPreconditioner'):
+        dkfac.KFACPreconditioner(model)
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    del first
+    import gc
+    gc.collect()
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks - 2  # its hooks went with it
+    second = dkfac.KFACPreconditioner(model)  # now free
+    reference_model = tiny_mlp()
+    reference = dkfac.KFACPreconditioner(reference_model)
+    for got, expected in zip(train(model, second, 2), train(reference_model, reference, 2)):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)  # preconditioned once, as a model with one preconditioner is
