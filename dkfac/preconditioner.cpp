@@ -339,8 +339,12 @@ void Preconditioner::step() {
     const double scale = guard_and_clip(fates, preconditioned);
     apply(fates, preconditioned, scale);
   } catch (const c10::OutOfMemoryError& e) {
+    forget_failed_step();
     const std::string layer = phase_layer_ >= 0 ? " of layer " + names_.layer(layers_[phase_layer_], phase_layer_) : "";
     device::rethrow_out_of_memory(e, std::string("K-FAC step ") + std::to_string(steps_) + ", " + phase_ + layer);
+  } catch (...) {
+    forget_failed_step();
+    throw;
   }
   close_step_timing();
   if (recheck_ && steps_ >= recheck_->first_step) {
@@ -373,6 +377,12 @@ void Preconditioner::discard_step() {
 void Preconditioner::update_second_order() {
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   compute_second_order(fates);
+}
+
+void Preconditioner::forget_failed_step() {
+  // What the failed step's forward and backward captured must not be averaged into the next factors.
+  reset_batch();
+  arm_capture();
 }
 
 void Preconditioner::reset_batch() {

@@ -225,6 +225,9 @@ class Preconditioner {
   /// kl_clip, factor_decay and the two intervals) give different values at this step: one allreduce of
   /// world x 6 numbers at the start of every step().
   void check_schedules_agree() const;
+  /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
+  /// builds the next factors from the next batches alone, and arms capture for the same step again.
+  void forget_failed_step();
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.

@@ -402,6 +402,34 @@ TEST(Preconditioner, UnusedLayerIsAnErrorNamingIt) {
   }
 }
 
+// A step() that throws (here: a layer without a gradient under the default policy) drops what its forward and
+// backward captured: a caller who catches the error and goes on gets the factors of the batches after it only,
+// as if the failed attempt had not run. They used to be averaged in with the next batch ("2 micro-batches").
+TEST(Preconditioner, FailedStepDropsItsCapture) {
+  auto run = [](bool with_failure) {
+    torch::manual_seed(1);
+    auto net = std::make_shared<TinyNet>();
+    net->to(torch::kFloat64);
+    Preconditioner kfac(net, Options());
+    zero_grad_and_backward(*net, 20);
+    kfac.step();
+    if (with_failure) {
+      zero_grad_and_backward(*net, 21);
+      net->fc2->weight.mutable_grad() = torch::Tensor();  // fc2 "has no gradient": step() throws
+      EXPECT_THROW(kfac.step(), c10::Error);
+    }
+    zero_grad_and_backward(*net, 22);
+    testing::CapturedWarnings warnings;
+    kfac.step();
+    EXPECT_EQ(warnings.all(), "");
+    return std::make_pair(gradients(*net), kfac.steps());
+  };
+  const auto [expected, expected_steps] = run(false);
+  const auto [got, steps] = run(true);
+  EXPECT_EQ(steps, expected_steps);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
+}
+
 TEST(Preconditioner, UnusedLayerCanBeSkipped) {
   torch::manual_seed(1);
   auto net = std::make_shared<NetWithUnused>();
