@@ -21,6 +21,19 @@ torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autoca
 
 namespace {
 
+/// `build(x)` for a factor kept in `x`'s dtype. A float16 factor's products and sums run in float32 from the
+/// float16 values and are rounded once: float16's sums over a batch pass 65504 where their mean fits, and
+/// the factor would be inf (the layer then falls back to its plain gradient).
+template <typename Build>
+torch::Tensor built_in_range(const torch::Tensor& x, Build build) {
+  if (x.scalar_type() != torch::kHalf) return build(x);
+  return build(x.to(torch::kFloat)).to(torch::kHalf);
+}
+
+}  // namespace
+
+namespace {
+
 /// True when `t`'s device type has autocast on in this thread (the capture runs inside the user's region).
 bool autocast_on(const torch::Tensor& t) {
   const auto type = t.device().type();
@@ -38,12 +51,10 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
   auto start = device::Mark::now(input.device());
   torch::NoGradGuard no_grad;
   auto x = in_factor_dtype(input.detach(), autocast);
-  torch::Tensor a_batch;
-  if (geometry_.kind == LayerKind::kLinear) {
-    a_batch = math::linear_a_factor(x, geometry_.has_bias);
-  } else {
-    a_batch = math::conv2d_a_factor(x.dim() == 3 ? x.unsqueeze(0) : x, geometry_.conv, geometry_.has_bias);
-  }
+  const auto a_batch = built_in_range(x, [this](const torch::Tensor& in) {
+    if (geometry_.kind == LayerKind::kLinear) return math::linear_a_factor(in, geometry_.has_bias);
+    return math::conv2d_a_factor(in.dim() == 3 ? in.unsqueeze(0) : in, geometry_.conv, geometry_.has_bias);
+  });
   add_and_notify(true, a_batch, 0.0, std::pair{std::move(start), device::Mark::now(input.device())});
 }
 
@@ -75,12 +86,10 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
                 "; it must return the loss scale as one number");
     g = g / scale.to(g.device(), /*non_blocking=*/true).reshape({});  // keeps g's dtype
   }
-  torch::Tensor g_batch;
-  if (geometry_.kind == LayerKind::kLinear) {
-    g_batch = math::linear_g_factor(g);
-  } else {
-    g_batch = math::conv2d_g_factor(g.dim() == 3 ? g.unsqueeze(0) : g);
-  }
+  const auto g_batch = built_in_range(g, [this](const torch::Tensor& in) {
+    if (geometry_.kind == LayerKind::kLinear) return math::linear_g_factor(in);
+    return math::conv2d_g_factor(in.dim() == 3 ? in.unsqueeze(0) : in);
+  });
   add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
 }
 

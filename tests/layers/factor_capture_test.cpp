@@ -227,6 +227,25 @@ TEST_P(FactorCaptureStorage, FactorsAreBuiltAndKeptInTheFactorDtype) {
   EXPECT_TENSOR_NEAR(g, dense_covariance(dy.to(dtype), false), tol);
 }
 
+// float16 factors of a batch whose sums pass float16's 65504 but whose mean fits: built from the float16 values
+// in float32 and rounded once, so finite and within float16's rounding of the mean. They used to be inf (summed
+// in float16, then divided), and the layer fell back to its plain gradient at that step.
+TEST(FactorCapture, Float16FactorsOfLargeSumsStayFinite) {
+  auto capture = linear_capture(true);
+  capture.set_factor_dtype(torch::kHalf);
+  const auto x = torch::full({256, 3}, 40.0, kF64) + torch::randn({256, 3}, kF64);  // rows^2 ~ 1600, sum ~ 4e5
+  const auto dy = torch::full({256, 2}, 30.0, kF64);
+  capture.capture_input(x);
+  capture.capture_output_grad(dy);
+  const auto a = capture.take_a();
+  const auto g = capture.take_g();
+  EXPECT_EQ(a.scalar_type(), torch::kHalf);
+  EXPECT_TRUE(torch::isfinite(a).all().item<bool>()) << a;
+  EXPECT_TRUE(torch::isfinite(g).all().item<bool>()) << g;
+  EXPECT_TENSOR_NEAR(a, dense_covariance(x.to(torch::kHalf), true), 2e-3);
+  EXPECT_TENSOR_NEAR(g, dense_covariance(dy.to(torch::kHalf), false), 2e-3);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FactorCaptureStorage, ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat32));
 
 }  // namespace
