@@ -120,7 +120,9 @@ inline OptionRange any_value() { return {}; }
   X(Value, int64_t, large_factor_dim, 4096, at_least(0), "--large-factor-dim", "", "",                               \
     "warn at construction about factors wider than this, with their memory and update cost (0: never)")            \
   X(Value, UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError, any_value(), "--unused-layer-policy",   \
-    "", "", "a registered layer that did not run before step(): error, or skip (keep its plain gradient, warn once)")  \
+    "", "", "a registered layer that did not run before step(): error, or skip (keep its plain gradient, warn once; "   \
+    "on several ranks, a layer that any rank skipped keeps its plain gradient on every rank that step, and factors are " \
+    "reduced in step(), not from the hooks; not with strategy spd)")                                                    \
   X(Value, double, grad_worker_fraction, 1.0,                                                                        \
     (OptionRange{0, 1, false, false, {{"comm-opt", 1.0}, {"hybrid-opt", 0.5}, {"mem-opt", 0.0}}}),                  \
     "--grad-worker-fraction", "", "",                                                                               \

@@ -145,6 +145,15 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   communicator_ = std::move(communicator);
   if (communicator_) communicator_->use_device(device_);  // control tensors follow the layers (NCCL-only groups)
   check_ranks_agree();
+  if (agrees_on_unused_layers()) {
+    // A layer may run on some ranks only (stochastic depth, DDP's find_unused_parameters): step() has the
+    // ranks agree which layers all of them can use, so factors are reduced there, not from the capture hooks,
+    // which start their collectives before any rank knows what the others ran.
+    TORCH_CHECK(options_.strategy() != Strategy::kSpd, "unused_layer_policy skip with strategy spd on several "
+                "ranks: SPD-KFAC reduces factors from the capture hooks, before the ranks can agree which layers "
+                "ran; use strategy kaisa, dp or auto");
+    options_.update_factors_in_hook(false);
+  }
   Options plan_options = options_;
   auto_requested_ = options_.strategy() == Strategy::kAuto;
   if (auto_requested_) {
@@ -443,7 +452,33 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     fates[i] = LayerFate::kPlainGradient;
     ++events_.skipped_unused;
   }
+  if (agrees_on_unused_layers()) agree_on_unused_layers(fates);
   return fates;
+}
+
+bool Preconditioner::agrees_on_unused_layers() const {
+  return options_.unused_layer_policy() == UnusedLayerPolicy::kSkip && communicator_ && communicator_->size() > 1;
+}
+
+void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
+  // How many ranks can use each layer this step (one allreduce of one number a layer). A layer that some
+  // rank cannot use keeps its plain gradient on every rank this step: every collective keeps its size, and
+  // every rank writes the same gradients.
+  std::vector<double> usable;
+  for (const auto fate : fates) usable.push_back(fate == LayerFate::kPreconditioned ? 1.0 : 0.0);
+  auto counts = torch::tensor(usable, torch::kFloat64).to(communicator_->control_device());
+  communicator_->allreduce_sum(counts, comm::kWorld, comm::Phase::kControl).wait();
+  counts = counts.cpu();
+  const int world = communicator_->size();
+  for (size_t i = 0; i < fates.size(); ++i) {
+    const auto ran = static_cast<int>(counts[static_cast<int64_t>(i)].item<double>());
+    if (fates[i] != LayerFate::kPreconditioned || ran == world) continue;
+    warn_once(i, "unused elsewhere", "could be used on " + std::to_string(ran) + " of " + std::to_string(world) +
+                                         " ranks; every rank keeps its plain gradient at such steps (the ranks agree)");
+    layers_[i].capture().clear();
+    fates[i] = LayerFate::kPlainGradient;
+    ++events_.skipped_unused;
+  }
 }
 
 void Preconditioner::update_factors(std::vector<LayerFate>& fates) {

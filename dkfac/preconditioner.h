@@ -228,6 +228,10 @@ class Preconditioner {
   /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
   /// builds the next factors from the next batches alone, and arms capture for the same step again.
   void forget_failed_step();
+  /// unused_layer_policy skip on several ranks: the ranks agree at every step which layers all can use.
+  bool agrees_on_unused_layers() const;
+  /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
+  void agree_on_unused_layers(std::vector<LayerFate>& fates);
   /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
   void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.

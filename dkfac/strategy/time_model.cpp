@@ -436,7 +436,10 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
           Options(base).strategy(Strategy::kKaisa).grad_worker_fraction(f).symmetric_comm(triangles));
     }
   }
-  add("spd", Options(base).strategy(Strategy::kSpd).grad_worker_fraction(1.0).symmetric_comm(true));
+  // SPD-KFAC reduces factors from the capture hooks: not when ranks may skip layers (Preconditioner).
+  if (base.unused_layer_policy() != UnusedLayerPolicy::kSkip) {
+    add("spd", Options(base).strategy(Strategy::kSpd).grad_worker_fraction(1.0).symmetric_comm(true));
+  }
   add("dp", Options(base).strategy(Strategy::kDp).grad_worker_fraction(1.0).symmetric_comm(false));
 
   const auto& all = choice.candidates;

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <set>
 
 #include "dkfac/dkfac.h"
 #include "tests/multi_rank.h"
@@ -156,6 +157,76 @@ TEST(RanksAgree, SchedulesAreComparedByTheirValuesEachStep) {
     EXPECT_NE(error.find("rank 1 has factor_update_steps=2 where rank 0 has factor_update_steps=1"), std::string::npos) << error;
   }
 }
+
+// A model whose middle layer some ranks skip at some steps (stochastic depth; DDP's find_unused_parameters).
+struct Skippy : torch::nn::Module {
+  Skippy() {
+    a = register_module("a", nn::Linear(4, 6));
+    b = register_module("b", nn::Linear(6, 6));
+    c = register_module("c", nn::Linear(6, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool skip_b) {
+    auto h = torch::tanh(a->forward(x));
+    if (!skip_b) h = h + torch::tanh(b->forward(h));
+    return c->forward(h);
+  }
+  nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+
+class SkippedOnOneRank : public ::testing::TestWithParam<Options> {};
+
+// With unused_layer_policy skip, a layer that one rank skipped used to abort the job (the factor allreduce
+// sizes differed between ranks). Now the ranks agree at every step: such a layer keeps its plain gradient on
+// every rank that step, the others are preconditioned, and the ranks stay identical. (DP-KFAC builds a layer's
+// factors from its owner's batch alone: there the layer is left plain only where its owner skipped it.)
+TEST_P(SkippedOnOneRank, EveryRankKeepsThatLayersPlainGradientAndTrainsOn) {
+  const std::set<int64_t> skipped_steps = {1, 2};
+  std::vector<std::vector<std::vector<torch::Tensor>>> got(2), plain(2);
+  bool skipping_rank_needs_b = true;  // whether rank 1's capture of b counts (every strategy but DP: yes)
+  run_ranks(2, [&](int rank, std::shared_ptr<Communicator> communicator) {
+    std::shared_ptr<Skippy> net;
+    {
+      static std::mutex mutex;
+      std::lock_guard<std::mutex> lock(mutex);
+      torch::manual_seed(0);
+      net = std::make_shared<Skippy>();
+    }
+    Preconditioner kfac(net, Options(GetParam()).unused_layer_policy(UnusedLayerPolicy::kSkip), communicator);
+    if (rank == 1) skipping_rank_needs_b = kfac.executor().builds_factors(1);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    for (int64_t step = 0; step < 4; ++step) {
+      sgd.zero_grad();
+      auto g = at::make_generator<at::CPUGeneratorImpl>(100 * step + rank);
+      const bool skip = rank == 1 && skipped_steps.count(step) > 0;
+      net->forward(torch::randn({5, 4}, g), skip).pow(2).sum().backward();
+      for (auto& p : net->parameters()) {  // as DDP: an unused parameter's gradient is zero
+        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        communicator->allreduce_mean(p.mutable_grad(), kWorld, Phase::kDataParallel).wait();
+      }
+      std::vector<torch::Tensor> before;
+      for (const auto& p : net->parameters()) before.push_back(p.grad().clone());
+      kfac.step();
+      std::vector<torch::Tensor> after;
+      for (const auto& p : net->parameters()) after.push_back(p.grad().clone());
+      plain[rank].push_back(before);
+      got[rank].push_back(after);
+      sgd.step();
+    }
+  });
+  // Parameters in registration order: a.weight, a.bias, b.weight, b.bias, c.weight, c.bias.
+  for (int64_t step = 0; step < 4; ++step) {
+    for (size_t p = 0; p < got[0][step].size(); ++p) {
+      EXPECT_TRUE(torch::equal(got[0][step][p], got[1][step][p])) << "ranks differ: step " << step << " param " << p;
+      const bool of_b = p == 2 || p == 3;
+      const bool left_plain = of_b && skipped_steps.count(step) > 0 && skipping_rank_needs_b;
+      EXPECT_EQ(torch::equal(got[0][step][p], plain[0][step][p]), left_plain) << "step " << step << " param " << p;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, SkippedOnOneRank,
+                         ::testing::Values(Options().grad_worker_fraction(0.5), Options(),
+                                           Options().strategy(Strategy::kDp)));
 
 }  // namespace
 }  // namespace dkfac::comm

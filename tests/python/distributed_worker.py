@@ -6,7 +6,8 @@ preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cud
 'backend' (torch.distributed's, default 'gloo') and 'per_rank' ({"RANK": {keyword: value}}: this rank's own
 values). A worker whose preconditioner refuses to be built prints "refused: MESSAGE" and exits with 3; one whose
 step() refuses, "refused at step N: MESSAGE", and exits with 4. 'die_at' ({"RANK": step}) makes that rank exit
-(status 9, no cleanup) after that step's backward.
+(status 9, no cleanup) after that step's backward. 'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
+that this rank skips at those steps (stochastic depth), under DDP with find_unused_parameters=True.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ GLOBAL_BATCH = 16
 STEPS = 4
 
 
+class SkippableBlock(torch.nn.Module):
+    """x + relu(conv(x)), or x alone while ``skip`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.skip else x + torch.relu(self.conv(x))
+
+
 def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     explicit_group = kwargs.pop('explicit_group', False)
@@ -35,7 +49,15 @@ def main() -> None:
     device = torch.device(kwargs.pop('device', 'cpu'))
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
-    model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn').to(device))
+    skip_at = kwargs.pop('skip_at', None)
+    if skip_at is None:
+        model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn').to(device))
+    else:
+        skipping = set(skip_at.get(str(rank), []))
+        block = SkippableBlock()
+        base = scenarios.make_model('cnn')
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(base[0], base[1], block, *base[2:]).to(device), find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if explicit_group:
         kwargs['process_group'] = dist.new_group(list(range(size)))
@@ -54,6 +76,8 @@ def main() -> None:
     shard = GLOBAL_BATCH // size
     grads, params = [], []
     for step in range(STEPS):
+        if skip_at is not None:
+            block.skip = step in skipping
         params.append([p.detach().to('cpu', copy=True) for p in model.parameters()])
         x, y = (t.to(device) for t in scenarios.batch('cnn', step, size=GLOBAL_BATCH))
         optimizer.zero_grad()

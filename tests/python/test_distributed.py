@@ -309,3 +309,16 @@ def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
     assert procs[0].returncode != 0
     assert re.search(r'lost rank 1 \(no heartbeat for [0-9.]+ s\)', outputs[0]), outputs[0]
     assert elapsed < 30, f'took {elapsed:.1f} s'
+
+
+@pytest.mark.parametrize('strategy', [dict(grad_worker_fraction=0.5), dict(strategy='dp')])
+def test_a_layer_skipped_on_one_rank_trains_on(tmp_path, strategy):
+    """unused_layer_policy='skip' with a block that rank 1 skips at steps 1 and 2 (stochastic depth, DDP's
+    find_unused_parameters): it used to abort that rank ("Received data size doesn't match"). The ranks now agree
+    at every step, train on, and end with the same gradients."""
+    kwargs = dict(COMMON, unused_layer_policy='skip', skip_at={'1': [1, 2]}, **strategy)
+    ranks = run_workers(2, kwargs, tmp_path)
+    for step in range(STEPS):
+        for a, b in zip(ranks[0]['grads'][step], ranks[1]['grads'][step]):
+            assert torch.equal(a, b), f'step {step}'
+    assert len(ranks[0]['layers']) == 4  # the block's conv is registered
