@@ -204,6 +204,21 @@ TEST_F(TrainerTest, NonFiniteLossStopsOrIsSkipped) {
     EXPECT_EQ(summary.step_losses.size() + summary.skipped_steps, 8u);
     for (double loss : summary.step_losses) EXPECT_TRUE(std::isfinite(loss));
   }
+  // A loss that never recovers: --max-skipped-steps dropped steps in a row end the run as failed (it used to
+  // exit 0 with nearly every step dropped).
+  c.kfac = false;
+  c.max_steps = 40;
+  c.max_skipped_steps = 3;
+  try {
+    Trainer(c).run();
+    ADD_FAILURE() << "a run that never recovers must fail";
+  } catch (const JobError& e) {  // every rank reaches it: rank 0 says it for the job
+    const std::string message = e.what();
+    for (const char* part : {"the loss or gradient was non-finite at 3 steps in a row", "--max-skipped-steps 3",
+                             "the run is not recovering"}) {
+      EXPECT_NE(message.find(part), std::string::npos) << message;
+    }
+  }
 }
 
 // Checkpoints every N steps resume mid-epoch onto the same trajectory.

@@ -199,6 +199,11 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
              "stop: end with an error before a non-finite loss or gradient reaches the weights; skip: drop "
              "that step and go on")
       ->group(kOptimizerGroup);
+  app.add_option("--max-skipped-steps", c.max_skipped_steps,
+                 "with --on-nan-loss skip: this many dropped steps in a row end the run with an error (the loss "
+                 "is not recovering)")
+      ->capture_default_str()
+      ->group(kOptimizerGroup);
   // --- K-FAC. Paired switches are two flags each, so that --help says which one is the default.
   auto resolvers = std::make_shared<Resolvers>();
   add_switch(app, "--kfac", "--no-kfac", c.kfac, "precondition with K-FAC", "no K-FAC: plain SGD/Adam", kKfacGroup);

@@ -144,6 +144,7 @@ void TrainConfig::validate() const {
   TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
               "pass one of them");
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
+  TORCH_CHECK(max_skipped_steps >= 1, "--max-skipped-steps must be >= 1, got ", max_skipped_steps);
   TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
   TORCH_CHECK(eval_examples >= 0, "--eval-examples must be >= 0, got ", eval_examples);
   TORCH_CHECK(!(device == DeviceChoice::kCpu && backend == comm::CudaBackend::kNccl),
@@ -162,7 +163,8 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
           {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
-          {"on-nan-loss", to_string(c.on_nan_loss)}, {"resume", c.resume}, {"overwrite", c.overwrite},
+          {"on-nan-loss", to_string(c.on_nan_loss)}, {"max-skipped-steps", c.max_skipped_steps},
+          {"resume", c.resume}, {"overwrite", c.overwrite},
           {"print-plan", c.print_plan}, {"kfac-rates", c.kfac_rates},
           {"device", to_string(c.device)}, {"backend", to_string(c.backend)}};
   for (const auto& info : option_table()) {

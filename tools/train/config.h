@@ -93,6 +93,7 @@ struct TrainConfig {
   int64_t checkpoint_every_epochs = 1;
   int64_t checkpoint_every_steps = 0;  // 0: only at epoch ends (and --max-steps)
   NanPolicy on_nan_loss = NanPolicy::kStop;  // what a non-finite loss or gradient does
+  int64_t max_skipped_steps = 10;  // --on-nan-loss skip: consecutive dropped steps that end the run as failed
   bool resume = false;
   bool overwrite = false;  // a fresh run may replace the checkpoints and metrics file it finds
   std::string command_line;  // as typed, for the metrics file's run event (not an option)

@@ -858,6 +858,7 @@ void Trainer::run_step(const Position& at, const torch::Tensor& order, EpochLoss
     skip_step(at, summary);
     return;
   }
+  summary.skipped_in_a_row = 0;
   summary.step_losses.push_back(*loss);
   epoch.sum += *loss;
   ++epoch.steps;
@@ -970,6 +971,14 @@ void Trainer::skip_step(const Position& at, TrainSummary& summary) {
   s.metrics.write({{"event", "skipped_step"}, {"step", s.global_step}, {"epoch", at.epoch + 1},
                    {"epoch_progress", epoch_progress(at)}});
   ++s.global_step;
+  // Every rank drops the same steps (the ranks agree on a non-finite loss), so every rank stops here alike.
+  if (++summary.skipped_in_a_row >= config_.max_skipped_steps) {
+    throw JobError("the loss or gradient was non-finite at " + std::to_string(summary.skipped_in_a_row) +
+                   " steps in a row (" + std::to_string(summary.skipped_steps) + " dropped in all, --on-nan-loss "
+                   "skip, --max-skipped-steps " + std::to_string(config_.max_skipped_steps) + "): the run is not "
+                   "recovering; stopped (the last checkpoint is intact). Lower the learning rate, or raise "
+                   "--max-skipped-steps");
+  }
 }
 
 // --checkpoint-every-steps: a checkpoint after the step at `at`, unless the epoch's end or --max-steps is

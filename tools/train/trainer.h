@@ -29,6 +29,7 @@ struct TrainSummary {
   int64_t steps = 0;
   int64_t epochs = 0;
   int64_t skipped_steps = 0;  // steps dropped for a non-finite loss or gradient (--on-nan-loss skip)
+  int64_t skipped_in_a_row = 0;  // the current run of dropped steps (--max-skipped-steps bounds it)
   double best_accuracy = 0.0;
   double final_accuracy = 0.0;
   double final_test_loss = 0.0;
