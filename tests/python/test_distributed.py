@@ -48,17 +48,22 @@ def start_workers(size: int, kwargs: dict, tmp_path) -> list[subprocess.Popen]:
     return procs
 
 
-def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
-    procs = start_workers(size, kwargs, tmp_path)
+def outputs_of(procs: list[subprocess.Popen], seconds: float) -> list[str]:
+    """Each worker's output once all have ended; fails the test (killing them) if one runs past `seconds`."""
     outputs = []
     for rank, proc in enumerate(procs):
         try:
-            out, _ = proc.communicate(timeout=240)
+            outputs.append(proc.communicate(timeout=seconds)[0])
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail(f'rank {rank} of {size} did not finish in 240 s')
-        outputs.append(out)
+            pytest.fail(f'rank {rank} of {len(procs)} did not finish in {seconds} s')
+    return outputs
+
+
+def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
+    procs = start_workers(size, kwargs, tmp_path)
+    outputs = outputs_of(procs, 240)
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
     return [torch.load(tmp_path / f'rank{rank}.pt', weights_only=False) for rank in range(size)]
@@ -274,14 +279,7 @@ def test_ranks_that_differ_refuse_within_seconds_naming_the_difference(tmp_path,
     30-minute timeout when the difference changed the collectives: now every rank refuses, naming it."""
     start = time.monotonic()
     procs = start_workers(2, dict(COMMON, per_rank=per_rank), tmp_path)
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=60)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail('a rank did not end within 60 s')
+    outputs = outputs_of(procs, 60)
     elapsed = time.monotonic() - start
     for rank, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == refused, f'rank {rank} exit {proc.returncode}:\n{out}'
@@ -296,14 +294,7 @@ def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
     failed collective names it, as the command line does, instead of 'a peer died' with no rank."""
     start = time.monotonic()
     procs = start_workers(2, dict(COMMON, die_at={'1': 2}), tmp_path)
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=60)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail('a rank did not end within 60 s')
+    outputs = outputs_of(procs, 60)
     elapsed = time.monotonic() - start
     assert procs[1].returncode == 9
     assert procs[0].returncode != 0
