@@ -435,9 +435,10 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     if (captured != 0 && layer.has_gradient()) {
       if (captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
-                  "captured " + std::to_string(captured) + " micro-batches but accumulation_steps is " +
-                      std::to_string(options_.accumulation_steps()) + "; factors are averaged over the " +
-                      std::to_string(captured) + " captured");
+                  "ran forward and backward " + std::to_string(captured) + " times since the last factor update "
+                  "but accumulation_steps is " + std::to_string(options_.accumulation_steps()) +
+                      " (a layer called several times in one forward, or micro-batches not declared); its factors "
+                      "average the " + std::to_string(captured) + " passes");
       }
       continue;
     }

@@ -430,6 +430,24 @@ TEST(Preconditioner, FailedStepDropsItsCapture) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
 }
 
+// A layer called twice in one forward (weights shared) is not "2 micro-batches": the warning says what may
+// have happened.
+TEST(Preconditioner, LayerCalledTwicePerForwardIsDescribedSo) {
+  struct Twice : torch::nn::Module {
+    Twice() { fc = register_module("fc", nn::Linear(3, 3)); }
+    torch::Tensor forward(const torch::Tensor& x) { return fc->forward(torch::tanh(fc->forward(x))); }
+    nn::Linear fc{nullptr};
+  };
+  auto net = std::make_shared<Twice>();
+  Preconditioner kfac(net, Options());
+  net->forward(torch::randn({4, 3})).pow(2).sum().backward();
+  testing::CapturedWarnings warnings;
+  kfac.step();
+  EXPECT_NE(warnings.all().find("ran forward and backward 2 times since the last factor update but "
+                                "accumulation_steps is 1 (a layer called several times in one forward"),
+            std::string::npos) << warnings.all();
+}
+
 TEST(Preconditioner, UnusedLayerCanBeSkipped) {
   torch::manual_seed(1);
   auto net = std::make_shared<NetWithUnused>();
