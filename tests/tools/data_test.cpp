@@ -91,6 +91,22 @@ TEST_F(DataFiles, MismatchedImageAndLabelCounts) {
   expect_error([&] { load_mnist_style(dir_.string(), false, 0.0, 1.0); }, {"has neither t10k-images-idx3-ubyte"});
 }
 
+// An uncompressed file beside its .gz: read when both hold the same data, refused naming both when they differ
+// (a stale copy used to be read without a word).
+TEST_F(DataFiles, PlainAndGzipCopiesMustAgree) {
+  write("train-images-idx3-ubyte", idx_images(0x803, 2, 2, 2, 8));
+  write("train-images-idx3-ubyte.gz", idx_images(0x803, 2, 2, 2, 8), true);
+  write("train-labels-idx1-ubyte", idx_labels(0x801, 2, {1, 2}));
+  const auto read = load_mnist_style(dir_.string(), true, 0.0, 1.0);
+  EXPECT_EQ(read.size(), 2);
+  EXPECT_EQ(read.source, "'" + dir_.string() + "/train-images-idx3-ubyte', '" + dir_.string() + "/train-labels-idx1-ubyte'")
+      << "the files read are named";
+  write("train-labels-idx1-ubyte.gz", idx_labels(0x801, 2, {2, 1}), true);
+  expect_error([&] { load_mnist_style(dir_.string(), true, 0.0, 1.0); },
+               {"has both train-labels-idx1-ubyte and train-labels-idx1-ubyte.gz, and they hold different data",
+                "remove the stale one"});
+}
+
 TEST_F(DataFiles, ImagesOfOtherDimensionsThanTheModelsAreNamedWithBothSizes) {
   // A mnist-named directory with 32 x 32 images used to end in "mat1 and mat2 shapes cannot be multiplied".
   const auto images = write("train-images-idx3-ubyte", idx_images(0x803, 2, 32, 32, 2 * 32 * 32));

@@ -59,11 +59,17 @@ std::vector<int64_t> parse_header(const std::vector<uint8_t>& bytes, const std::
   return shape;
 }
 
+// `stem` or `stem.gz` in `dir`. With both, they must hold the same bytes: a stale uncompressed copy beside a
+// newer .gz used to be read without a word.
 std::string find_file(const std::string& dir, const std::string& stem) {
-  for (const auto& candidate : {dir + "/" + stem, dir + "/" + stem + ".gz"}) {
-    if (std::filesystem::exists(candidate)) return candidate;
-  }
-  TORCH_CHECK(false, "dataset directory '", dir, "' has neither ", stem, " nor ", stem, ".gz");
+  const auto plain = dir + "/" + stem;
+  const auto gz = plain + ".gz";
+  const bool has_plain = std::filesystem::exists(plain);
+  const bool has_gz = std::filesystem::exists(gz);
+  TORCH_CHECK(has_plain || has_gz, "dataset directory '", dir, "' has neither ", stem, " nor ", stem, ".gz");
+  TORCH_CHECK(!has_plain || !has_gz || read_file(plain) == read_file(gz), "dataset directory '", dir, "' has both ",
+              stem, " and ", stem, ".gz, and they hold different data: remove the stale one");
+  return has_plain ? plain : gz;
 }
 
 }  // namespace
@@ -107,7 +113,7 @@ ImageSet read_mnist_style(const std::string& dir, bool train, int64_t rows, int6
   auto labels = read_idx_labels(labels_path);
   TORCH_CHECK(images.size(0) == labels.size(0), "'", images_path, "' holds ", images.size(0), " images but '",
               labels_path, "' holds ", labels.size(0), " labels");
-  return {images.unsqueeze(1), labels};
+  return {images.unsqueeze(1), labels, "'" + images_path + "', '" + labels_path + "'"};
 }
 
 torch::Tensor normalise_mnist_style(const torch::Tensor& images, double mean, double stddev) {

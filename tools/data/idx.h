@@ -24,6 +24,7 @@ torch::Tensor parse_idx_labels(const std::vector<uint8_t>& bytes, const std::str
 struct ImageSet {
   torch::Tensor images;
   torch::Tensor labels;
+  std::string source;  ///< the files read ("'dir/train-images-idx3-ubyte.gz', '...labels...'"); empty: generated
   int64_t size() const { return labels.size(0); }
 };
 

@@ -739,6 +739,9 @@ TrainSummary Trainer::run() {
   open_metrics(resumed_at_step);
   start_training();
   log() << run_header() << std::endl;
+  if (!state_->dataset.train.source.empty()) {  // which of a plain and a .gz copy, and where
+    log() << "data: train " << state_->dataset.train.source << "; test " << state_->dataset.test.source << std::endl;
+  }
 
   TrainSummary summary;
   Evaluation last_eval;
