@@ -7,6 +7,7 @@
 #include "dkfac/strategy/time_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iomanip>
 #include <limits>
 #include <regex>
@@ -462,18 +463,16 @@ bool Preconditioner::agrees_on_unused_layers() const {
 }
 
 void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
-  // How many ranks can use each layer this step (one allreduce of one number a layer). A layer that some
-  // rank cannot use keeps its plain gradient on every rank this step: every collective keeps its size, and
-  // every rank writes the same gradients.
+  // The share of ranks that can use each layer this step (one allreduce of one number a layer: exactly 1 where
+  // all can). A layer that some rank cannot use keeps its plain gradient on every rank this step: every
+  // collective keeps its size, and every rank writes the same gradients.
   std::vector<double> usable;
   for (const auto fate : fates) usable.push_back(fate == LayerFate::kPreconditioned ? 1.0 : 0.0);
-  auto counts = torch::tensor(usable, torch::kFloat64).to(communicator_->control_device());
-  communicator_->allreduce_sum(counts, comm::kWorld, comm::Phase::kControl).wait();
-  counts = counts.cpu();
+  comm::average_over(*communicator_, comm::kWorld, usable, comm::Phase::kControl);
   const int world = communicator_->size();
   for (size_t i = 0; i < fates.size(); ++i) {
-    const auto ran = static_cast<int>(counts[static_cast<int64_t>(i)].item<double>());
-    if (fates[i] != LayerFate::kPreconditioned || ran == world) continue;
+    if (fates[i] != LayerFate::kPreconditioned || usable[i] == 1.0) continue;
+    const auto ran = static_cast<int>(std::lround(usable[i] * world));
     warn_once(i, "unused elsewhere", "could be used on " + std::to_string(ran) + " of " + std::to_string(world) +
                                          " ranks; every rank keeps its plain gradient at such steps (the ranks agree)");
     layers_[i].capture().clear();

@@ -25,21 +25,6 @@ std::vector<double> parts_of(uint64_t h) {
   return parts;
 }
 
-/// `text` from group rank `root` to every rank of the group: its length, then its bytes.
-std::string broadcast_text(Communicator& communicator, GroupId group, int root, const std::string& text,
-                           Phase phase) {
-  const auto device = communicator.control_device();
-  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kInt64).to(device);
-  communicator.broadcast(length, root, group, phase).wait();
-  const int64_t n = length.cpu().item<int64_t>();
-  auto bytes = torch::zeros({n}, torch::kUInt8);
-  if (communicator.rank() == root) std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
-  bytes = bytes.to(device);
-  if (n > 0) communicator.broadcast(bytes, root, group, phase).wait();
-  bytes = bytes.cpu();
-  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(n));
-}
-
 std::string joined(const std::vector<std::string>& lines) {
   std::string out;
   for (const auto& line : lines) out += line + "\n";
@@ -58,6 +43,20 @@ std::vector<std::string> split(const std::string& text) {
 }
 
 }  // namespace
+
+std::string broadcast_text(Communicator& communicator, GroupId group, int root, const std::string& text,
+                           Phase phase) {
+  const auto device = communicator.control_device();
+  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kInt64).to(device);
+  communicator.broadcast(length, root, group, phase).wait();
+  const int64_t n = length.cpu().item<int64_t>();
+  auto bytes = torch::zeros({n}, torch::kUInt8);
+  if (communicator.rank() == root) std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
+  bytes = bytes.to(device);
+  if (n > 0) communicator.broadcast(bytes, root, group, phase).wait();
+  bytes = bytes.cpu();
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(n));
+}
 
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
                              Phase phase) {

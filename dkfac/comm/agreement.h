@@ -10,6 +10,11 @@
 /// lines themselves only when the hashes differ.
 namespace dkfac::comm {
 
+/// `text` (as rank `root` of `group` holds it) on every rank of the group: its length, then its bytes, in two
+/// broadcasts (counted under `phase`). Collective over `group`; `root` is a world rank in it.
+std::string broadcast_text(Communicator& communicator, GroupId group, int root, const std::string& text,
+                           Phase phase = Phase::kSetup);
+
 /// The first difference between this rank's `lines` and those of the other ranks of `group`, as every rank
 /// sees it ("rank 1 has 'damping=0.01' where rank 0 has 'damping=0.001'"), or "" when all agree. Every rank
 /// returns the same text. The lowest rank that differs from the group's first rank is the one named. Costs one

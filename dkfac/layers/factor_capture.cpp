@@ -30,10 +30,6 @@ torch::Tensor built_in_range(const torch::Tensor& x, Build build) {
   return build(x.to(torch::kFloat)).to(torch::kHalf);
 }
 
-}  // namespace
-
-namespace {
-
 /// True when `t`'s device type has autocast on in this thread (the capture runs inside the user's region).
 bool autocast_on(const torch::Tensor& t) {
   const auto type = t.device().type();

@@ -7,6 +7,7 @@
 #include "tools/train/metrics.h"
 #include "dkfac/version.h"
 #include "dkfac/numbers.h"
+#include "dkfac/comm/agreement.h"
 #include "dkfac/comm/communicator.h"
 
 #include <fcntl.h>
@@ -350,14 +351,8 @@ Evaluation Trainer::evaluate() {
 void Trainer::check_same_options() {
   // Rank 0's options go to every rank; any difference stops every rank, naming the option.
   const auto own = to_json(config_);
-  const std::string mine = own.dump();
-  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
-  communicator_->broadcast(length, 0, comm::kWorld, comm::Phase::kSetup).wait();
-  auto bytes = torch::zeros({length.item<int64_t>()}, torch::kUInt8);
-  if (rank_ == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
-  communicator_->broadcast(bytes, 0, comm::kWorld, comm::Phase::kSetup).wait();
-  const auto reference = nlohmann::json::parse(
-      std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel())));
+  const auto reference =
+      nlohmann::json::parse(comm::broadcast_text(*communicator_, comm::kWorld, 0, own.dump(), comm::Phase::kSetup));
   std::string difference;
   for (const auto& [key, value] : own.items()) {
     if (!reference.contains(key) || reference.at(key) != value) {
