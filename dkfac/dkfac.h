@@ -12,6 +12,7 @@
 #include "dkfac/comm/environment.h"
 #include "dkfac/device.h"
 #include "dkfac/nn/conv2d.h"
+#include "dkfac/nn/embedding.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/nn/linear.h"
 #include "dkfac/options.h"

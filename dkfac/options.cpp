@@ -54,6 +54,7 @@ void Options::validate() const {
   checked("grad_worker_fraction", grad_worker_fraction_);
   checked("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb_);
   checked("large_factor_dim", large_factor_dim_);
+  checked("diagonal_factor_dim", diagonal_factor_dim_);
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",

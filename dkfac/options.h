@@ -119,6 +119,9 @@ inline OptionRange any_value() { return {}; }
     "their plain gradient; a pattern that matches no layer is warned about")                                        \
   X(Value, int64_t, large_factor_dim, 4096, at_least(0), "--large-factor-dim", "", "",                               \
     "warn at construction about factors wider than this, with their memory and update cost (0: never)")            \
+  X(Value, int64_t, diagonal_factor_dim, 8192, at_least(0), "--diagonal-factor-dim", "", "",                           \
+    "keep a factor wider than this as its diagonal (d values, not d^2: vocabulary-sized LM heads; an Embedding's A " \
+    "is always diagonal); 0: every factor dense")                                                                   \
   X(Value, UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError, any_value(), "--unused-layer-policy",   \
     "", "", "a registered layer that did not run before step(): error, or skip (keep its plain gradient, warn once; "   \
     "on several ranks, a layer that any rank skipped keeps its plain gradient on every rank that step, and factors are " \

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <regex>
 #include <sstream>
 
@@ -26,13 +27,15 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
   const bool eigen = options.compute_method() == ComputeMethod::kEigen;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
-    const int64_t largest = std::max(layer.a_dim(), layer.g_dim());
+    // A diagonal factor costs d values and no decomposition: never large.
+    const int64_t largest = std::max(layer.a_diagonal() ? 0 : layer.a_dim(), layer.g_diagonal() ? 0 : layer.g_dim());
     if (largest <= limit) continue;
     const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
     const double state_bytes = static_cast<double>(c10::elementSize(layer.second_order_dtype()));
     std::ostringstream what;
     double flops = 0.0;
-    for (const auto& [side, dim] : {std::pair{"A", layer.a_dim()}, std::pair{"G", layer.g_dim()}}) {
+    for (const auto& [side, dim] : {std::pair{"A", layer.a_diagonal() ? 0 : layer.a_dim()},
+                                    std::pair{"G", layer.g_diagonal() ? 0 : layer.g_dim()}}) {
       if (dim <= limit) continue;
       const double d = static_cast<double>(dim);
       // Eigen: eigenvectors d x d and eigenvalues d; inverse: one d x d inverse.
@@ -48,8 +51,9 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
                names.option("large_factor_dim", std::to_string(limit)), ": ", what.str(),
                ". Each second-order update of this layer costs ", human_flops(flops),
                " (the first one comes with the first step(); tens of seconds on a few cores for d ~ 6000); make the ",
-               "layer narrower (e.g. pool before a Linear), skip it with skip_layers, or update less often with ",
-               "inv_update_steps");
+               "layer narrower (e.g. pool before a Linear), keep it diagonal with ",
+               names.option("diagonal_factor_dim", std::to_string(limit)), ", skip it with skip_layers, or update less ",
+               "often with inv_update_steps");
   }
 }
 
@@ -102,11 +106,27 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
   options.validate();  // before the skip_layers patterns are used
   std::vector<ModuleCandidate> candidates;
   std::vector<const nn::KfacModule*> modules;
-  for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+  // Every module holding each parameter: a Parameter in two modules is a tied weight (a language model's head
+  // and its token embedding).
+  std::map<const c10::TensorImpl*, std::vector<std::string>> owners;
+  const auto named = model->named_modules(/*name_prefix=*/"", /*include_self=*/true);
+  for (const auto& item : named) {
+    for (const auto& p : item.value()->parameters(/*recurse=*/false)) owners[p.unsafeGetTensorImpl()].push_back(item.key());
+  }
+  for (const auto& item : named) {
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
     if (kfac_module == nullptr) continue;
     const auto kind = kfac_module->shared_factor_capture()->geometry().kind;
-    candidates.push_back({item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1});
+    ModuleCandidate candidate{item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1};
+    for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
+      for (const auto& other : owners[p.unsafeGetTensorImpl()]) {
+        const auto& tied = candidate.tied_to;
+        if (other != item.key() && std::find(tied.begin(), tied.end(), other) == tied.end()) {
+          candidate.tied_to.push_back(other);
+        }
+      }
+    }
+    candidates.push_back(std::move(candidate));
     modules.push_back(kfac_module);
   }
   std::vector<LayerBinding> bindings;
@@ -139,6 +159,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     binding.capture->set_grad_scale(options_.grad_scaler());
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
+    layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());
   }
   device_ = layers_.front().weight().device();
   factor_ok_.resize(layers_.size());

@@ -474,7 +474,7 @@ TEST(Preconditioner, BadOptionsCarryTheValue) {
   testing::expect_error(build(Options().pi_damping(true)), {"pi_damping applies to the inverse compute_method only"});
   testing::expect_error(build(Options().skip_layers({"fc("})), {"skip_layers pattern 'fc(' is not a valid"});
   testing::expect_error([] { Preconditioner p(std::make_shared<torch::nn::Module>(), Options()); },
-                        {"found no Linear or Conv2d layer to precondition in torch::nn::Module"});
+                        {"found no Linear, Conv2d or Embedding layer to precondition in torch::nn::Module"});
 
   // A schedule that turns bad mid-run fails at that step, with the step.
   auto net = make_net();

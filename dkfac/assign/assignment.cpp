@@ -14,6 +14,11 @@ double cost(int64_t dim, Balance balance) {
   return balance == Balance::kCompute ? d * d * d : d * d;
 }
 
+/// A diagonal factor's second-order work and state are d (a reciprocal or a clamp of d values).
+double cost(int64_t dim, bool diagonal, Balance balance) {
+  return diagonal ? static_cast<double>(dim) : cost(dim, balance);
+}
+
 size_t argmin(const std::vector<double>& values, const std::vector<int>& among) {
   size_t best = 0;
   for (size_t i = 1; i < among.size(); ++i) {
@@ -99,14 +104,16 @@ Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, d
   std::vector<size_t> order(layers.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-    return cost(layers[x].a_dim, balance) + cost(layers[x].g_dim, balance) >
-           cost(layers[y].a_dim, balance) + cost(layers[y].g_dim, balance);
+    const auto& lx = layers[x];
+    const auto& ly = layers[y];
+    return cost(lx.a_dim, lx.a_diagonal, balance) + cost(lx.g_dim, lx.g_diagonal, balance) >
+           cost(ly.a_dim, ly.a_diagonal, balance) + cost(ly.g_dim, ly.g_diagonal, balance);
   });
   std::vector<int> column_ids(columns.size());
   std::iota(column_ids.begin(), column_ids.end(), 0);
   for (size_t index : order) {
-    const double a_cost = cost(layers[index].a_dim, balance);
-    const double g_cost = cost(layers[index].g_dim, balance);
+    const double a_cost = cost(layers[index].a_dim, layers[index].a_diagonal, balance);
+    const double g_cost = cost(layers[index].g_dim, layers[index].g_diagonal, balance);
     const size_t c = argmin(column_load, column_ids);
     column_load[c] += a_cost + g_cost;
     auto& l = out.layers[index];
@@ -143,18 +150,19 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
     int64_t dim;
     size_t layer;
     bool is_a;
+    bool diagonal;  // decomposed on every rank, whatever its width: d values, nothing worth a broadcast
   };
   std::vector<Factor> factors;
   for (size_t i = 0; i < layers.size(); ++i) {
     out.layers[i].grad_workers = everyone;
-    factors.push_back({layers[i].a_dim, i, true});
-    factors.push_back({layers[i].g_dim, i, false});
+    factors.push_back({layers[i].a_dim, i, true, layers[i].a_diagonal});
+    factors.push_back({layers[i].g_dim, i, false, layers[i].g_diagonal});
   }
   std::stable_sort(factors.begin(), factors.end(), [](const Factor& x, const Factor& y) { return x.dim > y.dim; });
   std::vector<double> load(world_size, 0.0);
   for (const auto& f : factors) {
     int worker = kEveryRank;
-    if (f.dim > redundant_dim) {
+    if (f.dim > redundant_dim && !f.diagonal) {
       worker = everyone[argmin(load, everyone)];
       load[worker] += cost(f.dim, Balance::kCompute);
     }

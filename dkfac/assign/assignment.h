@@ -26,6 +26,9 @@ struct LayerShape {
   /// covariances, or a Conv2d's math::conv2d_a_kernel and kConvGradient.
   math::FactorKernel a_kernel = math::FactorKernel::kCovariance;
   math::FactorKernel g_kernel = math::FactorKernel::kCovariance;
+  /// Factors kept as their diagonal (KfacLayer::a_diagonal): d values, no decomposition, no eigenvectors.
+  bool a_diagonal = false;
+  bool g_diagonal = false;
 };
 
 /// A factor decomposed redundantly by every rank (SPD-KFAC's small factors): nothing is broadcast.

@@ -60,10 +60,12 @@ torch::Tensor unpack_upper(const torch::Tensor& packed, int64_t n) {
 }
 
 torch::Tensor pack_symmetric(const torch::Tensor& matrix, bool triangle) {
+  if (matrix.dim() == 1) return matrix.contiguous();
   return triangle ? pack_upper(matrix) : matrix.contiguous().view(-1);
 }
 
-torch::Tensor unpack_symmetric(const torch::Tensor& packed, int64_t n, bool triangle) {
+torch::Tensor unpack_symmetric(const torch::Tensor& packed, int64_t n, bool triangle, bool diagonal) {
+  if (diagonal) return packed.reshape({n});
   return triangle ? unpack_upper(packed, n) : packed.reshape({n, n});
 }
 

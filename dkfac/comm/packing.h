@@ -16,12 +16,16 @@ torch::Tensor pack_upper(const torch::Tensor& matrix);
 /// Inverse of pack_upper: the symmetric [n, n] matrix.
 torch::Tensor unpack_upper(const torch::Tensor& packed, int64_t n);
 
-/// Elements sent for an n x n symmetric matrix: n (n + 1) / 2 as an upper triangle, else n^2.
-inline int64_t packed_length(int64_t n, bool triangle) { return triangle ? n * (n + 1) / 2 : n * n; }
-/// A symmetric matrix as sent: its upper triangle (pack_upper), or the whole matrix flattened.
+/// Elements sent for an n x n symmetric matrix: n (n + 1) / 2 as an upper triangle, else n^2; n for a
+/// diagonal one (held as its diagonal [n], math/factors.h).
+inline int64_t packed_length(int64_t n, bool triangle, bool diagonal = false) {
+  return diagonal ? n : triangle ? n * (n + 1) / 2 : n * n;
+}
+/// A symmetric matrix as sent: its upper triangle (pack_upper), or the whole matrix flattened; a diagonal
+/// one ([n]) as it is.
 torch::Tensor pack_symmetric(const torch::Tensor& matrix, bool triangle);
-/// Inverse of pack_symmetric for a matrix of dimension `n`.
-torch::Tensor unpack_symmetric(const torch::Tensor& packed, int64_t n, bool triangle);
+/// Inverse of pack_symmetric for a matrix of dimension `n` (a diagonal one: [n]).
+torch::Tensor unpack_symmetric(const torch::Tensor& packed, int64_t n, bool triangle, bool diagonal = false);
 
 /// One buffer for a fused collective: the 1-D `tensors` concatenated in order (a single tensor is sent
 /// as itself, made contiguous). Empty `tensors` is the caller's to avoid.

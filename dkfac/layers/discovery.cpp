@@ -7,7 +7,9 @@
 namespace dkfac {
 
 std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates,
-                                  const std::vector<std::string>& skip_layers, const std::string& model) {
+                                  const std::vector<std::string>& skip_layers, const std::string& model,
+                                  std::vector<std::string>* reasons) {
+  if (reasons != nullptr) reasons->assign(candidates.size(), "");
   std::vector<std::regex> patterns;
   for (const auto& pattern : skip_layers) {
     try {
@@ -21,11 +23,30 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
   std::vector<size_t> chosen;
   for (size_t i = 0; i < candidates.size(); ++i) {
     const auto& c = candidates[i];
-    if (!c.trainable) continue;
+    auto set_aside = [&](std::string why) {
+      if (reasons != nullptr) (*reasons)[i] = std::move(why);
+    };
+    if (!c.trainable) {
+      set_aside("frozen (a parameter does not require grad)");
+      continue;
+    }
     const std::string kind = to_string(c.kind);
     if (c.kind == LayerKind::kConv2d && c.groups != 1) {
       TORCH_WARN("dkfac: layer '", c.name, "' is a grouped Conv2d (groups=", c.groups,
                  "); it keeps its plain gradient");
+      set_aside("a grouped Conv2d (groups=" + std::to_string(c.groups) + ")");
+      continue;
+    }
+    std::string reason = c.plain_gradient_reason;
+    if (reason.empty() && !c.tied_to.empty()) {
+      std::string others;
+      for (const auto& other : c.tied_to) others += (others.empty() ? "'" : ", '") + other + "'";
+      reason = "tied to " + others + " (one Parameter in several modules: its gradient sums every use, and one "
+               "module's factors describe only its own use)";
+    }
+    if (!reason.empty()) {
+      TORCH_WARN("dkfac: layer '", c.name, "' (", c.class_name, ") keeps its plain gradient: ", reason);
+      set_aside(reason);
       continue;
     }
     listed += (listed.empty() ? "'" : ", '") + c.name + "' (" + c.class_name + ")";
@@ -33,6 +54,7 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
     for (size_t p = 0; p < patterns.size(); ++p) {
       const bool match = std::regex_search(c.name, patterns[p]) || std::regex_search(kind, patterns[p]) ||
                          std::regex_search(c.class_name, patterns[p]);
+      if (match && !skipped) set_aside("skip_layers pattern '" + skip_layers[p] + "'");
       if (match) used[p] = skipped = true;
     }
     if (!skipped) chosen.push_back(i);
@@ -42,8 +64,8 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
     TORCH_WARN("dkfac: skip_layers pattern '", skip_layers[p], "' matches no layer, so it skips nothing; patterns are ",
                "searched (ECMAScript regular expressions) in these layer names, kinds and classes: ", listed);
   }
-  TORCH_CHECK(!chosen.empty(), "found no Linear or Conv2d layer to precondition in ", model,
-              " (after skip_layers and frozen parameters)");
+  TORCH_CHECK(!chosen.empty(), "found no Linear, Conv2d or Embedding layer to precondition in ", model,
+              " (after skip_layers, frozen parameters and layers that keep their plain gradient)");
   return chosen;
 }
 

@@ -16,16 +16,26 @@ struct ModuleCandidate {
   LayerKind kind = LayerKind::kLinear;
   bool trainable = true;   ///< every parameter requires grad
   int64_t groups = 1;      ///< Conv2d: groups (K-FAC's Conv2d needs 1)
+  /// Why the front end cannot precondition it ("" when it can): a sparse Embedding. Such a layer keeps its plain
+  /// gradient, with a warning giving the reason.
+  std::string plain_gradient_reason;
+  /// The other modules holding one of its parameters (tied weights: GPT-2's lm_head and wte). Its gradient sums
+  /// every use, and its own factors describe one: it keeps its plain gradient, with a warning naming them.
+  std::vector<std::string> tied_to;
 };
 
 /// The candidates to precondition, as indices in their order. Rules, the same for both front ends:
 /// - a module whose parameters do not all require grad (frozen) is left alone, silently;
-/// - a grouped Conv2d keeps its plain gradient, with a warning naming it (TORCH_WARN);
+/// - a grouped Conv2d, a candidate with a plain_gradient_reason, or one whose parameters are tied to other
+///   modules keeps its plain gradient, with a warning naming it and why (TORCH_WARN);
 /// - a module is skipped when one of `skip_layers` (ECMAScript regular expressions, searched) matches its name,
 ///   its kind ("Linear", "Conv2d") or its class name; a pattern that matches no candidate is warned about,
 ///   listing the candidates;
 /// - none left is an error (c10::Error) naming `model`.
+/// `reasons`, when given, receives for every candidate not chosen why not (frozen, the warning's reason, or the
+/// skip_layers pattern that matched it), for the front end's list of what keeps its plain gradient.
 std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates,
-                                  const std::vector<std::string>& skip_layers, const std::string& model);
+                                  const std::vector<std::string>& skip_layers, const std::string& model,
+                                  std::vector<std::string>* reasons = nullptr);
 
 }  // namespace dkfac

@@ -5,9 +5,38 @@
 
 namespace dkfac {
 
-const char* to_string(LayerKind kind) { return kind == LayerKind::kLinear ? "Linear" : "Conv2d"; }
+const char* to_string(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kLinear: return "Linear";
+    case LayerKind::kConv2d: return "Conv2d";
+    case LayerKind::kEmbedding: return "Embedding";
+  }
+  return "?";
+}
 
-FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {}
+LayerGeometry embedding_geometry(int64_t vocabulary) {
+  TORCH_CHECK(vocabulary > 0, "an Embedding needs at least one token, got num_embeddings ", vocabulary);
+  LayerGeometry geometry;
+  geometry.kind = LayerKind::kEmbedding;
+  geometry.transposed = true;
+  geometry.vocabulary = vocabulary;
+  geometry.a_diagonal = true;
+  return geometry;
+}
+
+FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {
+  if (geometry_.kind == LayerKind::kEmbedding) {
+    TORCH_CHECK(geometry_.vocabulary > 0 && !geometry_.has_bias, "an Embedding capture needs its vocabulary and no bias");
+    geometry_.transposed = geometry_.a_diagonal = true;
+  }
+}
+
+void FactorCapture::set_diagonal(bool a, bool g) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0, "set_diagonal after factors were captured");
+  geometry_.a_diagonal = a || geometry_.kind == LayerKind::kEmbedding;
+  geometry_.g_diagonal = g;
+}
 
 torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autocast) const {
   auto dtype = t.scalar_type();
@@ -46,16 +75,31 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto start = device::Mark::now(input.device());
   torch::NoGradGuard no_grad;
-  auto x = in_factor_dtype(input.detach(), autocast);
-  const auto a_batch = built_in_range(x, [this](const torch::Tensor& in) {
-    if (geometry_.kind == LayerKind::kLinear) return math::linear_a_factor(in, geometry_.has_bias);
-    return math::conv2d_a_factor(in.dim() == 3 ? in.unsqueeze(0) : in, geometry_.conv, geometry_.has_bias);
-  });
+  torch::Tensor a_batch;
+  if (geometry_.kind == LayerKind::kEmbedding) {
+    // Counts divided by n, built in float32 at least (float16 counts stop at 2048) and stored in the factor dtype.
+    const auto dtype = factor_dtype_.value_or(weight_dtype_.load());
+    a_batch = math::embedding_a_factor(input.detach(), geometry_.vocabulary, c10::promoteTypes(dtype, torch::kFloat));
+    if (a_batch.scalar_type() != dtype) a_batch = a_batch.to(dtype);
+  } else {
+    auto x = in_factor_dtype(input.detach(), autocast);
+    a_batch = built_in_range(x, [this](const torch::Tensor& in) {
+      const bool diagonal = geometry_.a_diagonal;
+      if (geometry_.kind == LayerKind::kLinear) {
+        return diagonal ? math::linear_a_diagonal(in, geometry_.has_bias) : math::linear_a_factor(in, geometry_.has_bias);
+      }
+      const auto batched = in.dim() == 3 ? in.unsqueeze(0) : in;
+      if (!diagonal) return math::conv2d_a_factor(batched, geometry_.conv, geometry_.has_bias);
+      const auto patches = math::conv2d_patches(batched, geometry_.conv);
+      const int64_t spatial = patches.size(0) / batched.size(0);
+      return math::diagonal_covariance(patches, geometry_.has_bias, 1.0 / static_cast<double>(spatial));
+    });
+  }
   add_and_notify(true, a_batch, 0.0, std::pair{std::move(start), device::Mark::now(input.device())});
 }
 
 void FactorCapture::observe_output(const torch::Tensor& output) {
-  const bool conv = geometry_.kind == LayerKind::kConv2d;
+  const bool conv = geometry_.kind == LayerKind::kConv2d;  // Embedding outputs are laid out like Linear's
   const int64_t unbatched_dims = conv ? 3 : 1;
   if (output.dim() < unbatched_dims) return;
   const bool batched = output.dim() > unbatched_dims;
@@ -83,8 +127,13 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
     g = g / scale.to(g.device(), /*non_blocking=*/true).reshape({});  // keeps g's dtype
   }
   const auto g_batch = built_in_range(g, [this](const torch::Tensor& in) {
-    if (geometry_.kind == LayerKind::kLinear) return math::linear_g_factor(in);
-    return math::conv2d_g_factor(in.dim() == 3 ? in.unsqueeze(0) : in);
+    const bool diagonal = geometry_.g_diagonal;
+    if (geometry_.kind != LayerKind::kConv2d) return diagonal ? math::linear_g_diagonal(in) : math::linear_g_factor(in);
+    const auto batched = in.dim() == 3 ? in.unsqueeze(0) : in;
+    if (!diagonal) return math::conv2d_g_factor(batched);
+    const int64_t spatial = batched.size(2) * batched.size(3);
+    return math::diagonal_covariance(batched.permute({0, 2, 3, 1}).reshape({-1, batched.size(1)}), false,
+                                      1.0 / static_cast<double>(spatial));
   });
   add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
 }

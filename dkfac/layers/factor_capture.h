@@ -17,20 +17,32 @@ namespace dkfac {
 
 /// The layer kinds whose Kronecker factors dkfac builds (docs/MATH.md section 1).
 enum class LayerKind {
-  kLinear,  ///< y = x W^T + b over any leading dimensions
-  kConv2d,  ///< 2-D convolution, groups = 1, any stride, dilation, padding and padding mode
+  kLinear,     ///< y = x W^T + b over any leading dimensions (also transformers' Conv1D: y = x W + b)
+  kConv2d,     ///< 2-D convolution, groups = 1, any stride, dilation, padding and padding mode
+  kEmbedding,  ///< y = W[x] for integer tokens x: the Linear of one-hot rows, its A factor diagonal
 };
 
-/// "Linear" or "Conv2d" (the names skip_layers patterns and messages use).
+/// "Linear", "Conv2d" or "Embedding" (the names skip_layers patterns and messages use).
 const char* to_string(LayerKind kind);
 
 /// How one layer turns what its front end captured into factors: its kind, whether it has a bias,
-/// and for Conv2d the patch geometry its forward uses.
+/// for Conv2d the patch geometry its forward uses, and which factors are kept diagonal.
 struct LayerGeometry {
   LayerKind kind = LayerKind::kLinear;
   bool has_bias = false;
   math::Conv2dGeometry conv;  ///< Conv2d only
+  /// The weight is stored [in, out], the transpose of a Linear's [out, in]: transformers' Conv1D, and every
+  /// Embedding ([vocabulary, dim]). KfacLayer reads and writes its gradient transposed.
+  bool transposed = false;
+  int64_t vocabulary = 0;    ///< Embedding only: num_embeddings, the width of its A factor
+  /// Factors kept as their diagonal (math/factors.h): an Embedding's A always; any factor wider than
+  /// Options::diagonal_factor_dim (the preconditioner decides at construction, set_diagonal).
+  bool a_diagonal = false;
+  bool g_diagonal = false;
 };
+
+/// The geometry of an Embedding of `vocabulary` tokens (no bias; weight [vocabulary, dim]).
+LayerGeometry embedding_geometry(int64_t vocabulary);
 
 /// Time spent building factors since the last take: device marks around each capture (resolved when read,
 /// so that capturing never waits for the device) and seconds given directly (add_a, add_g).
@@ -49,6 +61,12 @@ class FactorCapture {
   explicit FactorCapture(LayerGeometry geometry = {});
 
   const LayerGeometry& geometry() const { return geometry_; }
+  /// Keeps the A and/or G factor diagonal from now on (an Embedding's A stays diagonal whatever `a` says).
+  /// Only before anything was captured: the preconditioner calls it at construction.
+  void set_diagonal(bool a, bool g);
+  /// dtype of the layer's weight: an Embedding's input is integers, so its A factor takes this dtype
+  /// (unless set_factor_dtype says otherwise). KfacLayer sets it.
+  void set_weight_dtype(torch::ScalarType dtype) { weight_dtype_ = dtype; }
 
   /// True when the next forward should capture: enabled, module in training mode, grad mode on.
   bool active(bool training) const { return enabled_ && training && torch::GradMode::is_enabled(); }
@@ -57,10 +75,11 @@ class FactorCapture {
   bool enabled() const { return enabled_; }
 
   /// Builds the A factor of one micro-batch from the layer's input and adds it. Linear: input
-  /// [..., in_features]; Conv2d: [B, C, H, W] or unbatched [C, H, W]. Runs without autograd.
+  /// [..., in_features]; Conv2d: [B, C, H, W] or unbatched [C, H, W]; Embedding: integer tokens of any
+  /// shape. Runs without autograd.
   void capture_input(const torch::Tensor& input);
   /// Builds the G factor of one micro-batch from the gradient of the layer's output and adds it.
-  /// Linear: [..., out_features]; Conv2d: [B, C_out, H_out, W_out] or [C_out, H_out, W_out].
+  /// Linear and Embedding: [..., out_features]; Conv2d: [B, C_out, H_out, W_out] or [C_out, H_out, W_out].
   /// The gradient is divided by the grad scale first, when one is set (mixed-precision loss scaling).
   void capture_output_grad(const torch::Tensor& grad_output);
 
@@ -85,7 +104,7 @@ class FactorCapture {
   /// Current loss scale of a mixed-precision gradient scaler; G is built from grad_output / scale.
   void set_grad_scale(GradScale scale) { grad_scale_ = std::move(scale); }
 
-  /// Adds one micro-batch factor ([a, a] or [g, g]) and the seconds spent building it.
+  /// Adds one micro-batch factor ([a, a] or [g, g]; [a] or [g] where diagonal) and the seconds spent building it.
   void add_a(const torch::Tensor& a_batch, double seconds);
   void add_g(const torch::Tensor& g_batch, double seconds);
 
@@ -126,14 +145,15 @@ class FactorCapture {
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
+  std::atomic<torch::ScalarType> weight_dtype_{torch::kFloat32};
   GradScale grad_scale_;
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
   std::atomic<int64_t> samples_per_pass_{0};
   std::atomic<bool> forward_autocast_{false};  // the last captured forward ran under autocast
-  torch::Tensor a_sum_;  // [a, a]
-  torch::Tensor g_sum_;  // [g, g]
+  torch::Tensor a_sum_;  // [a, a], or [a] diagonal
+  torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;
   int64_t g_count_ = 0;
   CaptureTiming timing_;

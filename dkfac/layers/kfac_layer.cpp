@@ -10,27 +10,33 @@ namespace {
 
 int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
-std::vector<int64_t> square_a(int64_t a, int64_t) { return {a, a}; }
-std::vector<int64_t> square_g(int64_t, int64_t g) { return {g, g}; }
-std::vector<int64_t> vector_a(int64_t a, int64_t) { return {a}; }
-std::vector<int64_t> vector_g(int64_t, int64_t g) { return {g}; }
-std::vector<int64_t> g_by_a(int64_t a, int64_t g) { return {g, a}; }
-
 }  // namespace
 
 const std::array<LayerStateEntry, 9>& layer_state_entries() {
   static const std::array<LayerStateEntry, 9> entries = {{
-      {"a_factor", true, 'a', "A factor", square_a},
-      {"g_factor", true, 'g', "G factor", square_g},
-      {"a_eigenvectors", false, 'a', "Q_A", square_a},
-      {"a_eigenvalues", false, 'a', "d_A", vector_a},
-      {"g_eigenvectors", false, 'g', "Q_G", square_g},
-      {"g_eigenvalues", false, 'g', "d_G", vector_g},
-      {"denominator", false, 'g', "eigenvalue denominator", g_by_a},
-      {"a_inverse", false, 'a', "A inverse", square_a},
-      {"g_inverse", false, 'g', "G inverse", square_g},
+      {"a_factor", true, 'a', "A factor", 'f'},
+      {"g_factor", true, 'g', "G factor", 'f'},
+      {"a_eigenvectors", false, 'a', "Q_A", 'q'},
+      {"a_eigenvalues", false, 'a', "d_A", 'v'},
+      {"g_eigenvectors", false, 'g', "Q_G", 'q'},
+      {"g_eigenvalues", false, 'g', "d_G", 'v'},
+      {"denominator", false, 'g', "eigenvalue denominator", 'r'},
+      {"a_inverse", false, 'a', "A inverse", 'f'},
+      {"g_inverse", false, 'g', "G inverse", 'f'},
   }};
   return entries;
+}
+
+std::vector<int64_t> KfacLayer::state_shape(const LayerStateEntry& entry) const {
+  const bool a = entry.side == 'a';
+  const int64_t d = a ? a_dim() : g_dim();
+  const bool diagonal = a ? a_diagonal() : g_diagonal();
+  switch (entry.form) {
+    case 'f': return diagonal ? std::vector<int64_t>{d} : std::vector<int64_t>{d, d};
+    case 'q': return diagonal ? std::vector<int64_t>{} : std::vector<int64_t>{d, d};
+    case 'v': return {d};
+    default: return {g_dim(), a_dim()};
+  }
 }
 
 const LayerStateEntry* layer_state_entry(const std::string& key) {
@@ -42,7 +48,7 @@ const LayerStateEntry* layer_state_entry(const std::string& key) {
 
 torch::Tensor SecondOrderState::precondition(const torch::Tensor& grad) const {
   TORCH_INTERNAL_ASSERT(defined(), "precondition() before the second-order state was computed");
-  const auto dtype = method == ComputeMethod::kEigen ? a_eigen.eigenvectors.scalar_type() : a_inverse.scalar_type();
+  const auto dtype = method == ComputeMethod::kEigen ? a_eigen.eigenvalues.scalar_type() : a_inverse.scalar_type();
   const auto g = grad.scalar_type() == dtype ? grad : grad.to(dtype);
   auto v = method == ComputeMethod::kEigen ? math::precondition_eigen(a_eigen, g_eigen, denominator, g)
                                            : math::precondition_inverse(a_inverse, g_inverse, g);
@@ -58,12 +64,24 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
   const auto& b = binding_;
   TORCH_CHECK(b.weight.defined() && b.capture != nullptr, "layer '", b.name, "' needs a weight and a factor capture");
   const auto& geometry = b.capture->geometry();
-  const int64_t expected_dim = geometry.kind == LayerKind::kLinear ? 2 : 4;
+  const int64_t expected_dim = geometry.kind == LayerKind::kConv2d ? 4 : 2;
   TORCH_CHECK(b.weight.dim() == expected_dim, "layer '", b.name, "' (", to_string(geometry.kind), "): weight has shape ",
               b.weight.sizes(), ", expected ", expected_dim, " dimensions");
-  TORCH_CHECK(b.bias.defined() == geometry.has_bias && (!b.bias.defined() || b.bias.numel() == b.weight.size(0)),
-              "layer '", b.name, "': bias does not match the weight's ", b.weight.size(0), " outputs");
-  a_dim_ = b.weight.numel() / b.weight.size(0) + (b.bias.defined() ? 1 : 0);
+  TORCH_CHECK(!geometry.transposed || geometry.kind != LayerKind::kConv2d, "layer '", b.name,
+              "': a Conv2d weight is never stored transposed");
+  // A transposed weight is [in, out]: transformers' Conv1D, an Embedding's [vocabulary, dim].
+  const int64_t outputs = geometry.transposed ? b.weight.size(1) : b.weight.size(0);
+  TORCH_CHECK(geometry.kind != LayerKind::kEmbedding || b.weight.size(0) == geometry.vocabulary, "layer '", b.name,
+              "' (Embedding): weight has shape ", b.weight.sizes(), ", expected ", geometry.vocabulary, " rows (num_embeddings)");
+  TORCH_CHECK(b.bias.defined() == geometry.has_bias && (!b.bias.defined() || b.bias.numel() == outputs),
+              "layer '", b.name, "': bias does not match the weight's ", outputs, " outputs");
+  g_dim_ = outputs;
+  a_dim_ = b.weight.numel() / outputs + (b.bias.defined() ? 1 : 0);
+  b.capture->set_weight_dtype(b.weight.scalar_type());
+}
+
+void KfacLayer::set_diagonal_limit(int64_t limit) {
+  binding_.capture->set_diagonal(limit > 0 && a_dim() > limit, limit > 0 && g_dim() > limit);
 }
 
 void KfacLayer::set_inv_dtype(std::optional<torch::ScalarType> inv_dtype) { inv_dtype_ = inv_dtype; }
@@ -87,6 +105,7 @@ void KfacLayer::rebind(torch::Tensor weight, torch::Tensor bias) {
               ")");
   binding_.weight = std::move(weight);
   binding_.bias = std::move(bias);
+  binding_.capture->set_weight_dtype(binding_.weight.scalar_type());
 }
 
 int64_t KfacLayer::captured_batches() const {
@@ -154,9 +173,9 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
   std::vector<torch::Tensor> checks;  // 0-dim bools, all must hold
   auto finite = [&](const torch::Tensor& t) { checks.push_back(torch::isfinite(t).all()); };
   if (method == ComputeMethod::kEigen) {
-    auto stored = [&](const math::EigenFactor& e) {
-      math::EigenFactor kept{out(e.eigenvectors), out(e.eigenvalues)};
-      finite(kept.eigenvectors);
+    auto stored = [&](const math::EigenFactor& e) {  // a diagonal factor has no eigenvectors (the identity)
+      math::EigenFactor kept{e.eigenvectors.defined() ? out(e.eigenvectors) : torch::Tensor(), out(e.eigenvalues)};
+      if (kept.eigenvectors.defined()) finite(kept.eigenvectors);
       finite(kept.eigenvalues);
       return kept;
     };
@@ -186,21 +205,26 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
   if (s.method != method) s = SecondOrderState();
   s.method = method;
   const auto options = binding_.weight.options().dtype(second_order_dtype());
-  const int64_t a = a_dim();
-  const int64_t g = g_dim();
-  auto ensure = [&](torch::Tensor& t, at::IntArrayRef shape) {
+  auto ensure = [&](torch::Tensor& t, const char* key) {
+    const auto shape = state_shape(*layer_state_entry(key));
+    if (shape.empty()) {  // never held (the identity eigenvectors of a diagonal factor)
+      t = torch::Tensor();
+      return;
+    }
     // NaN, not garbage: if the computing rank has nothing to send, receivers fall back cleanly.
-    if (!t.defined() || t.sizes() != shape) t = torch::full(shape, std::numeric_limits<double>::quiet_NaN(), options);
+    if (!t.defined() || t.sizes() != at::IntArrayRef(shape)) {
+      t = torch::full(shape, std::numeric_limits<double>::quiet_NaN(), options);
+    }
     t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
   };
   if (method == ComputeMethod::kEigen) {
-    ensure(s.a_eigen.eigenvectors, {a, a});
-    ensure(s.a_eigen.eigenvalues, {a});
-    ensure(s.g_eigen.eigenvectors, {g, g});
-    ensure(s.g_eigen.eigenvalues, {g});
+    ensure(s.a_eigen.eigenvectors, "a_eigenvectors");
+    ensure(s.a_eigen.eigenvalues, "a_eigenvalues");
+    ensure(s.g_eigen.eigenvectors, "g_eigenvectors");
+    ensure(s.g_eigen.eigenvalues, "g_eigenvalues");
   } else {
-    ensure(s.a_inverse, {a, a});
-    ensure(s.g_inverse, {g, g});
+    ensure(s.a_inverse, "a_inverse");
+    ensure(s.g_inverse, "g_inverse");
   }
   return s;
 }
@@ -217,7 +241,9 @@ bool KfacLayer::has_gradient() const {
 
 torch::Tensor KfacLayer::gradient() const {
   auto weight_grad = binding_.weight.grad();
-  auto matrix = weight_grad.reshape({weight_grad.size(0), -1});
+  TORCH_CHECK(!weight_grad.is_sparse(), "layer '", name(), "' has a sparse gradient (an Embedding with sparse=True); "
+              "K-FAC preconditions dense gradients only: build the Embedding with sparse=False, or skip it with skip_layers");
+  auto matrix = binding_.capture->geometry().transposed ? weight_grad.t() : weight_grad.reshape({weight_grad.size(0), -1});
   const auto& bias = binding_.bias;
   if (!bias.defined()) return matrix;
   return torch::cat({matrix, bias.grad().reshape({-1, 1})}, 1);
@@ -226,9 +252,13 @@ torch::Tensor KfacLayer::gradient() const {
 void KfacLayer::set_gradient(const torch::Tensor& matrix) {
   auto weight_grad = binding_.weight.mutable_grad();
   const auto& bias = binding_.bias;
-  const int64_t columns = weight_grad.numel() / weight_grad.size(0);
+  const int64_t columns = weight_grad.numel() / g_dim();
   torch::NoGradGuard no_grad;
-  weight_grad.copy_(matrix.slice(1, 0, columns).reshape(weight_grad.sizes()));
+  if (binding_.capture->geometry().transposed) {
+    weight_grad.copy_(matrix.slice(1, 0, columns).t());
+  } else {
+    weight_grad.copy_(matrix.slice(1, 0, columns).reshape(weight_grad.sizes()));
+  }
   if (bias.defined()) bias.mutable_grad().copy_(matrix.select(1, columns));
 }
 
@@ -275,9 +305,14 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   }
   for (const auto& entry : layer_state_entries()) {
     const auto t = get(entry.key);
-    const auto expected = entry.shape(a_dim(), g_dim());
+    const auto expected = state_shape(entry);
+    TORCH_CHECK(!t.defined() || !expected.empty(), "checkpoint for layer '", name(), "' holds ", entry.what,
+                " of shape ", t.sizes(), ", but this layer keeps its ", entry.side == 'a' ? "A" : "G",
+                " factor diagonal (no eigenvectors): was it saved with another diagonal_factor_dim?");
     TORCH_CHECK(!t.defined() || t.sizes() == at::IntArrayRef(expected), "checkpoint for layer '", name(), "': ",
-                entry.what, " has shape ", t.sizes(), ", the model expects ", at::IntArrayRef(expected));
+                entry.what, " has shape ", t.sizes(), ", the model expects ", at::IntArrayRef(expected),
+                expected.size() != static_cast<size_t>(t.dim()) ? " (one keeps this factor diagonal, the other dense: "
+                                                                  "the same diagonal_factor_dim is needed)" : "");
   }
   torch::Tensor a_factor = get("a_factor");
   torch::Tensor g_factor = get("g_factor");

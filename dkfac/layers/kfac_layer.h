@@ -45,7 +45,9 @@ struct PendingSecondOrder {
 /// dkfac::nn module of a model, the Python package each torch.nn.Linear / Conv2d it hooks.
 struct LayerBinding {
   std::string name;    ///< path in the model, e.g. "layer1.0.conv1"
-  torch::Tensor weight;  ///< Linear [g, in_features], Conv2d [g, C_in, kh, kw]; shares the model's parameter
+  /// Linear [g, in_features], Conv2d [g, C_in, kh, kw]; shares the model's parameter. Where the capture's
+  /// geometry says `transposed`: [in_features, g] (transformers' Conv1D) or [vocabulary, g] (Embedding).
+  torch::Tensor weight;
   torch::Tensor bias;    ///< [g], or undefined
   std::shared_ptr<FactorCapture> capture;  ///< fed by the front end's hooks; knows the layer kind
 };
@@ -57,7 +59,9 @@ struct LayerStateEntry {
   bool factor;       ///< a Kronecker factor; else second-order state
   char side;         ///< 'a' or 'g': the factor it belongs to (the eigenvalue denominator [g, a] counts as G's)
   const char* what;  ///< as messages name it: "A factor", "Q_A", ...
-  std::vector<int64_t> (*shape)(int64_t a, int64_t g);  ///< for a layer of factor dimensions a and g
+  /// How it is shaped, for a side of dimension d: 'f' d x d, or [d] where that factor is diagonal (factors,
+  /// inverses); 'q' d x d, never held for a diagonal factor (eigenvectors); 'v' [d] (eigenvalues); 'r' [g, a].
+  char form;
 };
 /// Every entry KfacLayer::state() may hold, in save order.
 const std::array<LayerStateEntry, 9>& layer_state_entries();
@@ -81,9 +85,19 @@ class KfacLayer {
   void rebind(torch::Tensor weight, torch::Tensor bias);
   FactorCapture& capture() { return *binding_.capture; }
   const FactorCapture& capture() const { return *binding_.capture; }
-  /// a = weight columns (+1 with bias), g = weight rows.
+  /// a = inputs per output (+1 with bias), g = outputs: weight columns and rows, swapped where transposed.
   int64_t a_dim() const { return a_dim_; }
-  int64_t g_dim() const { return binding_.weight.size(0); }
+  int64_t g_dim() const { return g_dim_; }
+  /// Whether the A / G factor is kept as its diagonal (math/factors.h): an Embedding's A, or a factor wider
+  /// than Options::diagonal_factor_dim.
+  bool a_diagonal() const { return binding_.capture->geometry().a_diagonal; }
+  bool g_diagonal() const { return binding_.capture->geometry().g_diagonal; }
+  /// Keeps the factors wider than `limit` diagonal (0: none); before any capture (the preconditioner's
+  /// construction).
+  void set_diagonal_limit(int64_t limit);
+  /// The shape `entry` has in this layer's state; empty where this layer never holds it (the eigenvectors
+  /// of a diagonal factor).
+  std::vector<int64_t> state_shape(const LayerStateEntry& entry) const;
 
   /// Storage dtype of the second-order state (Options::inv_dtype); nullopt: the factors' dtype.
   void set_inv_dtype(std::optional<torch::ScalarType> inv_dtype);
@@ -104,7 +118,7 @@ class KfacLayer {
   /// device: returns a 0-dim bool tensor, true when updated, false when a batch held NaN/Inf and the factors
   /// were left unchanged. Only the first update (no previous factor to keep) waits for the device.
   torch::Tensor fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
-  /// Running factors: A [a, a] and G [g, g]; undefined before the first update.
+  /// Running factors: A [a, a] and G [g, g] ([a] / [g] where diagonal); undefined before the first update.
   const torch::Tensor& a_factor() const { return a_factor_; }
   const torch::Tensor& g_factor() const { return g_factor_; }
 
@@ -157,6 +171,7 @@ class KfacLayer {
 
   LayerBinding binding_;
   int64_t a_dim_;
+  int64_t g_dim_;
   std::optional<torch::ScalarType> inv_dtype_;
   torch::Tensor a_factor_;                     // A, [a, a]
   torch::Tensor g_factor_;                     // G, [g, g]

@@ -58,6 +58,38 @@ torch::Tensor linear_g_factor(const torch::Tensor& grad_output) {
   return covariance(grad_output.reshape({-1, grad_output.size(-1)}));
 }
 
+torch::Tensor diagonal_covariance(const torch::Tensor& x, bool with_bias, double scale) {
+  TORCH_CHECK(x.dim() == 2, "diagonal_covariance expects a 2-D tensor, got shape ", x.sizes());
+  const auto n = x.size(0);
+  TORCH_CHECK(n > 0, "covariance of an empty batch (0 rows)");
+  const double s = scale * scale / static_cast<double>(n);
+  auto diagonal = x.square().sum(0).mul_(s);
+  if (!with_bias) return diagonal;
+  return torch::cat({diagonal, torch::full({1}, s * static_cast<double>(n), diagonal.options())});
+}
+
+torch::Tensor linear_a_diagonal(const torch::Tensor& input, bool with_bias) {
+  TORCH_CHECK(input.dim() >= 1, "Linear input must have at least 1 dimension");
+  return diagonal_covariance(input.reshape({-1, input.size(-1)}), with_bias);
+}
+
+torch::Tensor linear_g_diagonal(const torch::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() >= 1, "Linear output gradient must have at least 1 dimension");
+  return diagonal_covariance(grad_output.reshape({-1, grad_output.size(-1)}));
+}
+
+torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabulary, torch::ScalarType dtype) {
+  TORCH_CHECK(!c10::isFloatingType(indices.scalar_type()) && !c10::isComplexType(indices.scalar_type()),
+              "Embedding input must hold integer token indices, got ", indices.scalar_type());
+  const int64_t n = indices.numel();
+  TORCH_CHECK(n > 0, "Embedding A factor of an empty batch (0 positions)");
+  const auto flat = indices.reshape({-1}).to(torch::kLong);
+  // One-hot rows x: sum_n x x^T / n is diagonal, entry t = (positions holding t) / n. index_add_, not
+  // bincount: no wait for the device (the forward that ran on these indices has checked their range).
+  auto counts = torch::zeros({vocabulary}, flat.options().dtype(dtype));
+  return counts.index_add_(0, flat, torch::ones({n}, counts.options())).div_(static_cast<double>(n));
+}
+
 namespace {
 
 torch::Tensor padded_input(const torch::Tensor& input, const Conv2dGeometry& geometry) {
@@ -224,7 +256,11 @@ torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
 
 torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha) {
   // eye() has no bfloat16 kernel on CPU: build the identity in float32 and convert.
-  auto base = running.defined() ? running : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
+  torch::Tensor base = running;
+  if (!base.defined()) {
+    base = batch.dim() == 1 ? torch::ones_like(batch)
+                            : torch::eye(batch.size(0), batch.options().dtype(torch::kFloat32)).to(batch.scalar_type());
+  }
   return base.mul(alpha).add_(batch, 1.0 - alpha);
 }
 

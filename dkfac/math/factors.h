@@ -22,6 +22,20 @@ torch::Tensor linear_a_factor(const torch::Tensor& input, bool with_bias);
 /// Linear G factor. grad_output: [..., out_features] -> [out_features, out_features].
 torch::Tensor linear_g_factor(const torch::Tensor& grad_output);
 
+/// A diagonal factor is a 1-D tensor [k] holding the diagonal of the factor it stands for (docs/MATH.md
+/// section 6): the covariance's off-diagonal entries are dropped, so a k-wide factor costs k values, not k^2.
+/// diagonal(covariance(x, with_bias, scale)) without the k x k product: x [n, k] -> [k (+1)].
+torch::Tensor diagonal_covariance(const torch::Tensor& x, bool with_bias = false, double scale = 1.0);
+
+/// diagonal(linear_a_factor(input, with_bias)) and diagonal(linear_g_factor(grad_output)), in O(n k).
+torch::Tensor linear_a_diagonal(const torch::Tensor& input, bool with_bias);
+torch::Tensor linear_g_diagonal(const torch::Tensor& grad_output);
+
+/// Embedding A factor: the Linear A factor of the one-hot rows of `indices` (any shape, integer), which is
+/// diagonal: entry t is the fraction of the n = indices.numel() positions that hold token t, [vocabulary],
+/// in `dtype`. The indices are those the layer's forward took (which checked that they lie in [0, vocabulary)).
+torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabulary, torch::ScalarType dtype);
+
 /// How a Conv2d lays its input out into patches.
 struct Conv2dGeometry {
   std::array<int64_t, 2> kernel_size{1, 1};
@@ -51,7 +65,8 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
 /// grad_output: [B, C_out, H_out, W_out] -> [C_out, C_out].
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output);
 
-/// F = alpha F + (1 - alpha) F_batch, with F = I before the first update (`running` undefined).
+/// F = alpha F + (1 - alpha) F_batch, with F = I before the first update (`running` undefined; a diagonal
+/// factor starts from ones).
 torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha);
 
 /// True (a 0-dim bool tensor, on the device) when every entry of both batches is finite.

@@ -30,11 +30,20 @@ EigenFactor eigh_clamped(const torch::Tensor& factor) {
   return {vectors, values.clamp_min_(0.0)};
 }
 
+bool is_diagonal(const torch::Tensor& factor) { return factor.dim() == 1; }
+
+void check_factor(const torch::Tensor& factor, const char* what) {
+  TORCH_CHECK(is_diagonal(factor) || (factor.dim() == 2 && factor.size(0) == factor.size(1)), what,
+              " expects a square matrix or a diagonal (a vector), got shape ", factor.sizes());
+}
+
 }  // namespace
 
+torch::Tensor factor_trace(const torch::Tensor& factor) { return is_diagonal(factor) ? factor.sum() : factor.trace(); }
+
 EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor) {
-  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
-              "eigen_decompose expects a square matrix, got shape ", factor.sizes());
+  check_factor(factor, "eigen_decompose");
+  if (is_diagonal(factor)) return {torch::Tensor(), factor.clamp_min(0.0)};
   EigenFactor result;
   try {
     result = eigh_clamped(factor);
@@ -49,12 +58,12 @@ EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor) {
 }
 
 EigenFactor eigen_decompose(const torch::Tensor& factor) {
-  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
-              "eigen_decompose expects a square matrix, got shape ", factor.sizes());
+  check_factor(factor, "eigen_decompose");
   TORCH_CHECK(all_finite(factor), "eigen_decompose: factor of shape ", factor.sizes(),
               " contains NaN or Inf");
   auto result = eigen_decompose_unchecked(factor);
-  TORCH_CHECK(all_finite(result.eigenvectors) && all_finite(result.eigenvalues), "eigendecomposition of a ",
+  TORCH_CHECK((!result.eigenvectors.defined() || all_finite(result.eigenvectors)) && all_finite(result.eigenvalues),
+              "eigendecomposition of a ",
               factor.size(0), "x", factor.size(0), " factor produced NaN or Inf");
   return result;
 }
@@ -65,9 +74,14 @@ torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, doub
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad) {
-  auto rotated = torch::mm(torch::mm(g.eigenvectors.t(), grad), a.eigenvectors);
-  rotated.mul_(denominator);
-  return torch::mm(torch::mm(g.eigenvectors, rotated), a.eigenvectors.t());
+  // A diagonal factor's eigenvectors are the identity: its two products are skipped.
+  const auto& qa = a.eigenvectors;
+  const auto& qg = g.eigenvectors;
+  auto rotated = qg.defined() ? torch::mm(qg.t(), grad) : grad;
+  if (qa.defined()) rotated = torch::mm(rotated, qa);
+  rotated = qa.defined() || qg.defined() ? rotated.mul_(denominator) : rotated.mul(denominator);  // never grad's
+  auto v = qg.defined() ? torch::mm(qg, rotated) : rotated;
+  return qa.defined() ? torch::mm(v, qa.t()) : v;
 }
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
@@ -76,8 +90,13 @@ torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, con
 }
 
 torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
-  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
-              "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  check_factor(factor, "damped_inverse");
+  if (is_diagonal(factor)) {
+    auto inverse = factor.add(damping).reciprocal_();
+    TORCH_CHECK(all_finite(inverse), "inverse of a diagonal ", factor.size(0), "-wide damped factor produced NaN or Inf (damping ",
+                damping, ")");
+    return inverse;
+  }
   load_cuda_linalg_once(factor);
   auto damped = factor.clone();
   damped.diagonal().add_(damping);
@@ -95,8 +114,11 @@ torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
 }
 
 DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch::Tensor& damping) {
-  TORCH_CHECK(factor.dim() == 2 && factor.size(0) == factor.size(1),
-              "damped_inverse expects a square matrix, got shape ", factor.sizes());
+  check_factor(factor, "damped_inverse");
+  if (is_diagonal(factor)) {  // positive definite where every damped entry is positive
+    auto damped = factor.add(damping.to(factor.scalar_type()));
+    return {damped.reciprocal(), damped.gt(0).all()};
+  }
   load_cuda_linalg_once(factor);
   auto damped = factor.clone();
   damped.diagonal().add_(damping.to(factor.scalar_type()));
@@ -107,8 +129,8 @@ DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch:
 std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor& a_factor,
                                                              const torch::Tensor& g_factor, double damping) {
   // The same operations as pi_damping, in the same order, so that both give the same numbers.
-  const auto a_mean = a_factor.trace().to(torch::kFloat64) / static_cast<double>(a_factor.size(0));
-  const auto g_mean = g_factor.trace().to(torch::kFloat64) / static_cast<double>(g_factor.size(0));
+  const auto a_mean = factor_trace(a_factor).to(torch::kFloat64) / static_cast<double>(a_factor.size(0));
+  const auto g_mean = factor_trace(g_factor).to(torch::kFloat64) / static_cast<double>(g_factor.size(0));
   const auto usable = a_mean.gt(0).logical_and(g_mean.gt(0)).logical_and(a_mean.isfinite()).logical_and(g_mean.isfinite());
   const auto pi = torch::where(usable, (a_mean / g_mean).sqrt(), torch::ones_like(a_mean));
   const double root = std::sqrt(damping);
@@ -117,8 +139,8 @@ std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor
 
 std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor,
                                      double damping) {
-  const double a_mean = a_factor.trace().item<double>() / static_cast<double>(a_factor.size(0));
-  const double g_mean = g_factor.trace().item<double>() / static_cast<double>(g_factor.size(0));
+  const double a_mean = factor_trace(a_factor).item<double>() / static_cast<double>(a_factor.size(0));
+  const double g_mean = factor_trace(g_factor).item<double>() / static_cast<double>(g_factor.size(0));
   double pi = 1.0;
   if (a_mean > 0.0 && g_mean > 0.0 && std::isfinite(a_mean) && std::isfinite(g_mean)) {
     pi = std::sqrt(a_mean / g_mean);
@@ -129,7 +151,8 @@ std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch:
 
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
                                    const torch::Tensor& grad) {
-  return torch::mm(torch::mm(g_inverse, grad), a_inverse);
+  auto left = is_diagonal(g_inverse) ? grad * g_inverse.unsqueeze(1) : torch::mm(g_inverse, grad);
+  return is_diagonal(a_inverse) ? left * a_inverse.unsqueeze(0) : torch::mm(left, a_inverse);
 }
 
 double kl_clip_scale(double vg_sum, double kl_clip) {

@@ -6,10 +6,14 @@
 /// `grad` is always the layer gradient as a matrix [g, a] (bias gradient as the last column).
 namespace dkfac::math {
 
+/// A factor is a symmetric matrix [d, d] or a diagonal one, held as its diagonal [d] (factors.h); every
+/// kernel here takes both. For a diagonal factor the eigenvectors are the identity and are not held
+/// (undefined), the eigenvalues are its diagonal, and its damped inverse is a vector too.
+
 /// Symmetric eigendecomposition of one factor.
 struct EigenFactor {
-  torch::Tensor eigenvectors;  // Q, [d, d], columns are eigenvectors
-  torch::Tensor eigenvalues;   // d, [d], ascending, clamped to >= 0
+  torch::Tensor eigenvectors;  // Q, [d, d], columns are eigenvectors; undefined for a diagonal factor (Q = I)
+  torch::Tensor eigenvalues;   // d, [d], ascending (a diagonal factor's: in its order), clamped to >= 0
 };
 
 /// Eigendecomposition of a symmetric factor [d, d]. Runs in the factor's dtype and retries in
@@ -46,6 +50,9 @@ struct DampedInverse {
 /// device. When `cholesky_ok` is false, the caller falls back to damped_inverse (general inverse).
 DampedInverse damped_inverse_unchecked(const torch::Tensor& factor, const torch::Tensor& damping);
 
+/// Trace of a factor, dense or diagonal (a 0-dim tensor).
+torch::Tensor factor_trace(const torch::Tensor& factor);
+
 /// Damping of A and G for the pi-damped inverse: pi = sqrt((tr(A)/a) / (tr(G)/g)),
 /// returns {sqrt(damping) * pi, sqrt(damping) / pi}. pi = 1 when a trace is not positive.
 std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch::Tensor& g_factor, double damping);
@@ -53,7 +60,7 @@ std::pair<double, double> pi_damping(const torch::Tensor& a_factor, const torch:
 std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor& a_factor,
                                                              const torch::Tensor& g_factor, double damping);
 
-/// V = G_inv grad A_inv with G_inv [g, g], A_inv [a, a].
+/// V = G_inv grad A_inv with G_inv [g, g], A_inv [a, a] (either one a vector for a diagonal factor).
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
                                    const torch::Tensor& grad);
 

@@ -12,14 +12,14 @@ namespace dkfac::nn {
 
 using dkfac::FactorCapture;
 
-/// Interface of the C++ modules whose Kronecker factors dkfac builds (dkfac::nn::Linear, Conv2d).
+/// Interface of the C++ modules whose Kronecker factors dkfac builds (dkfac::nn::Linear, Conv2d, Embedding).
 /// The preconditioner finds such modules in a model by dynamic_cast and binds each as a KfacLayer;
 /// the module feeds its FactorCapture from its forward and a hook on its output.
 class KfacModule {
  public:
   virtual ~KfacModule() = default;
 
-  /// "Linear" or "Conv2d".
+  /// "Linear", "Conv2d" or "Embedding".
   std::string kfac_kind() const { return to_string(capture_->geometry().kind); }
   /// The weight; its gradient is viewed as [g, a - has_bias].
   virtual torch::Tensor kfac_weight() const = 0;

@@ -28,8 +28,10 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
   for (size_t slot = 0; slot < 2 * num_layers_; ++slot) {
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
+    const bool diagonal = is_a(slot) ? layer.a_diagonal() : layer.g_diagonal();
     slot_dims_.push_back(n);
-    slot_bytes_.push_back(element * comm::packed_length(n, triangles_));
+    slot_diagonal_.push_back(diagonal);
+    slot_bytes_.push_back(element * comm::packed_length(n, triangles_, diagonal));
   }
   const auto& fusion = plan.fusion;
   if (!fusion_) {
@@ -125,10 +127,11 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     int64_t offset = 0;
     for (size_t s : group.slots) {
       const int64_t n = slot_dims_[s];
-      const int64_t length = comm::packed_length(n, triangles_);
+      const bool diagonal = slot_diagonal_[s];
+      const int64_t length = comm::packed_length(n, triangles_, diagonal);
       // A layer the preconditioner set aside this step (no gradient) took no batch: its average is dropped.
       if (local(s).defined()) {
-        local(s) = comm::unpack_symmetric(group.buffer.narrow(0, offset, length), n, triangles_);
+        local(s) = comm::unpack_symmetric(group.buffer.narrow(0, offset, length), n, triangles_, diagonal);
       }
       offset += length;
     }

@@ -78,6 +78,7 @@ class FactorPipeline {
   std::vector<FactorCapture*> captures_;  // per layer; shared with the front end's hooks
   size_t num_layers_;
   std::vector<int64_t> slot_dims_;   // factor dimension per slot
+  std::vector<bool> slot_diagonal_;  // the factor is kept diagonal (sent as [n])
   std::vector<int64_t> slot_bytes_;  // bytes sent per slot
   assign::AlphaBeta link_;
   const int64_t profile_steps_;  // StepPlan::profile_steps: 0 unless SPD-KFAC fuses by measurement

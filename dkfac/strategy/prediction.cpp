@@ -12,11 +12,16 @@ double cube(int64_t n) { return static_cast<double>(n) * n * n; }
 std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64_t batch_size) {
   const int64_t e = element_bytes;
   const bool eigen = plan.method == ComputeMethod::kEigen;
-  const auto factor_entries = [&](int64_t n) { return plan.factor_triangles ? triangle(n) : n * n; };
-  // What a second-order broadcast carries: eigenvectors and eigenvalues, or an inverse (maybe a triangle).
-  const auto second_order_entries = [&](int64_t n) {
-    return eigen ? n * n + n : plan.inverse_triangles ? triangle(n) : n * n;
+  // A diagonal factor (assign::LayerShape::a_diagonal) is n values everywhere: sent, held, and its
+  // eigenvalues or inverse; it has no eigenvectors and no decomposition.
+  const auto factor_entries = [&](int64_t n, bool diagonal) {
+    return diagonal ? n : plan.factor_triangles ? triangle(n) : n * n;
   };
+  // What a second-order broadcast carries: eigenvectors and eigenvalues, or an inverse (maybe a triangle).
+  const auto second_order_entries = [&](int64_t n, bool diagonal) {
+    return diagonal ? n : eigen ? n * n + n : plan.inverse_triangles ? triangle(n) : n * n;
+  };
+  const auto held = [](int64_t n, bool diagonal) { return diagonal ? n : n * n; };
   std::vector<RankCost> out(plan.world_size());
   for (int rank = 0; rank < plan.world_size(); ++rank) {
     auto& r = out[rank];
@@ -25,22 +30,27 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       const auto& flow = plan.flows[i];
       const int64_t a = shape.a_dim;
       const int64_t g = shape.g_dim;
-      if (plan.reduction != FactorReduction::kNone) r.factor_bytes += e * (factor_entries(a) + factor_entries(g));
+      const bool da = shape.a_diagonal;
+      const bool dg = shape.g_diagonal;
+      if (plan.reduction != FactorReduction::kNone) r.factor_bytes += e * (factor_entries(a, da) + factor_entries(g, dg));
       if (plan.builds_factors(i, rank)) {
         const double rows = static_cast<double>(batch_size * shape.rows_per_sample);
-        r.factor_flops += 2.0 * rows * (static_cast<double>(a) * a + static_cast<double>(g) * g);
-        r.memory_bytes += e * (a * a + g * g);
+        r.factor_flops += 2.0 * rows * static_cast<double>(held(a, da) + held(g, dg));
+        r.memory_bytes += e * (held(a, da) + held(g, dg));
       }
       // Second-order state: held by the layer's grad workers; each part computed by its worker.
       if (plan.preconditions(i, rank)) {
-        r.memory_bytes += e * (eigen ? a * a + a + g * g + g + g * a : a * a + g * g);
+        r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + g * a
+                                     : held(a, da) + held(g, dg));
         const double per_decomposition = eigen ? 9.0 : 1.0;
-        if (plan.computes_a(i, rank)) r.decomposition_flops += per_decomposition * cube(a);
-        if (plan.computes_g(i, rank)) r.decomposition_flops += per_decomposition * cube(g);
-        if (flow.broadcast_a) r.second_order_bytes += e * second_order_entries(a);
-        if (flow.broadcast_g) r.second_order_bytes += e * second_order_entries(g);
+        if (plan.computes_a(i, rank) && !da) r.decomposition_flops += per_decomposition * cube(a);
+        if (plan.computes_g(i, rank) && !dg) r.decomposition_flops += per_decomposition * cube(g);
+        if (flow.broadcast_a) r.second_order_bytes += e * second_order_entries(a, da);
+        if (flow.broadcast_g) r.second_order_bytes += e * second_order_entries(g, dg);
+        // Two products per dense side (one with the inverse method); a diagonal side scales in place (g a).
         const double ga = static_cast<double>(g) * a;
-        r.precondition_flops += (eigen ? 4.0 : 2.0) * ga * static_cast<double>(g + a);
+        const double sides = static_cast<double>((dg ? 0 : g) + (da ? 0 : a));
+        r.precondition_flops += (eigen ? 4.0 : 2.0) * ga * sides + (da || dg ? ga : 0.0);
       }
       if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
     }

@@ -12,6 +12,8 @@ std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layer
   std::vector<assign::LayerShape> shapes;
   for (const auto& layer : layers) {
     assign::LayerShape shape{layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()};
+    shape.a_diagonal = layer.a_diagonal();
+    shape.g_diagonal = layer.g_diagonal();
     const auto& geometry = layer.capture().geometry();
     if (geometry.kind == LayerKind::kConv2d) {
       const int64_t in_channels = layer.weight().size(1);  // [out, in, kh, kw]
@@ -86,7 +88,7 @@ void StepExecutor::arm_factor_step(int64_t micro_batches) {
 comm::Handle StepExecutor::start(torch::Tensor& tensor, bool triangle,
                                 const std::function<comm::Handle(torch::Tensor)>& op,
                                 std::vector<std::function<void()>>& finish) {
-  if (!triangle) return op(tensor);
+  if (!triangle || tensor.dim() == 1) return op(tensor);  // a diagonal factor or inverse is sent as it is
   auto packed = comm::pack_upper(tensor);
   const int64_t n = tensor.size(0);
   finish.push_back([&tensor, packed, n] { tensor = comm::unpack_upper(packed, n); });
@@ -131,9 +133,14 @@ void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double dam
     if (!send_a && !send_g) continue;
     auto& state = layers[i].prepare_second_order(method);
     if (method == ComputeMethod::kEigen) {
-      if (send_a) handles.push_back(start(state.a_eigen.eigenvectors, false, from(placed.a_worker), finish));
+      // A diagonal factor has no eigenvectors to send (the identity): its eigenvalues alone.
+      if (send_a && !layers[i].a_diagonal()) {
+        handles.push_back(start(state.a_eigen.eigenvectors, false, from(placed.a_worker), finish));
+      }
       if (send_a) handles.push_back(start(state.a_eigen.eigenvalues, false, from(placed.a_worker), finish));
-      if (send_g) handles.push_back(start(state.g_eigen.eigenvectors, false, from(placed.g_worker), finish));
+      if (send_g && !layers[i].g_diagonal()) {
+        handles.push_back(start(state.g_eigen.eigenvectors, false, from(placed.g_worker), finish));
+      }
       if (send_g) handles.push_back(start(state.g_eigen.eigenvalues, false, from(placed.g_worker), finish));
     } else {
       const bool triangle = plan_.inverse_triangles;
@@ -206,7 +213,7 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
         tensor = tensor.contiguous();
       } else {
         const auto options = layers[i].weight().options().dtype(static_cast<torch::ScalarType>(dtype - 1));
-        tensor = torch::empty(entry.shape(layers[i].a_dim(), layers[i].g_dim()), options);
+        tensor = torch::empty(layers[i].state_shape(entry), options);
       }
       handles.push_back(communicator_->broadcast(tensor, root, comm::kWorld, comm::Phase::kSetup));
     }

@@ -171,7 +171,11 @@ std::string StepPlan::describe(bool per_layer) const {
     const auto& placed = placement.layers[i];
     const auto& flow = flows[i];
     out << "  " << (i < shapes.size() ? shapes[i].name : std::to_string(i));
-    if (i < shapes.size()) out << " [a=" << shapes[i].a_dim << ", g=" << shapes[i].g_dim << "]";
+    if (i < shapes.size()) {
+      const auto& s = shapes[i];
+      out << " [a=" << s.a_dim << (s.a_diagonal ? " diagonal" : "") << ", g=" << s.g_dim
+          << (s.g_diagonal ? " diagonal" : "") << "]";
+    }
     out << ": factors on " << where(flow.factor_builder) << "; A on " << where(placed.a_worker)
         << (flow.broadcast_a ? " (broadcast)" : "") << ", G on " << where(placed.g_worker)
         << (flow.broadcast_g ? " (broadcast)" : "") << "; grad workers " << ranks(placed.grad_workers) << "\n";

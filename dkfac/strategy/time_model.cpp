@@ -17,7 +17,9 @@
 namespace dkfac::strategy {
 namespace {
 
-int64_t entries(int64_t n, bool triangle) { return triangle ? n * (n + 1) / 2 : n * n; }
+int64_t entries(int64_t n, bool triangle, bool diagonal = false) {
+  return diagonal ? n : triangle ? n * (n + 1) / 2 : n * n;
+}
 
 /// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
@@ -30,7 +32,8 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
   for (size_t slot = 0; slot < 2 * layers; ++slot) {
     const auto& shape = plan.shapes[slot < layers ? slot : 2 * layers - 1 - slot];
     const int64_t n = slot < layers ? shape.a_dim : shape.g_dim;
-    bytes.push_back(rates.element_bytes() * entries(n, plan.factor_triangles));
+    const bool diagonal = slot < layers ? shape.a_diagonal : shape.g_diagonal;
+    bytes.push_back(rates.element_bytes() * entries(n, plan.factor_triangles, diagonal));
   }
   std::vector<int64_t> groups;
   switch (plan.reduction) {
@@ -180,17 +183,19 @@ class StepSimulation {
       slot_build[2 * layers - 1 - i] = g_build;
       const auto& flow = plan.flows[i];
       const int w = plan.grad_workers();
-      const auto share = [&](int64_t n) {
+      const auto share = [&](int64_t n, bool diagonal) {  // a diagonal factor sends n values
+        if (diagonal) return rates.broadcast_seconds(w, e * n);
         if (eigen) return rates.broadcast_seconds(w, e * n * n) + rates.broadcast_seconds(w, e * n);
         return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
       };
       for (int r = 0; r < p_; ++r) {
         if (plan.builds_factors(i, r)) build_[r] += a_build + g_build + fold;
         if (!plan.preconditions(i, r)) continue;
-        if (plan.computes_a(i, r)) decompose_[r] += rates.decomposition.seconds_for(s.a_dim);
-        if (plan.computes_g(i, r)) decompose_[r] += rates.decomposition.seconds_for(s.g_dim);
-        if (flow.broadcast_a) second_order_[r] += share(s.a_dim);
-        if (flow.broadcast_g) second_order_[r] += share(s.g_dim);
+        // A diagonal factor's decomposition is a clamp of d values: priced as nothing.
+        if (plan.computes_a(i, r) && !s.a_diagonal) decompose_[r] += rates.decomposition.seconds_for(s.a_dim);
+        if (plan.computes_g(i, r) && !s.g_diagonal) decompose_[r] += rates.decomposition.seconds_for(s.g_dim);
+        if (flow.broadcast_a) second_order_[r] += share(s.a_dim, s.a_diagonal);
+        if (flow.broadcast_g) second_order_[r] += share(s.g_dim, s.g_diagonal);
         precondition_[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
       }
     }

@@ -30,6 +30,7 @@ except ImportError as error:
 from dkfac import base_preconditioner  # noqa: E402
 from dkfac import enums  # noqa: E402
 from dkfac import hyperparams  # noqa: E402
+from dkfac import optim  # noqa: E402
 from dkfac import preconditioner  # noqa: E402
 from dkfac import scheduler  # noqa: E402
 from dkfac.base_preconditioner import BaseKFACPreconditioner  # noqa: E402
@@ -54,6 +55,7 @@ def configure_allocator() -> str:
 
 __all__ = [
     'AssignmentStrategy', 'BaseKFACPreconditioner', 'ComputeMethod', 'DistributedStrategy', 'KFACPreconditioner',
-    'LambdaParamScheduler', 'base_preconditioner', 'configure_allocator', 'enums', 'hyperparams', 'preconditioner',
+    'LambdaParamScheduler', 'base_preconditioner', 'configure_allocator', 'enums', 'hyperparams', 'optim',
+    'preconditioner',
     'scheduler', '__version__',
 ]

@@ -151,11 +151,6 @@ class BaseKFACPreconditioner:
             weakref.finalize(self, self._communicator.stop_watchdog)
 
         for module, (name, _) in self._layers.items():
-            a = module.weight[0].numel() + (module.bias is not None)
-            g = module.weight.shape[0]
-            logger.log(loglevel, 'dkfac: registered %s (%s): A %d x %d, G %d x %d', name, type(module).__name__,
-                       a, a, g, g)
-        for module, (name, _) in self._layers.items():
             other = _PRECONDITIONED.get(module)
             if other is not None and other() is not None:
                 raise ValueError(f'layer {name!r} ({type(module).__name__}) is already registered with another '
@@ -165,11 +160,14 @@ class BaseKFACPreconditioner:
         core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
         core_options.update(options, accumulation_steps=accumulation_steps,
                             update_factors_in_hook=bool(update_factors_in_hook))
-        core_layers = [(name, type(module).__name__, module.weight, module.bias, capture)
+        core_layers = [(name, type(module).__name__, module.weight, getattr(module, 'bias', None), capture)
                        for module, (name, capture) in self._layers.items()]
         with _CoreWarnings():
             self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
-        self._bound = [(module.weight, module.bias) for module in self._modules]  # what the core preconditions
+        self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]  # what the core preconditions
+        for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
+            logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
+                       f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
         hooks = []
         for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
             hooks.append(module.register_forward_hook(self._forward_hook(capture)))
@@ -262,7 +260,7 @@ class BaseKFACPreconditioner:
         ``layer.weight = torch.nn.Parameter(...)`` give a module new Parameter objects, and the core would
         otherwise keep preconditioning the old ones, whose gradients no longer change: K-FAC silently off."""
         for index, module in enumerate(self._modules):
-            weight, bias = module.weight, module.bias
+            weight, bias = module.weight, getattr(module, 'bias', None)
             bound_weight, bound_bias = self._bound[index]
             if weight is bound_weight and bias is bound_bias:
                 continue

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dkfac import _C
 from dkfac.base_preconditioner import BaseKFACPreconditioner
 from dkfac.base_preconditioner import _CoreWarnings
+from dkfac.base_preconditioner import logger
 from dkfac.enums import AllreduceMethod
 from dkfac.enums import AssignmentStrategy
 from dkfac.enums import ComputeMethod
@@ -97,6 +98,45 @@ def _options_doc() -> str:
         also = f"; dkfac's name: {o['name']}" if o['alias'] else ''
         lines.append(f'    ``{name}`` (default {default}{kinds}{also}): {o["doc"]}.')
     return '\n'.join(lines)
+
+
+def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
+    """transformers' ``pytorch_utils.Conv1D`` (GPT-2's attention and MLP projections): y = x W + b with W stored
+    [in, out], the transpose of a Linear's. Recognised by its class name and weight layout, without importing
+    transformers."""
+    weight = getattr(module, 'weight', None)
+    return (type(module).__name__ == 'Conv1D' and isinstance(getattr(module, 'nf', None), int)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def _layer_kind(module: torch.nn.Module) -> str | None:
+    """The core's kind of a leaf module it can precondition ('Linear', 'Conv2d', 'Embedding'), else None."""
+    if any(True for _ in module.children()):
+        return None
+    if isinstance(module, torch.nn.Linear) or _is_transformers_conv1d(module):
+        return 'Linear'
+    if isinstance(module, torch.nn.Conv2d):
+        return 'Conv2d'
+    if isinstance(module, torch.nn.Embedding):
+        return 'Embedding'
+    return None
+
+
+def _plain_gradient_reason(module: torch.nn.Module) -> str:
+    """Why ``module`` cannot be preconditioned even though its kind can ('' when it can): a sparse Embedding."""
+    if isinstance(module, torch.nn.Embedding) and module.sparse:
+        return ('a sparse Embedding (sparse=True): K-FAC preconditions dense gradients; build it with sparse=False '
+                'to precondition it')
+    return ''
+
+
+def _tied_to(name: str, module: torch.nn.Module, owners: dict[int, list[str]]) -> list[str]:
+    """The other modules holding one of ``module``'s own parameters (tied weights, e.g. GPT-2's lm_head and wte)."""
+    others: list[str] = []
+    for parameter in module._parameters.values():
+        if parameter is not None:
+            others += [o for o in owners.get(id(parameter), []) if o != name and o not in others]
+    return others
 
 
 _Init = TypeVar('_Init', bound=Callable[..., None])
@@ -181,6 +221,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         unused_layer_policy: str = _default('unused_layer_policy'),
         pi_damping: bool = _default('pi_damping'),
         large_factor_dim: int = _default('large_factor_dim'),
+        diagonal_factor_dim: int = _default('diagonal_factor_dim'),
         spd_redundant_dim: int | None = _default('spd_redundant_dim'),
         spd_profile_steps: int = _default('spd_profile_steps'),
         spd_fusion: list[int] = _default('spd_fusion'),
@@ -239,6 +280,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                  else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
 
+        self._loglevel_given = loglevel
         layers = self._register(model)
         options = {typed[k]: v for k, v in core.items() if k not in _BASE}
         options['grad_scale'] = self._scale_function(grad_scaler)
@@ -259,30 +301,66 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     # --- registration --------------------------------------------------------------------------------
     def _register(self, model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, Any]]:
         """{module: (name, capture)} of the layers to precondition, in model order (hooked by the base): the
-        torch.nn.Linear and Conv2d leaves, chosen by the core's rules (dkfac/layers/discovery.h: frozen, grouped
-        and skip_layers), the same ones the C++ front end applies, with the same warnings and errors."""
+        torch.nn.Linear, Conv2d and Embedding leaves and transformers' Conv1D, chosen by the core's rules
+        (dkfac/layers/discovery.h: frozen, grouped, sparse, tied and skip_layers), the same ones the C++ front end
+        applies, with the same warnings and errors. Every trainable parameter left to the optimizer is logged at
+        ``loglevel`` with the reason."""
+        owners: dict[int, list[str]] = {}  # id(parameter) -> the modules holding it (tied weights: several)
+        for name, module in model.named_modules():
+            for parameter in module._parameters.values():
+                if parameter is not None:
+                    owners.setdefault(id(parameter), []).append(name)
         modules, candidates = [], []
         for name, module in model.named_modules():
-            if any(True for _ in module.children()) or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            kind = _layer_kind(module)
+            if kind is None:
                 continue
-            kind = 'Linear' if isinstance(module, torch.nn.Linear) else 'Conv2d'
             trainable = all(p.requires_grad for p in module.parameters())
-            candidates.append((name, type(module).__name__, kind, trainable, getattr(module, 'groups', 1)))
+            candidates.append((name, type(module).__name__, kind, trainable, getattr(module, 'groups', 1),
+                               _plain_gradient_reason(module), _tied_to(name, module, owners)))
             modules.append(module)
         with _CoreWarnings():
-            chosen = _C.choose_layers(candidates, self.skip_layers, type(model).__name__)
+            chosen, reasons = _C.choose_layers(candidates, self.skip_layers, type(model).__name__)
         layers: dict[torch.nn.Module, tuple[str, Any]] = {}
         for index in chosen:
             name, module = candidates[index][0], modules[index]
-            if isinstance(module, torch.nn.Linear):
-                capture = _C.linear_capture(module.bias is not None)
+            kind = candidates[index][2]
+            if kind == 'Embedding':
+                capture = _C.embedding_capture(module.num_embeddings)
+            elif kind == 'Linear':
+                capture = _C.linear_capture(module.bias is not None, transposed=not isinstance(module, torch.nn.Linear))
             else:
                 capture = _C.conv2d_capture(
                     module.bias is not None, tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation),
                     module.padding if isinstance(module.padding, str) else tuple(module.padding),
                     module.padding_mode, tuple(module._reversed_padding_repeated_twice))
             layers[module] = (name, capture)
+        self._log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]})
         return layers
+
+    def _log_plain_parameters(self, model: torch.nn.Module, layers: dict[torch.nn.Module, Any],
+                              set_aside: dict[torch.nn.Module, str]) -> None:
+        """Logs, at ``loglevel``, every trainable parameter no registered layer holds, grouped by why."""
+        by_reason: dict[str, list[str]] = {}
+        for name, module in model.named_modules():
+            if module in layers:
+                continue
+            trainable = [p for p, t in module._parameters.items() if t is not None and t.requires_grad]
+            if not trainable:
+                continue
+            if module in set_aside:
+                reason = set_aside[module]
+            elif any(True for _ in module.children()):
+                reason = f'parameters of a {type(module).__name__} itself, outside any layer K-FAC preconditions'
+            else:
+                reason = f'{type(module).__name__} is not a layer kind K-FAC preconditions'
+            prefix = f'{name}.' if name else ''
+            by_reason.setdefault(reason, []).extend(prefix + p for p in trainable)
+        if not by_reason:
+            return
+        lines = [f'{", ".join(names)} ({reason})' for reason, names in by_reason.items()]
+        logger.log(self._loglevel_given, 'dkfac: %d trainable parameters keep their plain gradient (the optimizer '
+                      'applies it as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
 
     @staticmethod
     def _scale_function(grad_scaler: Any) -> Callable[[], torch.Tensor] | None:

@@ -181,17 +181,24 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def(
       "choose_layers",
-      // candidates: (name, class name, kind "Linear"/"Conv2d", trainable, groups) each; the core's one rule set
-      // (dkfac/layers/discovery.h), its warnings collected by the caller. Returns the chosen indices.
-      [](const std::vector<std::tuple<std::string, std::string, std::string, bool, int64_t>>& candidates,
+      // candidates: (name, class name, kind "Linear"/"Conv2d"/"Embedding", trainable, groups, reason the front end
+      // cannot precondition it or "", the other modules holding one of its parameters) each; the core's one rule set
+      // (dkfac/layers/discovery.h), its warnings collected by the caller. Returns the chosen indices and, per
+      // candidate, why it was not chosen ("").
+      [](const std::vector<std::tuple<std::string, std::string, std::string, bool, int64_t, std::string,
+                                      std::vector<std::string>>>& candidates,
          const std::vector<std::string>& skip_layers, const std::string& model) {
         std::vector<ModuleCandidate> modules;
-        for (const auto& [name, class_name, kind, trainable, groups] : candidates) {
-          modules.push_back({name, class_name, kind == "Conv2d" ? LayerKind::kConv2d : LayerKind::kLinear, trainable,
-                             groups});
+        for (const auto& [name, class_name, kind, trainable, groups, reason, tied_to] : candidates) {
+          const auto layer_kind = kind == "Conv2d"      ? LayerKind::kConv2d
+                                  : kind == "Embedding" ? LayerKind::kEmbedding
+                                                        : LayerKind::kLinear;
+          modules.push_back({name, class_name, layer_kind, trainable, groups, reason, tied_to});
         }
+        std::vector<std::string> reasons;
         try {
-          return choose_layers(modules, skip_layers, model);
+          auto chosen = choose_layers(modules, skip_layers, model, &reasons);
+          return std::make_pair(chosen, reasons);
         } catch (const c10::Error& e) {
           throw py::value_error(e.what_without_backtrace());
         }
@@ -254,8 +261,20 @@ PYBIND11_MODULE(_C, m) {
         return std::make_pair(bytes(c.mean_a()), bytes(c.mean_g()));
       });
 
-  m.def("linear_capture", [](bool has_bias) {
-    return std::make_shared<FactorCapture>(LayerGeometry{LayerKind::kLinear, has_bias, {}});
+  m.def(
+      "linear_capture",
+      [](bool has_bias, bool transposed) {
+        LayerGeometry geometry{LayerKind::kLinear, has_bias, {}};
+        geometry.transposed = transposed;  // transformers' Conv1D: weight [in, out]
+        return std::make_shared<FactorCapture>(geometry);
+      },
+      py::arg("has_bias"), py::arg("transposed") = false);
+  m.def("embedding_capture", [](int64_t num_embeddings) {
+    try {
+      return std::make_shared<FactorCapture>(embedding_geometry(num_embeddings));
+    } catch (const c10::Error& e) {
+      throw py::value_error(e.what_without_backtrace());
+    }
   });
   m.def("conv2d_capture",
         [](bool has_bias, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride, std::array<int64_t, 2> dilation,
@@ -335,6 +354,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("steps", &Preconditioner::steps)
       .def("is_factor_step", &Preconditioner::is_factor_step)
       .def("memory_bytes", &Preconditioner::memory_bytes)
+      .def("layer_dims",
+           [](const Preconditioner& p) {
+             // (a, g, A diagonal, G diagonal) per layer, as the core sized them
+             std::vector<std::tuple<int64_t, int64_t, bool, bool>> out;
+             for (const auto& l : p.layers()) out.emplace_back(l.a_dim(), l.g_dim(), l.a_diagonal(), l.g_diagonal());
+             return out;
+           })
       .def_property_readonly("last_kl_scale", &Preconditioner::last_kl_scale)
       .def("last_step_times", [](const Preconditioner& p) { return phase_seconds(p.last_step_times()); })
       .def("total_times", [](const Preconditioner& p) { return phase_seconds(p.total_times()); })

@@ -41,7 +41,7 @@ TEST(ChooseLayers, UnmatchedPatternIsWarnedListingTheCandidatesAndNoneLeftIsAnEr
             "(ECMAScript regular expressions) in these layer names, kinds and classes: 'stem' (Conv2d), "
             "'attn.out_proj' (NonDynamicallyQuantizableLinear), 'head' (Linear)");
   testing::expect_error<c10::Error>([] { choose_layers(kModel, {"."}, "Net"); },
-                                    {"found no Linear or Conv2d layer to precondition in Net"});
+                                    {"found no Linear, Conv2d or Embedding layer to precondition in Net"});
   testing::expect_error<c10::Error>([] { choose_layers(kModel, {"("}, "Net"); },
                                     {"skip_layers pattern '(' is not a valid regular expression"});
 }

@@ -387,5 +387,134 @@ TEST_P(KfacLayerStorage, ReducedPrecisionFoldsDecomposesAndRoundTrips) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, KfacLayerStorage, ::testing::Values(torch::kBFloat16, torch::kHalf));
 
+// MATH.md section 6. A layer whose weight is stored [in, out] (transformers' Conv1D) is the Linear it is: fed the
+// same activations, its preconditioned gradient is the Linear's, transposed.
+TEST(KfacLayer, TransposedWeightIsPreconditionedAsTheLinear) {
+  torch::manual_seed(41);
+  auto linear = linear_binding(5, 3);
+  LayerGeometry transposed{LayerKind::kLinear, true, {}};
+  transposed.transposed = true;
+  LayerBinding conv1d{"conv1d", linear.weight.t().contiguous(), linear.bias.clone(),
+                      std::make_shared<FactorCapture>(transposed)};
+  KfacLayer a(linear), b(conv1d);
+  EXPECT_EQ(b.a_dim(), 6);
+  EXPECT_EQ(b.g_dim(), 3);
+  const auto input = torch::randn({4, 2, 5}, kF64);
+  const auto grad_output = torch::randn({4, 2, 3}, kF64);
+  const auto weight_grad = torch::randn({3, 5}, kF64);
+  const auto bias_grad = torch::randn({3}, kF64);
+  a.weight().mutable_grad() = weight_grad.clone();
+  a.bias().mutable_grad() = bias_grad.clone();
+  b.weight().mutable_grad() = weight_grad.t().contiguous();
+  b.bias().mutable_grad() = bias_grad.clone();
+  EXPECT_TRUE(torch::equal(a.gradient(), b.gradient()));
+  for (auto* layer : {&a, &b}) {
+    layer->capture().set_enabled(true);
+    layer->capture().capture_input(input);
+    layer->capture().capture_output_grad(grad_output);
+    auto [fa, fg] = layer->take_factor_batches();
+    layer->fold_factors(fa, fg, 0.9);
+    layer->compute_second_order(ComputeMethod::kEigen, 0.01, false);
+    layer->set_gradient(layer->second_order().precondition(layer->gradient()));
+  }
+  EXPECT_TENSOR_NEAR(b.weight().grad(), a.weight().grad().t(), 1e-12);
+  EXPECT_TENSOR_NEAR(b.bias().grad(), a.bias().grad(), 1e-12);
+  EXPECT_FALSE(torch::allclose(a.weight().grad(), weight_grad)) << "preconditioning changed nothing";
+}
+
+// An Embedding of V tokens is the Linear(V -> d) of one-hot rows, its weight stored [V, d]: same factors (A
+// diagonal), same preconditioned gradient, transposed, for both methods; a row no token used stays zero.
+class EmbeddingAsOneHotLinear : public ::testing::TestWithParam<ComputeMethod> {};
+
+TEST_P(EmbeddingAsOneHotLinear, SamePreconditionedGradient) {
+  torch::manual_seed(42);
+  const int64_t vocabulary = 6, dim = 4;
+  LayerBinding embedding{"wte", torch::randn({vocabulary, dim}, kF64), {},
+                         std::make_shared<FactorCapture>(embedding_geometry(vocabulary))};
+  auto linear = linear_binding(vocabulary, dim, /*bias=*/false);
+  KfacLayer e(embedding), l(linear);
+  EXPECT_TRUE(e.a_diagonal());
+  EXPECT_FALSE(e.g_diagonal());
+  EXPECT_EQ(e.a_dim(), vocabulary);
+  EXPECT_EQ(e.g_dim(), dim);
+  const auto tokens = torch::tensor({0, 2, 2, 5, 1, 2, 0, 5}, torch::kLong).reshape({2, 4});  // token 3, 4 unused
+  const auto grad_output = torch::randn({2, 4, dim}, kF64);
+  // The weight gradient of y = W[x]: row t sums the output gradients at the positions holding t.
+  auto embedding_grad = torch::zeros({vocabulary, dim}, kF64).index_add_(0, tokens.reshape({-1}), grad_output.reshape({-1, dim}));
+  e.weight().mutable_grad() = embedding_grad.clone();
+  l.weight().mutable_grad() = embedding_grad.t().contiguous();
+  const auto method = GetParam();
+  for (auto* layer : {&e, &l}) {
+    layer->capture().set_enabled(true);
+    if (layer == &e) {
+      layer->capture().capture_input(tokens);
+    } else {
+      layer->capture().capture_input(torch::one_hot(tokens, vocabulary).to(torch::kFloat64));
+    }
+    layer->capture().capture_output_grad(grad_output);
+    auto [fa, fg] = layer->take_factor_batches();
+    layer->fold_factors(fa, fg, 0.5);
+    layer->compute_second_order(method, 0.01, /*pi_damping=*/method == ComputeMethod::kInverse);
+    layer->set_gradient(layer->second_order().precondition(layer->gradient()));
+  }
+  EXPECT_EQ(e.a_factor().dim(), 1);
+  EXPECT_TENSOR_NEAR(torch::diag(e.a_factor()), l.a_factor(), 1e-14);
+  EXPECT_TENSOR_NEAR(e.g_factor(), l.g_factor(), 1e-14);
+  EXPECT_TENSOR_NEAR(e.weight().grad(), l.weight().grad().t(), 1e-10);
+  EXPECT_TRUE(torch::equal(e.weight().grad()[3], torch::zeros({dim}, kF64))) << "an unused (padding) row moved";
+  EXPECT_FALSE(torch::allclose(e.weight().grad(), embedding_grad)) << "preconditioning changed nothing";
+  if (method == ComputeMethod::kEigen) {
+    EXPECT_FALSE(e.second_order().a_eigen.eigenvectors.defined()) << "a diagonal factor holds no eigenvectors";
+    EXPECT_EQ(e.memory_bytes(), 8 * (vocabulary + dim * dim + vocabulary + dim * dim + dim + dim * vocabulary));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Methods, EmbeddingAsOneHotLinear,
+                         ::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse));
+
+// A factor wider than the limit is kept diagonal: preconditioning is then a dense Kronecker solve with that
+// factor's off-diagonal entries dropped, and its state is d values.
+TEST(KfacLayer, DiagonalLimitKeepsWideFactorsDiagonal) {
+  torch::manual_seed(43);
+  auto binding = linear_binding(6, 3);
+  KfacLayer layer(binding);
+  layer.set_diagonal_limit(5);  // a = 7 > 5: diagonal; g = 3: dense
+  EXPECT_TRUE(layer.a_diagonal());
+  EXPECT_FALSE(layer.g_diagonal());
+  const auto input = torch::randn({10, 6}, kF64);
+  const auto grad_output = torch::randn({10, 3}, kF64);
+  layer.capture().set_enabled(true);
+  layer.capture().capture_input(input);
+  layer.capture().capture_output_grad(grad_output);
+  auto [fa, fg] = layer.take_factor_batches();
+  ASSERT_EQ(fa.dim(), 1);
+  layer.fold_factors(fa, fg, 0.0);
+  const auto a_dense = math::linear_a_factor(input, true);
+  EXPECT_TENSOR_NEAR(layer.a_factor(), torch::diagonal(a_dense), 1e-14);
+  const double damping = 0.02;
+  layer.compute_second_order(ComputeMethod::kEigen, damping, false);
+  const auto grad = torch::randn({3, 7}, kF64);
+  EXPECT_TENSOR_NEAR(layer.second_order().precondition(grad),
+                     dense_eigen_reference(torch::diag(torch::diagonal(a_dense)), layer.g_factor(), grad, damping), 1e-10);
+
+  // Its state round-trips, and a checkpoint made with the factor dense is refused, naming the option.
+  auto state = layer.state();
+  EXPECT_EQ(state.count("a_eigenvectors"), 0u);
+  KfacLayer copy(linear_binding(6, 3));
+  copy.set_diagonal_limit(5);
+  copy.load_state(state, ComputeMethod::kEigen);
+  EXPECT_TENSOR_NEAR(copy.second_order().precondition(grad), layer.second_order().precondition(grad), 0.0);
+  KfacLayer dense(linear_binding(6, 3));
+  dense.fold_factors(a_dense, fg, 0.0);
+  dense.compute_second_order(ComputeMethod::kEigen, damping, false);
+  expect_error([&] { copy.load_state(dense.state(), ComputeMethod::kEigen); },
+               {"A factor has shape [7, 7], the model expects [7]", "diagonal_factor_dim"});
+  auto eigenvectors_only = dense.state();
+  eigenvectors_only.erase("a_factor");
+  expect_error([&] { copy.load_state(eigenvectors_only, ComputeMethod::kEigen); },
+               {"holds Q_A of shape [7, 7], but this layer keeps its A factor diagonal", "diagonal_factor_dim"});
+  expect_error([&] { dense.load_state(state, ComputeMethod::kEigen); }, {"A factor has shape [7]", "diagonal_factor_dim"});
+}
+
 }  // namespace
 }  // namespace dkfac

@@ -200,5 +200,38 @@ TEST(Factors, RejectsBadShapes) {
   EXPECT_THROW(covariance(torch::zeros({0, 3})), c10::Error);
 }
 
+// MATH.md section 6: a diagonal factor is the dense factor's diagonal, built without the k x k product.
+TEST(Factors, DiagonalFactorsAreTheDenseFactorsDiagonals) {
+  torch::manual_seed(31);
+  const auto options = torch::TensorOptions().dtype(torch::kFloat64);
+  const auto input = torch::randn({3, 5, 7}, options);
+  for (const bool bias : {false, true}) {
+    EXPECT_TRUE(torch::allclose(linear_a_diagonal(input, bias), torch::diagonal(linear_a_factor(input, bias)), 1e-14, 1e-14));
+  }
+  const auto grad = torch::randn({6, 4}, options);
+  EXPECT_TRUE(torch::allclose(linear_g_diagonal(grad), torch::diagonal(linear_g_factor(grad)), 1e-14, 1e-14));
+  EXPECT_TRUE(torch::allclose(diagonal_covariance(grad, true, 0.5), torch::diagonal(covariance(grad, true, 0.5)),
+                              1e-14, 1e-14));
+}
+
+// An Embedding is the Linear of one-hot rows: its A factor is that Linear's (diagonal) A factor.
+TEST(Factors, EmbeddingAFactorIsTheOneHotLinearsFactor) {
+  const auto tokens = torch::tensor({3, 0, 3, 5, 3, 1}, torch::kLong).reshape({2, 3});
+  const auto one_hot = torch::one_hot(tokens, 7).to(torch::kFloat64);
+  const auto dense = linear_a_factor(one_hot, /*with_bias=*/false);
+  const auto a = embedding_a_factor(tokens, 7, torch::kFloat64);
+  EXPECT_TRUE(torch::equal(torch::diag(a), dense)) << a << dense;  // counts / n: 3/6 for token 3, 0 for 2, 4, 6
+  EXPECT_DOUBLE_EQ(a[3].item<double>(), 0.5);
+  EXPECT_EQ(a.scalar_type(), torch::kFloat64);
+  EXPECT_EQ(embedding_a_factor(tokens.to(torch::kInt), 7, torch::kFloat32).scalar_type(), torch::kFloat32);
+  testing::expect_error<c10::Error>([&] { embedding_a_factor(one_hot, 7, torch::kFloat64); },
+                                    {"Embedding input must hold integer token indices, got Double"});
+}
+
+TEST(Factors, RunningAverageOfADiagonalStartsFromOnes) {
+  const auto batch = torch::tensor({2.0, 4.0}, torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(running_average({}, batch, 0.5), torch::tensor({1.5, 2.5}, torch::kFloat64)));
+}
+
 }  // namespace
 }  // namespace dkfac::math

@@ -113,5 +113,77 @@ TEST(Layers, WorksInsideSequential) {
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 3}));
 }
 
+TEST(Layers, EmbeddingIsDropInReplacementAndRefusesSparse) {
+  torch::manual_seed(9);
+  torch::nn::Embedding reference(torch::nn::EmbeddingOptions(7, 3).padding_idx(0));
+  torch::manual_seed(9);
+  Embedding ours(torch::nn::EmbeddingOptions(7, 3).padding_idx(0));
+  EXPECT_TRUE(torch::equal(reference->weight, ours->weight));
+  const auto tokens = torch::tensor({{1, 0, 6}, {2, 2, 0}}, torch::kLong);
+  EXPECT_TRUE(torch::equal(reference->forward(tokens), ours->forward(tokens)));
+  EXPECT_EQ(ours->a_dim(), 7);
+  EXPECT_EQ(ours->g_dim(), 3);
+  EXPECT_EQ(ours->kfac_kind(), "Embedding");
+  testing::expect_error<c10::Error>([] { Embedding sparse(torch::nn::EmbeddingOptions(7, 3).sparse(true)); },
+                                    {"sparse=true", "K-FAC preconditions dense gradients", "torch::nn::Embedding"});
+}
+
+// A head whose weight can be tied to an embedding's: both modules then hold one Parameter.
+struct HeadImpl : LinearImpl {
+  HeadImpl() : LinearImpl(torch::nn::LinearOptions(4, 11).bias(false)) {}
+  void tie(const torch::Tensor& embedding_weight) {
+    parameters_.erase("weight");
+    weight = register_parameter("weight", embedding_weight);
+  }
+};
+TORCH_MODULE(Head);
+
+// A small language model in the C++ front end: token embedding, a Linear, and a head; tied or not.
+struct TinyLanguageModelImpl : torch::nn::Module {
+  explicit TinyLanguageModelImpl(bool tied) {
+    wte = register_module("wte", Embedding(torch::nn::EmbeddingOptions(11, 4).padding_idx(0)));
+    mix = register_module("mix", Linear(4, 4));
+    head = register_module("head", Head());
+    if (tied) head->tie(wte->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) { return head(torch::tanh(mix(wte(tokens)))); }
+  Embedding wte{nullptr};
+  Linear mix{nullptr};
+  Head head{nullptr};
+};
+TORCH_MODULE(TinyLanguageModel);
+
+TEST(Layers, EmbeddingIsPreconditionedAndTiedWeightsKeepTheirPlainGradient) {
+  torch::manual_seed(10);
+  const auto tokens = torch::tensor({{1, 0, 6, 3}, {2, 2, 0, 5}}, torch::kLong);
+  auto loss_of = [&](TinyLanguageModel& m) {
+    return F::cross_entropy(m(tokens).flatten(0, 1), tokens.flatten());
+  };
+  TinyLanguageModel untied(false);
+  Preconditioner kfac(untied.ptr(), Options().kl_clip(0.0));
+  ASSERT_EQ(kfac.layers().size(), 3u);
+  EXPECT_EQ(kfac.layers()[0].kind(), LayerKind::kEmbedding);
+  EXPECT_TRUE(kfac.layers()[0].a_diagonal());
+  loss_of(untied).backward();
+  const auto plain = untied->wte->weight.grad().clone();
+  kfac.step();
+  const auto& preconditioned = untied->wte->weight.grad();
+  EXPECT_FALSE(torch::allclose(preconditioned, plain));
+  EXPECT_TRUE(torch::equal(preconditioned[0], torch::zeros({4}))) << "the padding row got a gradient";
+
+  TinyLanguageModel tied(true);
+  ASSERT_TRUE(tied->head->weight.is_same(tied->wte->weight));
+  std::string warnings;
+  {
+    testing::CapturedWarnings captured;
+    Preconditioner tied_kfac(tied.ptr(), Options());
+    warnings = captured.all();
+    ASSERT_EQ(tied_kfac.layers().size(), 1u);
+    EXPECT_EQ(tied_kfac.layers()[0].name(), "mix");
+  }
+  EXPECT_NE(warnings.find("layer 'wte' (Embedding) keeps its plain gradient: tied to 'head'"), std::string::npos) << warnings;
+  EXPECT_NE(warnings.find("layer 'head' (Linear) keeps its plain gradient: tied to 'wte'"), std::string::npos) << warnings;
+}
+
 }  // namespace
 }  // namespace dkfac::nn

@@ -2,7 +2,8 @@
 dkfac, on this rank's shard of each global batch, and saves every step's preconditioned gradients.
 
 Arguments: OUTPUT JSON-KWARGS (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment). Besides the
-preconditioner's keyword arguments, JSON-KWARGS may hold 'device' ('cpu' or 'cuda': every rank on cuda:0),
+preconditioner's keyword arguments, JSON-KWARGS may hold 'model' (a scenarios.make_model kind, default 'cnn';
+'lm': the layer kinds of a transformer), 'device' ('cpu' or 'cuda': every rank on cuda:0),
 'backend' (torch.distributed's, default 'gloo') and 'per_rank' ({"RANK": {keyword: value}}: this rank's own
 values). A worker whose preconditioner refuses to be built prints "refused: MESSAGE" and exits with 3; one whose
 step() refuses, "refused at step N: MESSAGE", and exits with 4. 'die_at' ({"RANK": step}) makes that rank exit
@@ -47,11 +48,12 @@ def main() -> None:
     resume = kwargs.pop('resume', None)  # 'own' or 'rank0': reload a state dict after the run, one more step
     save_gathered = kwargs.pop('save_gathered', False)  # also save state_dict(gathered=True) and state_dict()
     device = torch.device(kwargs.pop('device', 'cpu'))
+    kind = kwargs.pop('model', 'cnn')  # a scenarios.make_model kind
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
     skip_at = kwargs.pop('skip_at', None)
     if skip_at is None:
-        model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model('cnn').to(device))
+        model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model(kind).to(device))
     else:
         skipping = set(skip_at.get(str(rank), []))
         block = SkippableBlock()
@@ -79,10 +81,9 @@ def main() -> None:
         if skip_at is not None:
             block.skip = step in skipping
         params.append([p.detach().to('cpu', copy=True) for p in model.parameters()])
-        x, y = (t.to(device) for t in scenarios.batch('cnn', step, size=GLOBAL_BATCH))
+        x, y = (t.to(device) for t in scenarios.batch(kind, step, size=GLOBAL_BATCH))
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[rank * shard:(rank + 1) * shard]),
-                                                 y[rank * shard:(rank + 1) * shard])
+        loss = scenarios.loss_of(kind, model(x[rank * shard:(rank + 1) * shard]), y[rank * shard:(rank + 1) * shard])
         loss.backward()
         if die_at == step:
             os._exit(9)

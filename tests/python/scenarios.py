@@ -13,8 +13,40 @@ import torch
 STEPS = 6
 
 
+class Conv1D(torch.nn.Module):
+    """transformers.pytorch_utils.Conv1D as written there (a Linear whose weight is stored [in, out])."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.nf,))
+
+
+class TinyLanguageModel(torch.nn.Module):
+    """Token embedding, a Conv1D, a LayerNorm and a 40-token head: the layer kinds of GPT-2, untied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(LM_VOCABULARY, 8)
+        self.c_fc = Conv1D(12, 8)
+        self.ln = torch.nn.LayerNorm(12)
+        self.head = torch.nn.Linear(12, LM_VOCABULARY)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(torch.tanh(self.c_fc(self.wte(tokens)))))
+
+
+LM_VOCABULARY = 40
+
+
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == 'lm':
+        return TinyLanguageModel()
     if kind == 'mlp3d':  # Linear on [B, T, in]: leading dimensions flattened into rows
         return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
     if kind == 'cnn':
@@ -30,12 +62,17 @@ def batch(kind: str, step: int, micro: int = 0, size: int = 8) -> tuple[torch.Te
     g = torch.Generator().manual_seed(1000 * step + micro)
     if kind == 'mlp3d':
         return torch.randn(size, 3, 6, generator=g), torch.randn(size, 3, 5, generator=g)
+    if kind == 'lm':  # 5 tokens per sample, the target the next token (of 6 drawn)
+        tokens = torch.randint(0, LM_VOCABULARY, (size, 6), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(size, 2, 8, 8, generator=g), torch.randint(0, 5, (size,), generator=g)
 
 
 def loss_of(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if kind == 'mlp3d':
         return torch.nn.functional.mse_loss(output, target)
+    if kind == 'lm':
+        return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return torch.nn.functional.cross_entropy(output, target)
 
 

@@ -76,10 +76,12 @@ def reference(size: int, kwargs: dict, factor_shard: int | None = None,
     With `teacher` (the distributed run's parameters before each step) every step starts from those
     parameters instead of the reference's own trajectory.
     """
-    model = scenarios.make_model('cnn')
+    kind = kwargs.get('model', 'cnn')
+    model = scenarios.make_model(kind)
     plain = copy.deepcopy(model)  # computes the averaged gradient without capturing
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    kwargs = {k: v for k, v in kwargs.items() if k not in ('strategy', 'grad_worker_fraction', 'spd_redundant_dim')}
+    kwargs = {k: v for k, v in kwargs.items()
+              if k not in ('strategy', 'grad_worker_fraction', 'spd_redundant_dim', 'model')}
     micro = size if factor_shard is None else 1
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=micro, **kwargs)
     shard = GLOBAL_BATCH // size
@@ -89,15 +91,15 @@ def reference(size: int, kwargs: dict, factor_shard: int | None = None,
             with torch.no_grad():
                 for p, t in zip(model.parameters(), teacher[step]):
                     p.copy_(t)
-        x, y = scenarios.batch('cnn', step, size=GLOBAL_BATCH)
+        x, y = scenarios.batch(kind, step, size=GLOBAL_BATCH)
         parts = [(x[r * shard:(r + 1) * shard], y[r * shard:(r + 1) * shard]) for r in range(size)]
         plain.load_state_dict(model.state_dict())
         plain.zero_grad()
         for px, py in parts:
-            torch.nn.functional.cross_entropy(plain(px), py).backward()
+            scenarios.loss_of(kind, plain(px), py).backward()
         optimizer.zero_grad()
         for px, py in parts if factor_shard is None else [parts[factor_shard]]:
-            torch.nn.functional.cross_entropy(model(px), py).backward()
+            scenarios.loss_of(kind, model(px), py).backward()
         with torch.no_grad():
             for p, q in zip(model.parameters(), plain.parameters()):
                 p.grad.copy_(q.grad / size)
@@ -144,6 +146,31 @@ def test_equals_single_process_reference(size, kwargs, tmp_path):
     forced = 'grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it'
     assert (forced in results[0]['warnings']) == (mem_opt and kwargs.get('colocate_factors') is False), results[0]
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
+    for rank, result in enumerate(results):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
+# The layer kinds of a transformer (docs/MATH.md section 7): an Embedding (A diagonal), a Conv1D (weight stored
+# transposed) and a 40-token head whose G is kept diagonal (diagonal_factor_dim=16), under every strategy.
+LM_CASES = [
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.5)),
+    (2, dict(strategy='spd', compute_method='inverse', symmetry_aware=True)),
+    (4, dict(strategy='kaisa', grad_worker_fraction=0.25, colocate_factors=False, compute_method='inverse',
+             symmetry_aware=True)),
+    (4, dict(strategy='spd')),
+]
+
+
+@pytest.mark.parametrize('size,kwargs', LM_CASES, ids=[f'{s}-{"-".join(map(str, k.values()))}' for s, k in LM_CASES])
+def test_transformer_layers_equal_the_single_process_reference(size, kwargs, tmp_path):
+    lm = {**COMMON, 'model': 'lm', 'diagonal_factor_dim': 16, 'inv_dtype': 'float64'}
+    results = run_workers(size, {**lm, **kwargs}, tmp_path)
+    assert results[0]['layers'] == ['module.wte', 'module.c_fc', 'module.head']
+    assert 'module.head [a=13, g=40 diagonal]' in results[0]['plan'], results[0]['plan']
+    assert 'module.wte [a=40 diagonal, g=8]' in results[0]['plan'], results[0]['plan']
+    expected = reference(size, {**lm, 'inv_dtype': torch.float64, **kwargs})
     for rank, result in enumerate(results):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):

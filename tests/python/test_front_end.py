@@ -56,7 +56,7 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
     (dict(pi_damping=True), 'pi_damping applies to the inverse compute_method only, got compute_method=eigen'),
     (dict(factor_dtype=torch.int32), "factor_dtype must be one of float32, float64, bfloat16, float16 or none \\(the default\\), got 'int32'"),
     (dict(skip_layers=['(']), "skip_layers pattern '\\(' is not a valid regular expression"),
-    (dict(skip_layers=['.*']), 'found no Linear or Conv2d layer to precondition in Sequential'),
+    (dict(skip_layers=['.*']), 'found no Linear, Conv2d or Embedding layer to precondition in Sequential'),
     (dict(large_factor_dim=-1), r'large_factor_dim must be >= 0, got -1'),
     (dict(large_factor_dim=2.5), r'large_factor_dim must be an integer, got 2.5'),
     (dict(spd_profile_steps=0), r'spd_profile_steps must be >= 1, got 0'),  # SPD-KFAC's options reach Python too

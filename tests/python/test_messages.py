@@ -196,5 +196,5 @@ def test_layer_discovery_is_the_cores_and_says_what_the_cpp_front_end_says():
     assert ("dkfac: skip_layers pattern 'Embedding' matches no layer, so it skips nothing; patterns are searched "
             "(ECMAScript regular expressions) in these layer names, kinds and classes: 'stem' (Conv2d), "
             "'head' (Linear)") in messages
-    with pytest.raises(ValueError, match='found no Linear or Conv2d layer to precondition in Net'):
+    with pytest.raises(ValueError, match='found no Linear, Conv2d or Embedding layer to precondition in Net'):
         dkfac.KFACPreconditioner(Net(), skip_layers=['.'])

@@ -70,7 +70,7 @@ TEST_F(TrainerTest, SkipLayersLeavesMatchingLayersOutOfKfac) {
   EXPECT_NE(skipped.back(), sgd.back()) << "layers 3 and 5 were not preconditioned";
   c.kfac = true;
   c.kfac_options.skip_layers({"Linear"});
-  expect_error([&] { Trainer(c).run(); }, {"found no Linear or Conv2d layer to precondition", "after skip_layers"});
+  expect_error([&] { Trainer(c).run(); }, {"found no Linear, Conv2d or Embedding layer to precondition", "after skip_layers"});
   c.kfac_options.skip_layers({"^1$", "("});
   expect_error([&] { Trainer(c).run(); }, {"skip_layers pattern '(' is not a valid regular expression"});
 }

@@ -1,0 +1,348 @@
+"""dkfac.optim: K-FAC as a ``torch.optim.Optimizer``, for training loops and frameworks that take one optimizer.
+
+``KFAC`` wraps a base optimizer (AdamW, SGD, ...) and a K-FAC preconditioner; its ``step()`` preconditions the
+gradients, then runs the base optimizer's step::
+
+    opt = dkfac.optim.KFAC(model, torch.optim.AdamW(model.parameters(), lr=3e-4), factor_update_steps=10)
+    loss.backward()
+    opt.step()          # preconditioner.step(), then AdamW's step()
+    opt.zero_grad()
+
+Everything an optimizer is asked for by LR schedulers, ``torch.amp.GradScaler``, gradient clipping, Hugging
+Face's ``Trainer`` (through accelerate's ``AcceleratedOptimizer``) and PyTorch Lightning is the base
+optimizer's: ``param_groups`` (the same list object), ``state`` and ``defaults``. ``state_dict()`` holds both
+halves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dkfac.base_preconditioner import BaseKFACPreconditioner
+from dkfac.preconditioner import KFACPreconditioner
+
+__all__ = ['KFAC']
+
+
+def _indent(text: str, prefix: str = '  ') -> str:
+    return '\n'.join(prefix + line for line in text.splitlines())
+
+
+def _layer_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters the preconditioner rewrites the gradients of: the layer's weight and bias."""
+    return [p for p in (getattr(module, 'weight', None), getattr(module, 'bias', None)) if p is not None]
+
+
+class _LrOf:
+    """The preconditioner's ``lr`` schedule when it follows the base optimizer: the lr of its first param group
+    at the time the preconditioner reads it (each ``step()``), whatever the K-FAC step. A named class (not a
+    lambda) so that ``repr(preconditioner)`` says what it is."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def __call__(self, step: int) -> float:
+        return float(self._optimizer.param_groups[0]['lr'])
+
+    def __repr__(self) -> str:
+        return f"<param_groups[0]['lr'] of {type(self._optimizer).__name__}>"
+
+
+class KFAC(torch.optim.Optimizer):
+    """A base optimizer whose ``step()`` first preconditions the gradients with K-FAC.
+
+    ``KFAC(model, base_optimizer, **preconditioner_keywords)`` builds a ``dkfac.KFACPreconditioner(model,
+    **preconditioner_keywords)``; ``KFAC(preconditioner, base_optimizer)`` uses an existing one (a
+    ``dkfac.KFACPreconditioner`` or any ``BaseKFACPreconditioner``; no further keywords then).
+
+    - ``step(closure=None)``: runs ``closure`` first when given (under ``torch.enable_grad()``: the forward and
+      backward that produce the gradients, as PyTorch Lightning passes it), then ``preconditioner.step()``, then
+      the base optimizer's ``step()`` (without the closure: its gradients are the preconditioned ones, so an
+      optimizer that re-evaluates its closure, ``torch.optim.LBFGS``, is refused). Returns the closure's loss
+      (None without a closure). Step pre- and post-hooks registered on this optimizer run around all of it.
+    - ``param_groups``, ``state`` and ``defaults`` are the base optimizer's own objects, so LR schedulers,
+      ``GradScaler.unscale_``, ``clip_grad_norm_`` over them and ``add_param_group`` act on the base.
+    - ``zero_grad(set_to_none=True)`` is the base's.
+    - ``state_dict()`` is ``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``;
+      ``load_state_dict`` checks both halves before changing either and refuses, naming what is missing or
+      different, a dict of another layout (a plain optimizer's, a preconditioner's).
+    - ``optimizer`` is the base optimizer (the attribute name accelerate and Lightning use for the wrapped
+      optimizer), ``preconditioner`` the preconditioner.
+
+    ``kfac_lr_follows``: whether the preconditioner's ``lr`` follows the base optimizer's learning rate. K-FAC
+    uses ``lr`` only in KL clipping (``nu = min(1, sqrt(kl_clip / (lr^2 * sum(V * grad))))``, docs/MATH.md
+    section 3), where it should be the learning rate the step applies. When it follows, the preconditioner's
+    ``lr`` is replaced by a callable that returns ``float(param_groups[0]['lr'])`` when the preconditioner reads
+    it, at each ``step()``, before the base optimizer steps: the lr this step applies, as last set by an LR
+    scheduler (what kfac_pytorch's examples do with ``lr=lambda step: optimizer.param_groups[0]['lr']``). Only
+    the first param group's lr is read. A callable ``lr`` is not saved in the preconditioner's state dict, and
+    ``load_state_dict`` puts the follower back if a loaded state dict held a constant ``lr``. ``None`` (the
+    default) follows when this constructor builds the preconditioner and no ``lr`` keyword is given, and keeps
+    the preconditioner's own ``lr`` otherwise (an existing preconditioner, or an explicit ``lr=``); ``True`` with
+    an existing preconditioner replaces its ``lr``; ``True`` together with ``lr=`` is a TypeError.
+
+    With ``torch.amp.GradScaler``, pass the scaler to the preconditioner (``grad_scaler=scaler``: K-FAC's G
+    factors are built from the scaled output gradients during backward, and divided by the scale) and step
+    through the scaler: ``scaler.step(opt)`` unscales the gradients of ``param_groups`` (unless
+    ``scaler.unscale_(opt)`` already did, e.g. before clipping) and then calls ``opt.step()``, so the
+    preconditioner sees true gradients. A step the scaler skips (inf/NaN gradients) skips K-FAC as well; the
+    capture of that batch stays pending and joins the next batch's, whose factor update the core then refuses
+    (NaN/Inf guard: factors kept, plain gradient for that step, warned once per layer). Call
+    ``opt.preconditioner.reset_batch()`` after a skipped step to drop it instead.
+    """
+
+    def __init__(
+        self,
+        model_or_preconditioner: torch.nn.Module | BaseKFACPreconditioner,
+        optimizer: torch.optim.Optimizer,
+        *,
+        kfac_lr_follows: bool | None = None,
+        **preconditioner_keywords: Any,
+    ) -> None:
+        if isinstance(optimizer, KFAC):
+            raise TypeError('optimizer is already a dkfac.optim.KFAC; wrap the base optimizer (its .optimizer) once')
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f'optimizer must be a torch.optim.Optimizer (the base optimizer: AdamW, SGD, ...), got '
+                            f'{type(optimizer).__name__}')
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError('torch.optim.LBFGS re-evaluates its closure inside step(), and those gradients would not '
+                            'be preconditioned; dkfac.optim.KFAC wraps optimizers that step on the gradients they are '
+                            'given (SGD, Adam, AdamW, ...)')
+        if kfac_lr_follows is not None and not isinstance(kfac_lr_follows, bool):
+            raise TypeError(f'kfac_lr_follows must be True, False or None, got {kfac_lr_follows!r}')
+        if isinstance(model_or_preconditioner, BaseKFACPreconditioner):
+            if preconditioner_keywords:
+                raise TypeError('keyword arguments ' + ', '.join(sorted(preconditioner_keywords)) + ' configure a '
+                                'preconditioner that KFAC builds from a model; this one was given a built '
+                                'preconditioner (set its options where it is built)')
+            preconditioner = model_or_preconditioner
+            follows = bool(kfac_lr_follows)
+        elif isinstance(model_or_preconditioner, torch.nn.Module):
+            if kfac_lr_follows and 'lr' in preconditioner_keywords:
+                raise TypeError("kfac_lr_follows=True sets the preconditioner's lr; give lr= or kfac_lr_follows=True, "
+                                'not both')
+            follows = kfac_lr_follows if kfac_lr_follows is not None else 'lr' not in preconditioner_keywords
+            preconditioner = KFACPreconditioner(model_or_preconditioner, **preconditioner_keywords)
+        else:
+            raise TypeError('model_or_preconditioner must be a torch.nn.Module or a dkfac KFACPreconditioner, got '
+                            f'{type(model_or_preconditioner).__name__}')
+
+        # torch.optim.Optimizer.__init__ is not called: it would copy the parameters into param groups of this
+        # object. param_groups, state and defaults are the base optimizer's (properties below); what the base
+        # class's methods (step hooks, state-dict hooks, the profiler's step wrapper) need is set here.
+        self._base = optimizer
+        self._preconditioner = preconditioner
+        self._kfac_lr_follows = follows
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()  # step() runs the step pre/post hooks, as every torch optimizer's
+        self._check_layers_are_optimized()
+        self._follow_lr()
+
+    # --- what frameworks read: the base optimizer's own objects ------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer."""
+        return self._base
+
+    @property
+    def preconditioner(self) -> BaseKFACPreconditioner:
+        """The K-FAC preconditioner."""
+        return self._preconditioner
+
+    @property
+    def kfac_lr_follows(self) -> bool:
+        """Whether the preconditioner's lr is the base optimizer's ``param_groups[0]['lr']`` (see the class)."""
+        return self._kfac_lr_follows
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._base.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._base.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._base.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._base.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._base.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._base.defaults = value
+
+    # --- the step ----------------------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Runs ``closure`` (if given) for the gradients, preconditions them, and runs the base optimizer's step.
+
+        Returns the closure's loss, or None. The base optimizer's step is called without the closure: the
+        gradients it steps on are the ones the preconditioner has just rewritten.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._preconditioner.step()
+        self._base.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The base optimizer's ``zero_grad``."""
+        self._base.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds the group to the base optimizer.
+
+        The preconditioner chose its layers when it was built: parameters of the new group that are not in one of
+        them are optimized with their plain gradients, with a warning (a layer added or unfrozen since needs a new
+        preconditioner to be preconditioned).
+        """
+        self._base.add_param_group(param_group)
+        known = self._preconditioned_parameters()
+        added = self._base.param_groups[-1]['params']
+        outside = [p for p in added if id(p) not in known]
+        if outside:
+            warnings.warn(
+                f'dkfac.optim.KFAC.add_param_group: {len(outside)} of the {len(added)} parameters of the new group '
+                'are not in a layer the preconditioner registered (it chose its layers when it was built), so they '
+                'are optimized with their plain gradients. To precondition layers added or unfrozen since, build a '
+                'new dkfac.optim.KFAC for the model.', UserWarning, stacklevel=2)
+
+    # --- state -------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``.
+
+        The preconditioner's half is this rank's own state (``state_dict(gathered=False)``). For DP-KFAC resumed on
+        another world size, save ``opt.preconditioner.state_dict(gathered=True)`` (collective) yourself.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict: dict[str, Any] = {'base': self._base.state_dict(), 'kfac': self._preconditioner.state_dict()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Loads a ``state_dict()`` of a KFAC optimizer: both halves, or (on a refused dict) neither.
+
+        The layout and the base's parameter groups are checked first; the preconditioner's half is then loaded
+        (it checks its own layers and values before changing anything), then the base's; should the base still
+        refuse, the preconditioner's previous state is put back. A following ``lr`` keeps following.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._check_state_dict(state_dict)
+        previous = self._preconditioner.state_dict()  # fresh tensors, not views of the live state
+        self._preconditioner.load_state_dict(state_dict['kfac'])
+        try:
+            self._base.load_state_dict(state_dict['base'])
+        except BaseException:
+            self._preconditioner.load_state_dict(previous)
+            self._follow_lr()
+            raise
+        self._follow_lr()  # a loaded constant lr would otherwise replace the follower
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_state_dict(self, state_dict: Any) -> None:
+        """Refuses, naming what is missing or different, a state dict that is not a KFAC optimizer's."""
+        where = 'dkfac.optim.KFAC.load_state_dict'
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{where}: expected a dict {{'base': ..., 'kfac': ...}} (KFAC.state_dict()), got "
+                            f'{type(state_dict).__name__}')
+        missing = [key for key in ('base', 'kfac') if key not in state_dict]
+        if missing:
+            keys = sorted(map(str, state_dict))
+            hint = ''
+            if {'state', 'param_groups'} <= set(state_dict):
+                hint = (" It has the layout of a torch optimizer's state_dict(): load that into the base optimizer "
+                        '(opt.optimizer.load_state_dict(...)).')
+            elif 'steps' in state_dict:
+                hint = (" It has the layout of a preconditioner's state_dict(): load that with "
+                        'opt.preconditioner.load_state_dict(...).')
+            raise ValueError(f"{where}: the state dict has no {' and no '.join(repr(k) for k in missing)} entry "
+                             "(KFAC.state_dict() holds 'base', the base optimizer's state, and 'kfac', the "
+                             f"preconditioner's); its keys are {keys}.{hint}")
+        base, kfac = state_dict['base'], state_dict['kfac']
+        for name, part, keys in (('base', base, ('state', 'param_groups')), ('kfac', kfac, ('steps',))):
+            if not isinstance(part, Mapping):
+                raise TypeError(f"{where}: state_dict['{name}'] must be a dict, got {type(part).__name__}")
+            absent = [key for key in keys if key not in part]
+            if absent:
+                raise ValueError(f"{where}: state_dict['{name}'] has no {' and no '.join(repr(k) for k in absent)} "
+                                 f"entry (its keys are {sorted(map(str, part))}); is it a KFAC optimizer's "
+                                 'state_dict()?')
+        groups, saved = self._base.param_groups, base['param_groups']
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(g, Mapping) and 'params' in g for g in saved):
+            raise ValueError(f"{where}: state_dict['base']['param_groups'] must be a list of groups with 'params'")
+        if len(saved) != len(groups):
+            raise ValueError(f"{where}: state_dict['base'] holds {len(saved)} parameter groups, the base optimizer "
+                             f'has {len(groups)}')
+        for index, (group, saved_group) in enumerate(zip(groups, saved)):
+            if len(group['params']) != len(saved_group['params']):
+                raise ValueError(f"{where}: parameter group {index} of state_dict['base'] holds "
+                                 f"{len(saved_group['params'])} parameters, the base optimizer's holds "
+                                 f"{len(group['params'])}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError('dkfac.optim.KFAC cannot be pickled or deep-copied (its preconditioner holds hooks and C++ '
+                        'state); save and load state_dict() instead')
+
+    def __repr__(self) -> str:
+        return (f'{type(self).__name__} (\n'
+                f'  optimizer: {_indent(repr(self._base)).lstrip()}\n'
+                f'  preconditioner: {_indent(repr(self._preconditioner)).lstrip()}\n'
+                f'  kfac_lr_follows: {self._kfac_lr_follows}\n'
+                ')')
+
+    # --- helpers -----------------------------------------------------------------------------------------------
+    def _preconditioned_parameters(self) -> set[int]:
+        ids = set()
+        for _, module in self._preconditioner.layers:
+            ids.update(id(p) for p in _layer_parameters(module))
+        return ids
+
+    def _check_layers_are_optimized(self) -> None:
+        """Refuses a preconditioner whose layers the base optimizer does not optimize at all (built for another
+        model: K-FAC would be silently off), and warns about the layers it does not optimize."""
+        optimized = {id(p) for group in self._base.param_groups for p in group['params']}
+        layers = self._preconditioner.layers
+        outside = [name for name, module in layers
+                   if not any(id(p) in optimized for p in _layer_parameters(module))]
+        if layers and len(outside) == len(layers):
+            raise ValueError('dkfac.optim.KFAC: none of the preconditioned layers has its parameters in the base '
+                             "optimizer's param_groups (the preconditioner and the optimizer were built for different "
+                             f'models or parameters?); layers: {outside[:5]}')
+        if outside:
+            warnings.warn(f'dkfac.optim.KFAC: {len(outside)} preconditioned layer(s) are not optimized by the base '
+                          f'optimizer (their parameters are in none of its param_groups): {outside[:5]}',
+                          UserWarning, stacklevel=3)
+
+    def _follow_lr(self) -> None:
+        if self._kfac_lr_follows:
+            # The preconditioner reads its hyper-parameters through these attributes at each step (a number or a
+            # callable of the K-FAC step), as dkfac.scheduler.LambdaParamScheduler sets them.
+            self._preconditioner._lr = _LrOf(self._base)

@@ -1,0 +1,644 @@
+"""dkfac.optim.KFAC: K-FAC as one torch.optim.Optimizer, checked against the hand-written loop it replaces.
+
+Each test trains a tiny GPT-2 (built from a config, never downloaded; a small torch-only language model where
+transformers is not installed) in float64 from a fixed seed for a few steps, once through ``dkfac.optim.KFAC``
+and once through the hand-written ``loss.backward(); preconditioner.step(); adamw.step()``, and compares the
+losses and the final weights. The layers the preconditioner registers are whatever it chooses (today only
+torch.nn.Linear, i.e. GPT-2's lm_head), so nothing here counts layers. The Hugging Face Trainer and Lightning
+tests are skipped, saying so, where transformers (with accelerate) or pytorch_lightning cannot be imported
+(scripts/requirements.txt pins them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import types
+import warnings
+
+os.environ.setdefault('HF_HUB_OFFLINE', '1')  # configs only: nothing may be downloaded
+os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
+os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import dkfac  # noqa: E402
+from dkfac import optim  # noqa: E402
+
+HAS_TRANSFORMERS = importlib.util.find_spec('transformers') is not None
+HAS_ACCELERATE = importlib.util.find_spec('accelerate') is not None
+HAS_LIGHTNING = importlib.util.find_spec('pytorch_lightning') is not None
+
+VOCAB, SEQ, BATCH, STEPS = 64, 16, 4, 4
+LR = 1e-2
+EXACT = dict(rtol=0, atol=0)  # the same operations in the same order: the same bits
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _one_thread() -> object:
+    """Tiny models: one intra-op thread is fastest, and keeps the file at seconds on a busy 2-core machine
+    (where waiting OpenMP threads spin: minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- the model and the data ----------------------------------------------------------------------------------
+class _TinyLM(torch.nn.Module):
+    """A stand-in language model with GPT-2's call signature, for where transformers is not installed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(VOCAB, 32)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.lm_head = torch.nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **_: object) -> types.SimpleNamespace:
+        h = self.wte(input_ids)
+        logits = self.lm_head(h + self.mlp(h))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if HAS_TRANSFORMERS:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         tie_word_embeddings=False)  # untied: lm_head and wte are separate layers
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        model = _TinyLM()
+    return model.to(dtype).train()
+
+
+def make_batches(count: int = STEPS, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(count)]
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+
+def parameters_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]['lr'])
+
+
+def reference_run(batches: list[torch.Tensor], *, kfac: bool = True, clip: float | None = None,
+                  scheduler: bool = False, scaler: torch.amp.GradScaler | None = None, autocast: bool = False,
+                  dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The hand-written loop: backward, (unscale_), (clip), preconditioner.step(), adamw.step() (through the
+    scaler), (scheduler.step()), zero_grad; the preconditioner's lr is AdamW's, as kfac_pytorch's examples
+    write it, and it divides G by the scaler's scale."""
+    model = make_model(dtype=dtype)
+    base = adamw(model)
+    preconditioner = (dkfac.KFACPreconditioner(model, lr=lambda step: base_lr(base), grad_scaler=scaler)
+                      if kfac else None)
+    sched = torch.optim.lr_scheduler.LambdaLR(base, lambda step: 0.5 ** step) if scheduler else None
+    losses = []
+    for ids in batches:
+        with torch.autocast('cpu', dtype=torch.float16, enabled=autocast):
+            loss = loss_of(model, ids)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(base)
+        else:
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if preconditioner is not None:
+            preconditioner.step()
+        if scaler is not None:
+            scaler.step(base)
+            scaler.update()
+        else:
+            base.step()
+        if sched is not None:
+            sched.step()
+        base.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), parameters_of(model)
+
+
+# --- 1. the plain loop ---------------------------------------------------------------------------------------
+def test_plain_loop_matches_the_hand_written_loop_and_kfac_is_on() -> None:
+    batches = make_batches()
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state and opt.defaults is opt.optimizer.defaults
+    assert isinstance(opt.preconditioner, dkfac.KFACPreconditioner) and opt.preconditioner.layers
+    assert opt.kfac_lr_follows
+    text = repr(opt)
+    assert text.startswith('KFAC (') and 'AdamW' in text and 'KFACPreconditioner' in text
+    losses = []
+    for ids in batches:
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    losses = torch.stack(losses)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True) reached the base
+    assert opt.preconditioner.steps == len(batches)
+
+    expected, expected_parameters = reference_run(batches)
+    torch.testing.assert_close(losses, expected, **EXACT)
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+    plain, plain_parameters = reference_run(batches, kfac=False)
+    assert torch.equal(losses[0], plain[0])  # the same start
+    assert (losses[1:] - plain[1:]).abs().min() > 1e-6, 'K-FAC made no difference: is it silently off?'
+    assert any(not torch.allclose(a, b) for a, b in zip(parameters_of(model), plain_parameters))
+
+
+def test_closure_runs_before_preconditioning_and_its_loss_is_returned() -> None:
+    batches = make_batches()
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    losses = []
+    for ids in batches:
+        def closure(ids: torch.Tensor = ids) -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_of(model, ids)
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure).detach())
+    expected, expected_parameters = reference_run(batches)
+    torch.testing.assert_close(torch.stack(losses), expected, **EXACT)
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+
+def test_construction_checks_and_hooks() -> None:
+    model = make_model()
+    preconditioner = dkfac.KFACPreconditioner(model, lr=0.05)
+    base = adamw(model)
+    opt = optim.KFAC(preconditioner, base)  # an existing preconditioner keeps its lr by default
+    assert opt.preconditioner is preconditioner and not opt.kfac_lr_follows and preconditioner.lr == 0.05
+    with pytest.raises(TypeError, match='built preconditioner'):
+        optim.KFAC(preconditioner, base, damping=0.1)
+    with pytest.raises(TypeError, match='already a dkfac.optim.KFAC'):
+        optim.KFAC(preconditioner, opt)
+    with pytest.raises(TypeError, match='LBFGS'):
+        optim.KFAC(preconditioner, torch.optim.LBFGS(model.parameters()))
+    other = make_model(seed=3)  # an optimizer of another model: K-FAC would be silently off
+    with pytest.raises(ValueError, match='different models'):
+        optim.KFAC(preconditioner, adamw(other))
+    with pytest.raises(TypeError, match='not both'):
+        optim.KFAC(make_model(), adamw(model), lr=0.1, kfac_lr_follows=True)
+    with pytest.raises(TypeError, match='pickled'):
+        import copy
+        copy.deepcopy(opt)
+
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(('pre', o.preconditioner.steps)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(('post', o.preconditioner.steps)))
+    loss_of(model, make_batches(1)[0]).backward()
+    opt.step()
+    assert calls == [('pre', 0), ('post', 1)]
+
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with pytest.warns(UserWarning, match='plain gradients'):
+        opt.add_param_group({'params': [extra]})
+    assert opt.param_groups[-1]['params'] == [extra] and len(base.param_groups) == 2
+
+    following = optim.KFAC(preconditioner, base, kfac_lr_follows=True)  # replaces the preconditioner's lr
+    assert following.kfac_lr_follows and preconditioner.lr == LR
+
+
+# --- 2. learning-rate schedulers -----------------------------------------------------------------------------
+def test_lr_scheduler_on_the_wrapper_drives_the_base_and_the_kfac_lr() -> None:
+    batches = make_batches()
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    seen = []
+    for ids in batches:
+        loss_of(model, ids).backward()
+        seen.append((base_lr(opt.optimizer), opt.preconditioner.lr))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+    assert [base for base, _ in seen] == [LR * 0.5 ** k for k in range(len(batches))]
+    assert [kfac for _, kfac in seen] == [base for base, _ in seen]  # the lr the step applies
+    assert scheduler.get_last_lr()[0] == base_lr(opt.optimizer) == LR * 0.5 ** len(batches)
+    expected, expected_parameters = reference_run(batches, scheduler=True)
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+    # Not following: the preconditioner keeps its own lr while the scheduler moves the base's.
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model), lr=0.05)
+    assert not opt.kfac_lr_follows
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    loss_of(model, batches[0]).backward()
+    opt.step()
+    scheduler.step()
+    assert base_lr(opt.optimizer) == pytest.approx(LR * 0.1) and opt.preconditioner.lr == 0.05
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason='transformers is not importable (scripts/requirements.txt pins it)')
+def test_hugging_face_schedule_on_the_wrapper() -> None:
+    import transformers
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    scheduler = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
+    lrs = []
+    for ids in make_batches():
+        loss_of(model, ids).backward()
+        lrs.append((base_lr(opt.optimizer), opt.preconditioner.lr))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+    assert [b for b, _ in lrs] == pytest.approx([0.0, LR / 2, LR, LR * 7 / 8])
+    assert [k for _, k in lrs] == [b for b, _ in lrs]
+
+
+# --- 3. checkpoints ------------------------------------------------------------------------------------------
+def _train(model: torch.nn.Module, opt: optim.KFAC, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    losses = []
+    for ids in batches:
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    batches = make_batches(5)
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    uninterrupted = _train(model, opt, batches)
+
+    first = make_model()
+    first_opt = optim.KFAC(first, adamw(first))
+    resumed = _train(first, first_opt, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({'model': first.state_dict(), 'optimizer': first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    assert set(checkpoint['optimizer']) == {'base', 'kfac'}
+
+    second = make_model(seed=7)  # other weights: everything comes from the checkpoint
+    second.load_state_dict(checkpoint['model'])
+    second_opt = optim.KFAC(second, adamw(second))
+    second_opt.load_state_dict(checkpoint['optimizer'])
+    assert second_opt.preconditioner.steps == 3 and second_opt.kfac_lr_follows
+    assert second_opt.preconditioner.lr == LR
+    resumed += _train(second, second_opt, batches[3:])
+    torch.testing.assert_close(torch.stack(resumed), torch.stack(uninterrupted), **EXACT)
+    torch.testing.assert_close(parameters_of(second), parameters_of(model), **EXACT)
+
+    # A state dict saved with a constant K-FAC lr leaves a following optimizer following.
+    fixed = make_model()
+    fixed_opt = optim.KFAC(fixed, torch.optim.AdamW(fixed.parameters(), lr=0.5), lr=0.05)
+    assert fixed_opt.state_dict()['kfac']['lr'] == 0.05
+    second_opt.load_state_dict(fixed_opt.state_dict())
+    assert second_opt.preconditioner.lr == base_lr(second_opt.optimizer) == 0.5
+
+
+def _leaves(state: object, path: str = '') -> list[tuple[str, object]]:
+    """(path, leaf) of every leaf of a nested state dict, in order."""
+    if isinstance(state, dict):
+        return [leaf for key in sorted(state, key=str) for leaf in _leaves(state[key], f'{path}/{key}')]
+    if isinstance(state, (list, tuple)):
+        return [leaf for i, item in enumerate(state) for leaf in _leaves(item, f'{path}/{i}')]
+    return [(path, state)]
+
+
+def _assert_same_state(a: object, b: object) -> None:
+    la, lb = _leaves(a), _leaves(b)
+    assert [path for path, _ in la] == [path for path, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, **EXACT, msg=lambda m, path=path: f'{path}: {m}')
+        else:
+            assert x == y, path
+
+
+def test_a_malformed_state_dict_is_refused_and_changes_nothing() -> None:
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    _train(model, opt, make_batches(2))
+    good = opt.state_dict()
+    before = opt.state_dict()
+
+    cases = [
+        (good['base'], ValueError, r"no 'base' and no 'kfac' entry.*torch optimizer's state_dict"),
+        (good['kfac'], ValueError, r"no 'base' and no 'kfac' entry.*preconditioner's state_dict"),
+        ({'base': good['base']}, ValueError, r"no 'kfac' entry"),
+        ({'base': good['base'], 'kfac': {}}, ValueError, r"state_dict\['kfac'\] has no 'steps'"),
+        ({'base': {'state': {}}, 'kfac': good['kfac']}, ValueError, r"state_dict\['base'\] has no 'param_groups'"),
+        ({'base': {**good['base'], 'param_groups': good['base']['param_groups'] * 2}, 'kfac': good['kfac']},
+         ValueError, 'holds 2 parameter groups, the base optimizer has 1'),
+        ({'base': good['base'], 'kfac': {**good['kfac'], 'layers': {'nope': {'A': None, 'G': None}}}},
+         ValueError, 'K-FAC layers'),
+        ([1, 2], TypeError, 'expected a dict'),
+    ]
+    for bad, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            opt.load_state_dict(bad)
+        _assert_same_state(opt.state_dict(), before)
+
+    # The preconditioner's half loads first; should the base still refuse, it is put back.
+    other = make_model()
+    other_opt = optim.KFAC(other, adamw(other))
+    _train(other, other_opt, make_batches(3, seed=5))
+
+    def refuse(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        raise RuntimeError('the base refuses')
+
+    handle = opt.optimizer.register_load_state_dict_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match='the base refuses'):
+        opt.load_state_dict(other_opt.state_dict())
+    handle.remove()
+    _assert_same_state(opt.state_dict(), before)
+    assert opt.preconditioner.lr == LR  # still following
+    opt.load_state_dict(other_opt.state_dict())
+    assert opt.preconditioner.steps == 3
+
+
+# --- 4. GradScaler and clipping ------------------------------------------------------------------------------
+def _cpu_grad_scaler(**keywords: object) -> torch.amp.GradScaler:
+    try:
+        scaler = torch.amp.GradScaler('cpu', **keywords)
+    except (RuntimeError, TypeError, ValueError) as error:
+        pytest.skip(f"this torch has no CPU GradScaler (torch.amp.GradScaler('cpu'): {error})")
+    if not scaler.is_enabled():
+        pytest.skip("torch.amp.GradScaler('cpu') is disabled in this torch")
+    return scaler
+
+
+def test_grad_scaler_and_clipping_match_the_hand_written_order() -> None:
+    batches = make_batches()
+    clip = 0.5
+
+    def run(wrapper: bool, unscale_before_kfac: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+        model = make_model()
+        scaler = _cpu_grad_scaler(init_scale=2.0 ** 12)
+        base = adamw(model)
+        if wrapper:
+            opt = optim.KFAC(model, base, grad_scaler=scaler)
+        else:
+            preconditioner = dkfac.KFACPreconditioner(model, grad_scaler=scaler, lr=lambda step: base_lr(base))
+        losses, norms = [], []
+        for ids in batches:
+            loss = loss_of(model, ids)
+            scaler.scale(loss).backward()
+            if wrapper:
+                scaler.unscale_(opt)  # walks opt.param_groups: the base's
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+                scaler.step(opt)  # opt.step(): preconditioner.step() on unscaled, clipped gradients, then AdamW
+                scaler.update()
+                opt.zero_grad()
+            else:
+                if not unscale_before_kfac:  # the wrong order: K-FAC on scaled gradients
+                    preconditioner.step()
+                scaler.unscale_(base)
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+                if unscale_before_kfac:
+                    preconditioner.step()
+                scaler.step(base)
+                scaler.update()
+                base.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses), parameters_of(model), norms
+
+    losses, parameters, norms = run(wrapper=True)
+    assert all(norm > clip for norm in norms), 'the test must clip'
+    expected, expected_parameters, _ = run(wrapper=False)
+    torch.testing.assert_close(losses, expected, **EXACT)
+    torch.testing.assert_close(parameters, expected_parameters, **EXACT)
+    wrong, _, _ = run(wrapper=False, unscale_before_kfac=False)
+    assert (losses[1:] - wrong[1:]).abs().min() > 1e-9, 'the test cannot tell scaled from unscaled gradients'
+
+
+def test_grad_scaler_step_without_explicit_unscale_and_a_skipped_step() -> None:
+    batches = make_batches()
+    model = make_model()
+    scaler = _cpu_grad_scaler(init_scale=2.0 ** 12)
+    opt = optim.KFAC(model, adamw(model), grad_scaler=scaler)
+    reference_model = make_model()
+    reference_base = adamw(reference_model)
+    reference_scaler = _cpu_grad_scaler(init_scale=2.0 ** 12)
+    reference = dkfac.KFACPreconditioner(reference_model, grad_scaler=reference_scaler,
+                                         lr=lambda step: base_lr(reference_base))
+    for index, ids in enumerate(batches):
+        overflow = index == 1
+        for m, s, o, p in ((model, scaler, opt, None), (reference_model, reference_scaler, reference_base,
+                                                           reference)):
+            loss = loss_of(m, ids)
+            s.scale(loss).backward()
+            if overflow:  # an inf gradient: the scaler skips the step (K-FAC's too)
+                next(m.parameters()).grad[0].fill_(float('inf'))
+            if p is not None:
+                s.unscale_(o)
+                if not overflow:
+                    p.step()
+            scale = s.get_scale()
+            s.step(o)  # the wrapper: unscale_ inside, then opt.step() unless skipped
+            s.update()
+            if overflow:
+                assert s.get_scale() < scale
+                (o.preconditioner if p is None else p).reset_batch()  # drop the skipped batch's capture
+            o.zero_grad()
+    assert opt.preconditioner.steps == reference.steps == len(batches) - 1
+    torch.testing.assert_close(parameters_of(model), parameters_of(reference_model), **EXACT)
+
+
+# --- 5. Hugging Face Trainer ---------------------------------------------------------------------------------
+class _Sequence(torch.utils.data.Dataset):
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.rows = torch.cat(batches)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        # Label 0 is never a target (causal LM losses shift the labels); masked, the Trainer's token count
+        # (sum / num_items_in_batch) is the model's mean whether or not the Trainer counts shifted labels.
+        labels = self.rows[index].clone()
+        labels[0] = -100
+        return {'input_ids': self.rows[index], 'labels': labels}
+
+
+NEEDS_TRAINER = pytest.mark.skipif(
+    not (HAS_TRANSFORMERS and HAS_ACCELERATE),
+    reason='transformers and accelerate (which its Trainer needs) are not both importable (scripts/requirements.txt '
+           'pins them)')
+
+
+def _cpu_fp16_autocast() -> None:
+    with torch.autocast('cpu', dtype=torch.float16):
+        product = torch.ones(2, 2) @ torch.ones(2, 2)
+    if product.dtype != torch.float16:
+        pytest.skip("this torch's CPU autocast does not compute in float16")
+
+
+def _hugging_face_run(batches: list[torch.Tensor], output_dir: str, *,
+                      scaler: torch.amp.GradScaler | None = None, **arguments: object) -> tuple:
+    """A Trainer run of the tiny GPT-2 with dkfac.optim.KFAC and a LambdaLR: (trainer, model, opt).
+
+    With ``scaler``: fp16 as the Trainer runs it on CUDA. The preconditioner reads the loss scale of the
+    Trainer's own GradScaler (``trainer.accelerator.scaler``, which exists once the Trainer does) at each capture.
+    On a CPU accelerate makes no GradScaler and no autocast for fp16 (native_amp is False: it trains in float32);
+    the test gives it what it has on CUDA, a GradScaler and native_amp, so that the same code path runs.
+    """
+    import transformers
+
+    class SequentialTrainer(transformers.Trainer):
+        """Batches in dataset order (the default sampler shuffles)."""
+
+        def _get_train_sampler(self, *args: object, **kwargs: object) -> torch.utils.data.Sampler:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    model = make_model(dtype=torch.float32 if scaler is not None else torch.float64)
+    trainer = None
+    keywords = {'grad_scaler': lambda: trainer.accelerator.scaler.get_scale()} if scaler is not None else {}
+    opt = optim.KFAC(model, adamw(model), **keywords)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    resume = arguments.pop('resume_from_checkpoint', None)
+    settings = dict(output_dir=output_dir, max_steps=len(batches), per_device_train_batch_size=BATCH, report_to=[],
+                    use_cpu=True, save_strategy='no', logging_steps=1, seed=0, dataloader_num_workers=0,
+                    disable_tqdm=True, max_grad_norm=1.0, fp16=scaler is not None)
+    settings.update(arguments)
+    trainer = SequentialTrainer(model=model, args=transformers.TrainingArguments(**settings),
+                                train_dataset=_Sequence(batches), optimizers=(opt, scheduler))
+    if scaler is not None and trainer.accelerator.scaler is None:
+        trainer.accelerator.scaler = scaler
+        trainer.accelerator.native_amp = True
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer, model, opt
+
+
+def _logged_losses(trainer: object, dtype: torch.dtype) -> torch.Tensor:
+    # Python floats of the loss (transformers computes GPT-2's loss in float32): exact in its dtype.
+    return torch.tensor([entry['loss'] for entry in trainer.state.log_history if 'loss' in entry], dtype=dtype)
+
+
+@NEEDS_TRAINER
+def test_hugging_face_trainer_matches_the_hand_written_loop(tmp_path: object) -> None:
+    batches = make_batches()
+    trainer, model, opt = _hugging_face_run(batches, str(tmp_path))
+    assert trainer.optimizer.optimizer is opt  # accelerate's AcceleratedOptimizer around it
+    assert opt.preconditioner.steps == len(batches)
+    # The Trainer clips at max_grad_norm before optimizer.step(), and steps the scheduler after it.
+    expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True)
+    torch.testing.assert_close(_logged_losses(trainer, expected.dtype), expected, **EXACT)
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+
+@NEEDS_TRAINER
+def test_hugging_face_trainer_fp16_with_its_grad_scaler(tmp_path: object) -> None:
+    _cpu_fp16_autocast()
+    batches = make_batches()
+    trainer, model, opt = _hugging_face_run(batches, str(tmp_path), scaler=_cpu_grad_scaler(init_scale=2.0 ** 12))
+    assert trainer.optimizer.scaler is trainer.accelerator.scaler  # accelerate's scaler.step(opt) path
+    assert opt.preconditioner.steps == len(batches)
+    # accelerate: scale(loss).backward(), unscale_ and clip, scaler.step(opt), scaler.update(), scheduler.step()
+    expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True, autocast=True,
+                                                  dtype=torch.float32,
+                                                  scaler=_cpu_grad_scaler(init_scale=2.0 ** 12))
+    torch.testing.assert_close(_logged_losses(trainer, expected.dtype), expected, **EXACT)
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+
+@NEEDS_TRAINER
+def test_hugging_face_trainer_checkpoint_resumes_exactly(tmp_path: object) -> None:
+    """The Trainer saves optimizer.state_dict() (both halves) and loads it on resume_from_checkpoint."""
+    batches = make_batches()
+    _, uninterrupted, _ = _hugging_face_run(batches, str(tmp_path / 'a'), save_strategy='steps', save_steps=2)
+    checkpoint = tmp_path / 'a' / 'checkpoint-2'
+    assert set(torch.load(checkpoint / 'optimizer.pt', weights_only=True)) == {'base', 'kfac'}
+    _, resumed, opt = _hugging_face_run(batches, str(tmp_path / 'b'), resume_from_checkpoint=str(checkpoint))
+    assert opt.preconditioner.steps == len(batches)  # 2 restored + 2 run
+    torch.testing.assert_close(parameters_of(resumed), parameters_of(uninterrupted), **EXACT)
+
+
+# --- 6. PyTorch Lightning ------------------------------------------------------------------------------------
+NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING,
+                                     reason='pytorch_lightning is not importable (scripts/requirements.txt pins it)')
+
+
+def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None) -> tuple:
+    """A Lightning fit of the tiny GPT-2 whose configure_optimizers returns dkfac.optim.KFAC and a per-step
+    LambdaLR, clipping at 1.0: (trainer, module). With ``scaler``: precision 16-mixed through that scaler (the
+    MixedPrecision plugin takes it; the preconditioner divides G by its scale)."""
+    import logging
+
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.precision import MixedPrecision
+    for name in ('pytorch_lightning', 'lightning_fabric', 'lightning.pytorch'):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model(dtype=torch.float32 if scaler is not None else torch.float64)
+            self.losses: list[torch.Tensor] = []
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            loss = loss_of(self.model, batch[0])
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self) -> dict:
+            opt = optim.KFAC(self.model, adamw(self.model), grad_scaler=scaler)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+            return {'optimizer': opt, 'lr_scheduler': {'scheduler': scheduler, 'interval': 'step'}}
+
+    module = Module()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(batches)), batch_size=BATCH,
+                                         shuffle=False, num_workers=0)
+    plugins = [MixedPrecision('16-mixed', 'cpu', scaler=scaler)] if scaler is not None else []
+    trainer = pl.Trainer(max_steps=len(batches), accelerator='cpu', devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         gradient_clip_val=1.0, plugins=plugins)  # clipped inside the closure, before K-FAC
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        trainer.fit(module, loader)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, optim.KFAC) and opt.preconditioner.steps == len(batches)
+    return trainer, module
+
+
+@NEEDS_LIGHTNING
+def test_lightning_matches_the_hand_written_loop() -> None:
+    batches = make_batches()
+    _, module = _lightning_run(batches)
+    assert next(module.model.parameters()).dtype == torch.float64
+    # Lightning: optimizer.step(closure); the closure runs forward, zero_grad, backward and clipping.
+    expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True)
+    torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
+    torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
+
+
+@NEEDS_LIGHTNING
+def test_lightning_16_mixed_with_a_grad_scaler() -> None:
+    _cpu_fp16_autocast()
+    batches = make_batches()
+    _, module = _lightning_run(batches, scaler=_cpu_grad_scaler(init_scale=2.0 ** 12))
+    # Lightning: the closure (forward under autocast, scaled backward), unscale_, clipping, scaler.step(opt).
+    expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True, autocast=True,
+                                                  dtype=torch.float32,
+                                                  scaler=_cpu_grad_scaler(init_scale=2.0 ** 12))
+    torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
+    torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
