@@ -27,6 +27,13 @@ enum class UnusedLayerPolicy {
   kSkip,   ///< leave the layer's plain gradient for this step and warn once
 };
 
+/// How a Linear applied over shared dimensions ([B, ..., in]: a sequence) turns them into factor rows: K-FAC
+/// expand and reduce (Eschenhagen et al., NeurIPS 2023; docs/MATH.md 7.6). Conv2d and Embedding always expand.
+enum class KfacApprox {
+  kExpand,  ///< every position is a row: n = B * T (kfac_pytorch's)
+  kReduce,  ///< one row per sample: inputs averaged, output gradients summed over the shared dimensions: n = B
+};
+
 /// Which published distributed K-FAC system places and moves the work (docs/MATH.md section 5).
 /// Ignored in a single process.
 enum class Strategy {
@@ -122,6 +129,10 @@ inline OptionRange any_value() { return {}; }
   X(Value, int64_t, diagonal_factor_dim, 8192, at_least(0), "--diagonal-factor-dim", "", "",                           \
     "keep a factor wider than this as its diagonal (d values, not d^2: vocabulary-sized LM heads; an Embedding's A " \
     "is always diagonal); 0: every factor dense")                                                                   \
+  X(Value, KfacApprox, kfac_approx, KfacApprox::kExpand, any_value(), "--kfac-approx", "", "",                        \
+    "a Linear over a sequence ([B, ..., in]): expand (every position a row of the factors) or reduce (per sample, "  \
+    "inputs averaged and output gradients summed over the sequence: T times fewer rows); Conv2d and Embedding "      \
+    "always expand")                                                                                                \
   X(Value, UnusedLayerPolicy, unused_layer_policy, UnusedLayerPolicy::kError, any_value(), "--unused-layer-policy",   \
     "", "", "a registered layer that did not run before step(): error, or skip (keep its plain gradient, warn once; "   \
     "on several ranks, a layer that any rank skipped keeps its plain gradient on every rank that step, and factors are " \
@@ -314,6 +325,8 @@ const char* to_string(Strategy strategy);
 /// Readable name of a placement balance ("compute", "memory") and of an unused-layer policy ("error", "skip").
 const char* to_string(assign::Balance balance);
 const char* to_string(UnusedLayerPolicy policy);
+/// "expand" or "reduce".
+const char* to_string(KfacApprox approx);
 /// The published system's name ("KAISA", "SPD-KFAC", "DP-KFAC").
 const char* system_name(Strategy strategy);
 

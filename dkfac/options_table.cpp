@@ -29,6 +29,12 @@ struct Choices<UnusedLayerPolicy> {
   }
 };
 template <>
+struct Choices<KfacApprox> {
+  static std::vector<std::pair<std::string, KfacApprox>> all() {
+    return {{"expand", KfacApprox::kExpand}, {"reduce", KfacApprox::kReduce}};
+  }
+};
+template <>
 struct Choices<Strategy> {
   static std::vector<std::pair<std::string, Strategy>> all() {
     return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}, {"auto", Strategy::kAuto}};
@@ -361,5 +367,7 @@ const char* to_string(assign::Balance balance) {
 }
 
 const char* to_string(UnusedLayerPolicy policy) { return policy == UnusedLayerPolicy::kSkip ? "skip" : "error"; }
+
+const char* to_string(KfacApprox approx) { return approx == KfacApprox::kReduce ? "reduce" : "expand"; }
 
 }  // namespace dkfac

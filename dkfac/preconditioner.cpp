@@ -157,6 +157,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   for (auto& binding : layers) {
     binding.capture->set_factor_dtype(options_.factor_dtype());
     binding.capture->set_grad_scale(options_.grad_scaler());
+    binding.capture->set_reduce(options_.kfac_approx() == KfacApprox::kReduce);
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
     layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());

@@ -24,14 +24,15 @@ TEST(OptionTable, ListsEveryOptionOnceWithItsDeclaration) {
   }
   for (const char* name : {"lr", "damping", "kl_clip", "factor_update_steps", "inv_update_steps", "factor_decay",
                            "accumulation_steps", "compute_method", "compute_eigenvalue_outer_product", "factor_dtype",
-                           "inv_dtype", "pi_damping", "skip_layers", "large_factor_dim", "diagonal_factor_dim", "unused_layer_policy",
+                           "inv_dtype", "pi_damping", "skip_layers", "large_factor_dim", "diagonal_factor_dim", "kfac_approx",
+                           "unused_layer_policy",
                            "grad_worker_fraction", "symmetric_comm", "balance", "colocate_factors",
                            "update_factors_in_hook", "allreduce_bucket_cap_mb", "strategy", "memory_budget", "auto_recheck_steps",
                            "spd_redundant_dim",
                            "spd_profile_steps", "spd_fusion"}) {
     EXPECT_EQ(names.count(name), 1u) << name;
   }
-  EXPECT_EQ(names.size(), 28u) << "a new option: add it to this list and to the README's table";
+  EXPECT_EQ(names.size(), 29u) << "a new option: add it to this list and to the README's table";
   EXPECT_EQ(info("damping").default_text, "0.001");
   EXPECT_EQ(info("damping").range.describe(), "> 0");
   EXPECT_TRUE(info("damping").schedule);

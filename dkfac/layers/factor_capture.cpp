@@ -48,7 +48,21 @@ torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autoca
   return dtype != t.scalar_type() ? t.to(dtype) : t;
 }
 
+void FactorCapture::set_reduce(bool reduce) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0, "set_reduce after factors were captured");
+  reduce_ = reduce && geometry_.kind == LayerKind::kLinear;
+}
+
 namespace {
+
+/// K-FAC-reduce of a Linear's input or output gradient [B, ..., d] -> [B, d]: the mean (inputs) or the sum
+/// (output gradients) over the middle dimensions. [B, d] and unbatched [d] have none and are returned as they are.
+torch::Tensor reduced(const torch::Tensor& t, bool mean) {
+  if (t.dim() <= 2) return t;
+  const auto rows = t.reshape({t.size(0), -1, t.size(-1)});
+  return mean ? rows.mean(1) : rows.sum(1);
+}
 
 /// `build(x)` for a factor kept in `x`'s dtype. A float16 factor's products and sums run in float32 from the
 /// float16 values and are rounded once: float16's sums over a batch pass 65504 where their mean fits, and
@@ -83,6 +97,7 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
     if (a_batch.scalar_type() != dtype) a_batch = a_batch.to(dtype);
   } else {
     auto x = in_factor_dtype(input.detach(), autocast);
+    if (reduce_) x = reduced(x, /*mean=*/true);
     a_batch = built_in_range(x, [this](const torch::Tensor& in) {
       const bool diagonal = geometry_.a_diagonal;
       if (geometry_.kind == LayerKind::kLinear) {
@@ -106,6 +121,8 @@ void FactorCapture::observe_output(const torch::Tensor& output) {
   samples_per_pass_ = batched ? output.size(0) : 1;
   if (conv) {
     rows_per_sample_ = output.size(-1) * output.size(-2);
+  } else if (reduce_) {
+    rows_per_sample_ = 1;
   } else {
     const int64_t per_row = output.size(-1) * samples_per_pass_;
     rows_per_sample_ = per_row > 0 ? output.numel() / per_row : 1;
@@ -119,6 +136,7 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   torch::NoGradGuard no_grad;
   // The backward runs outside the region, but its gradients carry the region's dtype: the forward decides.
   auto g = in_factor_dtype(grad_output.detach(), forward_autocast_ || autocast_on(grad_output));
+  if (reduce_) g = reduced(g, /*mean=*/false);
   if (grad_scale_) {
     const auto scale = grad_scale_();
     TORCH_CHECK(scale.defined() && scale.numel() == 1, "grad scaler returned ",

@@ -64,6 +64,11 @@ class FactorCapture {
   /// Keeps the A and/or G factor diagonal from now on (an Embedding's A stays diagonal whatever `a` says).
   /// Only before anything was captured: the preconditioner calls it at construction.
   void set_diagonal(bool a, bool g);
+  /// K-FAC-reduce (Options::kfac_approx): a Linear's input [B, ..., in] is averaged and its output gradient
+  /// summed over the middle dimensions before the factors are built, one row per sample. Conv2d and Embedding
+  /// captures ignore it. Before anything is captured.
+  void set_reduce(bool reduce);
+  bool reduce() const { return reduce_; }
   /// dtype of the layer's weight: an Embedding's input is integers, so its A factor takes this dtype
   /// (unless set_factor_dtype says otherwise). KfacLayer sets it.
   void set_weight_dtype(torch::ScalarType dtype) { weight_dtype_ = dtype; }
@@ -89,7 +94,8 @@ class FactorCapture {
   /// record every training forward's.
   void observe_output(const torch::Tensor& output);
   /// Rows each sample adds to the factor's input matrix in the last observed pass: output positions
-  /// H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in]); 1 before any.
+  /// H_out * W_out for Conv2d, the middle dimensions' size for Linear (1 for [B, in], and under reduce); 1
+  /// before any.
   /// Plans use it to predict factor FLOPs.
   int64_t rows_per_sample() const { return rows_per_sample_; }
   /// Samples in the last observed pass (its batch dimension; 1 unbatched); 0 before any.
@@ -145,6 +151,7 @@ class FactorCapture {
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
+  bool reduce_ = false;
   std::atomic<torch::ScalarType> weight_dtype_{torch::kFloat32};
   GradScale grad_scale_;
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums

@@ -50,8 +50,13 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   TORCH_CHECK(options.strategy() != Strategy::kAuto, "strategy auto has no plan of its own: choose_strategy "
               "(strategy/time_model.h) picks kaisa, spd or dp first, as the Preconditioner does at its first step");
-  if (world_size == 1) return StepPlan::single_process(shapes, options.compute_method(), options.strategy());
+  if (world_size == 1) {
+    auto plan = StepPlan::single_process(shapes, options.compute_method(), options.strategy());
+    plan.approx = options.kfac_approx();
+    return plan;
+  }
   StepPlan plan;
+  plan.approx = options.kfac_approx();
   plan.strategy = options.strategy();
   plan.method = options.compute_method();
   plan.shapes = shapes;
@@ -122,6 +127,7 @@ std::string StepPlan::describe(bool per_layer) const {
   if (p == 1) {
     out << "step plan: single process, " << to_string(method) << "; every layer's factors, second order and "
         << "preconditioning here, nothing communicated\n";
+    if (approx == KfacApprox::kReduce) out << "  K-FAC reduce: a Linear over a sequence builds one factor row per sample\n";
   } else {
     out << "step plan: " << system_name(strategy) << " (" << dkfac::to_string(strategy) << "), P=" << p << " W=" << w
         << " (" << p / w << (p / w == 1 ? " column), " : " columns), ") << to_string(method) << "\n";
@@ -153,6 +159,7 @@ std::string StepPlan::describe(bool per_layer) const {
         break;
     }
     if (reduction != FactorReduction::kNone) out << (factor_triangles ? ", upper triangles" : ", full matrices");
+    if (approx == KfacApprox::kReduce) out << "; K-FAC reduce: a Linear over a sequence builds one row per sample";
     out << "\n  second order: ";
     if (!shares_second_order()) {
       out << "each part computed where it is used; nothing broadcast";

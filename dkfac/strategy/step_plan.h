@@ -35,6 +35,7 @@ struct LayerFlow {
 struct StepPlan {
   Strategy strategy = Strategy::kKaisa;
   ComputeMethod method = ComputeMethod::kEigen;
+  KfacApprox approx = KfacApprox::kExpand;  ///< Options::kfac_approx (the shapes' rows_per_sample follow it)
   /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
   /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
   std::vector<assign::LayerShape> shapes;

@@ -222,6 +222,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         pi_damping: bool = _default('pi_damping'),
         large_factor_dim: int = _default('large_factor_dim'),
         diagonal_factor_dim: int = _default('diagonal_factor_dim'),
+        kfac_approx: str = _default('kfac_approx'),
         spd_redundant_dim: int | None = _default('spd_redundant_dim'),
         spd_profile_steps: int = _default('spd_profile_steps'),
         spd_fusion: list[int] = _default('spd_fusion'),

@@ -248,5 +248,35 @@ TEST(FactorCapture, Float16FactorsOfLargeSumsStayFinite) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, FactorCaptureStorage, ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat32));
 
+// MATH.md 7.6, K-FAC reduce: a Linear over [B, T, in] builds its factors from one row per sample, the input
+// averaged and the output gradient summed over T; a [B, in] input has nothing to reduce.
+TEST(FactorCapture, ReduceAveragesInputsAndSumsOutputGradientsPerSample) {
+  torch::manual_seed(12);
+  auto capture = linear_capture(/*bias=*/true);
+  capture.set_reduce(true);
+  EXPECT_TRUE(capture.reduce());
+  const auto x = torch::randn({3, 5, 4}, kF64);
+  const auto g = torch::randn({3, 5, 2}, kF64);
+  capture.capture_input(x);
+  capture.capture_output_grad(g);
+  EXPECT_TENSOR_NEAR(capture.take_a(), dense_covariance(x.mean(1), true), 1e-12);
+  EXPECT_TENSOR_NEAR(capture.take_g(), dense_covariance(g.sum(1), false), 1e-12);
+  EXPECT_EQ(capture.rows_per_sample(), 1);
+  EXPECT_EQ(capture.samples_per_pass(), 3);
+
+  auto flat = linear_capture(true);
+  flat.set_reduce(true);
+  const auto x2 = torch::randn({6, 4}, kF64);
+  flat.capture_input(x2);
+  EXPECT_TENSOR_NEAR(flat.take_a(), dense_covariance(x2, true), 1e-12);
+
+  FactorCapture conv(LayerGeometry{LayerKind::kConv2d, false, {}});
+  conv.set_reduce(true);
+  EXPECT_FALSE(conv.reduce()) << "Conv2d keeps its own convention";
+  auto late = linear_capture(false);
+  late.capture_input(x);
+  expect_error([&] { late.set_reduce(true); }, {"set_reduce after factors were captured"});
+}
+
 }  // namespace
 }  // namespace dkfac

@@ -261,3 +261,32 @@ def test_gpt2_and_bert_tied_heads_are_named_and_the_rest_registers():
     # position and token-type embeddings; query, key, value, attention output, intermediate, output and the
     # prediction head's transform (BertForMaskedLM has no pooler)
     assert register_by_kind(kfac) == {'Embedding': 2, 'Linear': 7}
+
+
+def test_kfac_reduce_is_the_dense_solve_of_per_sample_factors():
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3)).double()
+    damping = 0.02
+    kfac = dkfac.KFACPreconditioner(model, kl_clip=None, damping=damping, factor_decay=0.0, kfac_approx='reduce',
+                                    inv_dtype=torch.float64)
+    assert 'K-FAC reduce' in kfac.plan
+    seen = {}
+
+    def keep(module, inputs, output):
+        seen['x'] = inputs[0].detach()
+        output.register_hook(lambda g: seen.__setitem__('g', g.detach()))
+
+    model[0].register_forward_hook(keep)
+    x = torch.randn(5, 7, 4, dtype=torch.float64)  # 5 sequences of 7 positions
+    model(x).pow(2).sum().backward()
+    grad = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    kfac.step()
+    got = torch.cat([model[0].weight.grad, model[0].bias.grad[:, None]], 1)
+    rows = torch.cat([seen['x'].mean(1), torch.ones(5, 1, dtype=torch.float64)], 1)  # one row per sequence
+    summed = seen['g'].sum(1)
+    a = rows.t() @ rows / 5
+    g = summed.t() @ summed / 5
+    torch.testing.assert_close(got, kronecker_solve(a, g, grad, damping), rtol=1e-9, atol=1e-12)
+    expand = torch.nn.Sequential(torch.nn.Linear(4, 3)).double()
+    expand.load_state_dict(model.state_dict())
+    assert 'K-FAC reduce' not in dkfac.KFACPreconditioner(expand).plan
