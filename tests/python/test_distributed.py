@@ -177,17 +177,22 @@ def test_transformer_layers_equal_the_single_process_reference(size, kwargs, tmp
                 assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
 
 
-@pytest.mark.parametrize('size', [2, 4])
-def test_dp_kfac_equals_the_owners_local_factors(size, tmp_path):
+# Per model: each K-FAC layer's parameters, by index in model.parameters() (lm: the LayerNorm's 3 and 4 are plain).
+PARAMS_OF_LAYER = {'cnn': [[0, 1], [2], [3, 4]], 'lm': [[0], [1, 2], [5, 6]]}
+
+
+@pytest.mark.parametrize('size,model', [(2, 'cnn'), (4, 'cnn'), (2, 'lm')])
+def test_dp_kfac_equals_the_owners_local_factors(size, model, tmp_path):
     # No clipping: layers are independent, each checked on its own. No running average either (decay 0):
     # each step's factors are that step's shard alone, so shards differ clearly. Such rank-deficient
     # factors make eigenvectors of the null space arbitrary, which the inverse method does not see.
-    kwargs = {**COMMON, 'kl_clip': 0.0, 'factor_decay': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1}
+    kwargs = {**COMMON, 'kl_clip': 0.0, 'factor_decay': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1,
+              'model': model, 'diagonal_factor_dim': 16}
     results = run_workers(size, {**kwargs, 'strategy': 'dp'}, tmp_path)
     # Each layer's factors come from its owner's shard alone; the reference for shard r follows the
     # distributed run's parameters, so that a layer matches it at every step exactly when r owns the layer.
     references = [reference(size, kwargs, factor_shard=r, teacher=results[0]['params']) for r in range(size)]
-    params_of_layer = [[0, 1], [2], [3, 4]]  # conv0 weight, bias; conv2 weight; linear weight, bias
+    params_of_layer = PARAMS_OF_LAYER[model]
     for rank, result in enumerate(results):
         for layer, params in enumerate(params_of_layer):
             owners = [r for r in range(size)
@@ -214,11 +219,13 @@ def test_state_dict_resume_under_torch_distributed(source, tmp_path):
                 assert torch.isfinite(a).all()
 
 
-def test_strategy_auto_picks_on_every_rank_alike_and_trains_as_its_pick(tmp_path):
+@pytest.mark.parametrize('model', ['cnn', 'lm'])
+def test_strategy_auto_picks_on_every_rank_alike_and_trains_as_its_pick(model, tmp_path):
     """strategy='auto' measures this machine at the first step, every rank runs rank 0's pick, and the
     gradients are that strategy's (whichever this machine's rates pick): KAISA's and SPD-KFAC's equal the
     single-process reference, DP-KFAC's a DP-KFAC run's."""
-    kwargs = {**COMMON, 'kl_clip': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1}
+    kwargs = {**COMMON, 'kl_clip': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1, 'model': model,
+              'diagonal_factor_dim': 16}
     results = run_workers(2, {**kwargs, 'strategy': 'auto'}, tmp_path)
     choice = results[0]['choice']
     assert choice.startswith('strategy auto: 6 candidates'), choice
