@@ -5,6 +5,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -108,6 +110,14 @@ std::optional<MemoryStats> memory_stats(c10::Device device) {
 void reset_peak_memory(c10::Device device) {
   if (device.is_cpu()) return;
   initialised_allocator(device)->resetPeakStats(index_of(device));
+}
+
+std::optional<int64_t> total_memory(c10::Device device) {
+  if (!device.is_cpu()) return std::nullopt;
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return std::nullopt;
+  return static_cast<int64_t>(pages) * page;
 }
 
 bool cuda_available() { return torch::cuda::is_available(); }

@@ -49,6 +49,10 @@ std::optional<MemoryStats> memory_stats(c10::Device device);
 /// Starts a new peak for memory_stats(device).peak_allocated; nothing on the CPU.
 void reset_peak_memory(c10::Device device);
 
+/// Bytes of memory `device` has in all: the machine's physical memory for the CPU; nullopt for other devices
+/// (their allocator reports an out-of-memory error itself, which rethrow_out_of_memory words).
+std::optional<int64_t> total_memory(c10::Device device);
+
 /// True when LibTorch sees a CUDA device; `cuda_device_count()` how many.
 bool cuda_available();
 int cuda_device_count();

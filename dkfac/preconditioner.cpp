@@ -1,6 +1,7 @@
 #include "dkfac/preconditioner.h"
 
 #include "dkfac/comm/agreement.h"
+#include "dkfac/device.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/numbers.h"
@@ -13,6 +14,7 @@
 #include <map>
 #include <regex>
 #include <sstream>
+#include <tuple>
 
 namespace dkfac {
 namespace {
@@ -55,6 +57,40 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
                names.option("diagonal_factor_dim", std::to_string(limit)), ", skip it with skip_layers, or update less ",
                "often with inv_update_steps");
   }
+}
+
+// Refuses, before anything is allocated, layers whose dense factors could not fit in the device's memory: on the
+// CPU the kernel's out-of-memory killer would end the process at the first factor step without a word (a
+// 50257-token head with diagonal_factor_dim 0 asks 9.4 GiB per copy of its G factor). Counted: each dense
+// factor three times (the running factor, the captured batch, and its eigenvectors or inverse).
+void refuse_factors_beyond_memory(const std::vector<KfacLayer>& layers, const Options& options,
+                                  const MessageNames& names) {
+  const auto total = device::total_memory(layers.front().weight().device());
+  if (!total) return;
+  double needed = 0.0;
+  std::string widest;
+  double widest_bytes = 0.0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    const double element = static_cast<double>(c10::elementSize(layer.factor_dtype()));
+    for (const auto& [side, dim, diagonal] : {std::tuple{"A", layer.a_dim(), layer.a_diagonal()},
+                                              std::tuple{"G", layer.g_dim(), layer.g_diagonal()}}) {
+      const double d = static_cast<double>(dim);
+      const double bytes = (diagonal ? d : d * d) * element;
+      needed += 3.0 * bytes;
+      if (bytes > widest_bytes) {
+        widest_bytes = bytes;
+        widest = names.layer(layer, i) + "'s " + side + " factor " + std::to_string(dim) + " x " + std::to_string(dim);
+      }
+    }
+  }
+  TORCH_CHECK(needed <= static_cast<double>(*total), "dkfac: the K-FAC factors of these layers need about ",
+              human_bytes(needed), " (each dense factor three times: running, captured, decomposed), more than this ",
+              "machine's ", human_bytes(static_cast<double>(*total)), " of memory; the widest is ", widest, " (",
+              human_bytes(widest_bytes), "). Keep wide factors diagonal with ",
+              names.option("diagonal_factor_dim", std::to_string(options.diagonal_factor_dim() > 0
+                                                                      ? options.diagonal_factor_dim() : 8192)),
+              ", or leave the layer out with skip_layers");
 }
 
 bool all_parameters_require_grad(const torch::nn::Module& module) {
@@ -164,6 +200,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   }
   device_ = layers_.front().weight().device();
   factor_ok_.resize(layers_.size());
+  refuse_factors_beyond_memory(layers_, options_, names_);
   report_large_factors(layers_, options_, names_);
   communicator_ = std::move(communicator);
   if (communicator_) communicator_->use_device(device_);  // control tensors follow the layers (NCCL-only groups)

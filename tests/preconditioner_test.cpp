@@ -310,6 +310,19 @@ TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
   EXPECT_THROW(Preconditioner(model->ptr(), Options().large_factor_dim(-1)), c10::Error);
 }
 
+// A vocabulary-sized output (300000 wide) keeps its G factor diagonal by default; with every factor dense it would
+// need 335 GiB per copy, and construction refuses, before allocating anything, naming the layer and the option.
+TEST(Preconditioner, FactorsBeyondTheMachinesMemoryAreRefusedAtConstruction) {
+  auto model = std::make_shared<torch::nn::Sequential>(nn::Linear(2, 300000));
+  Preconditioner diagonal(model->ptr(), Options());
+  EXPECT_TRUE(diagonal.layers()[0].g_diagonal());
+  EXPECT_FALSE(diagonal.layers()[0].a_diagonal());
+  testing::expect_error<c10::Error>([&] { Preconditioner dense(model->ptr(), Options().diagonal_factor_dim(0)); },
+                                    {"the K-FAC factors of these layers need about", "more than this machine's",
+                                     "the widest is '0' (Linear)'s G factor 300000 x 300000 (335.28 GiB)",
+                                     "Options::diagonal_factor_dim 8192"});
+}
+
 TEST(Preconditioner, FrozenLayersAreNotPreconditioned) {
   auto net = make_net();
   net->fc1->weight.set_requires_grad(false);

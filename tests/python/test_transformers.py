@@ -290,3 +290,12 @@ def test_kfac_reduce_is_the_dense_solve_of_per_sample_factors():
     expand = torch.nn.Sequential(torch.nn.Linear(4, 3)).double()
     expand.load_state_dict(model.state_dict())
     assert 'K-FAC reduce' not in dkfac.KFACPreconditioner(expand).plan
+
+
+def test_factors_that_cannot_fit_in_memory_are_refused_before_any_allocation():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 300_000))
+    kfac = dkfac.KFACPreconditioner(model)  # G is 300000 wide: kept diagonal by default
+    assert kfac.memory_usage()['total'] == 0
+    with pytest.raises(RuntimeError, match=r"more than this machine's .* the widest is '0' \(Linear\)'s G factor "
+                                           r"300000 x 300000 .*diagonal_factor_dim=8192"):
+        dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(2, 300_000)), diagonal_factor_dim=0)
