@@ -4,7 +4,8 @@
 # no gloo headers (pip's torch ships none: the build runs with the system's hidden where a private mount
 # namespace can be made, as root or in an unprivileged user namespace); the wheel holds the Python package only;
 # the installed package imports, preconditions a step, names the torch it was built against, reports itself
-# (python -m dkfac.env) and trains under torch.distributed with KAISA subgroups against the single-process
+# (python -m dkfac.env), carries the torch and CUDA it was built for as its version's local label (+pt211cu130),
+# and trains under torch.distributed with KAISA subgroups against the single-process
 # reference (tests/python/test_distributed.py, run against the installed wheel, not the build tree).
 #   tests/integration/pip_install_test.sh SOURCE_DIR PYTHON
 set -euo pipefail
@@ -52,6 +53,13 @@ assert any(n.startswith('dkfac/_C') and n.endswith('.so') for n in names), 'no e
 for module in ('__init__.py', '_build_info.py', 'preconditioner.py', 'base_preconditioner.py'):
     assert f'dkfac/{module}' in names, module
 assert not any(n.startswith(('include/', 'lib/', 'bin/')) or '.data/' in n for n in names), 'C++ files in the wheel'
+# The version names the torch and CUDA the wheel is built against (scripts/packaging/dkfac_version.py).
+import os, re, torch
+major, minor = torch.__version__.split('.')[:2]
+label = f'pt{major}{minor}' + ('cu' + torch.version.cuda.replace('.', '') if torch.version.cuda else 'cpu')
+version = re.match(r'dkfac-([^-]+)-', os.path.basename(sys.argv[1])).group(1)
+assert version.endswith('+' + label), (version, label)
+print('wheel version', version)
 PY
 
 echo "== pip install of the wheel, then import and one step"
@@ -63,6 +71,8 @@ import dkfac
 from dkfac import _build_info
 assert dkfac.__file__.startswith(sys.argv[1]), dkfac.__file__
 assert _build_info.torch_version == torch.__version__, (_build_info.torch_version, torch.__version__)
+import importlib.metadata
+assert '+pt' in importlib.metadata.version('dkfac'), importlib.metadata.version('dkfac')
 model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
 preconditioner = dkfac.KFACPreconditioner(model)
 model(torch.randn(8, 4)).sum().backward()

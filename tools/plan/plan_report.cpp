@@ -169,6 +169,8 @@ PlanReport plan_report(const PlanRequest& r) {
                              {"a_dim", s.a_dim},
                              {"g_dim", s.g_dim},
                              {"rows_per_sample", s.rows_per_sample},
+                             {"a_diagonal", s.a_diagonal},
+                             {"g_diagonal", s.g_diagonal},
                              {"a_kernel", math::to_string(s.a_kernel)},
                              {"g_kernel", math::to_string(s.g_kernel)}});
   }
