@@ -86,6 +86,58 @@ class _CoreWarnings:
                     warnings.warn(message, category, stacklevel=level)
 
 
+def _is_dtensor(t: Any) -> bool:
+    return t is not None and type(t).__name__ == 'DTensor' and hasattr(t, 'full_tensor')
+
+
+class _ShardedLayer:
+    """A layer whose Parameters are DTensors (FSDP2's ``fully_shard``, HSDP): the core preconditions full-shaped
+    stand-ins. Before the core's step every rank all-gathers each such gradient (``full_tensor()``: FSDP2 left it
+    reduce-scattered, averaged over the data-parallel ranks as DDP averages it) into its stand-in; after it, each
+    rank copies its own rows of the preconditioned gradient back into its shard. Factors come from the hooks as
+    for DDP (each rank's full local activations and output gradients) and are reduced over every rank, so the job
+    equals the same one under DDP (docs/STRATEGIES.md, "Sharded models"). K-FAC memory is that of the strategy
+    under DDP, plus one layer's full gradient at a time while it is gathered."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # Full-shaped, no storage: the core reads their shape, dtype and device, and their .grad.
+        self.stand_ins = [None if t is None else torch.empty((), dtype=t.dtype, device=t.to_local().device).expand(t.shape)
+                          for t in (weight, bias)]
+
+    @staticmethod
+    def of(weight: torch.Tensor, bias: torch.Tensor | None) -> _ShardedLayer | None:
+        sharded = [_is_dtensor(t) for t in (weight, bias) if t is not None]
+        if not any(sharded):
+            return None
+        if not all(sharded):
+            raise ValueError('a layer whose weight and bias are not both DTensors (or both plain tensors) cannot be '
+                             'preconditioned')
+        return _ShardedLayer(weight, bias)
+
+    def gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
+            if stand_in is not None:
+                stand_in.grad = None if parameter.grad is None else parameter.grad.full_tensor()
+
+    def scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
+            if stand_in is None or stand_in.grad is None or parameter.grad is None:
+                continue
+            grad = parameter.grad
+            shape, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+            rows = stand_in.grad[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            grad.to_local().copy_(rows)
+            stand_in.grad = None
+
+
+def _core_tensors(weight: torch.Tensor, bias: torch.Tensor | None,
+                  sharded: _ShardedLayer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the core binds for a layer: its Parameters, or a sharded layer's full-shaped stand-ins."""
+    return (weight, bias) if sharded is None else (sharded.stand_ins[0], sharded.stand_ins[1])
+
+
 class BaseKFACPreconditioner:
     """K-FAC preconditioner over layers already chosen, as kfac_pytorch's ``BaseKFACPreconditioner``.
 
@@ -160,11 +212,15 @@ class BaseKFACPreconditioner:
         core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
         core_options.update(options, accumulation_steps=accumulation_steps,
                             update_factors_in_hook=bool(update_factors_in_hook))
-        core_layers = [(name, type(module).__name__, module.weight, getattr(module, 'bias', None), capture)
-                       for module, (name, capture) in self._layers.items()]
+        self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
+        # What the core preconditions: the Parameters themselves, or for a layer sharded by FSDP2 (DTensors),
+        # full-shaped stand-ins whose gradients step() gathers and scatters back (_ShardedLayer).
+        self._sharded = [_ShardedLayer.of(weight, bias) for weight, bias in self._bound]
+        core_layers = [(name, type(module).__name__, *_core_tensors(weight, bias, sharded), capture)
+                       for (module, (name, capture)), (weight, bias), sharded
+                       in zip(self._layers.items(), self._bound, self._sharded)]
         with _CoreWarnings():
             self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
-        self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]  # what the core preconditions
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
@@ -248,8 +304,17 @@ class BaseKFACPreconditioner:
         gradients already averaged across ranks, and before the optimizer's step().
         """
         self._follow_parameters()
-        with torch.no_grad(), _CoreWarnings():
-            self._core.step()
+        with torch.no_grad():
+            for index, sharded in enumerate(self._sharded):
+                if sharded is not None:
+                    sharded.gather(*self._bound[index])
+            try:
+                with _CoreWarnings():
+                    self._core.step()
+            finally:
+                for index, sharded in enumerate(self._sharded):
+                    if sharded is not None:
+                        sharded.scatter(*self._bound[index])
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
@@ -264,15 +329,15 @@ class BaseKFACPreconditioner:
             bound_weight, bound_bias = self._bound[index]
             if weight is bound_weight and bias is bound_bias:
                 continue
-            name = self._names[index]
-            if any(type(t).__name__ == 'DTensor' for t in (weight, bias) if t is not None):
-                raise RuntimeError(
-                    f"dkfac: layer {name!r}'s parameters were replaced by DTensors (FSDP2's fully_shard, or "
-                    'another tensor-parallel wrapper, after the preconditioner was built): dkfac does not '
-                    'precondition sharded parameters yet; build it on a model that is not sharded')
+            # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
+            # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
+            sharded = _ShardedLayer.of(weight, bias)
+            if sharded is not None and self._sharded[index] is not None:
+                sharded = self._sharded[index]  # the same stand-ins: nothing changes for the core
             with _CoreWarnings():
-                self._core.rebind_layer(index, weight, bias)
+                self._core.rebind_layer(index, *_core_tensors(weight, bias, sharded))
             self._bound[index] = (weight, bias)
+            self._sharded[index] = sharded
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update."""

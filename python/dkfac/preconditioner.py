@@ -105,7 +105,8 @@ def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
     [in, out], the transpose of a Linear's. Recognised by its class name and weight layout, without importing
     transformers."""
     weight = getattr(module, 'weight', None)
-    return (type(module).__name__ == 'Conv1D' and isinstance(getattr(module, 'nf', None), int)
+    # The class or a base of it: FSDP2's fully_shard makes each module an instance of a subclass (FSDPConv1D).
+    return (any(c.__name__ == 'Conv1D' for c in type(module).__mro__) and isinstance(getattr(module, 'nf', None), int)
             and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
 
 

@@ -350,7 +350,10 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
-      .def("rebind_layer", &Preconditioner::rebind_layer)
+      .def("rebind_layer",  // bias None for a layer without one
+           [](Preconditioner& p, size_t index, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+             p.rebind_layer(index, std::move(weight), bias.value_or(torch::Tensor()));
+           })
       .def_property_readonly("steps", &Preconditioner::steps)
       .def("is_factor_step", &Preconditioner::is_factor_step)
       .def("memory_bytes", &Preconditioner::memory_bytes)

@@ -7,7 +7,10 @@ preconditioner's keyword arguments, JSON-KWARGS may hold 'model' (a scenarios.ma
 'backend' (torch.distributed's, default 'gloo') and 'per_rank' ({"RANK": {keyword: value}}: this rank's own
 values). A worker whose preconditioner refuses to be built prints "refused: MESSAGE" and exits with 3; one whose
 step() refuses, "refused at step N: MESSAGE", and exits with 4. 'die_at' ({"RANK": step}) makes that rank exit
-(status 9, no cleanup) after that step's backward. 'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
+(status 9, no cleanup) after that step's backward. 'shard' ('fsdp' or 'hsdp') shards the model with FSDP2's
+fully_shard (every leaf, then the root; HSDP on a (P/2) x 2 replicate x shard mesh) instead of DDP; with
+'shard_after' true, once the preconditioner is built.
+'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
 that this rank skips at those steps (stochastic depth), under DDP with find_unused_parameters=True.
 """
 
@@ -42,6 +45,25 @@ class SkippableBlock(torch.nn.Module):
         return x if self.skip else x + torch.relu(self.conv(x))
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (FSDP2's sharded parameters and gradients), a plain tensor as it is; on the CPU."""
+    return (t.full_tensor() if hasattr(t, 'full_tensor') else t).detach().to('cpu', copy=True)
+
+
+def sharded(model: torch.nn.Module, how: str, size: int, device: torch.device) -> torch.nn.Module:
+    """``model`` under FSDP2: every leaf with parameters sharded on its own, then the root; 'hsdp' on a
+    (size / 2) x 2 mesh, replicated over the first dimension and sharded over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    shape, names = ((size,), ('shard',)) if how == 'fsdp' else ((size // 2, 2), ('replicate', 'shard'))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    for module in model.modules():
+        if module is not model and not any(True for _ in module.children()) and any(True for _ in module.parameters()):
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     explicit_group = kwargs.pop('explicit_group', False)
@@ -52,7 +74,13 @@ def main() -> None:
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
     skip_at = kwargs.pop('skip_at', None)
-    if skip_at is None:
+    sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh) or 'hsdp' (2-D: replicate x shard): FSDP2, not DDP
+    shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
+    if sharding is not None:
+        model = scenarios.make_model(kind).to(device)
+        if not shard_after:
+            model = sharded(model, sharding, size, device)
+    elif skip_at is None:
         model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model(kind).to(device))
     else:
         skipping = set(skip_at.get(str(rank), []))
@@ -72,6 +100,9 @@ def main() -> None:
         except (RuntimeError, ValueError) as error:
             print(f'refused: {error}', flush=True)
             sys.exit(3)
+    if shard_after:
+        model = sharded(model, sharding, size, device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layout = {'distributed_strategy': preconditioner.distributed_strategy.name,
               'grad_worker_fraction': preconditioner.grad_worker_fraction,
               'colocate_factors': preconditioner.colocate_factors}
@@ -80,7 +111,7 @@ def main() -> None:
     for step in range(STEPS):
         if skip_at is not None:
             block.skip = step in skipping
-        params.append([p.detach().to('cpu', copy=True) for p in model.parameters()])
+        params.append([full(p) for p in model.parameters()])
         x, y = (t.to(device) for t in scenarios.batch(kind, step, size=GLOBAL_BATCH))
         optimizer.zero_grad()
         loss = scenarios.loss_of(kind, model(x[rank * shard:(rank + 1) * shard]), y[rank * shard:(rank + 1) * shard])
@@ -94,7 +125,7 @@ def main() -> None:
                 raise
             print(f'refused at step {step}: {error}', flush=True)
             sys.exit(4)
-        grads.append([p.grad.to('cpu', copy=True) for p in model.parameters()])
+        grads.append([full(p.grad) for p in model.parameters()])
         optimizer.step()
     extra = {}
     if save_gathered:

@@ -177,18 +177,44 @@ def test_transformer_layers_equal_the_single_process_reference(size, kwargs, tmp
                 assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
 
 
+# FSDP2 (fully_shard on every leaf and the root, a 1-D mesh) and HSDP (2 x 2: replicate x shard): the K-FAC job
+# equals the single-process reference, which the same job under DDP equals (test_equals_single_process_reference).
+SHARDED_CASES = [
+    (2, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=1.0)),
+    (2, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=0.5, compute_method='inverse')),
+    (2, dict(shard='fsdp', strategy='spd', model='lm', diagonal_factor_dim=16)),
+    (4, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=0.25, model='lm', diagonal_factor_dim=16)),
+    (4, dict(shard='hsdp', strategy='kaisa', grad_worker_fraction=0.5)),
+    (2, dict(shard='fsdp', shard_after=True, strategy='kaisa', grad_worker_fraction=1.0)),
+]
+
+
+@pytest.mark.parametrize('size,kwargs', SHARDED_CASES,
+                         ids=[f'{s}-{"-".join(map(str, k.values()))}' for s, k in SHARDED_CASES])
+def test_sharded_models_equal_the_single_process_reference(size, kwargs, tmp_path):
+    results = run_workers(size, {**COMMON, **kwargs}, tmp_path)
+    lm = kwargs.get('model') == 'lm'
+    assert results[0]['layers'] == (['wte', 'c_fc', 'head'] if lm else ['0', '2', '5']), results[0]['layers']
+    assert all(result['plan'] == results[0]['plan'] for result in results)
+    expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k not in ('shard', 'shard_after')}})
+    for rank, result in enumerate(results):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
 # Per model: each K-FAC layer's parameters, by index in model.parameters() (lm: the LayerNorm's 3 and 4 are plain).
 PARAMS_OF_LAYER = {'cnn': [[0, 1], [2], [3, 4]], 'lm': [[0], [1, 2], [5, 6]]}
 
 
-@pytest.mark.parametrize('size,model', [(2, 'cnn'), (4, 'cnn'), (2, 'lm')])
-def test_dp_kfac_equals_the_owners_local_factors(size, model, tmp_path):
+@pytest.mark.parametrize('size,model,shard', [(2, 'cnn', None), (4, 'cnn', None), (2, 'lm', None), (2, 'cnn', 'fsdp')])
+def test_dp_kfac_equals_the_owners_local_factors(size, model, shard, tmp_path):
     # No clipping: layers are independent, each checked on its own. No running average either (decay 0):
     # each step's factors are that step's shard alone, so shards differ clearly. Such rank-deficient
     # factors make eigenvectors of the null space arbitrary, which the inverse method does not see.
     kwargs = {**COMMON, 'kl_clip': 0.0, 'factor_decay': 0.0, 'compute_method': 'inverse', 'inv_update_steps': 1,
               'model': model, 'diagonal_factor_dim': 16}
-    results = run_workers(size, {**kwargs, 'strategy': 'dp'}, tmp_path)
+    results = run_workers(size, {**kwargs, 'strategy': 'dp', **({'shard': shard} if shard else {})}, tmp_path)
     # Each layer's factors come from its owner's shard alone; the reference for shard r follows the
     # distributed run's parameters, so that a layer matches it at every step exactly when r owns the layer.
     references = [reference(size, kwargs, factor_shard=r, teacher=results[0]['params']) for r in range(size)]
