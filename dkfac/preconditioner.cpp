@@ -8,18 +8,28 @@
 #include "dkfac/strategy/time_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <iomanip>
 #include <limits>
 #include <map>
 #include <regex>
 #include <sstream>
-#include <tuple>
 
 namespace dkfac {
 namespace {
 
 constexpr int64_t kFormatVersion = 2;  // 2: every layer's state, world-size independent (1: one rank's)
+
+// A layer's two factors as messages name them, with their width and whether they are kept diagonal.
+struct FactorSide {
+  const char* name;
+  int64_t dim;
+  bool diagonal;
+};
+std::array<FactorSide, 2> factor_sides(const KfacLayer& layer) {
+  return {{{"A", layer.a_dim(), layer.a_diagonal()}, {"G", layer.g_dim(), layer.g_diagonal()}}};
+}
 
 // Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
 // memory and the cost of one second-order update, which the first step() pays without a word otherwise.
@@ -30,21 +40,22 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     // A diagonal factor costs d values and no decomposition: never large.
-    const int64_t largest = std::max(layer.a_diagonal() ? 0 : layer.a_dim(), layer.g_diagonal() ? 0 : layer.g_dim());
-    if (largest <= limit) continue;
+    const auto sides = factor_sides(layer);
+    const auto large = [limit](const FactorSide& f) { return !f.diagonal && f.dim > limit; };
+    if (!large(sides[0]) && !large(sides[1])) continue;
     const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
     const double state_bytes = static_cast<double>(c10::elementSize(layer.second_order_dtype()));
     std::ostringstream what;
     double flops = 0.0;
-    for (const auto& [side, dim] : {std::pair{"A", layer.a_diagonal() ? 0 : layer.a_dim()},
-                                    std::pair{"G", layer.g_diagonal() ? 0 : layer.g_dim()}}) {
-      if (dim <= limit) continue;
+    for (const auto& side : sides) {
+      if (!large(side)) continue;
+      const int64_t dim = side.dim;
       const double d = static_cast<double>(dim);
       // Eigen: eigenvectors d x d and eigenvalues d; inverse: one d x d inverse.
       const double decomposition = (eigen ? d * d + d : d * d) * state_bytes;
       const double cost = eigen ? 9.0 * d * d * d : d * d * d;
       flops += cost;
-      what << (what.tellp() > 0 ? "; " : "") << side << " factor " << dim << " x " << dim << ": "
+      what << (what.tellp() > 0 ? "; " : "") << side.name << " factor " << dim << " x " << dim << ": "
            << human_bytes(d * d * factor_bytes) << " (" << c10::toString(layer.factor_dtype()) << "), its "
            << (eigen ? "eigendecomposition " : "inverse ") << human_bytes(decomposition) << ", "
            << human_flops(cost) << " per second-order update (" << (eigen ? "9 d^3" : "d^3") << ")";
@@ -73,14 +84,14 @@ void refuse_factors_beyond_memory(const std::vector<KfacLayer>& layers, const Op
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     const double element = static_cast<double>(c10::elementSize(layer.factor_dtype()));
-    for (const auto& [side, dim, diagonal] : {std::tuple{"A", layer.a_dim(), layer.a_diagonal()},
-                                              std::tuple{"G", layer.g_dim(), layer.g_diagonal()}}) {
-      const double d = static_cast<double>(dim);
-      const double bytes = (diagonal ? d : d * d) * element;
+    for (const auto& side : factor_sides(layer)) {
+      const double d = static_cast<double>(side.dim);
+      const double bytes = (side.diagonal ? d : d * d) * element;
       needed += 3.0 * bytes;
       if (bytes > widest_bytes) {
         widest_bytes = bytes;
-        widest = names.layer(layer, i) + "'s " + side + " factor " + std::to_string(dim) + " x " + std::to_string(dim);
+        const auto dim = std::to_string(side.dim);
+        widest = names.layer(layer, i) + "'s " + side.name + " factor " + dim + " x " + dim;
       }
     }
   }
@@ -89,7 +100,8 @@ void refuse_factors_beyond_memory(const std::vector<KfacLayer>& layers, const Op
               "machine's ", human_bytes(static_cast<double>(*total)), " of memory; the widest is ", widest, " (",
               human_bytes(widest_bytes), "). Keep wide factors diagonal with ",
               names.option("diagonal_factor_dim", std::to_string(options.diagonal_factor_dim() > 0
-                                                                      ? options.diagonal_factor_dim() : 8192)),
+                                                                      ? options.diagonal_factor_dim()
+                                                                      : Options().diagonal_factor_dim())),
               ", or leave the layer out with skip_layers");
 }
 

@@ -104,10 +104,8 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
         return diagonal ? math::linear_a_diagonal(in, geometry_.has_bias) : math::linear_a_factor(in, geometry_.has_bias);
       }
       const auto batched = in.dim() == 3 ? in.unsqueeze(0) : in;
-      if (!diagonal) return math::conv2d_a_factor(batched, geometry_.conv, geometry_.has_bias);
-      const auto patches = math::conv2d_patches(batched, geometry_.conv);
-      const int64_t spatial = patches.size(0) / batched.size(0);
-      return math::diagonal_covariance(patches, geometry_.has_bias, 1.0 / static_cast<double>(spatial));
+      return diagonal ? math::conv2d_a_diagonal(batched, geometry_.conv, geometry_.has_bias)
+                      : math::conv2d_a_factor(batched, geometry_.conv, geometry_.has_bias);
     });
   }
   add_and_notify(true, a_batch, 0.0, std::pair{std::move(start), device::Mark::now(input.device())});
@@ -148,10 +146,7 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
     const bool diagonal = geometry_.g_diagonal;
     if (geometry_.kind != LayerKind::kConv2d) return diagonal ? math::linear_g_diagonal(in) : math::linear_g_factor(in);
     const auto batched = in.dim() == 3 ? in.unsqueeze(0) : in;
-    if (!diagonal) return math::conv2d_g_factor(batched);
-    const int64_t spatial = batched.size(2) * batched.size(3);
-    return math::diagonal_covariance(batched.permute({0, 2, 3, 1}).reshape({-1, batched.size(1)}), false,
-                                      1.0 / static_cast<double>(spatial));
+    return diagonal ? math::conv2d_g_diagonal(batched) : math::conv2d_g_factor(batched);
   });
   add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
 }

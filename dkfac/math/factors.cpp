@@ -240,6 +240,15 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
   return cov.index_select(0, order).index_select(1, order);
 }
 
+namespace {
+
+// A Conv2d output gradient [B, C, H, W] as rows [B * H * W, C], one per output position.
+torch::Tensor gradient_rows(const torch::Tensor& grad_output) {
+  return grad_output.permute({0, 2, 3, 1}).reshape({-1, grad_output.size(1)});
+}
+
+}  // namespace
+
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
   TORCH_CHECK(grad_output.dim() == 4, "Conv2d output gradient must be [B, C, H, W], got shape ",
               grad_output.sizes());
@@ -250,8 +259,21 @@ torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output) {
     // and the batched product's output [B, C, C] is no larger than that copy would be.
     return batched_covariance(grad_output.view({batch, channels, spatial}), false, 1.0 / static_cast<double>(spatial));
   }
-  auto y = grad_output.permute({0, 2, 3, 1}).reshape({-1, channels});
-  return covariance(y, false, 1.0 / static_cast<double>(spatial));
+  return covariance(gradient_rows(grad_output), false, 1.0 / static_cast<double>(spatial));
+}
+
+torch::Tensor conv2d_a_diagonal(const torch::Tensor& input, const Conv2dGeometry& geometry, bool with_bias) {
+  TORCH_CHECK(input.dim() == 4, "Conv2d input must be [B, C, H, W], got shape ", input.sizes());
+  const auto patches = conv2d_patches(input, geometry);
+  const int64_t spatial = patches.size(0) / input.size(0);
+  return diagonal_covariance(patches, with_bias, 1.0 / static_cast<double>(spatial));
+}
+
+torch::Tensor conv2d_g_diagonal(const torch::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() == 4, "Conv2d output gradient must be [B, C, H, W], got shape ",
+              grad_output.sizes());
+  const auto spatial = grad_output.size(2) * grad_output.size(3);
+  return diagonal_covariance(gradient_rows(grad_output), false, 1.0 / static_cast<double>(spatial));
 }
 
 torch::Tensor running_average(const torch::Tensor& running, const torch::Tensor& batch, double alpha) {

@@ -23,7 +23,7 @@ torch::Tensor linear_a_factor(const torch::Tensor& input, bool with_bias);
 torch::Tensor linear_g_factor(const torch::Tensor& grad_output);
 
 /// A diagonal factor is a 1-D tensor [k] holding the diagonal of the factor it stands for (docs/MATH.md
-/// section 6): the covariance's off-diagonal entries are dropped, so a k-wide factor costs k values, not k^2.
+/// section 7.3): the covariance's off-diagonal entries are dropped, so a k-wide factor costs k values, not k^2.
 /// diagonal(covariance(x, with_bias, scale)) without the k x k product: x [n, k] -> [k (+1)].
 torch::Tensor diagonal_covariance(const torch::Tensor& x, bool with_bias = false, double scale = 1.0);
 
@@ -64,6 +64,11 @@ torch::Tensor conv2d_a_factor(const torch::Tensor& input, const Conv2dGeometry& 
 /// Conv2d G factor: cov(Y / S) with Y the output gradient as [B*S, C_out].
 /// grad_output: [B, C_out, H_out, W_out] -> [C_out, C_out].
 torch::Tensor conv2d_g_factor(const torch::Tensor& grad_output);
+
+/// diagonal(conv2d_a_factor(input, geometry, with_bias)) and diagonal(conv2d_g_factor(grad_output)), without
+/// the k x k products (the 1/S convention kept).
+torch::Tensor conv2d_a_diagonal(const torch::Tensor& input, const Conv2dGeometry& geometry, bool with_bias);
+torch::Tensor conv2d_g_diagonal(const torch::Tensor& grad_output);
 
 /// F = alpha F + (1 - alpha) F_batch, with F = I before the first update (`running` undefined; a diagonal
 /// factor starts from ones).

@@ -1,9 +1,9 @@
 #include "dkfac/strategy/prediction.h"
 
+#include "dkfac/comm/packing.h"
+
 namespace dkfac::strategy {
 namespace {
-
-int64_t triangle(int64_t n) { return n * (n + 1) / 2; }
 
 double cube(int64_t n) { return static_cast<double>(n) * n * n; }
 
@@ -15,11 +15,11 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
   // A diagonal factor (assign::LayerShape::a_diagonal) is n values everywhere: sent, held, and its
   // eigenvalues or inverse; it has no eigenvectors and no decomposition.
   const auto factor_entries = [&](int64_t n, bool diagonal) {
-    return diagonal ? n : plan.factor_triangles ? triangle(n) : n * n;
+    return comm::packed_length(n, plan.factor_triangles, diagonal);
   };
   // What a second-order broadcast carries: eigenvectors and eigenvalues, or an inverse (maybe a triangle).
   const auto second_order_entries = [&](int64_t n, bool diagonal) {
-    return diagonal ? n : eigen ? n * n + n : plan.inverse_triangles ? triangle(n) : n * n;
+    return eigen && !diagonal ? n * n + n : comm::packed_length(n, plan.inverse_triangles, diagonal);
   };
   const auto held = [](int64_t n, bool diagonal) { return diagonal ? n : n * n; };
   std::vector<RankCost> out(plan.world_size());

@@ -17,9 +17,6 @@
 namespace dkfac::strategy {
 namespace {
 
-int64_t entries(int64_t n, bool triangle, bool diagonal = false) {
-  return diagonal ? n : triangle ? n * (n + 1) / 2 : n * n;
-}
 
 /// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
@@ -33,7 +30,7 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
     const auto& shape = plan.shapes[slot < layers ? slot : 2 * layers - 1 - slot];
     const int64_t n = slot < layers ? shape.a_dim : shape.g_dim;
     const bool diagonal = slot < layers ? shape.a_diagonal : shape.g_diagonal;
-    bytes.push_back(rates.element_bytes() * entries(n, plan.factor_triangles, diagonal));
+    bytes.push_back(rates.element_bytes() * comm::packed_length(n, plan.factor_triangles, diagonal));
   }
   std::vector<int64_t> groups;
   switch (plan.reduction) {
@@ -186,7 +183,7 @@ class StepSimulation {
       const auto share = [&](int64_t n, bool diagonal) {  // a diagonal factor sends n values
         if (diagonal) return rates.broadcast_seconds(w, e * n);
         if (eigen) return rates.broadcast_seconds(w, e * n * n) + rates.broadcast_seconds(w, e * n);
-        return rates.broadcast_seconds(w, e * entries(n, plan.inverse_triangles));
+        return rates.broadcast_seconds(w, e * comm::packed_length(n, plan.inverse_triangles));
       };
       for (int r = 0; r < p_; ++r) {
         if (plan.builds_factors(i, r)) build_[r] += a_build + g_build + fold;

@@ -97,7 +97,7 @@ class _ShardedLayer:
     rank copies its own rows of the preconditioned gradient back into its shard. Factors come from the hooks as
     for DDP (each rank's full local activations and output gradients) and are reduced over every rank, so the job
     equals the same one under DDP (docs/STRATEGIES.md, "Sharded models"). K-FAC memory is that of the strategy
-    under DDP, plus one layer's full gradient at a time while it is gathered."""
+    under DDP, plus the full gradients of every sharded layer, gathered before the core's step and freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         # Full-shaped, no storage: the core reads their shape, dtype and device, and their .grad.
@@ -135,7 +135,7 @@ class _ShardedLayer:
 def _core_tensors(weight: torch.Tensor, bias: torch.Tensor | None,
                   sharded: _ShardedLayer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the core binds for a layer: its Parameters, or a sharded layer's full-shaped stand-ins."""
-    return (weight, bias) if sharded is None else (sharded.stand_ins[0], sharded.stand_ins[1])
+    return (weight, bias) if sharded is None else tuple(sharded.stand_ins)
 
 
 class BaseKFACPreconditioner:

@@ -140,6 +140,31 @@ def _tied_to(name: str, module: torch.nn.Module, owners: dict[int, list[str]]) -
     return others
 
 
+def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, Any],
+                          set_aside: dict[torch.nn.Module, str], loglevel: int) -> None:
+    """Logs, at ``loglevel``, every trainable parameter no registered layer holds, grouped by why."""
+    by_reason: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if module in layers:
+            continue
+        trainable = [p for p, t in module._parameters.items() if t is not None and t.requires_grad]
+        if not trainable:
+            continue
+        if module in set_aside:
+            reason = set_aside[module]
+        elif any(True for _ in module.children()):
+            reason = f'parameters of a {type(module).__name__} itself, outside any layer K-FAC preconditions'
+        else:
+            reason = f'{type(module).__name__} is not a layer kind K-FAC preconditions'
+        prefix = f'{name}.' if name else ''
+        by_reason.setdefault(reason, []).extend(prefix + p for p in trainable)
+    if not by_reason:
+        return
+    lines = [f'{", ".join(names)} ({reason})' for reason, names in by_reason.items()]
+    logger.log(loglevel, 'dkfac: %d trainable parameters keep their plain gradient (the optimizer applies it '
+               'as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
+
+
 _Init = TypeVar('_Init', bound=Callable[..., None])
 
 
@@ -282,8 +307,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                  else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
 
-        self._loglevel_given = loglevel
-        layers = self._register(model)
+        layers = self._register(model, loglevel)
         options = {typed[k]: v for k, v in core.items() if k not in _BASE}
         options['grad_scale'] = self._scale_function(grad_scaler)
         # repr(): every option (kfac_pytorch's names and values as given), then the fields kfac_pytorch derives.
@@ -301,7 +325,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._defaults.update(layout)  # repr()
 
     # --- registration --------------------------------------------------------------------------------
-    def _register(self, model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, Any]]:
+    def _register(self, model: torch.nn.Module, loglevel: int) -> dict[torch.nn.Module, tuple[str, Any]]:
         """{module: (name, capture)} of the layers to precondition, in model order (hooked by the base): the
         torch.nn.Linear, Conv2d and Embedding leaves and transformers' Conv1D, chosen by the core's rules
         (dkfac/layers/discovery.h: frozen, grouped, sparse, tied and skip_layers), the same ones the C++ front end
@@ -337,32 +361,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                     module.padding if isinstance(module.padding, str) else tuple(module.padding),
                     module.padding_mode, tuple(module._reversed_padding_repeated_twice))
             layers[module] = (name, capture)
-        self._log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]})
+        _log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]},
+                              loglevel)
         return layers
-
-    def _log_plain_parameters(self, model: torch.nn.Module, layers: dict[torch.nn.Module, Any],
-                              set_aside: dict[torch.nn.Module, str]) -> None:
-        """Logs, at ``loglevel``, every trainable parameter no registered layer holds, grouped by why."""
-        by_reason: dict[str, list[str]] = {}
-        for name, module in model.named_modules():
-            if module in layers:
-                continue
-            trainable = [p for p, t in module._parameters.items() if t is not None and t.requires_grad]
-            if not trainable:
-                continue
-            if module in set_aside:
-                reason = set_aside[module]
-            elif any(True for _ in module.children()):
-                reason = f'parameters of a {type(module).__name__} itself, outside any layer K-FAC preconditions'
-            else:
-                reason = f'{type(module).__name__} is not a layer kind K-FAC preconditions'
-            prefix = f'{name}.' if name else ''
-            by_reason.setdefault(reason, []).extend(prefix + p for p in trainable)
-        if not by_reason:
-            return
-        lines = [f'{", ".join(names)} ({reason})' for reason, names in by_reason.items()]
-        logger.log(self._loglevel_given, 'dkfac: %d trainable parameters keep their plain gradient (the optimizer '
-                      'applies it as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
 
     @staticmethod
     def _scale_function(grad_scaler: Any) -> Callable[[], torch.Tensor] | None:

@@ -214,6 +214,23 @@ TEST(Factors, DiagonalFactorsAreTheDenseFactorsDiagonals) {
                               1e-14, 1e-14));
 }
 
+// The same for a Conv2d (the 1/S convention kept), with and without a bias, for the strided and padded geometry.
+TEST(Factors, Conv2dDiagonalFactorsAreTheDenseFactorsDiagonals) {
+  torch::manual_seed(32);
+  const auto options = torch::TensorOptions().dtype(torch::kFloat64);
+  Conv2dGeometry geometry;
+  geometry.kernel_size = {3, 3};
+  geometry.stride = {2, 1};
+  geometry.padding = {1, 1, 1, 1};
+  const auto input = torch::randn({2, 3, 7, 6}, options);
+  for (const bool bias : {false, true}) {
+    EXPECT_TRUE(torch::allclose(conv2d_a_diagonal(input, geometry, bias),
+                                torch::diagonal(conv2d_a_factor(input, geometry, bias)), 1e-12, 1e-14));
+  }
+  const auto grad = torch::randn({2, 4, 4, 6}, options);
+  EXPECT_TRUE(torch::allclose(conv2d_g_diagonal(grad), torch::diagonal(conv2d_g_factor(grad)), 1e-12, 1e-14));
+}
+
 // An Embedding is the Linear of one-hot rows: its A factor is that Linear's (diagonal) A factor.
 TEST(Factors, EmbeddingAFactorIsTheOneHotLinearsFactor) {
   const auto tokens = torch::tensor({3, 0, 3, 5, 3, 1}, torch::kLong).reshape({2, 3});

@@ -146,14 +146,7 @@ def test_plain_loop_matches_the_hand_written_loop_and_kfac_is_on() -> None:
     assert opt.kfac_lr_follows
     text = repr(opt)
     assert text.startswith('KFAC (') and 'AdamW' in text and 'KFACPreconditioner' in text
-    losses = []
-    for ids in batches:
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    losses = torch.stack(losses)
+    losses = torch.stack(_train(model, opt, batches))
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True) reached the base
     assert opt.preconditioner.steps == len(batches)
 
