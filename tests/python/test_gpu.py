@@ -57,16 +57,17 @@ def exact_cuda_math():
         torch.use_deterministic_algorithms(saved[6], warn_only=True)
 
 
-def train(device: str, dtype: torch.dtype, steps: int = 4, **kwargs) -> list[list[torch.Tensor]]:
+def train(device: str, dtype: torch.dtype, steps: int = 4, kind: str = 'cnn', **kwargs) -> list[list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = scenarios.make_model('cnn').to(device, dtype)
+    model = scenarios.make_model(kind).to(device, dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=2, **kwargs)
     grads = []
     for step in range(steps):
-        x, y = scenarios.batch('cnn', step, size=16)
+        x, y = scenarios.batch(kind, step, size=16)
+        x = x.to(device) if kind == 'lm' else x.to(device, dtype)  # the language model's input is token ids
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x.to(device, dtype)), y.to(device)).backward()
+        scenarios.loss_of(kind, model(x), y.to(device)).backward()
         preconditioner.step()
         grads.append([p.grad.to('cpu', torch.float64) for p in model.parameters()])
         optimizer.step()
@@ -77,6 +78,19 @@ def train(device: str, dtype: torch.dtype, steps: int = 4, **kwargs) -> list[lis
 def test_cuda_float32_matches_cpu_float64(method):
     expected = train('cpu', torch.float64, compute_method=method)
     got = train('cuda', torch.float32, compute_method=method)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        for i, (a, b) in enumerate(zip(g, e)):
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
+
+
+# The layer kinds of a transformer on CUDA (docs/MATH.md section 7): an Embedding (its A diagonal, token counts
+# by index_add_), a Conv1D (weight stored [in, out]) and a 40-token head whose G is kept diagonal.
+@pytest.mark.parametrize('kwargs', [dict(compute_method='eigen'), dict(compute_method='inverse'),
+                                    dict(kfac_approx='reduce')], ids=['eigen', 'inverse', 'reduce'])
+def test_language_model_on_cuda_matches_cpu_float64(kwargs):
+    kwargs = dict(kind='lm', diagonal_factor_dim=16, **kwargs)
+    expected = train('cpu', torch.float64, **kwargs)
+    got = train('cuda', torch.float32, **kwargs)
     for step, (g, e) in enumerate(zip(got, expected)):
         for i, (a, b) in enumerate(zip(g, e)):
             assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
@@ -110,13 +124,14 @@ def test_half_storage_matches_cpu_with_the_same_storage(storage):
             assert error(a, b) <= bound, f'step {step}, parameter {i}: CPU worst {cpu_worst:.4f}'
 
 
-def test_step_synchronises_at_most_once():
-    model = scenarios.make_model('cnn').cuda()
-    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=100)
+@pytest.mark.parametrize('kind', ['cnn', 'lm'])
+def test_step_synchronises_at_most_once(kind):
+    model = scenarios.make_model(kind).cuda()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=100, diagonal_factor_dim=16)
     for step in range(4):
-        x, y = scenarios.batch('cnn', step, size=16)
+        x, y = scenarios.batch(kind, step, size=16)
         model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda()).backward()
+        scenarios.loss_of(kind, model(x.cuda()), y.cuda()).backward()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode('warn')
         try:
@@ -152,9 +167,23 @@ def test_nccl_serves_a_one_rank_job(tmp_path):
             assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
 
 
+# FSDP2 on a one-rank NCCL mesh: the sharded path (DTensor gradients gathered, rows copied back) on CUDA tensors.
+# Two ranks cannot share one GPU under NCCL, and Gloo has no reduce-scatter for CUDA tensors.
+@pytest.mark.parametrize('model', ['cnn', 'lm'])
+def test_nccl_serves_a_one_rank_fsdp2_job(model, tmp_path):
+    kwargs = {**COMMON, 'model': model, 'diagonal_factor_dim': 16}
+    results = run_workers(1, {**kwargs, 'device': 'cuda', 'backend': 'nccl', 'shard': 'fsdp'}, tmp_path)
+    expected = reference(1, kwargs)
+    for step in range(STEPS):
+        for i, (a, b) in enumerate(zip(results[0]['grads'][step], expected[step])):
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
+
+
 @pytest.mark.parametrize('kwargs', [dict(strategy='kaisa', grad_worker_fraction=1.0),
                                     dict(strategy='kaisa', grad_worker_fraction=0.5, compute_method='inverse'),
-                                    dict(strategy='spd')], ids=['kaisa-1', 'kaisa-0.5-inverse', 'spd'])
+                                    dict(strategy='spd'),
+                                    dict(strategy='kaisa', grad_worker_fraction=0.5, model='lm', diagonal_factor_dim=16)],
+                         ids=['kaisa-1', 'kaisa-0.5-inverse', 'spd', 'lm-kaisa-0.5'])
 def test_two_ranks_share_the_gpu_through_gloo(kwargs, tmp_path):
     results = run_workers(2, {**COMMON, **kwargs, 'device': 'cuda', 'backend': 'gloo'}, tmp_path)
     expected = reference(2, {**COMMON, **kwargs})
