@@ -421,6 +421,8 @@ class Runner:
             options = dict(factor_update_steps=interval[0], inv_update_steps=interval[1], damping=args.damping,
                            factor_decay=args.factor_decay, kl_clip=args.kl_clip, lr=lr,
                            compute_method=kfac.enums.ComputeMethod.EIGEN, inv_dtype=torch.float32)
+            if method == 'dkfac':  # kfac_pytorch v0.4.2 registers Linear and Conv2d only: the same layers here
+                options['skip_layers'] = ['Embedding']
             self.preconditioner = kfac.preconditioner.KFACPreconditioner(self.model, **options)
         self.has_phases = hasattr(self.preconditioner, 'phase_times')
         self.last_loss: torch.Tensor | None = None
