@@ -849,6 +849,25 @@ std::map<std::string, torch::Tensor> Preconditioner::placed_here(size_t index,
   return state;
 }
 
+std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template() const {
+  const bool eigen = options_.compute_method() == ComputeMethod::kEigen;
+  std::vector<std::map<std::string, torch::Tensor>> templates(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    const bool factors = executor_->builds_factors(i);
+    const bool whole = executor_->preconditions(i);
+    for (const auto& entry : layer_state_entries()) {
+      // Second-order entries: eigenvectors, eigenvalues and their denominator for eigen; inverses ('f') else.
+      const bool wanted = entry.factor ? factors : whole && (entry.form == 'f') != eigen;
+      const auto shape = layer.state_shape(entry);
+      if (!wanted || shape.empty()) continue;
+      const auto dtype = entry.factor ? layer.factor_dtype() : layer.second_order_dtype();
+      templates[i][entry.key] = torch::empty(shape, layer.weight().options().dtype(dtype));
+    }
+  }
+  return templates;
+}
+
 void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
   const auto& plan = executor_->plan();

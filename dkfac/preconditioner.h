@@ -175,6 +175,14 @@ class Preconditioner {
   /// Collective in a distributed job: every rank calls it. For load_layer_states on any world size.
   std::vector<std::map<std::string, torch::Tensor>> gathered_layer_states() const;
 
+  /// The entries of each layer's state that this rank's plan keeps whole, as uninitialised tensors of the
+  /// shape, dtype and device the layer keeps them in: the factors where it builds them, and the whole
+  /// second-order state of the compute method where it preconditions the layer. A rank that decomposes a
+  /// factor without preconditioning the layer recomputes it at the next inverse step, so none is listed there.
+  /// What a reader that fills tensors in place (torch.distributed.checkpoint) asks a checkpoint for.
+  /// Rank-local: no collective.
+  std::vector<std::map<std::string, torch::Tensor>> state_template() const;
+
   /// Serialises the step count and every layer's factors and second-order state in a form that does not
   /// depend on the world size (format 2: gathered_layer_states(), with the writer's world size and plan).
   /// Collective in a distributed job: every rank calls it, and every rank's archive holds the whole state.

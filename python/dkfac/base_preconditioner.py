@@ -28,7 +28,8 @@ from dkfac import _C
 
 logger = logging.getLogger('dkfac')
 
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2  # 2: what the plan places on a rank, with `held` (Stateful for DCP); 1: with None
+_STATE_FORMATS_READ = (1, 2)
 _SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
 # The core's layer state entries (key, is a factor, side 'a' or 'g'); factors by kfac_pytorch's names 'A', 'G'.
 _STATE_ENTRIES = _C.layer_state_entries()
@@ -367,15 +368,18 @@ class BaseKFACPreconditioner:
 
         ``steps``; each hyper-parameter that is not a callable; with ``include_factors``, ``layers``
         ({name: {'A': A, 'G': G}}, what kfac_pytorch reads) and ``dkfac`` (format version, compute method,
-        strategy, world size and rank, and each layer's second-order state).
+        strategy, world size, each layer's second-order state, and ``held``: for each entry listed, whether it
+        was computed yet).
 
         What it holds in a distributed job:
 
-        - ``gathered=False`` (kfac_pytorch's behaviour, callable on one rank alone): this rank's own state.
-          KAISA and SPD-KFAC hold every layer's factors on every rank, so rank 0's dict resumes on any world
-          size (the second-order state is recomputed from the factors there; exactly restored on the same
-          world size and rank). DP-KFAC holds only the factors of the layers this rank owns: its dict resumes
-          on the same world size and rank only (elsewhere ``load_state_dict`` refuses it, saying so).
+        - ``gathered=False`` (kfac_pytorch's behaviour, callable on one rank alone): what this rank's plan keeps
+          whole (the core's ``state_template``): the factors of the layers it builds factors for (every layer
+          under KAISA and SPD-KFAC, its own layers under DP-KFAC) and the second-order state of the layers it
+          preconditions. Ranks that hold an entry hold the same value, and no rank holds another's. So it is
+          also the preconditioner's ``Stateful`` state for ``torch.distributed.checkpoint``: ``dcp.save({'kfac':
+          preconditioner})`` has each entry written once without gathering, and ``dcp.load`` on any world size
+          reads each rank's own entries of its new plan (docs/STRATEGIES.md, "Checkpoints").
         - ``gathered=True`` (collective: every rank calls it, e.g. before rank 0 saves): every layer's factors
           and second-order state, the same on every rank, whatever the strategy. It loads exactly on any world
           size and strategy: each rank keeps the part its plan gives it.
@@ -385,71 +389,82 @@ class BaseKFACPreconditioner:
             value = getattr(self, '_' + name)
             if not callable(value):
                 state[name] = value
-        if include_factors:
-            with _CoreWarnings():
-                layer_states = self._core.gathered_layer_states() if gathered else self._core.layer_states()
-            state['layers'] = {
-                name: {'A': s.get('a_factor'), 'G': s.get('g_factor')} for name, s in zip(self._names, layer_states)
-            }
-            state['dkfac'] = {
-                'format_version': _STATE_FORMAT,
-                'compute_method': self._core.compute_method,
-                'strategy': self._core.strategy,
-                'gathered': bool(gathered),
-                'world_size': self._world_size,
-                'rank': self._rank,
-                'second_order': {
-                    name: {k: v for k, v in s.items() if k not in _FACTOR_KEYS}
-                    for name, s in zip(self._names, layer_states)
-                },
-            }
+        if not include_factors:
+            return state
+        with _CoreWarnings():
+            if gathered:
+                layer_states = self._core.gathered_layer_states()
+                wanted = [{key: None for key in held} for held in layer_states]
+            else:
+                layer_states = self._core.layer_states()
+                wanted = self._core.state_template()
+        layers, second_order, held = {}, {}, {}
+        for name, have, want in zip(self._names, layer_states, wanted):
+            # An entry the plan places here but not computed yet (before the first step) is written as its
+            # blank, so that a reader filling tensors in place finds every entry it asks for; `held` says so.
+            entries = {key: have[key] if key in have else blank.zero_() for key, blank in want.items()}
+            held[name] = {key: key in have for key in entries}
+            layers[name] = {side: entries[key] for key, side in _FACTOR_KEYS.items() if key in entries}
+            second_order[name] = {key: t for key, t in entries.items() if key not in _FACTOR_KEYS}
+        state['layers'] = layers
+        state['dkfac'] = {
+            'format_version': _STATE_FORMAT,
+            'compute_method': self._core.compute_method,
+            'strategy': self._core.strategy,
+            'gathered': bool(gathered),
+            'world_size': self._world_size,
+            'second_order': second_order,
+            'held': held,
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
-        """Restores a state dict from dkfac's or kfac_pytorch's state_dict().
+        """Restores a state dict from dkfac's or kfac_pytorch's state_dict(), or filled in by
+        ``torch.distributed.checkpoint.load``.
 
-        dkfac's own restores the second-order state exactly when it has the same compute method and is either
-        gathered (``state_dict(gathered=True)``: any world size and strategy) or this rank's own (same world
-        size and rank). Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with ``compute_inverses``,
-        the second-order state is recomputed from them now (collective: every rank calls it).
+        The second-order state is restored exactly where every rank finds, with the same compute method, the
+        whole second-order state of each layer it preconditions (this rank's own dict, a gathered one, or a
+        DCP checkpoint of any world size). Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with
+        ``compute_inverses``, the second-order state is recomputed from them now (collective: every rank
+        calls it). A dict that lacks factors this rank's plan builds (another rank's DP-KFAC state) is refused,
+        on every rank alike.
         """
         if 'steps' not in state_dict:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
         steps = int(state_dict['steps'])
         ours = state_dict.get('dkfac')
-        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
-            raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}")
-        gathered = isinstance(ours, dict) and bool(ours.get('gathered', False))
-        own = isinstance(ours, dict) and ours.get('world_size') == self._world_size and ours.get('rank') == self._rank
-        exact = (isinstance(ours, dict) and ours.get('format_version') == _STATE_FORMAT
-                 and ours.get('compute_method') == self._core.compute_method and (gathered or own))
-        if self._communicator is not None:
-            # Exact restore is rank-local (each rank's own second-order state); the recompute is collective,
-            # so every rank must take the same branch: exact only if it is exact everywhere.
-            exact = self._communicator.all_true(bool(exact))
+        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) not in _STATE_FORMATS_READ:
+            raise ValueError(f"dkfac state format {ours.get('format_version')} is not one of {_STATE_FORMATS_READ}")
+        ours = ours if isinstance(ours, dict) else {}
+        held_flags = ours.get('held', {})
+        template = self._core.state_template()
+        states, refusal = [], None
+        exact = bool(ours) and ours.get('compute_method') == self._core.compute_method
         if 'layers' in state_dict:
             layers = state_dict['layers']
-            if len(layers) != len(self._names):
-                raise ValueError(f'state_dict holds {len(layers)} K-FAC layers, this model registers '
-                                 f'{len(self._names)}')
             unknown = sorted(set(layers) - set(self._names))
             if unknown:
                 raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
-            states = []
-            for name in self._names:
-                entry = layers[name]
-                if 'A' not in entry or 'G' not in entry:
-                    raise KeyError(f"state of layer {name!r} must hold 'A' and 'G'")
-                if (isinstance(ours, dict) and ours.get('strategy') == 'dp' and not gathered and not own
-                        and any(entry[v] is None for v in _FACTOR_KEYS.values())):
-                    raise ValueError(
-                        f"state_dict() of rank {ours.get('rank')} of a {ours.get('world_size')}-rank DP-KFAC job "
-                        f"holds the factors of that rank's own layers only (layer {name!r} has none), so it resumes "
-                        f"on that rank of that world size only; to resume on rank {self._rank} of "
-                        f"{self._world_size}, save state_dict(gathered=True), called on every rank")
-                s = {k: entry[v] for k, v in _FACTOR_KEYS.items() if entry[v] is not None}
-                if exact:
-                    s.update(ours['second_order'].get(name, {}))
+            for name, want in zip(self._names, template):
+                entry = layers.get(name)
+                if entry is None:
+                    raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
+                                     f'{len(layers)} layers, this model registers {len(self._names)})')
+                flags = held_flags.get(name, {})
+                found = {key: entry.get(side) for key, side in _FACTOR_KEYS.items()}
+                found.update(ours.get('second_order', {}).get(name, {}))
+                # Present: written and computed (format 1 wrote None for what a rank did not hold).
+                s = {k: t for k, t in found.items() if t is not None and flags.get(k, True)}
+                missing = [k for k in want if k in _FACTOR_KEYS and k not in found]
+                if missing and steps > 0 and refusal is None:
+                    writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
+                              else "another rank's own state")
+                    refusal = (f'state_dict holds no {" or ".join(_FACTOR_KEYS[k] for k in missing)} factor of layer '
+                               f'{name!r}, which this rank builds: it is {writer}, which holds the factors of that '
+                               f"rank's own layers only (DP-KFAC); to resume on rank {self._rank} of "
+                               f'{self._world_size}, save state_dict(gathered=True), called on every rank, or '
+                               'checkpoint through torch.distributed.checkpoint')
+                exact = exact and all(k in s for k in want if k not in _FACTOR_KEYS)
                 states.append(s)
         else:
             if compute_inverses:
@@ -457,6 +472,16 @@ class BaseKFACPreconditioner:
                               'skipping it', stacklevel=2)
             compute_inverses = False
             states = self._core.layer_states()
+            exact = True
+        if self._communicator is not None:
+            # Every rank takes the same branch: the recompute is collective, and a refusal must reach all.
+            if not self._communicator.all_true(refusal is None):
+                raise ValueError(refusal or 'another rank refused this state_dict (its error names the layer)')
+            exact = self._communicator.all_true(bool(exact))
+        elif refusal is not None:
+            raise ValueError(refusal)
+        if not exact:
+            states = [{k: t for k, t in s.items() if k in _FACTOR_KEYS} for s in states]
         # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:

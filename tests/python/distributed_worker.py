@@ -12,6 +12,10 @@ fully_shard (every leaf, then the root; HSDP on a (P/2) x 2 replicate x shard me
 'shard_after' true, once the preconditioner is built.
 'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
 that this rank skips at those steps (stochastic depth), under DDP with find_unused_parameters=True.
+'dcp_save' ({'dir': D, 'after': k}) checkpoints the model, the optimizer and the preconditioner with
+torch.distributed.checkpoint after step k (and its state_dict(gathered=True) as 'saved_gathered'); 'dcp_load'
+({'dir': D, 'at': k}) loads such a checkpoint into a freshly built job (its K-FAC state as 'loaded') and trains
+steps k to the end, so 'grads' and 'params' start at step k.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def main() -> None:
     skip_at = kwargs.pop('skip_at', None)
     sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh) or 'hsdp' (2-D: replicate x shard): FSDP2, not DDP
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
+    dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
     if sharding is not None:
         model = scenarios.make_model(kind).to(device)
         if not shard_after:
@@ -107,8 +112,15 @@ def main() -> None:
               'grad_worker_fraction': preconditioner.grad_worker_fraction,
               'colocate_factors': preconditioner.colocate_factors}
     shard = GLOBAL_BATCH // size
-    grads, params = [], []
-    for step in range(STEPS):
+    grads, params, extra = [], [], {}
+    if dcp_load:
+        from torch.distributed import checkpoint as dcp
+        state = {'model': model.state_dict(), 'optim': optimizer.state_dict(), 'kfac': preconditioner}
+        dcp.load(state, checkpoint_id=dcp_load['dir'])
+        model.load_state_dict(state['model'])
+        optimizer.load_state_dict(state['optim'])
+        extra['loaded'] = copy.deepcopy(preconditioner._core.layer_states())  # live tensors: as loaded
+    for step in range(dcp_load['at'] if dcp_load else 0, STEPS):
         if skip_at is not None:
             block.skip = step in skipping
         params.append([full(p) for p in model.parameters()])
@@ -127,9 +139,13 @@ def main() -> None:
             sys.exit(4)
         grads.append([full(p.grad) for p in model.parameters()])
         optimizer.step()
-    extra = {}
+        if dcp_save and step == dcp_save['after']:
+            from torch.distributed import checkpoint as dcp
+            dcp.save({'model': model.state_dict(), 'optim': optimizer.state_dict(), 'kfac': preconditioner},
+                     checkpoint_id=dcp_save['dir'])
+            extra['saved_gathered'] = copy.deepcopy(preconditioner.state_dict(gathered=True))  # as saved
     if save_gathered:
-        extra = {'gathered': preconditioner.state_dict(gathered=True), 'own': preconditioner.state_dict()}
+        extra.update(gathered=preconditioner.state_dict(gathered=True), own=preconditioner.state_dict())
     if resume:
         states = [None] * size
         dist.all_gather_object(states, preconditioner.state_dict())

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import dkfac
 import scenarios
@@ -70,11 +71,13 @@ def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
 
 
 def reference(size: int, kwargs: dict, factor_shard: int | None = None,
-              teacher: list | None = None) -> list[list[torch.Tensor]]:
+              teacher: list | None = None, resize: tuple[int, int] | None = None) -> list[list[torch.Tensor]]:
     """One process: factors from every shard (as micro-batches) or only from `factor_shard`; averaged gradient.
 
     With `teacher` (the distributed run's parameters before each step) every step starts from those
-    parameters instead of the reference's own trajectory.
+    parameters instead of the reference's own trajectory. With `resize` (step, size) the job continues from
+    that step on that many shards (a checkpoint resumed on another world size): a preconditioner with that
+    many micro-batches takes over the state, through this process's own state_dict().
     """
     kind = kwargs.get('model', 'cnn')
     model = scenarios.make_model(kind)
@@ -87,6 +90,12 @@ def reference(size: int, kwargs: dict, factor_shard: int | None = None,
     shard = GLOBAL_BATCH // size
     grads = []
     for step in range(STEPS):
+        if resize is not None and step == resize[0]:
+            size, shard = resize[1], GLOBAL_BATCH // resize[1]
+            state = preconditioner.state_dict()
+            preconditioner = None  # one preconditioner per model
+            preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=size, **kwargs)
+            preconditioner.load_state_dict(state)
         if teacher is not None:
             with torch.no_grad():
                 for p, t in zip(model.parameters(), teacher[step]):
@@ -311,7 +320,7 @@ def test_gathered_state_dict_resumes_exactly_on_another_world_size(strategy, tmp
             assert torch.equal(state[key], tensor), (name, key)
     own = results[0]['own']
     if strategy == 'dp':
-        assert any(own['layers'][name]['A'] is None for name in names), 'rank 0 owns every layer?'
+        assert any('A' not in own['layers'][name] for name in names), 'rank 0 owns every layer?'
         with pytest.raises(ValueError, match=r"holds the factors of that rank's own layers only .* "
                                              r'save state_dict\(gathered=True\), called on every rank'):
             dkfac.KFACPreconditioner(_Wrapped(scenarios.make_model('cnn')), **single).load_state_dict(own)
@@ -321,6 +330,88 @@ def test_gathered_state_dict_resumes_exactly_on_another_world_size(strategy, tmp
         for name, state in zip(names, twin._core.layer_states()):
             assert torch.equal(state['a_factor'], gathered[0]['layers'][name]['A'])
             assert 'a_inverse' in state and 'g_inverse' in state
+
+
+# Checkpoints through torch.distributed.checkpoint (DCP): saved after step 1 with the second-order state of step 0
+# (inverse steps 0 and 3), loaded into a fresh job of another world size or strategy that trains steps 2 and 3.
+# Recomputing the second-order state from step 1's factors would change step 2, so equality shows it was loaded.
+DCP_CASES = [
+    (4, 2, dict(strategy='kaisa', grad_worker_fraction=0.5), {}),
+    (2, 4, dict(strategy='kaisa', grad_worker_fraction=1.0, model='lm', diagonal_factor_dim=16),
+     dict(grad_worker_fraction=0.25)),
+    (4, 2, dict(strategy='spd', compute_method='inverse'), dict(strategy='kaisa', grad_worker_fraction=0.5)),
+    (4, 2, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=0.5), {}),
+    (4, 2, dict(shard='hsdp', strategy='kaisa', grad_worker_fraction=0.25), dict(shard='fsdp')),
+]
+
+
+@pytest.mark.parametrize('saved,loaded,kwargs,changed', DCP_CASES,
+                         ids=[f'{s}to{l}-{"-".join(map(str, k.values()))}' for s, l, k, _ in DCP_CASES])
+def test_dcp_checkpoint_resumes_on_another_world_size(saved, loaded, kwargs, changed, tmp_path):
+    """dcp.save({'model', 'optim', 'kfac': preconditioner}) writes each K-FAC entry once (no rank gathers), and
+    dcp.load into a job of another world size (and placement) continues the uninterrupted run exactly."""
+    kwargs = {**COMMON, 'inv_update_steps': 3, **kwargs}
+    checkpoint = tmp_path / 'checkpoint'
+    (tmp_path / 'saved').mkdir(), (tmp_path / 'loaded').mkdir()
+    first = run_workers(saved, {**kwargs, 'dcp_save': {'dir': str(checkpoint), 'after': 1}}, tmp_path / 'saved')
+    second = run_workers(loaded, {**kwargs, **changed, 'dcp_load': {'dir': str(checkpoint), 'at': 2}},
+                         tmp_path / 'loaded')
+    # Each entry of the whole state written once, by the ranks that hold it, not gathered to one writer.
+    gathered = first[0]['saved_gathered']
+    entries = {f'kfac.layers.{name}.{side}' for name, layer in gathered['layers'].items() for side in layer}
+    entries |= {f'kfac.dkfac.second_order.{name}.{key}' for name, layer in gathered['dkfac']['second_order'].items()
+                for key in layer}
+    stored = FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    files = {index.fqn: info.relative_path for index, info in stored.items() if index.fqn.startswith('kfac.')
+             and not index.fqn.startswith('kfac.dkfac.held.')}
+    tensors = {fqn: file for fqn, file in files.items() if fqn.startswith(('kfac.layers.', 'kfac.dkfac.second_order.'))}
+    assert set(tensors) == entries, sorted(set(tensors) ^ entries)
+    assert len(set(tensors.values())) > 1, f'one rank wrote every K-FAC entry: {set(tensors.values())}'
+    # Every rank of the new job holds exactly what it needs, equal to the saved job's whole state.
+    names = list(gathered['layers'])
+    for rank, result in enumerate(second):
+        for name, state in zip(names, result['loaded']):
+            expected = {'a_factor': gathered['layers'][name]['A'], 'g_factor': gathered['layers'][name]['G'],
+                        **gathered['dkfac']['second_order'][name]}
+            for key, tensor in state.items():
+                assert torch.equal(tensor, expected[key]), (rank, name, key)
+    # Each shard's factors scale with its size (kfac_pytorch's factors of a mean loss), so the run continues
+    # as one whose shards changed at step 2: the single-process reference resized there.
+    plain = {k: v for k, v in {**kwargs, **changed}.items() if k not in ('shard', 'dcp_save', 'dcp_load')}
+    expected = reference(saved, plain, resize=(2, loaded))[2:]
+    for step, (got, want) in enumerate(zip(first[0]['grads'][:3], reference(saved, plain)), start=0):
+        assert all(close(a, b) for a, b in zip(got, want)), f'saved job, step {step}'
+    for rank, result in enumerate(second):
+        assert len(result['grads']) == len(expected)
+        for step, (got, want) in enumerate(zip(result['grads'], expected), start=2):
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
+def test_dcp_checkpoint_of_dp_kfac_gives_each_new_owner_its_layers(tmp_path):
+    """DP-KFAC: each rank writes only the layers it owns; a job on another world size has new owners, each of
+    which reads its layers' factors and second-order state, whoever wrote them. (Its trajectory differs from the
+    uninterrupted run from there on: each owner builds factors from its own shard, and the shards changed.)"""
+    kwargs = {**COMMON, 'inv_update_steps': 3, 'strategy': 'dp'}
+    checkpoint = tmp_path / 'checkpoint'
+    (tmp_path / 'saved').mkdir(), (tmp_path / 'loaded').mkdir()
+    first = run_workers(4, {**kwargs, 'dcp_save': {'dir': str(checkpoint), 'after': 1}}, tmp_path / 'saved')
+    own = [set(name for name, layer in r['state']['layers'].items() if 'A' in layer) for r in first]
+    assert sorted(len(o) for o in own) == [0, 1, 1, 1] and len(set.union(*own)) == 3, own
+    second = run_workers(2, {**kwargs, 'dcp_load': {'dir': str(checkpoint), 'at': 2}}, tmp_path / 'loaded')
+    gathered = first[0]['saved_gathered']
+    names = list(gathered['layers'])
+    held = [0] * len(names)
+    for result in second:
+        for i, (name, state) in enumerate(zip(names, result['loaded'])):
+            held[i] += 'a_factor' in state
+            for key, tensor in state.items():
+                expected = {'a_factor': gathered['layers'][name]['A'], 'g_factor': gathered['layers'][name]['G'],
+                            **gathered['dkfac']['second_order'][name]}[key]
+                assert torch.equal(tensor, expected), (name, key)
+    assert held == [1] * len(names), held
+    for result in second:
+        assert all(torch.isfinite(g).all() for grads in result['grads'] for g in grads)
 
 
 @pytest.mark.parametrize('per_rank,refused,named', [
