@@ -1,6 +1,6 @@
 # Finds the Python interpreter dkfac is built for and, through its torch, LibTorch (pip's torch ships
 # LibTorch's headers, libraries and CMake package). Sets DKFAC_PYTHON, DKFAC_PYTHON_VERSION,
-# DKFAC_TORCH_VERSION, DKFAC_TORCH_LIB_DIR and runs find_package(Torch).
+# DKFAC_TORCH_VERSION, DKFAC_TORCH_LIB_DIR, DKFAC_TORCH_LIB_FROM_SCRIPTS and runs find_package(Torch).
 #
 # The interpreter, first found wins: -DDKFAC_PYTHON=...; the one scikit-build-core builds for (pip install .);
 # the active virtual environment ($VIRTUAL_ENV); the repository's .venv (scripts/setup.sh makes it); python3.
@@ -24,12 +24,14 @@ endif()
 # PYTHONPATH; `-I` (isolated mode) ignores that, so the torch found is the one the package will import,
 # never a second one installed for the build.
 set(_dkfac_probe [=[
-import sys, os
+import sys, os, sysconfig
 import torch, torch.utils
+lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 print(torch.__version__)
 print(torch.utils.cmake_prefix_path)
-print(os.path.join(os.path.dirname(torch.__file__), "lib"))
+print(lib)
 print(f"{sys.version_info[0]}.{sys.version_info[1]}")
+print(os.path.relpath(lib, sysconfig.get_path("scripts")))
 print(torch.version.cuda or "")  # last: an empty line is stripped
 ]=])
 set(_dkfac_probe_rc 1)
@@ -51,7 +53,10 @@ list(GET _dkfac_probe_out 0 DKFAC_TORCH_VERSION)
 list(GET _dkfac_probe_out 1 _dkfac_torch_prefix)
 list(GET _dkfac_probe_out 2 DKFAC_TORCH_LIB_DIR)
 list(GET _dkfac_probe_out 3 DKFAC_PYTHON_VERSION)
-list(SUBLIST _dkfac_probe_out 4 1 DKFAC_TORCH_CUDA)  # empty for a CPU-only torch
+# torch's libraries seen from the environment's scripts folder (bin/): ../lib/python3.X/site-packages/torch/lib
+# in a venv. The wheel's `dkfac` command finds them there (tools/CMakeLists.txt), wherever the venv is moved.
+list(GET _dkfac_probe_out 4 DKFAC_TORCH_LIB_FROM_SCRIPTS)
+list(SUBLIST _dkfac_probe_out 5 1 DKFAC_TORCH_CUDA)  # empty for a CPU-only torch
 
 if(DKFAC_TORCH_VERSION VERSION_LESS 2.11)
   message(FATAL_ERROR "dkfac: ${DKFAC_PYTHON} has torch ${DKFAC_TORCH_VERSION}; dkfac supports torch 2.11 and newer "

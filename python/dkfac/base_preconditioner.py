@@ -451,11 +451,11 @@ class BaseKFACPreconditioner:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
                                      f'{len(layers)} layers, this model registers {len(self._names)})')
                 flags = held_flags.get(name, {})
-                found = {key: entry.get(side) for key, side in _FACTOR_KEYS.items()}
+                found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
                 found.update(ours.get('second_order', {}).get(name, {}))
                 # Present: written and computed (format 1 wrote None for what a rank did not hold).
                 s = {k: t for k, t in found.items() if t is not None and flags.get(k, True)}
-                missing = [k for k in want if k in _FACTOR_KEYS and k not in found]
+                missing = [k for k in want if k in _FACTOR_KEYS and found.get(k) is None]
                 if missing and steps > 0 and refusal is None:
                     writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
                               else "another rank's own state")

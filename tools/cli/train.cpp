@@ -1,6 +1,7 @@
 // `dkfac train`: its flags, one rank's run, and the choice between this process's job and --nproc workers.
 #include <iostream>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "tools/cli/commands.h"
@@ -24,6 +25,14 @@ bool joins_one_rank_group(const dkfac::train::TrainConfig& config, c10::Device d
   return device.is_cuda() && config.backend != dkfac::comm::CudaBackend::kAuto;
 }
 
+// A build without gloo's headers (the wheel's command as `pip install` builds it: pip's torch ships none) makes
+// no process group, so it trains in one process only: say so before any worker starts and fails at its rendezvous.
+void check_process_groups_built_in(const std::string& what) {
+  TORCH_CHECK(dkfac::comm::gloo_headers_built_in(), what, " needs process groups, and this dkfac command was built "
+              "without gloo's headers (pip's torch ships none), so it trains in one process only. For more, install "
+              "gloo's headers (Debian/Ubuntu libgloo-dev) and pip install dkfac again, or build it with CMake (README)");
+}
+
 int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment& job, int timeout_s) {
   std::shared_ptr<dkfac::comm::Communicator> communicator;
   // Before the rendezvous: NCCL's communicators and CUDA's events go to the current device.
@@ -42,6 +51,7 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
     std::cout << "launch: " << job.describe() << (job.restart_count > 0 ? ": resuming" : "") << std::endl;
   }
   if (job.world_size > 1) {
+    check_process_groups_built_in("a job of " + std::to_string(job.world_size) + " ranks");
     auto rendezvous = job.rendezvous(std::chrono::seconds(timeout_s));
     rendezvous.cuda_backend = config.backend;
     communicator = dkfac::comm::Communicator::connect(rendezvous);
@@ -59,6 +69,7 @@ int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment
     }
   }
   if (job.world_size == 1 && joins_one_rank_group(config, device)) {
+    check_process_groups_built_in(std::string("--backend ") + dkfac::comm::to_string(config.backend));
     communicator = dkfac::comm::Communicator::connect_in_process(std::make_shared<dkfac::comm::InProcessStore>(), 0, 1,
                                                                  std::chrono::seconds(timeout_s), config.backend);
   }
@@ -139,6 +150,7 @@ Command add_train_command(CLI::App& app) {
   return {train, [flags](const Invocation& invocation) {
     flags->config.command_line = invocation.command_line;
     const bool launched = adopt_launcher_report(flags->config);  // a worker of `--nproc` (launch.cpp)
+    if (flags->nproc > 1) check_process_groups_built_in("--nproc " + std::to_string(flags->nproc));
     if (flags->nproc > 1) dkfac::tools::check_memory_for_workers(flags->config, flags->nproc);
     if (flags->nproc > 1) return launch_local(flags->config, flags->nproc, flags->timeout_s);
     auto job = job_of_this_process(flags->rendezvous);
