@@ -42,8 +42,12 @@ torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autoca
   auto dtype = t.scalar_type();
   if (factor_dtype_) {
     dtype = *factor_dtype_;
-  } else if (autocast) {
-    dtype = c10::promoteTypes(dtype, torch::kFloat);  // the region's half dtype is for the layer, not its factors
+  } else {
+    // A layer that computes in a lower precision than its weight is kept in (FSDP2's MixedPrecisionPolicy
+    // runs it in param_dtype; autocast's region in half) builds its factors in the weight's dtype, and
+    // under autocast in float32 at least: the half dtype is for the layer, not its factors.
+    dtype = c10::promoteTypes(dtype, weight_dtype_.load());
+    if (autocast) dtype = c10::promoteTypes(dtype, torch::kFloat);
   }
   return dtype != t.scalar_type() ? t.to(dtype) : t;
 }

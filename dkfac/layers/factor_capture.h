@@ -69,8 +69,9 @@ class FactorCapture {
   /// captures ignore it. Before anything is captured.
   void set_reduce(bool reduce);
   bool reduce() const { return reduce_; }
-  /// dtype of the layer's weight: an Embedding's input is integers, so its A factor takes this dtype
-  /// (unless set_factor_dtype says otherwise). KfacLayer sets it.
+  /// dtype of the layer's weight: factors are built in it where the layer's inputs or output gradients come
+  /// in a lower precision (mixed precision), and an Embedding's A factor (its input is integers) takes it,
+  /// unless set_factor_dtype says otherwise. KfacLayer sets it.
   void set_weight_dtype(torch::ScalarType dtype) { weight_dtype_ = dtype; }
 
   /// True when the next forward should capture: enabled, module in training mode, grad mode on.

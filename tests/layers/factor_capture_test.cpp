@@ -246,6 +246,29 @@ TEST(FactorCapture, Float16FactorsOfLargeSumsStayFinite) {
   EXPECT_TENSOR_NEAR(g, dense_covariance(dy.to(torch::kHalf), false), 2e-3);
 }
 
+// Mixed precision (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16), or a model cast for the forward only):
+// a float32 layer whose input and output gradient arrive in bfloat16 builds its factors in float32 from those
+// values, not in bfloat16; a bfloat16 layer keeps bfloat16 factors, as kfac_pytorch does.
+TEST(FactorCapture, LowerPrecisionInputsOfAFloat32LayerBuildFloat32Factors) {
+  torch::manual_seed(12);
+  const auto x = torch::randn({512, 6}, kF64).to(torch::kBFloat16);
+  const auto dy = torch::randn({512, 3}, kF64).to(torch::kBFloat16);
+  auto capture = linear_capture(true);
+  capture.set_weight_dtype(torch::kFloat32);
+  capture.capture_input(x);
+  capture.capture_output_grad(dy);
+  const auto a = capture.take_a();
+  const auto g = capture.take_g();
+  EXPECT_EQ(a.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(g.scalar_type(), torch::kFloat32);
+  EXPECT_TENSOR_NEAR(a, dense_covariance(x, true), 1e-5);  // float32 round-off over 512 rows; bfloat16 sums: ~4e-3
+  EXPECT_TENSOR_NEAR(g, dense_covariance(dy, false), 1e-5);
+  auto half_layer = linear_capture(true);
+  half_layer.set_weight_dtype(torch::kBFloat16);
+  half_layer.capture_input(x);
+  EXPECT_EQ(half_layer.take_a().scalar_type(), torch::kBFloat16);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, FactorCaptureStorage, ::testing::Values(torch::kBFloat16, torch::kHalf, torch::kFloat32));
 
 // MATH.md 7.6, K-FAC reduce: a Linear over [B, T, in] builds its factors from one row per sample, the input
