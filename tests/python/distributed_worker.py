@@ -12,7 +12,8 @@ fully_shard (every leaf, then the root; HSDP on a (P/2) x 2 replicate x shard me
 'shard_after' true, once the preconditioner is built.
 'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
 that this rank skips at those steps (stochastic depth), under DDP with find_unused_parameters=True.
-'dcp_save' ({'dir': D, 'after': k}) checkpoints the model, the optimizer and the preconditioner with
+'param_dtype' (with 'shard': FSDP2's
+MixedPrecisionPolicy computes in that dtype, e.g. 'bfloat16'). 'dcp_save' ({'dir': D, 'after': k}) checkpoints the model, the optimizer and the preconditioner with
 torch.distributed.checkpoint after step k (and its state_dict(gathered=True) as 'saved_gathered'); 'dcp_load'
 ({'dir': D, 'at': k}) loads such a checkpoint into a freshly built job (its K-FAC state as 'loaded') and trains
 steps k to the end, so 'grads' and 'params' start at step k.
@@ -54,18 +55,22 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, 'full_tensor') else t).detach().to('cpu', copy=True)
 
 
-def sharded(model: torch.nn.Module, how: str, size: int, device: torch.device) -> torch.nn.Module:
+def sharded(model: torch.nn.Module, how: str, size: int, device: torch.device,
+            param_dtype: str | None = None) -> torch.nn.Module:
     """``model`` under FSDP2: every leaf with parameters sharded on its own, then the root; 'hsdp' on a
-    (size / 2) x 2 mesh, replicated over the first dimension and sharded over the second."""
+    (size / 2) x 2 mesh, replicated over the first dimension and sharded over the second. With `param_dtype`,
+    FSDP2's MixedPrecisionPolicy computes in that dtype and reduces gradients in float32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
     shape, names = ((size,), ('shard',)) if how == 'fsdp' else ((size // 2, 2), ('replicate', 'shard'))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    policy = {} if param_dtype is None else {'mp_policy': MixedPrecisionPolicy(
+        param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)}
     for module in model.modules():
         if module is not model and not any(True for _ in module.children()) and any(True for _ in module.parameters()):
-            fully_shard(module, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, **policy)
+    return fully_shard(model, mesh=mesh, **policy)
 
 
 def main() -> None:
@@ -81,10 +86,11 @@ def main() -> None:
     sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh) or 'hsdp' (2-D: replicate x shard): FSDP2, not DDP
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
+    param_dtype = kwargs.pop('param_dtype', None)  # FSDP2's MixedPrecisionPolicy(param_dtype=...)
     if sharding is not None:
         model = scenarios.make_model(kind).to(device)
         if not shard_after:
-            model = sharded(model, sharding, size, device)
+            model = sharded(model, sharding, size, device, param_dtype)
     elif skip_at is None:
         model = torch.nn.parallel.DistributedDataParallel(scenarios.make_model(kind).to(device))
     else:
@@ -106,7 +112,7 @@ def main() -> None:
             print(f'refused: {error}', flush=True)
             sys.exit(3)
     if shard_after:
-        model = sharded(model, sharding, size, device)
+        model = sharded(model, sharding, size, device, param_dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layout = {'distributed_strategy': preconditioner.distributed_strategy.name,
               'grad_worker_fraction': preconditioner.grad_worker_fraction,
