@@ -514,13 +514,14 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       }
       continue;
     }
-    const std::string what = captured == 0 ? "did not run forward/backward in training mode"
-                                                          : "has no gradient";
+    const std::string what = !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+                             : captured == 0                    ? "did not run forward/backward in training mode"
+                                                                : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
                 what, " before step() at step ", steps_,
                 "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "
                 "skip (UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
-    warn_once(i, "unused", what + "; keeping its plain gradient while it does not run");
+    warn_once(i, "unused", what + "; it keeps its plain gradient meanwhile");
     layer.capture().clear();
     fates[i] = LayerFate::kPlainGradient;
     ++events_.skipped_unused;

@@ -101,8 +101,10 @@ class _ShardedLayer:
     under DDP, plus the full gradients of every sharded layer, gathered before the core's step and freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        # Full-shaped, no storage: the core reads their shape, dtype and device, and their .grad.
-        self.stand_ins = [None if t is None else torch.empty((), dtype=t.dtype, device=t.to_local().device).expand(t.shape)
+        # Full-shaped leaves over one element (zero strides): the core reads their shape, dtype, device and
+        # requires_grad (a layer frozen later is named so), and their .grad.
+        self.stand_ins = [None if t is None else torch.empty_strided(t.shape, [0] * t.dim(), dtype=t.dtype,
+                                                                     device=t.to_local().device).requires_grad_(t.requires_grad)
                           for t in (weight, bias)]
 
     @staticmethod

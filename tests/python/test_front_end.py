@@ -373,6 +373,25 @@ def test_unused_layer_error_names_it():
         p.step()
 
 
+def test_a_layer_frozen_after_registration_is_named_frozen():
+    """Frozen after the preconditioner was built (fine-tuning that freezes a layer): step() says so, not that
+    the layer did not run; with unused_layer_policy='skip' the others are preconditioned and it is left alone."""
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model)
+    model[0].requires_grad_(False)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"K-FAC layer '0' \(Linear\) is frozen \(its weight has requires_grad=False\)"):
+        p.step()
+    model = tiny_mlp()
+    p = dkfac.KFACPreconditioner(model, unused_layer_policy='skip')
+    model[0].requires_grad_(False)
+    model(torch.ones(2, 4)).sum().backward()
+    plain = model[2].weight.grad.clone()
+    with pytest.warns(UserWarning, match=r"layer '0' \(Linear\), step 0: is frozen .*plain gradient"):
+        p.step()
+    assert model[0].weight.grad is None and not torch.equal(model[2].weight.grad, plain)
+
+
 def test_registration_is_logged_at_loglevel(caplog):
     import logging
     with caplog.at_level(logging.INFO, logger='dkfac'):
