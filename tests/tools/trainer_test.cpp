@@ -25,6 +25,11 @@ namespace {
 namespace fs = std::filesystem;
 using dkfac::testing::expect_error;
 
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 class TrainerTest : public ::testing::Test {
  protected:
 
@@ -99,6 +104,35 @@ TEST_F(TrainerTest, ResumeContinuesTheSameTrajectory) {
   }
 }
 
+// A resume names the options that changed since the checkpoint; a changed --seed (each epoch's order of
+// examples) is refused before anything is loaded, unless --allow-seed-change.
+TEST_F(TrainerTest, ResumeNamesChangedOptionsAndRefusesANewSeed) {
+  auto c = config();
+  c.checkpoint_dir = dir_.string();
+  c.max_steps = 4;
+  Trainer(c).run();
+  const auto saved = read_bytes(dir_ / "checkpoint.pt");
+  c.resume = true;
+  c.max_steps = 6;
+  c.seed = 3;
+  expect_error([&] { Trainer(c).run(); },
+               {"was written with --seed 0, this run has --seed 3", "pass --seed 0, or --allow-seed-change"});
+  EXPECT_EQ(read_bytes(dir_ / "checkpoint.pt"), saved) << "a refused resume must leave the checkpoint as it was";
+  c.seed = 0;
+  c.lr = 0.02;
+  ::testing::internal::CaptureStdout();
+  Trainer(c).run();
+  const auto out = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("resume: options changed since the checkpoint: --lr 0.05 -> 0.02, --max-steps 4 -> 6"),
+            std::string::npos) << out;
+  c.seed = 3;
+  c.allow_seed_change = true;
+  c.max_steps = 8;
+  ::testing::internal::CaptureStdout();
+  Trainer(c).run();
+  EXPECT_NE(::testing::internal::GetCapturedStdout().find("--seed 0 -> 3"), std::string::npos);
+}
+
 TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
   auto c = config();
   c.checkpoint_dir = dir_.string();
@@ -123,10 +157,6 @@ TEST_F(TrainerTest, CheckpointOfAnotherModelIsRefusedAndKept) {
   expect_error([&] { Trainer(c).run(); }, {"is not a dkfac checkpoint (no DKFACCKP header)"});
 }
 
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 // Every defect of the envelope is named before the archive reader sees a byte of it.
 TEST_F(TrainerTest, DamagedCheckpointsAreRefusedWithTheDefect) {

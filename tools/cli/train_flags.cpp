@@ -238,6 +238,10 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
       ->group(kCheckpointGroup);
   app.add_flag("--resume", c.resume, "continue from --checkpoint-dir/checkpoint.pt if it exists (default: off)")
       ->group(kCheckpointGroup);
+  app.add_flag("--allow-seed-change", c.allow_seed_change,
+               "--resume with another --seed than the checkpoint's: the rest of the run sees the new seed's order of "
+               "examples (default: off: such a resume is refused)")
+      ->group(kCheckpointGroup);
   app.add_flag("--overwrite", c.overwrite,
                "start a fresh run even if --checkpoint-dir holds checkpoints or --metrics holds events, replacing "
                "them (default: off: such a run is refused)")

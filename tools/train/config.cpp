@@ -164,7 +164,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", to_string(c.on_nan_loss)}, {"max-skipped-steps", c.max_skipped_steps},
-          {"resume", c.resume}, {"overwrite", c.overwrite},
+          {"resume", c.resume}, {"allow-seed-change", c.allow_seed_change}, {"overwrite", c.overwrite},
           {"print-plan", c.print_plan}, {"kfac-rates", c.kfac_rates},
           {"device", to_string(c.device)}, {"backend", to_string(c.backend)}};
   for (const auto& info : option_table()) {

@@ -95,6 +95,7 @@ struct TrainConfig {
   NanPolicy on_nan_loss = NanPolicy::kStop;  // what a non-finite loss or gradient does
   int64_t max_skipped_steps = 10;  // --on-nan-loss skip: consecutive dropped steps that end the run as failed
   bool resume = false;
+  bool allow_seed_change = false;  // --resume with another --seed than the checkpoint's (refused otherwise)
   bool overwrite = false;  // a fresh run may replace the checkpoints and metrics file it finds
   std::string command_line;  // as typed, for the metrics file's run event (not an option)
   int64_t log_every = 0;  // steps between progress lines; 0: about 10 per epoch

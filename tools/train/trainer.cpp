@@ -418,6 +418,7 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
   auto& s = *state_;
   s.checkpointer->save([&](torch::serialize::OutputArchive& archive) {
     archive.write("format_version", c10::IValue(kCheckpointVersion));
+    archive.write("options", c10::IValue(to_json(config_).dump()));  // for the resume's list of changed options
     archive.write("model_name", c10::IValue(std::string(to_string(config_.model))));
     archive.write("dataset", c10::IValue(std::string(to_string(config_.dataset))));
     archive.write("kfac", c10::IValue(config_.kfac));
@@ -507,6 +508,7 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   }
   TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
               read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
+  const auto changed = changed_options(archive, path);
   torch::serialize::InputArchive model, optimizer;
   archive.read("model", model);
   archive.read("optimizer", optimizer);
@@ -540,7 +542,31 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
         << (at.step_in_epoch == 0 && at.epoch > 0 ? ", end of epoch " + std::to_string(at.epoch)
                                                   : ", in epoch " + std::to_string(at.epoch + 1))
         << ")" << resume_differences(written_world, written_batch, repeated, restore) << std::endl;
+  if (!changed.empty()) log() << "resume: options changed since the checkpoint: " << changed << std::endl;
   return at;
+}
+
+std::string Trainer::changed_options(torch::serialize::InputArchive& archive, const std::string& path) const {
+  c10::IValue written;
+  if (!archive.try_read("options", written)) return "";  // written before checkpoints kept their options
+  TORCH_CHECK(written.isString(), "checkpoint '", path, "' has a damaged 'options' entry");
+  const auto theirs = nlohmann::json::parse(written.toStringRef(), nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(theirs.is_object(), "checkpoint '", path, "' has a damaged 'options' entry");
+  const auto mine = to_json(config_);
+  std::string changed;
+  for (const auto& [key, value] : mine.items()) {
+    if (key == "resume" || key == "overwrite" || key == "allow-seed-change") continue;  // how this run starts
+    const auto it = theirs.find(key);
+    if (it == theirs.end() || *it == value) continue;  // an option the writer's build did not have: no change
+    // Each epoch's order of examples (and the augmentation) comes from the seed: a new one would go on with
+    // another order, seeing some of this epoch's examples twice and others not at all.
+    TORCH_CHECK(key != "seed" || config_.allow_seed_change, "checkpoint '", path, "' was written with --seed ",
+                it->dump(), ", this run has --seed ", value.dump(), ": the seed decides each epoch's order of "
+                "examples, so the run would not go on as the one that wrote it; pass --seed ", it->dump(),
+                ", or --allow-seed-change to go on with the new seed's order");
+    changed += (changed.empty() ? "" : ", ") + ("--" + key) + " " + it->dump() + " -> " + value.dump();
+  }
+  return changed;
 }
 
 int64_t Trainer::global_batch() const { return config_.batch_size * world_; }

@@ -81,6 +81,10 @@ class Trainer {
   };
   void save_checkpoint(const Position& at, const std::string& reason);
   /// The position of the checkpoint resumed from, after loading it; nullopt: none yet (a first run).
+  /// The options that differ from those the checkpoint was written with ("--lr 0.05 -> 0.1, ..."), "" if none
+  /// or the checkpoint predates its 'options' entry; throws, before anything is loaded, on a changed --seed
+  /// unless --allow-seed-change.
+  std::string changed_options(torch::serialize::InputArchive& archive, const std::string& path) const;
   std::optional<Position> load_checkpoint();
   bool finished(const Position& at) const;
   std::string layout() const;
