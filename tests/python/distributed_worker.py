@@ -13,7 +13,9 @@ fully_shard (every leaf, then the root; HSDP on a (P/2) x 2 replicate x shard me
 'skip_at' ({"RANK": [steps]}) adds a residual Conv2d block
 that this rank skips at those steps (stochastic depth), under DDP with find_unused_parameters=True.
 'param_dtype' (with 'shard': FSDP2's
-MixedPrecisionPolicy computes in that dtype, e.g. 'bfloat16'). 'dcp_save' ({'dir': D, 'after': k}) checkpoints the model, the optimizer and the preconditioner with
+MixedPrecisionPolicy computes in that dtype, e.g. 'bfloat16'). With 'accumulation_steps' k each rank's
+shard runs as k micro-batches, its gradient reduced after the last only (DDP's no_sync, FSDP2's
+set_requires_gradient_sync(False) before). 'dcp_save' ({'dir': D, 'after': k}) checkpoints the model, the optimizer and the preconditioner with
 torch.distributed.checkpoint after step k (and its state_dict(gathered=True) as 'saved_gathered'); 'dcp_load'
 ({'dir': D, 'at': k}) loads such a checkpoint into a freshly built job (its K-FAC state as 'loaded') and trains
 steps k to the end, so 'grads' and 'params' start at step k.
@@ -21,6 +23,7 @@ steps k to the end, so 'grads' and 'params' start at step k.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -87,6 +90,7 @@ def main() -> None:
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
     param_dtype = kwargs.pop('param_dtype', None)  # FSDP2's MixedPrecisionPolicy(param_dtype=...)
+    accumulate = kwargs.get('accumulation_steps', 1)  # micro-batches per step, gradients reduced after the last
     if sharding is not None:
         model = scenarios.make_model(kind).to(device)
         if not shard_after:
@@ -132,8 +136,13 @@ def main() -> None:
         params.append([full(p) for p in model.parameters()])
         x, y = (t.to(device) for t in scenarios.batch(kind, step, size=GLOBAL_BATCH))
         optimizer.zero_grad()
-        loss = scenarios.loss_of(kind, model(x[rank * shard:(rank + 1) * shard]), y[rank * shard:(rank + 1) * shard])
-        loss.backward()
+        mine = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        for j, (mx, my) in enumerate(zip(*(t.chunk(accumulate) for t in mine))):
+            last = j == accumulate - 1  # gradients are reduced after the last micro-batch only
+            if sharding is not None:
+                model.set_requires_gradient_sync(last)
+            with model.no_sync() if sharding is None and not last else contextlib.nullcontext():
+                (scenarios.loss_of(kind, model(mx), my) / accumulate).backward()
         if die_at == step:
             os._exit(9)
         try:

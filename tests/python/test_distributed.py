@@ -232,6 +232,20 @@ def test_fsdp2_mixed_precision_keeps_float32_factors(tmp_path):
             assert (a - b).norm() <= bound * b.norm(), f'step {step}, parameter {i}: {(a - b).norm() / b.norm()}'
 
 
+@pytest.mark.parametrize('shard', ['fsdp', 'hsdp'])
+def test_fsdp2_gradient_accumulation_equals_ddp_no_sync(shard, tmp_path):
+    """Two micro-batches per step, gradients reduced after the last only: FSDP2 with
+    set_requires_gradient_sync(False) before it equals the same job under DDP with no_sync()."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'grad_worker_fraction': 0.5, 'accumulation_steps': 2}
+    (tmp_path / 'ddp').mkdir(), (tmp_path / 'fsdp').mkdir()
+    ddp = run_workers(4, kwargs, tmp_path / 'ddp')
+    sharded = run_workers(4, {**kwargs, 'shard': shard}, tmp_path / 'fsdp')
+    for rank, result in enumerate(sharded):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], ddp[0]['grads'][step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
 # Per model: each K-FAC layer's parameters, by index in model.parameters() (lm: the LayerNorm's 3 and 4 are plain).
 PARAMS_OF_LAYER = {'cnn': [[0, 1], [2], [3, 4]], 'lm': [[0], [1, 2], [5, 6]]}
 
