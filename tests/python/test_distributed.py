@@ -474,6 +474,25 @@ def test_ranks_that_differ_refuse_within_seconds_naming_the_difference(tmp_path,
     assert elapsed < 30, f'took {elapsed:.1f} s'
 
 
+@pytest.mark.parametrize('per_rank,named', [
+    ({'1': {'strategy': 'dp'}}, "rank 1 has 'strategy=dp' where rank 0 has 'strategy=kaisa'"),
+    ({'1': {'damping': 0.01}}, 'rank 1 has damping=0.01 where rank 0 has damping=0.003'),
+])
+def test_ranks_that_differ_under_torchrun_refuse_within_seconds(tmp_path, per_rank, named):
+    """The same refusals with the job launched as users launch it: torchrun (its c10d rendezvous, its agent)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), PYTHONWARNINGS='ignore',
+               OMP_NUM_THREADS='1')
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',
+                          os.path.join(HERE, 'distributed_worker.py'), str(tmp_path / 'never.pt'),
+                          json.dumps(dict(COMMON, per_rank=per_rank))],
+                         env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and named in out, out
+    assert elapsed < 40, f'took {elapsed:.1f} s'
+
+
 def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
     """Python jobs run dkfac's heartbeat watchdog (on a clone of torch's store): when a rank dies, the survivor's
     failed collective names it, as the command line does, instead of 'a peer died' with no rank."""
