@@ -21,14 +21,26 @@ if [[ ${1:-} == --build-hidden ]]; then
   [[ -d /usr/include/gloo ]] && mount -t tmpfs -o ro,size=4k tmpfs /usr/include/gloo
   [[ ! -e /usr/include/gloo/algorithm.h ]] || { echo "gloo's headers are still visible" >&2; exit 1; }
   echo "gloo's headers hidden (/usr/include/gloo is empty)"
-  exec "$2" -m pip wheel -v "$1" --no-deps -w "$3"
+  exec "$2" -m pip wheel -v "$1" --no-deps -w "$3" "${@:4}"
 fi
 
 source "$(dirname "$0")/lib.sh"
-scratch_dir
+# The wheel's compilations go through ccache as those of build/ do (CMakeLists.txt sets it up; pip passes the
+# environment through), and they are the same compilations when they are spelled the same: the same compiler
+# name (ccache hashes it; CMake picks `c++` where CXX is unset, scikit-build-core Python's `g++`) and a build
+# directory beside build/ in the source tree (ccache 4.7 rewrites -I<source> relative, "..", for a build
+# directory inside the source; the build directory's own paths are relative in both). Where the source tree
+# is read-only, pip's temporary directory, which hits only earlier wheel builds.
+if [[ -z ${CXX:-} ]] && command -v c++ > /dev/null; then export CXX=c++; fi
+wheel_build=$(mktemp -d "$src/build-pip.XXXXXX" 2> /dev/null) || wheel_build=""
+scratch_dir "${wheel_build:+rm -rf $(printf %q "$wheel_build")}"
+build_dir=()
+if [[ -n $wheel_build ]]; then build_dir=(-C "build-dir=$wheel_build"); fi
 
 echo "== pip wheel (build isolation on)"
 started=$(date +%s)
+# ccache's counts for this build alone, printed below.
+export CCACHE_STATSLOG="$tmp/ccache-stats.log"
 unshare_flags=(--mount)
 if [[ $(id -u) -ne 0 ]]; then unshare_flags=(--user --map-root-user --mount); fi
 hidden=0
@@ -36,16 +48,20 @@ hidden=0
 if command -v unshare > /dev/null && [[ -d /usr/include/gloo ]] &&
   unshare "${unshare_flags[@]}" --propagation private mount -t tmpfs -o ro,size=4k tmpfs /usr/include/gloo 2> /dev/null; then
   hidden=1
-  unshare "${unshare_flags[@]}" --propagation private "$0" --build-hidden "$src" "$python" "$tmp/wheels" \
+  unshare "${unshare_flags[@]}" --propagation private "$0" --build-hidden "$src" "$python" "$tmp/wheels" "${build_dir[@]}" \
     > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel with gloo's headers hidden"; }
   grep -q "dkfac: no gloo headers" "$tmp/wheel.log" || { grep -n "gloo" "$tmp/wheel.log" | head; fail "the build still found gloo's headers"; }
   grep -q "dkfac: the wheel has the dkfac command, without gloo's headers" "$tmp/wheel.log" ||
     { grep -n -A3 "dkfac: the wheel" "$tmp/wheel.log"; fail "the wheel's build left the dkfac command out"; }
 else
   echo "(gloo's headers are absent, or no private mount namespace can hide them here: the wheel is built as the system is)"
-  "$python" -m pip wheel "$src" --no-deps -w "$tmp/wheels" > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel"; }
+  "$python" -m pip wheel "$src" --no-deps -w "$tmp/wheels" "${build_dir[@]}" > "$tmp/wheel.log" 2>&1 || { tail -40 "$tmp/wheel.log"; fail "pip wheel"; }
 fi
 echo "built in $(( $(date +%s) - started )) s$( ((hidden)) && echo ", gloo's headers hidden")"
+if [[ -s $CCACHE_STATSLOG ]]; then
+  ccache --show-log-stats 2> /dev/null | grep -E '^ *(Cacheable calls|Hits|Misses):' || true
+fi
+unset CCACHE_STATSLOG
 if grep -Ei 'Collecting torch|Downloading torch|Installing collected packages:.*torch' "$tmp/wheel.log"; then
   fail "the isolated build pulled a torch"
 fi
