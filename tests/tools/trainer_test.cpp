@@ -123,7 +123,7 @@ TEST_F(TrainerTest, ResumeNamesChangedOptionsAndRefusesANewSeed) {
   ::testing::internal::CaptureStdout();
   Trainer(c).run();
   const auto out = ::testing::internal::GetCapturedStdout();
-  EXPECT_NE(out.find("resume: options changed since the checkpoint: --lr 0.05 -> 0.02, --max-steps 4 -> 6"),
+  EXPECT_NE(out.find("\noptions changed since the checkpoint: --lr 0.05 -> 0.02, --max-steps 4 -> 6"),
             std::string::npos) << out;
   c.seed = 3;
   c.allow_seed_change = true;

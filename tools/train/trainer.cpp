@@ -542,7 +542,7 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
         << (at.step_in_epoch == 0 && at.epoch > 0 ? ", end of epoch " + std::to_string(at.epoch)
                                                   : ", in epoch " + std::to_string(at.epoch + 1))
         << ")" << resume_differences(written_world, written_batch, repeated, restore) << std::endl;
-  if (!changed.empty()) log() << "resume: options changed since the checkpoint: " << changed << std::endl;
+  if (!changed.empty()) log() << "options changed since the checkpoint: " << changed << std::endl;
   return at;
 }
 
@@ -556,6 +556,7 @@ std::string Trainer::changed_options(torch::serialize::InputArchive& archive, co
   std::string changed;
   for (const auto& [key, value] : mine.items()) {
     if (key == "resume" || key == "overwrite" || key == "allow-seed-change") continue;  // how this run starts
+    if (key == "batch-size" && config_.global_batch_size > 0) continue;  // --global-batch-size / ranks
     const auto it = theirs.find(key);
     if (it == theirs.end() || *it == value) continue;  // an option the writer's build did not have: no change
     // Each epoch's order of examples (and the augmentation) comes from the seed: a new one would go on with
