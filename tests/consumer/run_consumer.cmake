@@ -16,12 +16,10 @@ foreach(public dkfac.h preconditioner.h strategy/step_plan.h strategy/prediction
     message(FATAL_ERROR "dkfac/${public} was not installed")
   endif()
 endforeach()
-set(launcher "")
-if(CMAKE_CXX_COMPILER_LAUNCHER)
-  set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER})
-endif()
+# The launcher came joined by '|' (add_test spreads a list); the quoted -D below keeps it one argument.
+string(REPLACE "|" ";" launcher "${CONSUMER_LAUNCHER}")
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -DCMAKE_PREFIX_PATH=${prefix}
-                        -DCMAKE_BUILD_TYPE=Release ${launcher} RESULT_VARIABLE rc)
+                        -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}" RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed: ${rc}")
 endif()
