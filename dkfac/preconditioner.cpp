@@ -192,6 +192,8 @@ Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options
     : Preconditioner(bind_modules(model, options), options, std::move(communicator)) {
   // `options` is copied, not moved: the arguments' evaluation order is unspecified.
   model_ = std::move(model);
+  const auto named = model_->named_modules(/*name_prefix=*/"", /*include_self=*/true);
+  for (const auto& layer : layers_) modules_.push_back(dynamic_cast<const nn::KfacModule*>(named[layer.name()].get()));
 }
 
 Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options,
@@ -387,14 +389,17 @@ void Preconditioner::check_schedules_agree() const {
   // is, so that assigning preconditioner.damping works) is compared by its values, at every step, first:
   // ranks whose intervals differ would otherwise start different collectives.
   if (!communicator_ || communicator_->size() == 1) return;
+  // The next step's factor interval too: the end of this step arms the captures by it (arm_capture), and on a
+  // factor step the capture hooks start factor collectives, before the next step's check could run.
   const int64_t s = steps_;
-  const std::vector<std::pair<const char*, double>> values = {
+  const std::vector<std::pair<std::string, double>> values = {
       {"lr", options_.lr_at(s)},
       {"damping", options_.damping_at(s)},
       {"kl_clip", options_.kl_clip_at(s)},
       {"factor_decay", options_.factor_decay_at(s)},
       {"factor_update_steps", static_cast<double>(options_.factor_update_steps_at(s))},
-      {"inv_update_steps", static_cast<double>(options_.inv_update_steps_at(s))}};
+      {"inv_update_steps", static_cast<double>(options_.inv_update_steps_at(s))},
+      {"factor_update_steps at step " + std::to_string(s + 1), static_cast<double>(options_.factor_update_steps_at(s + 1))}};
   std::vector<double> mine;
   for (const auto& [name, value] : values) mine.push_back(value);
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Phase::kControl);
@@ -407,7 +412,17 @@ void Preconditioner::check_schedules_agree() const {
   }
 }
 
+void Preconditioner::follow_parameters() {
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    auto weight = modules_[i]->kfac_weight();
+    auto bias = modules_[i]->kfac_bias();
+    const auto& layer = layers_[i];
+    if (!weight.is_same(layer.weight()) || !bias.is_same(layer.bias())) rebind_layer(i, std::move(weight), std::move(bias));
+  }
+}
+
 void Preconditioner::step() {
+  follow_parameters();
   check_schedules_agree();
   if (choice_pending_) choose_strategy();
   const bool factor_step = is_factor_step(steps_);

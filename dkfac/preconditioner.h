@@ -21,6 +21,10 @@
 
 namespace dkfac {
 
+namespace nn {
+class KfacModule;
+}  // namespace nn
+
 /// Seconds spent in each K-FAC phase. On a CUDA device they are the device's time between CUDA events
 /// recorded on the current stream at the phase boundaries (never host time around asynchronous kernels).
 struct PhaseTimes {
@@ -153,7 +157,8 @@ class Preconditioner {
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   /// Layer `index` now preconditions `weight` and `bias` (KfacLayer::rebind): a front end calls it when the
-  /// module's parameters were replaced since registration (the Python package checks at every step()).
+  /// module's parameters were replaced since registration. The Python package checks at every step(); a
+  /// Preconditioner built from a model does so itself (follow_parameters).
   void rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias);
   std::vector<KfacLayer>& layers() { return layers_; }
 
@@ -230,8 +235,9 @@ class Preconditioner {
   /// Fails on every rank, naming the first difference, when the ranks' descriptions differ (comm/agreement.h).
   void check_ranks_agree();
   /// Fails on every rank, naming the hyper-parameter and the values, when the ranks' schedules (lr, damping,
-  /// kl_clip, factor_decay and the two intervals) give different values at this step: one allreduce of
-  /// world x 6 numbers at the start of every step().
+  /// kl_clip, factor_decay and the two intervals) give different values at this step, or their factor intervals
+  /// at the next step (which this step's end arms the captures by): one all-gather of 7 numbers per rank at
+  /// the start of every step() (its cost: bench/schedule_check.py).
   void check_schedules_agree() const;
   /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
   /// builds the next factors from the next batches alone, and arms capture for the same step again.
@@ -271,7 +277,13 @@ class Preconditioner {
   /// Warns about layer `index` once per `kind` of problem.
   void warn_once(size_t index, const std::string& kind, const std::string& message);
 
+  /// Re-binds each layer whose module now holds another weight or bias tensor than the one preconditioned
+  /// (`fc->weight = w`, which the module's forward then uses): otherwise step() would keep writing the old
+  /// tensor's gradient, K-FAC silently off. Only for a Preconditioner built from a model.
+  void follow_parameters();
+
   std::shared_ptr<torch::nn::Module> model_;
+  std::vector<const nn::KfacModule*> modules_;  // layers_' modules, kept alive by model_; empty without a model
   Options options_;
   MessageNames names_;
   std::vector<KfacLayer> layers_;

@@ -330,6 +330,56 @@ TEST(Preconditioner, FrozenLayersAreNotPreconditioned) {
   EXPECT_EQ(kfac.layers().size(), 2u);
 }
 
+// A layer's weight replaced after registration (`fc->weight = w`, which forward uses; LibTorch's
+// register_parameter refuses a name twice) keeps being preconditioned: the same steps as a model that
+// kept its tensors. Without following, step() writes the old tensor's gradient and the new one stays plain.
+TEST(Preconditioner, ReplacedParametersKeepBeingPreconditioned) {
+  auto kept = make_net();
+  auto replaced = make_net();
+  const auto options = Options().kl_clip(0);
+  Preconditioner kfac_kept(kept, options);
+  Preconditioner kfac_replaced(replaced, options);
+  for (int64_t s = 0; s < 3; ++s) {
+    if (s == 1) {
+      auto& fc1 = *replaced->fc1;
+      fc1.weight = fc1.weight.detach().clone().requires_grad_();
+      fc1.bias = fc1.bias.detach().clone().requires_grad_();
+      auto& conv = *replaced->conv;
+      conv.weight = conv.weight.detach().clone().requires_grad_();
+    }
+    // Module::zero_grad reaches the registered tensors only: the replacements' gradients are cleared here.
+    for (auto* t : {&replaced->fc1->weight, &replaced->fc1->bias, &replaced->conv->weight}) t->mutable_grad() = torch::Tensor();
+    zero_grad_and_backward(*kept, s);
+    zero_grad_and_backward(*replaced, s);
+    const auto plain = gradients(*replaced);
+    kfac_kept.step();
+    kfac_replaced.step();
+    const auto want = gradients(*kept);
+    const auto got = gradients(*replaced);
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-12, 1e-12)) << "step " << s << " layer " << i;
+      EXPECT_FALSE(torch::allclose(got[i], plain[i])) << "step " << s << " layer " << i << " kept its plain gradient";
+    }
+  }
+  EXPECT_TRUE(kfac_replaced.layers()[1].weight().is_same(replaced->fc1->weight));
+}
+
+// A replacement of another shape is refused at the next step, naming the layer, not preconditioned wrongly.
+TEST(Preconditioner, ReplacedParameterOfAnotherShapeIsRefusedNamingTheLayer) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options());
+  auto& fc2 = *net->fc2;
+  fc2.weight = torch::zeros({2, 4}, torch::kFloat64).requires_grad_();
+  try {
+    kfac.step();
+    FAIL() << "a weight of another shape was accepted";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("layer 'fc2': its weight was replaced by a tensor of shape [2, 4]"), std::string::npos)
+        << message;
+  }
+}
+
 TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
   auto net = make_net();
   Preconditioner kfac(net, Options().kl_clip(0));

@@ -156,6 +156,14 @@ TEST(RanksAgree, SchedulesAreComparedByTheirValuesEachStep) {
     EXPECT_EQ(step, 0);
     EXPECT_NE(error.find("rank 1 has factor_update_steps=2 where rank 0 has factor_update_steps=1"), std::string::npos) << error;
   }
+  // An interval that changes on one rank from step 3: the end of step 2 arms step 3's captures (rank 0 captures,
+  // rank 1 does not, and the capture hooks start factor collectives), so step 2 refuses it already.
+  const auto later = train([](int, int64_t) { return 0.003; }, [](int rank, int64_t step) { return rank == 1 && step >= 3 ? 2 : 1; });
+  for (const auto& [error, step] : later) {
+    EXPECT_EQ(step, 2);
+    EXPECT_NE(error.find("rank 1 has factor_update_steps at step 3=2 where rank 0 has factor_update_steps at step 3=1"),
+              std::string::npos) << error;
+  }
 }
 
 // A model whose middle layer some ranks skip at some steps (stochastic depth; DDP's find_unused_parameters).
