@@ -175,24 +175,6 @@ Assignment assign_dp(const std::vector<LayerShape>& layers, int world_size) {
   return assign_kaisa(layers, world_size, 1.0 / world_size, Balance::kCompute, /*colocate=*/true);
 }
 
-AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds) {
-  TORCH_CHECK(bytes.size() == seconds.size() && bytes.size() >= 2, "alpha-beta fit needs >= 2 (bytes, seconds) pairs");
-  const double n = static_cast<double>(bytes.size());
-  const double mean_x = std::accumulate(bytes.begin(), bytes.end(), 0.0) / n;
-  const double mean_y = std::accumulate(seconds.begin(), seconds.end(), 0.0) / n;
-  double sxx = 0.0;
-  double sxy = 0.0;
-  for (size_t i = 0; i < bytes.size(); ++i) {
-    sxx += (bytes[i] - mean_x) * (bytes[i] - mean_x);
-    sxy += (bytes[i] - mean_x) * (seconds[i] - mean_y);
-  }
-  TORCH_CHECK(sxx > 0.0, "alpha-beta fit needs at least two distinct message sizes");
-  AlphaBeta out;
-  out.beta = std::max(0.0, sxy / sxx);
-  out.alpha = std::max(0.0, mean_y - out.beta * mean_x);
-  return out;
-}
-
 int64_t redundant_dim_threshold(double seconds_per_cubed_dim, const AlphaBeta& link, double bytes_per_entry) {
   // (c d^3 - alpha - beta b d^2) / d^2 increases with d: once a dimension fails, every larger one does.
   int64_t best = 0;

@@ -108,10 +108,6 @@ struct AlphaBeta {
   double seconds(double bytes) const { return alpha + beta * bytes; }
 };
 
-/// Least-squares fit of t = alpha + beta * bytes to measured (bytes, seconds) pairs; alpha and beta
-/// are clamped at 0. Needs at least two distinct sizes.
-AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
-
 /// SPD-KFAC's redundancy threshold: the largest dimension d (0 if none) for which decomposing a d x d
 /// factor (seconds_per_cubed_dim * d^3) costs no more than broadcasting its result of
 /// `bytes_per_entry * d^2` bytes under `link`.

@@ -17,53 +17,12 @@
 #include "dkfac/math/factors.h"
 #include "dkfac/math/second_order.h"
 #include "dkfac/numbers.h"
+#include "dkfac/strategy/measure.h"
 
 namespace dkfac::strategy {
 namespace {
 
 double cube(int64_t d) { return static_cast<double>(d) * d * d; }
-
-/// Seconds of `repeats` runs of `work` after one warm-up run, timed with device marks.
-std::vector<double> time_runs(c10::Device device, int repeats, const std::function<void()>& work) {
-  work();
-  std::vector<double> runs;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = device::Mark::now(device);
-    work();
-    runs.push_back(device::Mark::seconds_between(start, device::Mark::now(device)));
-  }
-  return runs;
-}
-
-double time_median(c10::Device device, int repeats, const std::function<void()>& work) {
-  return median(time_runs(device, repeats, work));
-}
-
-/// Solves the small dense system m x = b in place (Gaussian elimination, partial pivoting); false when singular.
-bool solve(std::vector<std::vector<double>> m, std::vector<double> b, std::vector<double>& x) {
-  const size_t n = b.size();
-  for (size_t c = 0; c < n; ++c) {
-    size_t pivot = c;
-    for (size_t r = c + 1; r < n; ++r) {
-      if (std::abs(m[r][c]) > std::abs(m[pivot][c])) pivot = r;
-    }
-    if (std::abs(m[pivot][c]) < 1e-12) return false;
-    std::swap(m[c], m[pivot]);
-    std::swap(b[c], b[pivot]);
-    for (size_t r = c + 1; r < n; ++r) {
-      const double k = m[r][c] / m[c][c];
-      for (size_t j = c; j < n; ++j) m[r][j] -= k * m[c][j];
-      b[r] -= k * b[c];
-    }
-  }
-  x.assign(n, 0.0);
-  for (size_t c = n; c-- > 0;) {
-    double s = b[c];
-    for (size_t j = c + 1; j < n; ++j) s -= m[c][j] * x[j];
-    x[c] = s / m[c][c];
-  }
-  return true;
-}
 
 /// Kernel timings shared by measure_rates and measure_local_rates. Every figure is appended to `figures`
 /// in a fixed order (so that ranks can average them element by element), then read back by `assemble`.
@@ -94,8 +53,9 @@ KernelPlan kernel_plan(ComputeMethod method) {
   // No powers of two: LAPACK on CPUs is measurably slower at d = 512 or 1024 (cache associativity) than at
   // the dimensions around them (inverse, one thread: 4.2 ms at 512, 4.2 ms at 576), which a table of powers
   // of two would spread over every dimension between.
-  k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 48, 96, 192, 384, 640}
-                                                         : std::vector<int64_t>{16, 48, 96, 192, 384, 768, 1536};
+  // kSpdProbeDim (256) among them: SPD-KFAC's threshold reads the table there (Rates::spd_redundant_dim).
+  k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 48, 96, 192, 256, 384, 640}
+                                                         : std::vector<int64_t>{16, 48, 96, 192, 256, 384, 768, 1536};
   return k;
 }
 
@@ -194,17 +154,7 @@ void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype
     auto a_batch = spd_matrix(a, options, gen), g_batch = spd_matrix(g, options, gen);
     figures.push_back(time_median(device, 3, [&] { (void)math::fold_factors(a_factor, g_factor, a_batch, g_batch, 0.95); }));
   }
-  for (int64_t d : k.decomposition_dims) {
-    auto f = spd_matrix(d, options, gen);
-    const int repeats = d >= 640 ? 2 : 3;
-    figures.push_back(time_median(device, repeats, [&] {
-      if (method == ComputeMethod::kEigen) {
-        (void)math::eigen_decompose(f);
-      } else {
-        (void)math::damped_inverse(f, 1e-3);
-      }
-    }));
-  }
+  for (int64_t d : k.decomposition_dims) figures.push_back(time_decomposition(d, method, dtype, device));
   for (const auto& [g, a] : k.precondition_shapes) {
     auto grad = torch::randn({g, a}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
     if (method == ComputeMethod::kEigen) {
@@ -369,11 +319,9 @@ double Rates::broadcast_seconds(int group_size, double bytes) const {
 }
 
 int64_t Rates::spd_redundant_dim(int group_size) const {
-  const double element = static_cast<double>(element_bytes());
-  const double per_entry = method == ComputeMethod::kEigen ? element : element / 2;
   const double alpha = allreduce_seconds(group_size, 0.0);
   const assign::AlphaBeta link{alpha, allreduce_seconds(group_size, 1.0) - alpha};
-  return assign::redundant_dim_threshold(decomposition.seconds_for(256) / cube(256), link, per_entry);
+  return strategy::spd_redundant_dim(decomposition.seconds_for(kSpdProbeDim), link, dtype, method);
 }
 
 void Rates::validate() const {
@@ -416,85 +364,26 @@ void Rates::validate() const {
   }
 }
 
-std::vector<double> fit_nonnegative(const std::vector<std::vector<double>>& features,
-                                    const std::vector<double>& seconds) {
-  TORCH_CHECK(!features.empty() && features.size() == seconds.size(), "fit_nonnegative: ", features.size(),
-              " rows of features for ", seconds.size(), " times");
-  const size_t n = features.front().size();
-  TORCH_CHECK(n >= 1 && n <= 8, "fit_nonnegative: 1 to 8 features, got ", n);
-  std::vector<double> best(n, 0.0);
-  double best_error = std::numeric_limits<double>::infinity();
-  const auto weight = [&](size_t i) { return 1.0 / std::max(seconds[i], 1e-12); };
-  for (unsigned mask = 1; mask < (1u << n); ++mask) {
-    std::vector<size_t> used;
-    for (size_t j = 0; j < n; ++j) {
-      if (mask & (1u << j)) used.push_back(j);
-    }
-    // Columns scaled to unit maximum so that the normal equations stay well conditioned.
-    std::vector<double> scale(used.size(), 0.0);
-    for (size_t u = 0; u < used.size(); ++u) {
-      for (size_t i = 0; i < features.size(); ++i) scale[u] = std::max(scale[u], std::abs(features[i][used[u]] * weight(i)));
-      if (scale[u] == 0) scale[u] = 1;
-    }
-    std::vector<std::vector<double>> m(used.size(), std::vector<double>(used.size(), 0.0));
-    std::vector<double> b(used.size(), 0.0);
-    for (size_t i = 0; i < features.size(); ++i) {
-      const double w = weight(i);
-      for (size_t u = 0; u < used.size(); ++u) {
-        const double xu = features[i][used[u]] * w / scale[u];
-        b[u] += xu * seconds[i] * w;
-        for (size_t v = 0; v < used.size(); ++v) m[u][v] += xu * features[i][used[v]] * w / scale[v];
-      }
-    }
-    std::vector<double> x;
-    if (!solve(m, b, x)) continue;
-    if (std::any_of(x.begin(), x.end(), [](double c) { return c < 0; })) continue;
-    std::vector<double> c(n, 0.0);
-    for (size_t u = 0; u < used.size(); ++u) c[used[u]] = x[u] / scale[u];
-    double error = 0;
-    for (size_t i = 0; i < features.size(); ++i) {
-      double predicted = 0;
-      for (size_t j = 0; j < n; ++j) predicted += c[j] * features[i][j];
-      const double r = (predicted - seconds[i]) * weight(i);
-      error += r * r;
-    }
-    if (error < best_error) {
-      best_error = error;
-      best = c;
-    }
-  }
-  return best;
-}
-
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method) {
   constexpr int kBusyRepeats = 25;
   const int world = communicator.size();
   Rates rates = conditions(device, dtype, method, world);
   std::vector<double> figures;
-  // Collectives first, while every rank is at the same point; sizes as strategy::measure_link's, whose
-  // start-up timings were noisy where ranks share cores: median of 5, slopes from messages up to 4 MiB.
-  const std::vector<int64_t> sizes = {1, 1 << 14, 1 << 18, 1 << 20};  // float32: 4 B .. 4 MiB
-  const auto time_collectives = [&](bool broadcast, bool busy) {
-    for (int64_t n : sizes) {
-      auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
-      const auto runs = time_runs(device, busy ? kBusyRepeats : 5, [&] {
-        auto handle = broadcast ? communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration)
-                                : communicator.allreduce_sum(t, comm::kWorld, comm::Phase::kCalibration);
-        handle.wait();
-      });
-      figures.push_back(busy ? std::accumulate(runs.begin(), runs.end(), 0.0) / static_cast<double>(runs.size())
-                             : median(runs));
-    }
+  // Collectives first, while every rank is at the same point, timed as SPD-KFAC's link is (measure.h).
+  const auto time_collectives = [&](Collective collective, bool busy) {
+    const auto seconds = busy ? time_link(communicator, comm::kWorld, device, collective, kBusyRepeats, /*mean=*/true)
+                              : time_link(communicator, comm::kWorld, device, collective);
+    figures.insert(figures.end(), seconds.begin(), seconds.end());
   };
   if (world > 1) {
-    time_collectives(/*broadcast=*/false, /*busy=*/false);
-    time_collectives(/*broadcast=*/true, /*busy=*/false);
+    time_collectives(Collective::kAllreduce, /*busy=*/false);
+    time_collectives(Collective::kBroadcast, /*busy=*/false);
     // The allreduces again, with this rank computing meanwhile. Waiting to be scheduled comes and goes
     // (4 ranks on 2 cores: single collectives of 0.3 ms and of 8 ms, and medians of 5 that fitted a start-up
     // anywhere in between), and a job pays the mean of many: the mean of 25.
     ComputeLoop computing(device, dtype);
-    time_collectives(/*broadcast=*/false, /*busy=*/true);
+    time_collectives(Collective::kAllreduce, /*busy=*/true);
   }
   if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
   // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
@@ -523,12 +412,11 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   }
   figures.insert(figures.end(), kernels.begin(), kernels.end() - 1);
   if (world > 1) {
-    std::vector<double> bytes;
-    for (int64_t n : sizes) bytes.push_back(4.0 * static_cast<double>(n));
-    size_t at = 0;
+    const auto n = static_cast<std::ptrdiff_t>(link_sizes().size());
+    auto at = figures.begin();
     for (auto* link : {&rates.allreduce, &rates.broadcast, &rates.allreduce_busy}) {  // in the order timed above
-      const auto [alpha, beta] = fit_affine(bytes, figures, at);
-      *link = assign::AlphaBeta{alpha, beta};
+      *link = fit_link(std::vector<double>(at, at + n));
+      at += n;
     }
   }
   assemble_kernels(k, figures, kernels_at, method, rates);

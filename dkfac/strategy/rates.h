@@ -116,10 +116,9 @@ struct Rates {
   /// The same, started while the ranks compute (allreduce_busy).
   double busy_allreduce_seconds(int group_size, double bytes) const;
   double broadcast_seconds(int group_size, double bytes) const;
-  /// What SPD-KFAC's executor measures before planning (spd.h), from these rates: seconds per d^3 of a
-  /// 256 x 256 decomposition, turned into the redundancy threshold with the allreduce link on
-  /// `group_size` ranks (assign::redundant_dim_threshold), so that a predicted SPD-KFAC plan places factors
-  /// as its job would.
+  /// What SPD-KFAC's executor measures before planning (measure.h), from these rates: the decomposition
+  /// table at kSpdProbeDim and the allreduce link on `group_size` ranks, through the same rule
+  /// (strategy::spd_redundant_dim), so that a predicted SPD-KFAC plan places factors as its job would.
   int64_t spd_redundant_dim(int group_size) const;
   /// Checks every field (finite, non-negative, table ascending and as long as its times); throws c10::Error
   /// naming the field.
@@ -127,11 +126,12 @@ struct Rates {
 };
 
 /// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
-/// time, on one machine. Collectives: allreduces and
-/// broadcasts of 4 B to 4 MiB on the world (median of 5 each), and the allreduces again while every rank
-/// runs a covariance loop on a thread of its own (allreduce_busy); kernels on `device` in `dtype`: factor
+/// time, on one machine. Collectives (measure.h's time_link and fit_link, as SPD-KFAC's link): allreduces and
+/// broadcasts of 4 B to 4 MiB on the world (median of kLinkRepeats each), and the allreduces again while every
+/// rank runs a covariance loop on a thread of its own (allreduce_busy, mean of 25); kernels on `device` in `dtype`: factor
 /// covariances of a few (rows, d), convolutions' A factors by each of their three kernels and their G
-/// factors, folds, decompositions (`method`) of d = 16 .. 1536 (eigen: .. 640), and preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
+/// factors, folds, decompositions (`method`, measure.h's time_decomposition) of d = 16 .. 1536 (eigen: .. 640, both
+/// with kSpdProbeDim), and preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
 /// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
@@ -146,11 +146,5 @@ size_t agree_on_choice(comm::Communicator& communicator, size_t index);
 
 /// Kernels only, in this process, without a communicator (collectives left at 0): for tests and one-rank use.
 Rates measure_local_rates(c10::Device device, c10::ScalarType dtype, ComputeMethod method);
-
-/// Least-squares fit of seconds ~ sum_j c_j features[i][j] with every c_j >= 0, minimising relative error
-/// (each row weighted by 1 / seconds[i]) so that small and large measurements count alike. Tries every
-/// subset of the features and keeps the best feasible fit. Pure; exposed for tests.
-std::vector<double> fit_nonnegative(const std::vector<std::vector<double>>& features,
-                                    const std::vector<double>& seconds);
 
 }  // namespace dkfac::strategy

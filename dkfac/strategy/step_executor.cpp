@@ -4,7 +4,6 @@
 #include <sstream>
 
 #include "dkfac/comm/packing.h"
-#include "dkfac/strategy/spd.h"
 
 namespace dkfac::strategy {
 
@@ -30,27 +29,15 @@ StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std
     : communicator_(std::move(communicator)), rank_(communicator_ ? communicator_->rank() : 0) {
   const auto shapes = layer_shapes(layers);
   const int world = communicator_ ? communicator_->size() : 1;
-  assign::AlphaBeta link;
   int64_t redundant = options.spd().redundant_dim();
-  if (world > 1 && options.strategy() == Strategy::kSpd) {
-    // The plan's inputs, not decisions of their own: SPD-KFAC's threshold and link speed are measured
-    // before the plan is made, and only where options leave a choice to make (both are collectives).
-    const bool measure = redundant < 0 || options.spd().fusion().empty();
-    const auto device = layers.front().weight().device();
-    if (measure) link = measure_link(*communicator_, comm::kWorld, device);
-    std::ostringstream m;
-    if (measure) m << "measured: link alpha " << link.alpha * 1e6 << " us, beta " << link.beta * 1e9 << " ns/B";
-    if (redundant < 0) {
-      const auto dtype = layers.front().weight().scalar_type();
-      const double per_cubed = measure_decomposition(*communicator_, options.compute_method(), dtype, device);
-      // What a broadcast carries per d^2: eigenvectors (d^2, plus d eigenvalues), or an upper triangle.
-      const double element = static_cast<double>(c10::elementSize(dtype));
-      const double per_entry = options.compute_method() == ComputeMethod::kEigen ? element : element / 2;
-      redundant = assign::redundant_dim_threshold(per_cubed, link, per_entry);
-      m << "; decomposition " << per_cubed * 1e9 << " ns/d^3, so factors of dim <= " << redundant
-        << " are decomposed on every rank";
-    }
-    measurements_ = m.str();
+  if (world > 1 && options.strategy() == Strategy::kSpd && (redundant < 0 || options.spd().fusion().empty())) {
+    // The plan's inputs, not decisions of their own: SPD-KFAC's link speed (for its fusion) and threshold are
+    // measured before the plan is made, and only where options leave a choice to make (both are collectives),
+    // by the same measurement and rule as strategy auto's rates (measure.h).
+    const auto& weight = layers.front().weight();
+    spd_measurement_ = measure_spd(*communicator_, weight.device(), weight.scalar_type(), options.compute_method(),
+                                   /*threshold=*/redundant < 0);
+    if (redundant < 0) redundant = spd_measurement_.redundant_dim;
   }
   plan_ = make_step_plan(shapes, world, options, redundant);
   if (world == 1) return;
@@ -64,13 +51,13 @@ StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std
     row_groups_.push_back(static_cast<int>(row.size()) == world ? comm::kWorld : communicator_->new_group(row));
   }
   if (plan_.reduction == FactorReduction::kSpdPipeline || plan_.reduction == FactorReduction::kHookBuckets) {
-    pipeline_ = std::make_unique<FactorPipeline>(communicator_, layers, plan_, options, link);
+    pipeline_ = std::make_unique<FactorPipeline>(communicator_, layers, plan_, options, spd_measurement_.link);
   }
 }
 
 std::string StepExecutor::describe(bool per_layer) const {
   std::string out = plan_.describe(per_layer);
-  if (!measurements_.empty()) out += "  " + measurements_ + "\n";
+  if (spd_measurement_.measured) out += "  " + strategy::describe(spd_measurement_) + "\n";
   if (pipeline_) out += "  " + pipeline_->describe() + "\n";
   return out;
 }

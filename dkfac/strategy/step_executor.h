@@ -13,6 +13,7 @@
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
 #include "dkfac/strategy/factor_pipeline.h"
+#include "dkfac/strategy/measure.h"
 #include "dkfac/strategy/step_plan.h"
 
 namespace dkfac::strategy {
@@ -34,6 +35,9 @@ class StepExecutor {
               const Options& options);
 
   const StepPlan& plan() const { return plan_; }
+  /// SPD-KFAC on several ranks: what it measured before planning (measure_spd); a default SpdMeasurement
+  /// (redundant_dim -1) where Options::spd() fixed both choices and for every other strategy.
+  const SpdMeasurement& spd_measurement() const { return spd_measurement_; }
   /// The factor pipeline (SPD-KFAC, or KAISA's buckets in hooks), or nullptr.
   const FactorPipeline* pipeline() const { return pipeline_.get(); }
   /// The plan in words (StepPlan::describe), with SPD-KFAC's measurements and the pipeline's grouping.
@@ -76,7 +80,7 @@ class StepExecutor {
   std::shared_ptr<comm::Communicator> communicator_;  // nullptr in one process
   int rank_ = 0;
   StepPlan plan_;
-  std::string measurements_;                  // SPD-KFAC: what the placement was chosen from
+  SpdMeasurement spd_measurement_;            // SPD-KFAC: what the placement was chosen from
   std::vector<comm::GroupId> column_groups_;  // per column; kWorld when the column is the world
   std::vector<comm::GroupId> row_groups_;     // per row
   std::unique_ptr<FactorPipeline> pipeline_;

@@ -184,16 +184,6 @@ TEST(DpAssignment, OneOwnerPerLayer) {
   }
 }
 
-TEST(AlphaBeta, FitsALineAndRefusesOneSize) {
-  auto link = fit_alpha_beta({0, 1000, 2000, 4000}, {1e-5, 2e-5, 3e-5, 5e-5});
-  EXPECT_NEAR(link.alpha, 1e-5, 1e-12);
-  EXPECT_NEAR(link.beta, 1e-8, 1e-15);
-  EXPECT_NEAR(link.seconds(3000), 4e-5, 1e-12);
-  auto clamped = fit_alpha_beta({100, 200}, {2e-5, 1e-5});  // noise giving a negative slope
-  EXPECT_EQ(clamped.beta, 0.0);
-  EXPECT_THROW(fit_alpha_beta({100, 100}, {1e-5, 2e-5}), c10::Error);
-}
-
 TEST(RedundantThreshold, LargestDimensionCheaperToDecomposeThanToBroadcast) {
   // c d^3 <= alpha + beta b d^2 with c = 1e-9, alpha = 1e-3, beta b = 0: d^3 <= 1e6 -> d = 100.
   EXPECT_EQ(redundant_dim_threshold(1e-9, {1e-3, 0.0}, 4.0), 100);

@@ -8,6 +8,7 @@
 
 #include "dkfac/comm/communicator.h"
 
+#include "dkfac/strategy/measure.h"
 #include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/time_model.h"
