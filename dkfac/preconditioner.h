@@ -236,7 +236,7 @@ class Preconditioner {
   void check_ranks_agree();
   /// Fails on every rank, naming the hyper-parameter and the values, when the ranks' schedules (lr, damping,
   /// kl_clip, factor_decay and the two intervals) give different values at this step, or their factor intervals
-  /// at the next step (which this step's end arms the captures by): one all-gather of 7 numbers per rank at
+  /// at the next step (which this step's end arms the captures by): one allreduce of a world x 7 table at
   /// the start of every step() (its cost: bench/schedule_check.py).
   void check_schedules_agree() const;
   /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
