@@ -242,7 +242,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
       plan_options = Options(options_).strategy(Strategy::kKaisa).memory_budget(0).update_factors_in_hook(false);
     }
   }
-  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, plan_options);
+  executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, plan_options);
   arm_capture();
 }
 
@@ -320,7 +320,7 @@ void Preconditioner::choose_strategy() {
 void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   std::vector<std::map<std::string, torch::Tensor>> states;
   if (has_state) states = executor_->gather_states(layers_);
-  executor_ = std::make_unique<strategy::StepExecutor>(communicator_, layers_, chosen);
+  executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, chosen);
   options_ = chosen;
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);

@@ -140,8 +140,9 @@ class Preconditioner {
   const Options& options() const { return options_; }
   /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
   /// With Strategy::kAuto, until the first step() chose: a provisional KAISA plan (every rank builds every
-  /// factor, all collectives in step()), under which save() and load() work as for any plan.
-  const strategy::StepPlan& plan() const { return executor_->plan(); }
+  /// factor, all collectives in step()), under which save() and load() work as for any plan. A copy: strategy
+  /// auto replaces the plan at its first step (and may at its re-check), so no reference into it is handed out.
+  strategy::StepPlan plan() const { return executor_->plan(); }
   /// A change of the plan made while training, in words, once: strategy auto's choice (its table of
   /// candidates and reason), SPD-KFAC's fusion grouping chosen after its profiled steps; "" when there is
   /// none to report. For a training loop's log.
@@ -152,8 +153,9 @@ class Preconditioner {
   /// Strategy auto: the rates to choose from instead of measuring them at the first step (strategy::Rates,
   /// e.g. read from `dkfac plan --measure-rates`'s JSON, or fixed by a test). Every rank must pass the same.
   void use_rates(strategy::Rates rates);
-  /// What executes the plan (its collectives are no-ops in one process).
-  const strategy::StepExecutor& executor() const { return *executor_; }
+  /// What executes the plan (its collectives are no-ops in one process). Shared: one held across strategy auto's
+  /// replacement of the executor stays valid, describing the plan it executed.
+  std::shared_ptr<const strategy::StepExecutor> executor() const { return executor_; }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   /// Layer `index` now preconditions `weight` and `bias` (KfacLayer::rebind): a front end calls it when the
@@ -301,7 +303,7 @@ class Preconditioner {
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
   std::set<std::pair<std::string, std::string>> warned_;
-  std::unique_ptr<strategy::StepExecutor> executor_;  // never nullptr
+  std::shared_ptr<strategy::StepExecutor> executor_;  // never nullptr
   std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)
   bool auto_requested_ = false;                       // the options asked for strategy auto
   bool choice_pending_ = false;                       // strategy auto, not chosen yet

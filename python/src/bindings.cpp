@@ -376,7 +376,7 @@ PYBIND11_MODULE(_C, m) {
       .def("load_layer_states", &Preconditioner::load_layer_states)
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
-      .def("describe", [](const Preconditioner& p) { return p.executor().describe(); })
+      .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })
       .def("take_plan_change", &Preconditioner::take_plan_change)
       .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })
       .def_property_readonly("strategy_choice", &Preconditioner::strategy_choice)

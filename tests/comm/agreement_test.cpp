@@ -200,7 +200,7 @@ TEST_P(SkippedOnOneRank, EveryRankKeepsThatLayersPlainGradientAndTrainsOn) {
       net = std::make_shared<Skippy>();
     }
     Preconditioner kfac(net, Options(GetParam()).unused_layer_policy(UnusedLayerPolicy::kSkip), communicator);
-    if (rank == 1) skipping_rank_needs_b = kfac.executor().builds_factors(1);
+    if (rank == 1) skipping_rank_needs_b = kfac.executor()->builds_factors(1);
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
     for (int64_t step = 0; step < 4; ++step) {
       sgd.zero_grad();

@@ -38,7 +38,7 @@ TEST(Measure, SpdAndAutosSpdCandidateTakeTheSameThresholdFromOneMeasurement) {
     torch::manual_seed(0);
     auto net = torch::nn::Sequential(nn::Linear(96, 48), nn::Linear(48, 8));
     Preconditioner spd(net.ptr(), Options().strategy(Strategy::kSpd), communicator);
-    const auto& m = spd.executor().spd_measurement();
+    const auto& m = spd.executor()->spd_measurement();
     ASSERT_TRUE(m.measured);
     ASSERT_GT(m.probe_seconds, 0.0);
     ASSERT_GE(m.redundant_dim, 0);

@@ -277,7 +277,7 @@ TEST_P(KaisaInHook, EqualsReductionInStep) {
   std::string described;
   const auto got = run_distributed(world, in_hook, [&](int rank, Preconditioner& kfac, comm::Communicator& c) {
     hook_traffic[rank] = c.traffic();
-    if (rank == 0) described = kfac.executor().describe();
+    if (rank == 0) described = kfac.executor()->describe();
   });
   for (int rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < kSteps; ++step) {
@@ -346,9 +346,9 @@ TEST_P(SpdEquivalence, MatchesSingleProcessReference) {
   const auto got = run_distributed(
       c.world, options,
       [&](int rank, Preconditioner& kfac, comm::Communicator& communicator) {
-        descriptions[rank] = kfac.executor().describe();
+        descriptions[rank] = kfac.executor()->describe();
         traffic[rank] = communicator.traffic();
-        groupings[rank] = kfac.executor().pipeline()->grouping();
+        groupings[rank] = kfac.executor()->pipeline()->grouping();
         auto reference = assign::assign_spd(model_shapes(), c.world,
                                             c.redundant_dim < 0 ? 0 : c.redundant_dim);
         if (c.redundant_dim >= 0) {
@@ -653,10 +653,20 @@ TEST(StrategyAuto, RecheckChoosesAgainFromMeasuredPhasesAndGoesOnFromTheSameStat
     auto net = make_wide_net();
     Preconditioner kfac(net, Options(base).strategy(Strategy::kAuto), communicator);
     kfac.use_rates(wrong);
+    // Held across both replacements of the executor (the choice, the re-check): still valid, still the
+    // provisional plan's.
+    const auto provisional = kfac.executor();
+    const auto provisional_plan = kfac.plan();
+    const auto provisional_description = provisional->describe();
     for (int64_t step = 0; step < kTotal; ++step) {
       got[rank].push_back(wide_step(*net, kfac, *communicator, step, rank));
       if (step < kRecheckAfter - 1) EXPECT_EQ(kfac.options().strategy(), Strategy::kSpd);
     }
+    EXPECT_NE(provisional.get(), kfac.executor().get());
+    EXPECT_EQ(provisional->describe(), provisional_description);
+    EXPECT_NE(kfac.executor()->describe(), provisional_description);
+    EXPECT_EQ(provisional_plan.world_size(), 2);
+    EXPECT_EQ(provisional_plan.describe(), provisional->plan().describe());
     second[rank] = kfac.options();
     reports[rank] = kfac.strategy_choice();
   });

@@ -277,7 +277,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
             << (config_.kfac_rates.empty() ? "this machine's rates measured then" : "the rates in " + config_.kfac_rates)
             << std::endl;
     } else if (config_.print_plan || s.kfac->plan().world_size() > 1) {
-      log() << s.kfac->executor().describe(/*per_layer=*/config_.print_plan) << std::flush;
+      log() << s.kfac->executor()->describe(/*per_layer=*/config_.print_plan) << std::flush;
     }
   } else if (config_.print_plan && rank_ == 0) {
     log() << "step plan: none (--no-kfac: plain " << to_string(config_.optimizer) << ", no K-FAC work)\n" << std::flush;
