@@ -165,7 +165,7 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
     const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
     if (kfac_module == nullptr) continue;
     const auto kind = kfac_module->shared_factor_capture()->geometry().kind;
-    ModuleCandidate candidate{item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1};
+    ModuleCandidate candidate{item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1, "", {}};
     for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
       for (const auto& other : owners[p.unsafeGetTensorImpl()]) {
         const auto& tied = candidate.tied_to;
@@ -238,7 +238,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     } else {
       // Until the first step chooses: every rank captures every layer (a superset of any candidate's
       // captures) and nothing moves before step(), so the choice can still replace the executor.
-      choice_pending_ = true;
+      auto_ = std::make_unique<strategy::AutoStrategy>(communicator_);
       plan_options = Options(options_).strategy(Strategy::kKaisa).memory_budget(0).update_factors_in_hook(false);
     }
   }
@@ -282,39 +282,30 @@ std::string Preconditioner::take_plan_change() {
 void Preconditioner::use_rates(strategy::Rates rates) {
   TORCH_CHECK(auto_requested_, "use_rates: rates are for strategy auto, but this preconditioner's strategy is ",
               to_string(options_.strategy()));
-  TORCH_CHECK(choice_pending_ || communicator_ == nullptr || communicator_->size() == 1, "use_rates: strategy "
-              "auto already chose at the first step (", to_string(options_.strategy()), "); give rates before it");
-  rates.validate();
-  rates_ = std::move(rates);
+  if (auto_) {
+    TORCH_CHECK(auto_->choice_pending(), "use_rates: strategy auto already chose at the first step (",
+                to_string(options_.strategy()), "); give rates before it");
+    auto_->use_rates(std::move(rates));
+  } else {
+    rates.validate();  // one process: nothing to choose, but the rates must still be rates
+  }
 }
 
 void Preconditioner::choose_strategy() {
-  choice_pending_ = false;
-  const int world = communicator_->size();
   int64_t samples = 1;
   for (const auto& layer : layers_) samples = std::max(samples, layer.capture().samples_per_pass());
-  const int64_t batch = samples * options_.accumulation_steps();
   const auto dtype = options_.factor_dtype().value_or(layers_.front().weight().scalar_type());
-  const auto rates = rates_ ? *rates_ : strategy::measure_rates(*communicator_, device_, dtype, options_.compute_method());
-  auto choice = strategy::choose_strategy(strategy::layer_shapes(layers_), world, options_, rates,
-                                          options_.memory_budget(), batch,
-                                          {options_.factor_update_steps_at(steps_), options_.inv_update_steps_at(steps_)});
-  choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
-  const Options base = options_;
+  const Options chosen = auto_->choose(options_, strategy::layer_shapes(layers_),
+                                       samples * options_.accumulation_steps(), device_, dtype, steps_);
   // State loaded (or computed) under the provisional plan: every rank holds every factor there, so they
   // agree on whether there is any; it is gathered whole and placed again as the chosen plan says.
   const bool has_state = std::any_of(layers_.begin(), layers_.end(), [](const KfacLayer& l) { return l.a_factor().defined(); });
-  replace_executor(choice.apply(options_), has_state);
+  replace_executor(chosen, has_state);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!executor_->builds_factors(i)) layers_[i].capture().clear();  // captured under the provisional plan
   }
   if (is_factor_step(steps_)) executor_->arm_factor_step(options_.accumulation_steps());
-  strategy_choice_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
-                     (rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
-  choice_to_report_ = strategy_choice_ + "\n" + executor_->describe(/*per_layer=*/false);
-  if (base.auto_recheck_steps() > 0) {
-    recheck_ = Recheck{base, rates, choice.pick().name, batch, steps_ + 1, steps_ + base.auto_recheck_steps(), {}};
-  }
+  choice_to_report_ = auto_->description() + "\n" + executor_->describe(/*per_layer=*/false);
 }
 
 void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
@@ -327,51 +318,11 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
 }
 
 void Preconditioner::recheck_strategy() {
-  const Recheck check = *recheck_;
-  recheck_.reset();
-  // Every rank decides from the same figures: each compute phase as the slowest rank measured it (the step
-  // waits for it), communication as the rank that waited least (the collectives' own time, as the model has it).
-  const auto& mine = check.profiled;
-  const auto all = comm::gather_over(*communicator_, comm::kWorld,
-                                     {mine.factors, mine.second_order, mine.precondition, mine.communication});
-  strategy::ProfiledSteps measured;
-  measured.kinds = mine.kinds;
-  measured.communication = all.front()[3];
-  for (const auto& rank : all) {
-    measured.factors = std::max(measured.factors, rank[0]);
-    measured.second_order = std::max(measured.second_order, rank[1]);
-    measured.precondition = std::max(measured.precondition, rank[2]);
-    measured.communication = std::min(measured.communication, rank[3]);
-  }
-  const auto scales = strategy::calibrate(executor_->plan(), check.rates, check.batch, measured);
-  std::ostringstream report;
-  report << "strategy auto re-checked after " << measured.kinds.size() << " profiled steps (" << check.first_step
-         << " to " << check.last_step << "): measured / predicted " << scales.describe();
-  bool switched = false;
-  if (scales.within(strategy::kRecheckTolerance)) {
-    report << "; all within " << strategy::kRecheckTolerance * 100 << "%: kept " << check.picked;
-  } else {
-    const int world = communicator_->size();
-    auto choice = strategy::choose_strategy(
-        strategy::layer_shapes(layers_), world, check.base, strategy::scaled(check.rates, scales),
-        check.base.memory_budget(), check.batch,
-        {check.base.factor_update_steps_at(steps_), check.base.inv_update_steps_at(steps_)});
-    strategy::prefer_running(choice, options_);
-    choice.chosen = strategy::agree_on_choice(*communicator_, choice.chosen);
-    const Options chosen = choice.apply(check.base);
-    report << "; chose again with the rates scaled so:\n" << choice.describe();
-    if (strategy::runs_as(choice.pick(), options_)) {
-      report << "  kept " << choice.pick().name;
-    } else {
-      replace_executor(chosen, /*has_state=*/true);
-      switched = true;
-      report << "  switched to " << choice.pick().name << " from step " << steps_;
-    }
-  }
-  report << "\n";
-  strategy_choice_ += (strategy_choice_.empty() || strategy_choice_.back() == '\n' ? "" : "\n") + report.str();
-  choice_to_report_ += report.str();
-  if (switched) choice_to_report_ += executor_->describe(/*per_layer=*/false);
+  const auto switch_to = auto_->recheck(strategy::layer_shapes(layers_), executor_->plan(), options_, steps_);
+  choice_to_report_ += auto_->last_report();
+  if (!switch_to) return;
+  replace_executor(*switch_to, /*has_state=*/true);
+  choice_to_report_ += executor_->describe(/*per_layer=*/false);
 }
 
 Preconditioner::~Preconditioner() {
@@ -424,7 +375,7 @@ void Preconditioner::follow_parameters() {
 void Preconditioner::step() {
   follow_parameters();
   check_schedules_agree();
-  if (choice_pending_) choose_strategy();
+  if (auto_ && auto_->choice_pending()) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
   try {
@@ -443,22 +394,18 @@ void Preconditioner::step() {
     throw;
   }
   close_step_timing();
-  if (recheck_ && steps_ >= recheck_->first_step) {
+  if (auto_) {
     const auto t = last_step_times();
-    auto& p = recheck_->profiled;
-    p.kinds.push_back({factor_step, is_inverse_step(steps_)});
-    p.factors += t.factors;
-    p.second_order += t.second_order;
-    p.precondition += t.precondition;
-    p.communication += t.communication;
+    auto_->record(steps_, {factor_step, is_inverse_step(steps_)}, t.factors, t.second_order, t.precondition,
+                  t.communication);
   }
   ++steps_;
-  if (recheck_ && steps_ > recheck_->last_step) recheck_strategy();
+  if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
   arm_capture();
 }
 
 void Preconditioner::discard_step() {
-  if (choice_pending_) choose_strategy();
+  if (auto_ && auto_->choice_pending()) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   auto fates = check_layers(factor_step);
   if (factor_step) {
@@ -929,7 +876,7 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(num_layers == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers,
               " K-FAC layers, the model has ", layers_.size());
   if (restore.format_version == 1) {
-    TORCH_CHECK(!choice_pending_, "a format 1 dkfac preconditioner checkpoint holds one rank's state of the plan "
+    TORCH_CHECK(!(auto_ && auto_->choice_pending()), "a format 1 dkfac preconditioner checkpoint holds one rank's state of the plan "
                 "that wrote it; strategy auto cannot resume it: resume with the strategy that wrote it");
     load_own_state(archive, steps);
   } else {
@@ -937,7 +884,7 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
     restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
     TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
                 ": the archive is damaged");
-    restore.same_plan = !choice_pending_ && restore.world_size == plan.world_size() &&
+    restore.same_plan = !(auto_ && auto_->choice_pending()) && restore.world_size == plan.world_size() &&
                         read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
     const int64_t method = read_int(archive, "method", "");
     TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||

@@ -15,6 +15,7 @@
 #include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
+#include "dkfac/strategy/auto.h"
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/step_executor.h"
 #include "dkfac/strategy/time_model.h"
@@ -149,7 +150,7 @@ class Preconditioner {
   std::string take_plan_change();
   /// Strategy auto's choice in words (StrategyChoice::describe), "" before it is made or without auto; after
   /// the re-check (Options::auto_recheck_steps), followed by what it measured and decided.
-  const std::string& strategy_choice() const { return strategy_choice_; }
+  const std::string& strategy_choice() const { return auto_ ? auto_->description() : strategy_choice_; }
   /// Strategy auto: the rates to choose from instead of measuring them at the first step (strategy::Rates,
   /// e.g. read from `dkfac plan --measure-rates`'s JSON, or fixed by a test). Every rank must pass the same.
   void use_rates(strategy::Rates rates);
@@ -259,17 +260,14 @@ class Preconditioner {
   }
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
-  /// Strategy auto at the first step: measures the rates (or takes use_rates'), chooses with
-  /// strategy::choose_strategy from this step's batch and the layers' observed shapes, agrees on rank 0's
-  /// choice, and replaces the provisional executor, re-placing any K-FAC state (collective).
+  /// Strategy auto at the first step (strategy::AutoStrategy::choose, collective), then the executor for its
+  /// choice, re-placing any K-FAC state.
   void choose_strategy();
   /// Replaces the executor by one for `chosen`, re-placing every layer's K-FAC state as its plan says
   /// (collective; `has_state`: any rank holds some).
   void replace_executor(const Options& chosen, bool has_state);
-  /// Strategy auto's re-check, after the profiled steps: scales the choice's rates by what the slowest rank
-  /// measured per phase (communication: the rank that waited least) against the plan's prediction
-  /// (strategy::calibrate); where a scale is off by more than strategy::kRecheckTolerance, chooses again with the scaled
-  /// rates and switches to a different pick (collective).
+  /// Strategy auto's re-check after its profiled steps (strategy::AutoStrategy::recheck, collective), and the
+  /// switch it may decide.
   void recheck_strategy();
   /// Loads format 1 (this rank's own state as KfacLayer::save wrote it).
   void load_own_state(torch::serialize::InputArchive& archive, int64_t steps);
@@ -306,21 +304,9 @@ class Preconditioner {
   std::shared_ptr<strategy::StepExecutor> executor_;  // never nullptr
   std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)
   bool auto_requested_ = false;                       // the options asked for strategy auto
-  bool choice_pending_ = false;                       // strategy auto, not chosen yet
-  std::optional<strategy::Rates> rates_;              // use_rates'
-  std::string strategy_choice_;
+  std::unique_ptr<strategy::AutoStrategy> auto_;     // strategy auto on several ranks
+  std::string strategy_choice_;                       // strategy auto in one process: why it is kaisa
   std::string choice_to_report_;                      // for take_plan_change, once
-  /// Strategy auto's re-check, from the choice until it runs.
-  struct Recheck {
-    Options base;                       // the options that asked for auto
-    strategy::Rates rates;              // those the choice was made with
-    std::string picked;                 // the candidate picked with them
-    int64_t batch = 1;                  // samples per rank per step
-    int64_t first_step = 0;             // the profiled steps: first_step .. last_step
-    int64_t last_step = 0;
-    strategy::ProfiledSteps profiled;   // this rank's
-  };
-  std::optional<Recheck> recheck_;
 };
 
 /// Writes `preconditioner` to an archive (for torch::save).

@@ -157,8 +157,8 @@ void prefer_running(StrategyChoice& choice, const Options& running);
 /// fits, the candidate with the least memory (then the fastest), and `fits` is false. Pure given the rates:
 /// every rank that calls it with the same arguments gets the same choice.
 ///
-/// What the Preconditioner does with Options' `Strategy` auto at its first step (dkfac train --strategy auto and
-/// Python's strategy='auto' go through it):
+/// What strategy::AutoStrategy (auto.h) does for the Preconditioner with Options' `Strategy` auto at its first
+/// step (dkfac train --strategy auto and Python's strategy='auto' go through it):
 ///  1. rates = measure_rates(communicator, device, dtype, method) on every rank at once (collective; every
 ///     rank gets the same averaged numbers), or Rates read from a file written earlier;
 ///  2. choice = choose_strategy(shapes, P, options, rates, budget, batch, {factor, inv intervals at step 0});

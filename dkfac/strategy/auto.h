@@ -1,0 +1,82 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "dkfac/assign/assignment.h"
+#include "dkfac/options.h"
+#include "dkfac/strategy/rates.h"
+#include "dkfac/strategy/step_plan.h"
+#include "dkfac/strategy/time_model.h"
+
+namespace dkfac::comm {
+class Communicator;
+}  // namespace dkfac::comm
+
+namespace dkfac::strategy {
+
+/// Strategy auto on several ranks, from the first choice to the re-check: it owns the rates, the choice, the
+/// profile of the steps after it, their reduction over the ranks and the re-check. The Preconditioner asks it
+/// once before a step (choose, at the first) and once after (record; recheck when due), and replaces its
+/// executor when told to. Every call that communicates is collective: every rank makes it at the same step.
+class AutoStrategy {
+ public:
+  /// `communicator` spans more than one rank.
+  explicit AutoStrategy(std::shared_ptr<comm::Communicator> communicator);
+
+  /// The rates to choose from instead of measuring them at the first step; throws once the choice is made.
+  void use_rates(Rates rates);
+  /// True until choose() ran.
+  bool choice_pending() const { return pending_; }
+
+  /// The first choice, at step `step`, for `requested` (the options in force, which ask for Strategy::kAuto):
+  /// measures this machine's rates (unless given; collective), chooses with choose_strategy from the layers'
+  /// `shapes` and `batch` samples per rank per step, agrees on rank 0's pick (collective) and returns the
+  /// options to run (StrategyChoice::apply). The re-check chooses for `requested` again.
+  Options choose(const Options& requested, const std::vector<assign::LayerShape>& shapes, int64_t batch,
+                 c10::Device device, c10::ScalarType dtype, int64_t step);
+
+  /// After step `step` ran as `kind`, with this rank's seconds per phase: counted when it is a profiled step.
+  void record(int64_t step, StepKind kind, double factors, double second_order, double precondition,
+              double communication);
+  /// True when step `steps_done` - 1 was the last profiled step and the re-check has not run.
+  bool recheck_due(int64_t steps_done) const;
+  /// The re-check (collective): scales the choice's rates by what the slowest rank measured per phase
+  /// (communication: the rank that waited least) against `running_plan`'s prediction (calibrate); where a scale
+  /// is off by more than kRecheckTolerance, chooses again with the scaled rates. Returns the options to switch
+  /// to from step `steps_done`, or nothing to keep running `running`.
+  std::optional<Options> recheck(const std::vector<assign::LayerShape>& shapes, const StepPlan& running_plan,
+                                 const Options& running, int64_t steps_done);
+
+  /// The choice in words (StrategyChoice::describe and where its rates came from), followed after the re-check
+  /// by what it measured and decided; "" before the choice.
+  const std::string& description() const { return description_; }
+  /// The last re-check's part of description().
+  const std::string& last_report() const { return last_report_; }
+
+ private:
+  std::shared_ptr<comm::Communicator> communicator_;
+  Options requested_;  // choose()'s
+  bool pending_ = true;
+  std::optional<Rates> given_rates_;
+  std::string description_;
+  std::string last_report_;
+  /// The re-check's inputs, from the choice until it runs.
+  struct Recheck {
+    Rates rates;                 // those the choice was made with
+    std::string picked;          // the candidate picked with them
+    int64_t batch = 1;           // samples per rank per step
+    int64_t first_step = 0;      // the profiled steps: first_step .. last_step
+    int64_t last_step = 0;
+    ProfiledSteps profiled;      // this rank's
+  };
+  std::optional<Recheck> recheck_;
+};
+
+}  // namespace dkfac::strategy
