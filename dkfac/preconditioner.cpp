@@ -19,7 +19,7 @@
 namespace dkfac {
 namespace {
 
-constexpr int64_t kFormatVersion = 2;  // 2: every layer's state, world-size independent (1: one rank's)
+constexpr int64_t kFormatVersion = 2;  // every layer's whole state, world-size independent
 
 // A layer's two factors as messages name them, with their width and whether they are kept diagonal.
 struct FactorSide {
@@ -848,85 +848,65 @@ void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   }
 }
 
-void Preconditioner::load_own_state(torch::serialize::InputArchive& archive, int64_t steps) {
-  // Load into copies first so that a damaged checkpoint leaves this preconditioner unchanged.
-  std::vector<KfacLayer> loaded = layers_;
-  for (size_t i = 0; i < loaded.size(); ++i) {
-    torch::serialize::InputArchive nested;
-    TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
-                "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
-    loaded[i].load(nested);
-  }
-  layers_ = std::move(loaded);
-  steps_ = steps;
-}
-
 StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
   c10::IValue version;
   TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
               "not a dkfac preconditioner checkpoint (no format_version)");
   StateRestore restore;
   restore.format_version = version.toInt();
-  TORCH_CHECK(restore.format_version == 1 || restore.format_version == kFormatVersion,
-              "dkfac preconditioner checkpoint has format version ", restore.format_version,
-              ", this build reads versions 1 and ", kFormatVersion);
+  TORCH_CHECK(restore.format_version == kFormatVersion, "dkfac preconditioner checkpoint has format version ",
+              restore.format_version, "; this build reads version ", kFormatVersion, " only");
   const int64_t steps = read_int(archive, "steps", "");
   TORCH_CHECK(steps >= 0, "dkfac preconditioner checkpoint has steps ", steps, ": the archive is damaged");
   const int64_t num_layers = read_int(archive, "num_layers", "");
   TORCH_CHECK(num_layers == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers,
               " K-FAC layers, the model has ", layers_.size());
-  if (restore.format_version == 1) {
-    TORCH_CHECK(!(auto_ && auto_->choice_pending()), "a format 1 dkfac preconditioner checkpoint holds one rank's state of the plan "
-                "that wrote it; strategy auto cannot resume it: resume with the strategy that wrote it");
-    load_own_state(archive, steps);
-  } else {
-    const auto& plan = executor_->plan();
-    restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
-    TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
-                ": the archive is damaged");
-    restore.same_plan = !(auto_ && auto_->choice_pending()) && restore.world_size == plan.world_size() &&
-                        read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
-    const int64_t method = read_int(archive, "method", "");
-    TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
-                    method == static_cast<int64_t>(ComputeMethod::kInverse),
-                "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
-    const bool same_method = method == static_cast<int64_t>(plan.method);
-    std::vector<std::map<std::string, torch::Tensor>> states(layers_.size());
-    bool recompute = false;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const std::string where = " (K-FAC layer " + std::to_string(i) + ")";
-      torch::serialize::InputArchive nested;
-      TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
-                  "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
-      const auto name = read_string(nested, "name", where);
-      TORCH_CHECK(name == layers_[i].name(), "checkpoint holds K-FAC layer '", name, "' where the model has '",
-                  layers_[i].name(), "'");
-      bool has_second_order = false;
-      for (const auto& key : nested.keys()) {
-        if (key == "name") continue;
-        torch::Tensor tensor;
-        TORCH_CHECK(nested.try_read(key, tensor, /*is_buffer=*/true), "dkfac preconditioner checkpoint", where,
-                    ": entry '", key, "' is not a tensor: the archive is damaged");
-        if (!is_factor_key(key)) {
-          has_second_order = true;
-          if (!same_method) continue;  // of the other method: recomputed below
-        }
-        states[i][key] = tensor;
+  const auto& plan = executor_->plan();
+  restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
+  TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
+              ": the archive is damaged");
+  restore.same_plan = !(auto_ && auto_->choice_pending()) && restore.world_size == plan.world_size() &&
+                      read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
+  const int64_t method = read_int(archive, "method", "");
+  TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
+                  method == static_cast<int64_t>(ComputeMethod::kInverse),
+              "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
+  const bool same_method = method == static_cast<int64_t>(plan.method);
+  std::vector<std::map<std::string, torch::Tensor>> states(layers_.size());
+  bool recompute = false;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const std::string where = " (K-FAC layer " + std::to_string(i) + ")";
+    torch::serialize::InputArchive nested;
+    TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
+                "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
+    const auto name = read_string(nested, "name", where);
+    TORCH_CHECK(name == layers_[i].name(), "checkpoint holds K-FAC layer '", name, "' where the model has '",
+                layers_[i].name(), "'");
+    bool has_second_order = false;
+    for (const auto& key : nested.keys()) {
+      if (key == "name") continue;
+      torch::Tensor tensor;
+      TORCH_CHECK(nested.try_read(key, tensor, /*is_buffer=*/true), "dkfac preconditioner checkpoint", where,
+                  ": entry '", key, "' is not a tensor: the archive is damaged");
+      if (!is_factor_key(key)) {
+        has_second_order = true;
+        if (!same_method) continue;  // of the other method: recomputed below
       }
-      states[i] = placed_here(i, std::move(states[i]));
-      // Another method's state: every rank decides alike (the same archive), so the recompute is collective.
-      if (!same_method && has_second_order) recompute = true;
-      if (executor_->holds_second_order(i) && has_second_order && same_method) ++restore.placed_layers;
+      states[i][key] = tensor;
     }
-    std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
-    for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], plan.method);
-    layers_ = std::move(loaded);
-    steps_ = steps;
-    if (recompute) {
-      update_second_order();
-      for (size_t i = 0; i < layers_.size(); ++i) {
-        if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
-      }
+    states[i] = placed_here(i, std::move(states[i]));
+    // Another method's state: every rank decides alike (the same archive), so the recompute is collective.
+    if (!same_method && has_second_order) recompute = true;
+    if (executor_->holds_second_order(i) && has_second_order && same_method) ++restore.placed_layers;
+  }
+  std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
+  for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], plan.method);
+  layers_ = std::move(loaded);
+  steps_ = steps;
+  if (recompute) {
+    update_second_order();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
     }
   }
   for (auto& layer : layers_) layer.capture().clear();

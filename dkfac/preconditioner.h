@@ -48,8 +48,8 @@ struct LayerEvents {
 
 /// What Preconditioner::load() restored, for a training loop's resume line.
 struct StateRestore {
-  int64_t format_version = 0;     ///< the archive's (1: one rank's own state; 2: every layer's, world-size independent)
-  int world_size = 0;             ///< the world size that wrote it; 0 where the archive does not say (format 1)
+  int64_t format_version = 0;     ///< the archive's (2: every layer's whole state, world-size independent)
+  int world_size = 0;             ///< the world size that wrote it
   bool same_plan = false;         ///< written under this job's step plan: every rank gets back exactly what it held
   int64_t placed_layers = 0;      ///< layers whose second-order state this rank took from the archive
   int64_t recomputed_layers = 0;  ///< layers whose second-order state was recomputed from the factors
@@ -200,9 +200,8 @@ class Preconditioner {
   /// any world size and strategy: this rank keeps what its plan gives it (load_layer_states). The
   /// second-order state saved is exact whatever the plan; where the archive's compute method is not this
   /// one's, it is recomputed from the factors (collective: then every rank must load the same archive).
-  /// Format 1 archives (one rank's own state, dkfac before elastic checkpoints) load as written: only on
-  /// the world size and plan that wrote them. A corrupt or mismatched archive is refused naming the problem
-  /// (nothing changes then).
+  /// An archive of another format version (dkfac writes and reads format 2 only), a corrupt or a mismatched
+  /// archive is refused naming the problem (nothing changes then).
   StateRestore load(torch::serialize::InputArchive& archive);
 
  private:
@@ -269,8 +268,6 @@ class Preconditioner {
   /// Strategy auto's re-check after its profiled steps (strategy::AutoStrategy::recheck, collective), and the
   /// switch it may decide.
   void recheck_strategy();
-  /// Loads format 1 (this rank's own state as KfacLayer::save wrote it).
-  void load_own_state(torch::serialize::InputArchive& archive, int64_t steps);
 
   /// Warns that layer `index`'s captured factors were not finite, and counts the fallback.
   void warn_factor_fallback(size_t index);

@@ -80,8 +80,7 @@ struct Rates {
   /// The allreduce while every rank also computes (a kernel loop on a thread of its own): what a collective
   /// started during backward costs, as SPD-KFAC's pipelined factor groups are. Where ranks outnumber the
   /// cores, a collective waits for its peers' transport threads to be scheduled between their compute
-  /// (measured with 4 Gloo processes on 2 cores: a 4 B allreduce 0.4 ms idle, 8 ms busy). Rates files
-  /// without it (written before it existed) read it as `allreduce`.
+  /// (measured with 4 Gloo processes on 2 cores: a 4 B allreduce 0.4 ms idle, 8 ms busy).
   assign::AlphaBeta allreduce_busy;
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
   /// One rate per math::FactorKernel (for_kernel picks it), each measured on its own kernel:
@@ -90,18 +89,15 @@ struct Rates {
   /// kernel-row shifts (about 2/3 of the covariance's work).
   FactorRate conv_factor;
   /// kConvPatches: strided and 1 x 1 convolutions' A factors (a channels-last patch copy, then a covariance:
-  /// measured 2-3x the row-shift rate's time for the same rows and d). Rates files without it read it as
-  /// `conv_factor`.
+  /// measured 2-3x the row-shift rate's time for the same rows and d).
   FactorRate conv_patches_factor;
   /// kConvUnfold: A factors of convolutions with fewer than math::kChannelsLastMin input channels (unfold).
-  /// Rates files without it read it as `conv_factor`.
   FactorRate conv_unfold_factor;
   /// kConvGradient: a convolution's G factor from its [B, C, H, W] output gradient (math::conv2d_g_factor;
   /// rows = B H W, d = C), which reads the gradient in its stored layout rather than as the contiguous
-  /// [rows, d] matrix `factor` was measured on. Rates files without it read it as `factor`.
+  /// [rows, d] matrix `factor` was measured on.
   FactorRate conv_g_factor;
-  /// Folding each built layer's batch factors into its running averages, once per factor step. Rates files
-  /// without it read it as free.
+  /// Folding each built layer's batch factors into its running averages, once per factor step.
   FoldRate fold;
   DecompositionRate decomposition;
   PreconditionRate precondition;

@@ -343,29 +343,23 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   r.method = method == "eigen" ? ComputeMethod::kEigen : ComputeMethod::kInverse;
   r.threads = field<int>(j, nullptr, "threads");
   r.conditions = j.value("conditions", std::string());
-  for (const char* kind : {"allreduce", "broadcast"}) {
+  // One format, as rates_to_json writes it: every field is required, a missing one is named.
+  for (const char* kind : {"allreduce", "broadcast", "allreduce_busy"}) {
     TORCH_CHECK(j.contains(kind), "rates: missing field ", kind);
-    auto& link = std::string(kind) == "allreduce" ? r.allreduce : r.broadcast;
-    link.alpha = field<double>(j, kind, "alpha_s");
-    link.beta = field<double>(j, kind, "beta_s_per_byte");
   }
-  r.allreduce_busy = r.allreduce;  // files written before it was measured
-  if (j.contains("allreduce_busy")) {
-    r.allreduce_busy = {field<double>(j, "allreduce_busy", "alpha_s"), field<double>(j, "allreduce_busy", "beta_s_per_byte")};
-  }
-  for (const char* part : {"factor", "conv_factor", "decomposition", "precondition"}) {
+  r.allreduce = {field<double>(j, "allreduce", "alpha_s"), field<double>(j, "allreduce", "beta_s_per_byte")};
+  r.broadcast = {field<double>(j, "broadcast", "alpha_s"), field<double>(j, "broadcast", "beta_s_per_byte")};
+  r.allreduce_busy = {field<double>(j, "allreduce_busy", "alpha_s"), field<double>(j, "allreduce_busy", "beta_s_per_byte")};
+  for (const char* part : {"factor", "conv_factor", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold",
+                           "decomposition", "precondition"}) {
     TORCH_CHECK(j.contains(part), "rates: missing field ", part);
   }
   r.factor = factor_rate_from_json(j, "factor");
   r.conv_factor = factor_rate_from_json(j, "conv_factor");
-  // Files written before these were measured: the rates that priced those factors then, and a free fold.
-  const auto optional_rate = [&](const char* name, const strategy::FactorRate& before) {
-    return j.contains(name) ? factor_rate_from_json(j, name) : before;
-  };
-  r.conv_g_factor = optional_rate("conv_g_factor", r.factor);
-  r.conv_patches_factor = optional_rate("conv_patches_factor", r.conv_factor);
-  r.conv_unfold_factor = optional_rate("conv_unfold_factor", r.conv_factor);
-  if (j.contains("fold")) r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
+  r.conv_g_factor = factor_rate_from_json(j, "conv_g_factor");
+  r.conv_patches_factor = factor_rate_from_json(j, "conv_patches_factor");
+  r.conv_unfold_factor = factor_rate_from_json(j, "conv_unfold_factor");
+  r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
   r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
   r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
   r.decomposition.latency = field<double>(j, "decomposition", "latency_s");

@@ -480,8 +480,8 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
     return v;
   };
   const int64_t version = read("format_version").toInt();
-  TORCH_CHECK(version == 2 || version == kCheckpointVersion, "checkpoint '", path, "' has format version ", version,
-              ", this build reads 2 and ", kCheckpointVersion);
+  TORCH_CHECK(version == kCheckpointVersion, "checkpoint '", path, "' has format version ", version,
+              "; this build reads version ", kCheckpointVersion, " only");
   auto expect = [&](const char* key, const std::string& mine) {
     const auto value = read(key);
     TORCH_CHECK(value.isString(), "checkpoint '", path, "' has a damaged '", key, "' entry");
@@ -493,19 +493,11 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   expect("dataset", to_string(config_.dataset));
   expect("optimizer_name", to_string(config_.optimizer));
   expect("shapes", shape_signature(*s.model));
-  if (version == 2) {
-    // Each rank's own K-FAC state: only the job that wrote it can continue it.
-    TORCH_CHECK(!chosen->other_world, "checkpoint '", path, "' was written by a dkfac before elastic checkpoints ",
-                "(format 2: each rank holds only its own K-FAC state), with layout '", read("layout").toStringRef(),
-                "'; resume it with that number of ranks");
-    expect("layout", layout());
-  } else {
-    const auto theirs = read("job_layout");
-    TORCH_CHECK(theirs.isString(), "checkpoint '", path, "' has a damaged 'job_layout' entry");
-    TORCH_CHECK(theirs.toStringRef() == job_layout(), "checkpoint '", path, "' was written with layout '",
-                read("layout").toStringRef(), "', this run uses '", layout(), "' (a resume may change the number "
-                "of ranks, not the strategy or placement)");
-  }
+  const auto theirs = read("job_layout");
+  TORCH_CHECK(theirs.isString(), "checkpoint '", path, "' has a damaged 'job_layout' entry");
+  TORCH_CHECK(theirs.toStringRef() == job_layout(), "checkpoint '", path, "' was written with layout '",
+              read("layout").toStringRef(), "', this run uses '", layout(), "' (a resume may change the number "
+              "of ranks, not the strategy or placement)");
   TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
               read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
   const auto changed = changed_options(archive, path);
@@ -524,16 +516,13 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   archive.read("rng", rng, /*is_buffer=*/true);
   at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
   generator.set_state(rng.to(torch::kCPU));  // the CPU generator's state, read onto device_ with the rest
-  const int64_t written_world = version == 2 ? world_ : read("world_size").toInt();
-  const int64_t written_batch = version == 2 ? global_batch() : read("global_batch").toInt();
+  const int64_t written_world = read("world_size").toInt();
+  const int64_t written_batch = read("global_batch").toInt();
   Position at{read("epoch").toInt(), read("step_in_epoch").toInt()};
-  int64_t repeated = 0;  // examples of the epoch seen before the checkpoint that this run sees again
-  if (version > 2) {
-    // The position in examples, as steps of this run's global batch (rounded down: a partial step is redone).
-    const int64_t examples = read("epoch_examples").toInt();
-    at.step_in_epoch = std::min(examples / global_batch(), s.steps_per_epoch);
-    repeated = examples - at.step_in_epoch * global_batch();
-  }
+  // The position in examples, as steps of this run's global batch (rounded down: a partial step is redone).
+  const int64_t examples = read("epoch_examples").toInt();
+  at.step_in_epoch = std::min(examples / global_batch(), s.steps_per_epoch);
+  const int64_t repeated = examples - at.step_in_epoch * global_batch();  // examples this run sees again
   s.global_step = read("global_step").toInt();
   s.best_accuracy = read("best_accuracy").toDouble();
   s.wall_offset = read("wall_seconds").toDouble();
@@ -548,8 +537,8 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
 
 std::string Trainer::changed_options(torch::serialize::InputArchive& archive, const std::string& path) const {
   c10::IValue written;
-  if (!archive.try_read("options", written)) return "";  // written before checkpoints kept their options
-  TORCH_CHECK(written.isString(), "checkpoint '", path, "' has a damaged 'options' entry");
+  TORCH_CHECK(archive.try_read("options", written) && written.isString(), "checkpoint '", path,
+              "' has no readable 'options' entry: the file is damaged");
   const auto theirs = nlohmann::json::parse(written.toStringRef(), nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK(theirs.is_object(), "checkpoint '", path, "' has a damaged 'options' entry");
   const auto mine = to_json(config_);
@@ -592,7 +581,7 @@ std::string Trainer::resume_differences(int64_t written_world, int64_t written_b
     out << "; written by a " << written_world << "-rank job, continued on " << world_ << " rank"
         << (world_ == 1 ? "" : "s");
   }
-  if (restore && (!restore->same_plan || restore->recomputed_layers > 0) && restore->format_version > 1) {
+  if (restore && (!restore->same_plan || restore->recomputed_layers > 0)) {
     out << "; " << restore->describe(world_);
   }
   if (same_world && written_batch == global_batch() && repeated == 0) return out.str();
