@@ -31,7 +31,8 @@ struct KernelPlan {
   std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
   // 3 x 3 stride-1 convolutions' inputs {batch, channels, height (= width)}: rows = batch height^2, d = 9 channels;
   // and output gradients of the same shapes for the G factor: d = channels. Up to [64, 16, 28, 28] (a
-  // ResNet's first stage at batch 64: 50176 rows), past which the input no longer fits this CPU's L2 cache.
+  // ResNet's first stage at batch 64: 50176 rows); why not larger: docs/STRATEGIES.md, "Choosing
+  // automatically", Rates.
   std::vector<std::array<int64_t, 3>> conv_inputs = {{2, 8, 8}, {8, 16, 28}, {16, 32, 14}, {32, 64, 7}, {32, 16, 32},
                                                      {64, 16, 28}};
   // Convolutions of the patches kernel, {batch, channels, height (= width), kernel (square), stride}: the
@@ -379,9 +380,9 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   if (world > 1) {
     time_collectives(Collective::kAllreduce, /*busy=*/false);
     time_collectives(Collective::kBroadcast, /*busy=*/false);
-    // The allreduces again, with this rank computing meanwhile. Waiting to be scheduled comes and goes
-    // (4 ranks on 2 cores: single collectives of 0.3 ms and of 8 ms, and medians of 5 that fitted a start-up
-    // anywhere in between), and a job pays the mean of many: the mean of 25.
+    // The allreduces again, with this rank computing meanwhile. Where ranks outnumber the cores, waiting to be
+    // scheduled comes and goes (docs/STRATEGIES.md, "Choosing automatically", Rates), and a job pays the mean
+    // of many: the mean of 25.
     ComputeLoop computing(device, dtype);
     time_collectives(Collective::kAllreduce, /*busy=*/true);
   }
@@ -405,7 +406,8 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     std::vector<double> together = {time_probe(device, dtype)};
     comm::average_over(communicator, comm::kWorld, together);
     // On CPUs no more ranks than cores / threads per rank can run at full speed at once, whatever the probe
-    // says: on 2 cores 4 ranks measured 2.6-3.6 (rank 0's time alone inflated while the others waited).
+    // says (rank 0's time alone is inflated while the others wait: docs/STRATEGIES.md, "Choosing
+    // automatically", Rates).
     const double cores = std::max(1u, std::thread::hardware_concurrency());
     const double most = device.is_cpu() ? std::clamp(cores / std::max(1, rates.threads), 1.0, double(world)) : world;
     rates.parallel_ranks = std::clamp(world * kernels.back() / std::max(together[0], 1e-12), 1.0, most);

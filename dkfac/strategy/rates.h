@@ -67,8 +67,8 @@ struct Rates {
   /// machine, so its world. The time model lets a node's busy ranks share `parallel_ranks` full speeds.
   int ranks_per_node = 1;
   /// How many of a node's ranks compute at full speed at once: P t_alone / t_together for one kernel run by
-  /// rank 0 alone and by every rank at once, in [1, ranks_per_node] (CPU ranks sharing 2 cores: about 2;
-  /// one GPU per rank: ranks_per_node; on CPUs measure_rates caps it at cores / threads per rank). The kernel
+  /// rank 0 alone and by every rank at once, in [1, ranks_per_node] (one GPU per rank: ranks_per_node; on CPUs
+  /// measure_rates caps it at cores / threads per rank). The kernel
   /// rates below are one rank's alone.
   double parallel_ranks = 1;
   std::string device = "cpu";                   ///< where the kernels ran ("cpu", "cuda:0")
@@ -80,7 +80,7 @@ struct Rates {
   /// The allreduce while every rank also computes (a kernel loop on a thread of its own): what a collective
   /// started during backward costs, as SPD-KFAC's pipelined factor groups are. Where ranks outnumber the
   /// cores, a collective waits for its peers' transport threads to be scheduled between their compute
-  /// (measured with 4 Gloo processes on 2 cores: a 4 B allreduce 0.4 ms idle, 8 ms busy).
+  /// (figures: docs/STRATEGIES.md, "Choosing automatically", Rates).
   assign::AlphaBeta allreduce_busy;
   assign::AlphaBeta broadcast;                  ///< likewise, from rank 0 to the world
   /// One rate per math::FactorKernel (for_kernel picks it), each measured on its own kernel:
@@ -131,8 +131,8 @@ struct Rates {
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
 /// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
-/// same Rates. About 2-3 s on 2 CPU cores. A communicator of one rank measures the kernels only
-/// (collectives cost 0).
+/// same Rates (its duration: docs/STRATEGIES.md, "Choosing automatically", Rates). A communicator of one rank
+/// measures the kernels only (collectives cost 0).
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method);
 
