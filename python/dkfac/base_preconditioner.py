@@ -28,8 +28,7 @@ from dkfac import _C
 
 logger = logging.getLogger('dkfac')
 
-_STATE_FORMAT = 2  # 2: what the plan places on a rank, with `held` (Stateful for DCP); 1: with None
-_STATE_FORMATS_READ = (1, 2)
+_STATE_FORMAT = 2  # what the plan places on a rank, with `held` (Stateful for DCP): the one format read
 _SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
 # The core's layer state entries (key, is a factor, side 'a' or 'g'); factors by kfac_pytorch's names 'A', 'G'.
 _STATE_ENTRIES = _C.layer_state_entries()
@@ -435,8 +434,9 @@ class BaseKFACPreconditioner:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
         steps = int(state_dict['steps'])
         ours = state_dict.get('dkfac')
-        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) not in _STATE_FORMATS_READ:
-            raise ValueError(f"dkfac state format {ours.get('format_version')} is not one of {_STATE_FORMATS_READ}")
+        if isinstance(ours, dict) and ours.get('format_version', _STATE_FORMAT) != _STATE_FORMAT:
+            raise ValueError(f"dkfac state format {ours.get('format_version')} is not {_STATE_FORMAT}, the one this "
+                             'version writes and reads')
         ours = ours if isinstance(ours, dict) else {}
         held_flags = ours.get('held', {})
         template = self._core.state_template()
@@ -455,7 +455,7 @@ class BaseKFACPreconditioner:
                 flags = held_flags.get(name, {})
                 found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
                 found.update(ours.get('second_order', {}).get(name, {}))
-                # Present: written and computed (format 1 wrote None for what a rank did not hold).
+                # Present: written and computed (kfac_pytorch writes None for a factor not built yet).
                 s = {k: t for k, t in found.items() if t is not None and flags.get(k, True)}
                 missing = [k for k in want if k in _FACTOR_KEYS and found.get(k) is None]
                 if missing and steps > 0 and refusal is None:

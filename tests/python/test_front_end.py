@@ -239,6 +239,10 @@ def test_state_dict_errors_name_the_problem():
         p.load_state_dict({'steps': 0, 'layers': {'0': {'A': None, 'G': None}, 'x': {'A': None, 'G': None}}})
     with pytest.raises(RuntimeError, match="layer '0': A factor has shape"):
         p.load_state_dict({'steps': 0, 'layers': {'0': {'A': torch.eye(3), 'G': None}, '2': {'A': None, 'G': None}}})
+    state = p.state_dict()
+    state['dkfac']['format_version'] = 1  # what no release wrote: one format is read, another is named
+    with pytest.raises(ValueError, match='dkfac state format 1 is not 2, the one this version writes and reads'):
+        p.load_state_dict(state)
     assert p.steps == 0
 
 
