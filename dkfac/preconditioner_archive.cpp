@@ -1,0 +1,181 @@
+// Preconditioner's archive: save and load (format 2, every layer's whole state, world-size independent),
+// the state a checkpoint reader fills in place (state_template) and what the plan places on this rank.
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dkfac/preconditioner.h"
+
+namespace dkfac {
+namespace {
+
+constexpr int64_t kFormatVersion = 2;  // every layer's whole state, world-size independent
+
+bool is_factor_key(const std::string& key) {
+  const auto* entry = layer_state_entry(key);  // an unknown key is refused by KfacLayer::load_state
+  return entry != nullptr && entry->factor;
+}
+
+// An integer entry of a preconditioner archive, or a refusal naming it.
+int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "dkfac preconditioner checkpoint", where,
+              " has no integer '", key, "' entry: the archive is damaged");
+  return value.toInt();
+}
+
+std::string read_string(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isString(), "dkfac preconditioner checkpoint", where,
+              " has no '", key, "' entry: the archive is damaged");
+  return value.toStringRef();
+}
+
+}  // namespace
+
+std::string StateRestore::describe(int world_size_now) const {
+  const auto ranks = [](int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); };
+  std::ostringstream out;
+  if (format_version == 1) {
+    out << "K-FAC state of this rank restored as written (format 1: one rank's own state)";
+    return out.str();
+  }
+  if (same_plan) {
+    out << "K-FAC state restored exactly (same world size and plan)";
+  } else {
+    out << "K-FAC state of a " << world_size << "-rank job re-placed for " << ranks(world_size_now)
+        << " (factors, and second-order state exact as saved)";
+  }
+  if (recomputed_layers > 0) {
+    out << "; the second-order state of " << recomputed_layers << " layer(s) recomputed from the factors (the "
+        << "archive's compute method is not this job's)";
+  }
+  return out.str();
+}
+
+std::map<std::string, torch::Tensor> Preconditioner::placed_here(size_t index,
+                                                                 std::map<std::string, torch::Tensor> state) const {
+  const bool factors = executor_->builds_factors(index);
+  const bool second_order = executor_->holds_second_order(index);
+  for (auto it = state.begin(); it != state.end();) {
+    const bool keep = is_factor_key(it->first) ? factors : second_order;
+    it = keep ? std::next(it) : state.erase(it);
+  }
+  return state;
+}
+
+std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template() const {
+  const bool eigen = options_.compute_method() == ComputeMethod::kEigen;
+  std::vector<std::map<std::string, torch::Tensor>> templates(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    const bool factors = executor_->builds_factors(i);
+    const bool whole = executor_->preconditions(i);
+    for (const auto& entry : layer_state_entries()) {
+      // Second-order entries: eigenvectors, eigenvalues and their denominator for eigen; inverses ('f') else.
+      const bool wanted = entry.factor ? factors : whole && (entry.form == 'f') != eigen;
+      const auto shape = layer.state_shape(entry);
+      if (!wanted || shape.empty()) continue;
+      const auto dtype = entry.factor ? layer.factor_dtype() : layer.second_order_dtype();
+      templates[i][entry.key] = torch::empty(shape, layer.weight().options().dtype(dtype));
+    }
+  }
+  return templates;
+}
+
+void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
+  const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
+  const auto& plan = executor_->plan();
+  archive.write("format_version", c10::IValue(kFormatVersion));
+  archive.write("steps", c10::IValue(steps_));
+  archive.write("num_layers", c10::IValue(static_cast<int64_t>(layers_.size())));
+  archive.write("world_size", c10::IValue(static_cast<int64_t>(plan.world_size())));
+  archive.write("plan", c10::IValue(plan.describe(/*per_layer=*/true)));
+  archive.write("method", c10::IValue(static_cast<int64_t>(plan.method)));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    torch::serialize::OutputArchive nested;
+    nested.write("name", c10::IValue(layers_[i].name()));
+    for (const auto& [key, tensor] : states[i]) nested.write(key, tensor, /*is_buffer=*/true);
+    archive.write("layer" + std::to_string(i), nested);
+  }
+}
+
+StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
+  c10::IValue version;
+  TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
+              "not a dkfac preconditioner checkpoint (no format_version)");
+  StateRestore restore;
+  restore.format_version = version.toInt();
+  TORCH_CHECK(restore.format_version == kFormatVersion, "dkfac preconditioner checkpoint has format version ",
+              restore.format_version, "; this build reads version ", kFormatVersion, " only");
+  const int64_t steps = read_int(archive, "steps", "");
+  TORCH_CHECK(steps >= 0, "dkfac preconditioner checkpoint has steps ", steps, ": the archive is damaged");
+  const int64_t num_layers = read_int(archive, "num_layers", "");
+  TORCH_CHECK(num_layers == static_cast<int64_t>(layers_.size()), "checkpoint holds ", num_layers,
+              " K-FAC layers, the model has ", layers_.size());
+  const auto& plan = executor_->plan();
+  restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
+  TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
+              ": the archive is damaged");
+  restore.same_plan = !(auto_ && auto_->choice_pending()) && restore.world_size == plan.world_size() &&
+                      read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
+  const int64_t method = read_int(archive, "method", "");
+  TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
+                  method == static_cast<int64_t>(ComputeMethod::kInverse),
+              "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
+  const bool same_method = method == static_cast<int64_t>(plan.method);
+  std::vector<std::map<std::string, torch::Tensor>> states(layers_.size());
+  bool recompute = false;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const std::string where = " (K-FAC layer " + std::to_string(i) + ")";
+    torch::serialize::InputArchive nested;
+    TORCH_CHECK(archive.try_read("layer" + std::to_string(i), nested), "dkfac preconditioner checkpoint has no "
+                "entry for K-FAC layer ", i, " ('", layers_[i].name(), "'): the archive is damaged");
+    const auto name = read_string(nested, "name", where);
+    TORCH_CHECK(name == layers_[i].name(), "checkpoint holds K-FAC layer '", name, "' where the model has '",
+                layers_[i].name(), "'");
+    bool has_second_order = false;
+    for (const auto& key : nested.keys()) {
+      if (key == "name") continue;
+      torch::Tensor tensor;
+      TORCH_CHECK(nested.try_read(key, tensor, /*is_buffer=*/true), "dkfac preconditioner checkpoint", where,
+                  ": entry '", key, "' is not a tensor: the archive is damaged");
+      if (!is_factor_key(key)) {
+        has_second_order = true;
+        if (!same_method) continue;  // of the other method: recomputed below
+      }
+      states[i][key] = tensor;
+    }
+    states[i] = placed_here(i, std::move(states[i]));
+    // Another method's state: every rank decides alike (the same archive), so the recompute is collective.
+    if (!same_method && has_second_order) recompute = true;
+    if (executor_->holds_second_order(i) && has_second_order && same_method) ++restore.placed_layers;
+  }
+  std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
+  for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], plan.method);
+  layers_ = std::move(loaded);
+  steps_ = steps;
+  if (recompute) {
+    update_second_order();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
+    }
+  }
+  for (auto& layer : layers_) layer.capture().clear();
+  arm_capture();
+  return restore;
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const Preconditioner& preconditioner) {
+  preconditioner.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, Preconditioner& preconditioner) {
+  preconditioner.load(archive);
+  return archive;
+}
+
+}  // namespace dkfac
