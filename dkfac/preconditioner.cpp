@@ -341,22 +341,30 @@ void Preconditioner::check_schedules_agree() const {
   // The next step's factor interval too: the end of this step arms the captures by it (arm_capture), and on a
   // factor step the capture hooks start factor collectives, before the next step's check could run.
   const int64_t s = steps_;
-  const std::vector<std::pair<std::string, double>> values = {
-      {"lr", options_.lr_at(s)},
-      {"damping", options_.damping_at(s)},
-      {"kl_clip", options_.kl_clip_at(s)},
-      {"factor_decay", options_.factor_decay_at(s)},
-      {"factor_update_steps", static_cast<double>(options_.factor_update_steps_at(s))},
-      {"inv_update_steps", static_cast<double>(options_.inv_update_steps_at(s))},
-      {"factor_update_steps at step " + std::to_string(s + 1), static_cast<double>(options_.factor_update_steps_at(s + 1))}};
+  struct Value {
+    const char* name;
+    int64_t step;  // the step it is the value at
+    double value;
+  };
+  const Value values[] = {
+      {"lr", s, options_.lr_at(s)},
+      {"damping", s, options_.damping_at(s)},
+      {"kl_clip", s, options_.kl_clip_at(s)},
+      {"factor_decay", s, options_.factor_decay_at(s)},
+      {"factor_update_steps", s, static_cast<double>(options_.factor_update_steps_at(s))},
+      {"inv_update_steps", s, static_cast<double>(options_.inv_update_steps_at(s))},
+      {"factor_update_steps", s + 1, static_cast<double>(options_.factor_update_steps_at(s + 1))}};
   std::vector<double> mine;
-  for (const auto& [name, value] : values) mine.push_back(value);
+  for (const auto& v : values) mine.push_back(v.value);
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Phase::kControl);
   for (size_t rank = 1; rank < table.size(); ++rank) {
-    for (size_t k = 0; k < values.size(); ++k) {
-      TORCH_CHECK(table[rank][k] == table[0][k], "the ranks' hyper-parameters differ at K-FAC step ", s, ": rank ",
-                  rank, " has ", values[k].first, "=", table[rank][k], " where rank 0 has ", values[k].first, "=",
-                  table[0][k], ". Every rank must use the same values (a schedule: the same function of the step)");
+    for (size_t k = 0; k < mine.size(); ++k) {
+      if (table[rank][k] == table[0][k]) continue;
+      const auto& v = values[k];
+      const std::string name = v.step == s ? v.name : c10::str(v.name, " at step ", v.step);
+      TORCH_CHECK(false, "the ranks' hyper-parameters differ at K-FAC step ", s, ": rank ", rank, " has ", name, "=",
+                  table[rank][k], " where rank 0 has ", name, "=", table[0][k],
+                  ". Every rank must use the same values (a schedule: the same function of the step)");
     }
   }
 }
@@ -392,7 +400,7 @@ void Preconditioner::step() {
     throw;
   }
   close_step_timing();
-  if (auto_) {
+  if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
     const auto t = last_step_times();
     auto_->record(steps_, {factor_step, is_inverse_step(steps_)}, t.factors, t.second_order, t.precondition,
                   t.communication);

@@ -41,7 +41,7 @@ Options AutoStrategy::choose(const Options& requested, const std::vector<assign:
 
 void AutoStrategy::record(int64_t step, StepKind kind, double factors, double second_order, double precondition,
                           double communication) {
-  if (!recheck_ || step < recheck_->first_step || step > recheck_->last_step) return;
+  TORCH_CHECK(profiles(step), "strategy auto does not profile step ", step);
   auto& p = recheck_->profiled;
   p.kinds.push_back(kind);
   p.factors += factors;

@@ -42,7 +42,9 @@ class AutoStrategy {
   Options choose(const Options& requested, const std::vector<assign::LayerShape>& shapes, int64_t batch,
                  c10::Device device, c10::ScalarType dtype, int64_t step);
 
-  /// After step `step` ran as `kind`, with this rank's seconds per phase: counted when it is a profiled step.
+  /// True when step `step` is one the re-check profiles (its times are to be record()ed).
+  bool profiles(int64_t step) const { return recheck_ && step >= recheck_->first_step && step <= recheck_->last_step; }
+  /// After profiled step `step` (profiles(step)) ran as `kind`, with this rank's seconds per phase.
   void record(int64_t step, StepKind kind, double factors, double second_order, double precondition,
               double communication);
   /// True when step `steps_done` - 1 was the last profiled step and the re-check has not run.

@@ -41,6 +41,12 @@ bool solve(std::vector<std::vector<double>> m, std::vector<double> b, std::vecto
   return true;
 }
 
+// Seconds per d^3 from the probe's time (decomposition costs d^3).
+double per_cubed_dim(double probe_seconds) {
+  const double probe = static_cast<double>(kSpdProbeDim);
+  return probe_seconds / (probe * probe * probe);
+}
+
 }  // namespace
 
 std::vector<double> time_runs(c10::Device device, int repeats, const std::function<void()>& work) {
@@ -85,14 +91,19 @@ std::vector<double> time_link(comm::Communicator& communicator, comm::GroupId gr
   return seconds;
 }
 
+std::pair<double, double> fit_affine(const std::vector<double>& units, const std::vector<double>& seconds) {
+  std::vector<std::vector<double>> features;
+  for (double u : units) features.push_back({1.0, u});
+  const auto c = fit_nonnegative(features, seconds);
+  return {c[0], c[1]};
+}
+
 assign::AlphaBeta fit_link(const std::vector<double>& seconds) {
   const auto bytes = link_bytes();
   TORCH_CHECK(seconds.size() == bytes.size(), "fit_link: ", seconds.size(), " times for ", bytes.size(),
               " link sizes");
-  std::vector<std::vector<double>> features;
-  for (double b : bytes) features.push_back({1.0, b});
-  const auto c = fit_nonnegative(features, seconds);
-  return assign::AlphaBeta{c[0], c[1]};
+  const auto [alpha, beta] = fit_affine(bytes, seconds);
+  return assign::AlphaBeta{alpha, beta};
 }
 
 assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group, c10::Device device) {
@@ -119,8 +130,7 @@ int64_t spd_redundant_dim(double probe_seconds, const assign::AlphaBeta& link, c
                           ComputeMethod method) {
   const double element = static_cast<double>(c10::elementSize(dtype));
   const double per_entry = method == ComputeMethod::kEigen ? element : element / 2;
-  const double probe = static_cast<double>(kSpdProbeDim);
-  return assign::redundant_dim_threshold(probe_seconds / (probe * probe * probe), link, per_entry);
+  return assign::redundant_dim_threshold(per_cubed_dim(probe_seconds), link, per_entry);
 }
 
 SpdMeasurement measure_spd(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
@@ -191,8 +201,7 @@ std::string describe(const SpdMeasurement& m) {
   std::ostringstream out;
   out << "measured: link alpha " << m.link.alpha * 1e6 << " us, beta " << m.link.beta * 1e9 << " ns/B";
   if (m.redundant_dim >= 0) {
-    const double probe = static_cast<double>(kSpdProbeDim);
-    out << "; decomposition " << m.probe_seconds / (probe * probe * probe) * 1e9 << " ns/d^3, so factors of dim <= "
+    out << "; decomposition " << per_cubed_dim(m.probe_seconds) * 1e9 << " ns/d^3, so factors of dim <= "
         << m.redundant_dim << " are decomposed on every rank";
   }
   return out.str();

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -39,8 +40,11 @@ enum class Collective { kAllreduce, kBroadcast };
 std::vector<double> time_link(comm::Communicator& communicator, comm::GroupId group, c10::Device device,
                               Collective collective, int repeats = kLinkRepeats, bool mean = false);
 
-/// seconds = alpha + beta bytes fitted to one time per link_sizes() entry: least squares on relative error with
-/// alpha, beta >= 0 (fit_nonnegative), so that the 4 B start-up and the 4 MiB transfer count alike.
+/// {start-up, per unit}: seconds = start-up + per_unit units fitted to one time per `units` value, least
+/// squares on relative error with both >= 0 (fit_nonnegative), so that small and large measurements count alike.
+std::pair<double, double> fit_affine(const std::vector<double>& units, const std::vector<double>& seconds);
+
+/// fit_affine of one time per link_sizes() entry against its bytes: the link's alpha and beta.
 assign::AlphaBeta fit_link(const std::vector<double>& seconds);
 
 /// The allreduce link on `group`: time_link, averaged over the group so that every rank gets the same model,

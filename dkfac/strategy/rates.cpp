@@ -54,7 +54,8 @@ KernelPlan kernel_plan(ComputeMethod method) {
   // No powers of two: LAPACK on CPUs is measurably slower at d = 512 or 1024 (cache associativity) than at
   // the dimensions around them (inverse, one thread: 4.2 ms at 512, 4.2 ms at 576), which a table of powers
   // of two would spread over every dimension between.
-  // kSpdProbeDim (256) among them: SPD-KFAC's threshold reads the table there (Rates::spd_redundant_dim).
+  // 256 is the one power of two: kSpdProbeDim, where SPD-KFAC's threshold reads the table
+  // (Rates::spd_redundant_dim) and its own executor times the same decomposition (measure_spd).
   k.decomposition_dims = method == ComputeMethod::kEigen ? std::vector<int64_t>{16, 48, 96, 192, 256, 384, 640}
                                                          : std::vector<int64_t>{16, 48, 96, 192, 256, 384, 768, 1536};
   return k;
@@ -185,16 +186,13 @@ FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points,
   return FactorRate{c[0], c[1], c[2]};
 }
 
-/// {start-up, per unit} fitted to one figure per `units` value, read from `figures` at `at` on (advanced).
-std::pair<double, double> fit_affine(const std::vector<double>& units, const std::vector<double>& figures, size_t& at) {
-  std::vector<std::vector<double>> features;
-  std::vector<double> seconds;
-  for (double u : units) {
-    features.push_back({1.0, u});
-    seconds.push_back(figures.at(at++));
-  }
-  const auto c = fit_nonnegative(features, seconds);
-  return {c[0], c[1]};
+/// fit_affine (measure.h) to one figure per `units` value, read from `figures` at `at` on (advanced).
+std::pair<double, double> fit_affine_at(const std::vector<double>& units, const std::vector<double>& figures, size_t& at) {
+  TORCH_CHECK(at + units.size() <= figures.size(), "rates: ", figures.size(), " figures, ", at + units.size(), " read");
+  const std::vector<double> seconds(figures.begin() + static_cast<std::ptrdiff_t>(at),
+                                    figures.begin() + static_cast<std::ptrdiff_t>(at + units.size()));
+  at += units.size();
+  return fit_affine(units, seconds);
 }
 
 void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
@@ -216,7 +214,7 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
   rates.conv_unfold_factor = fit_factor_rate(unfold, figures, at);
   std::vector<double> entries;
   for (const auto& [a, g] : k.fold_shapes) entries.push_back(static_cast<double>(a * a + g * g));
-  const auto [fold_seconds, per_entry] = fit_affine(entries, figures, at);
+  const auto [fold_seconds, per_entry] = fit_affine_at(entries, figures, at);
   rates.fold = FoldRate{fold_seconds, per_entry};
   rates.decomposition = DecompositionRate{};
   for (int64_t d : k.decomposition_dims) {
@@ -227,7 +225,7 @@ void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, s
   for (const auto& [g, a] : k.precondition_shapes) {
     flops.push_back((method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a));
   }
-  const auto [precondition_seconds, per_flop] = fit_affine(flops, figures, at);
+  const auto [precondition_seconds, per_flop] = fit_affine_at(flops, figures, at);
   rates.precondition = PreconditionRate{precondition_seconds, per_flop};
 }
 
