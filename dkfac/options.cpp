@@ -62,6 +62,10 @@ void Options::validate() const {
   checked("memory_budget", memory_budget_);
   TORCH_CHECK(memory_budget_ == 0 || strategy_ == Strategy::kAuto, "memory_budget applies to strategy auto only (",
               to_string(strategy_), " places its own work), got ", memory_budget_);
+  TORCH_CHECK(sharded_placement_ != ShardedPlacement::kOwner || strategy_ == Strategy::kKaisa ||
+                  strategy_ == Strategy::kDp,
+              "sharded_placement owner needs strategy kaisa or dp (one owner per layer), got strategy ",
+              to_string(strategy_));
   spd_.validate();
   for (const auto& pattern : skip_layers_) {
     try {

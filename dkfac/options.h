@@ -44,6 +44,15 @@ enum class Strategy {
            ///< fits memory_budget (strategy::choose_strategy; docs/STRATEGIES.md, "Choosing automatically")
 };
 
+/// Where the K-FAC work of a layer whose gradient the front end shards by output rows (FSDP2's `fully_shard`,
+/// HSDP: assign::LayerShape::sharded) runs (docs/STRATEGIES.md, "Sharded models"). Layers that are not sharded
+/// are preconditioned as the strategy says either way.
+enum class ShardedPlacement {
+  kReplicated,  ///< every rank gathers the whole gradient; the strategy runs as under DDP; each rank keeps its rows
+  kOwner,       ///< each layer's grad worker in a row of ranks (its owner) alone holds its factors and second-order
+                ///< state; it gathers the row's gradient shards, preconditions and scatters the rows back
+};
+
 /// The loss scale of a mixed-precision gradient scaler as a one-element tensor, e.g. torch.amp.GradScaler's
 /// scale on its device: reading it does not wait for the device. G is built from grad_output / scale.
 using GradScale = std::function<at::Tensor()>;
@@ -158,6 +167,11 @@ inline OptionRange any_value() { return {}; }
     "dp (DP-KFAC), or auto (the fastest on this machine's measured rates, chosen at the first step)")                \
   X(Value, int64_t, memory_budget, 0, at_least(0), "--kfac-memory-budget", "", "",                                   \
     "strategy auto: most bytes of K-FAC state per rank a candidate may need (0: no limit)")                         \
+  X(Value, ShardedPlacement, sharded_placement, ShardedPlacement::kReplicated, any_value(), "--sharded-placement",   \
+    "", "", "layers sharded by FSDP2/HSDP: replicated (every rank gathers each gradient and runs the strategy as "   \
+    "under DDP) or owner (one owner per layer and replica holds its K-FAC state, gathers the gradient's shards and " \
+    "scatters the preconditioned rows: K-FAC memory about 1/P; strategy kaisa with one grad worker per replica, "  \
+    "or dp)")                                                                                                       \
   X(Value, int64_t, auto_recheck_steps, 10, at_least(0), "--auto-recheck-steps", "", "",                            \
     "strategy auto: steps profiled after the choice; where a K-FAC phase measured over them is more than 20% off "  \
     "its prediction, the rates are scaled by the measurement and the strategy chosen again (0: choose once)")
@@ -322,6 +336,7 @@ std::optional<c10::ScalarType> storage_dtype_named(const std::string& name);
 
 /// Readable name of a strategy ("kaisa", "spd", "dp").
 const char* to_string(Strategy strategy);
+const char* to_string(ShardedPlacement placement);
 /// Readable name of a placement balance ("compute", "memory") and of an unused-layer policy ("error", "skip").
 const char* to_string(assign::Balance balance);
 const char* to_string(UnusedLayerPolicy policy);

@@ -41,6 +41,12 @@ struct Choices<Strategy> {
   }
 };
 template <>
+struct Choices<ShardedPlacement> {
+  static std::vector<std::pair<std::string, ShardedPlacement>> all() {
+    return {{"replicated", ShardedPlacement::kReplicated}, {"owner", ShardedPlacement::kOwner}};
+  }
+};
+template <>
 struct Choices<assign::Balance> {
   static std::vector<std::pair<std::string, assign::Balance>> all() {
     return {{"compute", assign::Balance::kCompute}, {"memory", assign::Balance::kMemory}};
@@ -367,6 +373,10 @@ const char* to_string(assign::Balance balance) {
 }
 
 const char* to_string(UnusedLayerPolicy policy) { return policy == UnusedLayerPolicy::kSkip ? "skip" : "error"; }
+
+const char* to_string(ShardedPlacement placement) {
+  return placement == ShardedPlacement::kOwner ? "owner" : "replicated";
+}
 
 const char* to_string(KfacApprox approx) { return approx == KfacApprox::kReduce ? "reduce" : "expand"; }
 

@@ -529,7 +529,7 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   time_communication(&PhaseTimes::factors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (fates[i] == LayerFate::kPlainGradient || !executor_->builds_factors(i)) continue;
+    if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
     at("factor update", static_cast<int64_t>(i));
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
@@ -614,7 +614,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
     } else if (mine && executor_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, nan, options);
-    } else if (!mine) {
+    } else if (!mine && !executor_->owner_rows(i)) {
       preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
@@ -628,36 +628,57 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
   at("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
   const double kl_clip = options_.kl_clip_at(steps_);
-  // Per layer: V finite, the factors' fold (1 when none), sum(V * grad): one transfer to the host.
+  // Per layer: reported, V finite, the factors' fold (1 when none), sum(V * grad): one transfer to the host.
+  // Owner placement: a layer's V is on its owners only; row 0's owner reports it, and every rank learns it from
+  // one sum over the world (StepExecutor::sum_owner_reports), so that all take the same decisions and scale.
   std::vector<torch::Tensor> rows;
   std::vector<size_t> checked;
+  std::vector<int64_t> owned;  // positions in `rows` of the owner-placed layers
   const auto one = torch::ones({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& v = preconditioned[i];
-    if (fates[i] == LayerFate::kPlainGradient || !v.defined()) {
+    const bool placed = executor_->owner_rows(i);
+    if (fates[i] == LayerFate::kPlainGradient || !v.defined() || (placed && !executor_->reports(i))) {
       fates[i] = LayerFate::kPlainGradient;
+      if (!placed) continue;
+      owned.push_back(static_cast<int64_t>(rows.size()));
+      rows.push_back(torch::zeros({4}, one.options()));  // not reported here
+      checked.push_back(i);
       continue;
     }
+    if (placed) owned.push_back(static_cast<int64_t>(rows.size()));
     auto finite = torch::isfinite(v).all().to(torch::kFloat64);
     auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
     auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
-    rows.push_back(torch::stack({finite, folded, vg}));
+    rows.push_back(torch::stack({one, finite, folded, vg}));
     checked.push_back(i);
   }
-  const auto values = rows.empty() ? torch::Tensor() : torch::stack(rows).to(torch::kCPU).contiguous();
+  auto values = rows.empty() ? torch::Tensor() : torch::stack(rows).to(torch::kCPU).contiguous();
+  if (!owned.empty()) {
+    const auto index = torch::tensor(owned, torch::kInt64);
+    auto reports = values.index_select(0, index);
+    time_communication(&PhaseTimes::apply, [&] { executor_->sum_owner_reports(reports); });
+    values.index_copy_(0, index, reports.to(torch::kCPU));
+  }
   double vg_sum = 0.0;
   for (size_t k = 0; k < checked.size(); ++k) {
     const size_t i = checked[k];
-    const double* row = values.data_ptr<double>() + 3 * k;  // finite, folded, sum(V * grad)
-    if (row[1] == 0.0) {
+    const double* row = values.data_ptr<double>() + 4 * k;  // reported, finite, folded, sum(V * grad)
+    // An owner-placed layer is written by its owners alone; the front end scatters their rows.
+    const bool writes = !executor_->owner_rows(i) || executor_->preconditions(i);
+    if (row[0] == 0.0) {  // its owner could not precondition it (and said why)
+      fates[i] = LayerFate::kPlainGradient;
+      continue;
+    } else if (row[2] == 0.0) {
       warn_factor_fallback(i);
       fates[i] = LayerFate::kPlainGradient;
       continue;
-    } else if (row[0] == 0.0) {
+    } else if (row[1] == 0.0) {
       warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
                                "gradient for this step");
     } else {
-      vg_sum += row[2];
+      vg_sum += row[3];
+      fates[i] = writes ? LayerFate::kPreconditioned : LayerFate::kPlainGradient;
       continue;
     }
     fates[i] = LayerFate::kPlainGradient;

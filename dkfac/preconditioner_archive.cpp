@@ -56,7 +56,7 @@ std::string StateRestore::describe(int world_size_now) const {
 
 std::map<std::string, torch::Tensor> Preconditioner::placed_here(size_t index,
                                                                  std::map<std::string, torch::Tensor> state) const {
-  const bool factors = executor_->builds_factors(index);
+  const bool factors = executor_->keeps_factors(index);
   const bool second_order = executor_->holds_second_order(index);
   for (auto it = state.begin(); it != state.end();) {
     const bool keep = is_factor_key(it->first) ? factors : second_order;
@@ -70,7 +70,7 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template
   std::vector<std::map<std::string, torch::Tensor>> templates(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& layer = layers_[i];
-    const bool factors = executor_->builds_factors(i);
+    const bool factors = executor_->keeps_factors(i);
     const bool whole = executor_->preconditions(i);
     for (const auto& entry : layer_state_entries()) {
       // Second-order entries: eigenvectors, eigenvalues and their denominator for eigen; inverses ('f') else.

@@ -29,6 +29,8 @@ struct LayerShape {
   /// Factors kept as their diagonal (KfacLayer::a_diagonal): d values, no decomposition, no eigenvectors.
   bool a_diagonal = false;
   bool g_diagonal = false;
+  /// The gradient is sharded by output rows over each row of ranks (FSDP2, HSDP; KfacLayer::sharded).
+  bool sharded = false;
 };
 
 /// A factor decomposed redundantly by every rank (SPD-KFAC's small factors): nothing is broadcast.

@@ -50,6 +50,9 @@ struct LayerBinding {
   torch::Tensor weight;
   torch::Tensor bias;    ///< [g], or undefined
   std::shared_ptr<FactorCapture> capture;  ///< fed by the front end's hooks; knows the layer kind
+  /// The front end shards this layer's gradient by output rows over each row of ranks (FSDP2, HSDP) and moves
+  /// the rows itself; `weight` and `bias` are full-shaped stand-ins (Options::sharded_placement).
+  bool sharded = false;
 };
 
 /// One entry of KfacLayer::state(): the one list of a layer's state that checkpoints, the collective gather
@@ -91,6 +94,8 @@ class KfacLayer {
   /// Whether the A / G factor is kept as its diagonal (math/factors.h): an Embedding's A, or a factor wider
   /// than Options::diagonal_factor_dim.
   bool a_diagonal() const { return binding_.capture->geometry().a_diagonal; }
+  /// LayerBinding::sharded.
+  bool sharded() const { return binding_.sharded; }
   bool g_diagonal() const { return binding_.capture->geometry().g_diagonal; }
   /// Keeps the factors wider than `limit` diagonal (0: none); before any capture (the preconditioner's
   /// construction).

@@ -1,5 +1,7 @@
 #include "dkfac/strategy/prediction.h"
 
+#include <algorithm>
+
 #include "dkfac/comm/packing.h"
 
 namespace dkfac::strategy {
@@ -36,8 +38,8 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       if (plan.builds_factors(i, rank)) {
         const double rows = static_cast<double>(batch_size * shape.rows_per_sample);
         r.factor_flops += 2.0 * rows * static_cast<double>(held(a, da) + held(g, dg));
-        r.memory_bytes += e * (held(a, da) + held(g, dg));
       }
+      if (plan.keeps_factors(i, rank)) r.memory_bytes += e * (held(a, da) + held(g, dg));
       // Second-order state: held by the layer's grad workers; each part computed by its worker.
       if (plan.preconditions(i, rank)) {
         r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + g * a
@@ -52,6 +54,16 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         const double sides = static_cast<double>((dg ? 0 : g) + (da ? 0 : a));
         r.precondition_flops += (eigen ? 4.0 : 2.0) * ga * sides + (da || dg ? ga : 0.0);
       }
+      // A sharded layer's gradient, by ShardedPlacement, over a row of S ranks holding g a / S values each:
+      // owner: the owner receives S - 1 shards and sends them back preconditioned, every other rank sends and
+      // receives its own; replicated: every rank all-gathers the S - 1 shards it lacks, then V as the plan says.
+      const int64_t s = std::max(1, plan.shard_ranks);
+      const bool owner = plan.placement.grad_source_for(i, rank) == rank;
+      if (flow.owner_rows) {
+        r.gradient_bytes += 2 * e * g * a * (owner ? s - 1 : 1) / s;
+        continue;
+      }
+      if (shape.sharded) r.gradient_bytes += e * g * a * (s - 1) / s;
       if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
     }
   }

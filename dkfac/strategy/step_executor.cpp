@@ -13,6 +13,7 @@ std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layer
     assign::LayerShape shape{layer.name(), layer.a_dim(), layer.g_dim(), layer.capture().rows_per_sample()};
     shape.a_diagonal = layer.a_diagonal();
     shape.g_diagonal = layer.g_diagonal();
+    shape.sharded = layer.sharded();
     const auto& geometry = layer.capture().geometry();
     if (geometry.kind == LayerKind::kConv2d) {
       const int64_t in_channels = layer.weight().size(1);  // [out, in, kh, kw]
@@ -146,12 +147,19 @@ void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
   std::vector<comm::Handle> handles;
   const auto group = row_groups_[plan_.placement.row_of(rank_)];
   for (size_t i = 0; i < preconditioned.size(); ++i) {
-    if (!preconditioned[i].defined()) continue;
+    if (!preconditioned[i].defined() || plan_.flows[i].owner_rows) continue;
     preconditioned[i] = preconditioned[i].contiguous();
     handles.push_back(communicator_->broadcast(preconditioned[i], plan_.gradient_source(i, rank_), group,
                                                comm::Phase::kGradients));
   }
   comm::wait_all(handles);
+}
+
+void StepExecutor::sum_owner_reports(torch::Tensor& values) {
+  if (!communicator_ || plan_.world_size() == 1) return;
+  auto wire = values.to(communicator_->control_device());
+  communicator_->allreduce_sum(wire, comm::kWorld, comm::Phase::kGradients).wait();
+  values = wire.to(values.device());
 }
 
 std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
@@ -164,6 +172,7 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
   if (world == 1) return states;
   // Per layer and entry, the rank that holds it, or -1 when every rank holds its own (identical) copy.
   const auto source = [&](size_t i, bool factor) {
+    if (factor && plan_.flows[i].owner_rows) return plan_.placement.layers[i].a_worker;  // kept where decomposed
     if (factor) return plan_.flows[i].factor_builder == assign::kEveryRank ? -1 : plan_.flows[i].factor_builder;
     return plan_.grad_workers() == world ? -1 : plan_.placement.grad_source_for(i, 0);
   };

@@ -46,11 +46,21 @@ class StepExecutor {
   /// from the profiled steps (SPD-KFAC's measured fusion). "" before, after, and for every other plan.
   std::string take_plan_change();
 
+  /// This rank, as the plan numbers it.
+  int rank() const { return rank_; }
   /// This rank's share of the plan.
   bool builds_factors(size_t layer) const { return plan_.builds_factors(layer, rank_); }
   bool computes_a(size_t layer) const { return plan_.computes_a(layer, rank_); }
   bool computes_g(size_t layer) const { return plan_.computes_g(layer, rank_); }
   bool preconditions(size_t layer) const { return plan_.preconditions(layer, rank_); }
+  bool keeps_factors(size_t layer) const { return plan_.keeps_factors(layer, rank_); }
+  /// Owner placement (LayerFlow::owner_rows): V of `layer` stays with its owners; the front end moves the rows.
+  bool owner_rows(size_t layer) const { return plan_.flows.at(layer).owner_rows; }
+  /// True when this rank reports owner-placed `layer`'s guard values: its grad worker in row 0.
+  bool reports(size_t layer) const { return plan_.gradient_source(layer, 0) == rank_; }
+  /// Sums `values` (a row per owner-placed layer, zero where this rank does not report it) over the world, in
+  /// place: every rank then knows each owner's NaN check and KL-clip sum. No-op in one process.
+  void sum_owner_reports(torch::Tensor& values);
 
   /// Called when capture is armed for a factor step of `micro_batches` passes.
   void arm_factor_step(int64_t micro_batches);
@@ -59,7 +69,8 @@ class StepExecutor {
   /// Broadcasts second-order parts inside each layer's column from the ranks that computed them,
   /// then rebuilds eigen denominators with `damping`. Layers without factors yet are skipped.
   void share_second_order(std::vector<KfacLayer>& layers, double damping);
-  /// Broadcasts each layer's V [g, a] along rows from its grad worker; receivers pass buffers.
+  /// Broadcasts each layer's V [g, a] along rows from its grad worker; receivers pass buffers. Layers under
+  /// owner placement are left as they are (their V stays with the owner).
   void share_gradients(std::vector<torch::Tensor>& preconditioned);
 
   /// Every layer's whole K-FAC state (KfacLayer::state(): factors and second-order state), as the rank that

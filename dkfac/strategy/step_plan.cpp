@@ -88,8 +88,12 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   }
   const int w = plan.placement.grad_workers;
   plan.broadcast_gradients = w < world_size;
-  for (const auto& placed : plan.placement.layers) {
+  plan.sharded_placement = options.sharded_placement();
+  plan.shard_ranks = plan.sharded_placement == ShardedPlacement::kOwner ? world_size / w : world_size;
+  for (size_t i = 0; i < plan.placement.layers.size(); ++i) {
+    const auto& placed = plan.placement.layers[i];
     LayerFlow flow;
+    flow.owner_rows = shapes[i].sharded && plan.sharded_placement == ShardedPlacement::kOwner;
     if (plan.strategy == Strategy::kDp) flow.factor_builder = placed.a_worker;
     flow.broadcast_a = w > 1 && placed.a_worker != assign::kEveryRank;
     flow.broadcast_g = w > 1 && placed.g_worker != assign::kEveryRank;
@@ -101,6 +105,19 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
 bool StepPlan::builds_factors(size_t layer, int rank) const {
   const int builder = flows.at(layer).factor_builder;
   return builder == assign::kEveryRank || builder == rank;
+}
+
+bool StepPlan::keeps_factors(size_t layer, int rank) const {
+  if (!flows.at(layer).owner_rows) return builds_factors(layer, rank);
+  // The layer's owners (one per row) and whoever decomposes a part: those that receive a part inside a column
+  // know from their factors that the layer has some (StepExecutor::share_second_order).
+  return preconditions(layer, rank) || computes_a(layer, rank) || computes_g(layer, rank);
+}
+
+size_t StepPlan::sharded_layers() const {
+  size_t n = 0;
+  for (const auto& shape : shapes) n += shape.sharded ? 1 : 0;
+  return n;
 }
 
 bool StepPlan::computes_a(size_t layer, int rank) const {
@@ -173,6 +190,15 @@ std::string StepPlan::describe(bool per_layer) const {
     out << "\n  preconditioned gradients: "
         << (broadcast_gradients ? "broadcast along rows from each layer's grad worker" : "computed on every rank")
         << "\n";
+    if (const size_t n = sharded_layers(); n > 0) {
+      out << "  sharded layers (" << n << " of " << shapes.size() << "): " << dkfac::to_string(sharded_placement)
+          << (sharded_placement == ShardedPlacement::kOwner
+                  ? ": each row of " + std::to_string(p / w) + " ranks gathers a layer's gradient shards to its grad "
+                    "worker there, which alone keeps its factors and second order, preconditions, and scatters the "
+                    "rows back"
+                  : ": every rank gathers each gradient (all-gather), preconditions as above, and keeps its rows")
+          << "\n";
+    }
   }
   for (size_t i = 0; per_layer && i < placement.layers.size(); ++i) {
     const auto& placed = placement.layers[i];
@@ -183,7 +209,9 @@ std::string StepPlan::describe(bool per_layer) const {
       out << " [a=" << s.a_dim << (s.a_diagonal ? " diagonal" : "") << ", g=" << s.g_dim
           << (s.g_diagonal ? " diagonal" : "") << "]";
     }
-    out << ": factors on " << where(flow.factor_builder) << "; A on " << where(placed.a_worker)
+    out << ": factors on " << (flow.owner_rows && flow.factor_builder == assign::kEveryRank ? "every rank, kept where decomposed"
+                                                                                    : where(flow.factor_builder))
+        << "; A on " << where(placed.a_worker)
         << (flow.broadcast_a ? " (broadcast)" : "") << ", G on " << where(placed.g_worker)
         << (flow.broadcast_g ? " (broadcast)" : "") << "; grad workers " << ranks(placed.grad_workers) << "\n";
   }

@@ -29,6 +29,10 @@ struct LayerFlow {
   int factor_builder = assign::kEveryRank;  ///< the rank that captures and builds the factors, or every rank
   bool broadcast_a = false;  ///< A's second-order part is broadcast from its a_worker inside the column
   bool broadcast_g = false;  ///< G's likewise from its g_worker
+  /// Owner placement of a sharded layer (ShardedPlacement::kOwner): the front end gathers the gradient's row
+  /// shards of each row of ranks to the layer's grad worker there (its owner) and scatters V's rows back; V is
+  /// not broadcast, and only its owners keep the factors (StepPlan::keeps_factors).
+  bool owner_rows = false;
 };
 
 /// One job's step. Every rank computes the same plan from the same inputs.
@@ -60,6 +64,17 @@ struct StepPlan {
   bool builds_factors(size_t layer, int rank) const;
   bool computes_a(size_t layer, int rank) const;
   bool computes_g(size_t layer, int rank) const;
+  /// True when `rank` keeps `layer`'s running factors: the ranks that build them, except under owner placement
+  /// (LayerFlow::owner_rows), where only the layer's grad workers (its owners) and the ranks that decompose A or
+  /// G keep them.
+  bool keeps_factors(size_t layer, int rank) const;
+  /// ShardedPlacement of the job's sharded layers, and how many layers are sharded.
+  ShardedPlacement sharded_placement = ShardedPlacement::kReplicated;
+  size_t sharded_layers() const;
+  /// Ranks a sharded layer's gradient rows are split over (FSDP2's shard group): a row of the grid (P / W) under
+  /// owner placement; the world (FSDP on a 1-D mesh) under replicated placement unless set (HSDP: the shard
+  /// dimension of the mesh). Only strategy::predict reads it.
+  int shard_ranks = 0;
   bool preconditions(size_t layer, int rank) const { return placement.is_grad_worker(layer, rank); }
   /// True when some layer's second-order part is broadcast inside its column.
   bool shares_second_order() const;

@@ -134,6 +134,93 @@ class _ShardedLayer:
             stand_in.grad = None
 
 
+class _OwnerRows:
+    """Owner placement (``sharded_placement='owner'``) of a layer sharded by FSDP2 or HSDP: before the core's step
+    each rank of the layer's shard group sends its rows of the gradient to the layer's owner there (one
+    ``gather``, each shard padded to ``torch.chunk``'s size as FSDP2 splits rows), which preconditions the whole
+    gradient; after it, the owner sends each rank its rows back (one ``scatter``). The other ranks hold nothing of
+    the layer but their rows: the core keeps its factors and second-order state with the owner
+    (strategy::LayerFlow::owner_rows)."""
+
+    def __init__(self, layer: _ShardedLayer, owner: int, group: Any, me: int) -> None:
+        self.layer, self.owner, self.group, self.mine = layer, owner, group, owner == me
+
+    def _local(self, parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's rows of `parameter`'s gradient, and the rows of a whole chunk."""
+        grad = parameter.grad
+        rows = grad.shape[0]
+        size = dist.get_world_size(self.group)
+        return grad.to_local(), -(-rows // size)
+
+    def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        works = []
+        self.received = []
+        for parameter, stand_in in zip((weight, bias), self.layer.stand_ins):
+            if stand_in is None:
+                continue
+            if parameter.grad is None:
+                raise RuntimeError('sharded_placement=owner: a sharded layer has no gradient on this rank; owner '
+                                   'placement needs every sharded layer to take part in every step')
+            local, chunk = self._local(parameter)
+            padded = local.new_zeros((chunk, *local.shape[1:]))
+            padded[:local.shape[0]].copy_(local)
+            size = dist.get_world_size(self.group)
+            chunks = [torch.empty_like(padded) for _ in range(size)] if self.mine else None
+            works.append(dist.gather(padded, chunks, dst=self.owner, group=self.group, async_op=True))
+            self.received.append((stand_in, parameter.shape[0], chunks))
+        return works
+
+    def finish_gather(self) -> None:
+        for stand_in, rows, chunks in self.received:
+            if self.mine:
+                stand_in.grad = torch.cat(chunks)[:rows]
+            else:  # the core reads only that the layer has a gradient here: one value, no memory
+                stand_in.grad = torch.zeros((), dtype=stand_in.dtype, device=stand_in.device).expand(stand_in.shape)
+        self.received = []
+
+    def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        works = []
+        self.returned = []
+        for parameter, stand_in in zip((weight, bias), self.layer.stand_ins):
+            if stand_in is None or parameter.grad is None:
+                continue
+            local, chunk = self._local(parameter)
+            size = dist.get_world_size(self.group)
+            chunks = None
+            if self.mine:
+                whole = stand_in.grad.new_zeros((chunk * size, *stand_in.shape[1:]))
+                whole[:stand_in.shape[0]].copy_(stand_in.grad)
+                chunks = list(whole.split(chunk))
+            rows = local.new_empty((chunk, *local.shape[1:]))
+            works.append(dist.scatter(rows, chunks, src=self.owner, group=self.group, async_op=True))
+            self.returned.append((local, rows, stand_in))
+        return works
+
+    def finish_scatter(self) -> None:
+        for local, rows, stand_in in self.returned:
+            local.copy_(rows[:local.shape[0]])
+            stand_in.grad = None
+        self.returned = []
+
+
+def _shard_group(parameter: torch.Tensor) -> tuple[Any, int]:
+    """The process group a DTensor parameter's rows are sharded over (FSDP2's Shard(0) mesh dimension), and how
+    many replicas of that sharding the mesh holds (HSDP's replicate dimension; 1 for FSDP)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = parameter.device_mesh, parameter.placements
+    dims = [d for d, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(dims) != 1 or placements[dims[0]].dim != 0 or not all(
+            isinstance(p, (Replicate, Shard)) for p in placements):
+        raise ValueError(f'sharded_placement=owner needs parameters sharded by rows (Shard(0)) over one mesh '
+                         f'dimension, as fully_shard does by default; got placements {placements}')
+    replicas = 1
+    for d, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            replicas *= mesh.size(d)
+    return mesh.get_group(dims[0]), replicas
+
+
 def _core_tensors(weight: torch.Tensor, bias: torch.Tensor | None,
                   sharded: _ShardedLayer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the core binds for a layer: its Parameters, or a sharded layer's full-shaped stand-ins."""
@@ -221,8 +308,15 @@ class BaseKFACPreconditioner:
         core_layers = [(name, type(module).__name__, *_core_tensors(weight, bias, sharded), capture)
                        for (module, (name, capture)), (weight, bias), sharded
                        in zip(self._layers.items(), self._bound, self._sharded)]
+        owner_placed = self._owner_placed = options.get('sharded_placement') == 'owner' and self._world_size > 1
+        if owner_placed:
+            self._owner_grid(core_options, process_group)
         with _CoreWarnings():
-            self._core = _C.Preconditioner(core_layers, core_options, self._communicator)
+            self._core = _C.Preconditioner(core_layers, core_options, self._communicator,
+                                           sharded=[s is not None for s in self._sharded])
+        self._owners: list[_OwnerRows | None] = [None] * len(self._sharded)
+        if owner_placed:
+            self._place_owners(process_group)
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
@@ -233,6 +327,36 @@ class BaseKFACPreconditioner:
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, list(self._layers), owner)
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
+
+    def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
+        """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard
+        groups (KAISA's grad_worker_fraction = replicas / P; DP-KFAC has one owner in a world of one row)."""
+        groups = [_shard_group(weight) for s, (weight, _) in zip(self._sharded, self._bound) if s is not None]
+        if not groups:
+            return
+        replicas = groups[0][1]
+        if any(r != replicas for _, r in groups):
+            raise ValueError('sharded_placement=owner needs every sharded layer on the same mesh')
+        if core_options.get('strategy', 'kaisa') == 'kaisa':
+            core_options['grad_worker_fraction'] = replicas / self._world_size
+
+    def _place_owners(self, group: Any) -> None:
+        """Checks that the core's rows of ranks are the mesh's shard groups, and keeps each owner-placed layer's
+        owner and group for step()."""
+        row, owners = self._core.row_owners()
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        me = dist.get_rank()
+        for index, (sharded, owner) in enumerate(zip(self._sharded, owners)):
+            if sharded is None or owner < 0:
+                continue
+            shard_group, _ = _shard_group(self._bound[index][0])
+            ranks = sorted(dist.get_process_group_ranks(shard_group))
+            if ranks != sorted(to_global(r) for r in row):
+                raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} is sharded over ranks '
+                                 f'{ranks}, but the plan places its owner in a row of ranks '
+                                 f'{sorted(to_global(r) for r in row)} (strategy dp has one row of every rank: '
+                                 'use kaisa on an HSDP mesh)')
+            self._owners[index] = _OwnerRows(sharded, to_global(owner), shard_group, me)
 
     @staticmethod
     def _make_communicator(group: Any, timeout: float | None) -> Any:
@@ -307,16 +431,32 @@ class BaseKFACPreconditioner:
         """
         self._follow_parameters()
         with torch.no_grad():
+            works = []
             for index, sharded in enumerate(self._sharded):
-                if sharded is not None:
+                if self._owners[index] is not None:
+                    works += self._owners[index].start_gather(*self._bound[index])
+                elif sharded is not None:
                     sharded.gather(*self._bound[index])
+            for work in works:
+                work.wait()
+            for owner in self._owners:
+                if owner is not None:
+                    owner.finish_gather()
             try:
                 with _CoreWarnings():
                     self._core.step()
             finally:
+                works = []
                 for index, sharded in enumerate(self._sharded):
-                    if sharded is not None:
+                    if self._owners[index] is not None:
+                        works += self._owners[index].start_scatter(*self._bound[index])
+                    elif sharded is not None:
                         sharded.scatter(*self._bound[index])
+                for work in works:
+                    work.wait()
+                for owner in self._owners:
+                    if owner is not None:
+                        owner.finish_scatter()
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
@@ -334,6 +474,9 @@ class BaseKFACPreconditioner:
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
             sharded = _ShardedLayer.of(weight, bias)
+            if sharded is not None and self._sharded[index] is None and self._owner_placed:
+                raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was sharded after the '
+                                 'preconditioner was built; shard the model (fully_shard) first, then build it')
             if sharded is not None and self._sharded[index] is not None:
                 sharded = self._sharded[index]  # the same stand-ins: nothing changes for the core
             with _CoreWarnings():

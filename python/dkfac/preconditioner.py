@@ -204,6 +204,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``large_factor_dim`` (a layer with a factor wider than this is warned about when the preconditioner is
     built, with the factor's memory and the cost of its second-order updates; 0: never). ``symmetric_comm``
     and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give one of each pair).
+    ``sharded_placement`` says where the K-FAC work of layers sharded by FSDP2's ``fully_shard`` (or HSDP) runs:
+    'replicated' (every rank gathers each gradient and runs the strategy as under DDP) or 'owner' (one owner per
+    layer and replica holds its factors and second-order state, gathers the gradient's shards and scatters the
+    preconditioned rows back: K-FAC memory about 1/P per rank; strategy 'kaisa', whose grad_worker_fraction it
+    sets to one grad worker per replica, or 'dp'; see docs/STRATEGIES.md, "Sharded models").
 
     ``distributed_strategy``, ``grad_worker_fraction`` and ``colocate_factors`` are KAISA's grid as the core
     placed the work when the preconditioner was built: W = round(P f) gradient workers per layer (halves away
@@ -249,6 +254,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         large_factor_dim: int = _default('large_factor_dim'),
         diagonal_factor_dim: int = _default('diagonal_factor_dim'),
         kfac_approx: str = _default('kfac_approx'),
+        sharded_placement: str = _default('sharded_placement'),
         spd_redundant_dim: int | None = _default('spd_redundant_dim'),
         spd_profile_steps: int = _default('spd_profile_steps'),
         spd_fusion: list[int] = _default('spd_fusion'),

@@ -332,13 +332,17 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<std::tuple<std::string, std::string, torch::Tensor,
                                                     std::optional<torch::Tensor>, std::shared_ptr<FactorCapture>>>&
                            layers,
-                       const py::dict& options, std::shared_ptr<comm::Communicator> communicator) {
+                       const py::dict& options, std::shared_ptr<comm::Communicator> communicator,
+                       const std::vector<bool>& sharded) {
+             TORCH_CHECK(sharded.empty() || sharded.size() == layers.size(), "sharded names ", sharded.size(),
+                         " layers, ", layers.size(), " are given");
              std::vector<LayerBinding> bindings;
              MessageNames names;  // messages name torch.nn classes and keyword arguments (large_factor_dim=4096)
              names.option_prefix = "";
              names.option_separator = "=";
              for (const auto& [name, class_name, weight, bias, capture] : layers) {
-               bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture});
+               bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture,
+                                   !sharded.empty() && sharded[bindings.size()]});
                names.layer_classes.push_back(class_name);
              }
              auto o = make_options(options);
@@ -346,7 +350,8 @@ PYBIND11_MODULE(_C, m) {
              return std::make_unique<Preconditioner>(std::move(bindings), std::move(o), std::move(communicator),
                                                      std::move(names));
            }),
-           py::arg("layers"), py::arg("options"), py::arg("communicator") = nullptr)
+           py::arg("layers"), py::arg("options"), py::arg("communicator") = nullptr,
+           py::arg("sharded") = std::vector<bool>{})
       .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
@@ -377,6 +382,22 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
       .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })
+      .def("row_owners",
+           [](const Preconditioner& p) {
+             // Owner placement, for this rank: the ranks of its row of the grid, and per layer the owner there
+             // (the rank that gathers the gradient's shards and scatters V's rows) or -1 for a layer not so placed.
+             const auto executor = p.executor();
+             const auto& plan = executor->plan();
+             const int rank = executor->rank();
+             const int per_row = plan.world_size() / plan.grad_workers();
+             std::vector<int> row;
+             for (int r = 0; r < per_row; ++r) row.push_back(plan.placement.row_of(rank) * per_row + r);
+             std::vector<int> owners;
+             for (size_t i = 0; i < plan.flows.size(); ++i) {
+               owners.push_back(plan.flows[i].owner_rows ? plan.gradient_source(i, rank) : -1);
+             }
+             return std::make_pair(row, owners);
+           })
       .def("take_plan_change", &Preconditioner::take_plan_change)
       .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })
       .def_property_readonly("strategy_choice", &Preconditioner::strategy_choice)

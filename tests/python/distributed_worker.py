@@ -178,6 +178,7 @@ def main() -> None:
         extra = {**extra, 'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
+                'memory': preconditioner.memory_usage(),
                 'choice': preconditioner.strategy_choice, 'layout': layout,
                 'warnings': [str(w.message) for w in caught]}, output)
     dist.destroy_process_group()

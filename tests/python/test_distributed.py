@@ -195,6 +195,10 @@ SHARDED_CASES = [
     (4, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=0.25, model='lm', diagonal_factor_dim=16)),
     (4, dict(shard='hsdp', strategy='kaisa', grad_worker_fraction=0.5)),
     (2, dict(shard='fsdp', shard_after=True, strategy='kaisa', grad_worker_fraction=1.0)),
+    # Owner placement: each layer's owner alone holds its K-FAC state, gathers and scatters the gradient's rows.
+    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner')),
+    (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', model='lm', diagonal_factor_dim=16)),
+    (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', compute_method='inverse')),
 ]
 
 
@@ -205,10 +209,44 @@ def test_sharded_models_equal_the_single_process_reference(size, kwargs, tmp_pat
     lm = kwargs.get('model') == 'lm'
     assert results[0]['layers'] == (['wte', 'c_fc', 'head'] if lm else ['0', '2', '5']), results[0]['layers']
     assert all(result['plan'] == results[0]['plan'] for result in results)
-    expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k not in ('shard', 'shard_after')}})
+    expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items()
+                                             if k not in ('shard', 'shard_after', 'sharded_placement')}})
     for rank, result in enumerate(results):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
+@pytest.mark.parametrize('size,shard', [(2, 'fsdp'), (4, 'fsdp'), (4, 'hsdp')])
+def test_owner_placement_keeps_each_layers_state_with_its_owners(size, shard, tmp_path):
+    """Owner placement holds each layer's factors and second-order state on its owner in each shard group (one
+    rank of P under FSDP, one per replica under HSDP), and nowhere else: the ranks' K-FAC state adds up to the
+    single-process state times the replicas, where the replicated placement holds the whole state on every rank."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'model': 'lm', 'diagonal_factor_dim': 16, 'shard': shard}
+    (tmp_path / 'owner').mkdir(), (tmp_path / 'replicated').mkdir()
+    owner = run_workers(size, {**kwargs, 'sharded_placement': 'owner'}, tmp_path / 'owner')
+    replicated = run_workers(size, {**kwargs, 'grad_worker_fraction': 1.0}, tmp_path / 'replicated')
+    replicas = 1 if shard == 'fsdp' else size // 2
+    assert 'sharded layers (3 of 3): owner' in owner[0]['plan'], owner[0]['plan']
+    assert 'sharded layers (3 of 3): replicated' in replicated[0]['plan'], replicated[0]['plan']
+    state = lambda m: m['total'] - m['a_batch'] - m['g_batch']  # what is held between steps
+    whole = state(replicated[0]['memory'])
+    assert whole > 0 and all(state(r['memory']) == whole for r in replicated)
+    assert sum(state(r['memory']) for r in owner) == replicas * whole, [r['memory'] for r in owner]
+    assert max(state(r['memory']) for r in owner) < whole
+
+
+def test_dp_kfac_owner_placement_equals_dp_kfac_under_ddp(tmp_path):
+    """DP-KFAC's owner builds a layer's factors from its own batch; under FSDP2 with owner placement it also
+    gathers the gradient's rows and scatters them back instead of broadcasting V: the same gradients as DDP."""
+    kwargs = {**COMMON, 'strategy': 'dp', 'model': 'lm', 'diagonal_factor_dim': 16}
+    (tmp_path / 'ddp').mkdir(), (tmp_path / 'fsdp').mkdir()
+    ddp = run_workers(2, kwargs, tmp_path / 'ddp')
+    sharded = run_workers(2, {**kwargs, 'shard': 'fsdp', 'sharded_placement': 'owner'}, tmp_path / 'fsdp')
+    assert 'sharded layers (3 of 3): owner' in sharded[0]['plan']
+    for rank, result in enumerate(sharded):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], ddp[0]['grads'][step])):
                 assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
 
 
