@@ -103,7 +103,70 @@ TEST(StepPlan, DpOwnersBuildKeepAndBroadcastV) {
   EXPECT_EQ(cost[0].gradient_bytes, 4 * (10 * 4 + 30 * 8 + 20 * 20 + 5 * 3));
 }
 
+std::vector<assign::LayerShape> sharded(std::vector<assign::LayerShape> shapes) {
+  for (auto& shape : shapes) shape.sharded = true;
+  return shapes;
+}
+
+TEST(StepPlan, OwnerPlacementKeepsEachLayerWithItsOwnerAndMovesOnlyRows) {
+  // FSDP on 4 ranks: one owner per layer (W = 1), rows gathered to it and scattered back, nothing broadcast.
+  const auto options = Options().grad_worker_fraction(0.0).sharded_placement(ShardedPlacement::kOwner);
+  const auto plan = make_step_plan(sharded(kLayers), 4, options);
+  const auto replicated = make_step_plan(sharded(kLayers), 4, Options().grad_worker_fraction(0.0));
+  EXPECT_EQ(plan.shard_ranks, 4);
+  const auto cost = predict(plan, 4, 1);
+  const auto kept = predict(replicated, 4, 1);
+  int64_t owned_memory = 0;
+  for (size_t i = 0; i < kLayers.size(); ++i) {
+    const int owner = plan.placement.layers[i].a_worker;
+    EXPECT_TRUE(plan.flows[i].owner_rows);
+    EXPECT_FALSE(replicated.flows[i].owner_rows);
+    for (int rank = 0; rank < 4; ++rank) {
+      EXPECT_TRUE(plan.builds_factors(i, rank)) << "every rank's batch goes into the factors";
+      EXPECT_EQ(plan.keeps_factors(i, rank), rank == owner) << "layer " << i << ", rank " << rank;
+      EXPECT_TRUE(replicated.keeps_factors(i, rank));
+    }
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    owned_memory += cost[rank].memory_bytes;
+    EXPECT_LT(cost[rank].memory_bytes, kept[rank].memory_bytes) << "rank " << rank;
+    int64_t rows = 0;  // what this rank's rows cost: 2 (g a / 4) per layer, 2 (3 g a / 4) for the layers it owns
+    for (size_t i = 0; i < kLayers.size(); ++i) {
+      const int64_t ga = kLayers[i].g_dim * kLayers[i].a_dim;
+      rows += 2 * 4 * ga * (plan.placement.layers[i].a_worker == rank ? 3 : 1) / 4;
+    }
+    EXPECT_EQ(cost[rank].gradient_bytes, rows) << "rank " << rank;
+  }
+  // The state the replicated placement holds on every rank, each layer's once over the ranks: its factors as
+  // held, plus the owner's second-order state (the same in both).
+  int64_t factors = 0;
+  for (const auto& l : kLayers) factors += 4 * (l.a_dim * l.a_dim + l.g_dim * l.g_dim);
+  int64_t replicated_memory = 0;
+  for (int rank = 0; rank < 4; ++rank) replicated_memory += kept[rank].memory_bytes;
+  EXPECT_EQ(owned_memory, replicated_memory - 3 * factors) << "the factors once, not on all 4 ranks";
+  EXPECT_NE(plan.describe().find("sharded layers (4 of 4): owner"), std::string::npos) << plan.describe();
+}
+
+TEST(StepPlan, OwnerPlacementOnHsdpHasOneOwnerPerReplica) {
+  // HSDP 2 x 2: W = 2 grad workers per layer, one in each row of 2 ranks (a shard group).
+  const auto options = Options().grad_worker_fraction(0.5).sharded_placement(ShardedPlacement::kOwner);
+  const auto plan = make_step_plan(sharded(kLayers), 4, options);
+  EXPECT_EQ(plan.shard_ranks, 2);
+  for (size_t i = 0; i < kLayers.size(); ++i) {
+    int keepers = 0;
+    for (int rank = 0; rank < 4; ++rank) {
+      keepers += plan.keeps_factors(i, rank) ? 1 : 0;
+      EXPECT_EQ(plan.keeps_factors(i, rank), plan.preconditions(i, rank));
+      const int owner = plan.gradient_source(i, rank);
+      EXPECT_EQ(plan.placement.row_of(owner), plan.placement.row_of(rank)) << "the owner is in the rank's row";
+    }
+    EXPECT_EQ(keepers, 2) << "layer " << i;
+  }
+}
+
 TEST(StepPlan, RejectsBadOptions) {
+  EXPECT_THROW(make_step_plan(kLayers, 4, Options().strategy(Strategy::kSpd).sharded_placement(ShardedPlacement::kOwner)),
+               c10::Error);
   EXPECT_THROW(make_step_plan(kLayers, 4, Options().grad_worker_fraction(0.75)), c10::Error);
   EXPECT_THROW(make_step_plan(kLayers, 2, Options().spd(SpdOptions().profile_steps(0))), c10::Error);
 }

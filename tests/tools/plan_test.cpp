@@ -126,6 +126,29 @@ TEST(Plan, EveryPaperModelPlansAt64Ranks) {
   }
 }
 
+TEST(Plan, ShardedBertLargeAt64RanksPrintsThePlacements) {
+  PlanRequest request;
+  request.model = "bert-large";
+  request.nproc = 64;
+  request.batch_size = 8;
+  request.shard_ranks = 64;  // --fsdp
+  const auto json = plan_report(request).json;
+  EXPECT_EQ(json["sharding"], "fsdp");
+  const auto& replicated = strategy(json, "dkfac-lw");
+  const auto& owner = strategy(json, "owner (kaisa, W=1)");
+  strategy(json, "owner (dp)");
+  // Owner placement holds each layer's factors once instead of on every rank, and moves rows instead of V.
+  EXPECT_LT(owner["summary"]["memory_bytes"]["max"].get<double>(),
+            replicated["summary"]["memory_bytes"]["max"].get<double>() / 10);
+  EXPECT_LT(owner["summary"]["gradient_bytes"]["median"].get<double>(),
+            replicated["summary"]["gradient_bytes"]["median"].get<double>() / 10);
+  request.shard_ranks = 16;  // --hsdp 4
+  const auto hsdp = plan_report(request).json;
+  EXPECT_EQ(hsdp["sharding"], "hsdp");
+  EXPECT_EQ(strategy(hsdp, "owner (kaisa, W=4)")["grad_workers"], 4);
+  EXPECT_THROW(strategy(hsdp, "owner (dp)"), std::exception) << "DP-KFAC has one owner in a world of one row";
+}
+
 TEST(Plan, ExtraGradWorkerFractions) {
   PlanRequest request;
   request.model = "resnet50";

@@ -28,6 +28,8 @@ struct PlanConfig {
   double gflops = -1;
   int rates_world_size = 0;
   std::vector<double> rate_scales;  // --rate-scales: factors, second order, preconditioning, communication
+  bool fsdp = false;      // --fsdp
+  int hsdp_replicas = 0;  // --hsdp R
 };
 
 bool any_rate_flag(const PlanConfig& c) {
@@ -128,6 +130,13 @@ Command add_plan_command(CLI::App& app) {
                    "f = 1, 1/2 and 1/P");
   plan->add_flag("--symmetric-comm", r.symmetric_comm,
                  "KAISA rows (dkfac, kaisa, dkfac-lw): factors, and inverses, sent as upper triangles");
+  auto* fsdp = plan->add_flag("--fsdp", config->fsdp,
+                              "every layer sharded by FSDP2 over all ranks: each strategy in the replicated placement, "
+                              "and the owner placements (docs/STRATEGIES.md, \"Sharded models\")");
+  plan->add_option("--hsdp", config->hsdp_replicas,
+                   "HSDP with this many replicas (dividing --nproc), each sharding every layer over nproc / replicas "
+                   "ranks: as --fsdp")
+      ->check(CLI::PositiveNumber)->excludes(fsdp);
   plan->add_flag("--per-rank", config->per_rank,
                  "text: every rank's row and every layer's placement (the default when --nproc <= 8 and the model "
                  "has <= 32 K-FAC layers; otherwise min / median / max over ranks)");
@@ -177,6 +186,15 @@ Command add_plan_command(CLI::App& app) {
                         "--seq-len applies only to --model bert-large, got --model ", request.model);
             TORCH_CHECK(seq->count() == 0 || (request.seq_len >= 1 && request.seq_len <= 512),
                         "--seq-len must be in [1, 512] (BERT-Large's positions), got ", config->request.seq_len);
+            if (config->fsdp) request.shard_ranks = request.nproc;
+            if (config->hsdp_replicas > 0) {
+              TORCH_CHECK(request.nproc % config->hsdp_replicas == 0, "--hsdp ", config->hsdp_replicas,
+                          " replicas must divide --nproc ", request.nproc);
+              request.shard_ranks = request.nproc / config->hsdp_replicas;
+            }
+            TORCH_CHECK(request.shard_ranks == 0 || (config->measure_file.empty() && config->strategy.empty()),
+                        "--fsdp and --hsdp print the placements' bytes and memory; strategy auto does not choose among "
+                        "sharded placements yet");
             if (!config->measure_file.empty() || !config->strategy.empty()) return run_auto(*config, request);
             const auto report = plan::plan_report(request);
             std::cout << (config->json ? report.json.dump(2) : plan::plan_text(report, config->per_rank)) << std::endl;

@@ -144,6 +144,18 @@ PlanReport plan_report(const PlanRequest& r) {
   rows.push_back({"spd (redundant dim <= " + std::to_string(r.spd_redundant_dim) + ")",
                   Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(r.spd_redundant_dim))});
   rows.push_back({"dp", Options(base).strategy(Strategy::kDp)});
+  auto shapes_planned = shapes;
+  if (r.shard_ranks > 0) {
+    const int s = r.shard_ranks;
+    TORCH_CHECK(p % s == 0, "--hsdp: the replicas must divide --nproc ", p, " (", p / std::max(1, s), " shard ranks)");
+    for (auto& row : rows) row.name += ", replicated";
+    for (auto& shape : shapes_planned) shape.sharded = true;
+    const int replicas = p / s;
+    const auto owner = [](Options o) { return o.sharded_placement(ShardedPlacement::kOwner); };
+    rows.push_back({"owner (kaisa, W=" + std::to_string(replicas) + ")",
+                    owner(kaisa(static_cast<double>(replicas) / p))});
+    if (replicas == 1) rows.push_back({"owner (dp)", owner(Options(base).strategy(Strategy::kDp))});
+  }
 
   const int64_t element_bytes = 4;
   PlanReport report;
@@ -163,6 +175,10 @@ PlanReport plan_report(const PlanRequest& r) {
                         {"strategies", nlohmann::json::array()}};
   nlohmann::json& out = report.json;
   if (t.seq_len > 0) out["seq_len"] = t.seq_len;
+  if (r.shard_ranks > 0) {
+    out["sharding"] = r.shard_ranks == p ? "fsdp" : "hsdp";
+    out["shard_ranks"] = r.shard_ranks;
+  }
   if (r.spd_redundant_dim > 0) out["spd_redundant_dim"] = r.spd_redundant_dim;
   for (const auto& s : shapes) {
     out["layers"].push_back({{"name", s.name},
@@ -176,7 +192,10 @@ PlanReport plan_report(const PlanRequest& r) {
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
   for (const auto& row : rows) {
-    const auto step_plan = strategy::make_step_plan(shapes, p, row.options);
+    auto step_plan = strategy::make_step_plan(shapes_planned, p, row.options);
+    if (r.shard_ranks > 0 && step_plan.sharded_placement == ShardedPlacement::kReplicated) {
+      step_plan.shard_ranks = r.shard_ranks;
+    }
     const auto plan = strategy::predict(step_plan, element_bytes, r.batch_size);
     report.placements.push_back(step_plan.describe());
     nlohmann::json ranks = nlohmann::json::array();

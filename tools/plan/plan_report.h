@@ -33,6 +33,10 @@ struct PlanRequest {
   int64_t factor_update_steps = 10;
   int64_t inv_update_steps = 100;
   int64_t memory_budget_bytes = 0;
+  /// Sharded models (docs/STRATEGIES.md, "Sharded models"): 0 plans DDP; `shard_ranks` > 0 plans every layer
+  /// sharded by rows over groups of that many ranks (FSDP: nproc; HSDP: nproc / replicas), each strategy in the
+  /// replicated placement plus the owner placements (kaisa with one grad worker per replica; dp on a 1-D mesh).
+  int shard_ranks = 0;
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
