@@ -20,6 +20,7 @@
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/preconditioner.h"
+#include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/step_plan.h"
 #include "dkfac/version.h"
 
@@ -382,6 +383,15 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
       .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })
+      .def("predicted_memory_bytes",
+           [](const Preconditioner& p, int64_t element_bytes) {
+             // Per rank, the K-FAC state (factors and second-order state) the plan says it holds (strategy::predict).
+             std::vector<int64_t> out;
+             for (const auto& cost : strategy::predict(p.executor()->plan(), element_bytes, 1)) {
+               out.push_back(cost.memory_bytes);
+             }
+             return out;
+           })
       .def("row_owners",
            [](const Preconditioner& p) {
              // Owner placement, for this rank: the ranks of its row of the grid, and per layer the owner there

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from typing import Any
 import os
 import sys
 import warnings
@@ -90,6 +91,7 @@ def main() -> None:
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
     param_dtype = kwargs.pop('param_dtype', None)  # FSDP2's MixedPrecisionPolicy(param_dtype=...)
+    backend = kwargs.pop('compile', None)  # torch.compile the model (this backend) once the preconditioner hooks it
     accumulate = kwargs.get('accumulation_steps', 1)  # micro-batches per step, gradients reduced after the last
     if sharding is not None:
         model = scenarios.make_model(kind).to(device)
@@ -118,6 +120,22 @@ def main() -> None:
     if shard_after:
         model = sharded(model, sharding, size, device, param_dtype)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    graphs = []  # what Dynamo compiled: one entry per graph handed to the backend
+
+    def counted(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(len(graph.graph.nodes))
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+    run = model
+    if backend is not None and sharding is not None:
+        # Each FSDP2 module's forward, as torchtitan compiles its blocks: compiling the root module itself compiles
+        # nothing under FSDP2 (its hooks are dynamo-disabled, and the children run eagerly after that break).
+        from torch.distributed.fsdp import FSDPModule
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.forward = torch.compile(module.forward, backend=counted)
+    elif backend is not None:
+        run = torch.compile(model, backend=counted)
     layout = {'distributed_strategy': preconditioner.distributed_strategy.name,
               'grad_worker_fraction': preconditioner.grad_worker_fraction,
               'colocate_factors': preconditioner.colocate_factors}
@@ -142,7 +160,7 @@ def main() -> None:
             if sharding is not None:
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if sharding is None and not last else contextlib.nullcontext():
-                (scenarios.loss_of(kind, model(mx), my) / accumulate).backward()
+                (scenarios.loss_of(kind, run(mx), my) / accumulate).backward()
         if die_at == step:
             os._exit(9)
         try:
@@ -159,6 +177,8 @@ def main() -> None:
             dcp.save({'model': model.state_dict(), 'optim': optimizer.state_dict(), 'kfac': preconditioner},
                      checkpoint_id=dcp_save['dir'])
             extra['saved_gathered'] = copy.deepcopy(preconditioner.state_dict(gathered=True))  # as saved
+    if backend is not None:
+        extra['compiled_graphs'] = len(graphs)
     if save_gathered:
         extra.update(gathered=preconditioner.state_dict(gathered=True), own=preconditioner.state_dict())
     if resume:

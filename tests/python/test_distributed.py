@@ -270,6 +270,22 @@ def test_fsdp2_mixed_precision_keeps_float32_factors(tmp_path):
             assert (a - b).norm() <= bound * b.norm(), f'step {step}, parameter {i}: {(a - b).norm() / b.norm()}'
 
 
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_a_compiled_fsdp2_model_equals_the_eager_one(placement, tmp_path):
+    """torch.compile of a model sharded with FSDP2 (the capture hooks included: on factor steps each K-FAC layer's
+    hook is a graph break, tests/python/test_compile.py) trains with K-FAC to the eager sharded model's gradients."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'shard': 'fsdp', 'sharded_placement': placement,
+              **({'grad_worker_fraction': 0.5} if placement == 'replicated' else {})}
+    (tmp_path / 'eager').mkdir(), (tmp_path / 'compiled').mkdir()
+    eager = run_workers(2, kwargs, tmp_path / 'eager')
+    compiled = run_workers(2, {**kwargs, 'compile': 'aot_eager'}, tmp_path / 'compiled')
+    assert all(result['compiled_graphs'] > 0 for result in compiled), [r['compiled_graphs'] for r in compiled]
+    for rank, result in enumerate(compiled):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], eager[rank]['grads'][step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
 @pytest.mark.parametrize('shard', ['fsdp', 'hsdp'])
 def test_fsdp2_gradient_accumulation_equals_ddp_no_sync(shard, tmp_path):
     """Two micro-batches per step, gradients reduced after the last only: FSDP2 with
@@ -414,6 +430,10 @@ DCP_CASES = [
     (4, 2, dict(strategy='spd', compute_method='inverse'), dict(strategy='kaisa', grad_worker_fraction=0.5)),
     (4, 2, dict(shard='fsdp', strategy='kaisa', grad_worker_fraction=0.5), {}),
     (4, 2, dict(shard='hsdp', strategy='kaisa', grad_worker_fraction=0.25), dict(shard='fsdp')),
+    # Owner placement: each owner writes its layers; the new job's owners read theirs, or every rank all of it.
+    (4, 2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner'), {}),
+    (4, 2, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner'),
+     dict(shard='fsdp', sharded_placement='replicated', grad_worker_fraction=1.0)),
 ]
 
 
@@ -449,7 +469,8 @@ def test_dcp_checkpoint_resumes_on_another_world_size(saved, loaded, kwargs, cha
                 assert torch.equal(tensor, expected[key]), (rank, name, key)
     # Each shard's factors scale with its size (kfac_pytorch's factors of a mean loss), so the run continues
     # as one whose shards changed at step 2: the single-process reference resized there.
-    plain = {k: v for k, v in {**kwargs, **changed}.items() if k not in ('shard', 'dcp_save', 'dcp_load')}
+    plain = {k: v for k, v in {**kwargs, **changed}.items()
+             if k not in ('shard', 'dcp_save', 'dcp_load', 'sharded_placement')}
     expected = reference(saved, plain, resize=(2, loaded))[2:]
     for step, (got, want) in enumerate(zip(first[0]['grads'][:3], reference(saved, plain)), start=0):
         assert all(close(a, b) for a, b in zip(got, want)), f'saved job, step {step}'
