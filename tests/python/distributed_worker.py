@@ -91,6 +91,7 @@ def main() -> None:
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
     param_dtype = kwargs.pop('param_dtype', None)  # FSDP2's MixedPrecisionPolicy(param_dtype=...)
+    steps = kwargs.pop('steps', STEPS)  # training steps run
     backend = kwargs.pop('compile', None)  # torch.compile the model (this backend) once the preconditioner hooks it
     accumulate = kwargs.get('accumulation_steps', 1)  # micro-batches per step, gradients reduced after the last
     if sharding is not None:
@@ -148,7 +149,7 @@ def main() -> None:
         model.load_state_dict(state['model'])
         optimizer.load_state_dict(state['optim'])
         extra['loaded'] = copy.deepcopy(preconditioner._core.layer_states())  # live tensors: as loaded
-    for step in range(dcp_load['at'] if dcp_load else 0, STEPS):
+    for step in range(dcp_load['at'] if dcp_load else 0, steps):
         if skip_at is not None:
             block.skip = step in skipping
         params.append([full(p) for p in model.parameters()])

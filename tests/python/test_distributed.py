@@ -270,6 +270,30 @@ def test_fsdp2_mixed_precision_keeps_float32_factors(tmp_path):
             assert (a - b).norm() <= bound * b.norm(), f'step {step}, parameter {i}: {(a - b).norm() / b.norm()}'
 
 
+LONG_CASES = [
+    (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner'), dict(strategy='kaisa', grad_worker_fraction=0.0)),
+    (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner'), dict(strategy='kaisa', grad_worker_fraction=0.5)),
+    (2, dict(shard='fsdp', strategy='spd'), dict(strategy='spd')),
+    (2, dict(shard='fsdp', strategy='dp', sharded_placement='owner'), dict(strategy='dp')),
+]
+
+
+@pytest.mark.parametrize('size,sharded,ddp', LONG_CASES,
+                         ids=[f'{s}-{"-".join(map(str, k.values()))}' for s, k, _ in LONG_CASES])
+def test_sharded_jobs_equal_ddp_over_20_steps(size, sharded, ddp, tmp_path):
+    """Over 20 steps (factor and inverse updates every other step, KL clipping on), a sharded job stays equal to
+    the same job under DDP with the same global batch, to float32 round-off."""
+    kwargs = {**COMMON, 'steps': 20, 'model': 'cnn'}
+    (tmp_path / 'ddp').mkdir(), (tmp_path / 'sharded').mkdir()
+    reference_run = run_workers(size, {**kwargs, **ddp}, tmp_path / 'ddp')
+    sharded_run = run_workers(size, {**kwargs, **sharded}, tmp_path / 'sharded')
+    assert len(sharded_run[0]['grads']) == 20
+    for rank, result in enumerate(sharded_run):
+        for step in range(20):
+            for i, (a, b) in enumerate(zip(result['grads'][step], reference_run[0]['grads'][step])):
+                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
 @pytest.mark.parametrize('placement', ['replicated', 'owner'])
 def test_a_compiled_fsdp2_model_equals_the_eager_one(placement, tmp_path):
     """torch.compile of a model sharded with FSDP2 (the capture hooks included: on factor steps each K-FAC layer's
