@@ -121,28 +121,6 @@ std::string MessageNames::option(const std::string& name, const std::string& val
   return option_prefix + name + option_separator + value;
 }
 
-class Preconditioner::PhaseSpan {
- public:
-  PhaseSpan(Preconditioner& owner, double PhaseTimes::*phase)
-      : owner_(owner), phase_(phase), start_(device::Mark::now(owner.device_)) {}
-  ~PhaseSpan() { owner_.step_spans_.push_back({phase_, 1.0, std::move(start_), device::Mark::now(owner_.device_)}); }
-  PhaseSpan(const PhaseSpan&) = delete;
-  PhaseSpan& operator=(const PhaseSpan&) = delete;
-
- private:
-  Preconditioner& owner_;
-  double PhaseTimes::*phase_;
-  device::Mark start_;
-};
-
-PhaseTimes& PhaseTimes::operator+=(const PhaseTimes& other) {
-  factors += other.factors;
-  second_order += other.second_order;
-  precondition += other.precondition;
-  apply += other.apply;
-  communication += other.communication;
-  return *this;
-}
 
 namespace {
 
@@ -211,6 +189,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());
   }
   device_ = layers_.front().weight().device();
+  clock_ = PhaseClock(device_);
   factor_ok_.resize(layers_.size());
   refuse_factors_beyond_memory(layers_, options_, names_);
   report_large_factors(layers_, options_, names_);
@@ -402,8 +381,7 @@ void Preconditioner::step() {
   close_step_timing();
   if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
     const auto t = last_step_times();
-    auto_->record(steps_, {factor_step, is_inverse_step(steps_)}, t.factors, t.second_order, t.precondition,
-                  t.communication);
+    auto_->record(steps_, {factor_step, is_inverse_step(steps_)}, t);
   }
   ++steps_;
   if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
@@ -522,11 +500,11 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
 }
 
 void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
-  PhaseSpan span(*this, &PhaseTimes::factors);
+  PhaseClock::Span span(clock_, KfacPhase::kFactors);
   at("factor update");
   auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
-  time_communication(&PhaseTimes::factors, [&] { executor_->reduce_factors(batches); });
+  clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
@@ -543,7 +521,7 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
 }
 
 void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
-  PhaseSpan span(*this, &PhaseTimes::second_order);
+  PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
   const double damping = options_.damping_at(steps_);
   const auto method = executor_->plan().method;
   std::vector<std::pair<size_t, PendingSecondOrder>> pending;
@@ -575,7 +553,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
     });
   }
   at("second-order broadcast");
-  time_communication(&PhaseTimes::second_order, [&] { executor_->share_second_order(layers_, damping); });
+  clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
   }
@@ -595,7 +573,7 @@ void Preconditioner::keeping_previous_state(size_t index, const std::function<vo
 }
 
 std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerFate>& fates) {
-  PhaseSpan span(*this, &PhaseTimes::precondition);
+  PhaseClock::Span span(clock_, KfacPhase::kPrecondition);
   std::vector<torch::Tensor> preconditioned(layers_.size());
   torch::NoGradGuard no_grad;
   const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -619,12 +597,12 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
     }
   }
   at("gradient broadcast");
-  time_communication(&PhaseTimes::precondition, [&] { executor_->share_gradients(preconditioned); });
+  clock_.collective(KfacPhase::kPrecondition, [&] { executor_->share_gradients(preconditioned); });
   return preconditioned;
 }
 
 double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned) {
-  PhaseSpan span(*this, &PhaseTimes::apply);
+  PhaseClock::Span span(clock_, KfacPhase::kApply);
   at("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
   const double kl_clip = options_.kl_clip_at(steps_);
@@ -657,7 +635,7 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
   if (!owned.empty()) {
     const auto index = torch::tensor(owned, torch::kInt64);
     auto reports = values.index_select(0, index);
-    time_communication(&PhaseTimes::apply, [&] { executor_->sum_owner_reports(reports); });
+    clock_.collective(KfacPhase::kApply, [&] { executor_->sum_owner_reports(reports); });
     values.index_copy_(0, index, reports.to(torch::kCPU));
   }
   double vg_sum = 0.0;
@@ -692,7 +670,7 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
 
 void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
                            double scale) {
-  PhaseSpan span(*this, &PhaseTimes::apply);
+  PhaseClock::Span span(clock_, KfacPhase::kApply);
   at("writing gradients");
   torch::NoGradGuard no_grad;
   last_kl_scale_ = scale;
@@ -710,61 +688,18 @@ void Preconditioner::arm_capture() {
   if (capture) executor_->arm_factor_step(options_.accumulation_steps());
 }
 
-void Preconditioner::time_communication(double PhaseTimes::*phase, const std::function<void()>& collective) {
-  auto start = device::Mark::now(device_);
-  collective();
-  auto end = device::Mark::now(device_);
-  step_spans_.push_back({&PhaseTimes::communication, 1.0, start, end});
-  // The enclosing phase's span covers the collective too: take it out there.
-  step_spans_.push_back({phase, -1.0, std::move(start), std::move(end)});
-}
-
-namespace {
-
-template <typename Iterator>
-PhaseTimes resolve(Iterator begin, Iterator end) {
-  PhaseTimes times;
-  for (auto s = begin; s != end; ++s) times.*s->phase += s->sign * device::Mark::seconds_between(s->start, s->end);
-  return times;
-}
-
-}  // namespace
-
 void Preconditioner::close_step_timing() {
   for (auto& layer : layers_) {
     auto timing = layer.capture().take_timing();
-    step_seconds_.factors += timing.seconds;
-    for (auto& [start, end] : timing.spans) step_spans_.push_back({&PhaseTimes::factors, 1.0, start, end});
+    clock_.add_seconds(KfacPhase::kFactors, timing.seconds);
+    for (auto& [start, end] : timing.spans) clock_.add(KfacPhase::kFactors, start, end);
   }
-  // The step before the last joins the total once the device has reached it (CPU: at once); waiting only
-  // when too many are left (a loop that never synchronises).
-  older_spans_.insert(older_spans_.end(), std::make_move_iterator(last_spans_.begin()),
-                      std::make_move_iterator(last_spans_.end()));
-  total_times_ += last_seconds_;
-  last_spans_ = std::exchange(step_spans_, {});
-  last_seconds_ = std::exchange(step_seconds_, {});
-  constexpr size_t kMostUnresolved = 4096;
-  const auto unreached = older_spans_.size() > kMostUnresolved
-                             ? older_spans_.end()
-                             : std::find_if(older_spans_.begin(), older_spans_.end(),
-                                            [](const Span& span) { return !span.end.reached(); });
-  total_times_ += resolve(older_spans_.begin(), unreached);
-  older_spans_.erase(older_spans_.begin(), unreached);
+  clock_.close_step();
 }
 
-PhaseTimes Preconditioner::last_step_times() const {
-  PhaseTimes times = resolve(last_spans_.begin(), last_spans_.end());
-  times += last_seconds_;
-  return times;
-}
+PhaseTimes Preconditioner::last_step_times() const { return clock_.last_step(); }
 
-PhaseTimes Preconditioner::total_times() const {
-  total_times_ += resolve(older_spans_.begin(), older_spans_.end());
-  older_spans_.clear();
-  PhaseTimes times = total_times_;
-  times += last_step_times();
-  return times;
-}
+PhaseTimes Preconditioner::total_times() const { return clock_.total(); }
 
 void Preconditioner::warn_factor_fallback(size_t index) {
   warn_once(index, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient is kept "

@@ -15,6 +15,8 @@
 #include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
 #include "dkfac/options.h"
+#include "dkfac/phase.h"
+#include "dkfac/phase_clock.h"
 #include "dkfac/strategy/auto.h"
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/step_executor.h"
@@ -25,19 +27,6 @@ namespace dkfac {
 namespace nn {
 class KfacModule;
 }  // namespace nn
-
-/// Seconds spent in each K-FAC phase. On a CUDA device they are the device's time between CUDA events
-/// recorded on the current stream at the phase boundaries (never host time around asynchronous kernels).
-struct PhaseTimes {
-  double factors = 0.0;       ///< building factors in forward/backward and folding them into running averages
-  double second_order = 0.0;  ///< eigendecompositions or inverses
-  double precondition = 0.0;  ///< V = preconditioned gradients
-  double apply = 0.0;         ///< KL clipping and writing gradients back
-  double communication = 0.0;  ///< waiting for K-FAC collectives (factors, second order, V); not in the others
-
-  double total() const { return factors + second_order + precondition + apply + communication; }
-  PhaseTimes& operator+=(const PhaseTimes& other);
-};
 
 /// Counters of what happened to layers, for logs and tests.
 struct LayerEvents {
@@ -209,15 +198,6 @@ class Preconditioner {
   /// gradient were not finite, it has no second-order state yet).
   enum class LayerFate { kPreconditioned, kPlainGradient };
 
-  /// The time of `phase` between two marks; `sign` -1 takes a collective's time out of its enclosing phase.
-  struct Span {
-    double PhaseTimes::*phase;
-    double sign;
-    device::Mark start;
-    device::Mark end;
-  };
-  /// Records the time from its construction to its end as `phase` of this step.
-  class PhaseSpan;
 
   std::vector<LayerFate> check_layers(bool factor_step);
   void update_factors(std::vector<LayerFate>& fates);
@@ -248,8 +228,6 @@ class Preconditioner {
   bool agrees_on_unused_layers() const;
   /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
   void agree_on_unused_layers(std::vector<LayerFate>& fates);
-  /// Runs `collective`, moving its time from the enclosing phase (`phase`) to `communication`.
-  void time_communication(double PhaseTimes::*phase, const std::function<void()>& collective);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
   void close_step_timing();
   /// The step's phase, where an out-of-memory error names it.
@@ -286,12 +264,7 @@ class Preconditioner {
   std::vector<KfacLayer> layers_;
   int64_t steps_ = 0;
   c10::Device device_{c10::kCPU};
-  std::vector<Span> step_spans_;        // this step's
-  PhaseTimes step_seconds_;             // this step's time given as seconds (captures' add_a/add_g)
-  mutable std::vector<Span> last_spans_;  // the last step's, resolved when read
-  PhaseTimes last_seconds_;
-  mutable std::vector<Span> older_spans_;  // earlier steps' not yet resolved into total_times_
-  mutable PhaseTimes total_times_;         // resolved spans of the steps before the last
+  PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";
   int64_t phase_layer_ = -1;

@@ -619,8 +619,8 @@ TEST(Preconditioner, ReportsMemoryAndTimes) {
   // conv: a=19, g=3; fc1: a=10, g=5; fc2: a=5, g=2. Factors + Q + d + denominator, float64.
   auto layer_bytes = [](int64_t a, int64_t g) { return 8 * (2 * (a * a + g * g) + a + g + g * a); };
   EXPECT_EQ(kfac.memory_bytes(), layer_bytes(19, 3) + layer_bytes(10, 5) + layer_bytes(5, 2));
-  EXPECT_GT(kfac.last_step_times().factors, 0.0);
-  EXPECT_GT(kfac.last_step_times().second_order, 0.0);
+  EXPECT_GT(kfac.last_step_times()[KfacPhase::kFactors], 0.0);
+  EXPECT_GT(kfac.last_step_times()[KfacPhase::kSecondOrder], 0.0);
   EXPECT_GT(kfac.total_times().total(), 0.0);
 }
 

@@ -39,15 +39,11 @@ Options AutoStrategy::choose(const Options& requested, const std::vector<assign:
   return choice.apply(requested_);
 }
 
-void AutoStrategy::record(int64_t step, StepKind kind, double factors, double second_order, double precondition,
-                          double communication) {
+void AutoStrategy::record(int64_t step, StepKind kind, const PhaseTimes& seconds) {
   TORCH_CHECK(profiles(step), "strategy auto does not profile step ", step);
   auto& p = recheck_->profiled;
   p.kinds.push_back(kind);
-  p.factors += factors;
-  p.second_order += second_order;
-  p.precondition += precondition;
-  p.communication += communication;
+  p.seconds += seconds;
 }
 
 bool AutoStrategy::recheck_due(int64_t steps_done) const { return recheck_ && steps_done > recheck_->last_step; }
@@ -61,16 +57,16 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
   // Every rank decides from the same figures: each compute phase as the slowest rank measured it (the step
   // waits for it), communication as the rank that waited least (the collectives' own time, as the model has it).
   const auto& mine = check.profiled;
-  const auto all = comm::gather_over(*communicator_, comm::kWorld,
-                                     {mine.factors, mine.second_order, mine.precondition, mine.communication});
+  std::vector<double> mine_seconds;
+  for (const auto phase : kCalibratedPhases) mine_seconds.push_back(mine.seconds[phase]);
+  const auto all = comm::gather_over(*communicator_, comm::kWorld, mine_seconds);
   ProfiledSteps measured;
   measured.kinds = mine.kinds;
-  measured.communication = all.front()[3];
-  for (const auto& rank : all) {
-    measured.factors = std::max(measured.factors, rank[0]);
-    measured.second_order = std::max(measured.second_order, rank[1]);
-    measured.precondition = std::max(measured.precondition, rank[2]);
-    measured.communication = std::min(measured.communication, rank[3]);
+  for (size_t k = 0; k < kCalibratedPhases.size(); ++k) {
+    const bool waits = kCalibratedPhases[k] == KfacPhase::kCommunication;
+    double& seconds = measured.seconds[kCalibratedPhases[k]];
+    seconds = all.front()[k];
+    for (const auto& rank : all) seconds = waits ? std::min(seconds, rank[k]) : std::max(seconds, rank[k]);
   }
   const auto scales = calibrate(running_plan, check.rates, check.batch, measured);
   std::ostringstream report;

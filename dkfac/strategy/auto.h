@@ -45,8 +45,7 @@ class AutoStrategy {
   /// True when step `step` is one the re-check profiles (its times are to be record()ed).
   bool profiles(int64_t step) const { return recheck_ && step >= recheck_->first_step && step <= recheck_->last_step; }
   /// After profiled step `step` (profiles(step)) ran as `kind`, with this rank's seconds per phase.
-  void record(int64_t step, StepKind kind, double factors, double second_order, double precondition,
-              double communication);
+  void record(int64_t step, StepKind kind, const PhaseTimes& seconds);
   /// True when step `steps_done` - 1 was the last profiled step and the re-check has not run.
   bool recheck_due(int64_t steps_done) const;
   /// The re-check (collective): scales the choice's rates by what the slowest rank measured per phase

@@ -297,60 +297,72 @@ double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t ba
 }
 
 Rates scaled(const Rates& rates, const RateScales& scales) {
+  // Each calibrated phase's group of rates (kCalibratedPhases).
   Rates r = rates;
+  const double factors = scales[KfacPhase::kFactors];
   for (const auto kernel : math::kFactorKernels) {
     FactorRate& rate = r.for_kernel(kernel);
-    rate.seconds *= scales.factors;
-    rate.per_entry *= scales.factors;
-    rate.per_flop *= scales.factors;
+    rate.seconds *= factors;
+    rate.per_entry *= factors;
+    rate.per_flop *= factors;
   }
-  r.fold.seconds *= scales.factors;
-  r.fold.per_entry *= scales.factors;
-  for (double& seconds : r.decomposition.seconds) seconds *= scales.decomposition;
-  r.decomposition.latency *= scales.decomposition;
-  r.decomposition.per_cubed_dim *= scales.decomposition;
-  r.precondition.seconds *= scales.precondition;
-  r.precondition.per_flop *= scales.precondition;
+  r.fold.seconds *= factors;
+  r.fold.per_entry *= factors;
+  const double decomposition = scales[KfacPhase::kSecondOrder];
+  for (double& seconds : r.decomposition.seconds) seconds *= decomposition;
+  r.decomposition.latency *= decomposition;
+  r.decomposition.per_cubed_dim *= decomposition;
+  r.precondition.seconds *= scales[KfacPhase::kPrecondition];
+  r.precondition.per_flop *= scales[KfacPhase::kPrecondition];
   for (auto* link : {&r.allreduce, &r.allreduce_busy, &r.broadcast}) {
-    link->alpha *= scales.communication;
-    link->beta *= scales.communication;
+    link->alpha *= scales[KfacPhase::kCommunication];
+    link->beta *= scales[KfacPhase::kCommunication];
   }
   return r;
 }
 
+RateScales RateScales::of(std::initializer_list<std::pair<KfacPhase, double>> scales) {
+  RateScales out;
+  for (const auto& [phase, scale] : scales) out[phase] = scale;
+  return out;
+}
+
 bool RateScales::within(double tolerance) const {
-  for (double s : {factors, decomposition, precondition, communication}) {
-    if (std::abs(s - 1.0) > tolerance) return false;
+  for (const auto phase : kCalibratedPhases) {
+    if (std::abs((*this)[phase] - 1.0) > tolerance) return false;
   }
   return true;
 }
 
 std::string RateScales::describe() const {
   std::ostringstream out;
-  out << std::setprecision(3) << "factors x" << factors << ", second order x" << decomposition
-      << ", preconditioning x" << precondition << ", communication x" << communication;
+  out << std::setprecision(3);
+  for (size_t k = 0; k < kCalibratedPhases.size(); ++k) {
+    out << (k ? ", " : "") << words(kCalibratedPhases[k]) << " x" << (*this)[kCalibratedPhases[k]];
+  }
   return out.str();
 }
 
 RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured) {
   // Each group's predicted seconds over the profiled steps: the plan simulated with only that group's rates.
-  const auto predicted = [&](RateScales only) {
-    const Rates r = scaled(rates, only);
+  const auto predicted = [&](KfacPhase only) {
+    RateScales scales;
+    for (const auto phase : kCalibratedPhases) scales[phase] = phase == only ? 1.0 : 0.0;
+    const Rates r = scaled(rates, scales);
     const StepSimulation simulation(plan, r, batch_size);
     double seconds = 0;
     for (const auto& kind : measured.kinds) seconds += simulation.step(kind.factor_step, kind.inverse_step);
     return seconds;
   };
-  const double whole = measured.factors + measured.second_order + measured.precondition + measured.communication;
-  const auto ratio = [&](double measured_seconds, double predicted_seconds) {
-    const bool enough = measured_seconds > 0 && measured_seconds >= kLeastCalibratedShare * whole;
-    return enough && predicted_seconds > 0 ? measured_seconds / predicted_seconds : 1.0;
-  };
+  double whole = 0;
+  for (const auto phase : kCalibratedPhases) whole += measured.seconds[phase];
   RateScales out;
-  out.factors = ratio(measured.factors, predicted({1, 0, 0, 0}));
-  out.decomposition = ratio(measured.second_order, predicted({0, 1, 0, 0}));
-  out.precondition = ratio(measured.precondition, predicted({0, 0, 1, 0}));
-  out.communication = ratio(measured.communication, predicted({0, 0, 0, 1}));
+  for (const auto phase : kCalibratedPhases) {
+    const double seconds = measured.seconds[phase];
+    const bool enough = seconds > 0 && seconds >= kLeastCalibratedShare * whole;
+    const double expected = enough ? predicted(phase) : 0.0;
+    out[phase] = expected > 0 ? seconds / expected : 1.0;
+  }
   return out;
 }
 

@@ -1,10 +1,14 @@
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dkfac/options.h"
+#include "dkfac/phase.h"
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/step_plan.h"
 
@@ -65,13 +69,18 @@ struct StepKind {
 /// The seconds of one step of `kind`, as predict_time simulates each step (its step_seconds averages them).
 double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind);
 
-/// Factors by which measured times differ from a prediction, per group of rates: the factor kernels and the
-/// fold; decompositions; preconditioning; the links (allreduce idle and busy, broadcast).
-struct RateScales {
-  double factors = 1;
-  double decomposition = 1;
-  double precondition = 1;
-  double communication = 1;
+/// The phases the time model prices, each by its own group of rates (scaled): factors (the factor kernels and the
+/// fold), second order (decompositions), preconditioning, communication (the links). The apply phase is not
+/// modelled.
+inline constexpr std::array<KfacPhase, 4> kCalibratedPhases = {KfacPhase::kFactors, KfacPhase::kSecondOrder,
+                                                               KfacPhase::kPrecondition, KfacPhase::kCommunication};
+
+/// Factors by which measured times differ from a prediction, per calibrated phase (kCalibratedPhases; 1 for the
+/// others).
+struct RateScales : PhaseArray<double> {
+  RateScales() { values.fill(1.0); }
+  /// Scales given per phase, 1 for the others.
+  static RateScales of(std::initializer_list<std::pair<KfacPhase, double>> scales);
   /// Every scale within 1 +- tolerance.
   bool within(double tolerance) const;
   /// "factors x1.31, second order x0.97, preconditioning x1.02, communication x2.4" (3 significant digits).
@@ -90,13 +99,10 @@ constexpr double kRecheckGain = 0.05;
 Rates scaled(const Rates& rates, const RateScales& scales);
 
 /// What a job measured over a few steps of one plan: each step's kind, and seconds per K-FAC phase summed over
-/// them, as the Preconditioner's PhaseTimes count them (collectives under `communication` only).
+/// them, as the Preconditioner's PhaseClock counts them (collectives under communication only).
 struct ProfiledSteps {
   std::vector<StepKind> kinds;
-  double factors = 0;        ///< building and folding factors
-  double second_order = 0;   ///< decompositions
-  double precondition = 0;   ///< preconditioning products
-  double communication = 0;  ///< K-FAC collectives (the rank that waited least: the collectives' own time)
+  PhaseTimes seconds;
 };
 
 /// A group of rates measured at less than this share of the profiled K-FAC phases keeps its scale: so little
@@ -106,7 +112,7 @@ constexpr double kLeastCalibratedShare = 0.1;
 /// Measured over predicted per group of rates, for `plan` with `batch_size` samples per rank: each group's
 /// prediction is the plan's steps of `measured.kinds` simulated with that group's rates alone (sharing and
 /// waiting as predict_time has them). A group predicted at 0, or measured under kLeastCalibratedShare of the
-/// four phases' sum, keeps scale 1. Pure.
+/// calibrated phases' sum, keeps scale 1. Pure.
 RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured);
 
 /// No limit for choose_strategy's memory budget.

@@ -141,8 +141,9 @@ py::dict layout_dict(const assign::Assignment& grid) {
 }
 
 std::map<std::string, double> phase_seconds(const PhaseTimes& t) {
-  return {{"factors", t.factors}, {"second_order", t.second_order}, {"precondition", t.precondition},
-          {"apply", t.apply},     {"communication", t.communication}};
+  std::map<std::string, double> out;
+  for (const auto phase : kAllPhases) out[to_string(phase)] = t[phase];
+  return out;
 }
 
 }  // namespace

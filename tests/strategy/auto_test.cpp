@@ -136,20 +136,28 @@ TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
   r.ranks_per_node = 4;
   r.parallel_ranks = 2;
   const auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse).grad_worker_fraction(0.5));
-  const RateScales truth{1.5, 0.8, 2.0, 3.0};
+  constexpr auto kF = KfacPhase::kFactors, kS = KfacPhase::kSecondOrder, kP = KfacPhase::kPrecondition,
+                 kC = KfacPhase::kCommunication;
+  const auto truth = RateScales::of({{kF, 1.5}, {kS, 0.8}, {kP, 2.0}, {kC, 3.0}});
+  // Each group's time as the plan runs it with that group's rates alone, scaled by the truth.
+  const auto alone = [&](KfacPhase phase, double scale) {
+    auto scales = RateScales::of({{kF, 0}, {kS, 0}, {kP, 0}, {kC, 0}});
+    scales[phase] = scale;
+    return scales;
+  };
   ProfiledSteps measured;
   measured.kinds = {{true, true}, {true, false}, {false, false}, {false, true}};
   for (const auto& kind : measured.kinds) {
-    measured.factors += predict_step_seconds(plan, scaled(r, {truth.factors, 0, 0, 0}), 32, kind);
-    measured.second_order += predict_step_seconds(plan, scaled(r, {0, truth.decomposition, 0, 0}), 32, kind);
-    measured.precondition += predict_step_seconds(plan, scaled(r, {0, 0, truth.precondition, 0}), 32, kind);
-    measured.communication += predict_step_seconds(plan, scaled(r, {0, 0, 0, truth.communication}), 32, kind);
+    for (const auto phase : kCalibratedPhases) {
+      measured.seconds[phase] += predict_step_seconds(plan, scaled(r, alone(phase, truth[phase])), 32, kind);
+    }
   }
   const auto got = calibrate(plan, r, 32, measured);
-  EXPECT_NEAR(got.factors, 1.5, 1e-9);
-  EXPECT_NEAR(got.decomposition, 0.8, 1e-9);
-  EXPECT_NEAR(got.precondition, 2.0, 1e-9);
-  EXPECT_NEAR(got.communication, 3.0, 1e-9);
+  EXPECT_NEAR(got[kF], 1.5, 1e-9);
+  EXPECT_NEAR(got[kS], 0.8, 1e-9);
+  EXPECT_NEAR(got[kP], 2.0, 1e-9);
+  EXPECT_NEAR(got[kC], 3.0, 1e-9);
+  EXPECT_EQ(got[KfacPhase::kApply], 1.0) << "not modelled: not calibrated";
   EXPECT_FALSE(got.within(kRecheckTolerance));
   EXPECT_NE(got.describe().find("factors x1.5, second order x0.8, preconditioning x2, communication x3"),
             std::string::npos)
@@ -157,21 +165,21 @@ TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
   // A group measured under kLeastCalibratedShare of the phases' sum keeps its scale, however far off its
   // prediction: here the collectives took a sliver of the profiled time.
   ProfiledSteps sliver = measured;
-  sliver.communication = 0.05 * (measured.factors + measured.second_order + measured.precondition);
-  EXPECT_EQ(calibrate(plan, r, 32, sliver).communication, 1.0);
-  EXPECT_NEAR(calibrate(plan, r, 32, sliver).factors, 1.5, 1e-9);
+  sliver.seconds[kC] = 0.05 * (measured.seconds[kF] + measured.seconds[kS] + measured.seconds[kP]);
+  EXPECT_EQ(calibrate(plan, r, 32, sliver)[kC], 1.0);
+  EXPECT_NEAR(calibrate(plan, r, 32, sliver)[kF], 1.5, 1e-9);
   // A group that was not run in the profiled steps (no second-order step) or measured 0 keeps its scale.
   ProfiledSteps plain;
   plain.kinds = {{false, false}};
-  plain.precondition = 2 * predict_step_seconds(plan, scaled(r, {0, 0, 1, 0}), 32, {false, false});
+  plain.seconds[kP] = 2 * predict_step_seconds(plan, scaled(r, alone(kP, 1)), 32, {false, false});
   const auto partial = calibrate(plan, r, 32, plain);
-  EXPECT_EQ(partial.factors, 1.0);
-  EXPECT_EQ(partial.decomposition, 1.0);
-  EXPECT_NEAR(partial.precondition, 2.0, 1e-9);
-  EXPECT_EQ(partial.communication, 1.0);  // measured 0
+  EXPECT_EQ(partial[kF], 1.0);
+  EXPECT_EQ(partial[kS], 1.0);
+  EXPECT_NEAR(partial[kP], 2.0, 1e-9);
+  EXPECT_EQ(partial[kC], 1.0);  // measured 0
   EXPECT_TRUE(RateScales{}.within(kRecheckTolerance));
-  EXPECT_TRUE((RateScales{1.19, 0.81, 1, 1}.within(kRecheckTolerance)));
-  EXPECT_FALSE((RateScales{1, 1, 1, 0.79}.within(kRecheckTolerance)));
+  EXPECT_TRUE(RateScales::of({{kF, 1.19}, {kS, 0.81}}).within(kRecheckTolerance));
+  EXPECT_FALSE(RateScales::of({{kC, 0.79}}).within(kRecheckTolerance));
 }
 
 TEST(TimeModel, ChoosingWithCalibratedRatesFollowsTheMeasuredMachine) {
@@ -182,7 +190,8 @@ TEST(TimeModel, ChoosingWithCalibratedRatesFollowsTheMeasuredMachine) {
   const Rates believed = rates(1e-8, 1e-9, 1e-15, 4);
   const auto first = choose_strategy(shapes(), 4, base, believed, kNoMemoryBudget, 32, {1, 1});
   EXPECT_EQ(first.pick().name, "dp") << first.describe();
-  const RateScales measured{1e-3, 1e-3, 1e-3, 1e6};
+  const auto measured = RateScales::of({{KfacPhase::kFactors, 1e-3}, {KfacPhase::kSecondOrder, 1e-3},
+                                        {KfacPhase::kPrecondition, 1e-3}, {KfacPhase::kCommunication, 1e6}});
   const auto again = choose_strategy(shapes(), 4, base, scaled(believed, measured), kNoMemoryBudget, 32, {1, 1});
   const auto direct = choose_strategy(shapes(), 4, base, rates(1e-11, 1e-3, 1e-9, 4), kNoMemoryBudget, 32, {1, 1});
   EXPECT_NE(again.pick().name, "dp") << again.describe();

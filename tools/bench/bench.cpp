@@ -35,8 +35,14 @@ std::vector<int64_t> input_shape(const std::string& model, int64_t batch) {
   return {batch, 1, 28, 28};
 }
 
-const std::vector<std::string> kPhases = {"step",         "forward_backward", "factors",      "decomposition",
-                                          "precondition", "apply",            "communication", "optimizer"};
+// The step, forward and backward, each K-FAC phase (dkfac/phase.h) and the optimizer.
+std::vector<std::string> phase_names() {
+  std::vector<std::string> names = {"step", "forward_backward"};
+  for (const auto phase : kAllPhases) names.push_back(to_string(phase));
+  names.push_back("optimizer");
+  return names;
+}
+const std::vector<std::string> kPhases = phase_names();
 
 // Runs `steps` measured steps (after `warmup`) of SGD, with K-FAC when `kfac_options` is given, on a fixed batch.
 std::map<std::string, Stats> time_steps(const std::string& model_name, const BenchConfig& config,
@@ -70,11 +76,7 @@ std::map<std::string, Stats> time_steps(const std::string& model_name, const Ben
     if (s < config.warmup_steps) continue;
     samples["step"].push_back(before_optimizer + optimizer);
     samples["forward_backward"].push_back(before_optimizer - k.total());
-    samples["factors"].push_back(k.factors);
-    samples["decomposition"].push_back(k.second_order);
-    samples["precondition"].push_back(k.precondition);
-    samples["apply"].push_back(k.apply);
-    samples["communication"].push_back(k.communication);
+    for (const auto phase : kAllPhases) samples[to_string(phase)].push_back(k[phase]);
     samples["optimizer"].push_back(optimizer);
   }
   std::map<std::string, Stats> out;

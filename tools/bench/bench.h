@@ -48,7 +48,7 @@ struct StepResult {
   int64_t factor_steps = 0;
   int64_t inv_steps = 0;
   int64_t measured_steps = 0;
-  /// Phase name -> stats: step, forward_backward, factors, decomposition, precondition, apply (KL clip and
+  /// Phase name -> stats: step, forward_backward, factors, second_order, precondition, apply (KL clip and
   /// write-back), communication, optimizer.
   std::map<std::string, Stats> phases;
   double ratio_to_sgd = 0.0;  // mean K-FAC step / mean SGD step of the same model (1 for sgd)

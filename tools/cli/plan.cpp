@@ -88,7 +88,8 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   }
   if (any_rate_flag(c)) rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("flags override");
   if (!c.rate_scales.empty()) {  // 4 numbers: CLI11 checks the count
-    const strategy::RateScales scales{c.rate_scales[0], c.rate_scales[1], c.rate_scales[2], c.rate_scales[3]};
+    strategy::RateScales scales;
+    for (size_t k = 0; k < strategy::kCalibratedPhases.size(); ++k) scales[strategy::kCalibratedPhases[k]] = c.rate_scales[k];
     rates = strategy::scaled(rates, scales);
     rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("scaled: ") + scales.describe();
   }

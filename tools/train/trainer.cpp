@@ -77,12 +77,10 @@ void add_gpu_memory(nlohmann::json& event, c10::Device device) {
 
 // Metrics format 3's kfac_time_s (tools/train/metrics.h): seconds per K-FAC phase and their total.
 nlohmann::json kfac_time_json(const PhaseTimes& t) {
-  return {{"factors", t.factors},
-          {"second_order", t.second_order},
-          {"precondition", t.precondition},
-          {"apply", t.apply},
-          {"communication", t.communication},
-          {"total", t.total()}};
+  nlohmann::json out;
+  for (const auto phase : kAllPhases) out[to_string(phase)] = t[phase];
+  out["total"] = t.total();
+  return out;
 }
 
 // One rank's entry in the summary event's ranks[].
@@ -100,11 +98,7 @@ template <typename Report, typename Visit>
 void for_each_number(Report& report, const Visit& visit) {
   for (auto& phase : report.comm_bytes) visit(phase.second);
   visit(report.kfac_memory_bytes);
-  visit(report.kfac_time.factors);
-  visit(report.kfac_time.second_order);
-  visit(report.kfac_time.precondition);
-  visit(report.kfac_time.apply);
-  visit(report.kfac_time.communication);
+  for (auto& seconds : report.kfac_time.values) visit(seconds);
   visit(report.wall_time_s);
   visit(report.gpu_max_memory_allocated_bytes);
 }
