@@ -1,0 +1,322 @@
+#include "dkfac/preconditioner.h"
+
+// The Preconditioner's construction and re-planning: binding layers, validation and the warnings about them,
+// the plan's executor and strategy auto's choice, the ranks' agreement on options, and following replaced
+// parameters. preconditioner.cpp holds the step's phase sequence; preconditioner_archive.cpp its state.
+
+#include "dkfac/comm/agreement.h"
+#include "dkfac/device.h"
+#include "dkfac/layers/discovery.h"
+#include "dkfac/nn/kfac_module.h"
+#include "dkfac/numbers.h"
+#include "dkfac/strategy/time_model.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <map>
+#include <regex>
+#include <sstream>
+
+namespace dkfac {
+namespace {
+
+// A layer's two factors as messages name them, with their width and whether they are kept diagonal.
+struct FactorSide {
+  const char* name;
+  int64_t dim;
+  bool diagonal;
+};
+std::array<FactorSide, 2> factor_sides(const KfacLayer& layer) {
+  return {{{"A", layer.a_dim(), layer.a_diagonal()}, {"G", layer.g_dim(), layer.g_diagonal()}}};
+}
+
+// Warns, once per layer at construction, about factors wider than options.large_factor_dim(): their
+// memory and the cost of one second-order update, which the first step() pays without a word otherwise.
+void report_large_factors(const std::vector<KfacLayer>& layers, const Options& options, const MessageNames& names) {
+  const int64_t limit = options.large_factor_dim();
+  if (limit <= 0) return;
+  const bool eigen = options.compute_method() == ComputeMethod::kEigen;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    // A diagonal factor costs d values and no decomposition: never large.
+    const auto sides = factor_sides(layer);
+    const auto large = [limit](const FactorSide& f) { return !f.diagonal && f.dim > limit; };
+    if (!large(sides[0]) && !large(sides[1])) continue;
+    const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
+    const double state_bytes = static_cast<double>(c10::elementSize(layer.second_order_dtype()));
+    std::ostringstream what;
+    double flops = 0.0;
+    for (const auto& side : sides) {
+      if (!large(side)) continue;
+      const int64_t dim = side.dim;
+      const double d = static_cast<double>(dim);
+      // Eigen: eigenvectors d x d and eigenvalues d; inverse: one d x d inverse.
+      const double decomposition = (eigen ? d * d + d : d * d) * state_bytes;
+      const double cost = eigen ? 9.0 * d * d * d : d * d * d;
+      flops += cost;
+      what << (what.tellp() > 0 ? "; " : "") << side.name << " factor " << dim << " x " << dim << ": "
+           << human_bytes(d * d * factor_bytes) << " (" << c10::toString(layer.factor_dtype()) << "), its "
+           << (eigen ? "eigendecomposition " : "inverse ") << human_bytes(decomposition) << ", "
+           << human_flops(cost) << " per second-order update (" << (eigen ? "9 d^3" : "d^3") << ")";
+    }
+    TORCH_WARN("dkfac: layer ", names.layer(layer, i), " has a factor wider than ",
+               names.option("large_factor_dim", std::to_string(limit)), ": ", what.str(),
+               ". Each second-order update of this layer costs ", human_flops(flops),
+               " (the first one comes with the first step(); tens of seconds on a few cores for d ~ 6000); make the ",
+               "layer narrower (e.g. pool before a Linear), keep it diagonal with ",
+               names.option("diagonal_factor_dim", std::to_string(limit)), ", skip it with skip_layers, or update less ",
+               "often with inv_update_steps");
+  }
+}
+
+// Refuses, before anything is allocated, layers whose dense factors could not fit in the device's memory: on the
+// CPU the kernel's out-of-memory killer would end the process at the first factor step without a word (a
+// 50257-token head with diagonal_factor_dim 0 asks 9.4 GiB per copy of its G factor). Counted: each dense
+// factor three times (the running factor, the captured batch, and its eigenvectors or inverse).
+void refuse_factors_beyond_memory(const std::vector<KfacLayer>& layers, const Options& options,
+                                  const MessageNames& names) {
+  const auto total = device::total_memory(layers.front().weight().device());
+  if (!total) return;
+  double needed = 0.0;
+  std::string widest;
+  double widest_bytes = 0.0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    const double element = static_cast<double>(c10::elementSize(layer.factor_dtype()));
+    for (const auto& side : factor_sides(layer)) {
+      const double d = static_cast<double>(side.dim);
+      const double bytes = (side.diagonal ? d : d * d) * element;
+      needed += 3.0 * bytes;
+      if (bytes > widest_bytes) {
+        widest_bytes = bytes;
+        const auto dim = std::to_string(side.dim);
+        widest = names.layer(layer, i) + "'s " + side.name + " factor " + dim + " x " + dim;
+      }
+    }
+  }
+  TORCH_CHECK(needed <= static_cast<double>(*total), "dkfac: the K-FAC factors of these layers need about ",
+              human_bytes(needed), " (each dense factor three times: running, captured, decomposed), more than this ",
+              "machine's ", human_bytes(static_cast<double>(*total)), " of memory; the widest is ", widest, " (",
+              human_bytes(widest_bytes), "). Keep wide factors diagonal with ",
+              names.option("diagonal_factor_dim", std::to_string(options.diagonal_factor_dim() > 0
+                                                                      ? options.diagonal_factor_dim()
+                                                                      : Options().diagonal_factor_dim())),
+              ", or leave the layer out with skip_layers");
+}
+
+bool all_parameters_require_grad(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters(/*recurse=*/false)) {
+    if (!p.requires_grad()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string MessageNames::layer(const KfacLayer& layer, size_t index) const {
+  const std::string kind = index < layer_classes.size() ? layer_classes[index] : to_string(layer.kind());
+  return "'" + layer.name() + "' (" + kind + ")";
+}
+
+std::string MessageNames::option(const std::string& name, const std::string& value) const {
+  return option_prefix + name + option_separator + value;
+}
+
+
+namespace {
+
+// The dkfac::nn modules of `model` that choose_layers (layers/discovery.h) keeps.
+std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>& model, const Options& options) {
+  TORCH_CHECK(model != nullptr, "Preconditioner needs a model, got nullptr");
+  options.validate();  // before the skip_layers patterns are used
+  std::vector<ModuleCandidate> candidates;
+  std::vector<const nn::KfacModule*> modules;
+  // Every module holding each parameter: a Parameter in two modules is a tied weight (a language model's head
+  // and its token embedding).
+  std::map<const c10::TensorImpl*, std::vector<std::string>> owners;
+  const auto named = model->named_modules(/*name_prefix=*/"", /*include_self=*/true);
+  for (const auto& item : named) {
+    for (const auto& p : item.value()->parameters(/*recurse=*/false)) owners[p.unsafeGetTensorImpl()].push_back(item.key());
+  }
+  for (const auto& item : named) {
+    const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
+    if (kfac_module == nullptr) continue;
+    const auto kind = kfac_module->shared_factor_capture()->geometry().kind;
+    ModuleCandidate candidate{item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1, "", {}};
+    for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
+      for (const auto& other : owners[p.unsafeGetTensorImpl()]) {
+        const auto& tied = candidate.tied_to;
+        if (other != item.key() && std::find(tied.begin(), tied.end(), other) == tied.end()) {
+          candidate.tied_to.push_back(other);
+        }
+      }
+    }
+    candidates.push_back(std::move(candidate));
+    modules.push_back(kfac_module);
+  }
+  std::vector<LayerBinding> bindings;
+  for (size_t i : choose_layers(candidates, options.skip_layers(), model->name())) {
+    bindings.push_back({candidates[i].name, modules[i]->kfac_weight(), modules[i]->kfac_bias(),
+                        modules[i]->shared_factor_capture()});
+  }
+  return bindings;
+}
+
+}  // namespace
+
+Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options options,
+                               std::shared_ptr<comm::Communicator> communicator)
+    : Preconditioner(bind_modules(model, options), options, std::move(communicator)) {
+  // `options` is copied, not moved: the arguments' evaluation order is unspecified.
+  model_ = std::move(model);
+  const auto named = model_->named_modules(/*name_prefix=*/"", /*include_self=*/true);
+  for (const auto& layer : layers_) modules_.push_back(dynamic_cast<const nn::KfacModule*>(named[layer.name()].get()));
+}
+
+Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options,
+                               std::shared_ptr<comm::Communicator> communicator, MessageNames names)
+    : options_(std::move(options)), names_(std::move(names)) {
+  options_.validate();
+  TORCH_CHECK(!layers.empty(), "Preconditioner needs at least one layer to precondition");
+  TORCH_CHECK(names_.layer_classes.empty() || names_.layer_classes.size() == layers.size(),
+              "MessageNames::layer_classes names ", names_.layer_classes.size(), " layers, but ", layers.size(),
+              " are registered: give one class per layer or none");
+  for (auto& binding : layers) {
+    binding.capture->set_factor_dtype(options_.factor_dtype());
+    binding.capture->set_grad_scale(options_.grad_scaler());
+    binding.capture->set_reduce(options_.kfac_approx() == KfacApprox::kReduce);
+    layers_.emplace_back(std::move(binding));
+    layers_.back().set_inv_dtype(options_.inv_dtype());
+    layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());
+  }
+  device_ = layers_.front().weight().device();
+  clock_ = PhaseClock(device_);
+  factor_ok_.resize(layers_.size());
+  refuse_factors_beyond_memory(layers_, options_, names_);
+  report_large_factors(layers_, options_, names_);
+  communicator_ = std::move(communicator);
+  if (communicator_) communicator_->use_device(device_);  // control tensors follow the layers (NCCL-only groups)
+  check_ranks_agree();
+  if (agrees_on_unused_layers()) {
+    // A layer may run on some ranks only (stochastic depth, DDP's find_unused_parameters): step() has the
+    // ranks agree which layers all of them can use, so factors are reduced there, not from the capture hooks,
+    // which start their collectives before any rank knows what the others ran.
+    TORCH_CHECK(options_.strategy() != Strategy::kSpd, "unused_layer_policy skip with strategy spd on several "
+                "ranks: SPD-KFAC reduces factors from the capture hooks, before the ranks can agree which layers "
+                "ran; use strategy kaisa, dp or auto");
+    options_.update_factors_in_hook(false);
+  }
+  Options plan_options = options_;
+  auto_requested_ = options_.strategy() == Strategy::kAuto;
+  if (auto_requested_) {
+    if (!communicator_ || communicator_->size() == 1) {
+      strategy_choice_ = "strategy auto: one process, where every strategy is the same plan: kaisa";
+      options_.strategy(Strategy::kKaisa).memory_budget(0);
+      plan_options = options_;
+    } else {
+      // Until the first step chooses: every rank captures every layer (a superset of any candidate's
+      // captures) and nothing moves before step(), so the choice can still replace the executor.
+      auto_ = std::make_unique<strategy::AutoStrategy>(communicator_);
+      plan_options = Options(options_).strategy(Strategy::kKaisa).memory_budget(0).update_factors_in_hook(false);
+    }
+  }
+  executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, plan_options);
+  arm_capture();
+}
+
+std::vector<std::string> Preconditioner::description() const {
+  std::vector<std::string> lines;
+  lines.push_back(std::to_string(layers_.size()) + " layers");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    std::ostringstream line;
+    line << "layer " << i << " '" << layer.name() << "': " << to_string(layer.kind()) << ", weight "
+         << layer.weight().sizes() << " " << layer.weight().scalar_type() << (layer.bias().defined() ? ", bias" : ", no bias");
+    lines.push_back(line.str());
+  }
+  for (const auto& info : option_table()) lines.push_back(info.name + "=" + option_text(info, options_.get(info.name)));
+  return lines;
+}
+
+void Preconditioner::check_ranks_agree() {
+  // Before any collective that depends on the options or the layers (the plan's groups, strategy auto's
+  // measurements): ranks that differ there would start different collectives and hang or abort.
+  if (!communicator_ || communicator_->size() == 1) return;
+  const auto difference = comm::first_difference(*communicator_, comm::kWorld, description());
+  TORCH_CHECK(difference.empty(), "the ranks built their preconditioners differently: ", difference,
+              ". Every rank must register the same layers (names, kinds, shapes, dtypes) with the same options");
+}
+
+void Preconditioner::rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias) {
+  TORCH_CHECK(index < layers_.size(), "rebind_layer: no layer ", index, " (", layers_.size(), " are registered)");
+  layers_[index].rebind(std::move(weight), std::move(bias));
+}
+
+std::string Preconditioner::take_plan_change() {
+  std::string change = std::exchange(choice_to_report_, "");
+  return change + executor_->take_plan_change();
+}
+
+void Preconditioner::use_rates(strategy::Rates rates) {
+  TORCH_CHECK(auto_requested_, "use_rates: rates are for strategy auto, but this preconditioner's strategy is ",
+              to_string(options_.strategy()));
+  if (auto_) {
+    TORCH_CHECK(auto_->choice_pending(), "use_rates: strategy auto already chose at the first step (",
+                to_string(options_.strategy()), "); give rates before it");
+    auto_->use_rates(std::move(rates));
+  } else {
+    rates.validate();  // one process: nothing to choose, but the rates must still be rates
+  }
+}
+
+void Preconditioner::choose_strategy() {
+  int64_t samples = 1;
+  for (const auto& layer : layers_) samples = std::max(samples, layer.capture().samples_per_pass());
+  const auto dtype = options_.factor_dtype().value_or(layers_.front().weight().scalar_type());
+  const Options chosen = auto_->choose(options_, strategy::layer_shapes(layers_),
+                                       samples * options_.accumulation_steps(), device_, dtype, steps_);
+  // State loaded (or computed) under the provisional plan: every rank holds every factor there, so they
+  // agree on whether there is any; it is gathered whole and placed again as the chosen plan says.
+  const bool has_state = std::any_of(layers_.begin(), layers_.end(), [](const KfacLayer& l) { return l.a_factor().defined(); });
+  replace_executor(chosen, has_state);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!executor_->builds_factors(i)) layers_[i].capture().clear();  // captured under the provisional plan
+  }
+  if (is_factor_step(steps_)) executor_->arm_factor_step(options_.accumulation_steps());
+  choice_to_report_ = auto_->description() + "\n" + executor_->describe(/*per_layer=*/false);
+}
+
+void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
+  std::vector<std::map<std::string, torch::Tensor>> states;
+  if (has_state) states = executor_->gather_states(layers_);
+  executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, chosen);
+  options_ = chosen;
+  if (!has_state) return;
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
+}
+
+void Preconditioner::recheck_strategy() {
+  const auto switch_to = auto_->recheck(strategy::layer_shapes(layers_), executor_->plan(), options_, steps_);
+  choice_to_report_ += auto_->last_report();
+  if (!switch_to) return;
+  replace_executor(*switch_to, /*has_state=*/true);
+  choice_to_report_ += executor_->describe(/*per_layer=*/false);
+}
+
+Preconditioner::~Preconditioner() {
+  for (auto& layer : layers_) layer.set_capture(false);
+}
+
+void Preconditioner::follow_parameters() {
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    auto weight = modules_[i]->kfac_weight();
+    auto bias = modules_[i]->kfac_bias();
+    const auto& layer = layers_[i];
+    if (!weight.is_same(layer.weight()) || !bias.is_same(layer.bias())) rebind_layer(i, std::move(weight), std::move(bias));
+  }
+}
+
+}  // namespace dkfac
