@@ -458,6 +458,28 @@ TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
   EXPECT_EQ(json["strategy"], "kaisa");
 }
 
+TEST(TrainConfigTest, GlobalBatchSplitsOverTheRanksOrNamesWhyNot) {
+  TrainConfig c;
+  c.batch_size = 32;
+  EXPECT_EQ(c.batch_per_rank(4), 32) << "--batch-size is per rank without --global-batch-size";
+  c.global_batch_size = 64;
+  EXPECT_EQ(c.batch_per_rank(4), 16);
+  EXPECT_EQ(c.batch_per_rank(1), 64);
+  const auto message = [&](int world) {
+    try {
+      c.batch_per_rank(world);
+    } catch (const JobError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(3), "--global-batch-size 64 cannot be split over 3 ranks (64 is not a multiple of 3); pass a "
+                        "multiple of the number of ranks");
+  c.accumulation_steps = 3;
+  EXPECT_EQ(message(2), "--global-batch-size 64 gives 32 examples per rank on 2 ranks, not a multiple of "
+                        "--accumulation-steps 3");
+}
+
 TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   auto expect = [](TrainConfig c, const std::string& needle) {
     expect_error([&] { c.validate(); }, {needle});

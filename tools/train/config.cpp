@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "dkfac/comm/agreement.h"
+
 namespace dkfac::train {
 namespace {
 
@@ -150,6 +152,31 @@ void TrainConfig::validate() const {
   TORCH_CHECK(!(device == DeviceChoice::kCpu && backend == comm::CudaBackend::kNccl),
               "--backend nccl carries CUDA tensors, but --device cpu trains on the CPU (its collectives always go "
               "through Gloo); pass --device cuda or auto, or leave --backend out");
+}
+
+int64_t TrainConfig::batch_per_rank(int world) const {
+  if (global_batch_size == 0) return batch_size;
+  // Each global batch is split the same way on any number of ranks: rank r takes examples [r B/P, (r + 1) B/P)
+  // of it, so the ranks' examples together are always the same batch.
+  const std::string global = "--global-batch-size " + std::to_string(global_batch_size);
+  if (global_batch_size % world != 0) {
+    throw JobError(global + " cannot be split over " + std::to_string(world) + " ranks (" +
+                   std::to_string(global_batch_size) + " is not a multiple of " + std::to_string(world) +
+                   "); pass a multiple of the number of ranks");
+  }
+  const int64_t per_rank = global_batch_size / world;
+  if (per_rank % accumulation_steps != 0) {
+    throw JobError(global + " gives " + std::to_string(per_rank) + " examples per rank on " + std::to_string(world) +
+                   " ranks, not a multiple of --accumulation-steps " + std::to_string(accumulation_steps));
+  }
+  return per_rank;
+}
+
+void agree_on(comm::Communicator& communicator, const nlohmann::json& options) {
+  std::vector<std::string> lines;  // "--lr 0.05", in key order
+  for (const auto& [key, value] : options.items()) lines.push_back("--" + key + " " + value.dump());
+  const auto difference = comm::first_difference(communicator, comm::kWorld, lines);
+  TORCH_CHECK(difference.empty(), "ranks were started with different options: ", difference);
 }
 
 nlohmann::json to_json(const TrainConfig& c) {

@@ -112,6 +112,9 @@ struct TrainConfig {
   /// Throws c10::Error naming the first bad field's flag (as typed: see typed_as) and its value. Every
   /// numeric flag is range-checked here, before the library sees it.
   void validate() const;
+  /// The examples each of `world` ranks takes per step: --global-batch-size split over the ranks, or
+  /// --batch-size. Throws JobError when the global batch does not split into equal micro-batches.
+  int64_t batch_per_rank(int world) const;
 };
 
 /// An error every rank of a job reaches identically (a bad option, a directory another run owns): rank 0
@@ -123,5 +126,9 @@ struct JobError : std::runtime_error {
 /// The options that must agree between the ranks of a job, keyed by flag name without "--" (threads
 /// may differ).
 nlohmann::json to_json(const TrainConfig& config);
+
+/// Every rank's `options` (to_json) against rank 0's: when any rank's differ, every rank throws c10::Error with
+/// the same message, naming the first differing flag with its value on that rank and on rank 0. Collective.
+void agree_on(comm::Communicator& communicator, const nlohmann::json& options);
 
 }  // namespace dkfac::train

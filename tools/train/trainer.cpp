@@ -5,6 +5,7 @@
 #include "tools/train/checkpointer.h"
 #include "tools/train/devices.h"
 #include "tools/train/metrics.h"
+#include "tools/train/training_checkpoint.h"
 #include "dkfac/version.h"
 #include "dkfac/numbers.h"
 #include "dkfac/comm/agreement.h"
@@ -38,18 +39,6 @@ namespace {
 
 namespace F = torch::nn::functional;
 using Clock = std::chrono::steady_clock;
-// 2: layout entry, DKFACCKP envelope; 3: world-size independent (the whole K-FAC state in every rank's file,
-// the data position in examples, the world size and global batch that wrote it). 2 is still read.
-constexpr int64_t kCheckpointVersion = 3;
-
-// The dtype --factor-dtype / --inv-dtype names, or nullopt for the default.
-// Layer shapes of a model, to refuse a checkpoint of another model with a clear message.
-std::string shape_signature(torch::nn::Module& model) {
-  std::ostringstream out;
-  for (const auto& p : model.named_parameters()) out << p.key() << p.value().sizes() << ";";
-  return out.str();
-}
-
 // What the core's out-of-memory errors say after naming their place (device::rethrow_out_of_memory).
 constexpr const char* kRanOutOfMemory = " ran out of device memory: ";
 
@@ -202,27 +191,13 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
   if (communicator_) {
     rank_ = communicator_->rank();
     world_ = communicator_->size();
-    check_same_options();
+    agree_on(*communicator_, to_json(config_));
   }
   threads_ = tools::configure_threads(config_.threads);
   auto& s = *state_;
   s.task = models::model_task(to_string(config_.model));
   s.dataset = data::load_dataset(to_string(config_.dataset), config_.data_dir, s.task == models::Task::kReconstruction);
-  if (config_.global_batch_size > 0) {
-    // Each global batch is split the same way on any number of ranks: rank r takes examples
-    // [r B/P, (r + 1) B/P) of it, so the ranks' examples together are always the same batch.
-    if (config_.global_batch_size % world_ != 0) {
-      throw JobError("--global-batch-size " + std::to_string(config_.global_batch_size) + " cannot be split over " +
-                     std::to_string(world_) + " ranks (" + std::to_string(config_.global_batch_size) + " is not a " +
-                     "multiple of " + std::to_string(world_) + "); pass a multiple of the number of ranks");
-    }
-    config_.batch_size = config_.global_batch_size / world_;
-    if (config_.batch_size % config_.accumulation_steps != 0) {
-      throw JobError("--global-batch-size " + std::to_string(config_.global_batch_size) + " gives " +
-                     std::to_string(config_.batch_size) + " examples per rank on " + std::to_string(world_) +
-                     " ranks, not a multiple of --accumulation-steps " + std::to_string(config_.accumulation_steps));
-    }
-  }
+  config_.batch_size = config_.batch_per_rank(world_);
   s.steps_per_epoch = s.dataset.train.size() / (config_.batch_size * world_);
   TORCH_CHECK(s.steps_per_epoch > 0, "--batch-size ", config_.batch_size, " x ", world_, " ranks is larger than the training set (",
               s.dataset.train.size(), " examples)");
@@ -342,32 +317,6 @@ Evaluation Trainer::evaluate() {
   return {loss_sum.item<double>() / size, static_cast<double>(correct.item<int64_t>()) / size};
 }
 
-void Trainer::check_same_options() {
-  // Rank 0's options go to every rank; any difference stops every rank, naming the option.
-  const auto own = to_json(config_);
-  const auto reference =
-      nlohmann::json::parse(comm::broadcast_text(*communicator_, comm::kWorld, 0, own.dump(), comm::Phase::kSetup));
-  std::string difference;
-  for (const auto& [key, value] : own.items()) {
-    if (!reference.contains(key) || reference.at(key) != value) {
-      difference = "--" + key + " is " + value.dump() + " on rank " + std::to_string(rank_) + " but " +
-                   (reference.contains(key) ? reference.at(key).dump() : std::string("unset")) + " on rank 0";
-      break;
-    }
-  }
-  auto flags = torch::zeros({world_}, torch::kInt64);
-  flags[rank_] = difference.empty() ? 0 : 1;
-  communicator_->allreduce_sum(flags, comm::kWorld, comm::Phase::kSetup).wait();
-  TORCH_CHECK(difference.empty(), "ranks were started with different options: ", difference);
-  if (flags.sum().item<int64_t>() > 0) {
-    std::string ranks;
-    for (int r = 0; r < world_; ++r) {
-      if (flags[r].item<int64_t>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    }
-    TORCH_CHECK(false, "ranks were started with different options: rank(s) ", ranks, " differ from rank 0");
-  }
-}
-
 // One decision for every rank: a step is dropped (or training stops) when any rank's loss or its averaged
 // gradient is not finite, so that the ranks' collectives stay in step.
 bool Trainer::step_is_finite(const torch::Tensor& loss) {
@@ -408,38 +357,24 @@ void Trainer::warn(const std::string& message) const {
             << std::endl;
 }
 
+CheckpointIdentity Trainer::identity() const {
+  return {to_string(config_.model), to_string(config_.dataset), to_string(config_.optimizer),
+          shape_signature(*state_->model), config_.kfac, layout(), job_layout()};
+}
+
 void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
   auto& s = *state_;
+  CheckpointProgress progress;
+  progress.world_size = world_;
+  progress.global_batch = global_batch();
+  progress.epoch = at.epoch;
+  progress.step_in_epoch = at.step_in_epoch;
+  progress.epoch_examples = at.step_in_epoch * global_batch();
+  progress.global_step = s.global_step;
+  progress.best_accuracy = s.best_accuracy;
+  progress.wall_seconds = s.wall();
   s.checkpointer->save([&](torch::serialize::OutputArchive& archive) {
-    archive.write("format_version", c10::IValue(kCheckpointVersion));
-    archive.write("options", c10::IValue(to_json(config_).dump()));  // for the resume's list of changed options
-    archive.write("model_name", c10::IValue(std::string(to_string(config_.model))));
-    archive.write("dataset", c10::IValue(std::string(to_string(config_.dataset))));
-    archive.write("kfac", c10::IValue(config_.kfac));
-    archive.write("optimizer_name", c10::IValue(std::string(to_string(config_.optimizer))));
-    archive.write("shapes", c10::IValue(shape_signature(*s.model)));
-    archive.write("layout", c10::IValue(layout()));
-    archive.write("job_layout", c10::IValue(job_layout()));
-    archive.write("world_size", c10::IValue(static_cast<int64_t>(world_)));
-    archive.write("global_batch", c10::IValue(global_batch()));
-    archive.write("epoch", c10::IValue(at.epoch));
-    archive.write("step_in_epoch", c10::IValue(at.step_in_epoch));
-    // The data position as examples of the epoch's order, which any world size can continue from.
-    archive.write("epoch_examples", c10::IValue(at.step_in_epoch * global_batch()));
-    archive.write("global_step", c10::IValue(s.global_step));
-    archive.write("best_accuracy", c10::IValue(s.best_accuracy));
-    archive.write("wall_seconds", c10::IValue(s.wall()));
-    archive.write("rng", torch::globalContext().defaultGenerator(torch::kCPU).get_state(), /*is_buffer=*/true);
-    torch::serialize::OutputArchive model, optimizer;
-    s.model->save(model);
-    s.optimizer->save(optimizer);
-    archive.write("model", model);
-    archive.write("optimizer", optimizer);
-    if (s.kfac) {
-      torch::serialize::OutputArchive kfac;
-      s.kfac->save(kfac);  // collective: every rank's archive holds every layer's state
-      archive.write("preconditioner", kfac);
-    }
+    write_checkpoint(archive, config_, identity(), progress, {*s.model, *s.optimizer, s.kfac.get()});
   });
   if (s.remove_other_worlds) {
     // Resumed from another world size's files: once every rank has written its own, they go.
@@ -467,90 +402,24 @@ std::optional<Trainer::Position> Trainer::load_checkpoint() {
   }
   if (!chosen->note.empty()) warn(chosen->note);
   const auto path = chosen->path;
-  auto& archive = chosen->archive;
-  auto read = [&](const char* key) {
-    c10::IValue v;
-    TORCH_CHECK(archive.try_read(key, v), "checkpoint '", path, "' has no '", key, "' entry");
-    return v;
-  };
-  const int64_t version = read("format_version").toInt();
-  TORCH_CHECK(version == kCheckpointVersion, "checkpoint '", path, "' has format version ", version,
-              "; this build reads version ", kCheckpointVersion, " only");
-  auto expect = [&](const char* key, const std::string& mine) {
-    const auto value = read(key);
-    TORCH_CHECK(value.isString(), "checkpoint '", path, "' has a damaged '", key, "' entry");
-    const auto theirs = value.toStringRef();
-    TORCH_CHECK(theirs == mine, "checkpoint '", path, "' was written with ", key, " '", theirs, "', this run uses '",
-                mine, "'");
-  };
-  expect("model_name", to_string(config_.model));
-  expect("dataset", to_string(config_.dataset));
-  expect("optimizer_name", to_string(config_.optimizer));
-  expect("shapes", shape_signature(*s.model));
-  const auto theirs = read("job_layout");
-  TORCH_CHECK(theirs.isString(), "checkpoint '", path, "' has a damaged 'job_layout' entry");
-  TORCH_CHECK(theirs.toStringRef() == job_layout(), "checkpoint '", path, "' was written with layout '",
-              read("layout").toStringRef(), "', this run uses '", layout(), "' (a resume may change the number "
-              "of ranks, not the strategy or placement)");
-  TORCH_CHECK(read("kfac").toBool() == config_.kfac, "checkpoint '", path, "' was written ",
-              read("kfac").toBool() ? "with" : "without", " K-FAC; pass ", read("kfac").toBool() ? "--kfac" : "--no-kfac");
-  const auto changed = changed_options(archive, path);
-  torch::serialize::InputArchive model, optimizer;
-  archive.read("model", model);
-  archive.read("optimizer", optimizer);
-  s.model->load(model);
-  s.optimizer->load(optimizer);
-  std::optional<StateRestore> restore;
-  if (s.kfac) {
-    torch::serialize::InputArchive kfac;
-    archive.read("preconditioner", kfac);
-    restore = s.kfac->load(kfac);  // collective where it recomputes: every rank loads an archive of the same step
-  }
-  torch::Tensor rng;
-  archive.read("rng", rng, /*is_buffer=*/true);
-  at::Generator generator = torch::globalContext().defaultGenerator(torch::kCPU);  // a handle to the global one
-  generator.set_state(rng.to(torch::kCPU));  // the CPU generator's state, read onto device_ with the rest
-  const int64_t written_world = read("world_size").toInt();
-  const int64_t written_batch = read("global_batch").toInt();
-  Position at{read("epoch").toInt(), read("step_in_epoch").toInt()};
+  const auto resumed = read_checkpoint(chosen->archive, path, config_, identity(), {*s.model, *s.optimizer, s.kfac.get()});
+  const auto& written = resumed.progress;
+  Position at{written.epoch, written.step_in_epoch};
   // The position in examples, as steps of this run's global batch (rounded down: a partial step is redone).
-  const int64_t examples = read("epoch_examples").toInt();
-  at.step_in_epoch = std::min(examples / global_batch(), s.steps_per_epoch);
-  const int64_t repeated = examples - at.step_in_epoch * global_batch();  // examples this run sees again
-  s.global_step = read("global_step").toInt();
-  s.best_accuracy = read("best_accuracy").toDouble();
-  s.wall_offset = read("wall_seconds").toDouble();
+  at.step_in_epoch = std::min(written.epoch_examples / global_batch(), s.steps_per_epoch);
+  const int64_t repeated = written.epoch_examples - at.step_in_epoch * global_batch();  // seen again by this run
+  s.global_step = written.global_step;
+  s.best_accuracy = written.best_accuracy;
+  s.wall_offset = written.wall_seconds;
   s.remove_other_worlds = chosen->other_world;
   log() << "resume: " << path << " (step " << s.global_step
         << (at.step_in_epoch == 0 && at.epoch > 0 ? ", end of epoch " + std::to_string(at.epoch)
                                                   : ", in epoch " + std::to_string(at.epoch + 1))
-        << ")" << resume_differences(written_world, written_batch, repeated, restore) << std::endl;
-  if (!changed.empty()) log() << "options changed since the checkpoint: " << changed << std::endl;
-  return at;
-}
-
-std::string Trainer::changed_options(torch::serialize::InputArchive& archive, const std::string& path) const {
-  c10::IValue written;
-  TORCH_CHECK(archive.try_read("options", written) && written.isString(), "checkpoint '", path,
-              "' has no readable 'options' entry: the file is damaged");
-  const auto theirs = nlohmann::json::parse(written.toStringRef(), nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(theirs.is_object(), "checkpoint '", path, "' has a damaged 'options' entry");
-  const auto mine = to_json(config_);
-  std::string changed;
-  for (const auto& [key, value] : mine.items()) {
-    if (key == "resume" || key == "overwrite" || key == "allow-seed-change") continue;  // how this run starts
-    if (key == "batch-size" && config_.global_batch_size > 0) continue;  // --global-batch-size / ranks
-    const auto it = theirs.find(key);
-    if (it == theirs.end() || *it == value) continue;  // an option the writer's build did not have: no change
-    // Each epoch's order of examples (and the augmentation) comes from the seed: a new one would go on with
-    // another order, seeing some of this epoch's examples twice and others not at all.
-    TORCH_CHECK(key != "seed" || config_.allow_seed_change, "checkpoint '", path, "' was written with --seed ",
-                it->dump(), ", this run has --seed ", value.dump(), ": the seed decides each epoch's order of "
-                "examples, so the run would not go on as the one that wrote it; pass --seed ", it->dump(),
-                ", or --allow-seed-change to go on with the new seed's order");
-    changed += (changed.empty() ? "" : ", ") + ("--" + key) + " " + it->dump() + " -> " + value.dump();
+        << ")" << resume_differences(written.world_size, written.global_batch, repeated, resumed.restore) << std::endl;
+  if (!resumed.changed_options.empty()) {
+    log() << "options changed since the checkpoint: " << resumed.changed_options << std::endl;
   }
-  return changed;
+  return at;
 }
 
 int64_t Trainer::global_batch() const { return config_.batch_size * world_; }

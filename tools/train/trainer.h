@@ -15,6 +15,7 @@
 #include "tools/models/models.h"
 #include "tools/train/checkpoint.h"
 #include "tools/train/config.h"
+#include "tools/train/training_checkpoint.h"
 
 namespace dkfac::train {
 
@@ -79,12 +80,12 @@ class Trainer {
     int64_t epoch = 0;
     int64_t step_in_epoch = 0;
   };
+  /// This job as its checkpoints identify it (training_checkpoint.h).
+  CheckpointIdentity identity() const;
+  /// Writes this rank's checkpoint at `at` (write_checkpoint), logging `reason`.
   void save_checkpoint(const Position& at, const std::string& reason);
-  /// The position of the checkpoint resumed from, after loading it; nullopt: none yet (a first run).
-  /// The options that differ from those the checkpoint was written with ("--lr 0.05 -> 0.1, ..."), "" if none
-  /// or the checkpoint predates its 'options' entry; throws, before anything is loaded, on a changed --seed
-  /// unless --allow-seed-change.
-  std::string changed_options(torch::serialize::InputArchive& archive, const std::string& path) const;
+  /// The position of the checkpoint resumed from, after loading it (read_checkpoint); nullopt: none yet (a
+  /// first run).
   std::optional<Position> load_checkpoint();
   bool finished(const Position& at) const;
   std::string layout() const;
@@ -94,7 +95,6 @@ class Trainer {
   int64_t global_batch() const;
   std::string resume_differences(int64_t written_world, int64_t written_batch, int64_t repeated,
                                  const std::optional<StateRestore>& restore) const;
-  void check_same_options();
   bool step_is_finite(const torch::Tensor& loss);
   /// This rank's loss over an epoch's steps (skipped steps are not counted) and when the epoch began.
   struct EpochLoss {
