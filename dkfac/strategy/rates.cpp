@@ -24,8 +24,7 @@ namespace {
 
 double cube(int64_t d) { return static_cast<double>(d) * d * d; }
 
-/// Kernel timings shared by measure_rates and measure_local_rates. Every figure is appended to `figures`
-/// in a fixed order (so that ranks can average them element by element), then read back by `assemble`.
+/// The points at which measure_rates and measure_local_rates time each kernel (kernel_probes).
 struct KernelPlan {
   // (rows, d) of covariances, up to the sizes of real layers (a few GFLOP-equivalents in all).
   std::vector<std::pair<int64_t, int64_t>> factor_shapes = {{64, 16}, {16384, 16}, {4096, 64}, {8192, 256}, {128, 1024}};
@@ -82,11 +81,6 @@ std::pair<double, double> conv_a_point(int64_t batch, int64_t channels, int64_t 
   return {static_cast<double>(batch * out * out), static_cast<double>(channels * kernel * kernel)};
 }
 
-size_t kernel_count(const KernelPlan& k) {
-  return k.factor_shapes.size() + 2 * k.conv_inputs.size() + k.patch_convs.size() + k.unfold_convs.size() +
-         k.fold_shapes.size() + k.decomposition_dims.size() + k.precondition_shapes.size();
-}
-
 /// A covariance loop on a thread of its own for as long as the object lives: a rank that computes while
 /// its collectives are timed.
 class ComputeLoop {
@@ -125,108 +119,164 @@ double time_probe(c10::Device device, c10::ScalarType dtype) {
   return time_median(device, 5, [&] { (void)math::covariance(x); });
 }
 
-void time_kernels(const KernelPlan& k, c10::Device device, c10::ScalarType dtype, ComputeMethod method,
-                  std::vector<double>& figures) {
-  const auto options = torch::TensorOptions().dtype(dtype).device(device);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
-  torch::NoGradGuard no_grad;
-  for (const auto& [rows, d] : k.factor_shapes) {
-    auto x = torch::randn({rows, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
-    figures.push_back(time_median(device, 3, [&] { (void)math::covariance(x); }));
-  }
-  const auto random = [&](std::vector<int64_t> sizes) {
-    return torch::randn(sizes, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
-  };
-  const auto time_conv_a = [&](int64_t batch, int64_t channels, int64_t side, int64_t kernel, int64_t stride) {
-    const auto geometry = conv_geometry(kernel, stride);
-    auto x = random({batch, channels, side, side});
-    figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_a_factor(x, geometry, false); }));
-  };
-  for (const auto& [batch, channels, side] : k.conv_inputs) time_conv_a(batch, channels, side, 3, 1);
-  for (const auto& [batch, channels, side] : k.conv_inputs) {
-    auto y = random({batch, channels, side, side});
-    figures.push_back(time_median(device, 3, [&] { (void)math::conv2d_g_factor(y); }));
-  }
-  for (const auto& [batch, channels, side, kernel, stride] : k.patch_convs) {
-    time_conv_a(batch, channels, side, kernel, stride);
-  }
-  for (const auto& [batch, channels, side] : k.unfold_convs) time_conv_a(batch, channels, side, 3, 1);
-  for (const auto& [a, g] : k.fold_shapes) {
-    auto a_factor = spd_matrix(a, options, gen), g_factor = spd_matrix(g, options, gen);
-    auto a_batch = spd_matrix(a, options, gen), g_batch = spd_matrix(g, options, gen);
-    figures.push_back(time_median(device, 3, [&] { (void)math::fold_factors(a_factor, g_factor, a_batch, g_batch, 0.95); }));
-  }
-  for (int64_t d : k.decomposition_dims) figures.push_back(time_decomposition(d, method, dtype, device));
-  for (const auto& [g, a] : k.precondition_shapes) {
-    auto grad = torch::randn({g, a}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
-    if (method == ComputeMethod::kEigen) {
-      const auto ea = math::eigen_decompose(spd_matrix(a, options, gen));
-      const auto eg = math::eigen_decompose(spd_matrix(g, options, gen));
-      const auto denominator = math::eigen_denominator(ea, eg, 1e-3);
-      figures.push_back(time_median(device, 3, [&] { (void)math::precondition_eigen(ea, eg, denominator, grad); }));
-    } else {
-      const auto ia = math::damped_inverse(spd_matrix(a, options, gen), 1e-3);
-      const auto ig = math::damped_inverse(spd_matrix(g, options, gen), 1e-3);
-      figures.push_back(time_median(device, 3, [&] { (void)math::precondition_inverse(ia, ig, grad); }));
-    }
-  }
-}
-
-/// Reads the kernel figures (in time_kernels' order) starting at `at` into `rates`.
-/// The FactorRate fitted to one figure per (rows, d) point, read from `figures` at `at` on (advanced).
-FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points, const std::vector<double>& figures,
-                           size_t& at) {
+/// The FactorRate fitted to one figure per (rows, d) point.
+FactorRate fit_factor_rate(const std::vector<std::pair<double, double>>& points, const double* figures) {
   std::vector<std::vector<double>> features;
-  std::vector<double> seconds;
-  for (const auto& [r, d] : points) {
-    features.push_back({1.0, r * d, 2.0 * r * d * d});
-    seconds.push_back(figures.at(at++));
-  }
+  std::vector<double> seconds(figures, figures + points.size());
+  for (const auto& [r, d] : points) features.push_back({1.0, r * d, 2.0 * r * d * d});
   const auto c = fit_nonnegative(features, seconds);
   return FactorRate{c[0], c[1], c[2]};
 }
 
-/// fit_affine (measure.h) to one figure per `units` value, read from `figures` at `at` on (advanced).
-std::pair<double, double> fit_affine_at(const std::vector<double>& units, const std::vector<double>& figures, size_t& at) {
-  TORCH_CHECK(at + units.size() <= figures.size(), "rates: ", figures.size(), " figures, ", at + units.size(), " read");
-  const std::vector<double> seconds(figures.begin() + static_cast<std::ptrdiff_t>(at),
-                                    figures.begin() + static_cast<std::ptrdiff_t>(at + units.size()));
-  at += units.size();
-  return fit_affine(units, seconds);
+/// One group of kernel timings of Rates: how its points are timed (one figure each, appended) and how its
+/// figures become its rate. Measurement and fit iterate the one list of kernel_probes, in its order, so that
+/// ranks can average the figures element by element in between; adding a kernel is one probe.
+struct KernelProbe {
+  size_t points = 0;
+  std::function<void(std::vector<double>& figures)> time;
+  std::function<void(const double* figures, Rates& rates)> fit;
+};
+
+std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, c10::ScalarType dtype,
+                                       ComputeMethod method) {
+  const auto options = torch::TensorOptions().dtype(dtype).device(device);
+  auto gen = std::make_shared<at::Generator>(at::make_generator<at::CPUGeneratorImpl>(11));
+  const auto random = [gen, options](std::vector<int64_t> sizes) {
+    return torch::randn(sizes, *gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
+  };
+  const auto spd = [gen, options](int64_t d) { return spd_matrix(d, options, *gen); };
+  const auto timed = [device](const std::function<void()>& kernel) {
+    torch::NoGradGuard no_grad;
+    return time_median(device, 3, kernel);
+  };
+  // A factor kernel timed at `points` by `run(point)`, fitted as a FactorRate into `rate` at each point's (rows, d).
+  const auto factor_probe = [&](size_t points, std::function<double(size_t)> run,
+                                std::vector<std::pair<double, double>> at, FactorRate Rates::*rate) {
+    return KernelProbe{points,
+                       [points, run](std::vector<double>& figures) {
+                         for (size_t i = 0; i < points; ++i) figures.push_back(run(i));
+                       },
+                       [at, rate](const double* figures, Rates& rates) { rates.*rate = fit_factor_rate(at, figures); }};
+  };
+  const auto conv_a = [random, timed](std::array<int64_t, 5> c) {  // {batch, channels, side, kernel, stride}
+    const auto geometry = conv_geometry(c[3], c[4]);
+    auto x = random({c[0], c[1], c[2], c[2]});
+    return timed([&] { (void)math::conv2d_a_factor(x, geometry, false); });
+  };
+  std::vector<KernelProbe> probes;
+  {
+    std::vector<std::pair<double, double>> at;
+    for (const auto& [rows, d] : k.factor_shapes) at.emplace_back(static_cast<double>(rows), static_cast<double>(d));
+    probes.push_back(factor_probe(
+        k.factor_shapes.size(),
+        [k, random, timed](size_t i) {
+          auto x = random({k.factor_shapes[i].first, k.factor_shapes[i].second});
+          return timed([&] { (void)math::covariance(x); });
+        },
+        at, &Rates::factor));
+  }
+  std::vector<std::array<int64_t, 5>> stride_one, unfold;  // 3 x 3, stride 1
+  std::vector<std::pair<double, double>> conv_a_at, conv_g_at, patches_at, unfold_at;
+  for (const auto& [batch, channels, side] : k.conv_inputs) {
+    stride_one.push_back({batch, channels, side, 3, 1});
+    conv_a_at.push_back(conv_a_point(batch, channels, side, 3, 1));
+    conv_g_at.emplace_back(static_cast<double>(batch * side * side), static_cast<double>(channels));
+  }
+  for (const auto& c : k.patch_convs) patches_at.push_back(conv_a_point(c[0], c[1], c[2], c[3], c[4]));
+  for (const auto& [batch, channels, side] : k.unfold_convs) {
+    unfold.push_back({batch, channels, side, 3, 1});
+    unfold_at.push_back(conv_a_point(batch, channels, side, 3, 1));
+  }
+  probes.push_back(factor_probe(stride_one.size(), [stride_one, conv_a](size_t i) { return conv_a(stride_one[i]); },
+                                conv_a_at, &Rates::conv_factor));
+  probes.push_back(factor_probe(
+      k.conv_inputs.size(),
+      [k, random, timed](size_t i) {
+        const auto& [batch, channels, side] = k.conv_inputs[i];
+        auto y = random({batch, channels, side, side});
+        return timed([&] { (void)math::conv2d_g_factor(y); });
+      },
+      conv_g_at, &Rates::conv_g_factor));
+  probes.push_back(factor_probe(k.patch_convs.size(), [k, conv_a](size_t i) { return conv_a(k.patch_convs[i]); },
+                                patches_at, &Rates::conv_patches_factor));
+  probes.push_back(factor_probe(unfold.size(), [unfold, conv_a](size_t i) { return conv_a(unfold[i]); }, unfold_at,
+                                &Rates::conv_unfold_factor));
+  probes.push_back(KernelProbe{
+      k.fold_shapes.size(),
+      [k, spd, timed](std::vector<double>& figures) {
+        for (const auto& [a, g] : k.fold_shapes) {
+          auto a_factor = spd(a), g_factor = spd(g), a_batch = spd(a), g_batch = spd(g);
+          figures.push_back(timed([&] { (void)math::fold_factors(a_factor, g_factor, a_batch, g_batch, 0.95); }));
+        }
+      },
+      [k](const double* figures, Rates& rates) {
+        std::vector<double> entries;
+        for (const auto& [a, g] : k.fold_shapes) entries.push_back(static_cast<double>(a * a + g * g));
+        const auto [seconds, per_entry] = fit_affine(entries, {figures, figures + entries.size()});
+        rates.fold = FoldRate{seconds, per_entry};
+      }});
+  probes.push_back(KernelProbe{
+      k.decomposition_dims.size(),
+      [k, method, dtype, device](std::vector<double>& figures) {
+        for (int64_t d : k.decomposition_dims) figures.push_back(time_decomposition(d, method, dtype, device));
+      },
+      [k](const double* figures, Rates& rates) {
+        rates.decomposition = DecompositionRate{};
+        rates.decomposition.dims = k.decomposition_dims;
+        rates.decomposition.seconds.assign(figures, figures + k.decomposition_dims.size());
+      }});
+  probes.push_back(KernelProbe{
+      k.precondition_shapes.size(),
+      [k, method, random, spd, timed](std::vector<double>& figures) {
+        for (const auto& [g, a] : k.precondition_shapes) {
+          auto grad = random({g, a});
+          if (method == ComputeMethod::kEigen) {
+            const auto ea = math::eigen_decompose(spd(a));
+            const auto eg = math::eigen_decompose(spd(g));
+            const auto denominator = math::eigen_denominator(ea, eg, 1e-3);
+            figures.push_back(timed([&] { (void)math::precondition_eigen(ea, eg, denominator, grad); }));
+          } else {
+            const auto ia = math::damped_inverse(spd(a), 1e-3);
+            const auto ig = math::damped_inverse(spd(g), 1e-3);
+            figures.push_back(timed([&] { (void)math::precondition_inverse(ia, ig, grad); }));
+          }
+        }
+      },
+      [k, method](const double* figures, Rates& rates) {
+        std::vector<double> flops;
+        for (const auto& [g, a] : k.precondition_shapes) {
+          flops.push_back((method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a));
+        }
+        const auto [seconds, per_flop] = fit_affine(flops, {figures, figures + flops.size()});
+        rates.precondition = PreconditionRate{seconds, per_flop};
+      }});
+  return probes;
 }
 
-void assemble_kernels(const KernelPlan& k, const std::vector<double>& figures, size_t at, ComputeMethod method,
-                      Rates& rates) {
-  std::vector<std::pair<double, double>> plain, conv_a, conv_g, patches, unfold;
-  for (const auto& [rows, d] : k.factor_shapes) plain.emplace_back(static_cast<double>(rows), static_cast<double>(d));
-  for (const auto& [batch, channels, side] : k.conv_inputs) {
-    conv_a.push_back(conv_a_point(batch, channels, side, 3, 1));
-    conv_g.emplace_back(static_cast<double>(batch * side * side), static_cast<double>(channels));
+size_t figure_count(const std::vector<KernelProbe>& probes) {
+  size_t n = 0;
+  for (const auto& probe : probes) n += probe.points;
+  return n;
+}
+
+void time_kernels(const std::vector<KernelProbe>& probes, std::vector<double>& figures) {
+  torch::NoGradGuard no_grad;
+  for (const auto& probe : probes) {
+    const size_t before = figures.size();
+    probe.time(figures);
+    TORCH_INTERNAL_ASSERT(figures.size() == before + probe.points, "a kernel probe timed ", figures.size() - before,
+                          " points of ", probe.points);
   }
-  for (const auto& [batch, channels, side, kernel, stride] : k.patch_convs) {
-    patches.push_back(conv_a_point(batch, channels, side, kernel, stride));
+}
+
+/// Fits every probe's rate from its figures, which start at `figures[at]` in time_kernels' order.
+void fit_kernels(const std::vector<KernelProbe>& probes, const std::vector<double>& figures, size_t at, Rates& rates) {
+  TORCH_CHECK(at + figure_count(probes) <= figures.size(), "rates: ", figures.size(), " figures, ",
+              at + figure_count(probes), " needed");
+  for (const auto& probe : probes) {
+    probe.fit(figures.data() + at, rates);
+    at += probe.points;
   }
-  for (const auto& [batch, channels, side] : k.unfold_convs) unfold.push_back(conv_a_point(batch, channels, side, 3, 1));
-  rates.factor = fit_factor_rate(plain, figures, at);  // in time_kernels' order
-  rates.conv_factor = fit_factor_rate(conv_a, figures, at);
-  rates.conv_g_factor = fit_factor_rate(conv_g, figures, at);
-  rates.conv_patches_factor = fit_factor_rate(patches, figures, at);
-  rates.conv_unfold_factor = fit_factor_rate(unfold, figures, at);
-  std::vector<double> entries;
-  for (const auto& [a, g] : k.fold_shapes) entries.push_back(static_cast<double>(a * a + g * g));
-  const auto [fold_seconds, per_entry] = fit_affine_at(entries, figures, at);
-  rates.fold = FoldRate{fold_seconds, per_entry};
-  rates.decomposition = DecompositionRate{};
-  for (int64_t d : k.decomposition_dims) {
-    rates.decomposition.dims.push_back(d);
-    rates.decomposition.seconds.push_back(figures.at(at++));
-  }
-  std::vector<double> flops;
-  for (const auto& [g, a] : k.precondition_shapes) {
-    flops.push_back((method == ComputeMethod::kEigen ? 4.0 : 2.0) * g * a * static_cast<double>(g + a));
-  }
-  const auto [precondition_seconds, per_flop] = fit_affine_at(flops, figures, at);
-  rates.precondition = PreconditionRate{precondition_seconds, per_flop};
 }
 
 Rates conditions(c10::Device device, c10::ScalarType dtype, ComputeMethod method, int world_size) {
@@ -386,15 +436,15 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   }
   if (world > 1) comm::average_over(communicator, comm::kWorld, figures);
   // Kernels by rank 0 alone; the others wait in the broadcast of its figures (blocked, not computing).
-  const KernelPlan k = kernel_plan(method);
+  const auto probes = kernel_probes(kernel_plan(method), device, dtype, method);
   const size_t kernels_at = figures.size();
   std::vector<double> kernels;
   if (communicator.rank() == 0) {
-    time_kernels(k, device, dtype, method, kernels);
+    time_kernels(probes, kernels);
     kernels.push_back(time_probe(device, dtype));
   }
   if (world > 1) {
-    auto t = torch::zeros({static_cast<int64_t>(kernel_count(k) + 1)}, torch::kFloat64);
+    auto t = torch::zeros({static_cast<int64_t>(figure_count(probes) + 1)}, torch::kFloat64);
     if (communicator.rank() == 0) t.copy_(torch::tensor(kernels, torch::kFloat64));
     t = t.to(communicator.control_device());
     communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
@@ -403,12 +453,9 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     // The same kernel on every rank at once: how many ranks compute at full speed together.
     std::vector<double> together = {time_probe(device, dtype)};
     comm::average_over(communicator, comm::kWorld, together);
-    // On CPUs no more ranks than cores / threads per rank can run at full speed at once, whatever the probe
-    // says (rank 0's time alone is inflated while the others wait: docs/STRATEGIES.md, "Choosing
-    // automatically", Rates).
     const double cores = std::max(1u, std::thread::hardware_concurrency());
-    const double most = device.is_cpu() ? std::clamp(cores / std::max(1, rates.threads), 1.0, double(world)) : world;
-    rates.parallel_ranks = std::clamp(world * kernels.back() / std::max(together[0], 1e-12), 1.0, most);
+    const double most = device.is_cpu() ? cores / std::max(1, rates.threads) : world;
+    rates.parallel_ranks = parallel_ranks_from(world, kernels.back(), together[0], most);
   }
   figures.insert(figures.end(), kernels.begin(), kernels.end() - 1);
   if (world > 1) {
@@ -419,8 +466,13 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
       at += n;
     }
   }
-  assemble_kernels(k, figures, kernels_at, method, rates);
+  fit_kernels(probes, figures, kernels_at, rates);
   return rates;
+}
+
+double parallel_ranks_from(int world, double alone_seconds, double together_seconds, double most) {
+  const double cap = std::clamp(most, 1.0, static_cast<double>(world));
+  return std::clamp(world * alone_seconds / std::max(together_seconds, 1e-12), 1.0, cap);
 }
 
 size_t agree_on_choice(comm::Communicator& communicator, size_t index) {
@@ -432,10 +484,10 @@ size_t agree_on_choice(comm::Communicator& communicator, size_t index) {
 
 Rates measure_local_rates(c10::Device device, c10::ScalarType dtype, ComputeMethod method) {
   Rates rates = conditions(device, dtype, method, 1);
-  const KernelPlan k = kernel_plan(method);
+  const auto probes = kernel_probes(kernel_plan(method), device, dtype, method);
   std::vector<double> figures;
-  time_kernels(k, device, dtype, method, figures);
-  assemble_kernels(k, figures, 0, method, rates);
+  time_kernels(probes, figures);
+  fit_kernels(probes, figures, 0, rates);
   return rates;
 }
 

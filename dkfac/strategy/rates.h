@@ -136,6 +136,12 @@ struct Rates {
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method);
 
+/// How many of `world` ranks compute at full speed together, from one probe kernel's time on one rank alone and
+/// its (ranks' mean) time when every rank runs it at once: world x alone / together, at least 1 and at most
+/// `most` (on CPUs, the machine's cores / intra-op threads per rank, capped at world: rank 0's time alone is
+/// inflated while the others wait to be scheduled; docs/STRATEGIES.md, "Choosing automatically", Rates).
+double parallel_ranks_from(int world, double alone_seconds, double together_seconds, double most);
+
 /// Rank 0's `index` on every rank (one 8-byte broadcast over the world): the caller of choose_strategy
 /// (time_model.h) agrees on rank 0's choice with it. Collective; returns `index` itself in one process.
 size_t agree_on_choice(comm::Communicator& communicator, size_t index);
