@@ -5,7 +5,7 @@
 
 /// The phases of a K-FAC step: what the Preconditioner times (PhaseClock), what strategy auto profiles and
 /// calibrates (strategy::ProfiledSteps, strategy::RateScales), and what the front ends report (`dkfac train`'s
-/// kfac_time_s, Python's step_times()). Adding a phase: a line in DKFAC_PHASES, and its use.
+/// kfac_time_s, Python's phase_times()). Adding a phase: a line in DKFAC_PHASES, and its use.
 namespace dkfac {
 
 // X(enumerator, name, words, what it counts): `name` is what JSON and Python report, `words` what messages say.
