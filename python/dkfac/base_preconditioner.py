@@ -158,9 +158,8 @@ class _OwnerRows:
         for parameter, stand_in in zip((weight, bias), self.layer.stand_ins):
             if stand_in is None:
                 continue
-            if parameter.grad is None:
-                raise RuntimeError('sharded_placement=owner: a sharded layer has no gradient on this rank; owner '
-                                   'placement needs every sharded layer to take part in every step')
+            if parameter.grad is None:  # FSDP2 leaves it None on every rank alike: the core's unused-layer policy
+                continue
             local, chunk = self._local(parameter)
             padded = local.new_zeros((chunk, *local.shape[1:]))
             padded[:local.shape[0]].copy_(local)

@@ -54,8 +54,11 @@ class SkippableBlock(torch.nn.Module):
         return x if self.skip else x + torch.relu(self.conv(x))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (FSDP2's sharded parameters and gradients), a plain tensor as it is; on the CPU."""
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's whole value (FSDP2's sharded parameters and gradients), a plain tensor as it is; on the CPU.
+    None (a gradient of a layer no rank ran) stays None."""
+    if t is None:
+        return None
     return (t.full_tensor() if hasattr(t, 'full_tensor') else t).detach().to('cpu', copy=True)
 
 
@@ -96,6 +99,10 @@ def main() -> None:
     accumulate = kwargs.get('accumulation_steps', 1)  # micro-batches per step, gradients reduced after the last
     if sharding is not None:
         model = scenarios.make_model(kind).to(device)
+        if skip_at is not None:  # the block is skipped by every rank alike at the steps of skip_at['0']
+            skipping = set(skip_at['0'])
+            block = SkippableBlock()
+            model = torch.nn.Sequential(model[0], model[1], block, *model[2:]).to(device)
         if not shard_after:
             model = sharded(model, sharding, size, device, param_dtype)
     elif skip_at is None:

@@ -589,6 +589,23 @@ def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
     assert elapsed < 30, f'took {elapsed:.1f} s'
 
 
+def test_owner_placement_leaves_a_layer_no_rank_ran_to_the_unused_layer_policy(tmp_path):
+    """Under FSDP2 a layer that no rank ran has no gradient on any rank: owner placement moves nothing for it, the
+    core keeps its plain (absent) gradient under unused_layer_policy='skip', and the job equals the replicated
+    placement's, step by step."""
+    kwargs = dict(COMMON, unused_layer_policy='skip', skip_at={'0': [1, 2]}, shard='fsdp', strategy='kaisa')
+    (tmp_path / 'owner').mkdir(), (tmp_path / 'replicated').mkdir()
+    owner = run_workers(2, {**kwargs, 'sharded_placement': 'owner'}, tmp_path / 'owner')
+    replicated = run_workers(2, {**kwargs, 'grad_worker_fraction': 0.5}, tmp_path / 'replicated')
+    assert len(owner[0]['layers']) == 4  # the block's conv is registered
+    for rank, result in enumerate(owner):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(result['grads'][step], replicated[0]['grads'][step])):
+                assert (a is None) == (b is None), f'rank {rank}, step {step}, parameter {i}'
+                assert a is None or close(a, b), f'rank {rank}, step {step}, parameter {i}: {(a - b).abs().max()}'
+        assert [g is None for g in result['grads'][1]].count(True) == 2, 'the skipped conv has no gradient'
+
+
 @pytest.mark.parametrize('strategy', [dict(grad_worker_fraction=0.5), dict(strategy='dp')])
 def test_a_layer_skipped_on_one_rank_trains_on(tmp_path, strategy):
     """unused_layer_policy='skip' with a block that rank 1 skips at steps 1 and 2 (stochastic depth, DDP's
