@@ -315,8 +315,9 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
   torch::NoGradGuard no_grad;
   const double kl_clip = options_.kl_clip_at(steps_);
   // Per layer: reported, V finite, the factors' fold (1 when none), sum(V * grad): one transfer to the host.
-  // Owner placement: a layer's V is on its owners only; row 0's owner reports it, and every rank learns it from
-  // one sum over the world (StepExecutor::sum_owner_reports), so that all take the same decisions and scale.
+  // Owner placement: a layer's V is on its owners only (one per row); each owner reports its values, and every
+  // rank learns their mean from one sum over the world (StepExecutor::sum_owner_reports): a flag is 1 only where
+  // every owner's is, so that all ranks take the same decisions and scale.
   std::vector<torch::Tensor> rows;
   std::vector<size_t> checked;
   std::vector<int64_t> owned;  // positions in `rows` of the owner-placed layers
@@ -324,7 +325,7 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& v = preconditioned[i];
     const bool placed = executor_->owner_rows(i);
-    if (fates[i] == LayerFate::kPlainGradient || !v.defined() || (placed && !executor_->reports(i))) {
+    if (fates[i] == LayerFate::kPlainGradient || !v.defined() || (placed && !executor_->preconditions(i))) {
       fates[i] = LayerFate::kPlainGradient;
       if (!placed) continue;
       owned.push_back(static_cast<int64_t>(rows.size()));
@@ -344,7 +345,12 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
     const auto index = torch::tensor(owned, torch::kInt64);
     auto reports = values.index_select(0, index);
     clock_.collective(KfacPhase::kApply, [&] { executor_->sum_owner_reports(reports); });
-    values.index_copy_(0, index, reports.to(torch::kCPU));
+    reports = reports.to(torch::kCPU);
+    for (size_t k = 0; k < owned.size(); ++k) {
+      const auto owners = static_cast<double>(executor_->owners(checked[static_cast<size_t>(owned[k])]));
+      reports[static_cast<int64_t>(k)].div_(owners);  // each owner's V: the same sum(V * grad)
+    }
+    values.index_copy_(0, index, reports);
   }
   double vg_sum = 0.0;
   for (size_t k = 0; k < checked.size(); ++k) {
@@ -352,14 +358,14 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
     const double* row = values.data_ptr<double>() + 4 * k;  // reported, finite, folded, sum(V * grad)
     // An owner-placed layer is written by its owners alone; the front end scatters their rows.
     const bool writes = !executor_->owner_rows(i) || executor_->preconditions(i);
-    if (row[0] == 0.0) {  // its owner could not precondition it (and said why)
+    if (row[0] < 1.0) {  // an owner could not precondition it (and said why)
       fates[i] = LayerFate::kPlainGradient;
       continue;
-    } else if (row[2] == 0.0) {
+    } else if (row[2] < 1.0) {
       warn_factor_fallback(i);
       fates[i] = LayerFate::kPlainGradient;
       continue;
-    } else if (row[1] == 0.0) {
+    } else if (row[1] < 1.0) {
       warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
                                "gradient for this step");
     } else {

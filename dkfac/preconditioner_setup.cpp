@@ -234,7 +234,8 @@ std::vector<std::string> Preconditioner::description() const {
     const auto& layer = layers_[i];
     std::ostringstream line;
     line << "layer " << i << " '" << layer.name() << "': " << to_string(layer.kind()) << ", weight "
-         << layer.weight().sizes() << " " << layer.weight().scalar_type() << (layer.bias().defined() ? ", bias" : ", no bias");
+         << layer.weight().sizes() << " " << layer.weight().scalar_type() << (layer.bias().defined() ? ", bias" : ", no bias")
+         << (layer.sharded() ? ", sharded" : "");
     lines.push_back(line.str());
   }
   for (const auto& info : option_table()) lines.push_back(info.name + "=" + option_text(info, options_.get(info.name)));

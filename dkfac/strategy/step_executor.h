@@ -56,10 +56,10 @@ class StepExecutor {
   bool keeps_factors(size_t layer) const { return plan_.keeps_factors(layer, rank_); }
   /// Owner placement (LayerFlow::owner_rows): V of `layer` stays with its owners; the front end moves the rows.
   bool owner_rows(size_t layer) const { return plan_.flows.at(layer).owner_rows; }
-  /// True when this rank reports owner-placed `layer`'s guard values: its grad worker in row 0.
-  bool reports(size_t layer) const { return plan_.gradient_source(layer, 0) == rank_; }
-  /// Sums `values` (a row per owner-placed layer, zero where this rank does not report it) over the world, in
-  /// place: every rank then knows each owner's NaN check and KL-clip sum. No-op in one process.
+  /// How many ranks precondition `layer` (its owners under owner placement: one per row).
+  size_t owners(size_t layer) const { return plan_.placement.layers.at(layer).grad_workers.size(); }
+  /// Sums `values` (a row per owner-placed layer: its owners' guard values, zeros elsewhere) over the world, in
+  /// place: every rank then knows every owner's NaN check and KL-clip sum. No-op in one process.
   void sum_owner_reports(torch::Tensor& values);
 
   /// Called when capture is armed for a factor step of `micro_batches` passes.

@@ -473,9 +473,11 @@ class BaseKFACPreconditioner:
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
             sharded = _ShardedLayer.of(weight, bias)
-            if sharded is not None and self._sharded[index] is None and self._owner_placed:
-                raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was sharded after the '
-                                 'preconditioner was built; shard the model (fully_shard) first, then build it')
+            if (sharded is None) != (self._sharded[index] is None) and self._owner_placed:
+                raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
+                                 f'{"sharded" if sharded is not None else "unsharded"} after the preconditioner was '
+                                 'built; its plan places the layer as it was then: shard the model (fully_shard) '
+                                 'first, then build the preconditioner')
             if sharded is not None and self._sharded[index] is not None:
                 sharded = self._sharded[index]  # the same stand-ins: nothing changes for the core
             with _CoreWarnings():
