@@ -275,6 +275,10 @@ LONG_CASES = [
     (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner'), dict(strategy='kaisa', grad_worker_fraction=0.5)),
     (2, dict(shard='fsdp', strategy='spd'), dict(strategy='spd')),
     (2, dict(shard='fsdp', strategy='dp', sharded_placement='owner'), dict(strategy='dp')),
+    # Every strategy at 4 ranks, replicated: SPD-KFAC on HSDP 2 x 2, DP-KFAC on FSDP and HSDP.
+    (4, dict(shard='hsdp', strategy='spd'), dict(strategy='spd')),
+    (4, dict(shard='fsdp', strategy='dp'), dict(strategy='dp')),
+    (4, dict(shard='hsdp', strategy='dp'), dict(strategy='dp')),
 ]
 
 
