@@ -37,25 +37,22 @@ inline constexpr std::array<KfacPhase, kPhaseCount> kAllPhases = {
 #undef DKFAC_PHASE_LISTED
 };
 
+/// A phase's names: in reports ("factors", "second_order", ...) and in messages ("second order", ...).
+struct PhaseNames {
+  const char* name;
+  const char* words;
+};
+inline constexpr std::array<PhaseNames, kPhaseCount> kPhaseNames = {{
+#define DKFAC_PHASE_NAMES(id, name, words, doc) {name, words},
+    DKFAC_PHASES(DKFAC_PHASE_NAMES)
+#undef DKFAC_PHASE_NAMES
+}};
+
 /// The phase's name in reports: "factors", "second_order", "precondition", "apply", "communication".
-constexpr const char* to_string(KfacPhase phase) {
-  constexpr std::array<const char*, kPhaseCount> names = {
-#define DKFAC_PHASE_NAME(id, name, words, doc) name,
-      DKFAC_PHASES(DKFAC_PHASE_NAME)
-#undef DKFAC_PHASE_NAME
-  };
-  return names[static_cast<size_t>(phase)];
-}
+constexpr const char* to_string(KfacPhase phase) { return kPhaseNames[static_cast<size_t>(phase)].name; }
 
 /// The phase in messages' words: "second order", "preconditioning", ...
-constexpr const char* words(KfacPhase phase) {
-  constexpr std::array<const char*, kPhaseCount> all = {
-#define DKFAC_PHASE_WORDS(id, name, words, doc) words,
-      DKFAC_PHASES(DKFAC_PHASE_WORDS)
-#undef DKFAC_PHASE_WORDS
-  };
-  return all[static_cast<size_t>(phase)];
-}
+constexpr const char* words(KfacPhase phase) { return kPhaseNames[static_cast<size_t>(phase)].words; }
 
 /// One value per phase, indexed by the phase.
 template <typename T>

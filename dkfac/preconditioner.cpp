@@ -325,19 +325,20 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& v = preconditioned[i];
     const bool placed = executor_->owner_rows(i);
-    if (fates[i] == LayerFate::kPlainGradient || !v.defined() || (placed && !executor_->preconditions(i))) {
+    const bool reported = fates[i] == LayerFate::kPreconditioned && v.defined() && (!placed || executor_->preconditions(i));
+    if (!reported) {
       fates[i] = LayerFate::kPlainGradient;
-      if (!placed) continue;
-      owned.push_back(static_cast<int64_t>(rows.size()));
-      rows.push_back(torch::zeros({4}, one.options()));  // not reported here
-      checked.push_back(i);
-      continue;
+      if (!placed) continue;  // an owner-placed layer's row takes part in the sum all the same, as zeros
     }
     if (placed) owned.push_back(static_cast<int64_t>(rows.size()));
-    auto finite = torch::isfinite(v).all().to(torch::kFloat64);
-    auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
-    auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
-    rows.push_back(torch::stack({one, finite, folded, vg}));
+    if (reported) {
+      auto finite = torch::isfinite(v).all().to(torch::kFloat64);
+      auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
+      auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
+      rows.push_back(torch::stack({one, finite, folded, vg}));
+    } else {
+      rows.push_back(torch::zeros({4}, one.options()));
+    }
     checked.push_back(i);
   }
   auto values = rows.empty() ? torch::Tensor() : torch::stack(rows).to(torch::kCPU).contiguous();

@@ -57,13 +57,15 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       // A sharded layer's gradient, by ShardedPlacement, over a row of S ranks holding g a / S values each:
       // owner: the owner receives S - 1 shards and sends them back preconditioned, every other rank sends and
       // receives its own; replicated: every rank all-gathers the S - 1 shards it lacks, then V as the plan says.
-      const int64_t s = std::max(1, plan.shard_ranks);
-      const bool owner = plan.placement.grad_source_for(i, rank) == rank;
-      if (flow.owner_rows) {
-        r.gradient_bytes += 2 * e * g * a * (owner ? s - 1 : 1) / s;
-        continue;
+      if (shape.sharded) {
+        const int64_t s = std::max(1, plan.shard_ranks);
+        if (flow.owner_rows) {
+          const bool owner = plan.placement.grad_source_for(i, rank) == rank;
+          r.gradient_bytes += 2 * e * g * a * (owner ? s - 1 : 1) / s;
+          continue;
+        }
+        r.gradient_bytes += e * g * a * (s - 1) / s;
       }
-      if (shape.sharded) r.gradient_bytes += e * g * a * (s - 1) / s;
       if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
     }
   }

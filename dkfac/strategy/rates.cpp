@@ -145,13 +145,11 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
     return torch::randn(sizes, *gen, torch::TensorOptions().dtype(torch::kFloat32)).to(options);
   };
   const auto spd = [gen, options](int64_t d) { return spd_matrix(d, options, *gen); };
-  const auto timed = [device](const std::function<void()>& kernel) {
-    torch::NoGradGuard no_grad;
-    return time_median(device, 3, kernel);
-  };
-  // A factor kernel timed at `points` by `run(point)`, fitted as a FactorRate into `rate` at each point's (rows, d).
-  const auto factor_probe = [&](size_t points, std::function<double(size_t)> run,
-                                std::vector<std::pair<double, double>> at, FactorRate Rates::*rate) {
+  const auto timed = [device](const std::function<void()>& kernel) { return time_median(device, 3, kernel); };
+  // A factor kernel timed by `run(point)` at each (rows, d) of `at`, fitted as a FactorRate into `rate`.
+  const auto factor_probe = [](std::function<double(size_t)> run, std::vector<std::pair<double, double>> at,
+                               FactorRate Rates::*rate) {
+    const size_t points = at.size();
     return KernelProbe{points,
                        [points, run](std::vector<double>& figures) {
                          for (size_t i = 0; i < points; ++i) figures.push_back(run(i));
@@ -168,7 +166,6 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
     std::vector<std::pair<double, double>> at;
     for (const auto& [rows, d] : k.factor_shapes) at.emplace_back(static_cast<double>(rows), static_cast<double>(d));
     probes.push_back(factor_probe(
-        k.factor_shapes.size(),
         [k, random, timed](size_t i) {
           auto x = random({k.factor_shapes[i].first, k.factor_shapes[i].second});
           return timed([&] { (void)math::covariance(x); });
@@ -187,19 +184,18 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
     unfold.push_back({batch, channels, side, 3, 1});
     unfold_at.push_back(conv_a_point(batch, channels, side, 3, 1));
   }
-  probes.push_back(factor_probe(stride_one.size(), [stride_one, conv_a](size_t i) { return conv_a(stride_one[i]); },
+  probes.push_back(factor_probe([stride_one, conv_a](size_t i) { return conv_a(stride_one[i]); },
                                 conv_a_at, &Rates::conv_factor));
   probes.push_back(factor_probe(
-      k.conv_inputs.size(),
       [k, random, timed](size_t i) {
         const auto& [batch, channels, side] = k.conv_inputs[i];
         auto y = random({batch, channels, side, side});
         return timed([&] { (void)math::conv2d_g_factor(y); });
       },
       conv_g_at, &Rates::conv_g_factor));
-  probes.push_back(factor_probe(k.patch_convs.size(), [k, conv_a](size_t i) { return conv_a(k.patch_convs[i]); },
+  probes.push_back(factor_probe([k, conv_a](size_t i) { return conv_a(k.patch_convs[i]); },
                                 patches_at, &Rates::conv_patches_factor));
-  probes.push_back(factor_probe(unfold.size(), [unfold, conv_a](size_t i) { return conv_a(unfold[i]); }, unfold_at,
+  probes.push_back(factor_probe([unfold, conv_a](size_t i) { return conv_a(unfold[i]); }, unfold_at,
                                 &Rates::conv_unfold_factor));
   probes.push_back(KernelProbe{
       k.fold_shapes.size(),

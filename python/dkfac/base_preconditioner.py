@@ -144,13 +144,11 @@ class _OwnerRows:
 
     def __init__(self, layer: _ShardedLayer, owner: int, group: Any, me: int) -> None:
         self.layer, self.owner, self.group, self.mine = layer, owner, group, owner == me
+        self.size = dist.get_world_size(group)
 
     def _local(self, parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's rows of `parameter`'s gradient, and the rows of a whole chunk."""
-        grad = parameter.grad
-        rows = grad.shape[0]
-        size = dist.get_world_size(self.group)
-        return grad.to_local(), -(-rows // size)
+        return parameter.grad.to_local(), -(-parameter.grad.shape[0] // self.size)
 
     def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         works = []
@@ -163,8 +161,7 @@ class _OwnerRows:
             local, chunk = self._local(parameter)
             padded = local.new_zeros((chunk, *local.shape[1:]))
             padded[:local.shape[0]].copy_(local)
-            size = dist.get_world_size(self.group)
-            chunks = [torch.empty_like(padded) for _ in range(size)] if self.mine else None
+            chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.mine else None
             works.append(dist.gather(padded, chunks, dst=self.owner, group=self.group, async_op=True))
             self.received.append((stand_in, parameter.shape[0], chunks))
         return works
@@ -184,10 +181,9 @@ class _OwnerRows:
             if stand_in is None or parameter.grad is None:
                 continue
             local, chunk = self._local(parameter)
-            size = dist.get_world_size(self.group)
             chunks = None
             if self.mine:
-                whole = stand_in.grad.new_zeros((chunk * size, *stand_in.shape[1:]))
+                whole = stand_in.grad.new_zeros((chunk * self.size, *stand_in.shape[1:]))
                 whole[:stand_in.shape[0]].copy_(stand_in.grad)
                 chunks = list(whole.split(chunk))
             rows = local.new_empty((chunk, *local.shape[1:]))

@@ -123,6 +123,14 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a - b).norm() <= 1e-4 * b.norm() + 1e-8)
 
 
+def assert_gradients_equal(results: list[dict], expected: list, steps: int = STEPS, label: str = '') -> None:
+    """Every rank's gradients at each of the first `steps` steps close to `expected[step]` (one list per step)."""
+    for rank, result in enumerate(results):
+        for step in range(steps):
+            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
+                assert close(a, b), f'{label}rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
 CASES = [
     (2, dict(strategy='kaisa', grad_worker_fraction=1.0)),
     (2, dict(strategy='kaisa', grad_worker_fraction=0.5, compute_method='inverse')),
@@ -155,10 +163,7 @@ def test_equals_single_process_reference(size, kwargs, tmp_path):
     forced = 'grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it'
     assert (forced in results[0]['warnings']) == (mem_opt and kwargs.get('colocate_factors') is False), results[0]
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
-    for rank, result in enumerate(results):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(results, expected)
 
 
 # The layer kinds of a transformer (docs/MATH.md section 7): an Embedding (A diagonal), a Conv1D (weight stored
@@ -180,10 +185,7 @@ def test_transformer_layers_equal_the_single_process_reference(size, kwargs, tmp
     assert 'module.head [a=13, g=40 diagonal]' in results[0]['plan'], results[0]['plan']
     assert 'module.wte [a=40 diagonal, g=8]' in results[0]['plan'], results[0]['plan']
     expected = reference(size, {**lm, 'inv_dtype': torch.float64, **kwargs})
-    for rank, result in enumerate(results):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(results, expected)
 
 
 # FSDP2 (fully_shard on every leaf and the root, a 1-D mesh) and HSDP (2 x 2: replicate x shard): the K-FAC job
@@ -211,10 +213,7 @@ def test_sharded_models_equal_the_single_process_reference(size, kwargs, tmp_pat
     assert all(result['plan'] == results[0]['plan'] for result in results)
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items()
                                              if k not in ('shard', 'shard_after', 'sharded_placement')}})
-    for rank, result in enumerate(results):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(results, expected)
 
 
 @pytest.mark.parametrize('size,shard', [(2, 'fsdp'), (4, 'fsdp'), (4, 'hsdp')])
@@ -244,10 +243,7 @@ def test_dp_kfac_owner_placement_equals_dp_kfac_under_ddp(tmp_path):
     ddp = run_workers(2, kwargs, tmp_path / 'ddp')
     sharded = run_workers(2, {**kwargs, 'shard': 'fsdp', 'sharded_placement': 'owner'}, tmp_path / 'fsdp')
     assert 'sharded layers (3 of 3): owner' in sharded[0]['plan']
-    for rank, result in enumerate(sharded):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], ddp[0]['grads'][step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(sharded, ddp[0]['grads'])
 
 
 def test_fsdp2_mixed_precision_keeps_float32_factors(tmp_path):
@@ -292,10 +288,7 @@ def test_sharded_jobs_equal_ddp_over_20_steps(size, sharded, ddp, tmp_path):
     reference_run = run_workers(size, {**kwargs, **ddp}, tmp_path / 'ddp')
     sharded_run = run_workers(size, {**kwargs, **sharded}, tmp_path / 'sharded')
     assert len(sharded_run[0]['grads']) == 20
-    for rank, result in enumerate(sharded_run):
-        for step in range(20):
-            for i, (a, b) in enumerate(zip(result['grads'][step], reference_run[0]['grads'][step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(sharded_run, reference_run[0]['grads'], steps=20)
 
 
 @pytest.mark.parametrize('placement', ['replicated', 'owner'])
@@ -322,10 +315,7 @@ def test_fsdp2_gradient_accumulation_equals_ddp_no_sync(shard, tmp_path):
     (tmp_path / 'ddp').mkdir(), (tmp_path / 'fsdp').mkdir()
     ddp = run_workers(4, kwargs, tmp_path / 'ddp')
     sharded = run_workers(4, {**kwargs, 'shard': shard}, tmp_path / 'fsdp')
-    for rank, result in enumerate(sharded):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], ddp[0]['grads'][step])):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+    assert_gradients_equal(sharded, ddp[0]['grads'])
 
 
 # Per model: each K-FAC layer's parameters, by index in model.parameters() (lm: the LayerNorm's 3 and 4 are plain).
@@ -390,10 +380,7 @@ def test_strategy_auto_picks_on_every_rank_alike_and_trains_as_its_pick(model, t
         expected = run_workers(2, {**kwargs, 'strategy': 'dp'}, tmp_path)[0]['grads']
     else:
         expected = reference(2, kwargs)
-    for rank, result in enumerate(results):
-        for step in range(STEPS):
-            for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
-                assert close(a, b), f'{picked}: rank {rank}, step {step}, parameter {i}: {(a - b).abs().max()}'
+    assert_gradients_equal(results, expected, label=f'{picked}: ')
 
 
 class _Wrapped(torch.nn.Module):
