@@ -232,7 +232,11 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
   PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
   const double damping = options_.damping_at(steps_);
   const auto method = executor_->plan().method;
-  std::vector<std::pair<size_t, PendingSecondOrder>> pending;
+  // Layer by layer: each new state replaces the old one as it is computed (chosen on the device by its own
+  // check), so that one layer's two states are alive at a time; then every layer's check in one read.
+  std::vector<size_t> started;
+  std::vector<torch::Tensor> checks;
+  std::map<size_t, SecondOrderState> fallback;  // layers installed unchecked, with the state they had
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     if (!layer.a_factor().defined()) continue;
@@ -240,20 +244,18 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
     const bool g_part = executor_->computes_g(i);
     if (!a_part && !g_part) continue;
     keeping_previous_state(i, [&] {
-      pending.emplace_back(i, layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part));
+      auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part);
+      if (auto had = layer.install_second_order(std::move(pending.state), pending.ok)) fallback.emplace(i, *had);
+      started.push_back(i);
+      checks.push_back(pending.ok);
     });
   }
-  // Every layer's check at once: one wait for the device.
-  std::vector<torch::Tensor> checks;
-  for (const auto& [i, p] : pending) checks.push_back(p.ok);
   const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);
-  for (size_t k = 0; k < pending.size(); ++k) {
-    auto& [i, p] = pending[k];
+  for (size_t k = 0; k < started.size(); ++k) {
+    if (ok.data_ptr<bool>()[k]) continue;
+    const size_t i = started[k];
     auto& layer = layers_[i];
-    if (ok.data_ptr<bool>()[k]) {
-      layer.set_second_order(std::move(p.state));
-      continue;
-    }
+    if (auto had = fallback.find(i); had != fallback.end()) layer.set_second_order(std::move(had->second));
     // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
     keeping_previous_state(i, [&] {
       layer.compute_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),

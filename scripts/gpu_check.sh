@@ -8,7 +8,9 @@
 # The device tool lends one GPU for 15 minutes of device time in all (its start included), at most 10 minutes
 # per command, and a machine left idle for 30 s goes back bare. So the check is two calls, each one command:
 #   call1           from a cold machine: env, build (only what the checks need), ctest -L gpu and pytest -m gpu
-#                   side by side, then the benchmark at (10,100) with one repeat if at least 3 minutes remain
+#                   side by side, then bench/step_kinds.py (each kind of step alone, both models, composed into
+#                   (1,10) and (10,100)) if at least DKFAC_GPU_KINDS_MIN_S (120) seconds remain, then
+#                   bench/kernel_probe.py if at least DKFAC_GPU_PROBE_MIN_S (60) remain
 #   call2           from a cold machine, if at least 4 minutes of device time remain: env, build, then the rest
 #                   of the benchmark (DKFAC_GPU_CALL2_INTERVALS, default "1,10")
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
@@ -21,6 +23,8 @@
 #   ctest           ctest -L gpu (the GPU-labelled GoogleTest and integration tests)
 #   pytest          pytest -m gpu tests/python against the built extension
 #   test            ctest and pytest side by side
+#   bench-kinds     bench/step_kinds.py --device cuda --models DKFAC_GPU_KINDS_MODELS (resnet50,bert)
+#   kernel-probe    bench/kernel_probe.py: eigh through cuSOLVER and MAGMA, on streams, batched; GEMM widths
 #   bench-resnet50  bench/python_step.py --device cuda --models resnet50 (SGD, dkfac, kfac_pytorch)
 #   bench-bert      the same for the BERT-Large-shaped encoder
 #   bench           both benchmarks
@@ -42,6 +46,8 @@
 #   DKFAC_GPU_PYTEST_ARGS   more pytest arguments (e.g. "-k autocast" or "-x")
 #   DKFAC_GPU_BENCH_DEVICE  the benchmark's --device (cuda; cpu runs the stage's plumbing without a GPU)
 #   DKFAC_GPU_BENCH_ARGS    more arguments for bench/python_step.py (e.g. "--quick" or "--bert-layers 12")
+#   DKFAC_GPU_KINDS_MODELS  the models bench-kinds measures (resnet50,bert); DKFAC_GPU_KINDS_MIN_S: seconds that
+#                           must remain for it to start (120)
 #   DKFAC_GPU_CALL2_INTERVALS  the intervals call2 benchmarks ("1,10"; bench/python_step.py's --intervals)
 #   DKFAC_GPU_EXPORT        a folder that gets summary.md and gpu-results.tar.gz after every step
 set -uo pipefail
@@ -61,6 +67,9 @@ bench_min=${DKFAC_GPU_BENCH_MIN_S:-180}
 ctest_jobs=${DKFAC_GPU_CTEST_JOBS:-4}
 pytest_jobs=${DKFAC_GPU_PYTEST_JOBS:-4}
 call2_intervals=${DKFAC_GPU_CALL2_INTERVALS:-1,10}
+kinds_models=${DKFAC_GPU_KINDS_MODELS:-resnet50,bert}
+kinds_min=${DKFAC_GPU_KINDS_MIN_S:-120}
+probe_min=${DKFAC_GPU_PROBE_MIN_S:-60}
 case $stage in
   call1 | call2) deadline=${DKFAC_GPU_DEADLINE_S:-540} ;;
   *) deadline=${DKFAC_GPU_DEADLINE_S:-} ;;
@@ -71,7 +80,7 @@ read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
 read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
 
 # The steps, in the order the summary lists them.
-steps=(env googletest configure build ctest-gpu pytest-gpu bench-resnet50 bench-bert)
+steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds kernel-probe bench-resnet50 bench-bert)
 
 mkdir -p "$out/status" "$build"
 out=$(realpath "$out")
@@ -397,6 +406,54 @@ step_bench() {  # step_bench MODEL [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BEN
   return $rc
 }
 
+# --- bench-kinds: bench/step_kinds.py, each kind of step alone, both models, composed into both intervals ----
+step_kinds() {  # step_kinds [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARGS
+  local name=bench-kinds
+  if [[ $bench_device == cuda ]] &&
+    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    record "$name" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
+    return
+  fi
+  if ! compgen -G "$build/python/dkfac/_C*.so" >/dev/null; then
+    record "$name" FAIL "no extension in $build/python/dkfac: run the build stage first"
+    return 1
+  fi
+  no_time "$name" "$kinds_min" SKIP && return 0
+  local reference=() rc=0 limit
+  limit=$(budget)
+  if [[ -d $bundle/kfac-pytorch/kfac ]]; then reference=(--kfac-pytorch-src "$bundle/kfac-pytorch"); fi
+  echo "+ [timeout $limit s] bench/step_kinds.py --device $bench_device --models $kinds_models ${bench_args[*]} $*" \
+    >"$out/$name.log"
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
+    "$python" bench/step_kinds.py --device "$bench_device" --models "$kinds_models" "${reference[@]}" \
+    --json "$out/$name.json" --markdown "$out/$name.md" "${bench_args[@]}" "$@" \
+    >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
+  local ratios
+  ratios=$(sed -n -E 's/^  ([a-z0-9]+) \(([0-9]+,[0-9]+)\):.*overhead ratio dkfac \/ kfac_pytorch ([0-9.]+).*/\1 (\2) overhead ratio \3/p' \
+    "$out/$name.txt" | paste -sd ';' -)
+  if ((rc != 0)) && [[ -z $ratios ]]; then ratios=$(grep -v -i warn "$out/$name.log" | tail -1 | cut -c1-200); fi
+  record "$name" "$(result_of $rc)" "${ratios:-no ratio}; report $name.txt, table $name.md, log $name.log"
+  return $rc
+}
+
+# --- kernel-probe: bench/kernel_probe.py, the step's kernels alone (eigh backends and streams, GEMM widths) ---
+step_probe() {
+  local name=kernel-probe
+  if [[ $bench_device == cuda ]] &&
+    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    record "$name" SKIP "no CUDA device"
+    return
+  fi
+  no_time "$name" "$probe_min" SKIP && return 0
+  local rc=0 limit
+  limit=$(budget)
+  echo "+ [timeout $limit s] bench/kernel_probe.py --device $bench_device --budget-s $((limit - 30))" >"$out/$name.log"
+  timeout --kill-after=10 "$limit" "$python" bench/kernel_probe.py --device "$bench_device" \
+    --budget-s "$((limit - 30))" --json "$out/$name.json" >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
+  record "$name" "$(result_of $rc)" "$(grep -c . "$out/$name.txt") lines; report $name.txt, $name.json"
+  return $rc
+}
+
 # --- summary -------------------------------------------------------------------------------------------
 write_summary() {
   local file=$out/summary.md
@@ -450,9 +507,10 @@ run_test() {
 run_bench() { step_bench resnet50 "$@"; step_bench bert "$@"; }
 
 case $stage in
-  build | ctest | pytest | test | bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
+  build | ctest | pytest | test | bench-kinds | kernel-probe | bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
   summary) ;;
-  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-resnet50|bench-bert|bench|all|summary] [OUT_DIR]" >&2
+  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|kernel-probe|bench-resnet50|bench-bert|bench|all|summary]" \
+       "[OUT_DIR]" >&2
      exit 2 ;;
 esac
 log "stage $stage${deadline:+, deadline $deadline s}, results in $out"
@@ -461,11 +519,13 @@ case $stage in
   ctest) step_ctest ;;
   pytest) step_pytest ;;
   test) run_test ;;
+  bench-kinds) step_kinds ;;
+  kernel-probe) step_probe ;;
   bench-resnet50) step_bench resnet50 ;;
   bench-bert) step_bench bert ;;
   bench) run_bench ;;
-  all) run_build && run_test; run_bench ;;
-  call1) run_build && { run_test; run_bench --intervals 10,100 --repeats 1; } ;;
+  all) run_build && run_test; step_kinds; run_bench ;;
+  call1) run_build && { run_test; step_kinds; step_probe; } ;;
   call2) run_build && run_bench --intervals "$call2_intervals" ;;
 esac
 write_summary

@@ -1,5 +1,6 @@
 #include "dkfac/layers/factor_capture.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -88,6 +89,25 @@ bool autocast_on(const torch::Tensor& t) {
 void FactorCapture::capture_input(const torch::Tensor& input) {
   const bool autocast = autocast_on(input);
   forward_autocast_ = autocast;
+  const bool hooked = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
+  if (geometry_.kind != LayerKind::kEmbedding && !autocast && !hooked) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_inputs_.push_back(input.detach());
+    return;
+  }
+  build_a(input, autocast);
+}
+
+void FactorCapture::build_waiting_inputs() {
+  std::vector<torch::Tensor> inputs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inputs.swap(waiting_inputs_);
+  }
+  for (const auto& input : inputs) build_a(input, /*autocast=*/false);
+}
+
+void FactorCapture::build_a(const torch::Tensor& input, bool autocast) {
   // The factor products run in the factor dtype: outside the user's autocast region, whose float16 sums of
   // batch x height x width rows pass 65504.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -132,6 +152,7 @@ void FactorCapture::observe_output(const torch::Tensor& output) {
 }
 
 void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
+  build_waiting_inputs();
   observe_output(grad_output);
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto start = device::Mark::now(grad_output.device());
@@ -194,7 +215,10 @@ void FactorCapture::add_and_notify(bool is_a, const torch::Tensor& batch, double
   if (listener) listener(is_a, count);
 }
 
-void FactorCapture::add_a(const torch::Tensor& a_batch, double seconds) { add_and_notify(true, a_batch, seconds); }
+void FactorCapture::add_a(const torch::Tensor& a_batch, double seconds) {
+  build_waiting_inputs();  // the sum adds in the order things came
+  add_and_notify(true, a_batch, seconds);
+}
 
 void FactorCapture::add_g(const torch::Tensor& g_batch, double seconds) { add_and_notify(false, g_batch, seconds); }
 
@@ -215,7 +239,7 @@ void FactorCapture::set_listener(Listener listener) {
 
 int64_t FactorCapture::a_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return a_count_;
+  return a_count_ + static_cast<int64_t>(waiting_inputs_.size());
 }
 
 int64_t FactorCapture::g_count() const {
@@ -224,6 +248,7 @@ int64_t FactorCapture::g_count() const {
 }
 
 torch::Tensor FactorCapture::take_a() {
+  build_waiting_inputs();
   std::lock_guard<std::mutex> lock(mutex_);
   return take(a_sum_, a_count_);
 }
@@ -235,10 +260,19 @@ torch::Tensor FactorCapture::take_g() {
 
 void FactorCapture::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
+  waiting_inputs_.clear();
   a_sum_ = torch::Tensor();
   g_sum_ = torch::Tensor();
   a_count_ = 0;
   g_count_ = 0;
+}
+
+std::pair<int64_t, int64_t> FactorCapture::pending_bytes() const {
+  auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; };
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t a = bytes(a_sum_);
+  for (const auto& input : waiting_inputs_) a += bytes(input);
+  return {a, bytes(g_sum_)};
 }
 
 CaptureTiming FactorCapture::take_timing() {

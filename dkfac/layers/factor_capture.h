@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -80,9 +81,14 @@ class FactorCapture {
   void set_enabled(bool enabled) { enabled_ = enabled; }
   bool enabled() const { return enabled_; }
 
-  /// Builds the A factor of one micro-batch from the layer's input and adds it. Linear: input
-  /// [..., in_features]; Conv2d: [B, C, H, W] or unbatched [C, H, W]; Embedding: integer tokens of any
-  /// shape. Runs without autograd.
+  /// Captures one micro-batch's input, from which its A factor is built. Linear: input [..., in_features];
+  /// Conv2d: [B, C, H, W] or unbatched [C, H, W]; Embedding: integer tokens of any shape. Runs without autograd.
+  /// A Linear's or Conv2d's factor is built when the layer's output gradient arrives (capture_output_grad)
+  /// or when the factors are read (take_a): the input is kept until then, which costs nothing, since autograd
+  /// keeps it for the weight's gradient, while the factor built at once would be held through the backward
+  /// pass, at its peak (BERT-Large: 2 GiB). The same kernels on the same input: the same numbers. The factor is
+  /// built at once where autograd may not keep the input as it is: under autocast (it keeps the cast copy),
+  /// while saved-tensor hooks are active (activation checkpointing, offloading), and for an Embedding.
   void capture_input(const torch::Tensor& input);
   /// Builds the G factor of one micro-batch from the gradient of the layer's output and adds it.
   /// Linear and Embedding: [..., out_features]; Conv2d: [B, C_out, H_out, W_out] or [C_out, H_out, W_out].
@@ -115,7 +121,7 @@ class FactorCapture {
   void add_a(const torch::Tensor& a_batch, double seconds);
   void add_g(const torch::Tensor& g_batch, double seconds);
 
-  /// Micro-batches captured since the last take.
+  /// Micro-batches captured since the last take (an input whose factor is not built yet counts).
   int64_t a_count() const;
   int64_t g_count() const;
 
@@ -123,12 +129,16 @@ class FactorCapture {
   torch::Tensor take_a();
   torch::Tensor take_g();
 
-  /// Mean of the captured factors without resetting (undefined if none).
+  /// Mean of the factors built so far without resetting (undefined if none): the factor pipeline reads it when
+  /// the listener reports a new one.
   torch::Tensor mean_a() const;
   torch::Tensor mean_g() const;
 
   /// Drops anything captured.
   void clear();
+
+  /// Bytes held for the next factor update: the sums of the factors built, the inputs waiting for theirs.
+  std::pair<int64_t, int64_t> pending_bytes() const;
 
   /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
   /// A and how many micro-batches that factor now holds. The FactorPipeline (SPD-KFAC, KAISA's hook buckets)
@@ -149,6 +159,10 @@ class FactorCapture {
   /// `t` in the dtype its factor is built in (see set_factor_dtype); `autocast` says whether the forward that
   /// produced it ran under autocast.
   torch::Tensor in_factor_dtype(const torch::Tensor& t, bool autocast) const;
+  /// Builds one input's A factor and adds it.
+  void build_a(const torch::Tensor& input, bool autocast);
+  /// Builds the A factors of the inputs kept by capture_input, in the order they came.
+  void build_waiting_inputs();
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
@@ -160,6 +174,7 @@ class FactorCapture {
   std::atomic<int64_t> rows_per_sample_{1};
   std::atomic<int64_t> samples_per_pass_{0};
   std::atomic<bool> forward_autocast_{false};  // the last captured forward ran under autocast
+  std::vector<torch::Tensor> waiting_inputs_;  // captured inputs whose A factor is not built yet
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;

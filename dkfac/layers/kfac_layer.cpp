@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <limits>
+#include <utility>
 
 namespace dkfac {
 namespace {
@@ -156,6 +157,33 @@ void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping,
   // damped_inverse falls back to a general inverse and throws if the result is still not finite.
   if (a_part) state.a_inverse = math::damped_inverse(a_factor_.to(work), a_damping).to(store);
   if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store);
+}
+
+std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState next, const torch::Tensor& ok) {
+  auto& now = second_order_;
+  auto parts = [](SecondOrderState& s) {
+    return std::array<torch::Tensor*, 7>{&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
+                                         &s.g_eigen.eigenvalues,  &s.denominator,          &s.a_inverse,
+                                         &s.g_inverse};
+  };
+  const auto old_parts = parts(now);
+  const auto new_parts = parts(next);
+  bool selectable = now.method == next.method;
+  for (size_t k = 0; k < old_parts.size() && selectable; ++k) {
+    const auto& was = *old_parts[k];
+    const auto& is = *new_parts[k];
+    if (!is.defined() || is.is_same(was)) continue;  // not recomputed: shared with the current state
+    selectable = was.defined() && was.sizes() == is.sizes() && was.scalar_type() == is.scalar_type() &&
+                 was.device() == is.device();
+  }
+  if (!selectable) return std::exchange(now, std::move(next));
+  for (size_t k = 0; k < old_parts.size(); ++k) {
+    auto& is = *new_parts[k];
+    if (!is.defined() || is.is_same(*old_parts[k])) continue;
+    is = torch::where(ok.to(is.device()), is, *old_parts[k]);  // exactly `is` where ok holds
+  }
+  now = std::move(next);
+  return std::nullopt;
 }
 
 PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,

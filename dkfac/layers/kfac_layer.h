@@ -34,8 +34,9 @@ struct SecondOrderState {
 };
 
 /// A second-order state computed but not yet checked: `ok` (0-dim bool, on the device) is true when every
-/// part is finite and, for inverses, the Cholesky factorisation succeeded. Checking it waits for the device,
-/// so the preconditioner checks every layer's at once.
+/// part is finite and, for inverses, the Cholesky factorisation succeeded. Reading it waits for the device,
+/// so the preconditioner installs each layer's state as it is computed (KfacLayer::install_second_order)
+/// and reads every layer's check at once.
 struct PendingSecondOrder {
   SecondOrderState state;
   torch::Tensor ok;
@@ -139,8 +140,14 @@ class KfacLayer {
   /// compute_second_order (with its general-inverse fallback) is the way on.
   PendingSecondOrder start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
                                         bool g_part = true) const;
-  /// Installs a state from start_second_order once its check passed; where it did not, for inverses,
-  /// compute_second_order is the checked way (a general inverse where Cholesky failed).
+  /// Installs a state from start_second_order before its check is read, so that no layer's old and new state
+  /// outlive the layer's own update (one layer's two copies at a time, not every layer's). Each part is chosen
+  /// on the device, the new one where `ok` holds and the current one elsewhere: nothing waits, and a layer whose
+  /// check fails keeps the state it had. Where the current state has no part of the new one's shape to fall
+  /// back on (the first update, another method), the new state is installed as it is and the current one
+  /// returned: the caller reinstalls it (set_second_order) when `ok` turns out false.
+  std::optional<SecondOrderState> install_second_order(SecondOrderState next, const torch::Tensor& ok);
+  /// Installs a state: a checked one, or the one install_second_order returned.
   void set_second_order(SecondOrderState state) { second_order_ = std::move(state); }
   const SecondOrderState& second_order() const { return second_order_; }
   /// For strategies that receive parts by broadcast: shapes them for `method` (NaN-filled where missing,

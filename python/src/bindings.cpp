@@ -258,10 +258,7 @@ PYBIND11_MODULE(_C, m) {
       .def("capture_output_grad", &FactorCapture::capture_output_grad)
       .def_property_readonly("a_count", &FactorCapture::a_count)
       .def_property_readonly("g_count", &FactorCapture::g_count)
-      .def("pending_bytes", [](const FactorCapture& c) {
-        auto bytes = [](const torch::Tensor& t) { return t.defined() ? t.numel() * int64_t(t.element_size()) : 0; };
-        return std::make_pair(bytes(c.mean_a()), bytes(c.mean_g()));
-      });
+      .def("pending_bytes", &FactorCapture::pending_bytes);
 
   m.def(
       "linear_capture",

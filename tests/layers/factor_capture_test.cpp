@@ -194,6 +194,49 @@ TEST(FactorCapture, ListenerHearsEachAddWithItsCount) {
   EXPECT_TRUE(capture.take_timing().spans.empty());
 }
 
+// A Linear's and a Conv2d's A factor is built when the output gradient arrives (or when read), from the input
+// kept meanwhile (autograd keeps it for the weight's gradient): nothing is built during the forward pass, and the
+// factor is exactly the one built at once (the same kernel on the same tensor).
+TEST(FactorCapture, InputFactorIsBuiltWhenItsGradientArrives) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({6, 5}, kF64);
+  const auto y = torch::randn({6, 3}, kF64);
+  const auto expected = math::linear_a_factor(x, /*bias=*/true);
+
+  auto capture = linear_capture(/*bias=*/true);
+  std::vector<std::pair<bool, int64_t>> heard;
+  capture.set_listener([&](bool is_a, int64_t count) { heard.emplace_back(is_a, count); });
+  capture.capture_input(x);
+  EXPECT_EQ(capture.a_count(), 1) << "a kept input counts";
+  EXPECT_FALSE(capture.mean_a().defined()) << "nothing built during the forward pass";
+  EXPECT_EQ(capture.pending_bytes().first, x.numel() * 8) << "what is held: the input autograd keeps";
+  EXPECT_TRUE(heard.empty());
+  capture.capture_output_grad(y);
+  EXPECT_EQ(heard, (std::vector<std::pair<bool, int64_t>>{{true, 1}, {false, 1}})) << "A before G, in backward";
+  EXPECT_EQ(capture.pending_bytes().first, 6 * 6 * 8);
+  EXPECT_TRUE(torch::equal(capture.take_a(), expected));
+
+  // Read without a backward pass (a forward whose output was not used): built when read, in the order captured.
+  auto read = linear_capture(/*bias=*/true);
+  const auto x2 = torch::randn({4, 5}, kF64);
+  read.capture_input(x);
+  read.capture_input(x2);
+  EXPECT_EQ(read.a_count(), 2);
+  EXPECT_TRUE(torch::equal(read.take_a(), (expected + math::linear_a_factor(x2, true)) / 2.0));
+  EXPECT_EQ(read.a_count(), 0);
+
+  // Dropped with the rest.
+  read.capture_input(x);
+  read.clear();
+  EXPECT_EQ(read.a_count(), 0);
+  EXPECT_EQ(read.pending_bytes().first, 0);
+
+  // An Embedding's factor (token counts) is built at once.
+  FactorCapture embedding(embedding_geometry(7));
+  embedding.capture_input(torch::tensor({1, 3, 3}, torch::kInt64));
+  EXPECT_TRUE(embedding.mean_a().defined());
+}
+
 TEST(FactorCapture, ActiveOnlyWhenEnabledTrainingAndGradMode) {
   auto capture = linear_capture(false);
   EXPECT_FALSE(capture.active(true));  // off until the preconditioner arms it

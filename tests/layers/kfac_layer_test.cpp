@@ -262,6 +262,46 @@ TEST_P(KfacLayerFailure, NonFiniteLoadedFactorIsRefusedKeepingTheState) {
 
 INSTANTIATE_TEST_SUITE_P(Methods, KfacLayerFailure, ::testing::Values(ComputeMethod::kEigen, ComputeMethod::kInverse));
 
+// Layer by layer (the preconditioner's second-order phase): a new state goes in before its check is read and
+// each part is chosen on the device, so a failed check leaves exactly the state that was there and a passed one
+// exactly the new state; with no state of that shape to fall back on, the new one goes in and the old comes back.
+TEST_P(KfacLayerFailure, InstalledStateIsChosenByItsCheck) {
+  const auto method = GetParam();
+  torch::manual_seed(11);
+  auto layer = layer_with_factors(random_spd(4, 8, torch::kFloat64), random_spd(3, 8, torch::kFloat64));
+  auto first = layer.start_second_order(method, 0.1, false);
+  auto had = layer.install_second_order(first.state, first.ok);
+  ASSERT_TRUE(had.has_value()) << "nothing to choose from on the first update: the old state is returned";
+  EXPECT_FALSE(had->defined());
+  ASSERT_TRUE(layer.second_order().defined());
+  const auto grad = torch::randn({3, 4}, kF64);
+  const auto v_first = layer.second_order().precondition(grad);
+
+  // New factors, so that the new state differs from the installed one in every part.
+  ASSERT_TRUE(layer.fold_factors(random_spd(4, 8, torch::kFloat64), random_spd(3, 8, torch::kFloat64), 0.0)
+                  .item<bool>());
+  auto next = layer.start_second_order(method, 0.1, false);
+  const auto v_next = SecondOrderState(next.state).precondition(grad);
+  ASSERT_FALSE(torch::allclose(v_next, v_first));
+
+  auto failed = layer.start_second_order(method, 0.1, false);
+  EXPECT_FALSE(layer.install_second_order(failed.state, torch::zeros({}, torch::kBool)).has_value());
+  EXPECT_TRUE(torch::equal(layer.second_order().precondition(grad), v_first)) << "a failed check keeps the old state";
+
+  EXPECT_FALSE(layer.install_second_order(next.state, torch::ones({}, torch::kBool)).has_value());
+  EXPECT_TRUE(torch::equal(layer.second_order().precondition(grad), v_next)) << "a passed check installs the new one";
+
+  // Another method: nothing of its shape to choose from, so it goes in and the previous state comes back.
+  const auto other = method == ComputeMethod::kEigen ? ComputeMethod::kInverse : ComputeMethod::kEigen;
+  auto switched = layer.start_second_order(other, 0.1, false);
+  auto previous = layer.install_second_order(switched.state, switched.ok);
+  ASSERT_TRUE(previous.has_value());
+  EXPECT_EQ(previous->method, method);
+  EXPECT_EQ(layer.second_order().method, other);
+  layer.set_second_order(*previous);
+  EXPECT_TRUE(torch::equal(layer.second_order().precondition(grad), v_next));
+}
+
 // What a receiving rank does: parts shaped and NaN-filled, filled by a broadcast, then the denominator
 // rebuilt locally with the step's damping.
 TEST(KfacLayer, PreparedPartsFinishLikeALocalComputation) {

@@ -631,3 +631,35 @@ def test_a_second_preconditioner_on_the_same_model_is_refused_until_the_first_go
     for got, expected in zip(train(model, second, 2), train(reference_model, reference, 2)):
         for a, b in zip(got, expected):
             assert torch.equal(a, b)  # preconditioned once, as a model with one preconditioner is
+
+
+def test_input_factors_wait_for_the_backward_pass_unless_saved_tensor_hooks_are_active():
+    """A Linear's A factor is built when its output gradient arrives, from the input autograd keeps anyway:
+    after the forward pass the capture holds those inputs, not factors; under saved-tensor hooks (activation
+    checkpointing, offloading), which may drop or move what autograd keeps, it is built at once. Both ways give
+    the same preconditioned gradients, bit for bit."""
+    def run(hooked: bool) -> tuple[list[int], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        preconditioner = dkfac.KFACPreconditioner(model, damping=0.01)
+        held, grads = [], []
+        for step in range(3):
+            x = torch.randn(64, 32)
+            model.zero_grad()
+            if hooked:
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    out = model(x)
+            else:
+                out = model(x)
+            held.append(preconditioner.memory_usage()['a_batch'])
+            out.square().mean().backward()
+            preconditioner.step()
+            grads += [p.grad.clone() for p in model.parameters()]
+        return held, grads
+
+    held, grads = run(hooked=False)
+    assert held == [(64 * 32 + 64 * 16) * 4] * 3, held  # the two inputs, as float32
+    held_hooked, grads_hooked = run(hooked=True)
+    assert held_hooked == [(33 * 33 + 17 * 17) * 4] * 3, held_hooked  # the two factors
+    for a, b in zip(grads, grads_hooked):
+        assert torch.equal(a, b)

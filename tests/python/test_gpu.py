@@ -145,6 +145,43 @@ def test_step_synchronises_at_most_once(kind):
             assert len(syncs) <= 1, f'step {step}: {len(syncs)} host synchronisations: {[str(w.message) for w in syncs]}'
 
 
+class _Heads(torch.nn.Module):
+    """Many wide-input, narrow-output Linear heads on one input: second-order state (a^2) far above V (g a)."""
+
+    def __init__(self, heads: int, width: int, out: int) -> None:
+        super().__init__()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, out) for _ in range(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(head(x) for head in self.heads)
+
+
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+def test_inverse_step_holds_one_layers_new_state_at_a_time(method):
+    """Second order layer by layer: an inverse step's memory above what it started with stays near one layer's
+    state (its old and new copies and the decomposition's workspace), not every layer's second copy."""
+    torch.manual_seed(0)
+    model = _Heads(heads=16, width=1024, out=64).cuda()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, compute_method=method, factor_update_steps=1,
+                                              inv_update_steps=1, kl_clip=0)
+    peaks = []
+    for step in range(3):
+        model.zero_grad()
+        model(torch.randn(256, 1024, device='cuda')).square().mean().backward()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        preconditioner.step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    usage = preconditioner.memory_usage()
+    second_order = usage['a_inverses'] + usage['g_inverses']
+    assert second_order > 16 * 1024**2 * 4 - 1, usage  # at least every head's [1025, 1025] float32 matrix
+    # From the second step on each layer's state replaces one that exists: every layer's second copy at once
+    # would add `second_order` bytes; one layer at a time adds a few layers' worth.
+    assert max(peaks[1:]) < 0.5 * second_order, (peaks, usage)
+
+
 @pytest.mark.parametrize('dtype,scale,loss_scale', [(torch.bfloat16, 1.0, None), (torch.float16, 8.0, None),
                                                     (torch.float16, 1.0, 2.0 ** 12)],
                          ids=['bfloat16', 'float16-overflow', 'float16-grad-scaler'])

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""The kernels a K-FAC step is made of, timed alone on one device, to choose how dkfac runs them.
+
+Issue 44 asks which way each kernel is fastest before dkfac commits to one; this measures the choices on the
+device it runs on (float32, TF32 off, as the exact mode computes), each the median of --repeats timed runs
+after one untimed run, between ``torch.cuda.synchronize()`` calls:
+
+* **eigh** of one symmetric positive definite matrix per size (BERT-Large's widths 1024/1025 and 4096/4097,
+  ResNet-50's 576, 2304 and 4608), through cuSOLVER and through MAGMA
+  (``torch.backends.cuda.preferred_linalg_library``), and the float64 retry's cost;
+* **one encoder layer's decompositions** (BERT-Large: ten of width 1025 or 1024, one 4096 and one 4097), one
+  after another on one stream, against the same split over 2 and 4 host threads each on its own CUDA stream,
+  and against ``torch.linalg.eigh`` of the stacked same-shaped matrices (batched);
+* **GEMM alignment**: the preconditioning products Q_G^T grad Q_A at widths 1025 and 4097 (a bias column)
+  against 1024 and 4096, as TFLOP/s;
+* **the gram** x^T x of a factor (4096 rows): ``mm`` of the full matrix against its upper triangle in blocks.
+
+    python bench/kernel_probe.py --device cuda --json probe.json
+    python bench/kernel_probe.py --device cpu --quick          # the code paths, small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--device', choices=['cpu', 'cuda'], default='cuda' if torch.cuda.is_available() else 'cpu')
+    parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--quick', action='store_true', help='small sizes (a CPU run of the code paths)')
+    parser.add_argument('--budget-s', type=float, default=120.0, help='stop starting new probes after this long')
+    parser.add_argument('--json', default=None)
+    return parser.parse_args(argv)
+
+
+class Timer:
+    def __init__(self, device: str, repeats: int) -> None:
+        self.device, self.repeats = device, repeats
+
+    def sync(self) -> None:
+        if self.device == 'cuda':
+            torch.cuda.synchronize()
+
+    def __call__(self, fn: Callable[[], Any]) -> dict[str, float]:
+        fn()
+        times = []
+        for _ in range(self.repeats):
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        return {'median_ms': 1000 * statistics.median(times), 'min_ms': 1000 * min(times),
+                'max_ms': 1000 * max(times)}
+
+
+def spd(d: int, device: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device='cpu').manual_seed(seed + d)
+    x = torch.randn(2 * d, d, generator=g, dtype=torch.float64)
+    return (x.t() @ x / (2 * d) + 1e-3 * torch.eye(d, dtype=torch.float64)).to(device=device, dtype=dtype)
+
+
+def eigh_backends(args: argparse.Namespace, timer: Timer, sizes: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    libraries = ['cusolver', 'magma'] if args.device == 'cuda' else ['default']
+    for d in sizes:
+        m = spd(d, args.device)
+        row: dict[str, Any] = {}
+        for library in libraries:
+            if args.device == 'cuda':
+                torch.backends.cuda.preferred_linalg_library(library)
+            try:
+                row[library] = timer(lambda: torch.linalg.eigh(m))
+            except RuntimeError as error:  # a backend this build lacks
+                row[library] = {'error': str(error).splitlines()[0]}
+        if args.device == 'cuda':
+            torch.backends.cuda.preferred_linalg_library('default')
+        m64 = m.double()
+        row['float64'] = timer(lambda: torch.linalg.eigh(m64))
+        out[str(d)] = row
+        print(f'eigh {d}: ' + ', '.join(f"{k} {v['median_ms']:.1f} ms" for k, v in row.items()
+                                        if isinstance(v, dict) and 'median_ms' in v), flush=True)
+    return out
+
+
+def concurrent_eigh(args: argparse.Namespace, timer: Timer, widths: list[int]) -> dict[str, Any]:
+    mats = [spd(d, args.device, seed=i) for i, d in enumerate(widths)]
+    out: dict[str, Any] = {'widths': widths}
+    out['one_stream'] = timer(lambda: [torch.linalg.eigh(m) for m in mats])
+    if args.device == 'cuda':
+        for workers in (2, 4):
+            streams = [torch.cuda.Stream() for _ in range(workers)]
+            # Largest first, each to the least loaded worker by d^3.
+            order = sorted(range(len(mats)), key=lambda i: -widths[i])
+            shares: list[list[int]] = [[] for _ in range(workers)]
+            load = [0.0] * workers
+            for i in order:
+                w = load.index(min(load))
+                shares[w].append(i)
+                load[w] += widths[i] ** 3
+
+            def run(w: int) -> None:
+                with torch.cuda.stream(streams[w]):
+                    for i in shares[w]:
+                        torch.linalg.eigh(mats[i])
+
+            def threaded() -> None:
+                current = torch.cuda.current_stream()
+                for s in streams:
+                    s.wait_stream(current)
+                threads = [threading.Thread(target=run, args=(w,)) for w in range(workers)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                for s in streams:
+                    current.wait_stream(s)
+
+            out[f'{workers}_threads_streams'] = timer(threaded)
+    by_width: dict[int, list[torch.Tensor]] = {}
+    for d, m in zip(widths, mats):
+        by_width.setdefault(d, []).append(m)
+    stacks = [torch.stack(ms) for ms in by_width.values()]
+    out['batched_by_width'] = timer(lambda: [torch.linalg.eigh(s) for s in stacks])
+    print('one layer\'s eighs: ' + ', '.join(f"{k} {v['median_ms']:.1f} ms" for k, v in out.items()
+                                            if isinstance(v, dict)), flush=True)
+    return out
+
+
+def gemm_alignment(args: argparse.Namespace, timer: Timer, pairs: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """Q_G^T grad Q_A for grad [g, a]: two products, 2 g a (g + a) FLOPs."""
+    out: dict[str, Any] = {}
+    for g, a, rows in pairs:
+        qg, qa, grad = (torch.randn(g, g, device=args.device), torch.randn(a, a, device=args.device),
+                        torch.randn(g, a, device=args.device))
+        t = timer(lambda: qg.t().mm(grad).mm(qa))
+        flops = 2 * g * a * (g + a)
+        out[f'{g}x{a}'] = dict(t, tflops=flops / (t['median_ms'] / 1000) / 1e12)
+        x = torch.randn(rows, a, device=args.device)
+        full = timer(lambda: torch.mm(x.t(), x))
+        # dkfac's CPU triangle (math/gemm.cpp): 4 row blocks of equal work over the upper triangle, then mirrored.
+        starts = [round(a * (1 - (1 - b / 4) ** 0.5)) for b in range(4)] + [a]
+        out_t = torch.empty(a, a, device=args.device)
+
+        def triangle() -> None:
+            for s, e in zip(starts, starts[1:]):
+                torch.mm(x[:, s:e].t(), x[:, s:], out=out_t[s:e, s:])
+            out_t.copy_(out_t.triu() + out_t.triu(1).t())
+
+        tri = timer(triangle)
+        flops = 2 * rows * a * a
+        out[f'gram_{rows}x{a}'] = {'full_mm': dict(full, tflops=flops / (full['median_ms'] / 1000) / 1e12),
+                                   'triangle_blocks': tri}
+        print(f"GEMM g {g} a {a}: {out[f'{g}x{a}']['tflops']:.1f} TFLOP/s; gram {rows}x{a}: full mm "
+              f"{full['median_ms']:.3f} ms ({flops / (full['median_ms'] / 1000) / 1e12:.1f} TFLOP/s), triangle in "
+              f"blocks {tri['median_ms']:.3f} ms", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    timer = Timer(args.device, args.repeats)
+    env = {'torch': torch.__version__, 'device': args.device, 'repeats': args.repeats, 'cores': os.cpu_count(),
+           'threads': torch.get_num_threads()}
+    if args.device == 'cuda':
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, cuda=torch.version.cuda)
+    print('kernel_probe: ' + json.dumps(env), flush=True)
+    if args.quick:
+        sizes, layer, pairs = [32, 33, 64], [33] * 4 + [64, 65], [(32, 33, 64), (32, 32, 64)]
+    else:
+        sizes = [576, 1024, 1025, 2304, 4096, 4097, 4608]
+        layer = [1025] * 5 + [1024] * 5 + [4096, 4097]
+        pairs = [(1024, 1025, 4096), (1024, 1024, 4096), (4096, 1025, 4096), (4096, 1024, 4096),
+                 (1024, 4097, 4096), (1024, 4096, 4096)]
+    started = time.perf_counter()
+    results: dict[str, Any] = {'environment': env}
+
+    def save() -> None:
+        if args.json:
+            with open(args.json + '.tmp', 'w') as f:
+                json.dump(results, f, indent=1, sort_keys=True)
+            os.replace(args.json + '.tmp', args.json)
+
+    for name, probe in (('gemm', lambda: gemm_alignment(args, timer, pairs)),
+                        ('one_layer_eigh', lambda: concurrent_eigh(args, timer, layer)),
+                        ('eigh', lambda: eigh_backends(args, timer, sizes))):
+        if time.perf_counter() - started > args.budget_s:
+            results[name] = {'skipped': f'budget {args.budget_s} s spent'}
+            continue
+        try:
+            results[name] = probe()
+        except Exception as error:  # noqa: BLE001 -- reported; the other probes still run
+            results[name] = {'error': f'{type(error).__name__}: {error}'}
+            print(f'{name}: {type(error).__name__}: {error}', file=sys.stderr, flush=True)
+        save()
+    results['wall_s'] = round(time.perf_counter() - started, 1)
+    save()
+
+
+if __name__ == '__main__':
+    main()
