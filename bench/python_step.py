@@ -403,7 +403,7 @@ class Runner:
     """One method's model, optimizer and preconditioner, stepping through the shared batches."""
 
     def __init__(self, method: str, model_name: str, interval: tuple[int, int] | None, args: argparse.Namespace,
-                 batches: list, backends: dict[str, Any]) -> None:
+                 batches: list, backends: dict[str, Any], extra_options: dict[str, Any] | None = None) -> None:
         self.method, self.batches, self.index = method, batches, 0
         self.cuda = args.device == 'cuda'
         torch.manual_seed(args.seed)
@@ -423,6 +423,7 @@ class Runner:
                            compute_method=kfac.enums.ComputeMethod.EIGEN, inv_dtype=torch.float32)
             if method == 'dkfac':  # kfac_pytorch v0.4.2 registers Linear and Conv2d only: the same layers here
                 options['skip_layers'] = ['Embedding']
+            options.update(extra_options or {})  # a variant's settings (bench/step_kinds.py --variant)
             self.preconditioner = kfac.preconditioner.KFACPreconditioner(self.model, **options)
         self.has_phases = hasattr(self.preconditioner, 'phase_times')
         self.last_loss: torch.Tensor | None = None

@@ -74,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--block-steps', default=None,
                         help='steps per block, "non_update=10,factor=10,inverse=1" (the CUDA default)')
     parser.add_argument('--tf32', action='store_true', help='allow TF32 in matmuls (off by default, as the tests)')
+    parser.add_argument('--variant', action='append', default=[], metavar='NAME:KEY=VALUE[,KEY=VALUE]',
+                        help='also measure dkfac with these options, as method NAME (e.g. '
+                             'tf32:precondition_dtype=tf32 or bf16:inv_dtype=bfloat16); repeatable')
+    parser.add_argument('--no-kfac-pytorch-run', action='store_true',
+                        help='leave kfac_pytorch out of this run (its figures then come from another run)')
     parser.add_argument('--budget-s', type=float, default=None,
                         help='stop adding blocks to a method once its blocks passed this many seconds (cuda 90)')
     ours, rest = parser.parse_known_args(argv)
@@ -92,6 +97,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.block_steps = {'non_update': 2, 'factor': 2, 'inverse': 1}
     args.warmup = warmup if '--warmup' not in rest else args.warmup
     args.tf32 = ours.tf32
+    args.variants = {}
+    for spec in ours.variant:
+        name, _, settings = spec.partition(':')
+        options: dict[str, Any] = {}
+        for item in filter(None, settings.split(',')):
+            key, _, value = item.partition('=')
+            if not key or not value:
+                parser.error(f'--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]')
+            options[key] = getattr(torch, value) if key.endswith('_dtype') and hasattr(torch, value) and \
+                isinstance(getattr(torch, value), torch.dtype) else value
+        if not name or not options or name in ps.METHODS:
+            parser.error(f'--variant {spec!r}: a new method name and at least one option')
+        args.variants[name] = options
+    args.skip_kfac_pytorch = ours.no_kfac_pytorch_run
     args.kind_budget_s = ours.budget_s if ours.budget_s is not None else (90.0 if args.device == 'cuda' else 0.0)
     return args
 
@@ -203,7 +222,10 @@ def floors(shapes: list[dict[str, int]], rates: dict[str, float]) -> dict[str, d
 # --- measuring ------------------------------------------------------------------------------------------------
 def measure_method(method: str, model_name: str, args: argparse.Namespace, batches: list,
                    backends: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
-    """One method alone: built, warmed up, its blocks of each kind (SGD: plain steps), its peak memory."""
+    """One method alone: built, warmed up, its blocks of each kind (SGD: plain steps), its peak memory. A
+    variant's name (--variant) is dkfac with its options."""
+    extra = args.variants.get(method)
+    backend = 'dkfac' if extra is not None else method
     ps.release()
     cuda = args.device == 'cuda'
     runner = None
@@ -211,7 +233,7 @@ def measure_method(method: str, model_name: str, args: argparse.Namespace, batch
     try:
         schedule = KindSchedule(args.warmup, block_order(args))
         interval = None if method == 'sgd' else (schedule.factor_update_steps, schedule.inv_update_steps)
-        runner = ps.Runner(method, model_name, interval, args, batches, backends)
+        runner = ps.Runner(backend, model_name, interval, args, batches, backends, extra)
         for _ in range(args.warmup):
             runner.step(None)
         kinds = {'sgd': [('sgd', args.block_steps['non_update'])] * args.blocks} if method == 'sgd' else None
@@ -308,9 +330,9 @@ def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Na
                              f"{fmt(k['per_step_ms']['median'], 9)} /{fmt(k['per_step_ms']['p90'], 7)}"
                              f"{fmt(k['splits_ms']['kfac_step']['median'], 15)}{fmt(over, 10)}")
     lines += ['', 'dkfac phases per kind, ms per step (phase_times over each block), against the floor (x floor):']
-    lines.append(f"{'model':<10}{'kind':<12}" + ''.join(f'{p:>22}' for p in ps.DKFAC_PHASES))
-    for r in results:
-        e = r['methods'].get('dkfac', {})
+    lines.append(f"{'model':<10}{'method':<14}{'kind':<12}" + ''.join(f'{p:>22}' for p in ps.DKFAC_PHASES))
+    for r, method in [(r, m) for r in results for m in r['methods'] if m == 'dkfac' or m in args.variants]:
+        e = r['methods'][method]
         for kind, k in e.get('kinds', {}).items():
             cells = []
             for p in ps.DKFAC_PHASES:
@@ -318,7 +340,7 @@ def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Na
                 floor = r['floors'].get(PHASE_FLOORS.get(p, ''), {}).get('floor_ms')
                 runs = value > 0.0005 and floor
                 cells.append(f"{fmt(value, 9)}{f' ({value / floor:5.2f}x)' if runs else ' ' * 9:>13}")
-            lines.append(f"{r['model']:<10}{kind:<12}" + ''.join(f'{c:>22}' for c in cells))
+            lines.append(f"{r['model']:<10}{method:<14}{kind:<12}" + ''.join(f'{c:>22}' for c in cells))
     lines += ['', 'Floors per step of the kinds that run them (FLOPs at the GEMM rate; precondition: or its bytes):']
     for r in results:
         f = r['floors']
@@ -327,16 +349,17 @@ def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Na
                      f"second order {f['second_order']['flops'] / 1e9:.0f} GFLOP = {f['second_order']['floor_ms']:.1f} "
                      f"ms; precondition {f['precondition']['flops'] / 1e9:.1f} GFLOP, "
                      f"{f['precondition']['bytes'] / 2**20:.0f} MiB = {f['precondition']['floor_ms']:.2f} ms")
-        e = r['methods'].get('dkfac', {})
-        if 'overhead_per_kind_ms' in e:
-            over = e['overhead_per_kind_ms']['non_update']
-            lines.append(f"  {r['model']}: dkfac's non-update overhead {over:.2f} ms = "
-                         f"{over / f['precondition']['floor_ms']:.2f}x its floor (goal <= 1.2x)")
+        for method in [m for m in r['methods'] if m == 'dkfac' or m in args.variants]:
+            e = r['methods'][method]
+            if 'overhead_per_kind_ms' in e:
+                over = e['overhead_per_kind_ms']['non_update']
+                lines.append(f"  {r['model']}: {method}'s non-update overhead {over:.2f} ms = "
+                             f"{over / f['precondition']['floor_ms']:.2f}x the float32 floor (exact mode's goal <= 1.2x)")
     lines += ['', 'Amortised over an interval (f, i), composed from the kinds: step ms, overhead ms, x SGD; ratios:']
     for r in results:
         for key in args.interval_keys:
             cells = []
-            for method in ('dkfac', 'kfac_pytorch'):
+            for method in [m for m in r['methods'] if m != 'sgd']:
                 e = r['methods'].get(method, {}).get('intervals', {}).get(key)
                 if e:
                     cells.append(f"{method} {e['step_ms']:.1f} ms, overhead {e['overhead_ms']:.1f} ms, "
@@ -407,7 +430,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cudnn.allow_tf32 = args.tf32
     args.interval_keys = [f'{f},{i}' for f, i in args.intervals]
     backends = ps.import_backends(args)
-    methods = ['sgd'] + [m for m in ps.METHODS[1:] if m in backends]
+    methods = ['sgd'] + [m for m in ps.METHODS[1:] if m in backends
+                         and not (m == 'kfac_pytorch' and args.skip_kfac_pytorch)]
+    if args.variants:
+        if 'dkfac' not in backends:
+            raise SystemExit('step_kinds: --variant needs dkfac')
+        methods += list(args.variants)
     env: dict[str, Any] = {
         'cpu': ps.cpu_model(), 'cores': os.cpu_count(), 'torch': torch.__version__,
         'torch_threads': torch.get_num_threads(), 'python': platform.python_version(), 'device': args.device,
@@ -416,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
         'models': args.models, 'models_desc': {m: ps.describe_model(m, args) for m in args.models},
         'blocks': args.blocks, 'block_steps': args.block_steps, 'warmup': args.warmup, 'seed': args.seed,
         'tf32': args.tf32, 'kind_budget_s': args.kind_budget_s, 'load_average_start': ps.load_average(),
+        'variants': {name: {k: str(v) for k, v in o.items()} for name, o in args.variants.items()},
     }
     if args.device == 'cuda':
         env['gpu'] = ps.cuda_environment()

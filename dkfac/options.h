@@ -34,6 +34,13 @@ enum class KfacApprox {
   kReduce,  ///< one row per sample: inputs averaged, output gradients summed over the shared dimensions: n = B
 };
 
+/// The arithmetic of the preconditioning products (Q_G^T grad Q_A and back, or G^-1 grad A^-1) on a GPU: a fast
+/// mode, opt-in, its error measured in docs/PERFORMANCE.md. bfloat16 products: inv_dtype bfloat16.
+enum class PreconditionDtype {
+  kFloat32,  ///< the state's own dtype, IEEE float32 products (exact; default)
+  kTf32,     ///< float32 state, cuBLAS products in TF32 (10-bit mantissa inputs, float32 sums); no effect on a CPU
+};
+
 /// Which published distributed K-FAC system places and moves the work (docs/MATH.md section 5).
 /// Ignored in a single process.
 enum class Strategy {
@@ -128,6 +135,10 @@ inline OptionRange any_value() { return {}; }
   X(Value, std::optional<c10::ScalarType>, inv_dtype, std::nullopt, any_value(), "--inv-dtype", "", "float32",       \
     "storage dtype of eigendecompositions/inverses and of preconditioning (default: the factors'); decompositions "  \
     "run in float64 when the factors or this are float64, else float32")                                            \
+  X(Value, PreconditionDtype, precondition_dtype, PreconditionDtype::kFloat32, any_value(), "--precondition-dtype",   \
+    "", "", "float32: preconditioning products in IEEE float32 (exact); tf32: in TF32 on CUDA (a fast mode: inputs " \
+    "rounded to 10 mantissa bits, its error in docs/PERFORMANCE.md; no effect on a CPU); bfloat16 products: "         \
+    "inv_dtype bfloat16")                                     \
   X(Value, bool, pi_damping, false, any_value(), "--pi-damping", "", "",                                             \
     "inverse method: split damping between A and G with the pi heuristic (DP-KFAC)")                                \
   X(Value, std::vector<std::string>, skip_layers, {}, any_value(), "--skip-layers", "", "",                          \
@@ -342,6 +353,8 @@ const char* to_string(assign::Balance balance);
 const char* to_string(UnusedLayerPolicy policy);
 /// "expand" or "reduce".
 const char* to_string(KfacApprox approx);
+/// "float32" or "tf32".
+const char* to_string(PreconditionDtype dtype);
 /// The published system's name ("KAISA", "SPD-KFAC", "DP-KFAC").
 const char* system_name(Strategy strategy);
 

@@ -35,6 +35,12 @@ struct Choices<KfacApprox> {
   }
 };
 template <>
+struct Choices<PreconditionDtype> {
+  static std::vector<std::pair<std::string, PreconditionDtype>> all() {
+    return {{"float32", PreconditionDtype::kFloat32}, {"tf32", PreconditionDtype::kTf32}};
+  }
+};
+template <>
 struct Choices<Strategy> {
   static std::vector<std::pair<std::string, Strategy>> all() {
     return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}, {"auto", Strategy::kAuto}};
@@ -379,5 +385,7 @@ const char* to_string(ShardedPlacement placement) {
 }
 
 const char* to_string(KfacApprox approx) { return approx == KfacApprox::kReduce ? "reduce" : "expand"; }
+
+const char* to_string(PreconditionDtype dtype) { return dtype == PreconditionDtype::kTf32 ? "tf32" : "float32"; }
 
 }  // namespace dkfac

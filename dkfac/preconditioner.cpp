@@ -1,5 +1,7 @@
 #include "dkfac/preconditioner.h"
 
+#include <ATen/Context.h>
+
 // The step: the phase sequence of Preconditioner::step() (check the layers, factors, second order, precondition,
 // guard and clip, apply) and what each phase does. Construction and re-planning: preconditioner_setup.cpp; the
 // state's archive: preconditioner_archive.cpp.
@@ -282,10 +284,35 @@ void Preconditioner::keeping_previous_state(size_t index, const std::function<vo
   }
 }
 
+namespace {
+
+/// cuBLAS's float32 matmuls in TF32 while it lives, as Options::precondition_dtype tf32 asks, then as they were.
+/// The setting is the process's, read when each product is launched: products another thread launches meanwhile
+/// take it too (step() runs between the backward pass and the optimizer's step).
+class Tf32Matmuls {
+ public:
+  // torch's allow_tf32 switch (torch.backends.cuda.matmul.allow_tf32), which keeps its newer fp32_precision
+  // setting in step: reading one after the other was set alone raises in torch 2.9 and later.
+  explicit Tf32Matmuls(bool on) : on_(on && !at::globalContext().allowTF32CuBLAS()) {
+    if (on_) at::globalContext().setAllowTF32CuBLAS(true);
+  }
+  ~Tf32Matmuls() {
+    if (on_) at::globalContext().setAllowTF32CuBLAS(false);
+  }
+  Tf32Matmuls(const Tf32Matmuls&) = delete;
+  Tf32Matmuls& operator=(const Tf32Matmuls&) = delete;
+
+ private:
+  bool on_;  // switched on here, so switched off again
+};
+
+}  // namespace
+
 std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerFate>& fates) {
   PhaseClock::Span span(clock_, KfacPhase::kPrecondition);
   std::vector<torch::Tensor> preconditioned(layers_.size());
   torch::NoGradGuard no_grad;
+  const Tf32Matmuls tf32(options_.precondition_dtype() == PreconditionDtype::kTf32 && device_.is_cuda());
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];

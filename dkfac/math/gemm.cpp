@@ -19,6 +19,10 @@ namespace {
 constexpr double kMinTriangleWork = 4e6;
 // Row blocks of gram()'s upper triangle: the triangle costs (1 + 1/blocks) / 2 of the full product.
 constexpr int64_t kTriangleBlocks = 4;
+// On a GPU the block triangle pays from this width on: measured on an H200 (bench/kernel_probe.py, float32,
+// 4096 rows; docs/PERFORMANCE.md), 4096 wide: 2.39 ms against 2.69 for the full product (4097: 2.53 against
+// 2.97), while 1024 wide it costs 0.243 ms against 0.196: narrow products already run below the GEMM rate.
+constexpr int64_t kMinDeviceTriangleDim = 2048;
 
 // Runs fn(0) ... fn(tasks - 1), spread over this thread and LibTorch's inter-op pool (at::launch); used
 // for the mirror copy, which calls no BLAS.
@@ -93,7 +97,9 @@ torch::Tensor gram(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "gram expects a 2-D tensor, got shape ", x.sizes());
   const int64_t n = x.size(0);
   const int64_t d = x.size(1);
-  if (!x.is_cpu() || d < 128 || static_cast<double>(n) * d * d < kMinTriangleWork) {
+  const bool small = x.is_cpu() ? d < 128 || static_cast<double>(n) * d * d < kMinTriangleWork
+                                 : d < kMinDeviceTriangleDim;
+  if (small) {
     // Too narrow or too small for the block triangle to pay.
     auto c = torch::mm(x.t(), x);
     return torch::add(c, c.t()).mul_(0.5);

@@ -209,6 +209,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     layer and replica holds its factors and second-order state, gathers the gradient's shards and scatters the
     preconditioned rows back: K-FAC memory about 1/P per rank; strategy 'kaisa', whose grad_worker_fraction it
     sets to one grad worker per replica, or 'dp'; see docs/STRATEGIES.md, "Sharded models").
+    ``precondition_dtype`` 'tf32' runs the preconditioning products in TF32 on CUDA (a fast mode whose error
+    docs/PERFORMANCE.md measures; no effect on a CPU); 'float32', the default, keeps them exact.
 
     ``distributed_strategy``, ``grad_worker_fraction`` and ``colocate_factors`` are KAISA's grid as the core
     placed the work when the preconditioner was built: W = round(P f) gradient workers per layer (halves away
@@ -254,6 +256,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         large_factor_dim: int = _default('large_factor_dim'),
         diagonal_factor_dim: int = _default('diagonal_factor_dim'),
         kfac_approx: str = _default('kfac_approx'),
+        precondition_dtype: str = _default('precondition_dtype'),
         sharded_placement: str = _default('sharded_placement'),
         spd_redundant_dim: int | None = _default('spd_redundant_dim'),
         spd_profile_steps: int = _default('spd_profile_steps'),

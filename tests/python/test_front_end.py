@@ -663,3 +663,20 @@ def test_input_factors_wait_for_the_backward_pass_unless_saved_tensor_hooks_are_
     assert held_hooked == [(33 * 33 + 17 * 17) * 4] * 3, held_hooked  # the two factors
     for a, b in zip(grads, grads_hooked):
         assert torch.equal(a, b)
+
+
+def test_precondition_dtype_tf32_changes_nothing_on_a_cpu_and_bad_values_are_refused():
+    """precondition_dtype='tf32' switches cuBLAS's products only: on a CPU the step is exactly the float32 one."""
+    def grads(**kwargs) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, **kwargs)
+        model(torch.randn(16, 12)).square().mean().backward()
+        preconditioner.step()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads(), grads(precondition_dtype='tf32')):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match='precondition_dtype') as raised:
+        dkfac.KFACPreconditioner(torch.nn.Linear(2, 2), precondition_dtype='float16')
+    assert 'tf32' in str(raised.value)

@@ -145,6 +145,54 @@ def test_step_synchronises_at_most_once(kind):
             assert len(syncs) <= 1, f'step {step}: {len(syncs)} host synchronisations: {[str(w.message) for w in syncs]}'
 
 
+def test_wide_factors_built_as_a_triangle_match_cpu_float64():
+    """A factor 2048 wide or more is built on the GPU as its upper block triangle, mirrored (math/gemm.cpp): exactly
+    symmetric, and within float32 rounding of the CPU float64 factor of the same inputs."""
+    def factors(device: str, dtype: torch.dtype) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2303, 2560), torch.nn.Tanh(), torch.nn.Linear(2560, 3))
+        model = model.to(device, dtype)
+        preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=0.01)
+        x = torch.randn(512, 2303, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        model(x.to(device, dtype)).square().mean().backward()
+        preconditioner.step()
+        return preconditioner.state_dict()['layers']
+
+    got, expected = factors('cuda', torch.float32), factors('cpu', torch.float64)
+    checked = 0
+    for name, layer in expected.items():
+        for factor in 'AG':
+            want, have = layer[factor], got[name][factor].double().cpu()
+            if want.shape[0] < 2048:
+                continue
+            checked += 1
+            assert torch.equal(have, have.t()), (name, factor)
+            assert (have - want).norm() / want.norm() < 1e-5, (name, factor)
+    assert checked == 3  # the first layer's A (2304 wide) and G (2560), the second layer's A (2561)
+
+
+def test_tf32_preconditioning_is_close_to_float32_and_leaves_the_switch_as_it_was():
+    """precondition_dtype='tf32' (a fast mode): the preconditioning products run in TF32, so V differs from the exact
+    mode's, within TF32's rounding; factors and decompositions stay float32 (both preconditioners build the same
+    state); torch's TF32 switch is off again after step()."""
+    def preconditioned(**kwargs) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 384), torch.nn.Tanh(), torch.nn.Linear(384, 256)).cuda()
+        preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, kl_clip=0, **kwargs)
+        for step in range(3):  # no optimizer step: the parameters, factors and decompositions stay the same
+            model.zero_grad()
+            x = torch.randn(256, 512, generator=torch.Generator().manual_seed(step)).cuda()
+            model(x).square().mean().backward()
+            preconditioner.step()
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        return [p.grad.double() for p in model.parameters()]
+
+    exact, fast = preconditioned(), preconditioned(precondition_dtype='tf32')
+    errors = [float((f - e).norm() / e.norm()) for f, e in zip(fast, exact)]
+    assert max(errors) < 1e-2, errors
+    assert max(errors) > 0, 'TF32 products differ from IEEE float32 ones'
+
+
 class _Heads(torch.nn.Module):
     """Many wide-input, narrow-output Linear heads on one input: second-order state (a^2) far above V (g a)."""
 
