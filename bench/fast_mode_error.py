@@ -5,8 +5,8 @@ Issue 44's fast modes trade exactness for speed; each is reported with two error
 
 * **the preconditioned gradient**: two copies of a bench/python_step.py model (same seed) each get a
   preconditioner, exact and fast; both see the same batches for ``--state-steps`` steps at factor and inverse
-  interval 1 without any optimizer step (the parameters stay equal, so both build the same factors and
-  decompositions, in float32 whatever the mode), then one more batch: the relative error
+  interval 1 without any optimizer step (the parameters stay equal, so both build the same factors, and the same
+  decompositions in float32, stored in the mode's dtype: bfloat16's round them), then one more batch: the relative error
   ||V_fast - V_exact|| / ||V_exact|| of each layer's preconditioned gradient (weight and bias), its median and
   largest over the layers, and over the whole model;
 * **the loss after training**: the exact and the fast mode each train a fresh copy (same seed, same batches, SGD

@@ -239,18 +239,23 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
   std::vector<size_t> started;
   std::vector<torch::Tensor> checks;
   std::map<size_t, SecondOrderState> fallback;  // layers installed unchecked, with the state they had
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    auto& layer = layers_[i];
-    if (!layer.a_factor().defined()) continue;
-    const bool a_part = executor_->computes_a(i);
-    const bool g_part = executor_->computes_g(i);
-    if (!a_part && !g_part) continue;
-    keeping_previous_state(i, [&] {
-      auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part);
-      if (auto had = layer.install_second_order(std::move(pending.state), pending.ok)) fallback.emplace(i, *had);
-      started.push_back(i);
-      checks.push_back(pending.ok);
-    });
+  try {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      auto& layer = layers_[i];
+      if (!layer.a_factor().defined()) continue;
+      const bool a_part = executor_->computes_a(i);
+      const bool g_part = executor_->computes_g(i);
+      if (!a_part && !g_part) continue;
+      keeping_previous_state(i, [&] {
+        auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part);
+        if (auto had = layer.install_second_order(std::move(pending.state), pending.ok)) fallback.emplace(i, *had);
+        started.push_back(i);
+        checks.push_back(pending.ok);
+      });
+    }
+  } catch (...) {  // out of memory part-way (rethrown by keeping_previous_state): no unchecked state stays
+    for (auto& [i, had] : fallback) layers_[i].set_second_order(std::move(had));
+    throw;
   }
   const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);
   for (size_t k = 0; k < started.size(); ++k) {
@@ -286,7 +291,8 @@ void Preconditioner::keeping_previous_state(size_t index, const std::function<vo
 
 namespace {
 
-/// cuBLAS's float32 matmuls in TF32 while it lives, as Options::precondition_dtype tf32 asks, then as they were.
+/// cuBLAS's float32 matmuls in TF32 while it lives, as Options::precondition_dtype tf32 asks, then off again where
+/// it switched them on (torch's allow_tf32 was off).
 /// The setting is the process's, read when each product is launched: products another thread launches meanwhile
 /// take it too (step() runs between the backward pass and the optimizer's step).
 class Tf32Matmuls {

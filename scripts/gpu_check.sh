@@ -48,9 +48,14 @@
 #   DKFAC_GPU_CTEST_ARGS    more ctest arguments (e.g. "-R Cuda" or "-E train")
 #   DKFAC_GPU_PYTEST_ARGS   more pytest arguments (e.g. "-k autocast" or "-x")
 #   DKFAC_GPU_BENCH_DEVICE  the benchmark's --device (cuda; cpu runs the stage's plumbing without a GPU)
-#   DKFAC_GPU_BENCH_ARGS    more arguments for bench/python_step.py (e.g. "--quick" or "--bert-layers 12")
+#   DKFAC_GPU_BENCH_ARGS    more arguments for the benchmarks: bench/python_step.py (bench-resnet50, bench-bert)
+#                           and bench/step_kinds.py (bench-kinds), e.g. "--quick" or "--bert-layers 12"; the
+#                           step_kinds-only ones (--variant, --blocks, --no-kfac-pytorch-run) with bench-kinds,
+#                           call1 or call2 alone
 #   DKFAC_GPU_KINDS_MODELS  the models bench-kinds measures (resnet50,bert); DKFAC_GPU_KINDS_MIN_S: seconds that
 #                           must remain for it to start (120)
+#   DKFAC_GPU_PROBE_MIN_S   seconds that must remain for kernel-probe to start (60)
+#   DKFAC_GPU_FAST_MIN_S    seconds that must remain for fast-error to start (60)
 #   DKFAC_GPU_FAST_ARGS     bench/fast_mode_error.py's arguments for fast-error ("--models bert --bert-layers 4
 #                           --mode tf32:precondition_dtype=tf32 --mode bf16:inv_dtype=bfloat16")
 #   DKFAC_GPU_EXPORT        a folder that gets summary.md and gpu-results.tar.gz after every step

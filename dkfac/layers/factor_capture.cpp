@@ -34,7 +34,7 @@ FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {
 
 void FactorCapture::set_diagonal(bool a, bool g) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(a_count_ == 0 && g_count_ == 0, "set_diagonal after factors were captured");
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(), "set_diagonal after factors were captured");
   geometry_.a_diagonal = a || geometry_.kind == LayerKind::kEmbedding;
   geometry_.g_diagonal = g;
 }
@@ -55,7 +55,7 @@ torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autoca
 
 void FactorCapture::set_reduce(bool reduce) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(a_count_ == 0 && g_count_ == 0, "set_reduce after factors were captured");
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(), "set_reduce after factors were captured");
   reduce_ = reduce && geometry_.kind == LayerKind::kLinear;
 }
 
@@ -92,9 +92,12 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
   const bool hooked = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
   if (geometry_.kind != LayerKind::kEmbedding && !autocast && !hooked) {
     std::lock_guard<std::mutex> lock(mutex_);
-    waiting_inputs_.push_back(input.detach());
-    return;
+    if (!listener_ && waiting_inputs_.size() < kMaxWaitingInputs) {
+      waiting_inputs_.push_back(input.detach());
+      return;
+    }
   }
+  build_waiting_inputs();  // the sum adds in the order things came
   build_a(input, autocast);
 }
 

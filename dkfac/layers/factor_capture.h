@@ -84,12 +84,20 @@ class FactorCapture {
   /// Captures one micro-batch's input, from which its A factor is built. Linear: input [..., in_features];
   /// Conv2d: [B, C, H, W] or unbatched [C, H, W]; Embedding: integer tokens of any shape. Runs without autograd.
   /// A Linear's or Conv2d's factor is built when the layer's output gradient arrives (capture_output_grad)
-  /// or when the factors are read (take_a): the input is kept until then, which costs nothing, since autograd
-  /// keeps it for the weight's gradient, while the factor built at once would be held through the backward
-  /// pass, at its peak (BERT-Large: 2 GiB). The same kernels on the same input: the same numbers. The factor is
-  /// built at once where autograd may not keep the input as it is: under autocast (it keeps the cast copy),
-  /// while saved-tensor hooks are active (activation checkpointing, offloading), and for an Embedding.
+  /// or when the factors are read (take_a): the input is kept until then, which costs no memory while autograd
+  /// keeps it for the weight's gradient (until the layer's backward), while the factor built at once would be
+  /// held through the backward pass, at its peak (BERT-Large: 2 GiB). The same kernels on the same input, in
+  /// the same order: the same numbers. The factor is built at once where the input may cost memory or the
+  /// factor is wanted in the forward pass: under autocast (autograd keeps the cast copy), while saved-tensor
+  /// hooks are active (activation checkpointing, offloading), for an Embedding, when a listener waits for the
+  /// factors (the FactorPipeline overlaps their reduction with forward and backward), and once
+  /// kMaxWaitingInputs inputs wait (forward passes without a backward pass). An input whose layer gets no
+  /// output gradient (an output that needs none, a layer left unused) is held until the factors are read or
+  /// cleared at step().
   void capture_input(const torch::Tensor& input);
+  /// The most inputs kept waiting for their backward pass (capture_input): more forward passes than this
+  /// without a backward pass build their factors at once.
+  static constexpr size_t kMaxWaitingInputs = 8;
   /// Builds the G factor of one micro-batch from the gradient of the layer's output and adds it.
   /// Linear and Embedding: [..., out_features]; Conv2d: [B, C_out, H_out, W_out] or [C_out, H_out, W_out].
   /// The gradient is divided by the grad scale first, when one is set (mixed-precision loss scaling).

@@ -19,9 +19,10 @@ namespace {
 constexpr double kMinTriangleWork = 4e6;
 // Row blocks of gram()'s upper triangle: the triangle costs (1 + 1/blocks) / 2 of the full product.
 constexpr int64_t kTriangleBlocks = 4;
-// On a GPU the block triangle pays from this width on: measured on an H200 (bench/kernel_probe.py, float32,
-// 4096 rows; docs/PERFORMANCE.md), 4096 wide: 2.39 ms against 2.69 for the full product (4097: 2.53 against
-// 2.97), while 1024 wide it costs 0.243 ms against 0.196: narrow products already run below the GEMM rate.
+// On a GPU the block triangle pays for wide factors: measured on an H200 (bench/kernel_probe.py, float32, 4096
+// rows; docs/PERFORMANCE.md), 4096 wide: 2.39 ms against 2.69 for the full product (4097: 2.53 against 2.97),
+// while 1024 wide it costs 0.243 ms against 0.196: narrow products already run below the GEMM rate. Widths in
+// between were not measured; 2048 is the midpoint (in powers of two) of the two that were.
 constexpr int64_t kMinDeviceTriangleDim = 2048;
 
 // Runs fn(0) ... fn(tasks - 1), spread over this thread and LibTorch's inter-op pool (at::launch); used
@@ -88,8 +89,9 @@ void mirror_upper(torch::Tensor& m, int threads) {
     mirror_tiles(m.data_ptr<float>(), m.size(0), std::max(1, threads));
   } else if (m.is_cpu() && m.is_contiguous() && m.scalar_type() == torch::kFloat64) {
     mirror_tiles(m.data_ptr<double>(), m.size(0), std::max(1, threads));
-  } else {
-    m.copy_(m.triu() + m.triu(1).t());
+  } else {  // one temporary of m's size (the strict upper triangle), the same sums as m.triu() + m.triu(1).t()
+    m.triu_();
+    m.add_(m.triu(1).t());
   }
 }
 

@@ -11,7 +11,7 @@ namespace dkfac::math {
 
 /// X^T X for X [n, d], exactly symmetric. Only the upper block triangle is multiplied (four row blocks of
 /// equal work) and mirrored, so large factors cost about 5/8 of a GEMM: on the CPU from d 128 (and 4e6
-/// multiply-adds), on a GPU from d 2048, where it was measured to pay.
+/// multiply-adds), on a GPU from d 2048 (measured to pay at 4096, to cost at 1024).
 torch::Tensor gram(const torch::Tensor& x);
 
 /// Copies the strict upper triangle of the square matrix `m` onto its lower triangle, in place (cache-sized

@@ -255,7 +255,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<FactorCapture, std::shared_ptr<FactorCapture>>(m, "FactorCapture")
       .def_property_readonly("enabled", &FactorCapture::enabled)
       .def("capture_input", &FactorCapture::capture_input, py::call_guard<py::gil_scoped_release>())
-      .def("capture_output_grad", &FactorCapture::capture_output_grad)
+      .def("capture_output_grad", &FactorCapture::capture_output_grad, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("a_count", &FactorCapture::a_count)
       .def_property_readonly("g_count", &FactorCapture::g_count)
       .def("pending_bytes", &FactorCapture::pending_bytes);

@@ -231,6 +231,25 @@ TEST(FactorCapture, InputFactorIsBuiltWhenItsGradientArrives) {
   EXPECT_EQ(read.a_count(), 0);
   EXPECT_EQ(read.pending_bytes().first, 0);
 
+  // With a listener (the FactorPipeline overlaps the factors' reduction with forward and backward), at once.
+  auto listened = linear_capture(/*bias=*/true);
+  int64_t heard_a = 0;
+  listened.set_listener([&](bool is_a, int64_t) { heard_a += is_a; });
+  listened.capture_input(x);
+  EXPECT_EQ(heard_a, 1);
+  EXPECT_TRUE(torch::equal(listened.mean_a(), expected));
+
+  // Forward passes without a backward pass keep at most kMaxWaitingInputs inputs, then build in order.
+  auto many = linear_capture(/*bias=*/true);
+  for (size_t k = 0; k < FactorCapture::kMaxWaitingInputs; ++k) many.capture_input(x);
+  EXPECT_FALSE(many.mean_a().defined());
+  many.capture_input(x2);
+  EXPECT_EQ(many.pending_bytes().first, 6 * 6 * 8) << "every input built: only the sum is held";
+  auto sum = expected;
+  for (size_t k = 1; k < FactorCapture::kMaxWaitingInputs; ++k) sum = sum + expected;
+  sum = sum + math::linear_a_factor(x2, true);
+  EXPECT_TRUE(torch::equal(many.take_a(), sum / static_cast<double>(FactorCapture::kMaxWaitingInputs + 1)));
+
   // An Embedding's factor (token counts) is built at once.
   FactorCapture embedding(embedding_geometry(7));
   embedding.capture_input(torch::tensor({1, 3, 3}, torch::kInt64));

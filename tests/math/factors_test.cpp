@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "tests/test_util.h"
 
 namespace dkfac::math {
@@ -192,6 +194,22 @@ TEST(Gemm, GramMatchesThePlainProduct) {
     EXPECT_TRUE(torch::equal(g, g.t()));
   }
   EXPECT_THROW(gram(torch::zeros({2, 3, 4})), c10::Error);
+}
+
+// mirror_upper's general path (a GPU's, and any dtype or layout the CPU tiles do not take; garbage below the
+// diagonal, as gram() leaves it): the strict upper triangle copied onto the lower, the upper one unchanged.
+TEST(Gemm, MirrorUpperOfAnyLayoutCopiesTheUpperTriangle) {
+  torch::manual_seed(6);
+  const auto values = torch::randn({7, 7}, torch::kFloat64);
+  const auto expected = values.triu() + values.triu(1).t();
+  const auto nan_below = torch::full({7, 7}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64).tril(-1);
+  const auto garbage = values.triu() + nan_below;  // NaN below the diagonal, the values on and above it
+  for (auto dtype : {torch::kFloat64, torch::kBFloat16}) {
+    auto transposed = garbage.to(dtype).t().contiguous().t();  // not contiguous: the general path
+    ASSERT_FALSE(transposed.is_contiguous());
+    mirror_upper(transposed);
+    EXPECT_TRUE(torch::equal(transposed, expected.to(dtype))) << dtype;
+  }
 }
 
 TEST(Factors, RejectsBadShapes) {

@@ -207,6 +207,8 @@ def test_tf32_preconditioning_is_close_to_float32_and_leaves_the_switch_as_it_wa
     state); torch's TF32 switch is off again after step(). In a child process without this file's
     NVIDIA_TF32_OVERRIDE=0, which keeps cuBLAS from TF32 whatever torch asks (the first GPU run of this test, in this
     process, saw V exactly equal)."""
+    if torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip('TF32 needs compute capability 8.0 (Ampere) or newer')
     env = {k: v for k, v in os.environ.items() if k != 'NVIDIA_TF32_OVERRIDE'}
     here = os.path.dirname(os.path.dirname(os.path.abspath(dkfac.__file__)))  # the dkfac this test imported
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [here, env.get('PYTHONPATH')]))
