@@ -24,8 +24,6 @@ bf16:inv_dtype=bfloat16. The models, data and settings are bench/python_step.py'
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -107,11 +105,7 @@ def trained_loss(args: argparse.Namespace, model_name: str, batches: list, backe
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.device == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
-        torch.backends.cudnn.allow_tf32 = args.tf32
-    backends = ps.import_backends(args)
+    backends = step_kinds.prepare(args)
     results: dict[str, Any] = {'environment': {
         'torch': torch.__version__, 'device': args.device,
         'gpu': ps.cuda_environment() if args.device == 'cuda' else None, 'cpu': ps.cpu_model(),
@@ -121,9 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         if args.json:
-            with open(args.json + '.tmp', 'w') as f:
-                json.dump(results, f, indent=1, sort_keys=True)
-            os.replace(args.json + '.tmp', args.json)
+            ps.dump_json(args.json, results)
 
     for model_name in args.models:
         batches, _ = ps.make_batches(args, model_name)

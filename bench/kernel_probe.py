@@ -32,6 +32,9 @@ from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import python_step  # noqa: E402  (dump_json)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -191,9 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         if args.json:
-            with open(args.json + '.tmp', 'w') as f:
-                json.dump(results, f, indent=1, sort_keys=True)
-            os.replace(args.json + '.tmp', args.json)
+            python_step.dump_json(args.json, results)
 
     for name, probe in (('gemm', lambda: gemm_alignment(args, timer, pairs)),
                         ('one_layer_eigh', lambda: concurrent_eigh(args, timer, layer)),

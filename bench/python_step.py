@@ -840,13 +840,35 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.
     return '\n'.join(lines) + '\n'
 
 
+def dump_json(path: str, content: Any) -> None:
+    """Writes `content` to `path` whole or not at all (a run stopped while writing keeps the previous file)."""
+    with open(path + '.tmp', 'w') as f:
+        json.dump(content, f, indent=1, sort_keys=True)
+    os.replace(path + '.tmp', path)
+
+
 def write_json(path: str, env: dict[str, Any], results: list[dict[str, Any]], partial: bool) -> None:
     content: dict[str, Any] = {'environment': env, 'results': results}
     if partial:
         content['partial'] = True  # rewritten after every configuration; the final file has no such key
-    with open(path + '.tmp', 'w') as f:
-        json.dump(content, f, indent=1, sort_keys=True)
-    os.replace(path + '.tmp', path)
+    dump_json(path, content)
+
+
+def write_outputs(tool: str, args: argparse.Namespace, env: dict[str, Any], results: list[dict[str, Any]],
+                  text: str, table: str) -> None:
+    """The end of a run: the report on standard output, the final --json file and the --markdown table."""
+    print(text)
+    if args.json:
+        write_json(args.json, env, results, partial=False)
+        print(f'\n{tool}: {args.json}')
+    if args.markdown:
+        with open(args.markdown, 'w') as f:
+            f.write(table)
+        print(f'{tool}: {args.markdown}')
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -889,9 +911,6 @@ def main(argv: list[str] | None = None) -> None:
     else:
         env['models_desc'] = {m: describe_model(m, args) for m in args.models}
 
-    def log(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
     where = (f"{env['gpu']['device']} ({env['gpu']['device_memory_gib']} GiB, driver {env['gpu']['driver']}, "
              f"CUDA {env['gpu']['cuda']}), " if args.device == 'cuda' else '')
     log(f"python_step: {where}{env['cpu']}, {env['cores']} cores, torch {env['torch']} with {env['torch_threads']} "
@@ -917,15 +936,7 @@ def main(argv: list[str] | None = None) -> None:
             done(measure(model_name, interval, methods, plain, args, batches, backends, log))
     env['load_average_end'] = load_average()
     env['wall_s'] = round(time.perf_counter() - started, 1)
-    text = report(results, env, args)
-    print(text)
-    if args.json:
-        write_json(args.json, env, results, partial=False)
-        print(f'\npython_step: {args.json}')
-    if args.markdown:
-        with open(args.markdown, 'w') as f:
-            f.write(markdown(results, env, args))
-        print(f'python_step: {args.markdown}')
+    write_outputs('python_step', args, env, results, report(results, env, args), markdown(results, env, args))
 
 
 if __name__ == '__main__':

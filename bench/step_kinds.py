@@ -58,6 +58,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_probe  # noqa: E402  (its Timer)
 import python_step as ps  # noqa: E402  (models, batches, backends, the Runner, statistics and environment)
 
 KINDS = ('non_update', 'factor', 'inverse')
@@ -175,30 +176,16 @@ def layer_shapes(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor
 
 def device_rates(device: str) -> dict[str, float]:
     """float32 GEMM FLOP/s (as the run's TF32 setting has it) and copy bytes/s, medians of 10."""
-    def timed(fn: Callable[[], Any], repeats: int = 10) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            if device == 'cuda':
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device == 'cuda':
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
+    timed = kernel_probe.Timer(device, repeats=10)
     gemm, best_n = 0.0, 0
     for n in ((2048, 4096, 8192) if device == 'cuda' else (512, 1024)):  # the best rate any of them reaches
         x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        rate = 2 * n**3 / timed(lambda: torch.mm(x, y))
+        rate = 2 * n**3 / (timed(lambda: torch.mm(x, y))['median_ms'] / 1000)
         if rate > gemm:
             gemm, best_n = rate, n
-        del x, y
     elements = (256 if device == 'cuda' else 64) * 2**20 // 4
     src, dst = torch.randn(elements, device=device), torch.empty(elements, device=device)
-    copy = 2 * 4 * elements / timed(lambda: dst.copy_(src))
-    del src, dst
+    copy = 2 * 4 * elements / (timed(lambda: dst.copy_(src))['median_ms'] / 1000)
     return {'gemm_flops': gemm, 'gemm_n': best_n, 'copy_bytes_per_s': copy, 'copy_mib': elements * 4 // 2**20}
 
 
@@ -413,23 +400,19 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.
     return '\n'.join(lines) + '\n'
 
 
-def write_json(path: str, env: dict[str, Any], results: list[dict[str, Any]], partial: bool) -> None:
-    content: dict[str, Any] = {'environment': env, 'results': results}
-    if partial:
-        content['partial'] = True
-    with open(path + '.tmp', 'w') as f:
-        json.dump(content, f, indent=1, sort_keys=True)
-    os.replace(path + '.tmp', path)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Threads and TF32 as the arguments say; the backends (bench/fast_mode_error.py starts the same way)."""
     torch.set_num_threads(args.threads)
     if args.device == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
+    return ps.import_backends(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    backends = prepare(args)
     args.interval_keys = [f'{f},{i}' for f, i in args.intervals]
-    backends = ps.import_backends(args)
     methods = ['sgd'] + [m for m in ps.METHODS[1:] if m in backends
                          and not (m == 'kfac_pytorch' and args.skip_kfac_pytorch)]
     if args.variants:
@@ -449,10 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == 'cuda':
         env['gpu'] = ps.cuda_environment()
     env['rates'] = device_rates(args.device)
-
-    def log(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
+    log = ps.log
     log(f"step_kinds: {env.get('gpu', {}).get('device', env['cpu'])}, torch {env['torch']}, methods {methods}, "
         f"GEMM {env['rates']['gemm_flops'] / 1e12:.2f} TFLOP/s, copy {env['rates']['copy_bytes_per_s'] / 1e9:.0f} GB/s")
     started = time.perf_counter()
@@ -470,18 +450,11 @@ def main(argv: list[str] | None = None) -> None:
             result['methods'][method] = measure_method(method, model_name, args, batches, backends, log)
             compose(result, args.intervals)
             if args.json:
-                write_json(args.json, env, results + [result], partial=True)
+                ps.write_json(args.json, env, results + [result], partial=True)
         results.append(result)
     env['wall_s'] = round(time.perf_counter() - started, 1)
     env['load_average_end'] = ps.load_average()
-    print(report(results, env, args))
-    if args.json:
-        write_json(args.json, env, results, partial=False)
-        print(f'\nstep_kinds: {args.json}')
-    if args.markdown:
-        with open(args.markdown, 'w') as f:
-            f.write(markdown(results, env, args))
-        print(f'step_kinds: {args.markdown}')
+    ps.write_outputs('step_kinds', args, env, results, report(results, env, args), markdown(results, env, args))
 
 
 if __name__ == '__main__':

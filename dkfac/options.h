@@ -138,7 +138,7 @@ inline OptionRange any_value() { return {}; }
   X(Value, PreconditionDtype, precondition_dtype, PreconditionDtype::kFloat32, any_value(), "--precondition-dtype",   \
     "", "", "float32: preconditioning products in IEEE float32 (exact); tf32: in TF32 on CUDA (a fast mode: inputs " \
     "rounded to 10 mantissa bits, its error in docs/PERFORMANCE.md; no effect on a CPU); bfloat16 products: "         \
-    "inv_dtype bfloat16")                                     \
+    "inv_dtype bfloat16")                                                                                          \
   X(Value, bool, pi_damping, false, any_value(), "--pi-damping", "", "",                                             \
     "inverse method: split damping between A and G with the pi heuristic (DP-KFAC)")                                \
   X(Value, std::vector<std::string>, skip_layers, {}, any_value(), "--skip-layers", "", "",                          \
@@ -353,8 +353,6 @@ const char* to_string(assign::Balance balance);
 const char* to_string(UnusedLayerPolicy policy);
 /// "expand" or "reduce".
 const char* to_string(KfacApprox approx);
-/// "float32" or "tf32".
-const char* to_string(PreconditionDtype dtype);
 /// The published system's name ("KAISA", "SPD-KFAC", "DP-KFAC").
 const char* system_name(Strategy strategy);
 

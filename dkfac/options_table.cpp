@@ -386,6 +386,4 @@ const char* to_string(ShardedPlacement placement) {
 
 const char* to_string(KfacApprox approx) { return approx == KfacApprox::kReduce ? "reduce" : "expand"; }
 
-const char* to_string(PreconditionDtype dtype) { return dtype == PreconditionDtype::kTf32 ? "tf32" : "float32"; }
-
 }  // namespace dkfac

@@ -382,27 +382,42 @@ step_pytest() {
   return $rc
 }
 
-# --- bench: bench/python_step.py on the GPU ------------------------------------------------------------
-step_bench() {  # step_bench MODEL [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARGS
-  local model=$1 name=bench-$1
-  shift
+# --- the benchmarks' common start ----------------------------------------------------------------------
+# bench_ready STEP MIN_S [extension]: 0 when STEP can start; else records why not and returns 2 (SKIP: no CUDA
+# device, fewer than MIN_S seconds left) or 1 (FAIL: no built extension, where the step needs one).
+bench_ready() {
   if [[ $bench_device == cuda ]] &&
     ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    record "$name" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
-    return
+    record "$1" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
+    return 2
   fi
-  if ! compgen -G "$build/python/dkfac/_C*.so" >/dev/null; then
-    record "$name" FAIL "no extension in $build/python/dkfac: run the build stage first"
+  if [[ ${3:-} == extension ]] && ! compgen -G "$build/python/dkfac/_C*.so" >/dev/null; then
+    record "$1" FAIL "no extension in $build/python/dkfac: run the build stage first"
     return 1
   fi
-  no_time "$name" "$bench_min" SKIP && return 0
-  local reference=() rc=0 limit
-  limit=$(budget)
+  no_time "$1" "$2" SKIP && return 2
+  return 0
+}
+
+# kfac_pytorch_source STEP: sets `reference` to the bundle's kfac_pytorch (--kfac-pytorch-src), empty without it.
+kfac_pytorch_source() {
+  reference=()
   if [[ -d $bundle/kfac-pytorch/kfac ]]; then
     reference=(--kfac-pytorch-src "$bundle/kfac-pytorch")
   else
-    log "$name: no $bundle/kfac-pytorch: kfac_pytorch is left out"
+    log "$1: no $bundle/kfac-pytorch: kfac_pytorch is left out"
   fi
+}
+
+# --- bench: bench/python_step.py on the GPU ------------------------------------------------------------
+step_bench() {  # step_bench MODEL [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARGS
+  local model=$1 name=bench-$1 ready=0
+  shift
+  bench_ready "$name" "$bench_min" extension || ready=$?
+  ((ready == 0)) || return $((ready == 1))
+  local reference rc=0 limit
+  limit=$(budget)
+  kfac_pytorch_source "$name"
   echo "+ [timeout $limit s] bench/python_step.py --device $bench_device --models $model ${bench_args[*]} $*" \
     >"$out/$name.log"
   PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
@@ -418,20 +433,12 @@ step_bench() {  # step_bench MODEL [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BEN
 
 # --- bench-kinds: bench/step_kinds.py, each kind of step alone, both models, composed into both intervals ----
 step_kinds() {  # step_kinds [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARGS
-  local name=bench-kinds
-  if [[ $bench_device == cuda ]] &&
-    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    record "$name" SKIP "no CUDA device (DKFAC_GPU_BENCH_DEVICE=cpu runs it on the CPU)"
-    return
-  fi
-  if ! compgen -G "$build/python/dkfac/_C*.so" >/dev/null; then
-    record "$name" FAIL "no extension in $build/python/dkfac: run the build stage first"
-    return 1
-  fi
-  no_time "$name" "$kinds_min" SKIP && return 0
-  local reference=() rc=0 limit
+  local name=bench-kinds ready=0
+  bench_ready "$name" "$kinds_min" extension || ready=$?
+  ((ready == 0)) || return $((ready == 1))
+  local reference rc=0 limit
   limit=$(budget)
-  if [[ -d $bundle/kfac-pytorch/kfac ]]; then reference=(--kfac-pytorch-src "$bundle/kfac-pytorch"); fi
+  kfac_pytorch_source "$name"
   echo "+ [timeout $limit s] bench/step_kinds.py --device $bench_device --models $kinds_models ${bench_args[*]} $*" \
     >"$out/$name.log"
   PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
@@ -448,13 +455,9 @@ step_kinds() {  # step_kinds [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARG
 
 # --- kernel-probe: bench/kernel_probe.py, the step's kernels alone (eigh backends and streams, GEMM widths) ---
 step_probe() {
-  local name=kernel-probe
-  if [[ $bench_device == cuda ]] &&
-    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    record "$name" SKIP "no CUDA device"
-    return
-  fi
-  no_time "$name" "$probe_min" SKIP && return 0
+  local name=kernel-probe ready=0
+  bench_ready "$name" "$probe_min" || ready=$?
+  ((ready == 0)) || return $((ready == 1))
   local rc=0 limit
   limit=$(budget)
   echo "+ [timeout $limit s] bench/kernel_probe.py --device $bench_device --budget-s $((limit - 30))" >"$out/$name.log"
@@ -466,13 +469,9 @@ step_probe() {
 
 # --- fast-error: bench/fast_mode_error.py, each fast mode's error against the exact mode ----------------------
 step_fast() {
-  local name=fast-error
-  if [[ $bench_device == cuda ]] &&
-    ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    record "$name" SKIP "no CUDA device"
-    return
-  fi
-  no_time "$name" "$fast_min" SKIP && return 0
+  local name=fast-error ready=0
+  bench_ready "$name" "$fast_min" extension || ready=$?
+  ((ready == 0)) || return $((ready == 1))
   local rc=0 limit
   limit=$(budget)
   echo "+ [timeout $limit s] bench/fast_mode_error.py --device $bench_device ${fast_args[*]}" >"$out/$name.log"
