@@ -69,6 +69,7 @@ void Preconditioner::check_schedules_agree() const {
 
 void Preconditioner::step() {
   follow_parameters();
+  refuse_repeated_step();
   check_schedules_agree();
   if (auto_ && auto_->choice_pending()) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
@@ -80,6 +81,7 @@ void Preconditioner::step() {
     auto preconditioned = precondition(fates);
     const double scale = guard_and_clip(fates, preconditioned);
     apply(fates, preconditioned, scale);
+    remember_written_gradients(fates);
   } catch (const c10::OutOfMemoryError& e) {
     forget_failed_step();
     const std::string layer = phase_layer_ >= 0 ? " of layer " + names_.layer(layers_[phase_layer_], phase_layer_) : "";
@@ -96,6 +98,31 @@ void Preconditioner::step() {
   ++steps_;
   if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
   arm_capture();
+}
+
+void Preconditioner::refuse_repeated_step() const {
+  // Every rank runs the same loop, so every rank refuses alike: no collective is left waiting.
+  bool any = false;
+  for (size_t i = 0; i < written_.size() && i < layers_.size(); ++i) {
+    if (!written_[i]) continue;  // step() wrote no gradient for it
+    const auto& [weak, version] = *written_[i];
+    const auto& grad = layers_[i].weight().grad();
+    // Set to None since (zero_grad), another tensor, or written to (backward, an allreduce): a new gradient.
+    if (!grad.defined() || weak.lock().get() != grad.unsafeGetTensorImpl() || grad._version() != version) return;
+    any = true;
+  }
+  TORCH_CHECK(!any, "step() called again on the gradients the last step() (step ", steps_ - 1,
+              ") preconditioned: no backward pass wrote them since, and a second step() would precondition them "
+              "twice. Call step() once after each backward pass (after all accumulation micro-batches)");
+}
+
+void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fates) {
+  written_.assign(layers_.size(), std::nullopt);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& grad = layers_[i].weight().grad();
+    if (fates[i] == LayerFate::kPlainGradient || !grad.defined()) continue;
+    written_[i] = std::pair{WeakTensor(grad.getIntrusivePtr()), grad._version()};
+  }
 }
 
 void Preconditioner::discard_step() {
@@ -170,9 +197,15 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       }
       continue;
     }
-    const std::string what = !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
-                             : captured == 0                    ? "did not run forward/backward in training mode"
-                                                                : "has no gradient";
+    const std::string what =
+        !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+        : captured == 0 && layer.has_gradient()
+            ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
+              "update: its weight was used without calling the module (a functional use, as "
+              "torch.nn.MultiheadAttention does with its out_proj), or the module ran outside training mode or "
+              "gradient recording"
+        : captured == 0 ? "did not run forward/backward in training mode"
+                        : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
                 what, " before step() at step ", steps_,
                 "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "

@@ -96,7 +96,9 @@ class Preconditioner {
 
   /// One K-FAC step: update factors (factor steps) -> second order (inverse steps) -> precondition
   /// -> KL clip -> write gradients. Then arms capture for the next step. With several ranks it first checks
-  /// that every rank's schedules give the same values at this step (check_schedules_agree).
+  /// that every rank's schedules give the same values at this step (check_schedules_agree). A step() that
+  /// finds every gradient it wrote last time unchanged (no backward pass, accumulation or gradient allreduce
+  /// since) is refused: it would precondition the same gradients twice.
   void step();
 
   /// Drops the current step without touching gradients, factors or the step counter, for a training loop
@@ -224,6 +226,10 @@ class Preconditioner {
   /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
   /// builds the next factors from the next batches alone, and arms capture for the same step again.
   void forget_failed_step();
+  /// Refuses a step() whose gradients are all the ones the last step() wrote, untouched since.
+  void refuse_repeated_step() const;
+  /// Remembers each gradient apply() wrote (weakly: a gradient set to None may go) and its version.
+  void remember_written_gradients(const std::vector<LayerFate>& fates);
   /// unused_layer_policy skip on several ranks: the ranks agree at every step which layers all can use.
   bool agrees_on_unused_layers() const;
   /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
@@ -270,6 +276,9 @@ class Preconditioner {
   int64_t phase_layer_ = -1;
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
+  using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  // remember_written_gradients: each layer's gradient and its version, where step() wrote one
+  std::vector<std::optional<std::pair<WeakTensor, int64_t>>> written_;
   std::set<std::pair<std::string, std::string>> warned_;
   std::shared_ptr<strategy::StepExecutor> executor_;  // never nullptr
   std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)

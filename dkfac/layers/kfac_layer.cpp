@@ -320,7 +320,10 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     const auto it = state.find(key);
     if (it == state.end() || !it->second.defined()) return torch::Tensor();
     const auto* entry = layer_state_entry(key);
-    return it->second.to(binding_.weight.device(), entry->factor ? factor_type : stored_type);
+    // A copy even where device and dtype match: the caller's tensors (a state dict it may fill again) are never
+    // the live state.
+    return it->second.to(binding_.weight.device(), entry->factor ? factor_type : stored_type, /*non_blocking=*/false,
+                         /*copy=*/true);
   };
   for (const auto& [key, tensor] : state) {
     const auto* entry = layer_state_entry(key);

@@ -63,6 +63,36 @@ def _release(hooks: list, modules: list, owner: weakref.ref) -> None:
             del _PRECONDITIONED[module]
 
 
+class _CaptureHook:
+    """A registered layer's forward hook: feeds the layer's capture its input, and its output gradient through a
+    tensor hook. It captures for the one module object it was registered on: a copy of the model (copy.deepcopy,
+    an EMA or swa_utils.AveragedModel copy, a pickled and loaded model) carries the hook along with the module's
+    other attributes, and must neither feed this preconditioner's factors nor fail to copy. A copied or
+    unpickled hook is inert (it captures nothing); the copy trains with its plain gradients, or with a
+    preconditioner of its own. It holds the capture and a weak reference to its module, not the preconditioner:
+    no reference cycle through the model."""
+
+    def __init__(self, module: torch.nn.Module | None, capture: Any) -> None:
+        self._module = weakref.ref(module) if module is not None else None
+        self._capture = capture
+
+    def __call__(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        capture = self._capture
+        if capture is None or self._module is None or self._module() is not module:
+            return
+        if not capture.enabled or not module.training or not torch.is_grad_enabled():
+            return
+        capture.capture_input(inputs[0])
+        if output.requires_grad:
+            output.register_hook(capture.capture_output_grad)
+
+    def __deepcopy__(self, memo: dict) -> _CaptureHook:
+        return _CaptureHook(None, None)
+
+    def __reduce__(self) -> tuple:
+        return (_CaptureHook, (None, None))
+
+
 class _CoreWarnings:
     """Re-raises the C++ core's warnings (TORCH_WARN) of the calls made inside the block with
     ``warnings.warn``, attributed to the user's line, once the core has returned (it runs with the GIL
@@ -317,7 +347,7 @@ class BaseKFACPreconditioner:
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
         hooks = []
         for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
-            hooks.append(module.register_forward_hook(self._forward_hook(capture)))
+            hooks.append(module.register_forward_hook(_CaptureHook(module, capture)))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, list(self._layers), owner)
@@ -367,17 +397,6 @@ class BaseKFACPreconditioner:
         seconds = timeout if timeout is not None else dist.default_pg_timeout.total_seconds()
         return _C.communicator(group, store, prefix, float(seconds))  # group.WORLD is the default group
 
-    @staticmethod
-    def _forward_hook(capture: Any) -> Callable:
-        # Holds the capture only (not the preconditioner): no reference cycle through the model.
-        def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            if not capture.enabled or not module.training or not torch.is_grad_enabled():
-                return
-            capture.capture_input(inputs[0])
-            if output.requires_grad:
-                output.register_hook(capture.capture_output_grad)
-
-        return hook
 
     # --- hyper-parameters, as kfac_pytorch exposes them -------------------------------------------------
     def _value(self, name: str) -> Any:
@@ -524,6 +543,10 @@ class BaseKFACPreconditioner:
         - ``gathered=True`` (collective: every rank calls it, e.g. before rank 0 saves): every layer's factors
           and second-order state, the same on every rank, whatever the strategy. It loads exactly on any world
           size and strategy: each rank keeps the part its plan gives it.
+
+        Its tensors are copies of the live state, on its device (at most ``memory_usage()['total']`` bytes more
+        while the dict lives): ``dcp.load`` fills them in place, and nothing the preconditioner uses changes until
+        ``load_state_dict()`` has checked all of it. A refused or failed load leaves the live state as it was.
         """
         state: dict[str, Any] = {'steps': self.steps}
         for name in _SCHEDULED:
@@ -543,7 +566,9 @@ class BaseKFACPreconditioner:
         for name, have, want in zip(self._names, layer_states, wanted):
             # An entry the plan places here but not computed yet (before the first step) is written as its
             # blank, so that a reader filling tensors in place finds every entry it asks for; `held` says so.
-            entries = {key: have[key] if key in have else blank.zero_() for key, blank in want.items()}
+            # Copies, never the live state: torch.distributed.checkpoint.load writes a checkpoint into these
+            # tensors before load_state_dict() checks it, and a refused or failed load must change nothing.
+            entries = {key: have[key].detach().clone() if key in have else blank.zero_() for key, blank in want.items()}
             held[name] = {key: key in have for key in entries}
             layers[name] = {side: entries[key] for key, side in _FACTOR_KEYS.items() if key in entries}
             second_order[name] = {key: t for key, t in entries.items() if key not in _FACTOR_KEYS}

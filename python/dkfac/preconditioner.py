@@ -123,8 +123,22 @@ def _layer_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _plain_gradient_reason(module: torch.nn.Module) -> str:
-    """Why ``module`` cannot be preconditioned even though its kind can ('' when it can): a sparse Embedding."""
+def _never_called(model: torch.nn.Module) -> set[int]:
+    """ids of the Linear modules ``model`` registers but never calls as modules: ``torch.nn.MultiheadAttention``
+    (inside ``nn.TransformerEncoderLayer`` and ``DecoderLayer`` too) applies its ``out_proj``'s weight and bias
+    through ``F.multi_head_attention_forward``, so no module hook ever sees that layer's input."""
+    return {id(m.out_proj) for m in model.modules()
+            if isinstance(m, torch.nn.MultiheadAttention) and isinstance(getattr(m, 'out_proj', None), torch.nn.Module)}
+
+
+def _plain_gradient_reason(module: torch.nn.Module, never_called: set[int] | frozenset[int] = frozenset()) -> str:
+    """Why ``module`` cannot be preconditioned even though its kind can ('' when it can): a sparse Embedding, a
+    MultiheadAttention's out_proj (``_never_called``)."""
+    if id(module) in never_called:
+        return ("torch.nn.MultiheadAttention's out_proj: MultiheadAttention applies its weight inside "
+                'F.multi_head_attention_forward and never calls it as a module, so no hook can capture its input '
+                "(its in_proj_weight is no layer either); use a module of separate Linear projections to precondition "
+                'attention')
     if isinstance(module, torch.nn.Embedding) and module.sparse:
         return ('a sparse Embedding (sparse=True): K-FAC preconditions dense gradients; build it with sparse=False '
                 'to precondition it')
@@ -346,13 +360,14 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 if parameter is not None:
                     owners.setdefault(id(parameter), []).append(name)
         modules, candidates = [], []
+        never_called = _never_called(model)
         for name, module in model.named_modules():
             kind = _layer_kind(module)
             if kind is None:
                 continue
             trainable = all(p.requires_grad for p in module.parameters())
             candidates.append((name, type(module).__name__, kind, trainable, getattr(module, 'groups', 1),
-                               _plain_gradient_reason(module), _tied_to(name, module, owners)))
+                               _plain_gradient_reason(module, never_called), _tied_to(name, module, owners)))
             modules.append(module)
         with _CoreWarnings():
             chosen, reasons = _C.choose_layers(candidates, self.skip_layers, type(model).__name__)
