@@ -55,36 +55,99 @@ def _stacklevel_outside_dkfac() -> int:
 _PRECONDITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _release(hooks: list, modules: list, owner: weakref.ref) -> None:
+def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: weakref.ref) -> None:
+    for handle in handles:
+        handle.remove()
     for hook in hooks:
-        hook.remove()
+        hook.release()
     for module in modules:
         if _PRECONDITIONED.get(module) is owner:
             del _PRECONDITIONED[module]
 
 
+# --- capture under torch.compile ------------------------------------------------------------------------------
+# Dynamo cannot trace a call into the C++ capture, and a graph break inside a module hook made it give up on the
+# whole forward: a hooked model compiled nothing. Traced, the hooks call two custom operators instead, which
+# Dynamo records into the graph like any other and which run the capture when the compiled code runs. Neither
+# may be removed as dead code, nor run twice: the input's operator declares that it writes a counter of its own
+# (`passes`), which keeps it in the forward graph only (marked side-effectful instead, AOTAutograd's partitioner
+# also copied it into the backward graph, where its input is saved anyway: every A captured twice); the gradient's
+# is marked side-effectful and can only be in the backward graph. They find their capture by a number
+# (_CAPTURES), and check at run time whether it captures this step, so that one graph serves factor and
+# non-factor steps alike. Eager passes call the capture directly.
+_CAPTURES: dict[int, Any] = {}
+_capture_keys = itertools.count()
+
+
+@torch.library.custom_op('dkfac::capture_input', mutates_args=('passes',))
+def _capture_input_op(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
+    capture = _CAPTURES.get(key)
+    if capture is not None and capture.enabled:
+        capture.capture_input(x)
+        passes.add_(1)
+
+
+@_capture_input_op.register_fake
+def _(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
+    return None
+
+
+@torch.library.custom_op('dkfac::capture_output_grad', mutates_args=())
+def _capture_output_grad_op(grad: torch.Tensor, key: int) -> None:
+    capture = _CAPTURES.get(key)
+    if capture is not None and capture.enabled:
+        capture.capture_output_grad(grad)
+
+
+@_capture_output_grad_op.register_fake
+def _(grad: torch.Tensor, key: int) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.dkfac.capture_output_grad.default)
+
+
 class _CaptureHook:
     """A registered layer's forward hook: feeds the layer's capture its input, and its output gradient through a
-    tensor hook. It captures for the one module object it was registered on: a copy of the model (copy.deepcopy,
-    an EMA or swa_utils.AveragedModel copy, a pickled and loaded model) carries the hook along with the module's
-    other attributes, and must neither feed this preconditioner's factors nor fail to copy. A copied or
-    unpickled hook is inert (it captures nothing); the copy trains with its plain gradients, or with a
-    preconditioner of its own. It holds the capture and a weak reference to its module, not the preconditioner:
-    no reference cycle through the model."""
+    tensor hook (under torch.compile, through the custom operators above).
+
+    It captures for the one module object it was registered on: a copy of the model (copy.deepcopy, an EMA or
+    swa_utils.AveragedModel copy, a pickled and loaded model) carries the hook along with the module's other
+    attributes, and must neither feed this preconditioner's factors nor fail to copy. A copied or unpickled hook
+    is inert (it captures nothing); the copy trains with its plain gradients, or with a preconditioner of its own.
+    It holds the capture and a weak reference to its module, not the preconditioner: no reference cycle through
+    the model."""
 
     def __init__(self, module: torch.nn.Module | None, capture: Any) -> None:
         self._module = weakref.ref(module) if module is not None else None
         self._capture = capture
+        self.key = next(_capture_keys)
+        self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
+        if capture is not None:
+            _CAPTURES[self.key] = capture
 
     def __call__(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         capture = self._capture
         if capture is None or self._module is None or self._module() is not module:
             return
-        if not capture.enabled or not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():
+            key = self.key
+            torch.ops.dkfac.capture_input(inputs[0], self.passes, key)
+            if output.requires_grad:
+                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(grad, key))
+            return
+        if not capture.enabled:
             return
         capture.capture_input(inputs[0])
         if output.requires_grad:
             output.register_hook(capture.capture_output_grad)
+
+    def release(self) -> None:
+        """Forgets the capture (the preconditioner went): a compiled graph that still calls it does nothing."""
+        _CAPTURES.pop(self.key, None)
+        self._capture = None
 
     def __deepcopy__(self, memo: dict) -> _CaptureHook:
         return _CaptureHook(None, None)
@@ -345,12 +408,13 @@ class BaseKFACPreconditioner:
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
-        hooks = []
+        hooks, capture_hooks = [], []
         for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
-            hooks.append(module.register_forward_hook(_CaptureHook(module, capture)))
+            capture_hooks.append(_CaptureHook(module, capture))
+            hooks.append(module.register_forward_hook(capture_hooks[-1]))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
-        weakref.finalize(self, _release, hooks, list(self._layers), owner)
+        weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
 
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:

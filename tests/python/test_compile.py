@@ -1,6 +1,8 @@
-"""torch.compile: a compiled model trains with K-FAC to the eager model's losses. The capture hooks call into the
-C++ core, which Dynamo does not trace: on factor-update steps each K-FAC layer's hook is a graph break (counted
-here); on the other steps the hooks return before it and the graph is whole."""
+"""torch.compile: a model dkfac hooks compiles the graphs it compiles without K-FAC, one forward and one backward
+graph for factor and non-factor steps alike, with no graph break; its capture runs inside them (two custom
+operators per layer, dkfac::capture_input in the forward graph and dkfac::capture_output_grad in the backward
+graph, each once), and it trains to the eager model's K-FAC gradients. (The hooks used to call the C++ capture
+directly: Dynamo gave up on the whole forward, and a hooked model compiled nothing.)"""
 
 from __future__ import annotations
 
@@ -12,36 +14,117 @@ import dkfac
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
 
 
-def losses(model: torch.nn.Module, *, compiled: str | None, kfac: bool, steps: int = 4) -> list[float]:
-    preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=2) if kfac else None
+def train(model: torch.nn.Module, *, compiled: object | None, kfac: bool, steps: int = 6):
+    """Losses and the gradients each step() left, over `steps` steps (factor steps every 2, inverse every 4)."""
+    preconditioner = (dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=2, inv_update_steps=4)
+                      if kfac else None)
     run = torch.compile(model, backend=compiled) if compiled else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
+    losses, grads = [], []
     for step in range(steps):
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
         loss = run(x).pow(2).mean()
         loss.backward()
         if preconditioner is not None:
             preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad()
-        out.append(loss.item())
-    return out
+        losses.append(loss.item())
+    return losses, grads
+
+
+class Recorder:
+    """An aot_eager backend that keeps every forward and backward graph AOTAutograd compiles."""
+
+    def __init__(self) -> None:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs: dict[str, list[torch.fx.GraphModule]] = {'forward': [], 'backward': []}
+
+        def keep(kind: str):
+            def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+                self.graphs[kind].append(gm)
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep('forward'), bw_compiler=keep('backward'))
+
+    def calls(self, kind: str, name: str) -> int:
+        """How many nodes of `kind`'s graphs call `name` (directly, or functionalized)."""
+        count = 0
+        for gm in self.graphs[kind]:
+            for node in gm.graph.nodes:
+                if node.op == 'call_function' and (name in str(node.target) or
+                                                   any(name in str(a) for a in node.args if callable(a))):
+                    count += 1
+        return count
+
+    def operators(self, kind: str) -> list[str]:
+        """The operators `kind`'s graphs call, in order, the captures' own left out."""
+        return [str(node.target) for gm in self.graphs[kind] for node in gm.graph.nodes
+                if node.op == 'call_function' and 'dkfac' not in str(node.target) and
+                not any('dkfac' in str(a) for a in node.args if callable(a)) and 'getitem' not in str(node.target)]
+
+
+def test_a_hooked_model_compiles_the_graphs_it_compiles_without_kfac():
+    from torch._dynamo.utils import counters
+
+    results = {}
+    for kfac in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        recorder = Recorder()
+        train(make_model(), compiled=recorder.backend, kfac=kfac)
+        results[kfac] = recorder
+        assert sum(counters['graph_break'].values()) == 0, dict(counters['graph_break'])
+        # One graph each way for all six steps: factor steps (0, 2, 4) and the others share it, no recompile.
+        assert len(recorder.graphs['forward']) == 1 and len(recorder.graphs['backward']) == 1, recorder.graphs
+        assert counters['stats']['unique_graphs'] == 1
+    plain, hooked = results[False], results[True]
+    assert hooked.calls('forward', 'capture_input') == 3  # one per Linear layer, in the forward graph only
+    assert hooked.calls('backward', 'capture_input') == 0
+    assert hooked.calls('backward', 'capture_output_grad') == 3
+    assert hooked.calls('forward', 'capture_output_grad') == 0
+    assert plain.calls('forward', 'capture_input') == 0
+    # The model's own operators are the same with and without K-FAC, but for one view of each layer's output
+    # (the gradient hook's tensor; a view copies nothing).
+    assert hooked.operators('backward') == plain.operators('backward')
+    extra = list(hooked.operators('forward'))
+    for operator in plain.operators('forward'):
+        extra.remove(operator)
+    assert extra == ['aten.view.default'] * 3, extra
 
 
 @pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
-def test_a_compiled_model_trains_to_the_eager_models_losses(backend):
-    from torch._dynamo.utils import counters
-
+def test_a_compiled_model_trains_to_the_eager_models_kfac_gradients(backend):
     torch._dynamo.reset()
-    counters.clear()
-    eager = losses(make_model(), compiled=None, kfac=True)
-    compiled = losses(make_model(), compiled=backend, kfac=True)
-    assert compiled == pytest.approx(eager, rel=1e-6, abs=1e-9)
-    assert eager[1:] != pytest.approx(losses(make_model(), compiled=None, kfac=False)[1:], rel=1e-6), \
+    eager_losses, eager = train(make_model(), compiled=None, kfac=True)
+    compiled_losses, compiled = train(make_model(), compiled=backend, kfac=True)
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-8)
+    for step, (got, expected) in enumerate(zip(compiled, eager)):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f'step {step}')
+    _, plain = train(make_model(), compiled=None, kfac=False)
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in zip(eager[1], plain[1])), \
         'K-FAC changed nothing: the comparison could not fail'
-    breaks = sum(n for reason, n in counters['graph_break'].items() if 'capture_input' in reason)
-    assert breaks >= 1, dict(counters['graph_break'])
+
+
+def test_a_compiled_model_captures_each_pass_once():
+    """Each compiled forward and backward feeds each layer's capture once (a second capture of A, from a copy of
+    the operator in the backward graph, would show as two passes, and warn)."""
+    torch._dynamo.reset()
+    model = make_model()
+    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1)
+    run = torch.compile(model, backend='aot_eager')
+    run(torch.randn(32, 8)).pow(2).mean().backward()
+    assert [(c.a_count, c.g_count) for c in preconditioner._captures] == [(1, 1)] * 3
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        preconditioner.step()

@@ -21,17 +21,20 @@ def tiny_mlp() -> torch.nn.Module:
 
 
 class Attention(torch.nn.Module):
-    """torch.nn.MultiheadAttention, whose out_proj is a NonDynamicallyQuantizableLinear that its forward
-    uses through the weight (the out_proj module itself does not run)."""
+    """A projection of torch's NonDynamicallyQuantizableLinear class (torch.nn.MultiheadAttention's out_proj) that
+    the forward uses through its weight, as MultiheadAttention does: the out_proj module itself does not run.
+    (A MultiheadAttention's own out_proj is set aside at construction: test_reliability.py.)"""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.attn = torch.nn.MultiheadAttention(8, 2)
+        self.attn = torch.nn.Module()
+        self.attn.out_proj = torch.nn.modules.linear.NonDynamicallyQuantizableLinear(8, 8)
         self.head = torch.nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.attn(x, x, x)[0][..., :4])
+        projected = torch.nn.functional.linear(x, self.attn.out_proj.weight, self.attn.out_proj.bias)
+        return self.head(projected[..., :4])
 
 
 def nan_step(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner) -> None:
@@ -158,15 +161,15 @@ def test_messages_name_the_modules_own_class():
                                          'wider than large_factor_dim=8'):
         p = dkfac.KFACPreconditioner(model, large_factor_dim=8)
     model(torch.randn(3, 2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"K-FAC layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\) did not "
-                                           'run forward/backward'):
+    with pytest.raises(RuntimeError, match=r"K-FAC layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\) has a "
+                                           "gradient, but its module's hooks saw no forward and backward pass"):
         p.step()
 
     model = Attention()
     p = dkfac.KFACPreconditioner(model, unused_layer_policy='skip')
     model(torch.randn(3, 2, 8)).sum().backward()
-    with pytest.warns(UserWarning, match=r"layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\), step 0: did "
-                                         'not run forward/backward'):
+    with pytest.warns(UserWarning, match=r"layer 'attn\.out_proj' \(NonDynamicallyQuantizableLinear\), step 0: has a "
+                                         'gradient, but its module'):
         p.step()
 
 

@@ -258,9 +258,11 @@ INSTANTIATE_TEST_SUITE_P(Grid, KaisaEquivalence,
                          name);
 
 // KAISA's factor allreduce from the capture hooks, bucketed (Options::update_factors_in_hook, the default),
-// against the same job reducing every factor inside step(): bit for bit at 2 ranks (a sum of two values does
-// not depend on order), within round-off at 4 (Gloo's ring sums bucket elements in another order). The
-// number of factor collectives per factor step is the number of buckets.
+// against the same job reducing every factor inside step(): within 1e-12 at 2 ranks (a sum of two values does
+// not depend on order, and every run here is bit for bit, but one CI run on 2026-11-27 was not, at rank 0's
+// first step: the two ranks' BLAS and LAPACK calls run concurrently in one process, and their bits are not
+// promised), within round-off at 4 (Gloo's ring sums bucket elements in another order). The number of factor
+// collectives per factor step is the number of buckets.
 using HookParam = std::tuple<int, int, double>;  // world, fraction index, bucket cap in MiB
 class KaisaInHook : public ::testing::TestWithParam<HookParam> {};
 
@@ -282,11 +284,8 @@ TEST_P(KaisaInHook, EqualsReductionInStep) {
   for (int rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < kSteps; ++step) {
       for (size_t p = 0; p < expected[rank][step].size(); ++p) {
-        if (world == 2) {
-          EXPECT_TRUE(torch::equal(got[rank][step][p], expected[rank][step][p])) << "rank " << rank << " step " << step;
-        } else {
-          EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], 1e-9) << "rank " << rank << " step " << step;
-        }
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], world == 2 ? 1e-12 : 1e-9)
+            << "rank " << rank << " step " << step << " parameter " << p;  // the relative error is printed
       }
     }
     EXPECT_EQ(hook_traffic[rank]["factors"].bytes, step_traffic[rank]["factors"].bytes) << "same payload";
