@@ -202,8 +202,9 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
         : captured == 0 && layer.has_gradient()
             ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
               "update: its weight was used without calling the module (a functional use, as "
-              "torch.nn.MultiheadAttention does with its out_proj), or the module ran outside training mode or "
-              "gradient recording"
+              "torch.nn.MultiheadAttention does with its out_proj), the module ran outside training mode or "
+              "gradient recording, or a torch.compile graph traced before the hooks were added ran it (Dynamo does "
+              "not guard on module hooks by default: build the preconditioner before the first compiled call)"
         : captured == 0 ? "did not run forward/backward in training mode"
                         : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
