@@ -17,6 +17,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
+from collections.abc import Iterator
 from types import FrameType
 from types import TracebackType
 from typing import Any
@@ -509,35 +510,50 @@ class BaseKFACPreconditioner:
         """
         self._follow_parameters()
         with torch.no_grad():
-            works = []
-            for index, sharded in enumerate(self._sharded):
-                if self._owners[index] is not None:
-                    works += self._owners[index].start_gather(*self._bound[index])
-                elif sharded is not None:
-                    sharded.gather(*self._bound[index])
-            for work in works:
-                work.wait()
-            for owner in self._owners:
-                if owner is not None:
-                    owner.finish_gather()
-            try:
-                with _CoreWarnings():
-                    self._core.step()
-            finally:
+            with self._naming_lost_ranks('gathering the sharded layers\' gradients'):
                 works = []
                 for index, sharded in enumerate(self._sharded):
                     if self._owners[index] is not None:
-                        works += self._owners[index].start_scatter(*self._bound[index])
+                        works += self._owners[index].start_gather(*self._bound[index])
                     elif sharded is not None:
-                        sharded.scatter(*self._bound[index])
+                        sharded.gather(*self._bound[index])
                 for work in works:
                     work.wait()
                 for owner in self._owners:
                     if owner is not None:
-                        owner.finish_scatter()
+                        owner.finish_gather()
+            try:
+                with _CoreWarnings():
+                    self._core.step()
+            finally:
+                with self._naming_lost_ranks('scattering the sharded layers\' preconditioned gradients'):
+                    works = []
+                    for index, sharded in enumerate(self._sharded):
+                        if self._owners[index] is not None:
+                            works += self._owners[index].start_scatter(*self._bound[index])
+                        elif sharded is not None:
+                            sharded.scatter(*self._bound[index])
+                    for work in works:
+                        work.wait()
+                    for owner in self._owners:
+                        if owner is not None:
+                            owner.finish_scatter()
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    @contextlib.contextmanager
+    def _naming_lost_ranks(self, what: str) -> Iterator[None]:
+        """Names the lost rank in the error of a collective torch runs for step() (FSDP2's gathers and scatters of
+        sharded gradients), as dkfac's own collectives' errors do: the communicator's watchdog says which ranks
+        went silent. Where none did, the error is the collective's own."""
+        try:
+            yield
+        except RuntimeError as error:
+            diagnosis = self._communicator.diagnose_failure() if self._communicator is not None else ''
+            if not diagnosis:
+                raise
+            raise RuntimeError(f'dkfac step(): {what} failed (lost {diagnosis}): {error}') from error
 
     def _follow_parameters(self) -> None:
         """Re-binds the core to each module's current parameters where they were replaced since the last step:

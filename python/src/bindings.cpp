@@ -298,6 +298,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def("stop_watchdog", &comm::Communicator::stop_watchdog, py::call_guard<py::gil_scoped_release>())
+      .def("diagnose_failure", &comm::Communicator::diagnose_failure, py::call_guard<py::gil_scoped_release>())
       .def("silent_ranks",
            [](const comm::Communicator& c, double seconds) {
              return c.silent_ranks(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));

@@ -580,6 +580,21 @@ def test_a_rank_that_dies_mid_step_is_named_by_the_survivor(tmp_path):
     assert elapsed < 30, f'took {elapsed:.1f} s'
 
 
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_a_rank_that_dies_under_fsdp2_is_named_by_the_survivor(tmp_path, placement):
+    """Under FSDP2 the survivor's first collective in step() is torch's (the sharded gradients' gather): it failed
+    with a bare Gloo error ("Connection reset by peer"). Its error now names the lost rank as under DDP."""
+    start = time.monotonic()
+    procs = start_workers(2, dict(COMMON, shard='fsdp', sharded_placement=placement, die_at={'1': 2}), tmp_path)
+    outputs = outputs_of(procs, 60)
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == 9
+    assert procs[0].returncode != 0
+    assert re.search(r'gathering the sharded layers\' gradients failed \(lost rank 1 \(no heartbeat for [0-9.]+ s\)',
+                     outputs[0]), outputs[0]
+    assert elapsed < 40, f'took {elapsed:.1f} s'
+
+
 def test_owner_placement_leaves_a_layer_no_rank_ran_to_the_unused_layer_policy(tmp_path):
     """Under FSDP2 a layer that no rank ran has no gradient on any rank: owner placement moves nothing for it, the
     core keeps its plain (absent) gradient under unused_layer_policy='skip', and the job equals the replicated
