@@ -122,8 +122,8 @@ TEST(OptionTable, DescribeAndGetShowEveryOption) {
 // The README's option table lists every option with its default and, where it has them, its flag and
 // kfac_pytorch keyword, as option_table() declares them.
 TEST(OptionTable, ReadmeTableIsTheDeclaration) {
-  std::ifstream in(std::string(DKFAC_SOURCE_DIR) + "/README.md");
-  ASSERT_TRUE(in) << "README.md not found";
+  std::ifstream in(std::string(DKFAC_SOURCE_DIR) + "/docs/OPTIONS.md");
+  ASSERT_TRUE(in) << "docs/OPTIONS.md not found";
   std::stringstream text;
   text << in.rdbuf();
   const std::string readme = text.str();
