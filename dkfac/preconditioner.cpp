@@ -68,6 +68,7 @@ void Preconditioner::check_schedules_agree() const {
 
 
 void Preconditioner::step() {
+  settle_pending_guard();  // the last step's warnings and counts, before this step's
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
@@ -79,8 +80,8 @@ void Preconditioner::step() {
     if (factor_step) update_factors(fates);
     if (is_inverse_step(steps_)) compute_second_order(fates);
     auto preconditioned = precondition(fates);
-    const double scale = guard_and_clip(fates, preconditioned);
-    apply(fates, preconditioned, scale);
+    const auto report = guard_and_clip(fates, preconditioned);
+    apply(fates, preconditioned, report);
     remember_written_gradients(fates);
   } catch (const c10::OutOfMemoryError& e) {
     forget_failed_step();
@@ -378,18 +379,36 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   return preconditioned;
 }
 
-double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned) {
+Preconditioner::GuardVerdict Preconditioner::guard_verdict(const double* row) {
+  if (row[GuardReport::kReported] < 1.0) return GuardVerdict::kNotPreconditioned;  // an owner could not (and said why)
+  if (row[GuardReport::kFolded] < 1.0) return GuardVerdict::kFactorsNotFinite;
+  if (row[GuardReport::kFinite] < 1.0) return GuardVerdict::kGradientNotFinite;
+  return GuardVerdict::kPrecondition;
+}
+
+torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip, double lr) {
+  const auto one = torch::ones({}, report.rows.options());
+  if (kl_clip <= 0.0) return one;
+  // math::kl_clip_scale on the device: 1 where the sum is 0. An unusable row's sum may be NaN: selected out, not
+  // multiplied by 0 (NaN * 0 is NaN).
+  const auto vgs = report.rows.select(1, GuardReport::kVg);
+  const auto vg = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum() * (lr * lr);
+  return torch::where(vg == 0, one, torch::clamp_max(torch::sqrt(kl_clip / vg.abs()), 1.0));
+}
+
+Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
+                                                           const std::vector<torch::Tensor>& preconditioned) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   at("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
   const double kl_clip = options_.kl_clip_at(steps_);
-  // Per layer: reported, V finite, the factors' fold (1 when none), sum(V * grad): one transfer to the host.
-  // Owner placement: a layer's V is on its owners only (one per row); each owner reports its values, and every
-  // rank learns their mean from one sum over the world (StepExecutor::sum_owner_reports): a flag is 1 only where
-  // every owner's is, so that all ranks take the same decisions and scale.
+  GuardReport report;
+  report.step = steps_;
+  report.kl_clip = kl_clip;
+  report.lr = options_.lr_at(steps_);
+  // Owner placement: a layer's V is on its owners only (one per row); every rank has a row for it (zeros where
+  // it is no owner), which agree_on_reports makes the owners' mean everywhere.
   std::vector<torch::Tensor> rows;
-  std::vector<size_t> checked;
-  std::vector<int64_t> owned;  // positions in `rows` of the owner-placed layers
   const auto one = torch::ones({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& v = preconditioned[i];
@@ -397,71 +416,87 @@ double Preconditioner::guard_and_clip(std::vector<LayerFate>& fates, const std::
     const bool reported = fates[i] == LayerFate::kPreconditioned && v.defined() && (!placed || executor_->preconditions(i));
     if (!reported) {
       fates[i] = LayerFate::kPlainGradient;
-      if (!placed) continue;  // an owner-placed layer's row takes part in the sum all the same, as zeros
-    }
-    if (placed) owned.push_back(static_cast<int64_t>(rows.size()));
-    if (reported) {
+      if (!placed) continue;
+      rows.push_back(torch::zeros({GuardReport::kColumns}, one.options()));
+    } else {
       auto finite = torch::isfinite(v).all().to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
       auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
       rows.push_back(torch::stack({one, finite, folded, vg}));
-    } else {
-      rows.push_back(torch::zeros({4}, one.options()));
     }
-    checked.push_back(i);
-  }
-  auto values = rows.empty() ? torch::Tensor() : torch::stack(rows).to(torch::kCPU).contiguous();
-  if (!owned.empty()) {
-    const auto index = torch::tensor(owned, torch::kInt64);
-    auto reports = values.index_select(0, index);
-    clock_.collective(KfacPhase::kApply, [&] { executor_->sum_owner_reports(reports); });
-    reports = reports.to(torch::kCPU);
-    for (size_t k = 0; k < owned.size(); ++k) {
-      const auto owners = static_cast<double>(executor_->owners(checked[static_cast<size_t>(owned[k])]));
-      reports[static_cast<int64_t>(k)].div_(owners);  // each owner's V: the same sum(V * grad)
-    }
-    values.index_copy_(0, index, reports);
-  }
-  double vg_sum = 0.0;
-  for (size_t k = 0; k < checked.size(); ++k) {
-    const size_t i = checked[k];
-    const double* row = values.data_ptr<double>() + 4 * k;  // reported, finite, folded, sum(V * grad)
-    // An owner-placed layer is written by its owners alone; the front end scatters their rows.
-    const bool writes = !executor_->owner_rows(i) || executor_->preconditions(i);
-    if (row[0] < 1.0) {  // an owner could not precondition it (and said why)
-      fates[i] = LayerFate::kPlainGradient;
-      continue;
-    } else if (row[2] < 1.0) {
-      warn_factor_fallback(i);
-      fates[i] = LayerFate::kPlainGradient;
-      continue;
-    } else if (row[1] < 1.0) {
-      warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain "
-                               "gradient for this step");
-    } else {
-      vg_sum += row[3];
-      fates[i] = writes ? LayerFate::kPreconditioned : LayerFate::kPlainGradient;
-      continue;
-    }
-    fates[i] = LayerFate::kPlainGradient;
-    ++events_.fallbacks;
+    report.layers.push_back(i);
   }
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
-  if (kl_clip <= 0.0) return 1.0;
-  const double lr = options_.lr_at(steps_);
-  return math::kl_clip_scale(vg_sum * lr * lr, kl_clip);
+  report.rows = rows.empty() ? torch::zeros({0, GuardReport::kColumns}, one.options()) : torch::stack(rows);
+  if (std::any_of(report.layers.begin(), report.layers.end(), [&](size_t i) { return executor_->owner_rows(i); })) {
+    clock_.collective(KfacPhase::kApply, [&] { executor_->agree_on_reports(report.rows, report.layers); });
+  }
+  report.usable = (report.rows.narrow(1, 0, GuardReport::kVg) >= 1.0).all(1);
+  report.scale = kl_scale(report, kl_clip, report.lr);
+  for (const size_t i : report.layers) {
+    // An owner-placed layer is written by its owners alone; the front end scatters their rows.
+    const bool writes = !executor_->owner_rows(i) || executor_->preconditions(i);
+    if (!writes) fates[i] = LayerFate::kPlainGradient;
+  }
+  if (read_guard_at_once_.value_or(device_.is_cpu())) settle_guard(report, &fates);  // the fates final before apply()
+  return report;
+}
+
+void Preconditioner::settle_guard(GuardReport& report, std::vector<LayerFate>* fates) {
+  const auto rows = report.rows.to(torch::kCPU).contiguous();
+  double vg_sum = 0.0;
+  for (size_t k = 0; k < report.layers.size(); ++k) {
+    const size_t i = report.layers[k];
+    const double* row = rows.data_ptr<double>() + GuardReport::kColumns * static_cast<int64_t>(k);
+    const auto verdict = guard_verdict(row);
+    if (verdict == GuardVerdict::kPrecondition) vg_sum += row[GuardReport::kVg];
+    if (verdict == GuardVerdict::kFactorsNotFinite) {
+      warn_factor_fallback(i, report.step);
+    } else if (verdict == GuardVerdict::kGradientNotFinite) {
+      warn_once(i, "gradient", "gradient or preconditioned gradient contains NaN or Inf; keeping the plain gradient "
+                               "for this step", report.step);
+      ++events_.fallbacks;
+    }
+    if (verdict != GuardVerdict::kPrecondition && fates != nullptr) (*fates)[i] = LayerFate::kPlainGradient;
+  }
+  if (fates == nullptr) {  // after the device applied its scale
+    last_kl_scale_ = report.scale.item<double>();
+    return;
+  }
+  last_kl_scale_ = report.kl_clip > 0.0 ? math::kl_clip_scale(vg_sum * report.lr * report.lr, report.kl_clip) : 1.0;
+  report.scale = torch::Tensor();  // settled: apply() uses the fates and last_kl_scale_
+}
+
+void Preconditioner::settle_pending_guard() {
+  if (!pending_guard_) return;
+  auto report = std::move(*pending_guard_);
+  pending_guard_.reset();
+  settle_guard(report, nullptr);
 }
 
 void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
-                           double scale) {
+                           const GuardReport& report) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   at("writing gradients");
   torch::NoGradGuard no_grad;
-  last_kl_scale_ = scale;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (fates[i] == LayerFate::kPlainGradient) continue;
-    layers_[i].set_gradient(scale == 1.0 ? preconditioned[i] : preconditioned[i] * scale);
+  if (!report.scale.defined()) {  // settled on the host
+    const double scale = last_kl_scale_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (fates[i] == LayerFate::kPlainGradient) continue;
+      layers_[i].set_gradient(scale == 1.0 ? preconditioned[i] : preconditioned[i] * scale);
+    }
+    return;
   }
+  // On the device: each candidate layer keeps its plain gradient where its row says so, without the host
+  // reading the rows; the report is read when first needed (settle_pending_guard).
+  for (size_t k = 0; k < report.layers.size(); ++k) {
+    const size_t i = report.layers[k];
+    if (fates[i] == LayerFate::kPlainGradient) continue;
+    const auto& v = preconditioned[i];
+    const auto scaled = v * report.scale.to(v.scalar_type());
+    layers_[i].set_gradient(torch::where(report.usable[static_cast<int64_t>(k)], scaled, layers_[i].gradient()));
+  }
+  pending_guard_ = report;
 }
 
 void Preconditioner::arm_capture() {
@@ -485,16 +520,17 @@ PhaseTimes Preconditioner::last_step_times() const { return clock_.last_step(); 
 
 PhaseTimes Preconditioner::total_times() const { return clock_.total(); }
 
-void Preconditioner::warn_factor_fallback(size_t index) {
+void Preconditioner::warn_factor_fallback(size_t index, int64_t step) {
   warn_once(index, "factor", "captured factors contain NaN or Inf; factors not updated and the plain gradient is kept "
-                             "for this step");
+                             "for this step", step);
   ++events_.fallbacks;
 }
 
-void Preconditioner::warn_once(size_t index, const std::string& kind, const std::string& message) {
+void Preconditioner::warn_once(size_t index, const std::string& kind, const std::string& message, int64_t step) {
   const auto& layer = layers_[index];
   if (!warned_.emplace(layer.name(), kind).second) return;
-  TORCH_WARN("dkfac: layer ", names_.layer(layer, index), ", step ", steps_, ": ", message, " (warned once per layer)");
+  TORCH_WARN("dkfac: layer ", names_.layer(layer, index), ", step ", step >= 0 ? step : steps_, ": ", message,
+             " (warned once per layer)");
 }
 
 int64_t Preconditioner::memory_bytes() const {

@@ -162,9 +162,23 @@ class Preconditioner {
   PhaseTimes total_times() const;
   /// The device the K-FAC state lives on (the first layer's weight's).
   c10::Device device() const { return device_; }
-  const LayerEvents& events() const { return events_; }
-  /// KL-clip scale nu applied at the last step (1 when clipping is off).
-  double last_kl_scale() const { return last_kl_scale_; }
+  /// Whether step() reads its NaN guard and KL-clip sums on the host before it writes the gradients (true: a
+  /// fallback's warning comes from that step(); the default on a CPU, where reading is free), or writes them on
+  /// the device without waiting, each layer's where(usable, V * nu, grad), and reads them when first needed: at
+  /// the next step(), events() or last_kl_scale() (false: the default on a GPU, where reading would wait for the
+  /// device to finish the step). The gradients are the same either way.
+  void read_guard_at_once(bool at_once) { read_guard_at_once_ = at_once; }
+  /// Fallbacks, skipped layers and failed decompositions so far (on a GPU, reading them waits for the last step's
+  /// guard).
+  const LayerEvents& events() {
+    settle_pending_guard();
+    return events_;
+  }
+  /// KL-clip scale nu applied at the last step (1 when clipping is off; on a GPU, reading it waits for that step).
+  double last_kl_scale() {
+    settle_pending_guard();
+    return last_kl_scale_;
+  }
   /// Bytes of K-FAC state (factors and second-order state) held now.
   int64_t memory_bytes() const;
 
@@ -209,9 +223,36 @@ class Preconditioner {
   /// layer keeps its previous state.
   void keeping_previous_state(size_t index, const std::function<void()>& update);
   std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates);
-  /// The NaN guard and KL clipping with one host synchronisation: marks unusable layers, returns nu.
-  double guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned);
-  void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned, double scale);
+  /// What the NaN guard and KL clipping found, one row per layer they looked at, on the layers' device.
+  struct GuardReport {
+    /// A row's columns: preconditioned here (or by every owner), V finite, its factors folded (1 when none this
+    /// step), sum(V * grad).
+    enum Column : int64_t { kReported, kFinite, kFolded, kVg, kColumns };
+    int64_t step = 0;
+    double kl_clip = 0.0, lr = 0.0;  // this step's
+    std::vector<size_t> layers;      // the layer of each row
+    torch::Tensor rows;          // [layers, kColumns] float64
+    torch::Tensor usable;        // [layers] bool: reported, finite and folded
+    torch::Tensor scale;         // 0-dim float64: the KL-clip scale nu (1 without KL clipping)
+  };
+  /// What the guard does with one layer, from its row.
+  enum class GuardVerdict { kPrecondition, kNotPreconditioned, kFactorsNotFinite, kGradientNotFinite };
+  static GuardVerdict guard_verdict(const double* row);
+  /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 sum(V * grad)|)) over the usable rows, on the device.
+  static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
+  /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
+  /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale. Nothing waits for the device.
+  GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned);
+  /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before apply()
+  /// (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host in row order as
+  /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
+  /// last_kl_scale()), it keeps the scale the device applied.
+  void settle_guard(GuardReport& report, std::vector<LayerFate>* fates);
+  void settle_pending_guard();
+  /// Writes the gradients: from the settled fates and scale, or, with a report still on the device, each
+  /// candidate layer's where(usable, V * nu, grad), without a host synchronisation.
+  void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
+             const GuardReport& report);
   void arm_capture();
   /// What must be the same on every rank, one line per item: the layers (names, kinds, shapes, dtypes) and every
   /// option (a schedule given as a function reads "schedule": its values are not compared).
@@ -254,9 +295,9 @@ class Preconditioner {
   void recheck_strategy();
 
   /// Warns that layer `index`'s captured factors were not finite, and counts the fallback.
-  void warn_factor_fallback(size_t index);
-  /// Warns about layer `index` once per `kind` of problem.
-  void warn_once(size_t index, const std::string& kind, const std::string& message);
+  void warn_factor_fallback(size_t index, int64_t step = -1);
+  /// Warns about layer `index` once per `kind` of problem (at `step`: by default this one).
+  void warn_once(size_t index, const std::string& kind, const std::string& message, int64_t step = -1);
 
   /// Re-binds each layer whose module now holds another weight or bias tensor than the one preconditioned
   /// (`fc->weight = w`, which the module's forward then uses): otherwise step() would keep writing the old
@@ -276,6 +317,8 @@ class Preconditioner {
   int64_t phase_layer_ = -1;
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
+  std::optional<GuardReport> pending_guard_;  // a GPU step's report, read on the host when first needed
+  std::optional<bool> read_guard_at_once_;     // read_guard_at_once(); unset: on a CPU only
   using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   // remember_written_gradients: each layer's gradient and its version, where step() wrote one
   std::vector<std::optional<std::pair<WeakTensor, int64_t>>> written_;

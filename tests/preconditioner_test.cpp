@@ -444,6 +444,53 @@ TEST(Preconditioner, NonFiniteGradientIsNotPreconditioned) {
   EXPECT_TRUE(torch::isfinite(net->fc2->weight.grad()).all().item<bool>());
 }
 
+// The guard read on the device (a GPU's default: step() writes where(usable, V * nu, grad) without waiting, and
+// reads the rows at the next step() or events()) against the host read (a CPU's): the same gradients, to the
+// rounding of nu's sum, through a poisoned factor (step 1), an Inf gradient (step 2) and KL clipping; the same
+// counts and warnings, which name the step they are about.
+TEST(Preconditioner, GuardReadOnTheDeviceEqualsTheHostRead) {
+  auto host_net = make_net();
+  auto device_net = make_net();
+  Preconditioner host(host_net, Options().kl_clip(1e-4));
+  Preconditioner device(device_net, Options().kl_clip(1e-4));
+  device.read_guard_at_once(false);
+  CapturedWarnings warnings;
+  bool clipped = false;
+  for (int64_t step = 0; step < 4; ++step) {
+    for (auto* net : {host_net.get(), device_net.get()}) {
+      zero_grad_and_backward(*net, 800 + step);
+      if (step == 1) {
+        auto poison = torch::full({10, 10}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64);
+        net->fc1->factor_capture().add_a(poison, 0.0);
+      }
+      if (step == 2) net->fc2->weight.mutable_grad()[0][0] = std::numeric_limits<double>::infinity();
+    }
+    const auto plain = gradients(*device_net);
+    host.step();
+    device.step();
+    const auto want = gradients(*host_net);
+    const auto got = gradients(*device_net);
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-13, 0.0, /*equal_nan=*/true)) << "step " << step << " tensor " << i;
+    }
+    if (step == 1) EXPECT_TRUE(torch::equal(got[1], plain[1])) << "the poisoned layer keeps its plain gradient";
+    EXPECT_NEAR(device.last_kl_scale(), host.last_kl_scale(), 1e-13) << "step " << step;
+    clipped = clipped || host.last_kl_scale() < 1.0;
+  }
+  EXPECT_TRUE(clipped) << "KL clipping took part";
+  EXPECT_EQ(device.events().fallbacks, 2);
+  EXPECT_EQ(host.events().fallbacks, 2);
+  int factor_warnings = 0, gradient_warnings = 0;
+  for (const auto& message : warnings.messages) {
+    if (message.find("layer 'fc1' (Linear), step 1: captured factors contain NaN or Inf") != std::string::npos) ++factor_warnings;
+    if (message.find("layer 'fc2' (Linear), step 2: gradient or preconditioned gradient contains NaN") != std::string::npos) {
+      ++gradient_warnings;
+    }
+  }
+  EXPECT_EQ(factor_warnings, 2) << warnings.all();  // one from each preconditioner, both naming step 1
+  EXPECT_EQ(gradient_warnings, 2) << warnings.all();
+}
+
 struct NetWithUnused : TinyNet {
   NetWithUnused() { extra = register_module("extra", nn::Linear(3, 3)); }
   nn::Linear extra{nullptr};

@@ -155,11 +155,25 @@ void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
   comm::wait_all(handles);
 }
 
-void StepExecutor::sum_owner_reports(torch::Tensor& values) {
-  if (!communicator_ || plan_.world_size() == 1) return;
-  auto wire = values.to(communicator_->control_device());
-  communicator_->allreduce_sum(wire, comm::kWorld, comm::Phase::kGradients).wait();
-  values = wire.to(values.device());
+void StepExecutor::agree_on_reports(torch::Tensor& rows, const std::vector<size_t>& layers) {
+  std::vector<int64_t> owned;  // rows of owner-placed layers
+  std::vector<double> owners;
+  for (size_t k = 0; k < layers.size(); ++k) {
+    if (!owner_rows(layers[k])) continue;
+    owned.push_back(static_cast<int64_t>(k));
+    owners.push_back(static_cast<double>(this->owners(layers[k])));
+  }
+  if (owned.empty()) return;
+  const auto index = torch::tensor(owned, torch::kInt64).to(rows.device());
+  auto reports = rows.index_select(0, index);
+  if (communicator_ && plan_.world_size() > 1) {
+    auto wire = reports.to(communicator_->control_device());
+    communicator_->allreduce_sum(wire, comm::kWorld, comm::Phase::kGradients).wait();
+    reports = wire.to(rows.device());
+  }
+  // Each owner's V is the same: its sum(V * grad) once, and a flag 1 only where every owner's is.
+  reports.div_(torch::tensor(owners, rows.options()).unsqueeze(1));
+  rows.index_copy_(0, index, reports);
 }
 
 std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(

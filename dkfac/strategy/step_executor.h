@@ -58,9 +58,11 @@ class StepExecutor {
   bool owner_rows(size_t layer) const { return plan_.flows.at(layer).owner_rows; }
   /// How many ranks precondition `layer` (its owners under owner placement: one per row).
   size_t owners(size_t layer) const { return plan_.placement.layers.at(layer).grad_workers.size(); }
-  /// Sums `values` (a row per owner-placed layer: its owners' guard values, zeros elsewhere) over the world, in
-  /// place: every rank then knows every owner's NaN check and KL-clip sum. No-op in one process.
-  void sum_owner_reports(torch::Tensor& values);
+  /// Makes the guard's rows of owner-placed layers (Preconditioner::GuardReport: an owner's values, zeros on the
+  /// other ranks) the same on every rank, in place: their mean over the layer's owners (one sum over the world),
+  /// so that a flag is 1 only where every owner's is. `layers` names each row's layer; the other rows are left
+  /// as they are. No collective without owner-placed rows or in one process.
+  void agree_on_reports(torch::Tensor& rows, const std::vector<size_t>& layers);
 
   /// Called when capture is armed for a factor step of `micro_batches` passes.
   void arm_factor_step(int64_t micro_batches);

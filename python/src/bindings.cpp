@@ -421,7 +421,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })
-      .def("events", [](const Preconditioner& p) {
+      .def("events", [](Preconditioner& p) {
         const auto& e = p.events();
         return std::map<std::string, int64_t>{{"fallbacks", e.fallbacks},
                                               {"skipped_unused", e.skipped_unused},
