@@ -18,7 +18,7 @@ const OptionInfo& info(const std::string& name) { return option_info(name); }
 
 // Every declared option, whatever is added: declared once, documented, reachable by name (get and set, which
 // Python's keywords and `dkfac train`'s flags go through) with its declared default, and a numeric value outside
-// its declared range is refused naming the option and the range. (The README's table, Python's keywords and the
+// its declared range is refused naming the option and the range. (docs/OPTIONS.md's table, Python's keywords and the
 // command line's flags are checked against the same table: below, tests/python/test_messages.py,
 // tests/tools/train_flags_test.cpp.)
 TEST(OptionTable, EveryOptionIsReachableByNameWithItsDefaultAndRefusesOutOfRange) {
@@ -119,7 +119,7 @@ TEST(OptionTable, DescribeAndGetShowEveryOption) {
   EXPECT_EQ(std::get<double>(o.get("damping")), 0.003);
 }
 
-// The README's option table lists every option with its default and, where it has them, its flag and
+// docs/OPTIONS.md's option table lists every option with its default and, where it has them, its flag and
 // kfac_pytorch keyword, as option_table() declares them.
 TEST(OptionTable, ReadmeTableIsTheDeclaration) {
   std::ifstream in(std::string(DKFAC_SOURCE_DIR) + "/docs/OPTIONS.md");

@@ -30,7 +30,7 @@ bool joins_one_rank_group(const dkfac::train::TrainConfig& config, c10::Device d
 void check_process_groups_built_in(const std::string& what) {
   TORCH_CHECK(dkfac::comm::gloo_headers_built_in(), what, " needs process groups, and this dkfac command was built "
               "without gloo's headers (pip's torch ships none), so it trains in one process only. For more, install "
-              "gloo's headers (Debian/Ubuntu libgloo-dev) and pip install dkfac again, or build it with CMake (README)");
+              "gloo's headers (Debian/Ubuntu libgloo-dev) and pip install dkfac again, or build it with CMake (docs/INSTALL.md)");
 }
 
 int run_rank(dkfac::train::TrainConfig config, const dkfac::comm::JobEnvironment& job, int timeout_s) {

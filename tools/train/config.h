@@ -55,7 +55,7 @@ std::string choice_names();
 template <typename E>
 E parse_choice(const std::string& flag, const std::string& name);
 
-/// Everything `dkfac train` can be told. Defaults are the recipe the README documents.
+/// Everything `dkfac train` can be told. Defaults are the recipe docs/CLI.md documents.
 struct TrainConfig {
   Model model = Model::kCnn;
   Dataset dataset = Dataset::kFashionMnist;
@@ -84,7 +84,7 @@ struct TrainConfig {
   bool kfac = true;
   bool kl_clip_follows_lr = true;  // scale the KL bound by (lr / base lr)^2 so schedules shrink K-FAC steps
   /// The K-FAC options, every one a flag of its own (option_table()); `lr` and `accumulation_steps` follow the
-  /// optimizer's. The recipe the README measures: damping 0.3, factors every 10 steps, inverses every 100 (inverse:
+  /// optimizer's. The recipe docs/PERFORMANCE.md measures: damping 0.3, factors every 10 steps, inverses every 100 (inverse:
   /// the same accuracy as eigen on the cnn, in half the preconditioning time).
   Options kfac_options = Options().damping(0.3).factor_update_steps(10).inv_update_steps(100).compute_method(
       ComputeMethod::kInverse);
