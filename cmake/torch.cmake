@@ -63,6 +63,10 @@ if(DKFAC_TORCH_VERSION VERSION_LESS 2.11)
                       "(README, 'Supported torch').")
 endif()
 
+# The real path: a venv whose torch is a link to another environment's (tests/integration/pip_install_test.sh
+# links this environment's into its fresh venvs) compiles against the same header paths as that environment's
+# build, so that ccache's results of one serve the other (LibTorch's include paths are part of every key).
+get_filename_component(_dkfac_torch_prefix "${_dkfac_torch_prefix}" REALPATH)
 list(PREPEND CMAKE_PREFIX_PATH "${_dkfac_torch_prefix}")
 if(DKFAC_TORCH_CUDA)
   # A CUDA build of torch: its CMake package needs the toolkit of that CUDA major version.
