@@ -599,11 +599,14 @@ class BaseKFACPreconditioner:
         return sizes
 
     def phase_times(self, total: bool = False) -> dict[str, float]:
-        """Seconds per K-FAC phase in the last step (or summed over all steps with total=True)."""
+        """Seconds per K-FAC phase: of the last step() (``total=False``) or summed over every step() so far
+        (``total=True``). Wall-clock time on a CPU; on a GPU, the device's time between CUDA events around each
+        phase (reading them waits for the step's work to finish)."""
         return self._core.total_times() if total else self._core.last_step_times()
 
     # --- state ---------------------------------------------------------------------------------------------
-    def state_dict(self, include_factors: bool = True, gathered: bool = False) -> dict[str, Any]:
+    def state_dict(self, include_factors: bool = True, gathered: bool = False,
+                   include_second_order: bool = True) -> dict[str, Any]:
         """The state an exact resume needs, in kfac_pytorch's layout plus dkfac's second-order state.
 
         ``steps``; each hyper-parameter that is not a callable; with ``include_factors``, ``layers``
@@ -623,6 +626,13 @@ class BaseKFACPreconditioner:
         - ``gathered=True`` (collective: every rank calls it, e.g. before rank 0 saves): every layer's factors
           and second-order state, the same on every rank, whatever the strategy. It loads exactly on any world
           size and strategy: each rank keeps the part its plan gives it.
+
+        ``include_second_order=False`` leaves the second-order state out (the eigen method's eigenvectors,
+        eigenvalues and denominators are twice the factors' size and more): ``load_state_dict`` then recomputes it
+        from the factors. The resume is exact where the factors have not changed since the last inverse step
+        (saved right after an inverse step, the last ``step()`` one); saved later, the resumed job preconditions with
+        the current factors' decomposition until its next inverse step, where the uninterrupted one uses the older
+        one, and the two drift apart from there.
 
         Its tensors are copies of the live state, on its device (at most ``memory_usage()['total']`` bytes more
         while the dict lives): ``dcp.load`` fills them in place, and nothing the preconditioner uses changes until
@@ -648,7 +658,8 @@ class BaseKFACPreconditioner:
             # blank, so that a reader filling tensors in place finds every entry it asks for; `held` says so.
             # Copies, never the live state: torch.distributed.checkpoint.load writes a checkpoint into these
             # tensors before load_state_dict() checks it, and a refused or failed load must change nothing.
-            entries = {key: have[key].detach().clone() if key in have else blank.zero_() for key, blank in want.items()}
+            entries = {key: have[key].detach().clone() if key in have else blank.zero_() for key, blank in want.items()
+                       if include_second_order or key in _FACTOR_KEYS}
             held[name] = {key: key in have for key in entries}
             layers[name] = {side: entries[key] for key, side in _FACTOR_KEYS.items() if key in entries}
             second_order[name] = {key: t for key, t in entries.items() if key not in _FACTOR_KEYS}

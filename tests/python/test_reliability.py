@@ -272,3 +272,33 @@ def test_a_second_step_on_the_same_gradients_is_refused_and_changes_nothing():
     model(batch(2)).pow(2).mean().backward()
     preconditioner.step()
     assert preconditioner.steps == 4
+
+
+# --- a factors-only state ---------------------------------------------------------------------------------------
+def _bytes(state: dict) -> int:
+    tensors = [t for entry in state['layers'].values() for t in entry.values()]
+    tensors += [t for entry in state['dkfac']['second_order'].values() for t in entry.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_factors_only_state_resumes_exactly_after_an_inverse_step_and_is_smaller():
+    """state_dict(include_second_order=False): the second-order state is recomputed on load from the factors, which
+    is the uninterrupted run's own state where the factors did not change since the last inverse step (the
+    decomposition is deterministic), and not elsewhere."""
+    def job():
+        model = mlp()
+        return model, dkfac.KFACPreconditioner(model, damping=0.003, factor_update_steps=1, inv_update_steps=3)
+
+    for saved_after, exact in ((4, True), (5, False)):  # steps 0 and 3 are inverse steps: step 3 is the 4th step()
+        model, preconditioner = job()
+        train(model, preconditioner, saved_after)
+        full = preconditioner.state_dict()
+        small = preconditioner.state_dict(include_second_order=False)
+        assert _bytes(small) < _bytes(full) / 2, (_bytes(small), _bytes(full))
+        resumed_model, resumed = job()
+        resumed_model.load_state_dict(model.state_dict())
+        resumed.load_state_dict(small)
+        train(model, preconditioner, 2, start=saved_after)
+        train(resumed_model, resumed, 2, start=saved_after)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+        assert same == exact, (saved_after, same)
