@@ -16,6 +16,7 @@ halves.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -52,6 +53,37 @@ class _LrOf:
 
     def __repr__(self) -> str:
         return f"<param_groups[0]['lr'] of {type(self._optimizer).__name__}>"
+
+
+class _EveryStepCost:
+    """Warns once when factor and inverse updates at every step make a training step more than twice as dear as it
+    is without K-FAC (the README's Trainer snippet used to keep kfac_pytorch's every-step defaults, 2.6x an AdamW
+    step on a small GPT-2, without a word). Measured at the optimizer's CHECK_AT-th step: the wall time since the
+    previous step() (one training iteration) against the preconditioner's time in it (phase_times(); on a GPU,
+    reading it waits for that step's work, once)."""
+
+    CHECK_AT = 5
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last: float | None = None
+
+    def check(self, preconditioner: BaseKFACPreconditioner) -> None:
+        now, last = time.perf_counter(), self.last
+        self.last = now
+        self.steps += 1
+        if self.steps != self.CHECK_AT or last is None:
+            return
+        if preconditioner.factor_update_steps != 1 or preconditioner.inv_update_steps != 1:
+            return
+        kfac = sum(preconditioner.phase_times().values())
+        iteration = now - last
+        if iteration - kfac <= 0 or iteration / (iteration - kfac) <= 2.0:
+            return
+        warnings.warn(f'dkfac.optim.KFAC: factor and inverse updates at every step make a training step '
+                      f'{iteration / (iteration - kfac):.1f}x as dear as without K-FAC ({1000 * kfac:.1f} ms of '
+                      f'{1000 * iteration:.1f} ms at step {self.steps}); fewer updates cost a fraction of that, e.g. '
+                      'factor_update_steps=10, inv_update_steps=100 (docs/PERFORMANCE.md)', UserWarning, stacklevel=4)
 
 
 class KFAC(torch.optim.Optimizer):
@@ -146,6 +178,7 @@ class KFAC(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._warned_capturable_if_run_uncaptured = True
+        self._cost = _EveryStepCost()
         self._patch_step_function()  # step() runs the step pre/post hooks, as every torch optimizer's
         self._check_layers_are_optimized()
         self._follow_lr()
@@ -202,6 +235,7 @@ class KFAC(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._preconditioner.step()
+        self._cost.check(self._preconditioner)
         self._base.step()
         return loss
 

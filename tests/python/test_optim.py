@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import re
 import types
 import warnings
 
@@ -635,3 +636,26 @@ def test_lightning_16_mixed_with_a_grad_scaler() -> None:
                                                   scaler=_cpu_grad_scaler(init_scale=2.0 ** 12))
     torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
     torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
+
+
+def test_every_step_updates_that_make_a_step_more_than_twice_as_dear_are_warned_about_once() -> None:
+    """kfac_pytorch's defaults (factor and inverse updates at every step) on a model whose decompositions dwarf its
+    forward and backward (three 256-wide layers, batch 4): measured at the 5th step, warned once. With (10, 100)
+    intervals nothing is measured or said."""
+    def run(**kwargs: object) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+        opt = dkfac.optim.KFAC(model, torch.optim.AdamW(model.parameters(), lr=1e-3), **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for _ in range(8):
+                opt.zero_grad()
+                model(torch.randn(4, 256)).pow(2).mean().backward()
+                opt.step()
+        return [str(w.message) for w in caught if 'dkfac.optim.KFAC: factor and inverse' in str(w.message)]
+
+    said = run()
+    assert len(said) == 1, said
+    assert re.search(r'make a training step [0-9.]+x as dear as without K-FAC \([0-9.]+ ms of [0-9.]+ ms at step 5\)',
+                     said[0]), said
+    assert run(factor_update_steps=10, inv_update_steps=100) == []
