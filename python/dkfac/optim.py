@@ -57,8 +57,8 @@ class _LrOf:
 
 class _EveryStepCost:
     """Warns once when factor and inverse updates at every step make a training step more than twice as dear as it
-    is without K-FAC (the README's Trainer snippet used to keep kfac_pytorch's every-step defaults, 2.6x an AdamW
-    step on a small GPT-2, without a word). Measured at the optimizer's CHECK_AT-th step: the wall time since the
+    is without K-FAC (kfac_pytorch's defaults, which the README's Trainer snippet used to keep without a word; issue
+    45 measured 2.6x an AdamW step with them on a small GPT-2). Measured at the optimizer's CHECK_AT-th step: the wall time since the
     previous step() (one training iteration) against the preconditioner's time in it (phase_times(); on a GPU,
     reading it waits for that step's work, once)."""
 
