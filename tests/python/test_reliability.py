@@ -302,3 +302,26 @@ def test_a_factors_only_state_resumes_exactly_after_an_inverse_step_and_is_small
         train(resumed_model, resumed, 2, start=saved_after)
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
         assert same == exact, (saved_after, same)
+
+
+def test_a_dcp_checkpoint_of_another_compute_method_loads_with_a_partial_load_planner(tmp_path):
+    """DCP's planner refuses a checkpoint that lacks an entry this job's state_dict() has ("Missing key ...
+    a_eigenvalues": the checkpoint holds another compute method's second-order state). With
+    DefaultLoadPlanner(allow_partial_load=True) the factors load, the checkpoint's compute_method comes with them,
+    and load_state_dict recomputes the second-order state from the factors, as it does for a state dict of
+    another method."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    _, saved = trained(compute_method='inverse')
+    save_checkpoint(tmp_path / 'c', saved)
+    _, preconditioner = trained()
+    dcp.load({'kfac': preconditioner}, checkpoint_id=str(tmp_path / 'c'),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    _, reference = trained()
+    reference.load_state_dict(saved.state_dict())
+    assert preconditioner.steps == 3
+    for got, expected, source in zip(live_state(preconditioner), live_state(reference), live_state(saved)):
+        assert sorted(got) == sorted(expected)
+        assert torch.equal(got['a_factor'], source['a_factor']) and torch.equal(got['g_factor'], source['g_factor'])
+        for key in got:
+            assert torch.equal(got[key], expected[key]), key
