@@ -68,7 +68,7 @@ void Preconditioner::check_schedules_agree() const {
 
 
 void Preconditioner::step() {
-  settle_pending_guard();  // the last step's warnings and counts, before this step's
+  settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
@@ -443,7 +443,7 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
 }
 
 void Preconditioner::settle_guard(GuardReport& report, std::vector<LayerFate>* fates) {
-  const auto rows = report.rows.to(torch::kCPU).contiguous();
+  const auto rows = (report.host_rows.defined() ? report.host_rows : report.rows.to(torch::kCPU)).contiguous();
   double vg_sum = 0.0;
   for (size_t k = 0; k < report.layers.size(); ++k) {
     const size_t i = report.layers[k];
@@ -460,18 +460,22 @@ void Preconditioner::settle_guard(GuardReport& report, std::vector<LayerFate>* f
     if (verdict != GuardVerdict::kPrecondition && fates != nullptr) (*fates)[i] = LayerFate::kPlainGradient;
   }
   if (fates == nullptr) {  // after the device applied its scale
-    last_kl_scale_ = report.scale.item<double>();
+    last_kl_scale_ = (report.host_scale.defined() ? report.host_scale : report.scale).item<double>();
     return;
   }
   last_kl_scale_ = report.kl_clip > 0.0 ? math::kl_clip_scale(vg_sum * report.lr * report.lr, report.kl_clip) : 1.0;
   report.scale = torch::Tensor();  // settled: apply() uses the fates and last_kl_scale_
 }
 
-void Preconditioner::settle_pending_guard() {
-  if (!pending_guard_) return;
-  auto report = std::move(*pending_guard_);
-  pending_guard_.reset();
-  settle_guard(report, nullptr);
+void Preconditioner::settle_pending_guards(bool wait) {
+  while (!pending_guards_.empty()) {
+    auto& report = pending_guards_.front();
+    const bool done = !report.copied || report.copied->reached();
+    if (!done && !wait && pending_guards_.size() <= kMaxPendingGuards) return;
+    if (!done) report.host_rows = report.host_scale = torch::Tensor();  // read them waiting, from the device
+    settle_guard(report, nullptr);
+    pending_guards_.pop_front();
+  }
 }
 
 void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
@@ -488,7 +492,7 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
     return;
   }
   // On the device: each candidate layer keeps its plain gradient where its row says so, without the host
-  // reading the rows; the report is read when first needed (settle_pending_guard).
+  // reading the rows; the report is read once the device is done with it, or when needed (settle_pending_guards).
   for (size_t k = 0; k < report.layers.size(); ++k) {
     const size_t i = report.layers[k];
     if (fates[i] == LayerFate::kPlainGradient) continue;
@@ -496,7 +500,16 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
     const auto scaled = v * report.scale.to(v.scalar_type());
     layers_[i].set_gradient(torch::where(report.usable[static_cast<int64_t>(k)], scaled, layers_[i].gradient()));
   }
-  pending_guard_ = report;
+  auto pending = report;
+  if (pending.rows.is_cuda()) {  // copies the host reads later without waiting, once the mark is reached
+    const auto pinned = torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(true);
+    pending.host_rows = torch::empty(pending.rows.sizes(), pinned);
+    pending.host_rows.copy_(pending.rows, /*non_blocking=*/true);
+    pending.host_scale = torch::empty({}, pinned);
+    pending.host_scale.copy_(pending.scale, /*non_blocking=*/true);
+    pending.copied = device::Mark::now(device_);
+  }
+  pending_guards_.push_back(std::move(pending));
 }
 
 void Preconditioner::arm_capture() {

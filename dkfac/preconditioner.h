@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -166,17 +167,18 @@ class Preconditioner {
   /// fallback's warning comes from that step(); the default on a CPU, where reading is free), or writes them on
   /// the device without waiting, each layer's where(usable, V * nu, grad), and reads them when first needed: at
   /// the next step(), events() or last_kl_scale() (false: the default on a GPU, where reading would wait for the
-  /// device to finish the step). The gradients are the same either way.
+  /// device to finish the step; a later step() reads what the device has finished, without waiting). The
+  /// gradients are the same either way.
   void read_guard_at_once(bool at_once) { read_guard_at_once_ = at_once; }
   /// Fallbacks, skipped layers and failed decompositions so far (on a GPU, reading them waits for the last step's
   /// guard).
   const LayerEvents& events() {
-    settle_pending_guard();
+    settle_pending_guards(/*wait=*/true);
     return events_;
   }
   /// KL-clip scale nu applied at the last step (1 when clipping is off; on a GPU, reading it waits for that step).
   double last_kl_scale() {
-    settle_pending_guard();
+    settle_pending_guards(/*wait=*/true);
     return last_kl_scale_;
   }
   /// Bytes of K-FAC state (factors and second-order state) held now.
@@ -234,6 +236,10 @@ class Preconditioner {
     torch::Tensor rows;          // [layers, kColumns] float64
     torch::Tensor usable;        // [layers] bool: reported, finite and folded
     torch::Tensor scale;         // 0-dim float64: the KL-clip scale nu (1 without KL clipping)
+    // After a device apply(): rows and scale copied to the host without waiting (pinned memory), and the mark
+    // past which the copies are done.
+    torch::Tensor host_rows, host_scale;
+    std::optional<device::Mark> copied;
   };
   /// What the guard does with one layer, from its row.
   enum class GuardVerdict { kPrecondition, kNotPreconditioned, kFactorsNotFinite, kGradientNotFinite };
@@ -248,7 +254,10 @@ class Preconditioner {
   /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
   /// last_kl_scale()), it keeps the scale the device applied.
   void settle_guard(GuardReport& report, std::vector<LayerFate>* fates);
-  void settle_pending_guard();
+  /// Settles the device steps' reports in order: every one whose copies are done, or all of them (`wait`: the
+  /// getters), or the oldest ones while more than kMaxPendingGuards wait.
+  void settle_pending_guards(bool wait);
+  static constexpr size_t kMaxPendingGuards = 4;
   /// Writes the gradients: from the settled fates and scale, or, with a report still on the device, each
   /// candidate layer's where(usable, V * nu, grad), without a host synchronisation.
   void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
@@ -317,7 +326,7 @@ class Preconditioner {
   int64_t phase_layer_ = -1;
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
-  std::optional<GuardReport> pending_guard_;  // a GPU step's report, read on the host when first needed
+  std::deque<GuardReport> pending_guards_;     // device steps' reports, read on the host when done or needed
   std::optional<bool> read_guard_at_once_;     // read_guard_at_once(); unset: on a CPU only
   using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   // remember_written_gradients: each layer's gradient and its version, where step() wrote one

@@ -128,7 +128,7 @@ def test_half_storage_matches_cpu_with_the_same_storage(storage):
 
 
 @pytest.mark.parametrize('kind', ['cnn', 'lm'])
-def test_step_synchronises_at_most_once(kind):
+def test_a_step_without_decompositions_does_not_synchronise(kind):
     model = scenarios.make_model(kind).cuda()
     preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=100, diagonal_factor_dim=16)
     for step in range(4):
@@ -144,8 +144,12 @@ def test_step_synchronises_at_most_once(kind):
         finally:
             torch.cuda.set_sync_debug_mode('default')
         syncs = [w for w in caught if 'synchroniz' in str(w.message)]
-        if step >= 1:  # step 0 decomposes (torch.linalg.eigh checks its result on the host) and folds first factors
-            assert len(syncs) <= 1, f'step {step}: {len(syncs)} host synchronisations: {[str(w.message) for w in syncs]}'
+        # Step 0 decomposes (torch.linalg.eigh checks its result on the host) and folds first factors. The later
+        # steps (factor steps, no decomposition) have none: the guard's rows reach the host by a copy that no one
+        # waits for, read at a later step() once the device is past it (it was one synchronisation a step).
+        if step >= 1:
+            assert len(syncs) == 0, f'step {step}: {len(syncs)} host synchronisations: {[str(w.message) for w in syncs]}'
+    assert preconditioner.events()['fallbacks'] == 0  # the getter waits for the last step's report
 
 
 def test_wide_factors_built_as_a_triangle_match_cpu_float64():
@@ -306,3 +310,36 @@ def test_two_ranks_share_the_gpu_through_gloo(kwargs, tmp_path):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
                 assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+
+
+def test_a_compiled_model_on_cuda_matches_the_eager_one():
+    """The capture's custom operators (dkfac::capture_input, dkfac::capture_output_grad) inside a compiled model's
+    CUDA graphs: one forward and one backward graph, no graph break, the eager model's K-FAC gradients (aot_eager:
+    no Triton compilation, which the GPU check's time cannot spare)."""
+    from torch._dynamo.utils import counters
+    import test_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def run(compiled: bool) -> list[list[torch.Tensor]]:
+        model = test_compile.make_model().cuda()
+        preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=2, inv_update_steps=4)
+        forward = torch.compile(model, backend='aot_eager') if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for step in range(6):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step)).cuda()
+            optimizer.zero_grad()
+            forward(x).pow(2).mean().backward()
+            preconditioner.step()
+            grads.append([p.grad.cpu() for p in model.parameters()])
+            optimizer.step()
+        return grads
+
+    eager, compiled = run(False), run(True)
+    assert sum(counters['graph_break'].values()) == 0, dict(counters['graph_break'])
+    assert counters['stats']['unique_graphs'] == 1
+    for step, (got, expected) in enumerate(zip(compiled, eager)):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=f'step {step}')
