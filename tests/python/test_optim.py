@@ -17,6 +17,7 @@ import os
 import re
 import types
 import warnings
+from collections.abc import Callable
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')  # configs only: nothing may be downloaded
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
@@ -486,7 +487,8 @@ def _cpu_fp16_autocast() -> None:
 
 
 def _hugging_face_run(batches: list[torch.Tensor], output_dir: str, *,
-                      scaler: torch.amp.GradScaler | None = None, **arguments: object) -> tuple:
+                      scaler: torch.amp.GradScaler | None = None, callbacks: list | None = None,
+                      prepare: Callable | None = None, **arguments: object) -> tuple:
     """A Trainer run of the tiny GPT-2 with dkfac.optim.KFAC and a LambdaLR: (trainer, model, opt).
 
     With ``scaler``: fp16 as the Trainer runs it on CUDA. The preconditioner reads the loss scale of the
@@ -513,10 +515,12 @@ def _hugging_face_run(batches: list[torch.Tensor], output_dir: str, *,
                     disable_tqdm=True, max_grad_norm=1.0, fp16=scaler is not None)
     settings.update(arguments)
     trainer = SequentialTrainer(model=model, args=transformers.TrainingArguments(**settings),
-                                train_dataset=_Sequence(batches), optimizers=(opt, scheduler))
+                                train_dataset=_Sequence(batches), optimizers=(opt, scheduler), callbacks=callbacks)
     if scaler is not None and trainer.accelerator.scaler is None:
         trainer.accelerator.scaler = scaler
         trainer.accelerator.native_amp = True
+    if prepare is not None:
+        prepare(trainer)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         trainer.train(resume_from_checkpoint=resume)
@@ -572,7 +576,8 @@ NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING,
                                      reason='pytorch_lightning is not importable (scripts/requirements.txt pins it)')
 
 
-def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None) -> tuple:
+def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None,
+                   callbacks: list | None = None) -> tuple:
     """A Lightning fit of the tiny GPT-2 whose configure_optimizers returns dkfac.optim.KFAC and a per-step
     LambdaLR, clipping at 1.0: (trainer, module). With ``scaler``: precision 16-mixed through that scaler (the
     MixedPrecision plugin takes it; the preconditioner divides G by its scale)."""
@@ -605,7 +610,8 @@ def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | N
     plugins = [MixedPrecision('16-mixed', 'cpu', scaler=scaler)] if scaler is not None else []
     trainer = pl.Trainer(max_steps=len(batches), accelerator='cpu', devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         gradient_clip_val=1.0, plugins=plugins)  # clipped inside the closure, before K-FAC
+                         gradient_clip_val=1.0, plugins=plugins,  # clipped inside the closure, before K-FAC
+                         callbacks=callbacks or [], log_every_n_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         trainer.fit(module, loader)
@@ -659,3 +665,45 @@ def test_every_step_updates_that_make_a_step_more_than_twice_as_dear_are_warned_
     assert re.search(r'make a training step [0-9.]+x as dear as without K-FAC \([0-9.]+ ms of [0-9.]+ ms at step 5\)',
                      said[0]), said
     assert run(factor_update_steps=10, inv_update_steps=100) == []
+
+
+PHASES = {'kfac/factors_s', 'kfac/second_order_s', 'kfac/precondition_s', 'kfac/apply_s', 'kfac/total_s'}
+
+
+@NEEDS_TRAINER
+def test_trainer_callback_logs_kfac_phase_times_beside_the_loss(tmp_path: object) -> None:
+    """add_phase_times puts the callback first, before the reporters (a stand-in for report_to's, which the
+    Trainer puts before the callbacks it is given): they see the phase times, as log_history does."""
+    import transformers
+
+    from dkfac.callbacks import add_phase_times
+
+    class Reporter(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: list[dict] = []
+
+        def on_log(self, args: object, state: object, control: object, logs: dict | None = None, **kw: object) -> None:
+            if logs and 'loss' in logs:
+                self.seen.append(dict(logs))
+
+    reporter = Reporter()
+    batches = make_batches()
+    trainer, _, opt = _hugging_face_run(batches, str(tmp_path), callbacks=[reporter], logging_steps=2,
+                                        prepare=lambda trainer: add_phase_times(trainer))
+    assert len(reporter.seen) == len(batches) // 2 and all(PHASES <= set(entry) for entry in reporter.seen)
+    logs = [entry for entry in trainer.state.log_history if 'loss' in entry]
+    assert len(logs) == len(batches) // 2 and all(PHASES <= set(entry) for entry in logs), logs
+    # The means over each logging interval add up to the preconditioner's own total.
+    steps_per_log = 2
+    total = sum(entry['kfac/total_s'] for entry in logs) * steps_per_log
+    assert total == pytest.approx(sum(opt.preconditioner.phase_times(total=True).values()), rel=1e-9)
+    assert all(entry['kfac/total_s'] > 0 for entry in logs)
+
+
+@NEEDS_LIGHTNING
+def test_lightning_callback_logs_kfac_phase_times() -> None:
+    from dkfac.callbacks import LightningPhaseTimes
+
+    trainer, _ = _lightning_run(make_batches(), callbacks=[LightningPhaseTimes()])
+    assert PHASES <= set(trainer.callback_metrics), sorted(trainer.callback_metrics)
+    assert float(trainer.callback_metrics['kfac/total_s']) > 0
