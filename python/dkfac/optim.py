@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dkfac.base_preconditioner import _is_dtensor
 from dkfac.base_preconditioner import BaseKFACPreconditioner
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -58,9 +59,9 @@ class _LrOf:
 class _EveryStepCost:
     """Warns once when factor and inverse updates at every step make a training step more than twice as dear as it
     is without K-FAC (kfac_pytorch's defaults, which the README's Trainer snippet used to keep without a word; issue
-    45 measured 2.6x an AdamW step with them on a small GPT-2). Measured at the optimizer's CHECK_AT-th step: the wall time since the
-    previous step() (one training iteration) against the preconditioner's time in it (phase_times(); on a GPU,
-    reading it waits for that step's work, once)."""
+    45 measured 2.6x an AdamW step with them on a small GPT-2). Measured at the optimizer's CHECK_AT-th step: the
+    wall time since the previous step() (one training iteration) against the preconditioner's time in it
+    (phase_times(); on a GPU, reading it waits for that step's work, once)."""
 
     CHECK_AT = 5
 
@@ -98,6 +99,9 @@ class KFAC(torch.optim.Optimizer):
       the base optimizer's ``step()`` (without the closure: its gradients are the preconditioned ones, so an
       optimizer that re-evaluates its closure, ``torch.optim.LBFGS``, is refused). Returns the closure's loss
       (None without a closure). Step pre- and post-hooks registered on this optimizer run around all of it.
+    - ``graft=True``: each preconditioned layer moves along K-FAC's direction by the length of the base
+      optimizer's own step on its plain gradient (the base's lr, moments and weight decay carry over unchanged, as
+      in Distributed Shampoo's grafting); the other parameters take the base's step. Not with FSDP2-sharded layers.
     - ``param_groups``, ``state`` and ``defaults`` are the base optimizer's own objects, so LR schedulers,
       ``GradScaler.unscale_``, ``clip_grad_norm_`` over them and ``add_param_group`` act on the base.
     - ``zero_grad(set_to_none=True)`` is the base's.
@@ -135,6 +139,7 @@ class KFAC(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         kfac_lr_follows: bool | None = None,
+        graft: bool = False,
         **preconditioner_keywords: Any,
     ) -> None:
         if isinstance(optimizer, KFAC):
@@ -146,6 +151,8 @@ class KFAC(torch.optim.Optimizer):
             raise TypeError('torch.optim.LBFGS re-evaluates its closure inside step(), and those gradients would not '
                             'be preconditioned; dkfac.optim.KFAC wraps optimizers that step on the gradients they are '
                             'given (SGD, Adam, AdamW, ...)')
+        if not isinstance(graft, bool):
+            raise TypeError(f'graft must be True or False, got {graft!r}')
         if kfac_lr_follows is not None and not isinstance(kfac_lr_follows, bool):
             raise TypeError(f'kfac_lr_follows must be True, False or None, got {kfac_lr_follows!r}')
         if isinstance(model_or_preconditioner, BaseKFACPreconditioner):
@@ -179,6 +186,10 @@ class KFAC(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable] = OrderedDict()
         self._warned_capturable_if_run_uncaptured = True
         self._cost = _EveryStepCost()
+        self._graft = graft
+        if graft and any(_is_dtensor(p) for _, module in preconditioner.layers for p in _layer_parameters(module)):
+            raise ValueError('dkfac.optim.KFAC: graft=True with layers sharded by FSDP2 (DTensor parameters) is not '
+                             'supported yet; graft a model that is not sharded, or use graft=False')
         self._patch_step_function()  # step() runs the step pre/post hooks, as every torch optimizer's
         self._check_layers_are_optimized()
         self._follow_lr()
@@ -234,10 +245,46 @@ class KFAC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._graft:
+            self._preconditioner.step()
+            self._cost.check(self._preconditioner)
+            self._base.step()
+            return loss
+        self._grafted_step()
+        return loss
+
+    def _grafted_step(self) -> None:
+        """graft=True: each preconditioned layer moves along K-FAC's direction by the length of the step the base
+        optimizer takes on its plain gradient (Distributed Shampoo's grafting, with K-FAC's direction): the base
+        steps on the plain gradients (its moments, its lr and weight decay, as without K-FAC), then each layer's
+        weight and bias, taken together, are put at p0 - (|p1 - p0| / |d|) d, where p0 and p1 are its parameters
+        before and after the base's step and d its preconditioned gradient. Parameters outside the preconditioned
+        layers take the base's step as it is. The gradients left are the plain ones. No host synchronisation."""
+        blocks = [[p for p in _layer_parameters(module) if p.grad is not None] for _, module in
+                  self._preconditioner.layers]
+        plain = [[p.grad.clone() for p in block] for block in blocks]
         self._preconditioner.step()
         self._cost.check(self._preconditioner)
+        with torch.no_grad():
+            directions = [[p.grad.clone() for p in block] for block in blocks]
+            before = [[p.detach().clone() for p in block] for block in blocks]
+            for block, gradients in zip(blocks, plain):
+                for p, g in zip(block, gradients):
+                    p.grad.copy_(g)
         self._base.step()
-        return loss
+        with torch.no_grad():
+            for block, start, direction in zip(blocks, before, directions):
+                if not block:
+                    continue
+                step = torch.sqrt(sum((p.detach() - p0).double().pow(2).sum() for p, p0 in zip(block, start)))
+                length = torch.sqrt(sum(d.double().pow(2).sum() for d in direction))
+                # Where K-FAC's direction is 0 or not finite (its guard kept the plain gradient: d is finite then),
+                # the base's own step stands.
+                usable = (length > 0) & torch.isfinite(length)
+                scale = torch.where(usable, step / torch.where(usable, length, torch.ones_like(length)),
+                                    torch.zeros_like(step))
+                for p, p0, d in zip(block, start, direction):
+                    p.copy_(torch.where(usable, (p0.double() - scale * d.double()).to(p.dtype), p.detach()))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad``."""

@@ -707,3 +707,54 @@ def test_lightning_callback_logs_kfac_phase_times() -> None:
     trainer, _ = _lightning_run(make_batches(), callbacks=[LightningPhaseTimes()])
     assert PHASES <= set(trainer.callback_metrics), sorted(trainer.callback_metrics)
     assert float(trainer.callback_metrics['kfac/total_s']) > 0
+
+
+def _graft_model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8),
+                               torch.nn.Linear(8, 4)).double()
+
+
+@pytest.mark.parametrize('base', ['sgd', 'adamw'])
+def test_grafting_moves_each_layer_along_kfacs_direction_by_the_base_optimizers_step_length(base: str) -> None:
+    """Against a dense reference built from two plain runs of the same job: a non-grafted preconditioner gives
+    K-FAC's direction d, and the base optimizer alone, stepping the plain gradients, gives its step p1 - p0; the
+    grafted layer is at p0 - |p1 - p0| / |d| d (weight and bias together), the LayerNorm at the base's p1."""
+    def make_base(model: torch.nn.Module) -> torch.optim.Optimizer:
+        if base == 'sgd':
+            return torch.optim.SGD(model.parameters(), lr=0.05)
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    grafted, kfac_model, plain_model = _graft_model(), _graft_model(), _graft_model()
+    options = dict(factor_update_steps=1, inv_update_steps=1, damping=0.01)
+    opt = optim.KFAC(grafted, make_base(grafted), graft=True, **options)
+    preconditioner = dkfac.KFACPreconditioner(kfac_model, **options)
+    plain_opt = make_base(plain_model)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+        for model in (grafted, kfac_model, plain_model):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        start = [p.detach().clone() for p in plain_model.parameters()]
+        plain_grads = [p.grad.clone() for p in grafted.parameters()]
+        preconditioner.step()
+        directions = [p.grad.clone() for p in kfac_model.parameters()]
+        plain_opt.step()
+        opt.step()
+        expected = [p.detach().clone() for p in plain_model.parameters()]  # the base's own step: p1
+        for names in ([0, 1], [4, 5]):  # the Linear layers' (weight, bias), each one block; 2, 3: the LayerNorm
+            step_length = torch.sqrt(sum((expected[k] - start[k]).pow(2).sum() for k in names))
+            length = torch.sqrt(sum(directions[k].pow(2).sum() for k in names))
+            for k in names:
+                expected[k] = start[k] - step_length / length * directions[k]
+        for k, (got, want) in enumerate(zip(grafted.parameters(), expected)):
+            torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-14, msg=f'step {step} parameter {k}')
+        for got, want in zip(grafted.parameters(), plain_grads):
+            assert torch.equal(got.grad, want)  # the plain gradients are left
+        # The two plain runs and the grafted one share parameters from here on.
+        with torch.no_grad():
+            for a, b in zip(kfac_model.parameters(), grafted.parameters()):
+                a.copy_(b)
+            for a, b in zip(plain_model.parameters(), grafted.parameters()):
+                a.copy_(b)
