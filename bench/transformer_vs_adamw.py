@@ -32,6 +32,8 @@ peak lr at the run's last step):
 * ``kfac_adamw``: ``dkfac.optim.KFAC(model, AdamW(...), factor_update_steps, inv_update_steps, damping,
   kl_clip)`` (the preconditioner's lr follows the AdamW lr); a few (lr, damping, intervals, schedule length)
   configurations are tried on the tuning seed and the one that reaches the AdamW target soonest is kept;
+* grafted ``kfac_adamw`` (``--kfac-graft-configs``): the same with ``graft=True``: each layer moves along
+  K-FAC's direction by the length of AdamW's own step (docs/PYTHON.md, "Grafting"); chosen like the others;
 * ``kfac_sgd``: ``dkfac.optim.KFAC(model, SGD(momentum 0.9))``, tuning seed only, when ``--kfac-sgd-configs``
   names any (none by default: on 400-step schedules it ended far behind AdamW, see docs/PERFORMANCE.md).
 
@@ -184,7 +186,7 @@ class Run:
                 warnings.simplefilter('always')
                 self.optimizer = dkfac.optim.KFAC(
                     self.model, base, factor_update_steps=spec['factor_steps'], inv_update_steps=spec['inv_steps'],
-                    damping=spec['damping'], kl_clip=spec['kl_clip'])
+                    damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False))
             self.warnings += [str(w.message) for w in caught]
             self.preconditioner = self.optimizer.preconditioner
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, schedule(self.steps, args.warmup_steps))
@@ -310,16 +312,17 @@ def lockstep(runs: list[Run], log) -> None:
 # --- configurations -------------------------------------------------------------------------------------------
 def tuning_specs(args) -> list[dict]:
     specs = [{'label': f'adamw-lr{lr:g}', 'kind': 'adamw', 'lr': lr} for lr in args.adamw_lrs]
-    for text in args.kfac_configs:
+    configs = [(text, False) for text in args.kfac_configs] + [(text, True) for text in args.kfac_graft_configs]
+    for text, graft in configs:
         # lr:damping:factor_steps:inv_steps[:steps_fraction[:kl_clip]]
         parts = text.split(':')
         lr, damping = float(parts[0]), float(parts[1])
         factor_steps, inv_steps = int(parts[2]), int(parts[3])
         fraction = float(parts[4]) if len(parts) > 4 else 1.0
         kl_clip = float(parts[5]) if len(parts) > 5 else args.kl_clip
-        spec = {'label': f'kfac-adamw-lr{lr:g}-d{damping:g}-f{factor_steps}-i{inv_steps}', 'kind': 'kfac_adamw',
-                'lr': lr, 'damping': damping, 'factor_steps': factor_steps, 'inv_steps': inv_steps,
-                'kl_clip': kl_clip or None}
+        spec = {'label': f'kfac-{"graft" if graft else "adamw"}-lr{lr:g}-d{damping:g}-f{factor_steps}-i{inv_steps}',
+                'kind': 'kfac_adamw', 'lr': lr, 'damping': damping, 'factor_steps': factor_steps,
+                'inv_steps': inv_steps, 'kl_clip': kl_clip or None, 'graft': graft}
         if fraction != 1.0:
             spec['label'] += f'-len{fraction:g}'
             spec['steps'] = round(fraction * args.steps)
@@ -494,6 +497,9 @@ def main() -> int:
                         help='K-FAC + AdamW candidates, each lr:damping:factor_steps:inv_steps[:steps_fraction'
                         '[:kl_clip]]')
     parser.add_argument('--kfac-sgd-configs', nargs='*', default=None, help='K-FAC + SGD candidates, lr:damping:f:i')
+    parser.add_argument('--kfac-graft-configs', nargs='*', default=[],
+                        help='K-FAC + AdamW candidates with grafting (dkfac.optim.KFAC(graft=True): K-FAC\'s '
+                             'direction, AdamW\'s step length per layer), in --kfac-configs\' format')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
     args = parser.parse_args()
