@@ -36,11 +36,7 @@ std::string read_string(torch::serialize::InputArchive& archive, const std::stri
 
 std::string StateRestore::describe(int world_size_now) const {
   const auto ranks = [](int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); };
-  std::ostringstream out;
-  if (format_version == 1) {
-    out << "K-FAC state of this rank restored as written (format 1: one rank's own state)";
-    return out.str();
-  }
+  std::ostringstream out;  // load() reads format 2 only: it refuses every other version
   if (same_plan) {
     out << "K-FAC state restored exactly (same world size and plan)";
   } else {
