@@ -28,6 +28,7 @@ except ImportError as error:
         f'from {torch.__file__}. Rebuild dkfac in this environment: pip install .') from error
 
 from dkfac import base_preconditioner  # noqa: E402
+from dkfac import callbacks  # noqa: E402
 from dkfac import enums  # noqa: E402
 from dkfac import hyperparams  # noqa: E402
 from dkfac import optim  # noqa: E402
@@ -55,7 +56,7 @@ def configure_allocator() -> str:
 
 __all__ = [
     'AssignmentStrategy', 'BaseKFACPreconditioner', 'ComputeMethod', 'DistributedStrategy', 'KFACPreconditioner',
-    'LambdaParamScheduler', 'base_preconditioner', 'configure_allocator', 'enums', 'hyperparams', 'optim',
+    'LambdaParamScheduler', 'base_preconditioner', 'callbacks', 'configure_allocator', 'enums', 'hyperparams', 'optim',
     'preconditioner',
     'scheduler', '__version__',
 ]
