@@ -758,3 +758,47 @@ def test_grafting_moves_each_layer_along_kfacs_direction_by_the_base_optimizers_
                 a.copy_(b)
             for a, b in zip(plain_model.parameters(), grafted.parameters()):
                 a.copy_(b)
+
+
+@NEEDS_TRAINER
+def test_kfac_trainer_keeps_the_trainers_own_optimizer_groups_and_schedule(tmp_path: object) -> None:
+    """dkfac.hf.KFACTrainer: the Trainer makes its optimizer from TrainingArguments (AdamW, its lr, weight decay on
+    all but biases and norms, a linear schedule with warm-up) and K-FAC wraps it; the scheduler drives it."""
+    import transformers
+
+    from dkfac.hf import KFACTrainer
+
+    batches = make_batches()
+    model = make_model()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=len(batches), report_to=[],
+                                          per_device_train_batch_size=BATCH, use_cpu=True, save_strategy='no',
+                                          learning_rate=2e-3, weight_decay=0.05, warmup_steps=2,
+                                          lr_scheduler_type='linear', disable_tqdm=True, seed=0)
+    trainer = KFACTrainer(model=model, args=args, train_dataset=_Sequence(batches),
+                          kfac=dict(factor_update_steps=1, inv_update_steps=2, damping=0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        trainer.train()
+    opt = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer around it
+    assert isinstance(opt, optim.KFAC) and opt.preconditioner.steps == len(batches)
+    base = opt.optimizer
+    assert isinstance(base, torch.optim.AdamW)
+    decays = sorted(group['weight_decay'] for group in base.param_groups)
+    assert decays == [0.0, 0.05], decays  # the Trainer's decay and no-decay groups
+    # The linear schedule with 2 warm-up steps over len(batches) steps, as the Trainer makes it, drove the base.
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0)
+    assert opt.preconditioner.lr == pytest.approx(base.param_groups[0]['lr'])  # K-FAC's lr follows
+
+
+@NEEDS_TRAINER
+def test_kfac_trainer_leaves_an_optimizer_given_through_optimizers_alone(tmp_path: object) -> None:
+    import transformers
+
+    from dkfac.hf import KFACTrainer
+
+    model = make_model()
+    given = adamw(model)
+    trainer = KFACTrainer(model=model, args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                                           use_cpu=True, max_steps=1),
+                          train_dataset=_Sequence(make_batches(1)), optimizers=(given, None), kfac=dict())
+    assert trainer.create_optimizer() is given

@@ -1,0 +1,39 @@
+"""Hugging Face ``transformers`` integration: a ``Trainer`` that keeps its own optimizer choices and adds K-FAC.
+
+``transformers.Trainer(optimizers=(opt, scheduler))`` drops what ``TrainingArguments`` says of the optimizer: its
+``optim`` (AdamW and its betas and epsilon), the parameter groups with and without weight decay, ``learning_rate``,
+``weight_decay`` and the schedule (``lr_scheduler_type``, ``warmup_steps``). ``KFACTrainer`` lets the Trainer make
+all of them as it would, and wraps the optimizer it made in ``dkfac.optim.KFAC``, so that its scheduler drives both::
+
+    from dkfac.hf import KFACTrainer
+    trainer = KFACTrainer(model=model, args=transformers.TrainingArguments(..., learning_rate=3e-4),
+                          train_dataset=dataset, kfac=dict(factor_update_steps=10, inv_update_steps=100))
+
+``kfac``: the keywords of ``dkfac.optim.KFAC`` (those of ``dkfac.KFACPreconditioner``, ``graft``, ...). Importing
+this module imports ``transformers``; ``import dkfac`` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+
+from dkfac.optim import KFAC
+
+
+class KFACTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose optimizer is the one it makes from its ``TrainingArguments``, wrapped in
+    ``dkfac.optim.KFAC(model, optimizer, **kfac)``. Everything else is the Trainer's (``optimizers=`` given
+    explicitly wins, as in the Trainer: then nothing is wrapped)."""
+
+    def __init__(self, *args: Any, kfac: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.kfac_keywords = dict(kfac or {})
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        made_here = self.optimizer is None  # not given through optimizers=
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if made_here and optimizer is not None and not isinstance(optimizer, KFAC):
+            self.optimizer = KFAC(self.model, optimizer, **self.kfac_keywords)
+        return self.optimizer
