@@ -472,35 +472,27 @@ step_probe() {
   return $rc
 }
 
-# --- fast-error: bench/fast_mode_error.py, each fast mode's error against the exact mode ----------------------
-step_fast() {
-  local name=fast-error ready=0
+# run_bench_script NAME SCRIPT ARG...: bench/SCRIPT against the built extension, its report as NAME.txt and .json.
+run_bench_script() {
+  local name=$1 script=$2 ready=0
+  shift 2
   bench_ready "$name" "$fast_min" extension || ready=$?
   ((ready == 0)) || return $((ready == 1))
   local rc=0 limit
   limit=$(budget)
-  echo "+ [timeout $limit s] bench/fast_mode_error.py --device $bench_device ${fast_args[*]}" >"$out/$name.log"
+  echo "+ [timeout $limit s] bench/$script --device $bench_device $*" >"$out/$name.log"
   PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
-    "$python" bench/fast_mode_error.py --device "$bench_device" "${fast_args[@]}" --json "$out/$name.json" \
+    "$python" "bench/$script" --device "$bench_device" "$@" --json "$out/$name.json" \
     >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
   record "$name" "$(result_of $rc)" "$(grep -c . "$out/$name.txt") lines; report $name.txt, $name.json"
   return $rc
 }
 
+# --- fast-error: bench/fast_mode_error.py, each fast mode's error against the exact mode ----------------------
+step_fast() { run_bench_script fast-error fast_mode_error.py "${fast_args[@]}"; }
+
 # --- compile-step: bench/compile_step.py, torch.compile against eager, with and without dkfac ------------------
-step_compile() {
-  local name=compile-step ready=0
-  bench_ready "$name" "$fast_min" extension || ready=$?
-  ((ready == 0)) || return $((ready == 1))
-  local rc=0 limit
-  limit=$(budget)
-  echo "+ [timeout $limit s] bench/compile_step.py --device $bench_device ${compile_args[*]}" >"$out/$name.log"
-  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
-    "$python" bench/compile_step.py --device "$bench_device" "${compile_args[@]}" --json "$out/$name.json" \
-    >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
-  record "$name" "$(result_of $rc)" "$(grep -c . "$out/$name.txt") lines; report $name.txt, $name.json"
-  return $rc
-}
+step_compile() { run_bench_script compile-step compile_step.py "${compile_args[@]}"; }
 
 # --- summary -------------------------------------------------------------------------------------------
 write_summary() {

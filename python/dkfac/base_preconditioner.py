@@ -510,37 +510,32 @@ class BaseKFACPreconditioner:
         """
         self._follow_parameters()
         with torch.no_grad():
-            with self._naming_lost_ranks('gathering the sharded layers\' gradients'):
-                works = []
-                for index, sharded in enumerate(self._sharded):
-                    if self._owners[index] is not None:
-                        works += self._owners[index].start_gather(*self._bound[index])
-                    elif sharded is not None:
-                        sharded.gather(*self._bound[index])
-                for work in works:
-                    work.wait()
-                for owner in self._owners:
-                    if owner is not None:
-                        owner.finish_gather()
+            self._move_sharded_gradients('gather', 'gathering the sharded layers\' gradients')
             try:
                 with _CoreWarnings():
                     self._core.step()
             finally:
-                with self._naming_lost_ranks('scattering the sharded layers\' preconditioned gradients'):
-                    works = []
-                    for index, sharded in enumerate(self._sharded):
-                        if self._owners[index] is not None:
-                            works += self._owners[index].start_scatter(*self._bound[index])
-                        elif sharded is not None:
-                            sharded.scatter(*self._bound[index])
-                    for work in works:
-                        work.wait()
-                    for owner in self._owners:
-                        if owner is not None:
-                            owner.finish_scatter()
+                self._move_sharded_gradients('scatter', 'scattering the sharded layers\' preconditioned gradients')
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    def _move_sharded_gradients(self, way: str, what: str) -> None:
+        """Gathers (``way='gather'``) the sharded layers' gradients into the core's full-shaped stand-ins before its
+        step, or scatters (``'scatter'``) the preconditioned rows back after it: each owner-placed layer's
+        collectives started together, then waited for; each replicated layer's in turn (_ShardedLayer)."""
+        with self._naming_lost_ranks(what):
+            works = []
+            for index, sharded in enumerate(self._sharded):
+                if self._owners[index] is not None:
+                    works += getattr(self._owners[index], 'start_' + way)(*self._bound[index])
+                elif sharded is not None:
+                    getattr(sharded, way)(*self._bound[index])
+            for work in works:
+                work.wait()
+            for owner in self._owners:
+                if owner is not None:
+                    getattr(owner, 'finish_' + way)()
 
     @contextlib.contextmanager
     def _naming_lost_ranks(self, what: str) -> Iterator[None]:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dkfac
+from test_front_end import train  # the same SGD loop on batch(step), N(0, 1) of size 8 x 4
 
 
 def mlp(width: int = 6) -> torch.nn.Module:
@@ -25,15 +26,6 @@ def mlp(width: int = 6) -> torch.nn.Module:
 
 def batch(step: int) -> torch.Tensor:
     return torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-
-
-def train(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner, steps: int, start: int = 0) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(start, start + steps):
-        optimizer.zero_grad()
-        model(batch(step)).pow(2).mean().backward()
-        preconditioner.step()
-        optimizer.step()
 
 
 def trained(width: int = 6, **kwargs) -> tuple[torch.nn.Module, dkfac.KFACPreconditioner]:
