@@ -55,6 +55,15 @@ void Options::validate() const {
   checked("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb_);
   checked("large_factor_dim", large_factor_dim_);
   checked("diagonal_factor_dim", diagonal_factor_dim_);
+  checked("adam_beta1", adam_beta1_);
+  checked("adam_beta2", adam_beta2_);
+  checked("adam_eps", adam_eps_);
+  TORCH_CHECK(!eigen_adam_ || compute_method_ == ComputeMethod::kEigen,
+              "eigen_adam runs Adam in the eigenbasis of the factors: it needs compute_method eigen, got ",
+              to_string(compute_method_));
+  TORCH_CHECK(!eigen_adam_ || (kl_clip_.is_constant() && kl_clip_(0) == 0.0),
+              "eigen_adam's step is Adam's, which KL clipping (a bound on a natural-gradient step) does not apply to: "
+              "set kl_clip to 0 (Python: kl_clip=None), got ", kl_clip_.is_constant() ? c10::str(kl_clip_(0)) : "a schedule");
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",

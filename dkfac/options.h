@@ -130,6 +130,16 @@ inline OptionRange any_value() { return {}; }
     "eigen: eigendecompositions of A and G; inverse: explicit damped inverses")                                     \
   X(Value, bool, compute_eigenvalue_outer_product, true, any_value(), "--compute-eigenvalue-outer-product", "", "",  \
     "eigen: 1 / (d_G d_A^T + damping) once per second-order update (on) or at every step (off)")                    \
+  X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
+    "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
+    "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \
+    "Adam's lr: dkfac.optim.KFAC does)")                                                                             \
+  X(Value, double, adam_beta1, 0.9, (OptionRange{0, 1, false, true}), "", "", "",                        \
+    "eigen_adam: decay of the first moment")                                                                        \
+  X(Value, double, adam_beta2, 0.999, (OptionRange{0, 1, false, true}), "", "", "",                      \
+    "eigen_adam: decay of the second moment")                                                                       \
+  X(Value, double, adam_eps, 1e-8, greater_than(0), "", "", "",                                            \
+    "eigen_adam: added to sqrt(v-hat)")                                                                             \
   X(Value, std::optional<c10::ScalarType>, factor_dtype, std::nullopt, any_value(), "--factor-dtype", "", "",        \
     "storage dtype of the factors (default: the activations')")                                                     \
   X(Value, std::optional<c10::ScalarType>, inv_dtype, std::nullopt, any_value(), "--inv-dtype", "", "float32",       \

@@ -361,10 +361,15 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
     const bool mine = executor_->preconditions(i);
     const auto options = layer.weight().options();
     if (mine && fates[i] == LayerFate::kPreconditioned && layer.second_order().defined()) {
-      if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
-        layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
+      auto& v = preconditioned[i];
+      if (options_.eigen_adam()) {
+        v = layer.precondition_adam({options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()});
+      } else {
+        if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
+          layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
+        }
+        v = layer.second_order().precondition(layer.gradient());
       }
-      auto& v = preconditioned[i] = layer.second_order().precondition(layer.gradient());
       // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
       if (factor_ok_[i].defined()) v.masked_fill_(factor_ok_[i].logical_not(), nan);
     } else if (mine && executor_->plan().world_size() > 1) {

@@ -54,8 +54,10 @@ std::map<std::string, torch::Tensor> Preconditioner::placed_here(size_t index,
                                                                  std::map<std::string, torch::Tensor> state) const {
   const bool factors = executor_->keeps_factors(index);
   const bool second_order = executor_->holds_second_order(index);
+  const bool moments = executor_->preconditions(index);  // Adam's moments live where the step is computed
   for (auto it = state.begin(); it != state.end();) {
-    const bool keep = is_factor_key(it->first) ? factors : second_order;
+    const auto* entry = layer_state_entry(it->first);
+    const bool keep = is_factor_key(it->first) ? factors : entry != nullptr && entry->moment() ? moments : second_order;
     it = keep ? std::next(it) : state.erase(it);
   }
   return state;
@@ -69,8 +71,11 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template
     const bool factors = executor_->keeps_factors(i);
     const bool whole = executor_->preconditions(i);
     for (const auto& entry : layer_state_entries()) {
-      // Second-order entries: eigenvectors, eigenvalues and their denominator for eigen; inverses ('f') else.
-      const bool wanted = entry.factor ? factors : whole && (entry.form == 'f') != eigen;
+      // Second-order entries: eigenvectors, eigenvalues and their denominator for eigen; inverses ('f') else;
+      // Adam's moments with eigen_adam.
+      const bool wanted = entry.factor   ? factors
+                          : entry.moment() ? whole && options_.eigen_adam()
+                                           : whole && (entry.form == 'f') != eigen;
       const auto shape = layer.state_shape(entry);
       if (!wanted || shape.empty()) continue;
       const auto dtype = entry.factor ? layer.factor_dtype() : layer.second_order_dtype();

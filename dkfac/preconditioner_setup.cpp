@@ -190,6 +190,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     binding.capture->set_reduce(options_.kfac_approx() == KfacApprox::kReduce);
     layers_.emplace_back(std::move(binding));
     layers_.back().set_inv_dtype(options_.inv_dtype());
+    layers_.back().set_eigen_adam(options_.eigen_adam());
     layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());
   }
   device_ = layers_.front().weight().device();

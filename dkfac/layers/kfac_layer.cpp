@@ -13,8 +13,8 @@ int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * stat
 
 }  // namespace
 
-const std::array<LayerStateEntry, 9>& layer_state_entries() {
-  static const std::array<LayerStateEntry, 9> entries = {{
+const std::array<LayerStateEntry, 12>& layer_state_entries() {
+  static const std::array<LayerStateEntry, 12> entries = {{
       {"a_factor", true, 'a', "A factor", 'f'},
       {"g_factor", true, 'g', "G factor", 'f'},
       {"a_eigenvectors", false, 'a', "Q_A", 'q'},
@@ -24,6 +24,9 @@ const std::array<LayerStateEntry, 9>& layer_state_entries() {
       {"denominator", false, 'g', "eigenvalue denominator", 'r'},
       {"a_inverse", false, 'a', "A inverse", 'f'},
       {"g_inverse", false, 'g', "G inverse", 'f'},
+      {"exp_avg", false, 'g', "Adam's first moment", 'm'},
+      {"exp_avg_sq", false, 'g', "Adam's second moment", 'm'},
+      {"adam_steps", false, 'g', "Adam's step count", 's'},
   }};
   return entries;
 }
@@ -36,6 +39,7 @@ std::vector<int64_t> KfacLayer::state_shape(const LayerStateEntry& entry) const 
     case 'f': return diagonal ? std::vector<int64_t>{d} : std::vector<int64_t>{d, d};
     case 'q': return diagonal ? std::vector<int64_t>{} : std::vector<int64_t>{d, d};
     case 'v': return {d};
+    case 's': return {1};
     default: return {g_dim(), a_dim()};
   }
 }
@@ -246,6 +250,10 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
     t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
   };
   if (method == ComputeMethod::kEigen) {
+    if (eigen_adam_) {  // received into new tensors: the moments' basis (adam_basis_) keeps the old ones
+      s.a_eigen.eigenvectors = torch::Tensor();
+      s.g_eigen.eigenvectors = torch::Tensor();
+    }
     ensure(s.a_eigen.eigenvectors, "a_eigenvectors");
     ensure(s.a_eigen.eigenvalues, "a_eigenvalues");
     ensure(s.g_eigen.eigenvectors, "g_eigenvectors");
@@ -291,7 +299,24 @@ void KfacLayer::set_gradient(const torch::Tensor& matrix) {
 }
 
 int64_t KfacLayer::memory_bytes() const {
-  return bytes_of(a_factor_) + bytes_of(g_factor_) + second_order_.memory_bytes();
+  return bytes_of(a_factor_) + bytes_of(g_factor_) + second_order_.memory_bytes() + bytes_of(adam_.exp_avg) +
+         bytes_of(adam_.exp_avg_sq) + bytes_of(adam_.steps);
+}
+
+torch::Tensor KfacLayer::precondition_adam(const math::AdamConstants& constants) {
+  const auto& s = second_order_;
+  TORCH_INTERNAL_ASSERT(s.method == ComputeMethod::kEigen && s.defined(), "layer '", name(),
+                        "': precondition_adam before the eigen method's state was computed");
+  if (!adam_.defined()) {
+    adam_ = math::zero_moments(g_dim(), a_dim(), binding_.weight.options().dtype(second_order_dtype()));
+  } else if (adam_basis_ && (!adam_basis_->first.eigenvectors.is_same(s.a_eigen.eigenvectors) ||
+                             !adam_basis_->second.eigenvectors.is_same(s.g_eigen.eigenvectors))) {
+    adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
+  }
+  adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
+  auto step = math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, gradient(), constants);
+  adam_ = std::move(step.moments);
+  return step.direction;
 }
 
 std::map<std::string, torch::Tensor> KfacLayer::state() const {
@@ -308,6 +333,9 @@ std::map<std::string, torch::Tensor> KfacLayer::state() const {
   put("denominator", second_order_.denominator);
   put("a_inverse", second_order_.a_inverse);
   put("g_inverse", second_order_.g_inverse);
+  put("exp_avg", adam_.exp_avg);
+  put("exp_avg_sq", adam_.exp_avg_sq);
+  put("adam_steps", adam_.steps);
   return state;
 }
 
@@ -320,10 +348,10 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     const auto it = state.find(key);
     if (it == state.end() || !it->second.defined()) return torch::Tensor();
     const auto* entry = layer_state_entry(key);
+    const auto dtype = entry->factor ? factor_type : entry->form == 's' ? torch::kFloat64 : stored_type;
     // A copy even where device and dtype match: the caller's tensors (a state dict it may fill again) are never
     // the live state.
-    return it->second.to(binding_.weight.device(), entry->factor ? factor_type : stored_type, /*non_blocking=*/false,
-                         /*copy=*/true);
+    return it->second.to(binding_.weight.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
   };
   for (const auto& [key, tensor] : state) {
     const auto* entry = layer_state_entry(key);
@@ -345,6 +373,12 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
                 expected.size() != static_cast<size_t>(t.dim()) ? " (one keeps this factor diagonal, the other dense: "
                                                                   "the same diagonal_factor_dim is needed)" : "");
   }
+  // Adam's moments: all three or none; a layer without eigen_adam has no use for them (another run's).
+  math::EigenAdamMoments adam;
+  if (eigen_adam_) adam = {get("exp_avg"), get("exp_avg_sq"), get("adam_steps")};
+  const int held = adam.exp_avg.defined() + adam.exp_avg_sq.defined() + adam.steps.defined();
+  TORCH_CHECK(held == 0 || held == 3, "checkpoint for layer '", name(), "' holds ", held,
+              " of Adam's three entries (exp_avg, exp_avg_sq, adam_steps): the state is incomplete");
   torch::Tensor a_factor = get("a_factor");
   torch::Tensor g_factor = get("g_factor");
   SecondOrderState next;
@@ -357,6 +391,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   a_factor_ = a_factor;
   g_factor_ = g_factor;
   second_order_ = std::move(next);
+  adam_ = std::move(adam);
+  adam_basis_.reset();  // loaded moments are in the loaded (or next computed) basis
 }
 
 void KfacLayer::save(torch::serialize::OutputArchive& archive) const {

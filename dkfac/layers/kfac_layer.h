@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "dkfac/math/eigen_adam.h"
 #include "dkfac/math/second_order.h"
 #include "dkfac/layers/factor_capture.h"
 #include "dkfac/options.h"
@@ -64,11 +65,14 @@ struct LayerStateEntry {
   char side;         ///< 'a' or 'g': the factor it belongs to (the eigenvalue denominator [g, a] counts as G's)
   const char* what;  ///< as messages name it: "A factor", "Q_A", ...
   /// How it is shaped, for a side of dimension d: 'f' d x d, or [d] where that factor is diagonal (factors,
-  /// inverses); 'q' d x d, never held for a diagonal factor (eigenvectors); 'v' [d] (eigenvalues); 'r' [g, a].
+  /// inverses); 'q' d x d, never held for a diagonal factor (eigenvectors); 'v' [d] (eigenvalues); 'r' [g, a];
+  /// 'm' [g, a] (Adam's moments in the eigenbasis, Options::eigen_adam); 's' [1] float64 (their step count).
   char form;
+  /// Adam's state (forms 'm' and 's'): held where the layer is preconditioned, kept by factors-only checkpoints.
+  bool moment() const { return form == 'm' || form == 's'; }
 };
 /// Every entry KfacLayer::state() may hold, in save order.
-const std::array<LayerStateEntry, 9>& layer_state_entries();
+const std::array<LayerStateEntry, 12>& layer_state_entries();
 /// The entry named `key`, or nullptr when there is none.
 const LayerStateEntry* layer_state_entry(const std::string& key);
 
@@ -155,6 +159,19 @@ class KfacLayer {
   SecondOrderState& prepare_second_order(ComputeMethod method);
   void finish_second_order(double damping);
 
+  /// Adam in the eigenbasis (Options::eigen_adam), set before any step: the layer keeps Adam's moments, and
+  /// prepare_second_order gives each broadcast new eigenvector buffers (the basis the moments are in must
+  /// outlive a refresh: precondition_adam rotates them out of it).
+  void set_eigen_adam(bool on) { eigen_adam_ = on; }
+  bool eigen_adam() const { return eigen_adam_; }
+  /// Adam's step in the current eigenbasis for this layer's gradient ([g, a], in the gradient's dtype; NaN where the
+  /// gradient is not finite), updating the moments (math::eigen_adam_step); the moments are first re-expressed in
+  /// the current basis where it was refreshed since they were last updated (math::rotate_moments), and start at
+  /// zero. Needs the eigen method's state; nothing waits for the device.
+  torch::Tensor precondition_adam(const math::AdamConstants& constants);
+  /// Adam's moments (undefined before the first precondition_adam).
+  const math::EigenAdamMoments& adam_moments() const { return adam_; }
+
   /// True when the weight (and bias) have gradients.
   bool has_gradient() const;
   /// The gradient as a matrix [g, a]: weight gradient viewed [g, -1], bias gradient as last column.
@@ -162,7 +179,7 @@ class KfacLayer {
   /// Writes a [g, a] matrix back into the weight (and bias) gradients.
   void set_gradient(const torch::Tensor& matrix);
 
-  /// Bytes of factors and second-order state held by this layer.
+  /// Bytes of factors, second-order state and Adam's moments held by this layer.
   int64_t memory_bytes() const;
 
   /// Factors and second-order state by name (layer_state_entries()' keys); only those held.
@@ -188,6 +205,11 @@ class KfacLayer {
   torch::Tensor a_factor_;                     // A, [a, a]
   torch::Tensor g_factor_;                     // G, [g, g]
   SecondOrderState second_order_;
+  bool eigen_adam_ = false;
+  math::EigenAdamMoments adam_;
+  /// The eigenbasis adam_ is expressed in ({Q_A, Q_G}: the tensors of the state it was last updated with; a
+  /// refresh installs new ones); nullopt: whichever is current (new or loaded moments).
+  std::optional<std::pair<math::EigenFactor, math::EigenFactor>> adam_basis_;
 };
 
 }  // namespace dkfac

@@ -44,6 +44,7 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       if (plan.preconditions(i, rank)) {
         r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + g * a
                                      : held(a, da) + held(g, dg));
+        if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a;  // Adam's m and v (its [1] step count aside)
         const double per_decomposition = eigen ? 9.0 : 1.0;
         if (plan.computes_a(i, rank) && !da) r.decomposition_flops += per_decomposition * cube(a);
         if (plan.computes_g(i, rank) && !dg) r.decomposition_flops += per_decomposition * cube(g);

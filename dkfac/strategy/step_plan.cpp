@@ -53,10 +53,12 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   if (world_size == 1) {
     auto plan = StepPlan::single_process(shapes, options.compute_method(), options.strategy());
     plan.approx = options.kfac_approx();
+    plan.eigen_adam = options.eigen_adam();
     return plan;
   }
   StepPlan plan;
   plan.approx = options.kfac_approx();
+  plan.eigen_adam = options.eigen_adam();
   plan.strategy = options.strategy();
   plan.method = options.compute_method();
   plan.shapes = shapes;

@@ -33,7 +33,9 @@ _STATE_FORMAT = 2  # what the plan places on a rank, with `held` (Stateful for D
 _SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
 # The core's layer state entries (key, is a factor, side 'a' or 'g'); factors by kfac_pytorch's names 'A', 'G'.
 _STATE_ENTRIES = _C.layer_state_entries()
-_FACTOR_KEYS = {key: side.upper() for key, factor, side in _STATE_ENTRIES if factor}
+_FACTOR_KEYS = {key: side.upper() for key, factor, side, _ in _STATE_ENTRIES if factor}
+# Adam's moments in the eigenbasis (eigen_adam): optimizer state, kept by every state dict (none recomputes them).
+_MOMENT_KEYS = {key for key, _, _, moment in _STATE_ENTRIES if moment}
 _communicators = itertools.count()  # a process-local id, the same on every rank that builds in the same order
 
 
@@ -580,12 +582,14 @@ class BaseKFACPreconditioner:
         self._core.reset_batch()
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes of K-FAC state held on this rank, by kind, and their total."""
+        """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
+        and step counts, once held)."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
-        kinds = {key: f"{side}_{'factors' if factor else 'inverses'}" for key, factor, side in _STATE_ENTRIES}
+        kinds = {key: 'adam_moments' if moment else f"{side}_{'factors' if factor else 'inverses'}"
+                 for key, factor, side, moment in _STATE_ENTRIES}
         for state in self._core.layer_states():
-            for key, tensor in state.items():
-                sizes[kinds[key]] += tensor.numel() * tensor.element_size()
+            for key, tensor in state.items():  # 'adam_moments' appears once eigen_adam holds them
+                sizes[kinds[key]] = sizes.get(kinds[key], 0) + tensor.numel() * tensor.element_size()
         for capture in self._captures:
             a, g = capture.pending_bytes()
             sizes['a_batch'] += a
@@ -627,7 +631,9 @@ class BaseKFACPreconditioner:
         from the factors. The resume is exact where the factors have not changed since the last inverse step
         (saved right after an inverse step, the last ``step()`` one); saved later, the resumed job preconditions with
         the current factors' decomposition until its next inverse step, where the uninterrupted one uses the older
-        one, and the two drift apart from there.
+        one, and the two drift apart from there. With ``eigen_adam``, Adam's moments (``exp_avg``, ``exp_avg_sq``,
+        ``adam_steps``) are kept either way: they are expressed in the eigenbasis of the last inverse step, which the
+        recomputation gives back where the factors have not changed since.
 
         Its tensors are copies of the live state, on its device (at most ``memory_usage()['total']`` bytes more
         while the dict lives): ``dcp.load`` fills them in place, and nothing the preconditioner uses changes until
@@ -654,7 +660,7 @@ class BaseKFACPreconditioner:
             # Copies, never the live state: torch.distributed.checkpoint.load writes a checkpoint into these
             # tensors before load_state_dict() checks it, and a refused or failed load must change nothing.
             entries = {key: have[key].detach().clone() if key in have else blank.zero_() for key, blank in want.items()
-                       if include_second_order or key in _FACTOR_KEYS}
+                       if include_second_order or key in _FACTOR_KEYS or key in _MOMENT_KEYS}
             held[name] = {key: key in have for key in entries}
             layers[name] = {side: entries[key] for key, side in _FACTOR_KEYS.items() if key in entries}
             second_order[name] = {key: t for key, t in entries.items() if key not in _FACTOR_KEYS}
@@ -717,7 +723,7 @@ class BaseKFACPreconditioner:
                                f"rank's own layers only (DP-KFAC); to resume on rank {self._rank} of "
                                f'{self._world_size}, save state_dict(gathered=True), called on every rank, or '
                                'checkpoint through torch.distributed.checkpoint')
-                exact = exact and all(k in s for k in want if k not in _FACTOR_KEYS)
+                exact = exact and all(k in s for k in want if k not in _FACTOR_KEYS and k not in _MOMENT_KEYS)
                 states.append(s)
         else:
             if compute_inverses:
@@ -733,8 +739,8 @@ class BaseKFACPreconditioner:
             exact = self._communicator.all_true(bool(exact))
         elif refusal is not None:
             raise ValueError(refusal)
-        if not exact:
-            states = [{k: t for k, t in s.items() if k in _FACTOR_KEYS} for s in states]
+        if not exact:  # the second-order state is recomputed; Adam's moments are kept (nothing recomputes them)
+            states = [{k: t for k, t in s.items() if k in _FACTOR_KEYS or k in _MOMENT_KEYS} for s in states]
         # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:

@@ -87,6 +87,36 @@ class _EveryStepCost:
                       'factor_update_steps=10, inv_update_steps=100 (docs/PERFORMANCE.md)', UserWarning, stacklevel=4)
 
 
+def _check_eigen_adam_base(optimizer: torch.optim.Optimizer) -> None:
+    """eigen_adam applies AdamW's update with K-FAC's basis: the base must be AdamW (or Adam without its L2
+    weight decay, which would have to enter the gradient before the moments), with nothing it would do otherwise."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f'eigen_adam runs Adam in the K-FAC eigenbasis and AdamW on the other parameters: the base '
+                        f'optimizer must be torch.optim.AdamW (or Adam), got {type(optimizer).__name__}')
+    for i, group in enumerate(optimizer.param_groups):
+        if not isinstance(optimizer, torch.optim.AdamW) and group.get('weight_decay', 0.0):
+            raise ValueError(f"eigen_adam with torch.optim.Adam: param group {i} has weight_decay="
+                             f"{group['weight_decay']}, Adam's L2 penalty (added to the gradient); eigen_adam decays "
+                             'weights as AdamW does: use torch.optim.AdamW')
+        for flag in ('amsgrad', 'maximize'):
+            if group.get(flag):
+                raise ValueError(f'eigen_adam: param group {i} has {flag}=True, which Adam in the eigenbasis does '
+                                 'not do; turn it off')
+
+
+def _eigen_adam_keywords(optimizer: torch.optim.Optimizer, keywords: dict[str, Any]) -> dict[str, Any]:
+    """The preconditioner's keywords for eigen_adam: the base's betas and eps unless given, and no KL clipping
+    unless asked for (the core refuses it: KL clipping bounds a natural-gradient step, not Adam's)."""
+    _check_eigen_adam_base(optimizer)
+    keywords = dict(keywords)
+    betas = optimizer.defaults.get('betas', (0.9, 0.999))
+    keywords.setdefault('adam_beta1', float(betas[0]))
+    keywords.setdefault('adam_beta2', float(betas[1]))
+    keywords.setdefault('adam_eps', float(optimizer.defaults.get('eps', 1e-8)))
+    keywords.setdefault('kl_clip', None)
+    return keywords
+
+
 class KFAC(torch.optim.Optimizer):
     """A base optimizer whose ``step()`` first preconditions the gradients with K-FAC.
 
@@ -102,6 +132,14 @@ class KFAC(torch.optim.Optimizer):
     - ``graft=True``: each preconditioned layer moves along K-FAC's direction by the length of the base
       optimizer's own step on its plain gradient (the base's lr, moments and weight decay carry over unchanged, as
       in Distributed Shampoo's grafting); the other parameters take the base's step. Not with FSDP2-sharded layers.
+    - ``eigen_adam=True`` (a preconditioner keyword, Options::eigen_adam): Adam in the K-FAC eigenbasis. The
+      base must be ``torch.optim.AdamW`` (or ``Adam`` without weight decay): its ``betas`` and ``eps`` become the
+      preconditioner's ``adam_beta1``, ``adam_beta2`` and ``adam_eps`` unless given, and ``kl_clip`` defaults to
+      None. Each preconditioned layer's parameter p of a group with ``lr`` and ``weight_decay`` becomes
+      ``p (1 - lr weight_decay) - lr d``, d the core's step in the eigenbasis (docs/MATH.md section 8): AdamW's
+      update with K-FAC's basis. The other parameters take the base's own step, so AdamW's tuned lr, its
+      decay/no-decay groups and its LR schedule carry over. A layer the core leaves its plain gradient that step
+      (its guard, ``unused_layer_policy='skip'``) moves by ``lr`` times that gradient. Not with ``graft``.
     - ``param_groups``, ``state`` and ``defaults`` are the base optimizer's own objects, so LR schedulers,
       ``GradScaler.unscale_``, ``clip_grad_norm_`` over them and ``add_param_group`` act on the base.
     - ``zero_grad(set_to_none=True)`` is the base's.
@@ -155,6 +193,8 @@ class KFAC(torch.optim.Optimizer):
             raise TypeError(f'graft must be True or False, got {graft!r}')
         if kfac_lr_follows is not None and not isinstance(kfac_lr_follows, bool):
             raise TypeError(f'kfac_lr_follows must be True, False or None, got {kfac_lr_follows!r}')
+        if preconditioner_keywords.get('eigen_adam'):
+            preconditioner_keywords = _eigen_adam_keywords(optimizer, preconditioner_keywords)
         if isinstance(model_or_preconditioner, BaseKFACPreconditioner):
             if preconditioner_keywords:
                 raise TypeError('keyword arguments ' + ', '.join(sorted(preconditioner_keywords)) + ' configure a '
@@ -187,6 +227,12 @@ class KFAC(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._cost = _EveryStepCost()
         self._graft = graft
+        self._eigen_adam = bool(getattr(preconditioner, 'eigen_adam', False))
+        if self._eigen_adam:
+            _check_eigen_adam_base(optimizer)
+            if graft:
+                raise ValueError('dkfac.optim.KFAC: graft=True takes the length of the base optimizer\'s step; '
+                                 "eigen_adam's step is Adam's own, with its own length: use one of them")
         if graft and any(_is_dtensor(p) for _, module in preconditioner.layers for p in _layer_parameters(module)):
             raise ValueError('dkfac.optim.KFAC: graft=True with layers sharded by FSDP2 (DTensor parameters) is not '
                              'supported yet; graft a model that is not sharded, or use graft=False')
@@ -245,6 +291,9 @@ class KFAC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._eigen_adam:
+            self._eigen_adam_step()
+            return loss
         if not self._graft:
             self._preconditioner.step()
             self._cost.check(self._preconditioner)
@@ -285,6 +334,38 @@ class KFAC(torch.optim.Optimizer):
                                     torch.zeros_like(step))
                 for p, p0, d in zip(block, start, direction):
                     p.copy_(torch.where(usable, (p0.double() - scale * d.double()).to(p.dtype), p.detach()))
+
+    def _eigen_adam_step(self) -> None:
+        """eigen_adam: the preconditioner has replaced each preconditioned layer's gradient by Adam's step in its
+        K-FAC eigenbasis (the moments are the core's, docs/MATH.md section 8). Each such parameter p of a group
+        becomes p (1 - lr weight_decay) - lr d (AdamW's update, weight decay decoupled); the base optimizer steps
+        the other parameters as it would without K-FAC: the preconditioned ones have no ``.grad`` during its step,
+        so it skips them (and keeps no state for them). The gradients left are the steps d."""
+        self._preconditioner.step()
+        self._cost.check(self._preconditioner)
+        taken = {id(p) for _, module in self._preconditioner.layers for p in _layer_parameters(module)
+                 if p.grad is not None}
+        directions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for group in self._base.param_groups:
+            for p in group['params']:
+                if id(p) in taken and id(p) not in directions:
+                    directions[id(p)] = (p, p.grad)
+                    p.grad = None
+        try:
+            self._base.step()
+        finally:
+            for p, d in directions.values():
+                p.grad = d
+        with torch.no_grad():
+            for group in self._base.param_groups:
+                lr = float(group['lr'])
+                decay = float(group.get('weight_decay', 0.0))
+                for p in group['params']:
+                    if id(p) not in directions:
+                        continue
+                    if decay != 0.0:
+                        p.mul_(1.0 - lr * decay)
+                    p.add_(p.grad, alpha=-lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad``."""

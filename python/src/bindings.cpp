@@ -176,9 +176,10 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
   m.def("layer_state_entries", [] {
-    // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g'.
-    std::vector<std::tuple<std::string, bool, std::string>> out;
-    for (const auto& e : layer_state_entries()) out.emplace_back(e.key, e.factor, std::string(1, e.side));
+    // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g', whether
+    // one of Adam's moments (eigen_adam).
+    std::vector<std::tuple<std::string, bool, std::string, bool>> out;
+    for (const auto& e : layer_state_entries()) out.emplace_back(e.key, e.factor, std::string(1, e.side), e.moment());
     return out;
   });
   m.def(

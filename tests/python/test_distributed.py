@@ -141,6 +141,10 @@ CASES = [
     (4, dict(strategy='kaisa', grad_worker_fraction=0.5)),
     (4, dict(strategy='kaisa', grad_worker_fraction=0.25, compute_method='inverse')),
     (4, dict(strategy='spd', compute_method='inverse')),
+    # Adam in the eigenbasis (docs/MATH.md section 8): moments kept by the grad workers, rotated at each refresh (an
+    # eps of 1e-4 keeps Adam's quotient of near-zero entries from magnifying the collectives' round-off).
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
+    (4, dict(strategy='spd', eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
 ]
 
 
@@ -174,6 +178,7 @@ LM_CASES = [
     (4, dict(strategy='kaisa', grad_worker_fraction=0.25, colocate_factors=False, compute_method='inverse',
              symmetry_aware=True)),
     (4, dict(strategy='spd')),
+    (4, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
 ]
 
 
@@ -201,6 +206,7 @@ SHARDED_CASES = [
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner')),
     (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', model='lm', diagonal_factor_dim=16)),
     (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', compute_method='inverse')),
+    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
 ]
 
 
@@ -449,6 +455,8 @@ DCP_CASES = [
     (4, 2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner'), {}),
     (4, 2, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner'),
      dict(shard='fsdp', sharded_placement='replicated', grad_worker_fraction=1.0)),
+    # Adam's moments: written by the grad workers that hold them, read by the new job's.
+    (4, 2, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4), dict(grad_worker_fraction=1.0)),
 ]
 
 

@@ -1,0 +1,60 @@
+#pragma once
+
+#include <torch/torch.h>
+
+#include "dkfac/math/second_order.h"
+
+/// Adam in the K-FAC eigenbasis (docs/MATH.md section 8): Adam's first and second moments of each layer's gradient
+/// projected into the eigenbasis of its Kronecker factors, P = Q_G^T grad Q_A, and Adam's step rotated back. K-FAC's
+/// eigenvalues are not used: Adam's second moment of P takes their place (EKFAC's eigenvalue correction, normalised
+/// as Adam normalises; SOAP does the same in Shampoo's eigenbasis). Pure functions: tensors in, tensors out.
+namespace dkfac::math {
+
+/// Adam's state of one layer in an eigenbasis: the basis it was accumulated in is the caller's to keep.
+struct EigenAdamMoments {
+  torch::Tensor exp_avg;     ///< m, [g, a]: running mean of P
+  torch::Tensor exp_avg_sq;  ///< v, [g, a]: running mean of P * P
+  torch::Tensor steps;       ///< t, [1] float64: the updates folded into m and v (for Adam's bias correction)
+
+  bool defined() const { return exp_avg.defined(); }
+};
+
+/// Adam's constants: m = beta1 m + (1 - beta1) P, v = beta2 v + (1 - beta2) P^2, and eps added to sqrt(v-hat).
+struct AdamConstants {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+};
+
+/// Zero moments for a [g, a] gradient, m and v of `options`' dtype and device (t: float64 on that device).
+EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& options);
+
+/// Q_G^T matrix Q_A, [g, a] (a diagonal factor's eigenvectors are the identity: that side's product is skipped).
+torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix);
+/// Q_G rotated Q_A^T, the inverse of to_eigenbasis.
+torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated);
+
+/// One step's direction and the moments after it.
+struct EigenAdamStep {
+  torch::Tensor direction;  ///< Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, [g, a], in grad's dtype
+  EigenAdamMoments moments;
+};
+
+/// One Adam step in the eigenbasis (a, g) for `grad` [g, a], with moments accumulated in that basis:
+/// P = Q_G^T grad Q_A; m = beta1 m + (1 - beta1) P; v = beta2 v + (1 - beta2) P^2; t = t + 1; m-hat = m / (1 -
+/// beta1^t), v-hat = v / (1 - beta2^t); direction = Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T. Decided on the
+/// device, nothing waits: where P is not finite, the moments come back unchanged and the direction is NaN (the
+/// preconditioner's guard then falls back to the plain gradient, as for the other methods). Computed in the
+/// moments' dtype.
+EigenAdamStep eigen_adam_step(const EigenFactor& a, const EigenFactor& g, const EigenAdamMoments& moments,
+                              const torch::Tensor& grad, const AdamConstants& constants);
+
+/// Moments accumulated in the basis (from_a, from_g) expressed in (to_a, to_g), when the basis is refreshed. With
+/// R_A = Q_A,to^T Q_A,from and R_G likewise: m' = R_G m R_A^T, exactly (m is linear in the gradients), and
+/// v' = (R_G o R_G) v (R_A o R_A)^T (o: element-wise), the second moment of P' = R_G P R_A^T where P's entries are
+/// uncorrelated; it keeps sum(v). t is kept. Where the result is not finite (a basis that held NaN), the moments
+/// restart from zero.
+EigenAdamMoments rotate_moments(const EigenAdamMoments& moments, const EigenFactor& from_a, const EigenFactor& from_g,
+                                const EigenFactor& to_a, const EigenFactor& to_g);
+
+}  // namespace dkfac::math

@@ -1,0 +1,173 @@
+"""Adam in the K-FAC eigenbasis (``eigen_adam``, docs/MATH.md section 8) through ``dkfac.optim.KFAC``, against a
+float64 reference written here from the formulas: each layer's gradient G [g, a] (bias as the last column) is
+projected into the eigenbasis of that step's factors, P = Q_G^T G Q_A (the basis refreshed at every inverse step,
+the moments rotated into the new one), Adam's moments of P are kept per entry, and the step Q_G [m-hat / (sqrt(v-hat)
++ eps)] Q_A^T is applied as AdamW applies its own (weight decay decoupled); the parameters outside the K-FAC layers
+take torch's AdamW step. The factors are read from the preconditioner's state after each step (their own tests are
+elsewhere); everything else is the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import dkfac
+from dkfac import optim
+
+LR, DECAY, BETAS, EPS = 0.01, 0.1, (0.9, 0.99), 1e-8
+STEPS, INV_EVERY = 6, 2
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.LayerNorm(6),
+                               torch.nn.Linear(6, 3)).double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+
+
+def kfac_optimizer(model: torch.nn.Module, **kwargs) -> optim.KFAC:
+    return optim.KFAC(model, adamw(model), eigen_adam=True, factor_update_steps=1, inv_update_steps=INV_EVERY,
+                      **kwargs)
+
+
+def train(model, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def factors_after_step(opt: optim.KFAC) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    layers = opt.preconditioner.state_dict()['layers']
+    return {name: (entry['A'].clone(), entry['G'].clone()) for name, entry in layers.items()}
+
+
+class Reference:
+    """Adam in the eigenbasis of one layer, from the formulas, in float64."""
+
+    def __init__(self) -> None:
+        self.m = self.v = self.qa = self.qg = None
+        self.t = 0
+
+    def step(self, grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, refresh: bool) -> torch.Tensor:
+        if refresh:
+            qa, qg = torch.linalg.eigh(a).eigenvectors, torch.linalg.eigh(g).eigenvectors
+            if self.m is not None:  # into the new basis: m exactly, v entry-wise (R o R)
+                ra, rg = qa.T @ self.qa, qg.T @ self.qg
+                self.m = rg @ self.m @ ra.T
+                self.v = (rg * rg) @ self.v @ (ra * ra).T
+            self.qa, self.qg = qa, qg
+        p = self.qg.T @ grad @ self.qa
+        if self.m is None:
+            self.m, self.v = torch.zeros_like(p), torch.zeros_like(p)
+        self.t += 1
+        self.m = BETAS[0] * self.m + (1 - BETAS[0]) * p
+        self.v = BETAS[1] * self.v + (1 - BETAS[1]) * p * p
+        u = (self.m / (1 - BETAS[0] ** self.t)) / ((self.v / (1 - BETAS[1] ** self.t)).sqrt() + EPS)
+        return self.qg @ u @ self.qa.T
+
+
+def test_eigen_adam_equals_the_float64_reference_with_adamw_on_the_other_parameters():
+    model = make_model()
+    expected = copy.deepcopy(model)
+    opt = kfac_optimizer(model)
+    assert opt.preconditioner.eigen_adam and opt.preconditioner.kl_clip is None
+    assert (opt.preconditioner.adam_beta1, opt.preconditioner.adam_beta2, opt.preconditioner.adam_eps) == (*BETAS, EPS)
+    kfac_layers = {'0': expected[0], '3': expected[3]}
+    others = [p for name, p in expected.named_parameters() if name.split('.')[0] not in kfac_layers]
+    other_adamw = torch.optim.AdamW(others, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    references = {name: Reference() for name in kfac_layers}
+    for step in range(STEPS):
+        train(model, opt, range(step, step + 1))
+        factors = factors_after_step(opt)
+        x, y = batch(step)
+        other_adamw.zero_grad()
+        expected.zero_grad()
+        torch.nn.functional.cross_entropy(expected(x), y).backward()
+        with torch.no_grad():
+            for name, layer in kfac_layers.items():
+                grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1)
+                a, g = factors[name]
+                d = references[name].step(grad, a, g, refresh=step % INV_EVERY == 0)
+                for p, dp in ((layer.weight, d[:, :-1]), (layer.bias, d[:, -1])):
+                    p.mul_(1 - LR * DECAY).add_(dp, alpha=-LR)
+        other_adamw.step()
+        for (name, got), want in zip(model.named_parameters(), expected.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f'step {step}, {name}')
+    # AdamW kept no state for the preconditioned parameters: Adam's state of those is the core's.
+    kfac_params = {id(p) for name in kfac_layers for p in model[int(name)].parameters()}
+    assert not any(id(p) in kfac_params for p in opt.state)
+    usage = opt.preconditioner.memory_usage()
+    assert usage['adam_moments'] == 8 * (2 * (6 * 6 + 3 * 7) + 2), usage
+
+
+def test_the_moments_resume_exactly_from_a_state_dict_with_or_without_second_order():
+    model = make_model()
+    opt = kfac_optimizer(model)
+    train(model, opt, range(0, 3))  # step 2 is an inverse step: a factors-only state recomputes its basis exactly
+    saved_model = copy.deepcopy(model.state_dict())
+    full = io.BytesIO()
+    torch.save(opt.state_dict(), full)
+    factors_only = {'base': copy.deepcopy(opt.optimizer.state_dict()),
+                    'kfac': copy.deepcopy(opt.preconditioner.state_dict(include_second_order=False))}
+    assert {'exp_avg', 'exp_avg_sq', 'adam_steps'} <= set(factors_only['kfac']['dkfac']['second_order']['0'])
+    assert 'a_eigenvectors' not in factors_only['kfac']['dkfac']['second_order']['0']
+    train(model, opt, range(3, 6))
+    for state in (torch.load(io.BytesIO(full.getvalue()), weights_only=False), factors_only):
+        resumed = make_model()
+        resumed.load_state_dict(saved_model)
+        again = kfac_optimizer(resumed)
+        again.load_state_dict(state)
+        train(resumed, again, range(3, 6))
+        for (name, got), want in zip(resumed.named_parameters(), model.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_without_the_moments_a_resume_starts_them_again():
+    """A checkpoint of plain K-FAC (no moments) loads into eigen_adam: the moments start at zero."""
+    model = make_model()
+    plain = optim.KFAC(model, adamw(model), factor_update_steps=1, inv_update_steps=INV_EVERY)
+    train(model, plain, range(0, 2))
+    opt = kfac_optimizer(model)
+    opt.preconditioner.load_state_dict(plain.preconditioner.state_dict())
+    train(model, opt, range(2, 3))
+    assert float(opt.preconditioner.state_dict()['dkfac']['second_order']['0']['adam_steps']) == 1.0
+
+
+@pytest.mark.parametrize('kwargs,base,error,named', [
+    (dict(eigen_adam=True), 'adamw', ValueError, 'kl_clip'),
+    (dict(eigen_adam=True, kl_clip=None, compute_method='inverse'), 'adamw', ValueError, 'compute_method eigen'),
+    (dict(eigen_adam=True, kl_clip=None, adam_beta1=1.0), 'adamw', ValueError, 'adam_beta1'),
+])
+def test_the_preconditioner_refuses_what_eigen_adam_cannot_do(kwargs, base, error, named):
+    with pytest.raises(error, match=named):
+        dkfac.KFACPreconditioner(make_model(), **kwargs)
+
+
+@pytest.mark.parametrize('base,kwargs,error,named', [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), {}, TypeError, 'AdamW'),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.1), {}, ValueError, 'use torch.optim.AdamW'),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True), {}, ValueError, 'amsgrad'),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(graft=True), ValueError, 'graft'),
+])
+def test_the_optimizer_refuses_a_base_eigen_adam_cannot_stand_for(base, kwargs, error, named):
+    model = make_model()
+    with pytest.raises(error, match=named):
+        optim.KFAC(model, base(model.parameters()), eigen_adam=True, **kwargs)
