@@ -61,9 +61,6 @@ void Options::validate() const {
   TORCH_CHECK(!eigen_adam_ || compute_method_ == ComputeMethod::kEigen,
               "eigen_adam runs Adam in the eigenbasis of the factors: it needs compute_method eigen, got ",
               to_string(compute_method_));
-  TORCH_CHECK(!eigen_adam_ || (kl_clip_.is_constant() && kl_clip_(0) == 0.0),
-              "eigen_adam's step is Adam's, which KL clipping (a bound on a natural-gradient step) does not apply to: "
-              "set kl_clip to 0 (Python: kl_clip=None), got ", kl_clip_.is_constant() ? c10::str(kl_clip_(0)) : "a schedule");
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
@@ -95,7 +92,13 @@ void Options::validate() const {
 
 double Options::lr_at(int64_t step) const { return checked("lr", lr_(step), at_step(step)); }
 double Options::damping_at(int64_t step) const { return checked("damping", damping_(step), at_step(step)); }
-double Options::kl_clip_at(int64_t step) const { return checked("kl_clip", kl_clip_(step), at_step(step)); }
+double Options::kl_clip_at(int64_t step) const {
+  const double kl_clip = checked("kl_clip", kl_clip_(step), at_step(step));
+  TORCH_CHECK(!eigen_adam_ || kl_clip == 0.0, "eigen_adam's step is Adam's, which KL clipping (a bound on a "
+              "natural-gradient step) does not apply to: set kl_clip to 0 (Python: kl_clip=None), got ", kl_clip,
+              kl_clip_.is_constant() ? "" : at_step(step));
+  return kl_clip;
+}
 double Options::factor_decay_at(int64_t step) const {
   return checked("factor_decay", factor_decay_(step), at_step(step));
 }

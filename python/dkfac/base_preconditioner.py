@@ -745,6 +745,10 @@ class BaseKFACPreconditioner:
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:
             hyper['kl_clip'] = 0.0  # as the constructor: None turns KL clipping off
+        if getattr(self, 'eigen_adam', False) and hyper.get('kl_clip'):
+            warnings.warn(f"state_dict: its kl_clip={hyper['kl_clip']} is not loaded: this preconditioner runs "
+                          'eigen_adam, whose step KL clipping does not apply to (kl_clip stays 0)', stacklevel=2)
+            del hyper['kl_clip']
         try:
             _C.option_values(hyper)  # the constructor's checks (dkfac/options.h), naming the option
         except (TypeError, RuntimeError, ValueError) as error:
