@@ -34,6 +34,9 @@ peak lr at the run's last step):
   configurations are tried on the tuning seed and the one that reaches the AdamW target soonest is kept;
 * grafted ``kfac_adamw`` (``--kfac-graft-configs``): the same with ``graft=True``: each layer moves along
   K-FAC's direction by the length of AdamW's own step (docs/PYTHON.md, "Grafting"); chosen like the others;
+* Adam in the K-FAC eigenbasis (``--kfac-eigen-adam-configs``): ``dkfac.optim.KFAC(..., eigen_adam=True)``: the
+  K-FAC layers take Adam's step in their eigenbasis (AdamW's betas and eps, lr and decay), the rest AdamW's
+  (docs/MATH.md section 8); chosen like the others;
 * ``kfac_sgd``: ``dkfac.optim.KFAC(model, SGD(momentum 0.9))``, tuning seed only, when ``--kfac-sgd-configs``
   names any (none by default: on 400-step schedules it ended far behind AdamW, see docs/PERFORMANCE.md).
 
@@ -186,7 +189,8 @@ class Run:
                 warnings.simplefilter('always')
                 self.optimizer = dkfac.optim.KFAC(
                     self.model, base, factor_update_steps=spec['factor_steps'], inv_update_steps=spec['inv_steps'],
-                    damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False))
+                    damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False),
+                    eigen_adam=spec.get('eigen_adam', False))
             self.warnings += [str(w.message) for w in caught]
             self.preconditioner = self.optimizer.preconditioner
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, schedule(self.steps, args.warmup_steps))
@@ -329,6 +333,12 @@ def tuning_specs(args) -> list[dict]:
         if kl_clip != args.kl_clip:
             spec['label'] += f'-kl{kl_clip:g}'
         specs.append(spec)
+    for text in args.kfac_eigen_adam_configs:
+        # lr:factor_steps:inv_steps (damping and KL clipping do not enter Adam's step in the eigenbasis)
+        lr, factor_steps, inv_steps = text.split(':')
+        specs.append({'label': f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}', 'kind': 'kfac_adamw',
+                      'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
+                      'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True})
     for text in args.kfac_sgd_configs:
         lr, damping, factor_steps, inv_steps = text.split(':')
         specs.append({'label': f'kfac-sgd-lr{float(lr):g}-d{float(damping):g}-f{factor_steps}-i{inv_steps}',
@@ -500,6 +510,9 @@ def main() -> int:
     parser.add_argument('--kfac-graft-configs', nargs='*', default=[],
                         help='K-FAC + AdamW candidates with grafting (dkfac.optim.KFAC(graft=True): K-FAC\'s '
                              'direction, AdamW\'s step length per layer), in --kfac-configs\' format')
+    parser.add_argument('--kfac-eigen-adam-configs', nargs='*', default=[],
+                        help='Adam in the K-FAC eigenbasis (dkfac.optim.KFAC(eigen_adam=True), AdamW\'s betas and '
+                             'eps) candidates, lr:factor_steps:inv_steps')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
     args = parser.parse_args()

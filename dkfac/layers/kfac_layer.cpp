@@ -250,9 +250,10 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
     t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
   };
   if (method == ComputeMethod::kEigen) {
-    if (eigen_adam_) {  // received into new tensors: the moments' basis (adam_basis_) keeps the old ones
-      s.a_eigen.eigenvectors = torch::Tensor();
-      s.g_eigen.eigenvectors = torch::Tensor();
+    if (eigen_adam_) {  // broadcast into copies: the basis the moments are in (adam_basis_) keeps the old tensors
+      for (auto* q : {&s.a_eigen.eigenvectors, &s.g_eigen.eigenvectors}) {
+        if (q->defined()) *q = q->clone(at::MemoryFormat::Contiguous);
+      }
     }
     ensure(s.a_eigen.eigenvectors, "a_eigenvectors");
     ensure(s.a_eigen.eigenvalues, "a_eigenvalues");

@@ -160,8 +160,8 @@ class KfacLayer {
   void finish_second_order(double damping);
 
   /// Adam in the eigenbasis (Options::eigen_adam), set before any step: the layer keeps Adam's moments, and
-  /// prepare_second_order gives each broadcast new eigenvector buffers (the basis the moments are in must
-  /// outlive a refresh: precondition_adam rotates them out of it).
+  /// prepare_second_order gives each broadcast a copy of the eigenvectors to fill (the basis the moments are in
+  /// must outlive a refresh: precondition_adam rotates them out of it).
   void set_eigen_adam(bool on) { eigen_adam_ = on; }
   bool eigen_adam() const { return eigen_adam_; }
   /// Adam's step in the current eigenbasis for this layer's gradient ([g, a], in the gradient's dtype; NaN where the

@@ -118,17 +118,26 @@ def reference(size: int, kwargs: dict, factor_shard: int | None = None,
     return grads
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-4) -> bool:
     """Equal to float32 round-off, relative to the tensor's norm (collectives sum in another order)."""
-    return bool((a - b).norm() <= 1e-4 * b.norm() + 1e-8)
+    return bool((a - b).norm() <= rtol * b.norm() + 1e-8)
 
 
-def assert_gradients_equal(results: list[dict], expected: list, steps: int = STEPS, label: str = '') -> None:
+def tolerance(kwargs: dict) -> float:
+    """close()'s rtol for a job: eigen_adam's step normalises each entry of the gradient in the eigenbasis, so the
+    float32 factors' round-off (another summation order) moves eigenvectors of close eigenvalues and with them whole
+    entries: 2e-4 of the norm was measured with float64 second-order state (its cases use it), 0.5 with float32."""
+    return 1e-3 if kwargs.get('eigen_adam') else 1e-4
+
+
+def assert_gradients_equal(results: list[dict], expected: list, steps: int = STEPS, label: str = '',
+                           rtol: float = 1e-4) -> None:
     """Every rank's gradients at each of the first `steps` steps close to `expected[step]` (one list per step)."""
     for rank, result in enumerate(results):
         for step in range(steps):
             for i, (a, b) in enumerate(zip(result['grads'][step], expected[step])):
-                assert close(a, b), f'{label}rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+                assert close(a, b, rtol), (f'{label}rank {rank}, step {step}, parameter {i}: max diff '
+                                           f'{(a - b).abs().max()}')
 
 
 CASES = [
@@ -142,9 +151,11 @@ CASES = [
     (4, dict(strategy='kaisa', grad_worker_fraction=0.25, compute_method='inverse')),
     (4, dict(strategy='spd', compute_method='inverse')),
     # Adam in the eigenbasis (docs/MATH.md section 8): moments kept by the grad workers, rotated at each refresh (an
-    # eps of 1e-4 keeps Adam's quotient of near-zero entries from magnifying the collectives' round-off).
-    (2, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
-    (4, dict(strategy='spd', eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
+    # eps of 1e-4 keeps Adam's quotient of near-zero entries from magnifying the collectives' round-off). Where a
+    # factor's eigenvalues are degenerate (8.2: the CNN's head at 4 ranks), any basis there is LAPACK's choice and
+    # Adam's step depends on it: those cases run the LM (LM_CASES, DCP_CASES).
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.5,
+             eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
 ]
 
 
@@ -167,7 +178,7 @@ def test_equals_single_process_reference(size, kwargs, tmp_path):
     forced = 'grad_worker_fraction=1/world_size (MEM_OPT) requires colocate_factors=True; enabling it'
     assert (forced in results[0]['warnings']) == (mem_opt and kwargs.get('colocate_factors') is False), results[0]
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items() if k != 'explicit_group'}})
-    assert_gradients_equal(results, expected)
+    assert_gradients_equal(results, expected, rtol=tolerance(kwargs))
 
 
 # The layer kinds of a transformer (docs/MATH.md section 7): an Embedding (A diagonal), a Conv1D (weight stored
@@ -178,7 +189,9 @@ LM_CASES = [
     (4, dict(strategy='kaisa', grad_worker_fraction=0.25, colocate_factors=False, compute_method='inverse',
              symmetry_aware=True)),
     (4, dict(strategy='spd')),
-    (4, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
+    (4, dict(strategy='kaisa', grad_worker_fraction=0.5,
+             eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
+    (4, dict(strategy='spd', eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
 ]
 
 
@@ -190,7 +203,7 @@ def test_transformer_layers_equal_the_single_process_reference(size, kwargs, tmp
     assert 'module.head [a=13, g=40 diagonal]' in results[0]['plan'], results[0]['plan']
     assert 'module.wte [a=40 diagonal, g=8]' in results[0]['plan'], results[0]['plan']
     expected = reference(size, {**lm, 'inv_dtype': torch.float64, **kwargs})
-    assert_gradients_equal(results, expected)
+    assert_gradients_equal(results, expected, rtol=tolerance(kwargs))
 
 
 # FSDP2 (fully_shard on every leaf and the root, a 1-D mesh) and HSDP (2 x 2: replicate x shard): the K-FAC job
@@ -206,7 +219,8 @@ SHARDED_CASES = [
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner')),
     (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', model='lm', diagonal_factor_dim=16)),
     (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', compute_method='inverse')),
-    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', eigen_adam=True, kl_clip=None, adam_eps=1e-4)),
+    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner',
+             eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
 ]
 
 
@@ -219,7 +233,7 @@ def test_sharded_models_equal_the_single_process_reference(size, kwargs, tmp_pat
     assert all(result['plan'] == results[0]['plan'] for result in results)
     expected = reference(size, {**COMMON, **{k: v for k, v in kwargs.items()
                                              if k not in ('shard', 'shard_after', 'sharded_placement')}})
-    assert_gradients_equal(results, expected)
+    assert_gradients_equal(results, expected, rtol=tolerance(kwargs))
 
 
 @pytest.mark.parametrize('size,shard', [(2, 'fsdp'), (4, 'fsdp'), (4, 'hsdp')])
@@ -456,7 +470,8 @@ DCP_CASES = [
     (4, 2, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner'),
      dict(shard='fsdp', sharded_placement='replicated', grad_worker_fraction=1.0)),
     # Adam's moments: written by the grad workers that hold them, read by the new job's.
-    (4, 2, dict(strategy='kaisa', grad_worker_fraction=0.5, eigen_adam=True, kl_clip=None, adam_eps=1e-4), dict(grad_worker_fraction=1.0)),
+    (4, 2, dict(strategy='kaisa', grad_worker_fraction=0.5, model='lm', diagonal_factor_dim=16,
+                eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64'), dict(grad_worker_fraction=1.0)),
 ]
 
 
@@ -496,12 +511,13 @@ def test_dcp_checkpoint_resumes_on_another_world_size(saved, loaded, kwargs, cha
              if k not in ('shard', 'dcp_save', 'dcp_load', 'sharded_placement')}
     expected = reference(saved, plain, resize=(2, loaded))[2:]
     for step, (got, want) in enumerate(zip(first[0]['grads'][:3], reference(saved, plain)), start=0):
-        assert all(close(a, b) for a, b in zip(got, want)), f'saved job, step {step}'
+        assert all(close(a, b, tolerance(kwargs)) for a, b in zip(got, want)), f'saved job, step {step}'
     for rank, result in enumerate(second):
         assert len(result['grads']) == len(expected)
         for step, (got, want) in enumerate(zip(result['grads'], expected), start=2):
             for i, (a, b) in enumerate(zip(got, want)):
-                assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
+                assert close(a, b, tolerance(kwargs)), (f'rank {rank}, step {step}, parameter {i}: max diff '
+                                                        f'{(a - b).abs().max()}')
 
 
 def test_dcp_checkpoint_of_dp_kfac_gives_each_new_owner_its_layers(tmp_path):

@@ -113,7 +113,8 @@ def test_eigen_adam_equals_the_float64_reference_with_adamw_on_the_other_paramet
                     p.mul_(1 - LR * DECAY).add_(dp, alpha=-LR)
         other_adamw.step()
         for (name, got), want in zip(model.named_parameters(), expected.parameters()):
-            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m, s=step, n=name: f'step {s}, {n}: {m}')
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12,
+                                       msg=lambda m, s=step, n=name: f'step {s}, {n}: {m}')
     # AdamW kept no state for the preconditioned parameters: Adam's state of those is the core's.
     kfac_params = {id(p) for name in kfac_layers for p in model[int(name)].parameters()}
     assert not any(id(p) in kfac_params for p in opt.state)
