@@ -515,6 +515,9 @@ def main() -> int:
                              'eps) candidates, lr:factor_steps:inv_steps')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
+    parser.add_argument('--headline-from', default='kfac-',
+                        help='the headline K-FAC run is chosen among the tuning runs whose label starts with this '
+                             '(e.g. kfac-eigenadam); the others are tuning figures only')
     args = parser.parse_args()
 
     if args.quick:
@@ -570,7 +573,8 @@ def main() -> int:
     for r in tuning:
         hit = next((c for c in r['curve'] if c['val_loss'] <= target0), None)
         r['to_target_seed0'] = hit
-    kfac_runs = [r for r in tuning if r['spec']['kind'] == 'kfac_adamw']
+    kfac_runs = [r for r in tuning if r['spec']['kind'] == 'kfac_adamw'
+                 and r['spec']['label'].startswith(args.headline_from)]
     reached = [r for r in kfac_runs if r['to_target_seed0']]
     best_kfac = (min(reached, key=lambda r: r['to_target_seed0']['train_time_s']) if reached
                  else min(kfac_runs, key=lambda r: r['best']['val_loss']))

@@ -35,8 +35,9 @@ int main(int argc, char** argv) {
   std::ifstream in(argv[1], std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto spec = torch::pickle_load(bytes).toGenericDict();
-  const auto method = spec.at("method").toStringRef() == "inverse" ? dkfac::ComputeMethod::kInverse
-                                                                   : dkfac::ComputeMethod::kEigen;
+  const auto& name = spec.at("method").toStringRef();  // "eigen", "inverse" or "eigen_adam"
+  const auto method = name == "inverse" ? dkfac::ComputeMethod::kInverse : dkfac::ComputeMethod::kEigen;
+  const bool eigen_adam = name == "eigen_adam";
   auto model = std::make_shared<Cnn>();
   {
     torch::NoGradGuard no_grad;
@@ -50,8 +51,9 @@ int main(int argc, char** argv) {
                                         .inv_update_steps(spec.at("inv_update_steps").toInt())
                                         .damping(spec.at("damping").toDouble())
                                         .lr(0.1)
-                                        .kl_clip(0.001)
+                                        .kl_clip(eigen_adam ? 0.0 : 0.001)
                                         .compute_method(method)
+                                        .eigen_adam(eigen_adam)
                                         .inv_dtype(torch::kFloat32));
   auto inputs = spec.at("inputs").toList();
   auto targets = spec.at("targets").toList();

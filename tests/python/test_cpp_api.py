@@ -20,7 +20,7 @@ BINARY = os.environ.get('DKFAC_CPP_REFERENCE', os.path.join(os.path.dirname(os.p
                                                              'build', 'tests', 'dkfac_cpp_reference'))
 
 
-@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+@pytest.mark.parametrize('method', ['eigen', 'inverse', 'eigen_adam'])
 def test_python_equals_cpp_api(method, tmp_path):
     if not os.path.exists(BINARY):
         pytest.fail(f'{BINARY} is missing: build the project (./scripts/build.sh) first')
@@ -34,7 +34,9 @@ def test_python_equals_cpp_api(method, tmp_path):
     cpp = torch.load(tmp_path / 'out.pt', weights_only=False)  # the C++ reference's own archive
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    preconditioner = dkfac.KFACPreconditioner(model, compute_method=method, lr=0.1, kl_clip=0.001, **settings)
+    adam = method == 'eigen_adam'  # Adam in the eigenbasis (docs/MATH.md section 8): no KL clipping
+    preconditioner = dkfac.KFACPreconditioner(model, compute_method='eigen' if adam else method, eigen_adam=adam,
+                                              lr=0.1, kl_clip=None if adam else 0.001, **settings)
     python = []
     for x, y in batches:
         optimizer.zero_grad()
