@@ -644,6 +644,49 @@ TEST(Preconditioner, CheckpointRoundTripGivesSameNextStep) {
   expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(3).kl_clip(1e-3));
 }
 
+// docs/CPP.md's eigen_adam loop: SGD with weight decay over the dkfac layers' parameters gives AdamW's update with
+// the core's step d, p (1 - lr wd) - lr d, and d is the math kernel's for the layer's gradient and eigenbasis.
+TEST(Preconditioner, EigenAdamWithSgdOnItsLayersIsAdamWsUpdate) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().kl_clip(0).eigen_adam(true).adam_beta1(0.8).adam_eps(1e-6));
+  std::vector<torch::Tensor> layers;
+  for (const auto& layer : kfac.layers()) {
+    layers.push_back(layer.weight());
+    if (layer.bias().defined()) layers.push_back(layer.bias());
+  }
+  const double lr = 0.01, wd = 0.1;
+  torch::optim::SGD step_layers(layers, torch::optim::SGDOptions(lr).weight_decay(wd));
+  for (int64_t s = 0; s < 3; ++s) {
+    auto batch = make_batch(700 + s);
+    step_layers.zero_grad();
+    auto taps = net->forward_taps(batch.x);
+    net->loss(taps, batch.target).backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& layer : kfac.layers()) grads.push_back(layer.gradient());
+    kfac.step();
+    // fc1's step against the kernel, from the moments it had and the eigenbasis it holds now (refreshed each step:
+    // the moments rotated into it first).
+    const auto& fc1 = kfac.layers()[1];
+    const auto& state = fc1.second_order();
+    if (s == 0) {
+      auto expected = math::eigen_adam_step(state.a_eigen, state.g_eigen, math::zero_moments(5, 10, torch::kFloat64),
+                                            grads[1], {0.8, 0.999, 1e-6});
+      EXPECT_TENSOR_NEAR(fc1.gradient(), expected.direction, 1e-12);
+    }
+    ASSERT_TRUE(fc1.adam_moments().defined());
+    EXPECT_EQ(fc1.adam_moments().steps.item<double>(), s + 1.0);
+    std::vector<torch::Tensor> before, steps;
+    for (const auto& p : layers) {
+      before.push_back(p.detach().clone());
+      steps.push_back(p.grad().clone());
+    }
+    step_layers.step();
+    for (size_t i = 0; i < layers.size(); ++i) {
+      EXPECT_TENSOR_NEAR(layers[i].detach(), before[i] * (1 - lr * wd) - lr * steps[i], 1e-12) << "parameter " << i;
+    }
+  }
+}
+
 // Adam's moments in the eigenbasis are state too: saved, loaded, and rotated at the inverse step after the load.
 TEST(Preconditioner, EigenAdamCheckpointRoundTripKeepsTheMoments) {
   expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(3).kl_clip(0).eigen_adam(true));
