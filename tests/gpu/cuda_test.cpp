@@ -256,5 +256,40 @@ TEST(OnCudaMemory, AllocatorStatisticsSeeTheState) {
   EXPECT_GE(stats->reserved, stats->allocated);
 }
 
+// Adam in the eigenbasis (docs/MATH.md section 8) on CUDA float32 against the CPU in float64: three steps in one
+// basis, a rotation into another, two more steps. The bases are fixed (decomposed once, on the CPU), so what is
+// compared is the kernel's arithmetic, not eigh's choice within close eigenvalues; eps 1e-3 keeps Adam's quotient of
+// small entries from magnifying float32 round-off.
+TEST(OnCudaEigenAdam, StepsAndRotationMatchTheCpu) {
+  DKFAC_REQUIRE_CUDA();
+  torch::manual_seed(11);
+  const int64_t a = 24, g = 12;
+  auto basis = [](int64_t d) { return math::eigen_decompose(testing::random_spd(d, 2 * d, torch::kFloat64)); };
+  const math::EigenFactor cpu[] = {basis(a), basis(g), basis(a), basis(g)};  // A, G, then the refreshed A, G
+  auto on_cuda = [](const math::EigenFactor& e) {
+    return math::EigenFactor{e.eigenvectors.to(torch::kCUDA, torch::kFloat32),
+                             e.eigenvalues.to(torch::kCUDA, torch::kFloat32)};
+  };
+  const math::EigenFactor gpu[] = {on_cuda(cpu[0]), on_cuda(cpu[1]), on_cuda(cpu[2]), on_cuda(cpu[3])};
+  const math::AdamConstants constants{0.9, 0.99, 1e-3};
+  auto reference = math::zero_moments(g, a, torch::kFloat64);
+  auto moments = math::zero_moments(g, a, torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCUDA));
+  for (int step = 0; step < 5; ++step) {
+    const int b = step < 3 ? 0 : 2;  // the basis in use
+    if (step == 3) {
+      reference = math::rotate_moments(reference, cpu[0], cpu[1], cpu[2], cpu[3]);
+      moments = math::rotate_moments(moments, gpu[0], gpu[1], gpu[2], gpu[3]);
+      EXPECT_TENSOR_NEAR(moments.exp_avg_sq.cpu(), reference.exp_avg_sq, 1e-5) << "rotated v";
+    }
+    const auto grad = torch::randn({g, a}, torch::kFloat64);
+    auto expected = math::eigen_adam_step(cpu[b], cpu[b + 1], reference, grad, constants);
+    auto got = math::eigen_adam_step(gpu[b], gpu[b + 1], moments, grad.to(torch::kCUDA, torch::kFloat32), constants);
+    reference = expected.moments;
+    moments = got.moments;
+    EXPECT_TENSOR_NEAR(got.direction.cpu(), expected.direction, 1e-4) << "step " << step;
+    EXPECT_EQ(moments.steps.item<double>(), step + 1.0);
+  }
+}
+
 }  // namespace
 }  // namespace dkfac

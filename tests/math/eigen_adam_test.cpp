@@ -94,7 +94,8 @@ TEST(EigenAdam, SpecWorkedExample) {
   const auto ea = eigen_decompose(torch::tensor({{2.0, 1.0}, {1.0, 2.0}}, torch::kFloat64));
   const auto eg = eigen_decompose(torch::tensor({{4.0}}, torch::kFloat64));
   const AdamConstants c{0.9, 0.999, 1e-12};
-  auto first = eigen_adam_step(ea, eg, zero_moments(1, 2, torch::kFloat64), torch::tensor({{3.0, 1.0}}, torch::kFloat64), c);
+  const auto grad1 = torch::tensor({{3.0, 1.0}}, torch::kFloat64);
+  auto first = eigen_adam_step(ea, eg, zero_moments(1, 2, torch::kFloat64), grad1, c);
   EXPECT_TENSOR_NEAR(first.direction, torch::tensor({{std::sqrt(2.0), 0.0}}, torch::kFloat64), 1e-9);
   auto second = eigen_adam_step(ea, eg, first.moments, torch::tensor({{1.0, 3.0}}, torch::kFloat64), c);
   EXPECT_TENSOR_NEAR(second.direction, torch::tensor({{0.669891, 0.744323}}, torch::kFloat64), 1e-6);
@@ -157,7 +158,8 @@ TEST(EigenAdam, RotationOutOfABasisThatHeldNaNRestartsFromZero) {
   torch::manual_seed(5);
   const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
   const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
-  auto moments = eigen_adam_step(ea, eg, zero_moments(2, 3, torch::kFloat64), torch::randn({2, 3}, torch::kFloat64), {}).moments;
+  const auto grad = torch::randn({2, 3}, torch::kFloat64);
+  auto moments = eigen_adam_step(ea, eg, zero_moments(2, 3, torch::kFloat64), grad, {}).moments;
   EigenFactor broken{torch::full({3, 3}, kNan, torch::kFloat64), torch::ones({3}, torch::kFloat64)};
   const auto rotated = rotate_moments(moments, broken, eg, ea, eg);
   EXPECT_TRUE(torch::equal(rotated.exp_avg, torch::zeros({2, 3}, torch::kFloat64)));
