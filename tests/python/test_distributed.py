@@ -255,6 +255,28 @@ def test_owner_placement_keeps_each_layers_state_with_its_owners(size, shard, tm
     assert max(state(r['memory']) for r in owner) < whole
 
 
+@pytest.mark.parametrize('strategy', [dict(strategy='dp'), dict(strategy='kaisa', grad_worker_fraction=0.5)])
+def test_eigen_adam_keeps_each_layers_moments_where_it_is_preconditioned(strategy, tmp_path):
+    """eigen_adam's moments are held by the one rank that preconditions each layer (DP-KFAC's owner, KAISA's grad
+    worker at W = 1), counted by memory_usage() there, and every rank steps on the V that rank broadcasts."""
+    kwargs = {**COMMON, **strategy, 'model': 'lm', 'diagonal_factor_dim': 16, 'eigen_adam': True, 'kl_clip': None}
+    results = run_workers(2, kwargs, tmp_path)
+    holders = {}
+    for rank, result in enumerate(results):
+        held = result['state']['dkfac']['held']
+        for name, flags in held.items():
+            if flags.get('exp_avg'):
+                holders.setdefault(name, []).append(rank)
+    assert sorted(holders) == sorted(results[0]['layers']) and all(len(r) == 1 for r in holders.values()), holders
+    sizes = {name: results[ranks[0]]['state']['dkfac']['second_order'][name]['exp_avg']
+             for name, ranks in holders.items()}
+    expected = [sum(2 * t.numel() * t.element_size() + 8 for name, t in sizes.items() if holders[name] == [rank])
+                for rank in range(2)]
+    assert [r['memory'].get('adam_moments', 0) for r in results] == expected
+    for s in range(STEPS):
+        assert all(torch.equal(a, b) for a, b in zip(results[1]['grads'][s], results[0]['grads'][s]))
+
+
 def test_dp_kfac_owner_placement_equals_dp_kfac_under_ddp(tmp_path):
     """DP-KFAC's owner builds a layer's factors from its own batch; under FSDP2 with owner placement it also
     gathers the gradient's rows and scatters them back instead of broadcasting V: the same gradients as DDP."""
