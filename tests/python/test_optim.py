@@ -791,6 +791,35 @@ def test_kfac_trainer_keeps_the_trainers_own_optimizer_groups_and_schedule(tmp_p
 
 
 @NEEDS_TRAINER
+def test_kfac_trainer_runs_adam_in_the_eigenbasis_with_the_trainers_adamw(tmp_path: object) -> None:
+    """kfac=dict(eigen_adam=True): the Trainer's AdamW steps the parameters outside the K-FAC layers (its state holds
+    those only), its betas and eps become the preconditioner's, and every preconditioned layer's moments count each
+    step."""
+    import transformers
+
+    from dkfac.hf import KFACTrainer
+
+    batches = make_batches()
+    model = make_model()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=len(batches), report_to=[],
+                                          per_device_train_batch_size=BATCH, use_cpu=True, save_strategy='no',
+                                          learning_rate=2e-3, weight_decay=0.05, adam_beta2=0.98, adam_epsilon=1e-7,
+                                          disable_tqdm=True, seed=0)
+    trainer = KFACTrainer(model=model, args=args, train_dataset=_Sequence(batches),
+                          kfac=dict(eigen_adam=True, factor_update_steps=1, inv_update_steps=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        trainer.train()
+    opt = trainer.optimizer.optimizer
+    p = opt.preconditioner
+    assert p.eigen_adam and not p.kl_clip and (p.adam_beta1, p.adam_beta2, p.adam_eps) == (0.9, 0.98, 1e-7)
+    layered = {id(q) for _, module in p.layers for q in (module.weight, getattr(module, 'bias', None)) if q is not None}
+    assert opt.optimizer.state and not any(id(q) in layered for q in opt.optimizer.state)
+    held = p.state_dict()['dkfac']['second_order']
+    assert all(float(entry['adam_steps']) == len(batches) for entry in held.values()), held
+
+
+@NEEDS_TRAINER
 def test_kfac_trainer_leaves_an_optimizer_given_through_optimizers_alone(tmp_path: object) -> None:
     import transformers
 
