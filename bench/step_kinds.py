@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--tf32', action='store_true', help='allow TF32 in matmuls (off by default, as the tests)')
     parser.add_argument('--variant', action='append', default=[], metavar='NAME:KEY=VALUE[,KEY=VALUE]',
                         help='also measure dkfac with these options, as method NAME (e.g. '
-                             'tf32:precondition_dtype=tf32 or bf16:inv_dtype=bfloat16); repeatable')
+                             'tf32:precondition_dtype=tf32, bf16:inv_dtype=bfloat16 or '
+                             'eigenadam:eigen_adam=true,kl_clip=0); repeatable')
     parser.add_argument('--no-kfac-pytorch-run', action='store_true',
                         help='leave kfac_pytorch out of this run (its figures then come from another run)')
     parser.add_argument('--budget-s', type=float, default=None,
@@ -106,8 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             key, _, value = item.partition('=')
             if not key or not value:
                 parser.error(f'--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]')
-            options[key] = getattr(torch, value) if key.endswith('_dtype') and hasattr(torch, value) and \
-                isinstance(getattr(torch, value), torch.dtype) else value
+            options[key] = _option_value(key, value)
         if not name or not options or name in ps.METHODS:
             parser.error(f'--variant {spec!r}: a new method name and at least one option')
         args.variants[name] = options
@@ -204,6 +204,21 @@ def floors(shapes: list[dict[str, int]], rates: dict[str, float]) -> dict[str, d
         'second_order': {'flops': eigh_flops, 'floor_ms': 1000 * eigh_flops / rates['gemm_flops']},
         'precondition': {'flops': precondition_flops, 'bytes': precondition_bytes, 'floor_ms': 1000 * precondition_s},
     }
+
+
+def _option_value(key: str, text: str) -> Any:
+    """A --variant value as the preconditioner takes it: a torch dtype for *_dtype, true/false as a bool, a number
+    as a number (eigen_adam=true,kl_clip=0), anything else as the text (precondition_dtype=tf32)."""
+    if key.endswith('_dtype') and isinstance(getattr(torch, text, None), torch.dtype):
+        return getattr(torch, text)
+    if text.lower() in ('true', 'false'):
+        return text.lower() == 'true'
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 # --- measuring ------------------------------------------------------------------------------------------------

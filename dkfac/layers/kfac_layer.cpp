@@ -315,9 +315,7 @@ torch::Tensor KfacLayer::precondition_adam(const math::AdamConstants& constants)
     adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
   }
   adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
-  auto step = math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, gradient(), constants);
-  adam_ = std::move(step.moments);
-  return step.direction;
+  return math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, gradient(), constants);
 }
 
 std::map<std::string, torch::Tensor> KfacLayer::state() const {
@@ -349,7 +347,7 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     const auto it = state.find(key);
     if (it == state.end() || !it->second.defined()) return torch::Tensor();
     const auto* entry = layer_state_entry(key);
-    const auto dtype = entry->factor ? factor_type : entry->form == 's' ? torch::kFloat64 : stored_type;
+    const auto dtype = entry->factor ? factor_type : entry->form == 's' ? torch::kFloat32 : stored_type;
     // A copy even where device and dtype match: the caller's tensors (a state dict it may fill again) are never
     // the live state.
     return it->second.to(binding_.weight.device(), dtype, /*non_blocking=*/false, /*copy=*/true);

@@ -66,7 +66,7 @@ struct LayerStateEntry {
   const char* what;  ///< as messages name it: "A factor", "Q_A", ...
   /// How it is shaped, for a side of dimension d: 'f' d x d, or [d] where that factor is diagonal (factors,
   /// inverses); 'q' d x d, never held for a diagonal factor (eigenvectors); 'v' [d] (eigenvalues); 'r' [g, a];
-  /// 'm' [g, a] (Adam's moments in the eigenbasis, Options::eigen_adam); 's' [1] float64 (their step count).
+  /// 'm' [g, a] (Adam's moments in the eigenbasis, Options::eigen_adam); 's' [1] float32 (their step count).
   char form;
   /// Adam's state (forms 'm' and 's'): held where the layer is preconditioned, kept by factors-only checkpoints.
   bool moment() const { return form == 'm' || form == 's'; }

@@ -1,6 +1,6 @@
 #include "dkfac/math/eigen_adam.h"
 
-#include <limits>
+#include <ATen/ops/_fused_adam.h>
 
 namespace dkfac::math {
 namespace {
@@ -17,7 +17,7 @@ torch::Tensor rotation(const torch::Tensor& from, const torch::Tensor& to) {
 
 EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& options) {
   return {torch::zeros({g, a}, options), torch::zeros({g, a}, options),
-          torch::zeros({1}, options.dtype(torch::kFloat64))};
+          torch::zeros({1}, options.dtype(torch::kFloat32))};
 }
 
 torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix) {
@@ -30,28 +30,26 @@ torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const 
   return a.eigenvectors.defined() ? torch::mm(back, a.eigenvectors.t()) : back;
 }
 
-EigenAdamStep eigen_adam_step(const EigenFactor& a, const EigenFactor& g, const EigenAdamMoments& moments,
+torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenAdamMoments& moments,
                               const torch::Tensor& grad, const AdamConstants& constants) {
   TORCH_CHECK(moments.defined() && moments.exp_avg.sizes() == grad.sizes(), "eigen_adam_step: moments of shape ",
               moments.exp_avg.defined() ? moments.exp_avg.sizes() : at::IntArrayRef{}, " for a gradient of shape ",
               grad.sizes());
+  TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32, "eigen_adam_step: the step count must be float32 (torch's "
+              "fused Adam reads it so), got ", moments.steps.scalar_type());
   const auto dtype = moments.exp_avg.scalar_type();
   const auto p = to_eigenbasis(a, g, grad.scalar_type() == dtype ? grad : grad.to(dtype));
   const auto finite = torch::isfinite(p).all();
-  const double b1 = constants.beta1;
-  const double b2 = constants.beta2;
-  auto m = torch::where(finite, moments.exp_avg * b1 + p * (1.0 - b1), moments.exp_avg);
-  auto v = torch::where(finite, moments.exp_avg_sq * b2 + p * p * (1.0 - b2), moments.exp_avg_sq);
-  auto t = torch::where(finite, moments.steps + 1.0, moments.steps);
-  // Bias corrections 1 - beta^t as float64 [1] tensors (t is 0 only where no update was ever folded in: then m is
-  // 0 and the quotient's NaN is masked below with the rest of an unfinished step).
-  const auto bc1 = 1.0 - torch::pow(b1, t);
-  const auto bc2 = 1.0 - torch::pow(b2, t);
-  auto scaled = (m / bc1.to(dtype)) / ((v / bc2.to(dtype)).sqrt_() + constants.eps);
-  scaled.masked_fill_(finite.logical_not(), std::numeric_limits<double>::quiet_NaN());
+  // The kernel steps a "parameter" by -lr times Adam's update: a parameter of zeros and lr -1 leave the update in it.
+  // P * 0 is 0 where P is finite and NaN elsewhere: the direction of a step the kernel skips (found_inf) is NaN.
+  auto scaled = p * 0.0;
+  moments.steps.add_(finite);  // before the kernel, which reads t; a skipped step does not count
+  const auto found_inf = finite.logical_not().to(torch::kFloat32);
+  at::_fused_adam_({scaled}, {p}, {moments.exp_avg}, {moments.exp_avg_sq}, {}, {moments.steps}, /*lr=*/-1.0,
+                   constants.beta1, constants.beta2, /*weight_decay=*/0.0, constants.eps, /*amsgrad=*/false,
+                   /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
   auto direction = from_eigenbasis(a, g, scaled);
-  if (direction.scalar_type() != grad.scalar_type()) direction = direction.to(grad.scalar_type());
-  return {direction, {m, v, t}};
+  return direction.scalar_type() == grad.scalar_type() ? direction : direction.to(grad.scalar_type());
 }
 
 EigenAdamMoments rotate_moments(const EigenAdamMoments& moments, const EigenFactor& from_a, const EigenFactor& from_g,

@@ -14,7 +14,7 @@ namespace dkfac::math {
 struct EigenAdamMoments {
   torch::Tensor exp_avg;     ///< m, [g, a]: running mean of P
   torch::Tensor exp_avg_sq;  ///< v, [g, a]: running mean of P * P
-  torch::Tensor steps;       ///< t, [1] float64: the updates folded into m and v (for Adam's bias correction)
+  torch::Tensor steps;       ///< t, [1] float32 (as torch's fused Adam keeps it): the updates folded into m and v
 
   bool defined() const { return exp_avg.defined(); }
 };
@@ -26,7 +26,7 @@ struct AdamConstants {
   double eps = 1e-8;
 };
 
-/// Zero moments for a [g, a] gradient, m and v of `options`' dtype and device (t: float64 on that device).
+/// Zero moments for a [g, a] gradient, m and v of `options`' dtype and device (t: float32 on that device).
 EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& options);
 
 /// Q_G^T matrix Q_A, [g, a] (a diagonal factor's eigenvectors are the identity: that side's product is skipped).
@@ -34,19 +34,14 @@ torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const to
 /// Q_G rotated Q_A^T, the inverse of to_eigenbasis.
 torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated);
 
-/// One step's direction and the moments after it.
-struct EigenAdamStep {
-  torch::Tensor direction;  ///< Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, [g, a], in grad's dtype
-  EigenAdamMoments moments;
-};
-
-/// One Adam step in the eigenbasis (a, g) for `grad` [g, a], with moments accumulated in that basis:
-/// P = Q_G^T grad Q_A; m = beta1 m + (1 - beta1) P; v = beta2 v + (1 - beta2) P^2; t = t + 1; m-hat = m / (1 -
-/// beta1^t), v-hat = v / (1 - beta2^t); direction = Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T. Decided on the
-/// device, nothing waits: where P is not finite, the moments come back unchanged and the direction is NaN (the
-/// preconditioner's guard then falls back to the plain gradient, as for the other methods). Computed in the
-/// moments' dtype.
-EigenAdamStep eigen_adam_step(const EigenFactor& a, const EigenFactor& g, const EigenAdamMoments& moments,
+/// One Adam step in the eigenbasis (a, g) for `grad` [g, a], with `moments` accumulated in that basis and updated
+/// in place (an optimizer's state, the one thing here that is not a value): P = Q_G^T grad Q_A; m = beta1 m +
+/// (1 - beta1) P; v = beta2 v + (1 - beta2) P^2; t = t + 1; m-hat = m / (1 - beta1^t), v-hat = v / (1 - beta2^t).
+/// Returns the direction Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, [g, a], in grad's dtype. The element-wise part is
+/// torch's fused Adam kernel (one pass over P, m and v). Decided on the device, nothing waits: where P is not
+/// finite, the moments are left as they were and the direction is NaN (the preconditioner's guard then falls back
+/// to the plain gradient, as for the other methods). Computed in the moments' dtype.
+torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenAdamMoments& moments,
                               const torch::Tensor& grad, const AdamConstants& constants);
 
 /// Moments accumulated in the basis (from_a, from_g) expressed in (to_a, to_g), when the basis is refreshed. With

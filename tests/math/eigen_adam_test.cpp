@@ -54,9 +54,7 @@ TEST(EigenAdam, EqualsTheDenseKroneckerReferenceOverSteps) {
   auto moments = zero_moments(g, a, torch::TensorOptions().dtype(torch::kFloat64));
   for (int step = 0; step < 4; ++step) {
     const auto grad = torch::randn({g, a}, torch::kFloat64);
-    auto ours = eigen_adam_step(ea, eg, moments, grad, c);
-    moments = ours.moments;
-    EXPECT_TENSOR_NEAR(ours.direction, dense.step(grad), 1e-10);
+    EXPECT_TENSOR_NEAR(eigen_adam_step(ea, eg, moments, grad, c), dense.step(grad), 1e-10);
     EXPECT_EQ(moments.steps.item<double>(), step + 1);
   }
 }
@@ -66,10 +64,11 @@ TEST(EigenAdam, FloatGradientsRunInTheMomentsDtypeAndComeBackInTheirs) {
   const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
   const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
   const auto grad = torch::randn({2, 3}, torch::kFloat32);
-  auto ours = eigen_adam_step(ea, eg, zero_moments(2, 3, torch::kFloat64), grad, {});
+  auto moments = zero_moments(2, 3, torch::kFloat64);
+  const auto direction = eigen_adam_step(ea, eg, moments, grad, {});
   DenseEigenAdam dense(ea.eigenvectors, eg.eigenvectors, {});
-  EXPECT_EQ(ours.direction.scalar_type(), torch::kFloat32);
-  EXPECT_TENSOR_NEAR(ours.direction, dense.step(grad), 1e-6);
+  EXPECT_EQ(direction.scalar_type(), torch::kFloat32);
+  EXPECT_TENSOR_NEAR(direction, dense.step(grad), 1e-6);
 }
 
 // A diagonal factor (an Embedding's A, a head's G) has no eigenvectors: that side's basis is the identity.
@@ -82,9 +81,7 @@ TEST(EigenAdam, ADiagonalSideIsTheIdentityBasis) {
   auto moments = zero_moments(3, 5, torch::kFloat64);
   for (int step = 0; step < 3; ++step) {
     const auto grad = torch::randn({3, 5}, torch::kFloat64);
-    auto ours = eigen_adam_step(ea, eg, moments, grad, {});
-    moments = ours.moments;
-    EXPECT_TENSOR_NEAR(ours.direction, dense.step(grad), 1e-10);
+    EXPECT_TENSOR_NEAR(eigen_adam_step(ea, eg, moments, grad, {}), dense.step(grad), 1e-10);
   }
 }
 
@@ -94,11 +91,11 @@ TEST(EigenAdam, SpecWorkedExample) {
   const auto ea = eigen_decompose(torch::tensor({{2.0, 1.0}, {1.0, 2.0}}, torch::kFloat64));
   const auto eg = eigen_decompose(torch::tensor({{4.0}}, torch::kFloat64));
   const AdamConstants c{0.9, 0.999, 1e-12};
-  const auto grad1 = torch::tensor({{3.0, 1.0}}, torch::kFloat64);
-  auto first = eigen_adam_step(ea, eg, zero_moments(1, 2, torch::kFloat64), grad1, c);
-  EXPECT_TENSOR_NEAR(first.direction, torch::tensor({{std::sqrt(2.0), 0.0}}, torch::kFloat64), 1e-9);
-  auto second = eigen_adam_step(ea, eg, first.moments, torch::tensor({{1.0, 3.0}}, torch::kFloat64), c);
-  EXPECT_TENSOR_NEAR(second.direction, torch::tensor({{0.669891, 0.744323}}, torch::kFloat64), 1e-6);
+  auto moments = zero_moments(1, 2, torch::kFloat64);
+  const auto first = eigen_adam_step(ea, eg, moments, torch::tensor({{3.0, 1.0}}, torch::kFloat64), c);
+  EXPECT_TENSOR_NEAR(first, torch::tensor({{std::sqrt(2.0), 0.0}}, torch::kFloat64), 1e-9);
+  const auto second = eigen_adam_step(ea, eg, moments, torch::tensor({{1.0, 3.0}}, torch::kFloat64), c);
+  EXPECT_TENSOR_NEAR(second, torch::tensor({{0.669891, 0.744323}}, torch::kFloat64), 1e-6);
   // Plain Adam on the same gradients (docs/MATH.md): [1, 1], then [0.871064, 0.917781].
 }
 
@@ -106,14 +103,16 @@ TEST(EigenAdam, ANonFiniteGradientLeavesTheMomentsAndGivesNaN) {
   torch::manual_seed(3);
   const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
   const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
-  auto before = eigen_adam_step(ea, eg, zero_moments(2, 3, torch::kFloat64), torch::randn({2, 3}, torch::kFloat64), {});
+  auto moments = zero_moments(2, 3, torch::kFloat64);
+  eigen_adam_step(ea, eg, moments, torch::randn({2, 3}, torch::kFloat64), {});
+  const auto m = moments.exp_avg.clone(), v = moments.exp_avg_sq.clone();
   auto bad = torch::randn({2, 3}, torch::kFloat64);
   bad[1][2] = kNan;
-  auto after = eigen_adam_step(ea, eg, before.moments, bad, {});
-  EXPECT_TRUE(torch::isnan(after.direction).all().item<bool>());
-  EXPECT_TRUE(torch::equal(after.moments.exp_avg, before.moments.exp_avg));
-  EXPECT_TRUE(torch::equal(after.moments.exp_avg_sq, before.moments.exp_avg_sq));
-  EXPECT_EQ(after.moments.steps.item<double>(), 1.0);
+  const auto direction = eigen_adam_step(ea, eg, moments, bad, {});
+  EXPECT_TRUE(torch::isnan(direction).all().item<bool>());
+  EXPECT_TRUE(torch::equal(moments.exp_avg, m));
+  EXPECT_TRUE(torch::equal(moments.exp_avg_sq, v));
+  EXPECT_EQ(moments.steps.item<double>(), 1.0);
 }
 
 // m is linear in the gradients: accumulated in one basis and rotated into another, it is what accumulating in the
@@ -129,8 +128,8 @@ TEST(EigenAdam, RotationIsExactForTheFirstMomentAndEntryWiseForTheSecond) {
   auto in_new = zero_moments(g, a, torch::kFloat64);
   for (int step = 0; step < 3; ++step) {
     const auto grad = torch::randn({g, a}, torch::kFloat64);
-    in_old = eigen_adam_step(old_a, old_g, in_old, grad, {}).moments;
-    in_new = eigen_adam_step(new_a, new_g, in_new, grad, {}).moments;
+    eigen_adam_step(old_a, old_g, in_old, grad, {});
+    eigen_adam_step(new_a, new_g, in_new, grad, {});
   }
   const auto rotated = rotate_moments(in_old, old_a, old_g, new_a, new_g);
   EXPECT_TENSOR_NEAR(rotated.exp_avg, in_new.exp_avg, 1e-10);
@@ -158,8 +157,8 @@ TEST(EigenAdam, RotationOutOfABasisThatHeldNaNRestartsFromZero) {
   torch::manual_seed(5);
   const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
   const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
-  const auto grad = torch::randn({2, 3}, torch::kFloat64);
-  auto moments = eigen_adam_step(ea, eg, zero_moments(2, 3, torch::kFloat64), grad, {}).moments;
+  auto moments = zero_moments(2, 3, torch::kFloat64);
+  eigen_adam_step(ea, eg, moments, torch::randn({2, 3}, torch::kFloat64), {});
   EigenFactor broken{torch::full({3, 3}, kNan, torch::kFloat64), torch::ones({3}, torch::kFloat64)};
   const auto rotated = rotate_moments(moments, broken, eg, ea, eg);
   EXPECT_TRUE(torch::equal(rotated.exp_avg, torch::zeros({2, 3}, torch::kFloat64)));

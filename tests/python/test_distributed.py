@@ -270,7 +270,7 @@ def test_eigen_adam_keeps_each_layers_moments_where_it_is_preconditioned(strateg
     assert sorted(holders) == sorted(results[0]['layers']) and all(len(r) == 1 for r in holders.values()), holders
     sizes = {name: results[ranks[0]]['state']['dkfac']['second_order'][name]['exp_avg']
              for name, ranks in holders.items()}
-    expected = [sum(2 * t.numel() * t.element_size() + 8 for name, t in sizes.items() if holders[name] == [rank])
+    expected = [sum(2 * t.numel() * t.element_size() + 4 for name, t in sizes.items() if holders[name] == [rank])
                 for rank in range(2)]
     assert [r['memory'].get('adam_moments', 0) for r in results] == expected
     for s in range(STEPS):
