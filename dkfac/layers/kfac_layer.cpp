@@ -374,7 +374,12 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   }
   // Adam's moments: all three or none; a layer without eigen_adam has no use for them (another run's).
   math::EigenAdamMoments adam;
-  if (eigen_adam_) adam = {get("exp_avg"), get("exp_avg_sq"), get("adam_steps")};
+  // Contiguous: the fused Adam kernel steps P, m and v in one layout (a checkpoint's tensors may have any).
+  auto dense = [&](const char* key) {
+    auto t = get(key);
+    return t.defined() ? t.contiguous() : t;
+  };
+  if (eigen_adam_) adam = {dense("exp_avg"), dense("exp_avg_sq"), dense("adam_steps")};
   const int held = adam.exp_avg.defined() + adam.exp_avg_sq.defined() + adam.steps.defined();
   TORCH_CHECK(held == 0 || held == 3, "checkpoint for layer '", name(), "' holds ", held,
               " of Adam's three entries (exp_avg, exp_avg_sq, adam_steps): the state is incomplete");

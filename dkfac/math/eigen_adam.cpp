@@ -38,7 +38,9 @@ torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenA
   TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32, "eigen_adam_step: the step count must be float32 (torch's "
               "fused Adam reads it so), got ", moments.steps.scalar_type());
   const auto dtype = moments.exp_avg.scalar_type();
-  const auto p = to_eigenbasis(a, g, grad.scalar_type() == dtype ? grad : grad.to(dtype));
+  // Contiguous, as the moments are: CUDA's fused kernel wants one layout across P, m, v and the result (a layer
+  // whose two factors are diagonal would pass its gradient's own, transposed, layout through).
+  const auto p = to_eigenbasis(a, g, grad.scalar_type() == dtype ? grad : grad.to(dtype)).contiguous();
   const auto finite = torch::isfinite(p).all();
   // The kernel steps a "parameter" by -lr times Adam's update: a parameter of zeros and lr -1 leave the update in it.
   // P * 0 is 0 where P is finite and NaN elsewhere: the direction of a step the kernel skips (found_inf) is NaN.
