@@ -179,3 +179,34 @@ def test_the_optimizer_refuses_a_base_eigen_adam_cannot_stand_for(base, kwargs, 
     model = make_model()
     with pytest.raises(error, match=named):
         optim.KFAC(model, base(model.parameters()), eigen_adam=True, **kwargs)
+
+
+class _Bag(torch.nn.Module):
+    """An Embedding read through a fixed projection: its only parameter is the Embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = torch.nn.Embedding(50, 20)
+        self.register_buffer('projection', torch.randn(20, 3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids).mean(1) @ self.projection
+
+
+def test_a_layer_whose_two_factors_are_diagonal_takes_adamws_own_step():
+    """An Embedding's A is diagonal, and with diagonal_factor_dim 16 its 20-wide G too: both eigenbases are the
+    identity, so Adam in the eigenbasis is AdamW on the gradient itself (whose [g, a] view is a transposed one)."""
+    model, reference = _Bag().double(), _Bag().double()
+    opt = optim.KFAC(model, adamw(model), eigen_adam=True, diagonal_factor_dim=16, factor_update_steps=1,
+                     inv_update_steps=2, inv_dtype=torch.float64)  # the moments' dtype (Python's default: float32)
+    assert [name for name, _ in opt.preconditioner.layers] == ['embedding']
+    plain = adamw(reference)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        ids, y = torch.randint(0, 50, (8, 6), generator=g), torch.randint(0, 3, (8,), generator=g)
+        for m, o in ((model, opt), (reference, plain)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(ids), y).backward()
+            o.step()
+        torch.testing.assert_close(model.embedding.weight, reference.embedding.weight, rtol=1e-12, atol=1e-14)
