@@ -577,7 +577,7 @@ NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING,
 
 
 def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None,
-                   callbacks: list | None = None) -> tuple:
+                   callbacks: list | None = None, **kfac: object) -> tuple:
     """A Lightning fit of the tiny GPT-2 whose configure_optimizers returns dkfac.optim.KFAC and a per-step
     LambdaLR, clipping at 1.0: (trainer, module). With ``scaler``: precision 16-mixed through that scaler (the
     MixedPrecision plugin takes it; the preconditioner divides G by its scale)."""
@@ -600,7 +600,7 @@ def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | N
             return loss
 
         def configure_optimizers(self) -> dict:
-            opt = optim.KFAC(self.model, adamw(self.model), grad_scaler=scaler)
+            opt = optim.KFAC(self.model, adamw(self.model), grad_scaler=scaler, **kfac)
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
             return {'optimizer': opt, 'lr_scheduler': {'scheduler': scheduler, 'interval': 'step'}}
 
@@ -629,6 +629,29 @@ def test_lightning_matches_the_hand_written_loop() -> None:
     expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True)
     torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
     torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
+
+
+@NEEDS_LIGHTNING
+def test_lightning_runs_adam_in_the_eigenbasis_as_the_hand_written_loop() -> None:
+    """The Lightning snippet of docs/PYTHON.md (eigen_adam=True) trains as dkfac.optim.KFAC in a hand-written loop
+    with the same clipping and schedule, bit for bit."""
+    batches = make_batches()
+    _, module = _lightning_run(batches, eigen_adam=True, factor_update_steps=1, inv_update_steps=2)
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model), eigen_adam=True, factor_update_steps=1, inv_update_steps=2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    losses = []
+    for ids in batches:
+        opt.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        losses.append(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+    assert opt.preconditioner.eigen_adam
+    torch.testing.assert_close(torch.stack(module.losses), torch.stack(losses), **EXACT)
+    torch.testing.assert_close(parameters_of(module.model), parameters_of(model), **EXACT)
 
 
 @NEEDS_LIGHTNING
