@@ -663,7 +663,7 @@ def main() -> int:
     summary['ratio_median_fresh_seeds'] = (statistics.median(fresh) if fresh and None not in fresh else None)
     summary['ratios'] = [r['ratio'] for r in rows]
     log(f"\nmedian over {len(rows)} seeds: AdamW {summary['adamw_time_s_median']:.1f} s "
-        f"({summary['adamw_steps_median']:g} steps) to its best; K-FAC + AdamW "
+        f"({summary['adamw_steps_median']:g} steps) to its best; {best_kfac['spec']['label']} "
         + (f"{summary['kfac_time_s_median']:.1f} s ({summary['kfac_steps_median']:g} steps) to the same loss: "
            f"ratio {ratio:.2f} (goal <= 0.8: {'met' if summary['goal_met'] else 'missed'})" if ratio is not None else
            f"reached the target on {summary['kfac_reached_target_in']} of {len(rows)} seeds: goal missed")
