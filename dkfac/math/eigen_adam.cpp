@@ -20,23 +20,14 @@ EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& 
           torch::zeros({1}, options.dtype(torch::kFloat32))};
 }
 
-torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix) {
-  auto rotated = g.eigenvectors.defined() ? torch::mm(g.eigenvectors.t(), matrix) : matrix;
-  return a.eigenvectors.defined() ? torch::mm(rotated, a.eigenvectors) : rotated;
-}
-
-torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated) {
-  auto back = g.eigenvectors.defined() ? torch::mm(g.eigenvectors, rotated) : rotated;
-  return a.eigenvectors.defined() ? torch::mm(back, a.eigenvectors.t()) : back;
-}
-
 torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenAdamMoments& moments,
                               const torch::Tensor& grad, const AdamConstants& constants) {
   TORCH_CHECK(moments.defined() && moments.exp_avg.sizes() == grad.sizes(), "eigen_adam_step: moments of shape ",
               moments.exp_avg.defined() ? moments.exp_avg.sizes() : at::IntArrayRef{}, " for a gradient of shape ",
               grad.sizes());
-  TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32, "eigen_adam_step: the step count must be float32 (torch's "
-              "fused Adam reads it so), got ", moments.steps.scalar_type());
+  TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32,
+              "eigen_adam_step: the step count must be float32 (torch's fused Adam reads it so), got ",
+              moments.steps.scalar_type());
   const auto dtype = moments.exp_avg.scalar_type();
   // Contiguous, as the moments are: CUDA's fused kernel wants one layout across P, m, v and the result (a layer
   // whose two factors are diagonal would pass its gradient's own, transposed, layout through).

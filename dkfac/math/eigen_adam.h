@@ -29,11 +29,6 @@ struct AdamConstants {
 /// Zero moments for a [g, a] gradient, m and v of `options`' dtype and device (t: float32 on that device).
 EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& options);
 
-/// Q_G^T matrix Q_A, [g, a] (a diagonal factor's eigenvectors are the identity: that side's product is skipped).
-torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix);
-/// Q_G rotated Q_A^T, the inverse of to_eigenbasis.
-torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated);
-
 /// One Adam step in the eigenbasis (a, g) for `grad` [g, a], with `moments` accumulated in that basis and updated
 /// in place (an optimizer's state, the one thing here that is not a value): P = Q_G^T grad Q_A; m = beta1 m +
 /// (1 - beta1) P; v = beta2 v + (1 - beta2) P^2; t = t + 1; m-hat = m / (1 - beta1^t), v-hat = v / (1 - beta2^t).

@@ -72,16 +72,23 @@ torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, doub
   return torch::outer(g.eigenvalues, a.eigenvalues).add_(damping).reciprocal_();
 }
 
+torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix) {
+  // A diagonal factor's eigenvectors are the identity: its products are skipped.
+  auto rotated = g.eigenvectors.defined() ? torch::mm(g.eigenvectors.t(), matrix) : matrix;
+  return a.eigenvectors.defined() ? torch::mm(rotated, a.eigenvectors) : rotated;
+}
+
+torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated) {
+  auto back = g.eigenvectors.defined() ? torch::mm(g.eigenvectors, rotated) : rotated;
+  return a.eigenvectors.defined() ? torch::mm(back, a.eigenvectors.t()) : back;
+}
+
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad) {
-  // A diagonal factor's eigenvectors are the identity: its two products are skipped.
-  const auto& qa = a.eigenvectors;
-  const auto& qg = g.eigenvectors;
-  auto rotated = qg.defined() ? torch::mm(qg.t(), grad) : grad;
-  if (qa.defined()) rotated = torch::mm(rotated, qa);
-  rotated = qa.defined() || qg.defined() ? rotated.mul_(denominator) : rotated.mul(denominator);  // never grad's
-  auto v = qg.defined() ? torch::mm(qg, rotated) : rotated;
-  return qa.defined() ? torch::mm(v, qa.t()) : v;
+  auto rotated = to_eigenbasis(a, g, grad);
+  const bool is_grad = !a.eigenvectors.defined() && !g.eigenvectors.defined();
+  rotated = is_grad ? rotated.mul(denominator) : rotated.mul_(denominator);  // never grad's own
+  return from_eigenbasis(a, g, rotated);
 }
 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,

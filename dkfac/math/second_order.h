@@ -28,6 +28,12 @@ EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
 /// 1 / (d_G d_A^T + damping), [g, a]: the element-wise scaling of the eigen method.
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping);
 
+/// Q_G^T matrix Q_A, [g, a]: a [g, a] matrix in the eigenbasis of the factors (a diagonal factor's eigenvectors are
+/// the identity: that side's product is skipped, and with both sides diagonal `matrix` itself is returned).
+torch::Tensor to_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& matrix);
+/// Q_G rotated Q_A^T, the inverse of to_eigenbasis.
+torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& rotated);
+
 /// V = Q_G [(Q_G^T grad Q_A) * denominator] Q_A^T, with `denominator` from eigen_denominator.
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad);

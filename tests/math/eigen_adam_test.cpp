@@ -99,12 +99,21 @@ TEST(EigenAdam, SpecWorkedExample) {
   // Plain Adam on the same gradients (docs/MATH.md): [1, 1], then [0.871064, 0.917781].
 }
 
+/// Eigenbases of random factors (A 3 x 3, G 2 x 2), and moments after one step on a random [2, 3] gradient.
+struct AfterOneStep {
+  EigenFactor ea, eg;
+  EigenAdamMoments moments;
+};
+AfterOneStep after_one_step(uint64_t seed) {
+  torch::manual_seed(seed);
+  AfterOneStep s{eigen_decompose(random_spd(3, 6, torch::kFloat64)), eigen_decompose(random_spd(2, 6, torch::kFloat64)),
+                 zero_moments(2, 3, torch::kFloat64)};
+  eigen_adam_step(s.ea, s.eg, s.moments, torch::randn({2, 3}, torch::kFloat64), {});
+  return s;
+}
+
 TEST(EigenAdam, ANonFiniteGradientLeavesTheMomentsAndGivesNaN) {
-  torch::manual_seed(3);
-  const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
-  const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
-  auto moments = zero_moments(2, 3, torch::kFloat64);
-  eigen_adam_step(ea, eg, moments, torch::randn({2, 3}, torch::kFloat64), {});
+  auto [ea, eg, moments] = after_one_step(3);
   const auto m = moments.exp_avg.clone(), v = moments.exp_avg_sq.clone();
   auto bad = torch::randn({2, 3}, torch::kFloat64);
   bad[1][2] = kNan;
@@ -154,11 +163,7 @@ TEST(EigenAdam, RotationIsExactForTheFirstMomentAndEntryWiseForTheSecond) {
 }
 
 TEST(EigenAdam, RotationOutOfABasisThatHeldNaNRestartsFromZero) {
-  torch::manual_seed(5);
-  const auto ea = eigen_decompose(random_spd(3, 6, torch::kFloat64));
-  const auto eg = eigen_decompose(random_spd(2, 6, torch::kFloat64));
-  auto moments = zero_moments(2, 3, torch::kFloat64);
-  eigen_adam_step(ea, eg, moments, torch::randn({2, 3}, torch::kFloat64), {});
+  const auto [ea, eg, moments] = after_one_step(5);
   EigenFactor broken{torch::full({3, 3}, kNan, torch::kFloat64), torch::ones({3}, torch::kFloat64)};
   const auto rotated = rotate_moments(moments, broken, eg, ea, eg);
   EXPECT_TRUE(torch::equal(rotated.exp_avg, torch::zeros({2, 3}, torch::kFloat64)));
