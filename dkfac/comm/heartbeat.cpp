@@ -155,20 +155,40 @@ struct Heartbeat::State : std::enable_shared_from_this<Heartbeat::State> {
     }
   }
 
+  // How long stop() waits for a store round in flight: a round that answers takes milliseconds.
+  std::chrono::milliseconds stop_grace() const {
+    return std::min(timeout, std::max<std::chrono::milliseconds>(std::chrono::seconds(2), 5 * interval));
+  }
+
   // poll(beat) on its own thread, waited for at most the timeout (with `lock` held on entry and return).
   // A round that does not return sets store_error, and no round is started after it.
+  //
+  // stop() also waits for the round in flight (at most stop_grace()): a round left behind at a clean end
+  // would still be calling the store client while the process exits and tears down what that client uses
+  // (a worker aborted with "malloc(): unaligned tcache chunk detected" at its exit in CI), and would skip
+  // finish(), so that the other ranks could take the end for a lost rank 0.
   void bounded_poll(int64_t beat, std::unique_lock<std::mutex>& lock) {
     if (store_stuck) return;
     round_running = true;
-    std::thread([self = shared_from_this(), beat] {
+    std::thread round([self = shared_from_this(), beat] {
       self->poll(beat);
       std::lock_guard<std::mutex> guard(self->mutex);
       self->round_running = false;
       self->wake.notify_all();
-    }).detach();
-    wake.wait_for(lock, timeout, [this] { return !round_running || stopping; });
-    if (!round_running) return;
-    store_stuck = true;  // stopping, or the timeout passed: either way the round is left behind
+    });
+    const auto deadline = Clock::now() + timeout;
+    wake.wait_until(lock, deadline, [this] { return !round_running || stopping; });
+    if (round_running && stopping) {
+      wake.wait_until(lock, std::min(deadline, Clock::now() + stop_grace()), [this] { return !round_running; });
+    }
+    if (!round_running) {
+      lock.unlock();  // the round's last step takes the lock
+      round.join();
+      lock.lock();
+      return;
+    }
+    round.detach();
+    store_stuck = true;  // the round did not return in time: it is left behind (it holds the state alive)
     if (!stopping && store_error.empty()) {
       std::ostringstream out;
       out << "no answer for " << std::fixed << std::setprecision(1)
