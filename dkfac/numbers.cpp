@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iomanip>
+#include <sstream>
 
 #include <c10/util/Exception.h>
 
@@ -37,6 +39,12 @@ std::string human_bytes(double bytes) { return in_units(bytes, 1024.0, {"B", "Ki
 
 std::string human_flops(double flops) {
   return in_units(flops, 1000.0, {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"});
+}
+
+std::string milliseconds(double seconds) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(seconds < 0.01 ? 3 : seconds < 1 ? 2 : 1) << 1e3 * seconds;
+  return out.str();
 }
 
 }  // namespace dkfac

@@ -15,4 +15,7 @@ std::string human_bytes(double bytes);
 /// `flops` in the largest decimal unit it reaches: "900 FLOP", "3.20 GFLOP", "2.21 TFLOP".
 std::string human_flops(double flops);
 
+/// `seconds` as milliseconds, without the unit: "0.125" under 10 ms, "12.50" under 1 s, "1234.5" beyond.
+std::string milliseconds(double seconds);
+
 }  // namespace dkfac

@@ -2,6 +2,8 @@
 
 #include <array>
 #include <cstddef>
+#include <map>
+#include <string>
 
 /// The phases of a K-FAC step: what the Preconditioner times (PhaseClock), what strategy auto profiles and
 /// calibrates (strategy::ProfiledSteps, strategy::RateScales), and what the front ends report (`dkfac train`'s
@@ -74,6 +76,12 @@ struct PhaseTimes : PhaseArray<double> {
   PhaseTimes& operator+=(const PhaseTimes& other) {
     for (size_t k = 0; k < kPhaseCount; ++k) values[k] += other.values[k];
     return *this;
+  }
+  /// Seconds by phase name (to_string), every phase: what Python's phase_times() and the metrics print.
+  std::map<std::string, double> by_name() const {
+    std::map<std::string, double> out;
+    for (const auto phase : kAllPhases) out[to_string(phase)] = (*this)[phase];
+    return out;
   }
 };
 

@@ -89,6 +89,10 @@ int grad_worker_count(int world_size, double grad_worker_fraction) {
   return kaisa_layout(world_size, grad_worker_fraction, /*colocate_factors=*/true).grad_workers;
 }
 
+std::string fraction_name(int grad_workers, int world_size) {
+  return grad_workers == world_size ? "1" : "1/" + std::to_string(world_size / grad_workers);
+}
+
 Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
                         Balance balance, bool colocate) {
   Assignment out = kaisa_layout(world_size, grad_worker_fraction, colocate);

@@ -82,6 +82,8 @@ Assignment kaisa_layout(int world_size, double grad_worker_fraction, bool coloca
 
 /// W of kaisa_layout(world_size, grad_worker_fraction, ...).
 int grad_worker_count(int world_size, double grad_worker_fraction);
+/// KAISA's f = W / P as names print it: "1", or "1/(P/W)".
+std::string fraction_name(int grad_workers, int world_size);
 
 /// KAISA placement on kaisa_layout's grid, warning (TORCH_WARN) where that grid turns `colocate` on:
 /// layers are placed largest first (greedy longest-processing-time). Each goes to the column with the least

@@ -45,7 +45,7 @@ StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes,
 }
 
 StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
-                        int64_t measured_redundant_dim) {
+                        int64_t measured_redundant_dim, int replicated_shard_ranks) {
   options.validate();
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
   TORCH_CHECK(options.strategy() != Strategy::kAuto, "strategy auto has no plan of its own: choose_strategy "
@@ -91,7 +91,11 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   const int w = plan.placement.grad_workers;
   plan.broadcast_gradients = w < world_size;
   plan.sharded_placement = options.sharded_placement();
-  plan.shard_ranks = plan.sharded_placement == ShardedPlacement::kOwner ? world_size / w : world_size;
+  TORCH_CHECK(replicated_shard_ranks >= 0 && (replicated_shard_ranks == 0 || world_size % replicated_shard_ranks == 0),
+              "the shard group of ", replicated_shard_ranks, " ranks does not divide the world size ", world_size);
+  plan.shard_ranks = plan.sharded_placement == ShardedPlacement::kOwner ? world_size / w
+                     : replicated_shard_ranks > 0                      ? replicated_shard_ranks
+                                                                       : world_size;
   for (size_t i = 0; i < plan.placement.layers.size(); ++i) {
     const auto& placed = plan.placement.layers[i];
     LayerFlow flow;

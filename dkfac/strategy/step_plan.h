@@ -73,8 +73,8 @@ struct StepPlan {
   ShardedPlacement sharded_placement = ShardedPlacement::kReplicated;
   size_t sharded_layers() const;
   /// Ranks a sharded layer's gradient rows are split over (FSDP2's shard group): a row of the grid (P / W) under
-  /// owner placement; the world (FSDP on a 1-D mesh) under replicated placement unless set (HSDP: the shard
-  /// dimension of the mesh). Only strategy::predict reads it.
+  /// owner placement; under replicated placement make_step_plan's `replicated_shard_ranks` (HSDP: the shard
+  /// dimension of the mesh), else the world (FSDP on a 1-D mesh). Only strategy::predict reads it.
   int shard_ranks = 0;
   bool preconditions(size_t layer, int rank) const { return placement.is_grad_worker(layer, rank); }
   /// True when some layer's second-order part is broadcast inside its column.
@@ -89,8 +89,10 @@ struct StepPlan {
 /// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs
 /// its redundancy threshold decided: options.spd().redundant_dim, or `measured_redundant_dim` when that is
 /// -1 (strategy::StepExecutor measures it; `dkfac plan` takes it as a flag). World size 1 gives
-/// StepPlan::single_process whatever the strategy.
+/// StepPlan::single_process whatever the strategy. `replicated_shard_ranks`: the ranks a sharded layer's
+/// gradient rows are split over under replicated placement (HSDP: the mesh's shard dimension; it divides the
+/// world size); 0 for the world (FSDP on a 1-D mesh). Owner placement derives its own (StepPlan::shard_ranks).
 StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
-                        int64_t measured_redundant_dim = -1);
+                        int64_t measured_redundant_dim = -1, int replicated_shard_ranks = 0);
 
 }  // namespace dkfac::strategy

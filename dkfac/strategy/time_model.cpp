@@ -17,6 +17,9 @@
 namespace dkfac::strategy {
 namespace {
 
+// Milliseconds as the tables and messages here print them (dkfac/numbers.h).
+constexpr auto ms = &milliseconds;
+
 
 /// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
@@ -124,14 +127,6 @@ void run_shared(std::vector<double>& t, const std::vector<double>& work, int per
       if (!any) break;
     }
   }
-}
-
-std::string fraction_name(int w, int p) { return w == p ? "1" : "1/" + std::to_string(p / w); }
-
-std::string ms(double seconds) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(seconds < 0.01 ? 3 : seconds < 1 ? 2 : 1) << 1e3 * seconds;
-  return out.str();
 }
 
 }  // namespace
@@ -446,7 +441,7 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
     if (p % w != 0) continue;
     for (const bool triangles : {false, true}) {
       const double f = static_cast<double>(w) / p;
-      add("kaisa f=" + fraction_name(w, p) + " (W=" + std::to_string(w) + ")" + (triangles ? " triangles" : ""),
+      add("kaisa f=" + assign::fraction_name(w, p) + " (W=" + std::to_string(w) + ")" + (triangles ? " triangles" : ""),
           Options(base).strategy(Strategy::kKaisa).grad_worker_fraction(f).symmetric_comm(triangles));
     }
   }

@@ -140,12 +140,6 @@ py::dict layout_dict(const assign::Assignment& grid) {
   return d;
 }
 
-std::map<std::string, double> phase_seconds(const PhaseTimes& t) {
-  std::map<std::string, double> out;
-  for (const auto phase : kAllPhases) out[to_string(phase)] = t[phase];
-  return out;
-}
-
 }  // namespace
 }  // namespace dkfac
 
@@ -371,8 +365,8 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def_property_readonly("last_kl_scale", &Preconditioner::last_kl_scale)
-      .def("last_step_times", [](const Preconditioner& p) { return phase_seconds(p.last_step_times()); })
-      .def("total_times", [](const Preconditioner& p) { return phase_seconds(p.total_times()); })
+      .def("last_step_times", [](const Preconditioner& p) { return p.last_step_times().by_name(); })
+      .def("total_times", [](const Preconditioner& p) { return p.total_times().by_name(); })
       .def("layer_states",
            [](const Preconditioner& p) {
              std::vector<std::map<std::string, torch::Tensor>> states;
@@ -399,9 +393,7 @@ PYBIND11_MODULE(_C, m) {
              const auto executor = p.executor();
              const auto& plan = executor->plan();
              const int rank = executor->rank();
-             const int per_row = plan.world_size() / plan.grad_workers();
-             std::vector<int> row;
-             for (int r = 0; r < per_row; ++r) row.push_back(plan.placement.row_of(rank) * per_row + r);
+             const auto row = plan.placement.rows().at(plan.placement.row_of(rank));
              std::vector<int> owners;
              for (size_t i = 0; i < plan.flows.size(); ++i) {
                owners.push_back(plan.flows[i].owner_rows ? plan.gradient_source(i, rank) : -1);

@@ -164,6 +164,22 @@ TEST(StepPlan, OwnerPlacementOnHsdpHasOneOwnerPerReplica) {
   }
 }
 
+// Replicated placement on HSDP 2 x 2: each sharded gradient is all-gathered over its shard group of 2, which the
+// plan takes from make_step_plan (nothing patches it afterwards); the 1-D mesh's group is the world.
+TEST(StepPlan, ReplicatedPlacementTakesItsShardGroup) {
+  const auto options = Options().grad_worker_fraction(1.0);
+  const auto fsdp = make_step_plan(sharded(kLayers), 4, options);
+  const auto hsdp = make_step_plan(sharded(kLayers), 4, options, -1, 2);
+  EXPECT_EQ(fsdp.shard_ranks, 4);
+  EXPECT_EQ(hsdp.shard_ranks, 2);
+  int64_t values = 0;
+  for (const auto& shape : kLayers) values += shape.g_dim * shape.a_dim;
+  // Each rank gathers the (S - 1) / S of every gradient it lacks; W = P: no gradient broadcast.
+  EXPECT_EQ(predict(fsdp, 4, 8)[0].gradient_bytes, 4 * values * 3 / 4);
+  EXPECT_EQ(predict(hsdp, 4, 8)[0].gradient_bytes, 4 * values * 1 / 2);
+  EXPECT_THROW(make_step_plan(sharded(kLayers), 4, options, -1, 3), c10::Error);
+}
+
 TEST(StepPlan, RejectsBadOptions) {
   EXPECT_THROW(make_step_plan(kLayers, 4, Options().strategy(Strategy::kSpd).sharded_placement(ShardedPlacement::kOwner)),
                c10::Error);

@@ -23,6 +23,9 @@
 namespace dkfac::bench {
 namespace {
 
+// Milliseconds as the tables and messages here print them (dkfac/numbers.h).
+constexpr auto ms = &milliseconds;
+
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
@@ -96,12 +99,6 @@ double median_seconds(int64_t repeats, const std::function<void()>& fn) {
     if (seconds_since(start) > 20.0) break;  // dimension 4096 decompositions take seconds each
   }
   return stats_of(times).median;
-}
-
-std::string ms(double seconds) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(seconds < 0.01 ? 2 : 1) << seconds * 1e3;
-  return s.str();
 }
 
 std::string read_cpu_model() {

@@ -134,11 +134,13 @@ PlanReport plan_report(const PlanRequest& r) {
   if (p > 1) rows.push_back({"dkfac-lw (kaisa f=1/P, mem-opt)", kaisa(1.0 / p)});
   for (const double f : r.grad_worker_fractions) {
     TORCH_CHECK(f > 0.0 && f <= 1.0, "--grad-worker-fraction must be in (0, 1], got ", f);
-    const int w = std::max(1, static_cast<int>(std::lround(p * f)));
-    TORCH_CHECK(p % w == 0, "--grad-worker-fraction ", f, " gives W=", w, " gradient workers, which does not divide --nproc ",
-                p);
-    const std::string name = w == p ? "1" : "1/" + std::to_string(p / w);
-    rows.push_back({"kaisa f=" + name + " (W=" + std::to_string(w) + ")", kaisa(f)});
+    int w = 0;
+    try {
+      w = assign::grad_worker_count(p, f);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "--grad-worker-fraction with --nproc ", p, ": ", e.what_without_backtrace());
+    }
+    rows.push_back({"kaisa f=" + assign::fraction_name(w, p) + " (W=" + std::to_string(w) + ")", kaisa(f)});
   }
   TORCH_CHECK(r.spd_redundant_dim >= 0, "--spd-redundant-dim must be >= 0, got ", r.spd_redundant_dim);
   rows.push_back({"spd (redundant dim <= " + std::to_string(r.spd_redundant_dim) + ")",
@@ -192,10 +194,7 @@ PlanReport plan_report(const PlanRequest& r) {
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
   for (const auto& row : rows) {
-    auto step_plan = strategy::make_step_plan(shapes_planned, p, row.options);
-    if (r.shard_ranks > 0 && step_plan.sharded_placement == ShardedPlacement::kReplicated) {
-      step_plan.shard_ranks = r.shard_ranks;
-    }
+    const auto step_plan = strategy::make_step_plan(shapes_planned, p, row.options, -1, r.shard_ranks);
     const auto plan = strategy::predict(step_plan, element_bytes, r.batch_size);
     report.placements.push_back(step_plan.describe());
     nlohmann::json ranks = nlohmann::json::array();

@@ -66,8 +66,7 @@ void add_gpu_memory(nlohmann::json& event, c10::Device device) {
 
 // Metrics format 3's kfac_time_s (tools/train/metrics.h): seconds per K-FAC phase and their total.
 nlohmann::json kfac_time_json(const PhaseTimes& t) {
-  nlohmann::json out;
-  for (const auto phase : kAllPhases) out[to_string(phase)] = t[phase];
+  nlohmann::json out = t.by_name();
   out["total"] = t.total();
   return out;
 }
