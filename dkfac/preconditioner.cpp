@@ -43,14 +43,16 @@ void Preconditioner::check_schedules_agree() const {
     int64_t step;  // the step it is the value at
     double value;
   };
+  // Every schedule of the options table at this step, and the next step's factor interval.
+#define DKFAC_SCHEDULE_AT_Schedule(name) {#name, s, static_cast<double>(options_.name##_at(s))},
+#define DKFAC_SCHEDULE_AT_Value(name)
+#define DKFAC_SCHEDULE_AT(kind, T, name, ...) DKFAC_SCHEDULE_AT_##kind(name)
   const Value values[] = {
-      {"lr", s, options_.lr_at(s)},
-      {"damping", s, options_.damping_at(s)},
-      {"kl_clip", s, options_.kl_clip_at(s)},
-      {"factor_decay", s, options_.factor_decay_at(s)},
-      {"factor_update_steps", s, static_cast<double>(options_.factor_update_steps_at(s))},
-      {"inv_update_steps", s, static_cast<double>(options_.inv_update_steps_at(s))},
+      DKFAC_OPTIONS(DKFAC_SCHEDULE_AT)
       {"factor_update_steps", s + 1, static_cast<double>(options_.factor_update_steps_at(s + 1))}};
+#undef DKFAC_SCHEDULE_AT
+#undef DKFAC_SCHEDULE_AT_Value
+#undef DKFAC_SCHEDULE_AT_Schedule
   std::vector<double> mine;
   for (const auto& v : values) mine.push_back(v.value);
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Phase::kControl);

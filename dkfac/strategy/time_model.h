@@ -90,6 +90,9 @@ struct RateScales : PhaseArray<double> {
 /// How far from its prediction a phase measured in a job may be (as a RateScales scale) before strategy auto
 /// chooses again (Options::auto_recheck_steps): the 20% that bench/strategies.py holds predictions to.
 constexpr double kRecheckTolerance = 0.2;
+// Its prose, "20%", in auto_recheck_steps' help (dkfac/options.h) and KFACPreconditioner's docstring
+// (python/dkfac/preconditioner.py): the build stops here when the constant changes without them.
+static_assert(kRecheckTolerance == 0.2, "update the 20% of auto_recheck_steps' help and of the Python docstring");
 
 /// How much faster than the running plan the re-check's pick must be predicted for the job to switch to it: the
 /// 5% within which the benchmark asks the pick to be of the measured best.

@@ -26,11 +26,43 @@ import torch
 import torch.distributed as dist
 
 from dkfac import _C
+from dkfac.enums import AssignmentStrategy
+from dkfac.enums import ComputeMethod
 
 logger = logging.getLogger('dkfac')
 
 _STATE_FORMAT = 2  # what the plan places on a rank, with `held` (Stateful for DCP): the one format read
-_SCHEDULED = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr')
+# The core's options (dkfac/options.h, each declared once): the keywords, their defaults and checks come from this
+# table. A keyword is the option's kfac_pytorch name where it has one.
+_OPTIONS = {o['name']: o for o in _C.option_table()}
+_KEYWORDS = {(o['alias'] or o['name']): o for o in _OPTIONS.values()}
+_SCHEDULED = tuple(name for name, o in _OPTIONS.items() if o['schedule'])  # a number or a callable of the step
+# kfac_pytorch's enum for an option whose values it names with one.
+_ENUMS = {'compute_method': ComputeMethod, 'balance': AssignmentStrategy}
+
+
+def _python_default(option: dict[str, Any]) -> Any:
+    """An option's default as a kfac_pytorch user writes it: kfac_pytorch's own where it differs from dkfac's."""
+    text = option['kfac_pytorch_default'] or option['default']
+    kind = option['type']
+    if kind == 'bool':
+        return text == 'true'
+    if kind == 'int':
+        return int(text)
+    if kind == 'float':
+        return float(text)
+    if kind == 'dtype':
+        return None if text == 'none' else getattr(torch, text)
+    if kind in ('strings', 'ints'):
+        return []
+    enum = _ENUMS.get(option['name'])
+    return enum[text.upper()] if enum else text
+
+
+def _default(keyword: str) -> Any:
+    """The default of a preconditioner's keyword ``keyword``, from the core's option table."""
+    return _python_default(_KEYWORDS[keyword])
+
 # The core's layer state entries (key, is a factor, side 'a' or 'g'); factors by kfac_pytorch's names 'A', 'G'.
 _STATE_ENTRIES = _C.layer_state_entries()
 _FACTOR_KEYS = {key: side.upper() for key, factor, side, _ in _STATE_ENTRIES if factor}
@@ -340,14 +372,14 @@ class BaseKFACPreconditioner:
         options: dict[str, Any],
         process_group: Any = None,
         timeout: float | None = None,
-        factor_update_steps: Callable[[int], int] | int = 1,
-        inv_update_steps: Callable[[int], int] | int = 1,
-        damping: Callable[[int], float] | float = 0.001,
-        factor_decay: Callable[[int], float] | float = 0.95,
-        kl_clip: Callable[[int], float] | float | None = 0.001,
-        lr: Callable[[int], float] | float = 0.1,
-        accumulation_steps: int = 1,
-        update_factors_in_hook: bool = True,
+        factor_update_steps: Callable[[int], int] | int = _default('factor_update_steps'),
+        inv_update_steps: Callable[[int], int] | int = _default('inv_update_steps'),
+        damping: Callable[[int], float] | float = _default('damping'),
+        factor_decay: Callable[[int], float] | float = _default('factor_decay'),
+        kl_clip: Callable[[int], float] | float | None = _default('kl_clip'),
+        lr: Callable[[int], float] | float = _default('lr'),
+        accumulation_steps: int = _default('accumulation_steps'),
+        update_factors_in_hook: bool = _default('update_factors_in_hook'),
         defaults: dict[str, Any] | None = None,
         loglevel: int = logging.DEBUG,
     ) -> None:

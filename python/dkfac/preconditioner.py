@@ -24,48 +24,23 @@ import torch.distributed as dist
 from dkfac import _C
 from dkfac.base_preconditioner import BaseKFACPreconditioner
 from dkfac.base_preconditioner import _CoreWarnings
+from dkfac.base_preconditioner import _ENUMS
+from dkfac.base_preconditioner import _KEYWORDS
+from dkfac.base_preconditioner import _OPTIONS
+from dkfac.base_preconditioner import _default
+from dkfac.base_preconditioner import _python_default
 from dkfac.base_preconditioner import logger
 from dkfac.enums import AllreduceMethod
 from dkfac.enums import AssignmentStrategy
 from dkfac.enums import ComputeMethod
 from dkfac.enums import DistributedStrategy
 
-# The core's options (dkfac/options.h, each declared once): KFACPreconditioner's keywords, their defaults and
-# checks come from this table. A keyword is the option's kfac_pytorch name where it has one.
-_OPTIONS = {o['name']: o for o in _C.option_table()}
-_KEYWORDS = {(o['alias'] or o['name']): o for o in _OPTIONS.values()}
 # dkfac's own name of an option kfac_pytorch names otherwise (symmetric_comm: symmetry_aware) is a keyword too.
 _DKFAC_NAMES = {o['name']: o['alias'] for o in _OPTIONS.values() if o['alias']}
 # The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them), and the front end's own.
 _BASE = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr', 'accumulation_steps',
          'update_factors_in_hook')
 _FRONT_END = ('grad_scaler', 'loglevel', 'process_group', 'timeout')
-# kfac_pytorch's enum for an option whose values it names with one.
-_ENUMS = {'compute_method': ComputeMethod, 'balance': AssignmentStrategy}
-
-
-def _python_default(option: dict[str, Any]) -> Any:
-    """An option's default as a kfac_pytorch user writes it: kfac_pytorch's own where it differs from dkfac's."""
-    text = option['kfac_pytorch_default'] or option['default']
-    kind = option['type']
-    if kind == 'bool':
-        return text == 'true'
-    if kind == 'int':
-        return int(text)
-    if kind == 'float':
-        return float(text)
-    if kind == 'dtype':
-        return None if text == 'none' else getattr(torch, text)
-    if kind in ('strings', 'ints'):
-        return []
-    enum = _ENUMS.get(option['name'])
-    return enum[text.upper()] if enum else text
-
-
-def _default(keyword: str) -> Any:
-    """The default of KFACPreconditioner's keyword ``keyword``, from the core's option table."""
-    return _python_default(_KEYWORDS[keyword])
-
 
 def _core_value(value: Any) -> Any:
     """A keyword's value as the core takes it: kfac_pytorch's enums and torch dtypes by name."""
