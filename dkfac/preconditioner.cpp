@@ -55,7 +55,7 @@ void Preconditioner::check_schedules_agree() const {
 #undef DKFAC_SCHEDULE_AT_Schedule
   std::vector<double> mine;
   for (const auto& v : values) mine.push_back(v.value);
-  const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Phase::kControl);
+  const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
   for (size_t rank = 1; rank < table.size(); ++rank) {
     for (size_t k = 0; k < mine.size(); ++k) {
       if (table[rank][k] == table[0][k]) continue;
@@ -233,7 +233,7 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
   // collective keeps its size, and every rank writes the same gradients.
   std::vector<double> usable;
   for (const auto fate : fates) usable.push_back(fate == LayerFate::kPreconditioned ? 1.0 : 0.0);
-  comm::average_over(*communicator_, comm::kWorld, usable, comm::Phase::kControl);
+  comm::average_over(*communicator_, comm::kWorld, usable, comm::Purpose::kControl);
   const int world = communicator_->size();
   for (size_t i = 0; i < fates.size(); ++i) {
     if (fates[i] != LayerFate::kPreconditioned || usable[i] == 1.0) continue;
@@ -248,14 +248,14 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
 
 void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   PhaseClock::Span span(clock_, KfacPhase::kFactors);
-  at("factor update");
+  mark("factor update");
   auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
   clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
-    at("factor update", static_cast<int64_t>(i));
+    mark("factor update", static_cast<int64_t>(i));
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
     factor_ok_[i] = layers_[i].fold_factors(batches[i].first, batches[i].second, decay);
@@ -306,7 +306,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
                                  executor_->computes_g(i));
     });
   }
-  at("second-order broadcast");
+  mark("second-order broadcast");
   clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
@@ -314,7 +314,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
 }
 
 void Preconditioner::keeping_previous_state(size_t index, const std::function<void()>& update) {
-  at("second-order update", static_cast<int64_t>(index));
+  mark("second-order update", static_cast<int64_t>(index));
   try {
     update();
   } catch (const c10::OutOfMemoryError&) {
@@ -359,7 +359,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    at("preconditioning", static_cast<int64_t>(i));
+    mark("preconditioning", static_cast<int64_t>(i));
     const bool mine = executor_->preconditions(i);
     const auto options = layer.weight().options();
     if (mine && fates[i] == LayerFate::kPreconditioned && layer.second_order().defined()) {
@@ -381,7 +381,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
       preconditioned[i] = torch::empty({layer.g_dim(), layer.a_dim()}, options);  // filled by the row broadcast
     }
   }
-  at("gradient broadcast");
+  mark("gradient broadcast");
   clock_.collective(KfacPhase::kPrecondition, [&] { executor_->share_gradients(preconditioned); });
   return preconditioned;
 }
@@ -406,7 +406,7 @@ torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip
 Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
                                                            const std::vector<torch::Tensor>& preconditioned) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
-  at("NaN guard and KL clipping");
+  mark("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
   const double kl_clip = options_.kl_clip_at(steps_);
   GuardReport report;
@@ -488,7 +488,7 @@ void Preconditioner::settle_pending_guards(bool wait) {
 void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
                            const GuardReport& report) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
-  at("writing gradients");
+  mark("writing gradients");
   torch::NoGradGuard no_grad;
   if (!report.scale.defined()) {  // settled on the host
     const double scale = last_kl_scale_;

@@ -286,8 +286,8 @@ class Preconditioner {
   void agree_on_unused_layers(std::vector<LayerFate>& fates);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
   void close_step_timing();
-  /// The step's phase, where an out-of-memory error names it.
-  void at(const char* phase, int64_t layer = -1) {
+  /// Marks where the step is (its phase, and the layer), for an out-of-memory error to name.
+  void mark(const char* phase, int64_t layer = -1) {
     phase_ = phase;
     phase_layer_ = layer;
   }

@@ -45,7 +45,7 @@ std::vector<std::string> split(const std::string& text) {
 }  // namespace
 
 std::string broadcast_text(Communicator& communicator, GroupId group, int root, const std::string& text,
-                           Phase phase) {
+                           Purpose phase) {
   const auto device = communicator.control_device();
   auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kInt64).to(device);
   communicator.broadcast(length, root, group, phase).wait();
@@ -59,7 +59,7 @@ std::string broadcast_text(Communicator& communicator, GroupId group, int root, 
 }
 
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
-                             Phase phase) {
+                             Purpose phase) {
   const auto& members = communicator.members(group);
   if (members.size() < 2) return "";
   const auto hashes = gather_over(communicator, group, parts_of(hash_of(lines)), phase);

@@ -13,7 +13,7 @@ namespace dkfac::comm {
 /// `text` (as rank `root` of `group` holds it) on every rank of the group: its length, then its bytes, in two
 /// broadcasts (counted under `phase`). Collective over `group`; `root` is a world rank in it.
 std::string broadcast_text(Communicator& communicator, GroupId group, int root, const std::string& text,
-                           Phase phase = Phase::kSetup);
+                           Purpose phase = Purpose::kSetup);
 
 /// The first difference between this rank's `lines` and those of the other ranks of `group`, as every rank
 /// sees it ("rank 1 has 'damping=0.01' where rank 0 has 'damping=0.001'"), or "" when all agree. Every rank
@@ -21,6 +21,6 @@ std::string broadcast_text(Communicator& communicator, GroupId group, int root, 
 /// allreduce of group size x 4 numbers when the ranks agree; when they differ, a few broadcasts more.
 /// Collective over `group` (counted under `phase`).
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
-                             Phase phase = Phase::kSetup);
+                             Purpose phase = Purpose::kSetup);
 
 }  // namespace dkfac::comm

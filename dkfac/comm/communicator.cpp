@@ -54,18 +54,18 @@ void wait_all(std::vector<Handle>& handles) {
   handles.clear();
 }
 
-const char* to_string(Phase phase) {
-  switch (phase) {
-    case Phase::kDataParallel: return "data_parallel";
-    case Phase::kFactors: return "factors";
-    case Phase::kSecondOrder: return "second_order";
-    case Phase::kGradients: return "gradients";
-    case Phase::kCalibration: return "calibration";
-    case Phase::kSetup: return "setup";
-    case Phase::kFiniteCheck: return "finite-check";
-    case Phase::kControl: return "control";
+const char* to_string(Purpose purpose) {
+  switch (purpose) {
+    case Purpose::kDataParallel: return "data_parallel";
+    case Purpose::kFactors: return "factors";
+    case Purpose::kSecondOrder: return "second_order";
+    case Purpose::kGradients: return "gradients";
+    case Purpose::kCalibration: return "calibration";
+    case Purpose::kSetup: return "setup";
+    case Purpose::kFiniteCheck: return "finite-check";
+    case Purpose::kControl: return "control";
   }
-  TORCH_CHECK(false, "unknown communication phase ", static_cast<int>(phase));
+  TORCH_CHECK(false, "unknown communication purpose ", static_cast<int>(purpose));
 }
 
 const char* to_string(CudaBackend backend) {
@@ -374,7 +374,7 @@ void Communicator::use_device(c10::Device device) {
   work_device_ = device;
 }
 
-void Communicator::add_traffic(Phase phase, int64_t calls, int64_t bytes) {
+void Communicator::add_traffic(Purpose phase, int64_t calls, int64_t bytes) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];
   t.calls += calls;
@@ -390,7 +390,7 @@ std::string Communicator::diagnose_failure() const {
   return diagnose ? diagnose() : std::string();
 }
 
-void Communicator::count(Phase phase, const torch::Tensor& tensor) {
+void Communicator::count(Purpose phase, const torch::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   auto& t = traffic_[phase];
   ++t.calls;
@@ -410,7 +410,7 @@ torch::Tensor on_the_wire(const torch::Tensor& tensor, CudaBackend cuda_backend)
 
 }  // namespace
 
-Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase) {
+Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, Purpose phase) {
   auto& g = impl_->groups.at(group);
   TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
   TORCH_CHECK(tensor.is_contiguous(), "allreduce needs a contiguous tensor (", to_string(phase), ")");
@@ -428,7 +428,7 @@ Handle Communicator::allreduce_sum(torch::Tensor tensor, GroupId group, Phase ph
   return h;
 }
 
-Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, Phase phase) {
+Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, Purpose phase) {
   Handle h = allreduce_sum(tensor, group, phase);
   const auto n = static_cast<double>(impl_->groups.at(group).members.size());
   if (h.impl_) {
@@ -440,7 +440,7 @@ Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, Phase p
   return h;
 }
 
-Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase) {
+Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Purpose phase) {
   auto& g = impl_->groups.at(group);
   TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
   TORCH_CHECK(tensor.is_contiguous(), "broadcast needs a contiguous tensor (", to_string(phase), ")");
@@ -469,20 +469,20 @@ std::map<std::string, Traffic> Communicator::traffic() const {
   return named;
 }
 
-const std::vector<Phase>& Communicator::all_phases() {
-  static const std::vector<Phase> phases = {Phase::kDataParallel, Phase::kFactors,     Phase::kSecondOrder,
-                                            Phase::kGradients,    Phase::kCalibration, Phase::kSetup,
-                                            Phase::kFiniteCheck,  Phase::kControl};
+const std::vector<Purpose>& Communicator::all_purposes() {
+  static const std::vector<Purpose> phases = {Purpose::kDataParallel, Purpose::kFactors,     Purpose::kSecondOrder,
+                                            Purpose::kGradients,    Purpose::kCalibration, Purpose::kSetup,
+                                            Purpose::kFiniteCheck,  Purpose::kControl};
   return phases;
 }
 
 std::vector<std::string> Communicator::all_phase_names() {
   std::vector<std::string> names;
-  for (const Phase phase : all_phases()) names.emplace_back(to_string(phase));
+  for (const Purpose phase : all_purposes()) names.emplace_back(to_string(phase));
   return names;
 }
 
-void average_over(Communicator& communicator, GroupId group, std::vector<double>& values, Phase phase) {
+void average_over(Communicator& communicator, GroupId group, std::vector<double>& values, Purpose phase) {
   auto t = torch::tensor(values, torch::kFloat64).to(communicator.control_device());
   communicator.allreduce_mean(t, group, phase).wait();
   t = t.to(torch::kCPU);
@@ -490,7 +490,7 @@ void average_over(Communicator& communicator, GroupId group, std::vector<double>
 }
 
 std::vector<std::vector<double>> gather_over(Communicator& communicator, GroupId group,
-                                             const std::vector<double>& values, Phase phase) {
+                                             const std::vector<double>& values, Purpose phase) {
   const auto& members = communicator.members(group);
   const auto at = std::find(members.begin(), members.end(), communicator.rank());
   TORCH_CHECK(at != members.end(), "gather_over: rank ", communicator.rank(), " is not in the group");

@@ -50,9 +50,10 @@ class Handle {
 /// Waits for every handle, in order.
 void wait_all(std::vector<Handle>& handles);
 
-/// What a collective is for. Traffic is counted per phase; the names (to_string) are what
-/// Communicator::traffic(), the training metrics and the Python front end report.
-enum class Phase {
+/// What a collective is for. Traffic is counted per purpose; the names (to_string) are what
+/// Communicator::traffic(), the training metrics and the Python front end report. (Named Phase before 2026-11-28,
+/// which it is not: KfacPhase is the step's phase; a collective of one phase may serve several purposes.)
+enum class Purpose {
   kDataParallel,  ///< "data_parallel": gradient averaging (DDP's reducer in parallel::DataParallel)
   kFactors,       ///< "factors": Kronecker factor allreduce
   kSecondOrder,   ///< "second_order": eigendecompositions / inverses broadcast inside columns
@@ -65,7 +66,9 @@ enum class Phase {
 
 /// The phase's name: "data_parallel", "factors", "second_order", "gradients", "calibration", "setup",
 /// "finite-check", "control".
-const char* to_string(Phase phase);
+const char* to_string(Purpose purpose);
+/// The old name of Purpose.
+using Phase [[deprecated("comm::Phase is now comm::Purpose")]] = Purpose;
 
 /// Calls and payload bytes of one phase, as seen by this rank (a collective's payload counts once
 /// per call on every participating rank).
@@ -181,18 +184,18 @@ class Communicator {
   const std::vector<int>& members(GroupId group) const;
 
   /// Starts an in-place average of `tensor` over `group`; counted under `phase`.
-  Handle allreduce_mean(torch::Tensor tensor, GroupId group, Phase phase);
+  Handle allreduce_mean(torch::Tensor tensor, GroupId group, Purpose phase);
   /// Starts an in-place sum.
-  Handle allreduce_sum(torch::Tensor tensor, GroupId group, Phase phase);
+  Handle allreduce_sum(torch::Tensor tensor, GroupId group, Purpose phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
-  Handle broadcast(torch::Tensor tensor, int root, GroupId group, Phase phase);
+  Handle broadcast(torch::Tensor tensor, int root, GroupId group, Purpose phase);
 
   /// Traffic per phase since construction, keyed by to_string(phase); phases without traffic are absent.
   std::map<std::string, Traffic> traffic() const;
   /// Counts collectives run on `process_group()` by another engine (DDP's reducer) under `phase`.
-  void add_traffic(Phase phase, int64_t calls, int64_t bytes);
-  /// Every Phase, in declaration order, and their names (to_string), e.g. for a per-phase summary.
-  static const std::vector<Phase>& all_phases();
+  void add_traffic(Purpose phase, int64_t calls, int64_t bytes);
+  /// Every Purpose, in declaration order, and their names (to_string), e.g. for a per-phase summary.
+  static const std::vector<Purpose>& all_purposes();
   static std::vector<std::string> all_phase_names();
 
   /// The c10d process group of `group` (null on ranks outside it), for engines that run their own
@@ -217,7 +220,7 @@ class Communicator {
  private:
   struct Impl;
   Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog = true);
-  void count(Phase phase, const torch::Tensor& tensor);
+  void count(Purpose phase, const torch::Tensor& tensor);
 
   std::unique_ptr<Impl> impl_;
   int rank_;
@@ -226,7 +229,7 @@ class Communicator {
   void start_heartbeat();
   std::function<std::string()> diagnosis() const;
   mutable std::mutex traffic_mutex_;  // also guards work_device_
-  std::map<Phase, Traffic> traffic_;
+  std::map<Purpose, Traffic> traffic_;
   std::optional<c10::Device> work_device_;
 };
 
@@ -239,11 +242,11 @@ c10::Device control_device_for(bool world_has_cpu, std::optional<c10::Device> wo
 /// Replaces each of `values` by its mean over the ranks of `group` (one allreduce, counted under `phase`;
 /// waits for it), so that every rank decides from the same numbers. Collective.
 void average_over(Communicator& communicator, GroupId group, std::vector<double>& values,
-                  Phase phase = Phase::kCalibration);
+                  Purpose phase = Purpose::kCalibration);
 
 /// Every rank's `values` (as many on each rank), indexed by rank within `group` (one allreduce of
 /// group size x values, counted under `phase`; waits for it). Collective.
 std::vector<std::vector<double>> gather_over(Communicator& communicator, GroupId group,
-                                             const std::vector<double>& values, Phase phase = Phase::kCalibration);
+                                             const std::vector<double>& values, Purpose phase = Purpose::kCalibration);
 
 }  // namespace dkfac::comm

@@ -72,7 +72,7 @@ void DataParallel::broadcast_buffers() {
   if (!options_.broadcast_buffers || buffers_.empty()) return;
   torch::NoGradGuard no_grad;
   c10d::broadcast_coalesced(communicator_->process_group(comm::kWorld), buffers_, kBroadcastBucketBytes, 0);
-  communicator_->add_traffic(comm::Phase::kDataParallel, 1, buffer_bytes_);
+  communicator_->add_traffic(comm::Purpose::kDataParallel, 1, buffer_bytes_);
 }
 
 void DataParallel::backward(const torch::Tensor& loss, bool average) {
@@ -98,7 +98,7 @@ void DataParallel::backward(const torch::Tensor& loss, bool average) {
                 silent.empty() ? "a peer died, stopped answering or the timeout passed" : "lost " + silent,
                 "): ", e.what());
   }
-  communicator_->add_traffic(comm::Phase::kDataParallel, static_cast<int64_t>(buckets_), gradient_bytes_);
+  communicator_->add_traffic(comm::Purpose::kDataParallel, static_cast<int64_t>(buckets_), gradient_bytes_);
 }
 
 }  // namespace dkfac::parallel

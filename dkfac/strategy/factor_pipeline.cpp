@@ -97,7 +97,7 @@ void FactorPipeline::start(Group& group, const std::vector<torch::Tensor>& tenso
   group.started = true;
   if (tensors.empty()) return;
   group.buffer = comm::fuse(tensors);
-  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, comm::Phase::kFactors);
+  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, comm::Purpose::kFactors);
 }
 
 void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {

@@ -81,8 +81,8 @@ std::vector<double> time_link(comm::Communicator& communicator, comm::GroupId gr
   for (int64_t n : link_sizes()) {
     auto t = torch::zeros({n}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
     const auto runs = time_runs(device, repeats, [&] {
-      auto handle = collective == Collective::kBroadcast ? communicator.broadcast(t, 0, group, comm::Phase::kCalibration)
-                                                         : communicator.allreduce_sum(t, group, comm::Phase::kCalibration);
+      auto handle = collective == Collective::kBroadcast ? communicator.broadcast(t, 0, group, comm::Purpose::kCalibration)
+                                                         : communicator.allreduce_sum(t, group, comm::Purpose::kCalibration);
       handle.wait();
     });
     seconds.push_back(mean ? std::accumulate(runs.begin(), runs.end(), 0.0) / static_cast<double>(runs.size())
@@ -108,7 +108,7 @@ assign::AlphaBeta fit_link(const std::vector<double>& seconds) {
 
 assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId group, c10::Device device) {
   auto seconds = time_link(communicator, group, device, Collective::kAllreduce);
-  comm::average_over(communicator, group, seconds, comm::Phase::kCalibration);
+  comm::average_over(communicator, group, seconds, comm::Purpose::kCalibration);
   return fit_link(seconds);
 }
 
@@ -140,7 +140,7 @@ SpdMeasurement measure_spd(comm::Communicator& communicator, c10::Device device,
   m.link = measure_link(communicator, comm::kWorld, device);
   if (!threshold) return m;
   std::vector<double> probe = {time_decomposition(kSpdProbeDim, method, dtype, device)};
-  comm::average_over(communicator, comm::kWorld, probe, comm::Phase::kCalibration);
+  comm::average_over(communicator, comm::kWorld, probe, comm::Purpose::kCalibration);
   m.probe_seconds = probe[0];
   m.redundant_dim = spd_redundant_dim(m.probe_seconds, m.link, dtype, method);
   return m;

@@ -443,7 +443,7 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     auto t = torch::zeros({static_cast<int64_t>(figure_count(probes) + 1)}, torch::kFloat64);
     if (communicator.rank() == 0) t.copy_(torch::tensor(kernels, torch::kFloat64));
     t = t.to(communicator.control_device());
-    communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+    communicator.broadcast(t, 0, comm::kWorld, comm::Purpose::kCalibration).wait();
     t = t.cpu();
     kernels.assign(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
     // The same kernel on every rank at once: how many ranks compute at full speed together.
@@ -474,7 +474,7 @@ double parallel_ranks_from(int world, double alone_seconds, double together_seco
 size_t agree_on_choice(comm::Communicator& communicator, size_t index) {
   if (communicator.size() <= 1) return index;
   auto t = torch::tensor({static_cast<int64_t>(index)}, torch::kInt64).to(communicator.control_device());
-  communicator.broadcast(t, 0, comm::kWorld, comm::Phase::kCalibration).wait();
+  communicator.broadcast(t, 0, comm::kWorld, comm::Purpose::kCalibration).wait();
   return static_cast<size_t>(t.item<int64_t>());
 }
 

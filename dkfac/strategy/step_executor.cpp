@@ -91,7 +91,7 @@ void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Te
   }
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
-  const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Phase::kFactors); };
+  const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Purpose::kFactors); };
   for (auto& [a, g] : batches) {
     for (torch::Tensor* t : {&a, &g}) {
       if (!t->defined()) continue;
@@ -111,7 +111,7 @@ void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double dam
   std::vector<size_t> shared;
   const auto group = column_groups_[plan_.placement.column_of(rank_)];
   const auto from = [this, group](int root) {
-    return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, comm::Phase::kSecondOrder); };
+    return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, comm::Purpose::kSecondOrder); };
   };
   for (size_t i = 0; i < layers.size(); ++i) {
     if (!preconditions(i) || !layers[i].a_factor().defined()) continue;
@@ -150,7 +150,7 @@ void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {
     if (!preconditioned[i].defined() || plan_.flows[i].owner_rows) continue;
     preconditioned[i] = preconditioned[i].contiguous();
     handles.push_back(communicator_->broadcast(preconditioned[i], plan_.gradient_source(i, rank_), group,
-                                               comm::Phase::kGradients));
+                                               comm::Purpose::kGradients));
   }
   comm::wait_all(handles);
 }
@@ -168,7 +168,7 @@ void StepExecutor::agree_on_reports(torch::Tensor& rows, const std::vector<size_
   auto reports = rows.index_select(0, index);
   if (communicator_ && plan_.world_size() > 1) {
     auto wire = reports.to(communicator_->control_device());
-    communicator_->allreduce_sum(wire, comm::kWorld, comm::Phase::kGradients).wait();
+    communicator_->allreduce_sum(wire, comm::kWorld, comm::Purpose::kGradients).wait();
     reports = wire.to(rows.device());
   }
   // Each owner's V is the same: its sum(V * grad) once, and a flag 1 only where every owner's is.
@@ -204,7 +204,7 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
     }
   }
   auto summed = held.to(communicator_->control_device());  // an NCCL-only group carries CUDA tensors alone
-  communicator_->allreduce_sum(summed, comm::kWorld, comm::Phase::kSetup).wait();
+  communicator_->allreduce_sum(summed, comm::kWorld, comm::Purpose::kSetup).wait();
   held = summed.cpu();
   table = held.data_ptr<int64_t>();
   std::vector<comm::Handle> handles;
@@ -225,7 +225,7 @@ std::vector<std::map<std::string, torch::Tensor>> StepExecutor::gather_states(
         const auto options = layers[i].weight().options().dtype(static_cast<torch::ScalarType>(dtype - 1));
         tensor = torch::empty(layers[i].state_shape(entry), options);
       }
-      handles.push_back(communicator_->broadcast(tensor, root, comm::kWorld, comm::Phase::kSetup));
+      handles.push_back(communicator_->broadcast(tensor, root, comm::kWorld, comm::Purpose::kSetup));
     }
   }
   comm::wait_all(handles);

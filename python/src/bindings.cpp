@@ -287,7 +287,7 @@ PYBIND11_MODULE(_C, m) {
           [](comm::Communicator& c, bool flag) {
             // How many ranks say no; one tiny collective so that every rank takes the same branch.
             auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::TensorOptions().dtype(torch::kFloat64).device(c.control_device()));
-            auto handle = c.allreduce_sum(no, comm::kWorld, comm::Phase::kControl);
+            auto handle = c.allreduce_sum(no, comm::kWorld, comm::Purpose::kControl);
             handle.wait();
             return no.item<double>() == 0.0;
           },

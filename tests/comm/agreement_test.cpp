@@ -127,7 +127,7 @@ std::vector<std::pair<std::string, int64_t>> train(const std::function<double(in
     for (int64_t step = 0; step < 4; ++step) {
       (*net)->zero_grad();
       (*net)->forward(torch::randn({5, 4})).pow(2).sum().backward();
-      for (auto& p : (*net)->parameters()) communicator->allreduce_mean(p.mutable_grad(), kWorld, Phase::kDataParallel).wait();
+      for (auto& p : (*net)->parameters()) communicator->allreduce_mean(p.mutable_grad(), kWorld, Purpose::kDataParallel).wait();
       try {
         kfac.step();
       } catch (const c10::Error& e) {
@@ -209,7 +209,7 @@ TEST_P(SkippedOnOneRank, EveryRankKeepsThatLayersPlainGradientAndTrainsOn) {
       net->forward(torch::randn({5, 4}, g), skip).pow(2).sum().backward();
       for (auto& p : net->parameters()) {  // as DDP: an unused parameter's gradient is zero
         if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-        communicator->allreduce_mean(p.mutable_grad(), kWorld, Phase::kDataParallel).wait();
+        communicator->allreduce_mean(p.mutable_grad(), kWorld, Purpose::kDataParallel).wait();
       }
       std::vector<torch::Tensor> before;
       for (const auto& p : net->parameters()) before.push_back(p.grad().clone());

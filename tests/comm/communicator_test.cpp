@@ -26,7 +26,7 @@ TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
     auto t = torch::ones({4});
     const auto start = std::chrono::steady_clock::now();
     try {
-      auto h = c->allreduce_mean(t, kWorld, Phase::kFactors);
+      auto h = c->allreduce_mean(t, kWorld, Purpose::kFactors);
       h.wait();
     } catch (const c10::Error& e) {
       message = e.what_without_backtrace();
@@ -60,7 +60,7 @@ TEST(Communicator, LostRankIsNamed) {
   std::string message;
   try {
     auto t = torch::ones({4});
-    c->allreduce_mean(t, kWorld, Phase::kFactors).wait();
+    c->allreduce_mean(t, kWorld, Purpose::kFactors).wait();
   } catch (const c10::Error& e) {
     message = e.what_without_backtrace();
   }

@@ -171,7 +171,7 @@ std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
       if (after_backward) after_backward(rank, step, kfac, *communicator);
       std::vector<comm::Handle> handles;
       for (auto& p : net->parameters()) {
-        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel));
+        handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
       }
       comm::wait_all(handles);
       if (sync) torch::cuda::synchronize();
@@ -552,7 +552,7 @@ TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
     for (int64_t step = 0; step < 3; ++step) {
       net->zero_grad();
       local_loss(*net, step, rank).backward();
-      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel).wait();
       kfac.step();
     }
     torch::serialize::OutputArchive archive;
@@ -573,7 +573,7 @@ TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
       kfac.load(archive);
       net->zero_grad();
       local_loss(*net, 3, rank).backward();
-      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+      for (auto& p : net->parameters()) communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel).wait();
       kfac.step();
       EXPECT_EQ(kfac.options().strategy(), chosen.strategy());
       grads[rank] = grads_of(*net);
@@ -619,7 +619,7 @@ std::vector<torch::Tensor> wide_step(WideNet& net, Preconditioner& kfac, comm::C
   auto y = torch::randn({2048, 256}, g, torch::kFloat64).to(device);
   net.zero_grad();
   (net.forward(x) - y).pow(2).mean().backward();
-  for (auto& p : net.parameters()) communicator.allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Phase::kDataParallel).wait();
+  for (auto& p : net.parameters()) communicator.allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel).wait();
   kfac.step();
   std::vector<torch::Tensor> grads;
   torch::NoGradGuard no_grad;

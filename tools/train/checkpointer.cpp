@@ -149,7 +149,7 @@ std::optional<Checkpointer::Found> Checkpointer::find(c10::Device device) {
   auto table = torch::zeros({world_, 3}, torch::kInt64);
   for (size_t i = 0; i < steps.size(); ++i) table[rank_][static_cast<int64_t>(i)] = steps[i] + 1;
   table[rank_][2] = static_cast<int64_t>(defects.size());
-  communicator_->allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
+  communicator_->allreduce_sum(table, comm::kWorld, comm::Purpose::kSetup).wait();
   auto has = [&](int r, int64_t step) {
     return table[r][0].item<int64_t>() == step + 1 || table[r][1].item<int64_t>() == step + 1;
   };
@@ -190,7 +190,7 @@ std::optional<Checkpointer::Found> Checkpointer::find_other_world(int found_worl
     // Every rank must have read the same file: the directory is shared by this job's ranks.
     auto chosen = torch::zeros({world_}, torch::kInt64);
     chosen[rank_] = steps[newest];
-    communicator_->allreduce_sum(chosen, comm::kWorld, comm::Phase::kSetup).wait();
+    communicator_->allreduce_sum(chosen, comm::kWorld, comm::Purpose::kSetup).wait();
     const auto lowest = chosen.min().item<int64_t>();
     const auto highest = chosen.max().item<int64_t>();
     TORCH_CHECK(lowest == highest, "resuming the ", found_world, "-rank job in '", dir_, "' on ", world_,

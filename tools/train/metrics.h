@@ -20,7 +20,7 @@
 ///   summary      steps, best/final test accuracy, final_test_loss, wall_time_s, kfac_time_s (zeros without
 ///                K-FAC), kfac_memory_bytes (with K-FAC), parameters_crc32, model, dataset, kfac, GPU memory,
 ///                and in a distributed job world_size and ranks[] (per rank: rank, comm_bytes for every
-///                comm::Phase by name, kfac_memory_bytes, kfac_time_s, wall_time_s,
+///                comm::Purpose by name, kfac_memory_bytes, kfac_time_s, wall_time_s,
 ///                gpu_max_memory_allocated_bytes on a GPU)
 /// kfac_time_s has one shape in every event: rank 0's (in ranks[], that rank's) K-FAC seconds since the run
 /// started, per phase of Preconditioner::total_times(), and their sum:

@@ -73,7 +73,7 @@ nlohmann::json kfac_time_json(const PhaseTimes& t) {
 
 // One rank's entry in the summary event's ranks[].
 struct RankReport {
-  std::map<std::string, int64_t> comm_bytes;  // every comm::Phase by name; 0 where nothing moved
+  std::map<std::string, int64_t> comm_bytes;  // every comm::Purpose by name; 0 where nothing moved
   int64_t kfac_memory_bytes = 0;
   PhaseTimes kfac_time;
   double wall_time_s = 0.0;
@@ -115,7 +115,7 @@ std::vector<RankReport> gather_reports(const RankReport& mine, comm::Communicato
   for_each_number(mine, [&](const auto& value) { row.push_back(static_cast<double>(value)); });
   auto table = torch::zeros({communicator.size(), static_cast<int64_t>(row.size())}, torch::kFloat64);
   table[communicator.rank()].copy_(torch::tensor(row, torch::kFloat64));
-  communicator.allreduce_sum(table, comm::kWorld, comm::Phase::kSetup).wait();
+  communicator.allreduce_sum(table, comm::kWorld, comm::Purpose::kSetup).wait();
   std::vector<RankReport> reports(communicator.size(), mine);  // the same phases; every number is replaced
   for (int r = 0; r < communicator.size(); ++r) {
     const double* values = table[r].data_ptr<double>();
@@ -327,7 +327,7 @@ bool Trainer::step_is_finite(const torch::Tensor& loss) {
   bool finite = torch::isfinite(torch::cat(largest).max()).item<bool>();
   if (communicator_ && world_ > 1) {
     auto bad = torch::full({1}, finite ? 0.0f : 1.0f);
-    communicator_->allreduce_sum(bad, comm::kWorld, comm::Phase::kFiniteCheck).wait();
+    communicator_->allreduce_sum(bad, comm::kWorld, comm::Purpose::kFiniteCheck).wait();
     finite = bad.item<float>() == 0.0f;
   }
   return finite;
@@ -379,7 +379,7 @@ void Trainer::save_checkpoint(const Position& at, const std::string& reason) {
     // Resumed from another world size's files: once every rank has written its own, they go.
     if (communicator_ && world_ > 1) {
       auto done = torch::ones({1}, torch::kInt64);
-      communicator_->allreduce_sum(done, comm::kWorld, comm::Phase::kSetup).wait();
+      communicator_->allreduce_sum(done, comm::kWorld, comm::Purpose::kSetup).wait();
     }
     if (rank_ == 0) {
       const int removed = s.checkpointer->remove_other_worlds();
@@ -596,7 +596,7 @@ void Trainer::draw_progress(const Position& at, double loss, const device::Mark&
 // The mean loss of every rank's steps this epoch (each rank trains on its own shard).
 double Trainer::global_mean(double sum, int64_t count) {
   auto totals = torch::tensor({sum, static_cast<double>(count)}, torch::kFloat64);
-  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, comm::Phase::kSetup).wait();
+  if (communicator_ && world_ > 1) communicator_->allreduce_sum(totals, comm::kWorld, comm::Purpose::kSetup).wait();
   return totals[1].item<double>() > 0 ? totals[0].item<double>() / totals[1].item<double>() : 0.0;
 }
 
