@@ -51,9 +51,10 @@ TEST(WorkerMemory, EstimateGrowsWithDatasetModelAndKfac) {
   config.dataset = train::Dataset::kCifar10;
   config.model = train::Model::kResnet20;
   EXPECT_GT(estimate_worker_memory(config).dataset, cnn.dataset);
-  // The measured peak of one cnn worker, 660 MiB (see memory.cpp), is below the estimate, and not far below.
-  EXPECT_GT(cnn.total(), int64_t{660} << 20);
-  EXPECT_LT(cnn.total(), int64_t{900} << 20);
+  // The measured peak of one cnn worker, 912 MiB with torch 2.11 (see memory.cpp), is below the estimate, and not
+  // far below.
+  EXPECT_GT(cnn.total(), int64_t{912} << 20);
+  EXPECT_LT(cnn.total(), int64_t{1200} << 20);
 }
 
 }  // namespace

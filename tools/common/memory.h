@@ -12,9 +12,9 @@ namespace dkfac::tools {
 /// What one `dkfac train` worker is expected to hold at its peak, in bytes, by part.
 ///
 /// The estimate is a sum of measured and computed parts (measured on this project's Debian 12 machine,
-/// LibTorch 1.13.1, peak RSS from `/usr/bin/time -v ./build/dkfac train --max-steps 20 --epochs 1`; the
+/// torch 2.11, peak RSS from `/usr/bin/time -v ./build/dkfac train --max-steps 20 --epochs 1`; the
 /// measurements and how far above them the estimate lies are in memory.cpp, at kRuntimeBytes):
-/// - runtime: LibTorch, OpenBLAS, gloo and the program, with tiny data and model: kRuntimeBytes (measured);
+/// - runtime: LibTorch, MKL, gloo and the program, with tiny data and model: kRuntimeBytes (measured);
 /// - dataset: the training and test images as stored (uint8 pixels; the synthetic set is float32), the
 ///   int64 labels, and the file bytes held while an IDX file is parsed;
 /// - model: parameters x 4 bytes x 4 (weights, gradients, two optimizer/communication buffers) plus the
