@@ -126,6 +126,10 @@ inline OptionRange any_value() { return {}; }
     "running-average decay alpha of the factors")                                                                   \
   X(Value, int64_t, accumulation_steps, 1, at_least(1), "", "", "",                                                  \
     "forward/backward passes (micro-batches) per optimizer step")                                                   \
+  X(Value, int64_t, start_preconditioning_step, 0, at_least(0), "--start-preconditioning-step", "", "",              \
+    "the first K-FAC step that preconditions: the steps before it only build the factors (on factor steps) and "     \
+    "leave every gradient plain (the base optimizer's own step); the first second-order update runs at it, and "     \
+    "strategy auto chooses then (Distributed Shampoo's start_preconditioning_step)")                                 \
   X(Value, ComputeMethod, compute_method, ComputeMethod::kEigen, any_value(), "--compute-method", "", "",            \
     "eigen: eigendecompositions of A and G; inverse: explicit damped inverses")                                     \
   X(Value, bool, compute_eigenvalue_outer_product, true, any_value(), "--compute-eigenvalue-outer-product", "", "",  \

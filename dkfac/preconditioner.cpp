@@ -28,7 +28,10 @@ bool Preconditioner::is_factor_step(int64_t step) const {
   return step % options_.factor_update_steps_at(step) == 0;
 }
 
-bool Preconditioner::is_inverse_step(int64_t step) const { return step % options_.inv_update_steps_at(step) == 0; }
+bool Preconditioner::is_inverse_step(int64_t step) const {
+  const int64_t start = options_.start_preconditioning_step();  // its first second-order update
+  return step == start || (step > start && step % options_.inv_update_steps_at(step) == 0);
+}
 
 void Preconditioner::check_schedules_agree() const {
   // The constructor compared every constant option; a schedule (a function, as every Python hyper-parameter
@@ -74,16 +77,21 @@ void Preconditioner::step() {
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
-  if (auto_ && auto_->choice_pending()) choose_strategy();
+  const bool warming_up = steps_ < options_.start_preconditioning_step();  // factors only, gradients left plain
+  if (auto_ && auto_->choice_pending() && !warming_up) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
   try {
     auto fates = check_layers(factor_step);
     if (factor_step) update_factors(fates);
-    if (is_inverse_step(steps_)) compute_second_order(fates);
-    auto preconditioned = precondition(fates);
-    const auto report = guard_and_clip(fates, preconditioned);
-    apply(fates, preconditioned, report);
+    if (warming_up) {
+      std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
+    } else {
+      if (is_inverse_step(steps_)) compute_second_order(fates);
+      auto preconditioned = precondition(fates);
+      const auto report = guard_and_clip(fates, preconditioned);
+      apply(fates, preconditioned, report);
+    }
     remember_written_gradients(fates);
   } catch (const c10::OutOfMemoryError& e) {
     forget_failed_step();
@@ -129,7 +137,7 @@ void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fa
 }
 
 void Preconditioner::discard_step() {
-  if (auto_ && auto_->choice_pending()) choose_strategy();
+  if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step()) choose_strategy();
   const bool factor_step = is_factor_step(steps_);
   auto fates = check_layers(factor_step);
   if (factor_step) {

@@ -250,6 +250,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),
         adam_eps: float = _default('adam_eps'),
+        start_preconditioning_step: int = _default('start_preconditioning_step'),
         sharded_placement: str = _default('sharded_placement'),
         spd_redundant_dim: int | None = _default('spd_redundant_dim'),
         spd_profile_steps: int = _default('spd_profile_steps'),

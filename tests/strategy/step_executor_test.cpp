@@ -536,6 +536,44 @@ TEST(StrategyAuto, RunsWhatChooseStrategyPicksAsThatStrategyWould) {
   EXPECT_EQ(picked, (std::set<std::string>{"dp", "spd"})) << tables;
 }
 
+// start_preconditioning_step under strategy auto: the steps before it build factors only, under the provisional
+// plan; the choice is made at the start step, and the job equals the chosen strategy's with the same start. The
+// rates make SPD-KFAC the pick (a latency-bound link), whose factors are the ranks' average as the provisional
+// plan's are (a DP-KFAC pick re-places averaged factors where DP-KFAC's own owners keep their own batch's:
+// ResumesACheckpointAsTheChosenStrategy covers that re-placement).
+TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kEigen;
+  const int64_t start = 2;
+  const Options base = base_options(method, false, 1.0).start_preconditioning_step(start);
+  const auto r = auto_rates(1e-12, 1e-2, 1e-12, method);
+  const Options chosen = choose_strategy(kObservedShapes, 2, base, r, kNoMemoryBudget, kBatch, {1, 2}).apply(base);
+  ASSERT_EQ(chosen.strategy(), Strategy::kSpd);
+  std::vector<std::vector<bool>> chosen_before(2);  // at each step, before its step(): had auto chosen?
+  const auto got = run_distributed(
+      2, Options(base).strategy(Strategy::kAuto),
+      [&](int rank, Preconditioner& kfac, comm::Communicator&) {
+        EXPECT_EQ(kfac.options().strategy(), chosen.strategy()) << "rank " << rank;
+        EXPECT_EQ(kfac.options().grad_worker_fraction(), chosen.grad_worker_fraction());
+      },
+      [&](int rank, int64_t, Preconditioner& kfac, comm::Communicator&) {
+        chosen_before[rank].push_back(!kfac.strategy_choice().empty());
+      },
+      [&](Preconditioner& kfac) { kfac.use_rates(r); });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(chosen_before[rank], (std::vector<bool>{false, false, false})) << "chose before step " << start;
+  }
+  const auto same = run_distributed(2, chosen);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int64_t step = 0; step < kSteps; ++step) {
+      for (size_t p = 0; p < same[rank][step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], same[rank][step][p], 1e-12)
+            << "rank " << rank << " step " << step << " param " << p;
+      }
+    }
+  }
+}
+
 // A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
 // on as a job of that strategy that loaded the same checkpoint.
 TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
