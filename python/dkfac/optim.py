@@ -291,7 +291,7 @@ class KFAC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._preconditioner.steps < getattr(self._preconditioner, 'start_preconditioning_step', 0):
+        if self._preconditioner.steps < self._preconditioner._core.start_preconditioning_step:
             # Before start_preconditioning_step the preconditioner builds its factors and leaves every gradient plain:
             # the base optimizer takes its own step on all of them (eigen_adam and graft start after).
             self._preconditioner.step()

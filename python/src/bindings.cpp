@@ -402,6 +402,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("take_plan_change", &Preconditioner::take_plan_change)
       .def_property_readonly("strategy", [](const Preconditioner& p) { return to_string(p.options().strategy()); })
+      .def_property_readonly("start_preconditioning_step",
+                             [](const Preconditioner& p) { return p.options().start_preconditioning_step(); })
       .def_property_readonly("strategy_choice", &Preconditioner::strategy_choice)
       .def_property_readonly("layout",
                              [](const Preconditioner& p) {

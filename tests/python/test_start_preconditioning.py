@@ -76,6 +76,7 @@ def test_the_optimizer_takes_the_base_step_before_the_start_then_eigen_adam():
                      factor_update_steps=1, inv_update_steps=2, start_preconditioning_step=START,
                      inv_dtype=torch.float64)
     base = torch.optim.AdamW(adamw_model.parameters(), **kw)
+    opt.preconditioner.start_preconditioning_step = 0  # kfac_pytorch's attributes inform; the core's value rules
     for step in range(START + 2):
         for model, optimizer in ((kfac_model, opt), (adamw_model, base)):
             x, y = batch(step)
