@@ -365,6 +365,8 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   torch::NoGradGuard no_grad;
   const Tf32Matmuls tf32(options_.precondition_dtype() == PreconditionDtype::kTf32 && device_.is_cuda());
   const double nan = std::numeric_limits<double>::quiet_NaN();
+  const bool kl_clipping = options_.kl_clip_at(steps_) > 0.0;
+  vg_.assign(layers_.size(), torch::Tensor());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     mark("preconditioning", static_cast<int64_t>(i));
@@ -372,16 +374,19 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
     const auto options = layer.weight().options();
     if (mine && fates[i] == LayerFate::kPreconditioned && layer.second_order().defined()) {
       auto& v = preconditioned[i];
+      const auto grad = layer.gradient();  // [g, a]: a copy where the bias gradient joins as a column
       if (options_.eigen_adam()) {
-        v = layer.precondition_adam({options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()});
+        v = layer.precondition_adam(grad, {options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()});
       } else {
         if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
           layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
         }
-        v = layer.second_order().precondition(layer.gradient());
+        v = layer.second_order().precondition(grad);
       }
       // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
       if (factor_ok_[i].defined()) v.masked_fill_(factor_ok_[i].logical_not(), nan);
+      // KL clipping's sum, while the gradient is at hand (guard_and_clip would gather it again).
+      if (kl_clipping) vg_[i] = (v * grad).sum().to(torch::kFloat64);
     } else if (mine && executor_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, nan, options);
@@ -436,12 +441,15 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     } else {
       auto finite = torch::isfinite(v).all().to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
-      auto vg = kl_clip > 0.0 ? (v * layers_[i].gradient()).sum().to(torch::kFloat64) : one;
+      auto vg = kl_clip <= 0.0     ? one
+                : vg_[i].defined() ? vg_[i]  // preconditioned here
+                                   : (v * layers_[i].gradient()).sum().to(torch::kFloat64);
       rows.push_back(torch::stack({one, finite, folded, vg}));
     }
     report.layers.push_back(i);
   }
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
+  vg_.clear();
   report.rows = rows.empty() ? torch::zeros({0, GuardReport::kColumns}, one.options()) : torch::stack(rows);
   if (std::any_of(report.layers.begin(), report.layers.end(), [&](size_t i) { return executor_->owner_rows(i); })) {
     clock_.collective(KfacPhase::kApply, [&] { executor_->agree_on_reports(report.rows, report.layers); });
@@ -513,7 +521,7 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
     if (fates[i] == LayerFate::kPlainGradient) continue;
     const auto& v = preconditioned[i];
     const auto scaled = v * report.scale.to(v.scalar_type());
-    layers_[i].set_gradient(torch::where(report.usable[static_cast<int64_t>(k)], scaled, layers_[i].gradient()));
+    layers_[i].set_gradient_where(report.usable[static_cast<int64_t>(k)], scaled);
   }
   auto pending = report;
   if (pending.rows.is_cuda()) {  // copies the host reads later without waiting, once the mark is reached

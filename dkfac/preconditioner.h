@@ -322,6 +322,8 @@ class Preconditioner {
   c10::Device device_{c10::kCPU};
   PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
+  std::vector<torch::Tensor> vg_;          // this step's sum(V * grad) (0-dim float64) of the layers preconditioned
+                                           // here, with KL clipping on, or undefined
   const char* phase_ = "";
   int64_t phase_layer_ = -1;
   LayerEvents events_;

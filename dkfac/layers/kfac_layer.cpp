@@ -299,12 +299,27 @@ void KfacLayer::set_gradient(const torch::Tensor& matrix) {
   if (bias.defined()) bias.mutable_grad().copy_(matrix.select(1, columns));
 }
 
+void KfacLayer::set_gradient_where(const torch::Tensor& use, const torch::Tensor& matrix) {
+  auto weight_grad = binding_.weight.mutable_grad();
+  const auto& bias = binding_.bias;
+  const int64_t columns = weight_grad.numel() / g_dim();
+  torch::NoGradGuard no_grad;
+  const auto weight_part = binding_.capture->geometry().transposed
+                               ? matrix.slice(1, 0, columns).t()
+                               : matrix.slice(1, 0, columns).reshape(weight_grad.sizes());
+  weight_grad.copy_(torch::where(use, weight_part, weight_grad));
+  if (bias.defined()) {
+    auto bias_grad = bias.mutable_grad();
+    bias_grad.copy_(torch::where(use, matrix.select(1, columns), bias_grad));
+  }
+}
+
 int64_t KfacLayer::memory_bytes() const {
   return bytes_of(a_factor_) + bytes_of(g_factor_) + second_order_.memory_bytes() + bytes_of(adam_.exp_avg) +
          bytes_of(adam_.exp_avg_sq) + bytes_of(adam_.steps);
 }
 
-torch::Tensor KfacLayer::precondition_adam(const math::AdamConstants& constants) {
+torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants) {
   const auto& s = second_order_;
   TORCH_INTERNAL_ASSERT(s.method == ComputeMethod::kEigen && s.defined(), "layer '", name(),
                         "': precondition_adam before the eigen method's state was computed");
@@ -315,7 +330,7 @@ torch::Tensor KfacLayer::precondition_adam(const math::AdamConstants& constants)
     adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
   }
   adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
-  return math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, gradient(), constants);
+  return math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, grad, constants);
 }
 
 std::map<std::string, torch::Tensor> KfacLayer::state() const {

@@ -164,11 +164,11 @@ class KfacLayer {
   /// must outlive a refresh: precondition_adam rotates them out of it).
   void set_eigen_adam(bool on) { eigen_adam_ = on; }
   bool eigen_adam() const { return eigen_adam_; }
-  /// Adam's step in the current eigenbasis for this layer's gradient ([g, a], in the gradient's dtype; NaN where the
-  /// gradient is not finite), updating the moments (math::eigen_adam_step); the moments are first re-expressed in
-  /// the current basis where it was refreshed since they were last updated (math::rotate_moments), and start at
-  /// zero. Needs the eigen method's state; nothing waits for the device.
-  torch::Tensor precondition_adam(const math::AdamConstants& constants);
+  /// Adam's step in the current eigenbasis for `grad`, this layer's gradient ([g, a], gradient(); the result in its
+  /// dtype; NaN where it is not finite), updating the moments (math::eigen_adam_step); the moments are first
+  /// re-expressed in the current basis where it was refreshed since they were last updated (math::rotate_moments),
+  /// and start at zero. Needs the eigen method's state; nothing waits for the device.
+  torch::Tensor precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants);
   /// Adam's moments (undefined before the first precondition_adam).
   const math::EigenAdamMoments& adam_moments() const { return adam_; }
 
@@ -178,6 +178,9 @@ class KfacLayer {
   torch::Tensor gradient() const;
   /// Writes a [g, a] matrix back into the weight (and bias) gradients.
   void set_gradient(const torch::Tensor& matrix);
+  /// Where `use` (a 0-dim bool, on the device) is true, writes `matrix` [g, a] into the weight (and bias) gradients;
+  /// where it is false, they keep what they hold. Part by part: the gradient is not gathered into a matrix for it.
+  void set_gradient_where(const torch::Tensor& use, const torch::Tensor& matrix);
 
   /// Bytes of factors, second-order state and Adam's moments held by this layer.
   int64_t memory_bytes() const;

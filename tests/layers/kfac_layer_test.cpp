@@ -92,6 +92,32 @@ TEST(KfacLayer, GradientIsWeightThenBiasColumn) {
   EXPECT_TRUE(torch::equal(layer.bias().grad(), written.select(1, 4)));
 }
 
+// set_gradient_where writes the matrix where the device-side flag is true and keeps the gradients where it is
+// false, weight and bias, the weight stored transposed too (transformers' Conv1D): as set_gradient of
+// where(use, matrix, gradient()), without gathering the gradient.
+TEST(KfacLayer, SetGradientWhereWritesOrKeepsEachPart) {
+  torch::manual_seed(2);
+  for (const bool transposed : {false, true}) {
+    LayerGeometry geometry;
+    geometry.has_bias = true;
+    geometry.transposed = transposed;
+    KfacLayer layer(LayerBinding{"fc", transposed ? torch::randn({4, 3}, kF64) : torch::randn({3, 4}, kF64),
+                                 torch::randn({3}, kF64), std::make_shared<FactorCapture>(geometry)});
+    const auto weight_grad = torch::randn(layer.weight().sizes(), kF64);
+    const auto bias_grad = torch::randn({3}, kF64);
+    layer.weight().mutable_grad() = weight_grad.clone();
+    layer.bias().mutable_grad() = bias_grad.clone();
+    const auto plain = layer.gradient();
+    const auto written = torch::arange(15, kF64).reshape({3, 5});
+    layer.set_gradient_where(torch::tensor(false), written);
+    EXPECT_TRUE(torch::equal(layer.weight().grad(), weight_grad)) << "transposed " << transposed;
+    EXPECT_TRUE(torch::equal(layer.bias().grad(), bias_grad));
+    layer.set_gradient_where(torch::tensor(true), written);
+    EXPECT_TRUE(torch::equal(layer.gradient(), written)) << "transposed " << transposed;
+    EXPECT_FALSE(torch::equal(plain, written));
+  }
+}
+
 TEST(KfacLayer, Conv2dGradientIsTheWeightViewedAsAMatrix) {
   LayerGeometry geometry{LayerKind::kConv2d, false, {}};
   geometry.conv.kernel_size = {2, 2};
