@@ -88,8 +88,10 @@ void Preconditioner::step() {
       std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
     } else {
       if (is_inverse_step(steps_)) compute_second_order(fates);
-      auto preconditioned = precondition(fates);
-      const auto report = guard_and_clip(fates, preconditioned);
+      const double kl_clip = options_.kl_clip_at(steps_);
+      std::vector<torch::Tensor> vg;
+      auto preconditioned = precondition(fates, kl_clip, vg);
+      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip);
       apply(fates, preconditioned, report);
     }
     remember_written_gradients(fates);
@@ -359,14 +361,14 @@ class Tf32Matmuls {
 
 }  // namespace
 
-std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerFate>& fates) {
+std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerFate>& fates, double kl_clip,
+                                                        std::vector<torch::Tensor>& vg) {
   PhaseClock::Span span(clock_, KfacPhase::kPrecondition);
   std::vector<torch::Tensor> preconditioned(layers_.size());
   torch::NoGradGuard no_grad;
   const Tf32Matmuls tf32(options_.precondition_dtype() == PreconditionDtype::kTf32 && device_.is_cuda());
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const bool kl_clipping = options_.kl_clip_at(steps_) > 0.0;
-  vg_.assign(layers_.size(), torch::Tensor());
+  vg.assign(layers_.size(), torch::Tensor());
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     mark("preconditioning", static_cast<int64_t>(i));
@@ -386,7 +388,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
       // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
       if (factor_ok_[i].defined()) v.masked_fill_(factor_ok_[i].logical_not(), nan);
       // KL clipping's sum, while the gradient is at hand (guard_and_clip would gather it again).
-      if (kl_clipping) vg_[i] = (v * grad).sum().to(torch::kFloat64);
+      if (kl_clip > 0.0) vg[i] = (v * grad).sum().to(torch::kFloat64);
     } else if (mine && executor_->plan().world_size() > 1) {
       // A grad worker that cannot precondition sends NaN so that its whole row falls back together.
       preconditioned[i] = torch::full({layer.g_dim(), layer.a_dim()}, nan, options);
@@ -417,11 +419,11 @@ torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip
 }
 
 Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
-                                                           const std::vector<torch::Tensor>& preconditioned) {
+                                                           const std::vector<torch::Tensor>& preconditioned,
+                                                           const std::vector<torch::Tensor>& vg, double kl_clip) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   mark("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
-  const double kl_clip = options_.kl_clip_at(steps_);
   GuardReport report;
   report.step = steps_;
   report.kl_clip = kl_clip;
@@ -441,15 +443,14 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     } else {
       auto finite = torch::isfinite(v).all().to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
-      auto vg = kl_clip <= 0.0     ? one
-                : vg_[i].defined() ? vg_[i]  // preconditioned here
-                                   : (v * layers_[i].gradient()).sum().to(torch::kFloat64);
-      rows.push_back(torch::stack({one, finite, folded, vg}));
+      auto vg_i = kl_clip <= 0.0    ? one
+                  : vg[i].defined() ? vg[i]  // preconditioned here
+                                    : (v * layers_[i].gradient()).sum().to(torch::kFloat64);
+      rows.push_back(torch::stack({one, finite, folded, vg_i}));
     }
     report.layers.push_back(i);
   }
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
-  vg_.clear();
   report.rows = rows.empty() ? torch::zeros({0, GuardReport::kColumns}, one.options()) : torch::stack(rows);
   if (std::any_of(report.layers.begin(), report.layers.end(), [&](size_t i) { return executor_->owner_rows(i); })) {
     clock_.collective(KfacPhase::kApply, [&] { executor_->agree_on_reports(report.rows, report.layers); });

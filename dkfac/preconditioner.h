@@ -224,7 +224,10 @@ class Preconditioner {
   /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
   /// layer keeps its previous state.
   void keeping_previous_state(size_t index, const std::function<void()>& update);
-  std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates);
+  /// V of each layer preconditioned here (the others' are filled by share_gradients) and, with KL clipping on
+  /// (`kl_clip` > 0), sum(V * grad) of each in `vg` (0-dim float64), taken while its gradient is at hand.
+  std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates, double kl_clip,
+                                          std::vector<torch::Tensor>& vg);
   /// What the NaN guard and KL clipping found, one row per layer they looked at, on the layers' device.
   struct GuardReport {
     /// A row's columns: preconditioned here (or by every owner), V finite, its factors folded (1 when none this
@@ -247,8 +250,10 @@ class Preconditioner {
   /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 sum(V * grad)|)) over the usable rows, on the device.
   static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
-  /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale. Nothing waits for the device.
-  GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned);
+  /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale; `vg` as precondition() left it. Nothing
+  /// waits for the device.
+  GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
+                             const std::vector<torch::Tensor>& vg, double kl_clip);
   /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before apply()
   /// (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host in row order as
   /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
@@ -322,8 +327,6 @@ class Preconditioner {
   c10::Device device_{c10::kCPU};
   PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
-  std::vector<torch::Tensor> vg_;          // this step's sum(V * grad) (0-dim float64) of the layers preconditioned
-                                           // here, with KL clipping on, or undefined
   const char* phase_ = "";
   int64_t phase_layer_ = -1;
   LayerEvents events_;

@@ -185,6 +185,19 @@ std::vector<std::vector<std::vector<torch::Tensor>>> run_distributed(
   return got;
 }
 
+// Each rank's gradients at each step of `expected` (runs of the same ranks), within `tolerance`.
+void expect_ranks_match(const std::vector<std::vector<std::vector<torch::Tensor>>>& got,
+                        const std::vector<std::vector<std::vector<torch::Tensor>>>& expected, double tolerance) {
+  for (size_t rank = 0; rank < expected.size(); ++rank) {
+    for (size_t step = 0; step < expected[rank].size(); ++step) {
+      for (size_t p = 0; p < expected[rank][step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], tolerance)
+            << "rank " << rank << " step " << step << " param " << p;
+      }
+    }
+  }
+}
+
 void expect_matches(const std::vector<std::vector<std::vector<torch::Tensor>>>& got,
                     const std::vector<std::vector<torch::Tensor>>& expected) {
   for (size_t rank = 0; rank < got.size(); ++rank) {
@@ -521,14 +534,7 @@ TEST(StrategyAuto, RunsWhatChooseStrategyPicksAsThatStrategyWould) {
         },
         nullptr, [&](Preconditioner& kfac) { kfac.use_rates(r); });
     const auto same = run_distributed(2, chosen);
-    for (int rank = 0; rank < 2; ++rank) {
-      for (int64_t step = 0; step < kSteps; ++step) {
-        for (size_t p = 0; p < same[rank][step].size(); ++p) {
-          EXPECT_TENSOR_NEAR(got[rank][step][p], same[rank][step][p], 1e-12)
-              << "rank " << rank << " step " << step << " param " << p;
-        }
-      }
-    }
+    expect_ranks_match(got, same, 1e-12);
     EXPECT_NE(choices[0].find(expected.reason), std::string::npos) << choices[0];
     EXPECT_NE(choices[0].find("batch 3 samples per rank per step, rates given"), std::string::npos) << choices[0];
     EXPECT_EQ(choices[0], choices[1]);
@@ -564,14 +570,7 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
     EXPECT_EQ(chosen_before[rank], (std::vector<bool>{false, false, false})) << "chose before step " << start;
   }
   const auto same = run_distributed(2, chosen);
-  for (int rank = 0; rank < 2; ++rank) {
-    for (int64_t step = 0; step < kSteps; ++step) {
-      for (size_t p = 0; p < same[rank][step].size(); ++p) {
-        EXPECT_TENSOR_NEAR(got[rank][step][p], same[rank][step][p], 1e-12)
-            << "rank " << rank << " step " << step << " param " << p;
-      }
-    }
-  }
+  expect_ranks_match(got, same, 1e-12);
 }
 
 // A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
@@ -743,14 +742,7 @@ TEST(StrategyAuto, RecheckChoosesAgainFromMeasuredPhasesAndGoesOnFromTheSameStat
     kfac.load(archive);
     for (int64_t step = kRecheckAfter; step < kTotal; ++step) expected[rank].push_back(wide_step(*net, kfac, *communicator, step, rank));
   });
-  for (int rank = 0; rank < 2; ++rank) {
-    for (int64_t step = 0; step < kTotal; ++step) {
-      for (size_t p = 0; p < expected[rank][step].size(); ++p) {
-        EXPECT_TENSOR_NEAR(got[rank][step][p], expected[rank][step][p], 1e-12)
-            << "rank " << rank << " step " << step << " param " << p;
-      }
-    }
-  }
+  expect_ranks_match(got, expected, 1e-12);
 }
 
 // Over the budget: the candidate with the least memory, and the choice says that nothing fits. In one
