@@ -68,6 +68,23 @@ EigenFactor eigen_decompose(const torch::Tensor& factor) {
   return result;
 }
 
+EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& previous) {
+  check_factor(factor, "refresh_eigenbasis");
+  if (is_diagonal(factor)) return eigen_decompose_unchecked(factor);
+  const int64_t d = factor.size(0);
+  TORCH_CHECK(previous.eigenvectors.defined() && previous.eigenvectors.sizes() == factor.sizes() &&
+                  previous.eigenvalues.defined() && previous.eigenvalues.numel() == d,
+              "refresh_eigenbasis: the previous eigenbasis does not match a ", d, "x", d, " factor");
+  const auto dtype = factor.scalar_type();
+  const auto order = torch::argsort(previous.eigenvalues, /*stable=*/true, /*dim=*/0, /*descending=*/true);
+  const auto start = previous.eigenvectors.to(dtype).index_select(1, order);
+  // Factors are exactly symmetric (math::gram mirrors its triangle), so both products read the whole matrix.
+  auto basis = std::get<0>(torch::linalg_qr(torch::mm(factor, start), "reduced"));
+  auto values = (basis * torch::mm(factor, basis)).sum(0).clamp_min_(0.0);
+  auto [ascending, index] = torch::sort(values);
+  return {basis.index_select(1, index), ascending};
+}
+
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping) {
   return torch::outer(g.eigenvalues, a.eigenvalues).add_(damping).reciprocal_();
 }

@@ -25,6 +25,16 @@ EigenFactor eigen_decompose(const torch::Tensor& factor);
 /// checks it (the preconditioner checks every layer's result with one host synchronisation).
 EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
 
+/// A cheap refresh of `previous`, an eigendecomposition of an earlier value of `factor` [d, d] (Options::eigh_interval,
+/// docs/MATH.md section 2.3): one step of subspace iteration, Q R = factor Q_prev (the columns taken in descending
+/// order of their eigenvalues, so that the dominant directions are orthogonalised first), and as eigenvalues the
+/// Rayleigh quotients d_i = q_i^T factor q_i, clamped to >= 0; returned in ascending order of them. Exact where
+/// `previous` is the factor's own eigenbasis (the same Q up to signs, the same d); else the basis moves toward the
+/// factor's, at the cost of three products and a QR (no eigensolver, no host synchronisation). Nothing is checked:
+/// a non-finite `previous` gives a non-finite result, which the caller's check turns into a full decomposition.
+/// A diagonal factor is returned as eigen_decompose_unchecked returns it.
+EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& previous);
+
 /// 1 / (d_G d_A^T + damping), [g, a]: the element-wise scaling of the eigen method.
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping);
 

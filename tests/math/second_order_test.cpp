@@ -64,6 +64,76 @@ TEST(SecondOrder, RejectsNonFiniteFactor) {
   EXPECT_THROW(eigen_decompose(m), c10::Error);
 }
 
+// docs/MATH.md section 2.3's worked refresh: F = [[2, 1], [1, 2]] (eigenvalues 1 and 3) from the identity basis with
+// eigenvalues {1, 2}: Q R = F [e2, e1] gives q = (1, 2) / sqrt(5) and (2, -1) / sqrt(5), Rayleigh quotients 14/5 and
+// 6/5; a second refresh gives 122/41 and 42/41, toward 3 and 1.
+TEST(SecondOrder, SpecWorkedRefresh) {
+  const auto f = torch::tensor({{2.0, 1.0}, {1.0, 2.0}}, torch::kFloat64);
+  const EigenFactor start{torch::eye(2, torch::kFloat64), torch::tensor({1.0, 2.0}, torch::kFloat64)};
+  const auto once = refresh_eigenbasis(f, start);
+  EXPECT_TENSOR_NEAR(once.eigenvalues, torch::tensor({1.2, 2.8}, torch::kFloat64), 1e-12);
+  const auto top = once.eigenvectors.select(1, 1);  // for the larger value, up to its sign
+  EXPECT_TENSOR_NEAR(top * top.sum().sign(), torch::tensor({1.0, 2.0}, torch::kFloat64) / std::sqrt(5.0), 1e-12);
+  const auto twice = refresh_eigenbasis(f, once);
+  EXPECT_TENSOR_NEAR(twice.eigenvalues, torch::tensor({42.0 / 41.0, 122.0 / 41.0}, torch::kFloat64), 1e-12);
+}
+
+// From a factor's own eigenbasis the refresh gives that eigendecomposition back: the same eigenvalues, and a
+// basis that rebuilds the factor.
+TEST(SecondOrder, RefreshFromTheExactBasisIsTheEigendecomposition) {
+  torch::manual_seed(5);
+  const auto f = dkfac::testing::random_spd(24, 64, torch::kFloat64);
+  const auto exact = eigen_decompose(f);
+  const auto refreshed = refresh_eigenbasis(f, exact);
+  EXPECT_TENSOR_NEAR(refreshed.eigenvalues, exact.eigenvalues, 1e-10);
+  const auto& q = refreshed.eigenvectors;
+  EXPECT_TENSOR_NEAR(torch::mm(q.t(), q), torch::eye(24, torch::kFloat64), 1e-12);
+  EXPECT_TENSOR_NEAR(torch::mm(q * refreshed.eigenvalues, q.t()), f, 1e-10);
+}
+
+// From a stale basis: an orthonormal basis, its eigenvalues the Rayleigh quotients diag(Q^T F Q), in ascending
+// order; each refresh brings the rebuilt factor closer to F, and repeated refreshes (subspace iteration) reach F's
+// eigendecomposition. F's spectrum is geometric (ratio 0.7) so that the convergence is quick and sure.
+TEST(SecondOrder, RefreshMovesAStaleBasisTowardTheFactors) {
+  torch::manual_seed(6);
+  const int64_t d = 16;
+  const auto rotation = std::get<0>(torch::linalg_qr(torch::randn({d, d}, torch::kFloat64)));
+  const auto spectrum = torch::pow(0.7, torch::arange(d, torch::kFloat64));
+  const auto f = torch::mm(rotation * spectrum, rotation.t());
+  auto rebuilt_error = [&](const EigenFactor& e) {
+    return (torch::mm(e.eigenvectors * e.eigenvalues, e.eigenvectors.t()) - f).norm().item<double>();
+  };
+  // A basis of a nearby factor (F plus noise), as between two inverse updates.
+  auto basis = eigen_decompose(f + 0.05 * dkfac::testing::random_spd(d, 4, torch::kFloat64));
+  double error = rebuilt_error({basis.eigenvectors, (basis.eigenvectors * torch::mm(f, basis.eigenvectors)).sum(0)});
+  for (int k = 0; k < 3; ++k) {
+    basis = refresh_eigenbasis(f, basis);
+    const auto& q = basis.eigenvectors;
+    EXPECT_TENSOR_NEAR(torch::mm(q.t(), q), torch::eye(d, torch::kFloat64), 1e-12);
+    EXPECT_TENSOR_NEAR(basis.eigenvalues, (q * torch::mm(f, q)).sum(0), 1e-12);
+    EXPECT_TRUE(torch::equal(basis.eigenvalues, std::get<0>(torch::sort(basis.eigenvalues))));
+    const double now = rebuilt_error(basis);
+    EXPECT_LT(now, error) << "refresh " << k;
+    error = now;
+  }
+  for (int k = 0; k < 200; ++k) basis = refresh_eigenbasis(f, basis);
+  EXPECT_TENSOR_NEAR(basis.eigenvalues, std::get<0>(torch::sort(spectrum)), 1e-9);
+  EXPECT_LT(rebuilt_error(basis), 1e-9);
+}
+
+// A non-finite previous basis (a part never received) gives a non-finite result: the caller's check sees it. A
+// diagonal factor has no basis to refresh.
+TEST(SecondOrder, RefreshPassesNonFiniteOnAndKeepsDiagonalsDiagonal) {
+  const auto f = torch::tensor({{2.0, 1.0}, {1.0, 2.0}}, torch::kFloat64);
+  const EigenFactor lost{torch::full({2, 2}, std::nan(""), torch::kFloat64), torch::tensor({1.0, 2.0}, torch::kFloat64)};
+  EXPECT_FALSE(torch::isfinite(refresh_eigenbasis(f, lost).eigenvectors).all().item<bool>());
+  const auto diagonal = refresh_eigenbasis(torch::tensor({3.0, -1.0}, torch::kFloat64), {});
+  EXPECT_FALSE(diagonal.eigenvectors.defined());
+  EXPECT_TENSOR_NEAR(diagonal.eigenvalues, torch::tensor({3.0, 0.0}, torch::kFloat64), 0.0);
+  EXPECT_THROW(refresh_eigenbasis(f, {torch::eye(3, torch::kFloat64), torch::ones({3}, torch::kFloat64)}),
+               c10::Error);
+}
+
 class DenseKronecker : public ::testing::TestWithParam<std::tuple<torch::Dtype, int64_t, int64_t>> {};
 
 // The eigen method solves (A kron G + damping I) vec(V) = vec(grad); the inverse method solves
