@@ -51,6 +51,8 @@ void Options::validate() const {
   check_dtype("factor_dtype", factor_dtype_);
   check_dtype("inv_dtype", inv_dtype_);
   checked("accumulation_steps", accumulation_steps_);
+  checked("start_preconditioning_step", start_preconditioning_step_);
+  checked("eigh_interval", eigh_interval_);
   checked("grad_worker_fraction", grad_worker_fraction_);
   checked("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb_);
   checked("large_factor_dim", large_factor_dim_);
@@ -61,6 +63,9 @@ void Options::validate() const {
   TORCH_CHECK(!eigen_adam_ || compute_method_ == ComputeMethod::kEigen,
               "eigen_adam runs Adam in the eigenbasis of the factors: it needs compute_method eigen, got ",
               to_string(compute_method_));
+  TORCH_CHECK(eigh_interval_ == 1 || compute_method_ == ComputeMethod::kEigen,
+              "eigh_interval refreshes eigenbases between full eigendecompositions: it needs compute_method eigen, "
+              "got ", to_string(compute_method_), " with eigh_interval ", eigh_interval_);
   TORCH_CHECK(!pi_damping_ || compute_method_ == ComputeMethod::kInverse,
               "pi_damping applies to the inverse compute_method only, got compute_method=", to_string(compute_method_));
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",

@@ -134,6 +134,11 @@ inline OptionRange any_value() { return {}; }
     "eigen: eigendecompositions of A and G; inverse: explicit damped inverses")                                     \
   X(Value, bool, compute_eigenvalue_outer_product, true, any_value(), "--compute-eigenvalue-outer-product", "", "",  \
     "eigen: 1 / (d_G d_A^T + damping) once per second-order update (on) or at every step (off)")                    \
+  X(Value, int64_t, eigh_interval, 1, at_least(1), "--eigh-interval", "", "",                                        \
+    "eigen: every how many second-order updates each eigendecomposition is computed in full; the updates between "   \
+    "refresh the previous eigenbasis by one subspace-iteration step (Q R = F Q, the Rayleigh quotients as "         \
+    "eigenvalues: no eigensolver; SOAP-style, docs/MATH.md section 2.3), a fast mode whose error is in "             \
+    "docs/PERFORMANCE.md; 1: always in full (exact)")                                                               \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
     "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \

@@ -33,6 +33,12 @@ bool Preconditioner::is_inverse_step(int64_t step) const {
   return step == start || (step > start && step % options_.inv_update_steps_at(step) == 0);
 }
 
+bool Preconditioner::is_full_decomposition_step(int64_t step) const {
+  const int64_t interval = options_.eigh_interval();
+  return interval == 1 || step == options_.start_preconditioning_step() ||
+         step % (interval * options_.inv_update_steps_at(step)) == 0;
+}
+
 void Preconditioner::check_schedules_agree() const {
   // The constructor compared every constant option; a schedule (a function, as every Python hyper-parameter
   // is, so that assigning preconditioner.damping works) is compared by its values, at every step, first:
@@ -87,7 +93,7 @@ void Preconditioner::step() {
     if (warming_up) {
       std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
     } else {
-      if (is_inverse_step(steps_)) compute_second_order(fates);
+      if (is_inverse_step(steps_)) compute_second_order(fates, !is_full_decomposition_step(steps_));
       const double kl_clip = options_.kl_clip_at(steps_);
       std::vector<torch::Tensor> vg;
       auto preconditioned = precondition(fates, kl_clip, vg);
@@ -277,7 +283,7 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   }
 }
 
-void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
+void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool refresh) {
   PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
   const double damping = options_.damping_at(steps_);
   const auto method = executor_->plan().method;
@@ -294,7 +300,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
       const bool g_part = executor_->computes_g(i);
       if (!a_part && !g_part) continue;
       keeping_previous_state(i, [&] {
-        auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part);
+        auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part, refresh);
         if (auto had = layer.install_second_order(std::move(pending.state), pending.ok)) fallback.emplace(i, *had);
         started.push_back(i);
         checks.push_back(pending.ok);
@@ -310,7 +316,8 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates) {
     const size_t i = started[k];
     auto& layer = layers_[i];
     if (auto had = fallback.find(i); had != fallback.end()) layer.set_second_order(std::move(had->second));
-    // The checked path: a general inverse where Cholesky failed; eigendecompositions report the NaN.
+    // The checked path: a general inverse where Cholesky failed, a full eigendecomposition where a refresh failed
+    // (from a basis that was not finite); eigendecompositions report the NaN.
     keeping_previous_state(i, [&] {
       layer.compute_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
                                  executor_->computes_g(i));

@@ -127,6 +127,9 @@ class Preconditioner {
   /// True if step() number `step` updates factors / second-order state.
   bool is_factor_step(int64_t step) const;
   bool is_inverse_step(int64_t step) const;
+  /// An inverse step that decomposes in full rather than refresh the eigenbases (Options::eigh_interval k): the
+  /// first, and those at multiples of k inverse intervals. A function of the step, so a resumed run is the same.
+  bool is_full_decomposition_step(int64_t step) const;
 
   /// The options in force. With Strategy::kAuto: auto until the first step() chose, then the choice's
   /// (StrategyChoice::apply); in one process kaisa from the start (every strategy is the same plan there).
@@ -220,7 +223,8 @@ class Preconditioner {
   std::vector<LayerFate> check_layers(bool factor_step);
   void update_factors(std::vector<LayerFate>& fates);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerFate>& fates);
-  void compute_second_order(std::vector<LayerFate>& fates);
+  /// `refresh`: refresh the eigenbases held (Options::eigh_interval) rather than decompose in full.
+  void compute_second_order(std::vector<LayerFate>& fates, bool refresh = false);
   /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
   /// layer keeps its previous state.
   void keeping_previous_state(size_t index, const std::function<void()>& update);

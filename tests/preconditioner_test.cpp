@@ -583,6 +583,11 @@ TEST(Preconditioner, BadOptionsCarryTheValue) {
   testing::expect_error(build(Options().accumulation_steps(0)), {"accumulation_steps must be >= 1, got 0"});
   testing::expect_error(build(Options().pi_damping(true)), {"pi_damping applies to the inverse compute_method only"});
   testing::expect_error(build(Options().skip_layers({"fc("})), {"skip_layers pattern 'fc(' is not a valid"});
+  testing::expect_error(build(Options().eigh_interval(0)), {"eigh_interval must be >= 1, got 0"});
+  testing::expect_error(build(Options().compute_method(ComputeMethod::kInverse).eigh_interval(4)),
+                        {"eigh_interval refreshes eigenbases", "needs compute_method eigen, got inverse"});
+  testing::expect_error(build(Options().start_preconditioning_step(-1)),
+                        {"start_preconditioning_step must be >= 0, got -1"});
   testing::expect_error([] { Preconditioner p(std::make_shared<torch::nn::Module>(), Options()); },
                         {"found no Linear, Conv2d or Embedding layer to precondition in torch::nn::Module"});
 
@@ -642,6 +647,51 @@ void expect_checkpoint_round_trip(const Options& options) {
 
 TEST(Preconditioner, CheckpointRoundTripGivesSameNextStep) {
   expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(3).kl_clip(1e-3));
+}
+
+// Options::eigh_interval 3 with inverse updates every 2 steps: steps 0, 6 and 12 decompose every factor in full, the
+// other inverse steps refresh the basis each layer held (math::refresh_eigenbasis, against the kernel), and those
+// refreshes are not the eigendecomposition (the factors moved since the basis was computed).
+TEST(Preconditioner, EighIntervalRefreshesTheBasesBetweenFullDecompositions) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().inv_update_steps(2).eigh_interval(3));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  int refreshes_unlike_eigh = 0;
+  for (int64_t s = 0; s <= 12; ++s) {
+    std::vector<SecondOrderState> before;
+    for (const auto& layer : kfac.layers()) before.push_back(layer.second_order());
+    zero_grad_and_backward(*net, 800 + s);
+    kfac.step();
+    sgd.step();
+    if (s % 2 != 0) continue;
+    for (size_t i = 0; i < kfac.layers().size(); ++i) {
+      const auto& layer = kfac.layers()[i];
+      const auto& now = layer.second_order();
+      const std::pair<const math::EigenFactor*, const math::EigenFactor*> sides[] = {
+          {&now.a_eigen, &before[i].a_eigen}, {&now.g_eigen, &before[i].g_eigen}};
+      const torch::Tensor factors[] = {layer.a_factor(), layer.g_factor()};
+      for (size_t side = 0; side < 2; ++side) {
+        const auto& [got, had] = sides[side];
+        const auto full = math::eigen_decompose(factors[side]);
+        if (s % 6 == 0) {
+          EXPECT_TENSOR_NEAR(got->eigenvalues, full.eigenvalues, 1e-12) << "step " << s << " layer " << i;
+          EXPECT_TENSOR_NEAR(torch::mm(got->eigenvectors * got->eigenvalues, got->eigenvectors.t()), factors[side],
+                             1e-12);
+          continue;
+        }
+        const auto expected = math::refresh_eigenbasis(factors[side], *had);
+        EXPECT_TENSOR_NEAR(got->eigenvectors, expected.eigenvectors, 1e-12) << "step " << s << " layer " << i;
+        EXPECT_TENSOR_NEAR(got->eigenvalues, expected.eigenvalues, 1e-12) << "step " << s << " layer " << i;
+        if ((got->eigenvalues - full.eigenvalues).abs().max().item<double>() > 1e-9) ++refreshes_unlike_eigh;
+      }
+    }
+  }
+  EXPECT_GT(refreshes_unlike_eigh, 0);
+}
+
+// A resumed run refreshes from the basis it loaded, at the steps the uninterrupted run does (step 4 and 5 refresh).
+TEST(Preconditioner, EighIntervalCheckpointRoundTripGivesSameNextStep) {
+  expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(1).eigh_interval(3));
 }
 
 // docs/CPP.md's eigen_adam loop: SGD with weight decay over the dkfac layers' parameters gives AdamW's update with

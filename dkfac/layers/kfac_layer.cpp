@@ -191,7 +191,7 @@ std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState
 }
 
 PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
-                                                 bool g_part) const {
+                                                 bool g_part, bool refresh) const {
   TORCH_INTERNAL_ASSERT(a_factor_.defined() && g_factor_.defined(), "layer '", name(),
                         "': second order requested before any factor update");
   PendingSecondOrder pending{second_order_.method == method ? second_order_ : SecondOrderState(), {}};
@@ -211,8 +211,14 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
       finite(kept.eigenvalues);
       return kept;
     };
-    if (a_part) next.a_eigen = stored(math::eigen_decompose_unchecked(in(a_factor_)));
-    if (g_part) next.g_eigen = stored(math::eigen_decompose_unchecked(in(g_factor_)));
+    // `next` starts as a copy of the current state: its eigenbasis is the one a refresh starts from.
+    auto decompose = [&](const torch::Tensor& factor, const math::EigenFactor& held) {
+      const bool from_held = refresh && held.eigenvectors.defined() && held.eigenvectors.sizes() == factor.sizes();
+      return from_held ? math::refresh_eigenbasis(in(factor), {in(held.eigenvectors), in(held.eigenvalues)})
+                       : math::eigen_decompose_unchecked(in(factor));
+    };
+    if (a_part) next.a_eigen = stored(decompose(a_factor_, next.a_eigen));
+    if (g_part) next.g_eigen = stored(decompose(g_factor_, next.g_eigen));
     if (a_part && g_part) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
   } else {
     auto a_damping = torch::scalar_tensor(damping, torch::kFloat64);

@@ -142,8 +142,11 @@ class KfacLayer {
   /// The new second-order state and its check, computed without waiting for the device (only a
   /// decomposition that fails to converge throws). Inverses come from Cholesky alone: where `ok` is false,
   /// compute_second_order (with its general-inverse fallback) is the way on.
+  /// With `refresh` (Options::eigh_interval), the eigen method refreshes the eigenbasis this layer holds
+  /// (math::refresh_eigenbasis) where it holds one of the factor's shape, and decomposes in full elsewhere; a
+  /// refresh from a basis that is not finite fails the check, and compute_second_order decomposes in full.
   PendingSecondOrder start_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part = true,
-                                        bool g_part = true) const;
+                                        bool g_part = true, bool refresh = false) const;
   /// Installs a state from start_second_order before its check is read, so that no layer's old and new state
   /// outlive the layer's own update (one layer's two copies at a time, not every layer's). Each part is chosen
   /// on the device, the new one where `ok` holds and the current one elsewhere: nothing waits, and a layer whose
