@@ -13,10 +13,13 @@ after one untimed run, between ``torch.cuda.synchronize()`` calls:
   and against ``torch.linalg.eigh`` of the stacked same-shaped matrices (batched);
 * **GEMM alignment**: the preconditioning products Q_G^T grad Q_A at widths 1025 and 4097 (a bias column)
   against 1024 and 4096, as TFLOP/s;
-* **the gram** x^T x of a factor (4096 rows): ``mm`` of the full matrix against its upper triangle in blocks.
+* **the gram** x^T x of a factor (4096 rows): ``mm`` of the full matrix against its upper triangle in blocks;
+* **refresh against eigh** per size: the core's full eigendecomposition against its refresh of the previous
+  basis (``eigh_interval``, dkfac._C's kernels: PYTHONPATH=build/python), with the refresh's error.
 
     python bench/kernel_probe.py --device cuda --json probe.json
     python bench/kernel_probe.py --device cpu --quick          # the code paths, small sizes
+    PYTHONPATH=build/python python bench/kernel_probe.py --device cpu --probe refresh --sizes 256 512 1024 2048
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--quick', action='store_true', help='small sizes (a CPU run of the code paths)')
     parser.add_argument('--budget-s', type=float, default=120.0, help='stop starting new probes after this long')
+    parser.add_argument('--probe', action='append', choices=['gemm', 'one_layer_eigh', 'eigh', 'refresh'],
+                        help='run only these probes (repeatable; default: all)')
+    parser.add_argument('--sizes', type=int, nargs='+', default=None,
+                        help='the eigh and refresh probes\' widths (default: BERT-Large\'s and ResNet-50\'s)')
     parser.add_argument('--json', default=None)
     return parser.parse_args(argv)
 
@@ -93,6 +100,27 @@ def eigh_backends(args: argparse.Namespace, timer: Timer, sizes: list[int]) -> d
         out[str(d)] = row
         print(f'eigh {d}: ' + ', '.join(f"{k} {v['median_ms']:.1f} ms" for k, v in row.items()
                                         if isinstance(v, dict) and 'median_ms' in v), flush=True)
+    return out
+
+
+def refresh_vs_eigh(args: argparse.Namespace, timer: Timer, sizes: list[int]) -> dict[str, Any]:
+    """The core's full eigendecomposition of a factor against its refresh (Options::eigh_interval) from the
+    eigenbasis of the factor one update earlier (F' = 0.95 F + 0.05 B, a new batch B), float32: the time of each,
+    and how far each refreshed basis rebuilds F' (||Q diag(d) Q^T - F'|| / ||F'||; eigh's is rounding)."""
+    from dkfac import _C  # the core's kernels (dkfac/math/second_order.h)
+    out: dict[str, Any] = {}
+    for d in sizes:
+        before = spd(d, args.device)
+        after = 0.95 * before + 0.05 * spd(d, args.device, seed=1)
+        vectors, values = _C.eigen_decompose(before)
+        full = timer(lambda: _C.eigen_decompose(after))
+        refresh = timer(lambda: _C.refresh_eigenbasis(after, vectors, values))
+        q, e = _C.refresh_eigenbasis(after, vectors, values)
+        error = (torch.linalg.matrix_norm((q * e) @ q.t() - after) / torch.linalg.matrix_norm(after)).item()
+        out[str(d)] = {'eigh': full, 'refresh': refresh, 'refresh_rebuild_error': error,
+                       'eigh_over_refresh': full['median_ms'] / refresh['median_ms']}
+        print(f"refresh {d}: eigh {full['median_ms']:.1f} ms, refresh {refresh['median_ms']:.1f} ms "
+              f"({out[str(d)]['eigh_over_refresh']:.2f}x), rebuild error {error:.2e}", flush=True)
     return out
 
 
@@ -189,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         layer = [1025] * 5 + [1024] * 5 + [4096, 4097]
         pairs = [(1024, 1025, 4096), (1024, 1024, 4096), (4096, 1025, 4096), (4096, 1024, 4096),
                  (1024, 4097, 4096), (1024, 4096, 4096)]
+    sizes = args.sizes or sizes
     started = time.perf_counter()
     results: dict[str, Any] = {'environment': env}
 
@@ -198,7 +227,10 @@ def main(argv: list[str] | None = None) -> None:
 
     for name, probe in (('gemm', lambda: gemm_alignment(args, timer, pairs)),
                         ('one_layer_eigh', lambda: concurrent_eigh(args, timer, layer)),
-                        ('eigh', lambda: eigh_backends(args, timer, sizes))):
+                        ('eigh', lambda: eigh_backends(args, timer, sizes)),
+                        ('refresh', lambda: refresh_vs_eigh(args, timer, sizes))):
+        if args.probe and name not in args.probe:
+            continue
         if time.perf_counter() - started > args.budget_s:
             results[name] = {'skipped': f'budget {args.budget_s} s spent'}
             continue

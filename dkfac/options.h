@@ -137,7 +137,7 @@ inline OptionRange any_value() { return {}; }
   X(Value, int64_t, eigh_interval, 1, at_least(1), "--eigh-interval", "", "",                                        \
     "eigen: every how many second-order updates each eigendecomposition is computed in full; the updates between "   \
     "refresh the previous eigenbasis by one subspace-iteration step (Q R = F Q, the Rayleigh quotients as "         \
-    "eigenvalues: no eigensolver; SOAP-style, docs/MATH.md section 2.3), a fast mode whose error is in "             \
+    "eigenvalues: no eigensolver; SOAP-style, docs/MATH.md section 2.6), a fast mode whose error is in "             \
     "docs/PERFORMANCE.md; 1: always in full (exact)")                                                               \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \

@@ -26,7 +26,7 @@ EigenFactor eigen_decompose(const torch::Tensor& factor);
 EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
 
 /// A cheap refresh of `previous`, an eigendecomposition of an earlier value of `factor` [d, d] (Options::eigh_interval,
-/// docs/MATH.md section 2.3): one step of subspace iteration, Q R = factor Q_prev (the columns taken in descending
+/// docs/MATH.md section 2.6): one step of subspace iteration, Q R = factor Q_prev (the columns taken in descending
 /// order of their eigenvalues, so that the dominant directions are orthogonalised first), and as eigenvalues the
 /// Rayleigh quotients d_i = q_i^T factor q_i, clamped to >= 0; returned in ascending order of them. Exact where
 /// `previous` is the factor's own eigenbasis (the same Q up to signs, the same d); else the basis moves toward the

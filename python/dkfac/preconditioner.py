@@ -200,6 +200,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     sets to one grad worker per replica, or 'dp'; see docs/STRATEGIES.md, "Sharded models").
     ``precondition_dtype`` 'tf32' runs the preconditioning products in TF32 on CUDA (a fast mode whose error
     docs/PERFORMANCE.md measures; no effect on a CPU); 'float32', the default, keeps them exact.
+    ``eigh_interval`` k > 1 (eigen method, a fast mode) computes the eigendecompositions in full every k inverse
+    updates only, and between them refreshes each factor's previous eigenbasis by one subspace-iteration step (a
+    QR, no eigensolver; docs/MATH.md section 2.6); 1, the default, always in full.
 
     ``distributed_strategy``, ``grad_worker_fraction`` and ``colocate_factors`` are KAISA's grid as the core
     placed the work when the preconditioner was built: W = round(P f) gradient workers per layer (halves away
@@ -246,6 +249,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         diagonal_factor_dim: int = _default('diagonal_factor_dim'),
         kfac_approx: str = _default('kfac_approx'),
         precondition_dtype: str = _default('precondition_dtype'),
+        eigh_interval: int = _default('eigh_interval'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),

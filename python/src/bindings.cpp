@@ -19,6 +19,7 @@
 #include "dkfac/allocator.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
+#include "dkfac/math/second_order.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/step_plan.h"
@@ -169,6 +170,17 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  // The eigen method's two decompositions (dkfac/math/second_order.h), for benchmarks and tests: the core's
+  // eigendecomposition of a factor, and its refresh of an earlier one (Options::eigh_interval).
+  m.def("eigen_decompose", [](const torch::Tensor& factor) {
+    auto e = math::eigen_decompose(factor);
+    return std::make_pair(e.eigenvectors, e.eigenvalues);
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("refresh_eigenbasis", [](const torch::Tensor& factor, const torch::Tensor& eigenvectors,
+                                 const torch::Tensor& eigenvalues) {
+    auto e = math::refresh_eigenbasis(factor, {eigenvectors, eigenvalues});
+    return std::make_pair(e.eigenvectors, e.eigenvalues);
+  }, py::call_guard<py::gil_scoped_release>());
   m.def("layer_state_entries", [] {
     // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g', whether
     // one of Adam's moments (eigen_adam).
