@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   std::ifstream in(argv[1], std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto spec = torch::pickle_load(bytes).toGenericDict();
-  const auto& name = spec.at("method").toStringRef();  // "eigen", "inverse" or "eigen_adam"
+  // "eigen", "inverse", "eigen_adam" or "eigen_refresh" (eigen with eigh_interval 2: step 3 refreshes)
+  const auto& name = spec.at("method").toStringRef();
   const auto method = name == "inverse" ? dkfac::ComputeMethod::kInverse : dkfac::ComputeMethod::kEigen;
   const bool eigen_adam = name == "eigen_adam";
   auto model = std::make_shared<Cnn>();
@@ -54,6 +55,7 @@ int main(int argc, char** argv) {
                                         .kl_clip(eigen_adam ? 0.0 : 0.001)
                                         .compute_method(method)
                                         .eigen_adam(eigen_adam)
+                                        .eigh_interval(name == "eigen_refresh" ? 2 : 1)
                                         .inv_dtype(torch::kFloat32));
   auto inputs = spec.at("inputs").toList();
   auto targets = spec.at("targets").toList();
