@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> None:
             python_step.dump_json(args.json, results)
 
     for name, probe in (('gemm', lambda: gemm_alignment(args, timer, pairs)),
+                        ('refresh', lambda: refresh_vs_eigh(args, timer, sizes)),
                         ('one_layer_eigh', lambda: concurrent_eigh(args, timer, layer)),
-                        ('eigh', lambda: eigh_backends(args, timer, sizes)),
-                        ('refresh', lambda: refresh_vs_eigh(args, timer, sizes))):
+                        ('eigh', lambda: eigh_backends(args, timer, sizes))):
         if args.probe and name not in args.probe:
             continue
         if time.perf_counter() - started > args.budget_s:

@@ -458,7 +458,8 @@ step_kinds() {  # step_kinds [MORE ARGUMENTS]: MORE go after DKFAC_GPU_BENCH_ARG
   return $rc
 }
 
-# --- kernel-probe: bench/kernel_probe.py, the step's kernels alone (eigh backends and streams, GEMM widths) ---
+# --- kernel-probe: bench/kernel_probe.py, the step's kernels alone (GEMM widths, eigh against its refresh,
+# eigh backends and streams; the refresh through the built extension) ---
 step_probe() {
   local name=kernel-probe ready=0
   bench_ready "$name" "$probe_min" || ready=$?
@@ -466,8 +467,8 @@ step_probe() {
   local rc=0 limit
   limit=$(budget)
   echo "+ [timeout $limit s] bench/kernel_probe.py --device $bench_device --budget-s $((limit - 30))" >"$out/$name.log"
-  timeout --kill-after=10 "$limit" "$python" bench/kernel_probe.py --device "$bench_device" \
-    --budget-s "$((limit - 30))" --json "$out/$name.json" >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
+  PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=10 "$limit" \
+    "$python" bench/kernel_probe.py --device "$bench_device" --budget-s "$((limit - 30))" --json "$out/$name.json" >"$out/$name.txt" 2>>"$out/$name.log" || rc=$?
   record "$name" "$(result_of $rc)" "$(grep -c . "$out/$name.txt") lines; report $name.txt, $name.json"
   return $rc
 }

@@ -126,6 +126,16 @@ double time_decomposition(int64_t d, ComputeMethod method, c10::ScalarType dtype
   });
 }
 
+double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto x = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32));
+  const auto options = torch::TensorOptions().dtype(dtype).device(device);
+  const auto before = (x.matmul(x.t()) / d + torch::eye(d)).to(options);
+  const auto basis = math::eigen_decompose(before);
+  const auto after = (0.95 * before + 0.05 * torch::eye(d, options)).contiguous();
+  return time_median(device, d >= 640 ? 2 : 3, [&] { (void)math::refresh_eigenbasis(after, basis); });
+}
+
 int64_t spd_redundant_dim(double probe_seconds, const assign::AlphaBeta& link, c10::ScalarType dtype,
                           ComputeMethod method) {
   const double element = static_cast<double>(c10::elementSize(dtype));

@@ -57,6 +57,9 @@ constexpr int64_t kSpdProbeDim = 256;
 /// Median seconds of one eigendecomposition (or damped inverse, by `method`) of a d x d SPD matrix of `dtype`
 /// on `device`: 3 runs (2 from d = 640) after a warm-up (cuSOLVER's handle). In this process only.
 double time_decomposition(int64_t d, ComputeMethod method, c10::ScalarType dtype, c10::Device device);
+/// Seconds of one refresh of a d x d factor's eigenbasis (math::refresh_eigenbasis, Options::eigh_interval), timed
+/// as time_decomposition.
+double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device);
 
 /// SPD-KFAC's redundancy threshold (assign::redundant_dim_threshold): the largest d for which decomposing a
 /// d x d factor on every rank (seconds_per_cubed_dim d^3, from the probe's time / kSpdProbeDim^3) costs no

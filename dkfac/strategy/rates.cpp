@@ -221,6 +221,18 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
         rates.decomposition.dims = k.decomposition_dims;
         rates.decomposition.seconds.assign(figures, figures + k.decomposition_dims.size());
       }});
+  if (method == ComputeMethod::kEigen) {  // the eigenbasis refresh (Options::eigh_interval), at the same dims
+    probes.push_back(KernelProbe{
+        k.decomposition_dims.size(),
+        [k, dtype, device](std::vector<double>& figures) {
+          for (int64_t d : k.decomposition_dims) figures.push_back(time_refresh(d, dtype, device));
+        },
+        [k](const double* figures, Rates& rates) {
+          rates.refresh = DecompositionRate{};
+          rates.refresh.dims = k.decomposition_dims;
+          rates.refresh.seconds.assign(figures, figures + k.decomposition_dims.size());
+        }});
+  }
   probes.push_back(KernelProbe{
       k.precondition_shapes.size(),
       [k, method, random, spd, timed](std::vector<double>& figures) {
@@ -396,17 +408,28 @@ void Rates::validate() const {
   check_factor("conv_unfold_factor", conv_unfold_factor);
   check("fold.seconds", fold.seconds);
   check("fold.per_entry", fold.per_entry);
-  check("decomposition.latency", decomposition.latency);
-  check("decomposition.per_cubed_dim", decomposition.per_cubed_dim);
   check("precondition.seconds", precondition.seconds);
   check("precondition.per_flop", precondition.per_flop);
-  TORCH_CHECK(decomposition.dims.size() == decomposition.seconds.size(), "rates: decomposition has ",
-              decomposition.dims.size(), " dims but ", decomposition.seconds.size(), " times");
-  for (size_t i = 0; i < decomposition.dims.size(); ++i) {
-    TORCH_CHECK(decomposition.dims[i] >= 1 && (i == 0 || decomposition.dims[i] > decomposition.dims[i - 1]),
-                "rates: decomposition dims must be ascending and >= 1, got ", decomposition.dims[i], " at ", i);
-    check("decomposition.seconds", decomposition.seconds[i]);
-  }
+  const auto check_table = [&](const std::string& name, const DecompositionRate& rate) {
+    check(name + ".latency", rate.latency);
+    check(name + ".per_cubed_dim", rate.per_cubed_dim);
+    TORCH_CHECK(rate.dims.size() == rate.seconds.size(), "rates: ", name, " has ", rate.dims.size(),
+                " dims but ", rate.seconds.size(), " times");
+    for (size_t i = 0; i < rate.dims.size(); ++i) {
+      TORCH_CHECK(rate.dims[i] >= 1 && (i == 0 || rate.dims[i] > rate.dims[i - 1]), "rates: ", name,
+                  " dims must be ascending and >= 1, got ", rate.dims[i], " at ", i);
+      check(name + ".seconds", rate.seconds[i]);
+    }
+  };
+  check_table("decomposition", decomposition);
+  check_table("refresh", refresh);
+}
+
+double Rates::second_order_seconds(int64_t d, int64_t eigh_interval) const {
+  const double full = decomposition.seconds_for(d);
+  if (eigh_interval <= 1 || !refresh.measured()) return full;
+  const double k = static_cast<double>(eigh_interval);
+  return (full + (k - 1) * refresh.seconds_for(d)) / k;
 }
 
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,

@@ -47,6 +47,8 @@ struct DecompositionRate {
   double latency = 0;           ///< empty table only: seconds per decomposition
   double per_cubed_dim = 0;     ///< empty table only: seconds per d^3
   double seconds_for(int64_t d) const;
+  /// True when it holds figures (a table, or a latency or per_cubed_dim).
+  bool measured() const { return !dims.empty() || latency > 0 || per_cubed_dim > 0; }
 };
 
 /// Seconds to precondition one layer's [g, a] gradient (G^-1 grad A^-1, or the four eigenbasis products):
@@ -100,8 +102,15 @@ struct Rates {
   /// Folding each built layer's batch factors into its running averages, once per factor step.
   FoldRate fold;
   DecompositionRate decomposition;
+  /// Eigen method: one refresh of a factor's eigenbasis (math::refresh_eigenbasis, Options::eigh_interval), by
+  /// dimension as `decomposition`. Not measured (an empty table, no latency, no per_cubed_dim: rates of the
+  /// inverse method, or a file written before it was measured): a refresh is priced as a full decomposition.
+  DecompositionRate refresh;
   PreconditionRate precondition;
 
+  /// Seconds of one second-order update of a d x d factor, averaged over `eigh_interval` updates: one full
+  /// decomposition and eigh_interval - 1 refreshes (a full decomposition each where `refresh` is not measured).
+  double second_order_seconds(int64_t d, int64_t eigh_interval) const;
   /// The rate of factors built by `kernel`.
   const FactorRate& for_kernel(math::FactorKernel kernel) const;
   FactorRate& for_kernel(math::FactorKernel kernel);

@@ -61,6 +61,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   plan.eigen_adam = options.eigen_adam();
   plan.strategy = options.strategy();
   plan.method = options.compute_method();
+  plan.eigh_interval = options.eigh_interval();
   plan.shapes = shapes;
   switch (plan.strategy) {
     case Strategy::kKaisa:

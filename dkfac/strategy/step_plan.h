@@ -41,6 +41,9 @@ struct StepPlan {
   ComputeMethod method = ComputeMethod::kEigen;
   KfacApprox approx = KfacApprox::kExpand;  ///< Options::kfac_approx (the shapes' rows_per_sample follow it)
   bool eigen_adam = false;  ///< Options::eigen_adam: each grad worker also keeps Adam's two [g, a] moments
+  /// Options::eigh_interval: one second-order update in this many decomposes in full, the others refresh the
+  /// eigenbases (the time model prices the average, Rates::second_order_seconds)
+  int64_t eigh_interval = 1;
   /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
   /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
   std::vector<assign::LayerShape> shapes;

@@ -184,8 +184,10 @@ class StepSimulation {
         if (plan.builds_factors(i, r)) build_[r] += a_build + g_build + fold;
         if (!plan.preconditions(i, r)) continue;
         // A diagonal factor's decomposition is a clamp of d values: priced as nothing.
-        if (plan.computes_a(i, r) && !s.a_diagonal) decompose_[r] += rates.decomposition.seconds_for(s.a_dim);
-        if (plan.computes_g(i, r) && !s.g_diagonal) decompose_[r] += rates.decomposition.seconds_for(s.g_dim);
+        // Eigen with eigh_interval k: one full decomposition and k - 1 refreshes per k updates, averaged.
+        const int64_t k = eigen ? plan.eigh_interval : 1;
+        if (plan.computes_a(i, r) && !s.a_diagonal) decompose_[r] += rates.second_order_seconds(s.a_dim, k);
+        if (plan.computes_g(i, r) && !s.g_diagonal) decompose_[r] += rates.second_order_seconds(s.g_dim, k);
         if (flow.broadcast_a) second_order_[r] += share(s.a_dim, s.a_diagonal);
         if (flow.broadcast_g) second_order_[r] += share(s.g_dim, s.g_diagonal);
         precondition_[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
@@ -307,6 +309,9 @@ Rates scaled(const Rates& rates, const RateScales& scales) {
   for (double& seconds : r.decomposition.seconds) seconds *= decomposition;
   r.decomposition.latency *= decomposition;
   r.decomposition.per_cubed_dim *= decomposition;
+  for (double& seconds : r.refresh.seconds) seconds *= decomposition;
+  r.refresh.latency *= decomposition;
+  r.refresh.per_cubed_dim *= decomposition;
   r.precondition.seconds *= scales[KfacPhase::kPrecondition];
   r.precondition.per_flop *= scales[KfacPhase::kPrecondition];
   for (auto* link : {&r.allreduce, &r.allreduce_busy, &r.broadcast}) {

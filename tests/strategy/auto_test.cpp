@@ -98,6 +98,26 @@ TEST(TimeModel, SingleProcessIsTheSumOfItsKernels) {
   EXPECT_NEAR(sparse.step_seconds, sparse.ranks[0].total(), 1e-12);
 }
 
+// Options::eigh_interval k: each second-order update is priced as the average of one full decomposition and k - 1
+// refreshes (Rates::refresh); a refresh not measured (rates of an older file) is priced as a full decomposition.
+TEST(TimeModel, EighIntervalAveragesFullDecompositionsAndRefreshes) {
+  Rates r = rates(1e-9, 0, 0, 1);
+  auto plan = StepPlan::single_process(shapes(), ComputeMethod::kEigen);
+  const double full = predict_time(plan, r, 32, {1, 1}).ranks[0].decomposition;
+  double expected_full = 0;
+  for (const auto& s : shapes()) expected_full += 1e-9 * (std::pow(s.a_dim, 3) + std::pow(s.g_dim, 3));
+  EXPECT_NEAR(full, expected_full, 1e-12);
+  plan.eigh_interval = 4;
+  EXPECT_DOUBLE_EQ(predict_time(plan, r, 32, {1, 1}).ranks[0].decomposition, full) << "refresh not measured";
+  r.refresh.per_cubed_dim = 0.25e-9;
+  EXPECT_NEAR(predict_time(plan, r, 32, {1, 1}).ranks[0].decomposition, full * (1 + 3 * 0.25) / 4, 1e-12);
+  EXPECT_NEAR(r.second_order_seconds(100, 4), (1e-3 + 3 * 0.25e-3) / 4, 1e-15);
+  EXPECT_DOUBLE_EQ(r.second_order_seconds(100, 1), 1e-3);
+  r.refresh.dims = {16, 64};
+  r.refresh.seconds = {1.0};
+  EXPECT_THROW(r.validate(), c10::Error) << "a refresh table of 2 dims and 1 time";
+}
+
 TEST(TimeModel, FactorsArePricedByTheKernelThatBuildsThemAndFoldedPerLayer) {
   // Each kernel's rate differs; every factor must be priced at its own kernel's (shapes(): an unfold and a
   // patches convolution, two Linear layers), and each layer built pays one fold.
@@ -427,6 +447,20 @@ TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
   EXPECT_GT(r.factor.seconds_for(4096, 256), r.factor.seconds_for(64, 16));
   EXPECT_GT(r.decomposition.seconds_for(1024), r.decomposition.seconds_for(16));
   EXPECT_GT(r.precondition.seconds_for(256, 256, ComputeMethod::kInverse), 0.0);
+  EXPECT_FALSE(r.refresh.measured()) << "the inverse method has no eigenbasis to refresh";
+}
+
+// The eigen method's rates also time the eigenbasis refresh (Options::eigh_interval), at the decomposition's dims.
+TEST(Rates, EigenRatesTimeTheRefreshToo) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kEigen);
+  at::set_num_threads(threads);
+  r.validate();
+  ASSERT_TRUE(r.refresh.measured());
+  EXPECT_EQ(r.refresh.dims, r.decomposition.dims);
+  for (double seconds : r.refresh.seconds) EXPECT_GT(seconds, 0.0);
+  EXPECT_GT(r.refresh.seconds_for(640), r.refresh.seconds_for(16));
 }
 
 // How many ranks compute at full speed together follows the probe's slowdown when all run it at once, within

@@ -318,6 +318,21 @@ strategy::FactorRate factor_rate_from_json(const nlohmann::json& j, const char* 
   return {field<double>(j, name, "seconds"), field<double>(j, name, "per_entry_s"), field<double>(j, name, "per_flop_s")};
 }
 
+nlohmann::json decomposition_rate_json(const strategy::DecompositionRate& rate) {
+  return {{"dims", rate.dims}, {"seconds", rate.seconds}, {"latency_s", rate.latency},
+          {"per_cubed_dim_s", rate.per_cubed_dim}};
+}
+
+/// The DecompositionRate in `j[name]`.
+strategy::DecompositionRate decomposition_rate_from_json(const nlohmann::json& j, const char* name) {
+  strategy::DecompositionRate rate;
+  rate.dims = field<std::vector<int64_t>>(j, name, "dims");
+  rate.seconds = field<std::vector<double>>(j, name, "seconds");
+  rate.latency = field<double>(j, name, "latency_s");
+  rate.per_cubed_dim = field<double>(j, name, "per_cubed_dim_s");
+  return rate;
+}
+
 }  // namespace
 
 nlohmann::json rates_to_json(const strategy::Rates& r) {
@@ -339,11 +354,8 @@ nlohmann::json rates_to_json(const strategy::Rates& r) {
           {"conv_patches_factor", factor_rate_json(r.conv_patches_factor)},
           {"conv_unfold_factor", factor_rate_json(r.conv_unfold_factor)},
           {"fold", {{"seconds", r.fold.seconds}, {"per_entry_s", r.fold.per_entry}}},
-          {"decomposition",
-           {{"dims", r.decomposition.dims},
-            {"seconds", r.decomposition.seconds},
-            {"latency_s", r.decomposition.latency},
-            {"per_cubed_dim_s", r.decomposition.per_cubed_dim}}},
+          {"decomposition", decomposition_rate_json(r.decomposition)},
+          {"refresh", decomposition_rate_json(r.refresh)},
           {"precondition", {{"seconds", r.precondition.seconds}, {"per_flop_s", r.precondition.per_flop}}}};
 }
 
@@ -378,10 +390,10 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   r.conv_patches_factor = factor_rate_from_json(j, "conv_patches_factor");
   r.conv_unfold_factor = factor_rate_from_json(j, "conv_unfold_factor");
   r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
-  r.decomposition.dims = field<std::vector<int64_t>>(j, "decomposition", "dims");
-  r.decomposition.seconds = field<std::vector<double>>(j, "decomposition", "seconds");
-  r.decomposition.latency = field<double>(j, "decomposition", "latency_s");
-  r.decomposition.per_cubed_dim = field<double>(j, "decomposition", "per_cubed_dim_s");
+  r.decomposition = decomposition_rate_from_json(j, "decomposition");
+  // The eigenbasis refresh's rate (Options::eigh_interval) joined the format on 2026-11-28: a file without it
+  // prices refreshes as full decompositions (Rates::refresh).
+  if (j.contains("refresh")) r.refresh = decomposition_rate_from_json(j, "refresh");
   r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
   r.validate();
   return r;
