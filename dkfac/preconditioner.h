@@ -47,6 +47,26 @@ struct StateRestore {
   std::string describe(int world_size_now) const;
 };
 
+/// A saved K-FAC state as a front end read it, whatever its layout (the C++ archive, Python's state dict, a
+/// torch.distributed.checkpoint load): Preconditioner::restore decides what becomes of it, by one set of rules
+/// for every front end.
+struct SavedState {
+  int64_t steps = 0;
+  /// Per layer, in registration order: the entries found, by layer_state_entries()' keys. A rank may be handed
+  /// every layer's whole state (a gathered state, the C++ archive) or only what one rank held.
+  std::vector<std::map<std::string, torch::Tensor>> layers;
+  /// The compute method its second-order entries were computed with; nullopt: not known (kfac_pytorch's layout),
+  /// and then they are not restored.
+  std::optional<ComputeMethod> method;
+  /// For a state that may hold only one rank's share (Python's own per-rank state_dict): what it is and how to
+  /// resume instead, said when it lacks a factor this rank keeps after the first step ("it is rank 1's own
+  /// state of a 2-rank job, ...; save state_dict(gathered=True)"). Empty: not checked (a state of every layer,
+  /// where a missing factor is a layer that had none).
+  std::string per_rank_writer;
+  /// Recompute the second-order state from the factors where it is not restored exactly (collective).
+  bool recompute = true;
+};
+
 /// How the core's messages (warnings and errors about a layer or an option) name layers and options. The
 /// defaults are the C++ API's; a front end whose users know other names passes its own (the Python package:
 /// each module's torch.nn class and KFACPreconditioner's keyword arguments).
@@ -121,6 +141,19 @@ class Preconditioner {
   /// (layer_states()) or every layer's whole state (gathered_layer_states() of a job of any world size).
   /// Checks every layer first and changes nothing on error.
   void load_layer_states(int64_t steps, const std::vector<std::map<std::string, torch::Tensor>>& states);
+
+  /// The one restore of a saved K-FAC state (every front end's load calls it; docs/RELIABILITY.md):
+  ///  - refused, naming the layer, where `saved.per_rank_writer` is set, `saved.steps` > 0 and a factor this
+  ///    rank keeps is missing (another rank's DP-KFAC share);
+  ///  - exact where every rank finds, of the compute method this job runs, the whole second-order state of
+  ///    each layer it holds (state_template()): then factors, second-order state and Adam's moments are taken as
+  ///    saved;
+  ///  - otherwise the factors and Adam's moments are taken, and with `saved.recompute` the second-order state is
+  ///    recomputed from the factors (update_second_order).
+  /// Every rank takes the same branch (one tiny allreduce each for the refusal and the exactness in a
+  /// distributed job: collective). Each rank keeps what its plan gives it (load_layer_states). Checks every
+  /// layer first and changes nothing when refused or on error.
+  StateRestore restore(SavedState saved);
 
   /// K-FAC steps taken so far (0 before the first step()).
   int64_t steps() const { return steps_; }
@@ -207,9 +240,9 @@ class Preconditioner {
   /// Options are the caller's to rebuild.
   void save(torch::serialize::OutputArchive& archive) const;
   /// Restores what save() wrote into a preconditioner built on the same model with the same options, on
-  /// any world size and strategy: this rank keeps what its plan gives it (load_layer_states). The
-  /// second-order state saved is exact whatever the plan; where the archive's compute method is not this
-  /// one's, it is recomputed from the factors (collective: then every rank must load the same archive).
+  /// any world size and strategy, by restore()'s rules: this rank keeps what its plan gives it, the
+  /// second-order state saved is exact whatever the plan, and where the archive's compute method is not this
+  /// one's it is recomputed from the factors. Collective in a distributed job: every rank loads the same archive.
   /// An archive of another format version (dkfac writes and reads format 2 only), a corrupt or a mismatched
   /// archive is refused naming the problem (nothing changes then).
   StateRestore load(torch::serialize::InputArchive& archive);

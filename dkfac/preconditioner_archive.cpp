@@ -7,6 +7,8 @@
 
 #include "dkfac/preconditioner.h"
 
+#include "dkfac/comm/agreement.h"
+
 namespace dkfac {
 namespace {
 
@@ -125,9 +127,10 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
                   method == static_cast<int64_t>(ComputeMethod::kInverse),
               "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
-  const bool same_method = method == static_cast<int64_t>(plan.method);
-  std::vector<std::map<std::string, torch::Tensor>> states(layers_.size());
-  bool recompute = false;
+  SavedState saved;
+  saved.steps = steps;
+  saved.method = static_cast<ComputeMethod>(method);
+  saved.layers.resize(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     const std::string where = " (K-FAC layer " + std::to_string(i) + ")";
     torch::serialize::InputArchive nested;
@@ -136,35 +139,68 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
     const auto name = read_string(nested, "name", where);
     TORCH_CHECK(name == layers_[i].name(), "checkpoint holds K-FAC layer '", name, "' where the model has '",
                 layers_[i].name(), "'");
-    bool has_second_order = false;
     for (const auto& key : nested.keys()) {
       if (key == "name") continue;
       torch::Tensor tensor;
       TORCH_CHECK(nested.try_read(key, tensor, /*is_buffer=*/true), "dkfac preconditioner checkpoint", where,
                   ": entry '", key, "' is not a tensor: the archive is damaged");
-      if (!is_factor_key(key)) {
-        has_second_order = true;
-        if (!same_method) continue;  // of the other method: recomputed below
-      }
-      states[i][key] = tensor;
+      saved.layers[i][key] = tensor;
     }
-    states[i] = placed_here(i, std::move(states[i]));
-    // Another method's state: every rank decides alike (the same archive), so the recompute is collective.
-    if (!same_method && has_second_order) recompute = true;
-    if (executor_->holds_second_order(i) && has_second_order && same_method) ++restore.placed_layers;
   }
-  std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
-  for (size_t i = 0; i < loaded.size(); ++i) loaded[i].load_state(states[i], plan.method);
-  layers_ = std::move(loaded);
-  steps_ = steps;
-  if (recompute) {
+  const auto restored = this->restore(std::move(saved));
+  restore.placed_layers = restored.placed_layers;
+  restore.recomputed_layers = restored.recomputed_layers;
+  return restore;
+}
+
+StateRestore Preconditioner::restore(SavedState saved) {
+  TORCH_CHECK(saved.steps >= 0, "steps must be >= 0, got ", saved.steps);
+  TORCH_CHECK(saved.layers.size() == layers_.size(), "state holds ", saved.layers.size(), " K-FAC layers, the model has ",
+              layers_.size());
+  const auto wanted = state_template();
+  bool exact = saved.method == executor_->plan().method;
+  std::string refusal;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& have = saved.layers[i];
+    for (const auto& [key, unused] : wanted[i]) {
+      const auto& entry = *layer_state_entry(key);
+      const auto found = have.find(key);
+      if (found != have.end() && found->second.defined()) continue;
+      if (!entry.factor) {
+        if (!entry.moment()) exact = false;  // a second-order part this rank holds is missing: recomputed
+      } else if (saved.steps > 0 && !saved.per_rank_writer.empty() && refusal.empty()) {
+        refusal = c10::str("state holds no ", entry.what, " of layer '", layers_[i].name(),
+                           "', which this rank builds: ", saved.per_rank_writer);
+      }
+    }
+  }
+  // Every rank takes the same branch: the recompute is collective, and a refusal must reach every rank.
+  if (communicator_ && communicator_->size() > 1) {
+    const bool accepted = comm::all_true(*communicator_, refusal.empty());
+    TORCH_CHECK_VALUE(accepted, refusal.empty() ? "another rank refused this state (its error names the layer)"
+                                                : refusal);
+    exact = comm::all_true(*communicator_, exact);
+  }
+  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  StateRestore restore;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto& layer = saved.layers[i];
+    bool second_order = false;
+    for (auto it = layer.begin(); it != layer.end();) {
+      const auto* entry = layer_state_entry(it->first);
+      const bool kept = entry == nullptr || entry->factor || entry->moment() || exact;  // unknown: refused below
+      second_order = second_order || (kept && entry != nullptr && !entry->factor && !entry->moment());
+      it = kept ? std::next(it) : layer.erase(it);
+    }
+    if (second_order && executor_->holds_second_order(i)) ++restore.placed_layers;
+  }
+  load_layer_states(saved.steps, saved.layers);  // checks every layer first; nothing changes on error
+  if (!exact && saved.recompute) {
     update_second_order();
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
     }
   }
-  for (auto& layer : layers_) layer.capture().clear();
-  arm_capture();
   return restore;
 }
 

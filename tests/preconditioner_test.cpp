@@ -901,6 +901,63 @@ std::unique_ptr<Preconditioner> trained(const std::shared_ptr<TinyNet>& net, con
   return kfac;
 }
 
+// The one restore (Preconditioner::restore), single process: a saved state of this method with every layer's
+// second-order state is taken exactly; one that lacks a layer's part, or of no known method, is recomputed from
+// its factors (as update_second_order does); a per-rank state that lacks a factor this rank builds after the first
+// step is refused naming the layer and what the front end said of the writer, and nothing changes.
+TEST(Preconditioner, RestoreIsExactRecomputedOrRefused) {
+  const Options options = Options().factor_update_steps(1).inv_update_steps(3);
+  const auto source = trained(make_net(), options, 5);  // factors updated twice since the last inverse step
+  std::vector<std::map<std::string, torch::Tensor>> states;
+  for (const auto& layer : source->layers()) states.push_back(layer.state());
+  const auto fresh = [&] { return std::make_unique<Preconditioner>(make_net(), options); };
+  const auto same = [](const Preconditioner& p, const std::vector<std::map<std::string, torch::Tensor>>& want) {
+    for (size_t i = 0; i < want.size(); ++i) {
+      const auto have = p.layers()[i].state();
+      ASSERT_EQ(have.size(), want[i].size()) << "layer " << i;
+      for (const auto& [key, tensor] : want[i]) EXPECT_TRUE(torch::equal(have.at(key), tensor)) << i << " " << key;
+    }
+  };
+
+  auto exact = fresh();
+  const auto restored = exact->restore({5, states, ComputeMethod::kEigen, "", true});
+  EXPECT_EQ(restored.placed_layers, 3);
+  EXPECT_EQ(restored.recomputed_layers, 0);
+  EXPECT_EQ(exact->steps(), 5);
+  same(*exact, states);
+
+  // The recompute is update_second_order on the loaded factors: not the saved state (the factors moved since).
+  auto expected = fresh();
+  expected->load_layer_states(5, states);
+  expected->update_second_order();
+  auto partial = states;
+  partial[1].erase("g_eigenvalues");
+  for (const auto& [saved, method] : {std::pair{partial, std::optional<ComputeMethod>(ComputeMethod::kEigen)},
+                                      std::pair{states, std::optional<ComputeMethod>()}}) {
+    auto recomputed = fresh();
+    const auto r = recomputed->restore({5, saved, method, "", true});
+    EXPECT_EQ(r.recomputed_layers, 3);
+    std::vector<std::map<std::string, torch::Tensor>> want;
+    for (const auto& layer : expected->layers()) want.push_back(layer.state());
+    same(*recomputed, want);
+    EXPECT_FALSE(torch::equal(recomputed->layers()[0].second_order().a_eigen.eigenvalues,
+                              source->layers()[0].second_order().a_eigen.eigenvalues));
+  }
+
+  auto refused = trained(make_net(), options, 2);
+  std::vector<std::map<std::string, torch::Tensor>> before;
+  for (const auto& layer : refused->layers()) before.push_back(layer.state());
+  auto lacking = states;
+  lacking[2].erase("g_factor");
+  testing::expect_error([&] { refused->restore({5, lacking, ComputeMethod::kEigen, "it is rank 3's share", true}); },
+                        {"state holds no G factor of layer 'fc2', which this rank builds: it is rank 3's share"});
+  same(*refused, before);
+  EXPECT_EQ(refused->steps(), 2);
+  // Not checked for a state of every layer (a layer that had no factors), nor before the first step.
+  EXPECT_NO_THROW(fresh()->restore({5, lacking, ComputeMethod::kEigen, "", true}));
+  EXPECT_NO_THROW(fresh()->restore({0, lacking, ComputeMethod::kEigen, "it is rank 3's share", true}));
+}
+
 // dkfac reads one format of its archive: another version (here 1, one rank's own state, which no release
 // wrote) is refused naming both versions, and nothing changes.
 TEST(Preconditioner, AnotherFormatVersionIsRefusedNamingIt) {

@@ -92,4 +92,12 @@ std::string first_difference(Communicator& communicator, GroupId group, const st
   return broadcast_text(communicator, group, named, message, phase);
 }
 
+bool all_true(Communicator& communicator, bool flag, Purpose phase) {
+  // How many ranks say no.
+  auto no = torch::full({1}, flag ? 0.0 : 1.0,
+                        torch::TensorOptions().dtype(torch::kFloat64).device(communicator.control_device()));
+  communicator.allreduce_sum(no, kWorld, phase).wait();
+  return no.item<double>() == 0.0;
+}
+
 }  // namespace dkfac::comm

@@ -23,4 +23,8 @@ std::string broadcast_text(Communicator& communicator, GroupId group, int root, 
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
                              Purpose phase = Purpose::kSetup);
 
+/// True when `flag` is true on every rank of the world: one tiny allreduce (counted under `phase`), so that every
+/// rank takes the same branch. Collective over the world.
+bool all_true(Communicator& communicator, bool flag, Purpose phase = Purpose::kControl);
+
 }  // namespace dkfac::comm

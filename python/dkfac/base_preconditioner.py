@@ -728,15 +728,13 @@ class BaseKFACPreconditioner:
                              'version writes and reads')
         ours = ours if isinstance(ours, dict) else {}
         held_flags = ours.get('held', {})
-        template = self._core.state_template()
-        states, refusal = [], None
-        exact = bool(ours) and ours.get('compute_method') == self._core.compute_method
         if 'layers' in state_dict:
             layers = state_dict['layers']
             unknown = sorted(set(layers) - set(self._names))
             if unknown:
                 raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
-            for name, want in zip(self._names, template):
+            states = []
+            for name in self._names:
                 entry = layers.get(name)
                 if entry is None:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
@@ -745,34 +743,23 @@ class BaseKFACPreconditioner:
                 found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
                 found.update(ours.get('second_order', {}).get(name, {}))
                 # Present: written and computed (kfac_pytorch writes None for a factor not built yet).
-                s = {k: t for k, t in found.items() if t is not None and flags.get(k, True)}
-                missing = [k for k in want if k in _FACTOR_KEYS and found.get(k) is None]
-                if missing and steps > 0 and refusal is None:
-                    writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
-                              else "another rank's own state")
-                    refusal = (f'state_dict holds no {" or ".join(_FACTOR_KEYS[k] for k in missing)} factor of layer '
-                               f'{name!r}, which this rank builds: it is {writer}, which holds the factors of that '
-                               f"rank's own layers only (DP-KFAC); to resume on rank {self._rank} of "
-                               f'{self._world_size}, save state_dict(gathered=True), called on every rank, or '
-                               'checkpoint through torch.distributed.checkpoint')
-                exact = exact and all(k in s for k in want if k not in _FACTOR_KEYS and k not in _MOMENT_KEYS)
-                states.append(s)
+                states.append({k: t for k, t in found.items() if t is not None and flags.get(k, True)})
+            method = ours.get('compute_method')  # None: kfac_pytorch's, whose inverses are recomputed
+            writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
+                      else "another rank's own state")
+            # The core's one restore decides (Preconditioner::restore): refused where this rank's factors are
+            # missing after the first step (another rank's DP-KFAC share), exact where every rank finds this
+            # method's whole second-order state, recomputed from the factors otherwise.
+            per_rank_writer = (f"it is {writer}, which holds the factors of that rank's own layers only (DP-KFAC); "
+                               f'to resume on rank {self._rank} of {self._world_size}, save '
+                               'state_dict(gathered=True), called on every rank, or checkpoint through '
+                               'torch.distributed.checkpoint')
         else:
             if compute_inverses:
                 warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
                               'skipping it', stacklevel=2)
             compute_inverses = False
-            states = self._core.layer_states()
-            exact = True
-        if self._communicator is not None:
-            # Every rank takes the same branch: the recompute is collective, and a refusal must reach all.
-            if not self._communicator.all_true(refusal is None):
-                raise ValueError(refusal or 'another rank refused this state_dict (its error names the layer)')
-            exact = self._communicator.all_true(bool(exact))
-        elif refusal is not None:
-            raise ValueError(refusal)
-        if not exact:  # the second-order state is recomputed; Adam's moments are kept (nothing recomputes them)
-            states = [{k: t for k, t in s.items() if k in _FACTOR_KEYS or k in _MOMENT_KEYS} for s in states]
+            states, method, per_rank_writer = self._core.layer_states(), self._core.compute_method, ''
         # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:
@@ -786,9 +773,7 @@ class BaseKFACPreconditioner:
         except (TypeError, RuntimeError, ValueError) as error:
             raise ValueError(f'state_dict: {error}') from None
         with _CoreWarnings():
-            self._core.load_layer_states(steps, states)
-            if 'layers' in state_dict and not exact and compute_inverses:
-                self._core.update_second_order()
+            self._core.restore(steps, states, method, per_rank_writer, compute_inverses)
         for name, value in hyper.items():
             setattr(self, '_' + name, value)
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dkfac/allocator.h"
+#include "dkfac/comm/agreement.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/math/second_order.h"
@@ -296,13 +297,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cuda_backend", [](const comm::Communicator& c) { return comm::to_string(c.cuda_backend()); })
       .def(
           "all_true",
-          [](comm::Communicator& c, bool flag) {
-            // How many ranks say no; one tiny collective so that every rank takes the same branch.
-            auto no = torch::full({1}, flag ? 0.0 : 1.0, torch::TensorOptions().dtype(torch::kFloat64).device(c.control_device()));
-            auto handle = c.allreduce_sum(no, comm::kWorld, comm::Purpose::kControl);
-            handle.wait();
-            return no.item<double>() == 0.0;
-          },
+          [](comm::Communicator& c, bool flag) { return comm::all_true(c, flag); },
           py::call_guard<py::gil_scoped_release>())
       .def("stop_watchdog", &comm::Communicator::stop_watchdog, py::call_guard<py::gil_scoped_release>())
       .def("diagnose_failure", &comm::Communicator::diagnose_failure, py::call_guard<py::gil_scoped_release>())
@@ -386,6 +381,26 @@ PYBIND11_MODULE(_C, m) {
              return states;
            })
       .def("load_layer_states", &Preconditioner::load_layer_states)
+      .def(
+          "restore",  // Preconditioner::restore: method "eigen", "inverse" or None (not known)
+          [](Preconditioner& p, int64_t steps, std::vector<std::map<std::string, torch::Tensor>> layers,
+             const std::optional<std::string>& method, std::string per_rank_writer, bool recompute) {
+            SavedState saved;
+            saved.steps = steps;
+            saved.layers = std::move(layers);
+            if (method == to_string(ComputeMethod::kEigen)) saved.method = ComputeMethod::kEigen;
+            if (method == to_string(ComputeMethod::kInverse)) saved.method = ComputeMethod::kInverse;
+            saved.per_rank_writer = std::move(per_rank_writer);
+            saved.recompute = recompute;
+            try {
+              const auto restored = p.restore(std::move(saved));
+              return std::make_pair(restored.placed_layers, restored.recomputed_layers);
+            } catch (const c10::ValueError& e) {  // a refusal (another rank's share): Python's ValueError
+              throw py::value_error(e.what_without_backtrace());
+            }
+          },
+          py::arg("steps"), py::arg("layers"), py::arg("method"), py::arg("per_rank_writer"), py::arg("recompute"),
+          py::call_guard<py::gil_scoped_release>())
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
       .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })

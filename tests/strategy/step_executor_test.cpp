@@ -650,6 +650,45 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
 
 // A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
 // on as a job of that strategy that loaded the same checkpoint.
+// The one restore on 2 ranks (KAISA f = 1: each builds every factor and holds every second-order state): a state
+// that one rank refuses is refused on both (the other names no layer), and where one rank's state lacks a
+// second-order part both recompute from the factors (collective: neither waits for the other), ending equal.
+TEST(Restore, RanksTakeTheSameBranch) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const Options options = base_options(ComputeMethod::kEigen, false, 1.0);
+  std::vector<std::map<std::string, torch::Tensor>> saved;
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<torch::Tensor>> eigenvalues(2);
+  std::vector<int64_t> recomputed(2);
+  run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net(testing::test_device());
+    Preconditioner kfac(net, options, communicator);
+    for (int64_t step = 0; step < 2; ++step) {
+      net->zero_grad();
+      local_loss(*net, step, rank).backward();
+      kfac.step();
+    }
+    auto states = kfac.gathered_layer_states();
+    if (rank == 0) saved = states;
+    auto lacking = states;
+    if (rank == 0) lacking[1].erase("a_factor");
+    try {
+      kfac.restore({2, lacking, ComputeMethod::kEigen, "it is another rank's share", true});
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+    auto partial = states;
+    if (rank == 1) partial[0].erase("a_eigenvectors");
+    recomputed[rank] = kfac.restore({2, partial, ComputeMethod::kEigen, "", true}).recomputed_layers;
+    for (const auto& layer : kfac.layers()) eigenvalues[rank].push_back(layer.second_order().g_eigen.eigenvalues.cpu());
+  });
+  EXPECT_NE(errors[0].find("state holds no A factor of layer 'fc1', which this rank builds"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("another rank refused this state"), std::string::npos) << errors[1];
+  EXPECT_EQ(recomputed, (std::vector<int64_t>{3, 3}));
+  for (size_t i = 0; i < eigenvalues[0].size(); ++i) EXPECT_TRUE(torch::equal(eigenvalues[0][i], eigenvalues[1][i]));
+}
+
 TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto method = ComputeMethod::kEigen;
