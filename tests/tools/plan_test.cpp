@@ -229,6 +229,10 @@ strategy::Rates given_rates(ComputeMethod method) {
   r.fold = {6e-6, 4e-10};
   r.decomposition.dims = {16, 96, 768};
   r.decomposition.seconds = {1e-5, 1e-4, 1e-2};
+  if (method == ComputeMethod::kEigen) {
+    r.refresh.dims = {16, 96, 768};
+    r.refresh.seconds = {8e-6, 6e-5, 5e-3};
+  }
   r.precondition = {1e-6, 1e-11};
   r.conditions = "test";
   return r;
@@ -253,6 +257,8 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.fold.per_entry, r.fold.per_entry);
   EXPECT_EQ(back.decomposition.dims, r.decomposition.dims);
   EXPECT_EQ(back.decomposition.seconds, r.decomposition.seconds);
+  EXPECT_EQ(back.refresh.dims, r.refresh.dims);
+  EXPECT_EQ(back.refresh.seconds, r.refresh.seconds);
   EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
   EXPECT_EQ(back.conditions, "test");
   auto broken = rates_to_json(r);
@@ -267,7 +273,8 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   broken["allreduce"]["alpha_s"] = -1.0;
   EXPECT_THROW(rates_from_json(broken), c10::Error);
   // One format: a file without a part that rates_to_json writes is refused naming it, not read with a stand-in.
-  for (const char* part : {"allreduce_busy", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold"}) {
+  for (const char* part :
+       {"allreduce_busy", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold", "refresh"}) {
     auto older = rates_to_json(r);
     older.erase(part);
     try {

@@ -381,7 +381,7 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   r.broadcast = {field<double>(j, "broadcast", "alpha_s"), field<double>(j, "broadcast", "beta_s_per_byte")};
   r.allreduce_busy = {field<double>(j, "allreduce_busy", "alpha_s"), field<double>(j, "allreduce_busy", "beta_s_per_byte")};
   for (const char* part : {"factor", "conv_factor", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold",
-                           "decomposition", "precondition"}) {
+                           "decomposition", "refresh", "precondition"}) {
     TORCH_CHECK(j.contains(part), "rates: missing field ", part);
   }
   r.factor = factor_rate_from_json(j, "factor");
@@ -391,9 +391,7 @@ strategy::Rates rates_from_json(const nlohmann::json& j) {
   r.conv_unfold_factor = factor_rate_from_json(j, "conv_unfold_factor");
   r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
   r.decomposition = decomposition_rate_from_json(j, "decomposition");
-  // The eigenbasis refresh's rate (Options::eigh_interval) joined the format on 2026-11-28: a file without it
-  // prices refreshes as full decompositions (Rates::refresh).
-  if (j.contains("refresh")) r.refresh = decomposition_rate_from_json(j, "refresh");
+  r.refresh = decomposition_rate_from_json(j, "refresh");  // empty for the inverse method
   r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
   r.validate();
   return r;
