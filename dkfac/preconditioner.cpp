@@ -112,7 +112,8 @@ void Preconditioner::step() {
   close_step_timing();
   if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
     const auto t = last_step_times();
-    auto_->record(steps_, {factor_step, is_inverse_step(steps_)}, t);
+    const bool inverse = is_inverse_step(steps_);
+    auto_->record(steps_, {factor_step, inverse, inverse && !is_full_decomposition_step(steps_)}, t);
   }
   ++steps_;
   if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
@@ -177,14 +178,17 @@ void Preconditioner::load_layer_states(int64_t steps,
   TORCH_CHECK(steps >= 0, "steps must be >= 0, got ", steps);
   TORCH_CHECK(states.size() == layers_.size(), "state holds ", states.size(), " K-FAC layers, the model has ",
               layers_.size());
-  std::vector<KfacLayer> loaded = layers_;  // a bad entry leaves this preconditioner unchanged
-  for (size_t i = 0; i < loaded.size(); ++i) {
-    loaded[i].load_state(placed_here(i, states[i]), options_.compute_method());
-  }
-  layers_ = std::move(loaded);
+  layers_ = staged_layer_states(states);  // a bad entry leaves this preconditioner unchanged
   steps_ = steps;
   reset_batch();
   arm_capture();
+}
+
+std::vector<KfacLayer> Preconditioner::staged_layer_states(
+    const std::vector<std::map<std::string, torch::Tensor>>& states) const {
+  std::vector<KfacLayer> staged = layers_;
+  for (size_t i = 0; i < staged.size(); ++i) staged[i].load_state(placed_here(i, states[i]), options_.compute_method());
+  return staged;
 }
 
 std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer_states() const {

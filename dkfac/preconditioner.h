@@ -65,6 +65,9 @@ struct SavedState {
   std::string per_rank_writer;
   /// Recompute the second-order state from the factors where it is not restored exactly (collective).
   bool recompute = true;
+  /// Per layer (or empty): keys its writer wrote as blanks, not held (Python's state_dict keeps every key of a
+  /// layer that never built its factors, a frozen or unused one). Neither loaded nor missing.
+  std::vector<std::set<std::string>> unheld;
 };
 
 /// How the core's messages (warnings and errors about a layer or an option) name layers and options. The
@@ -144,15 +147,16 @@ class Preconditioner {
 
   /// The one restore of a saved K-FAC state (every front end's load calls it; docs/RELIABILITY.md):
   ///  - refused, naming the layer, where `saved.per_rank_writer` is set, `saved.steps` > 0 and a factor this
-  ///    rank keeps is missing (another rank's DP-KFAC share);
+  ///    rank keeps is missing (not written, not a blank: another rank's DP-KFAC share); refused too where any
+  ///    layer's entries do not fit it (shape, NaN, another model: load_layer_states' checks);
   ///  - exact where every rank finds, of the compute method this job runs, the whole second-order state of
-  ///    each layer it holds (state_template()): then factors, second-order state and Adam's moments are taken as
-  ///    saved;
+  ///    each layer it holds that has factors (state_template(); a layer that never built factors has none to
+  ///    restore): then factors, second-order state and Adam's moments are taken as saved;
   ///  - otherwise the factors and Adam's moments are taken, and with `saved.recompute` the second-order state is
   ///    recomputed from the factors (update_second_order).
-  /// Every rank takes the same branch (one tiny allreduce each for the refusal and the exactness in a
-  /// distributed job: collective). Each rank keeps what its plan gives it (load_layer_states). Checks every
-  /// layer first and changes nothing when refused or on error.
+  /// Every rank takes the same branch: each rank checks what it would load, then one tiny allreduce agrees on
+  /// the exactness and one on the acceptance (collective in a distributed job), and nothing changes unless
+  /// every rank accepts. Each rank keeps what its plan gives it (load_layer_states).
   StateRestore restore(SavedState saved);
 
   /// K-FAC steps taken so far (0 before the first step()).
@@ -335,6 +339,8 @@ class Preconditioner {
   }
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
+  /// The layers with `states` loaded (what placed_here keeps of each), checked; this preconditioner unchanged.
+  std::vector<KfacLayer> staged_layer_states(const std::vector<std::map<std::string, torch::Tensor>>& states) const;
   /// Strategy auto at the first step (strategy::AutoStrategy::choose, collective), then the executor for its
   /// choice, re-placing any K-FAC state.
   void choose_strategy();

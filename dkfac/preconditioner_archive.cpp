@@ -157,31 +157,38 @@ StateRestore Preconditioner::restore(SavedState saved) {
   TORCH_CHECK(saved.steps >= 0, "steps must be >= 0, got ", saved.steps);
   TORCH_CHECK(saved.layers.size() == layers_.size(), "state holds ", saved.layers.size(), " K-FAC layers, the model has ",
               layers_.size());
+  TORCH_CHECK(saved.unheld.empty() || saved.unheld.size() == layers_.size(), "state marks blanks of ",
+              saved.unheld.size(), " layers, the model has ", layers_.size());
+  const auto blank = [&](size_t i, const std::string& key) {
+    return !saved.unheld.empty() && saved.unheld[i].count(key) > 0;
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {  // blanks are not loaded
+    for (auto it = saved.layers[i].begin(); it != saved.layers[i].end();) {
+      it = blank(i, it->first) || !it->second.defined() ? saved.layers[i].erase(it) : std::next(it);
+    }
+  }
   const auto wanted = state_template();
   bool exact = saved.method == executor_->plan().method;
   std::string refusal;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& have = saved.layers[i];
+    const bool has_factors = have.count("a_factor") > 0 || have.count("g_factor") > 0;
     for (const auto& [key, unused] : wanted[i]) {
       const auto& entry = *layer_state_entry(key);
-      const auto found = have.find(key);
-      if (found != have.end() && found->second.defined()) continue;
+      if (have.count(key) > 0) continue;
       if (!entry.factor) {
-        if (!entry.moment()) exact = false;  // a second-order part this rank holds is missing: recomputed
-      } else if (saved.steps > 0 && !saved.per_rank_writer.empty() && refusal.empty()) {
+        // A second-order part this rank holds is missing: recomputed. Not for a layer without factors (it never
+        // built any: nothing to restore or recompute).
+        if (!entry.moment() && has_factors) exact = false;
+      } else if (saved.steps > 0 && !saved.per_rank_writer.empty() && !blank(i, key) && refusal.empty()) {
         refusal = c10::str("state holds no ", entry.what, " of layer '", layers_[i].name(),
                            "', which this rank builds: ", saved.per_rank_writer);
       }
     }
   }
   // Every rank takes the same branch: the recompute is collective, and a refusal must reach every rank.
-  if (communicator_ && communicator_->size() > 1) {
-    const bool accepted = comm::all_true(*communicator_, refusal.empty());
-    TORCH_CHECK_VALUE(accepted, refusal.empty() ? "another rank refused this state (its error names the layer)"
-                                                : refusal);
-    exact = comm::all_true(*communicator_, exact);
-  }
-  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  const bool distributed = communicator_ && communicator_->size() > 1;
+  if (distributed) exact = comm::all_true(*communicator_, exact);
   StateRestore restore;
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = saved.layers[i];
@@ -194,7 +201,26 @@ StateRestore Preconditioner::restore(SavedState saved) {
     }
     if (second_order && executor_->holds_second_order(i)) ++restore.placed_layers;
   }
-  load_layer_states(saved.steps, saved.layers);  // checks every layer first; nothing changes on error
+  // What this rank would load, checked before any rank changes anything (shapes, NaN, unknown entries).
+  std::vector<KfacLayer> staged;
+  std::string unfit;  // a layer's entries that do not fit it
+  if (refusal.empty()) {
+    try {
+      staged = staged_layer_states(saved.layers);
+    } catch (const c10::Error& e) {
+      unfit = e.what_without_backtrace();
+    }
+  }
+  if (distributed && !comm::all_true(*communicator_, refusal.empty() && unfit.empty())) {
+    TORCH_CHECK(unfit.empty(), unfit);
+    TORCH_CHECK_VALUE(!refusal.empty(), "another rank refused this state (its error names the layer)");
+  }
+  TORCH_CHECK_VALUE(refusal.empty(), refusal);
+  TORCH_CHECK(unfit.empty(), unfit);
+  layers_ = std::move(staged);
+  steps_ = saved.steps;
+  reset_batch();
+  arm_capture();
   if (!exact && saved.recompute) {
     update_second_order();
     for (size_t i = 0; i < layers_.size(); ++i) {

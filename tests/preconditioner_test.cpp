@@ -944,6 +944,16 @@ TEST(Preconditioner, RestoreIsExactRecomputedOrRefused) {
                               source->layers()[0].second_order().a_eigen.eigenvalues));
   }
 
+  // A layer that never built factors (none saved) has nothing to restore: the others are still exact.
+  auto without = states;
+  without[2].clear();
+  auto partly = fresh();
+  const auto r = partly->restore({5, without, ComputeMethod::kEigen, "", true});
+  EXPECT_EQ(r.placed_layers, 2);
+  EXPECT_EQ(r.recomputed_layers, 0);
+  EXPECT_TRUE(torch::equal(partly->layers()[0].second_order().a_eigen.eigenvalues,
+                           source->layers()[0].second_order().a_eigen.eigenvalues));
+
   auto refused = trained(make_net(), options, 2);
   std::vector<std::map<std::string, torch::Tensor>> before;
   for (const auto& layer : refused->layers()) before.push_back(layer.state());

@@ -75,6 +75,7 @@ EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& p
   TORCH_CHECK(previous.eigenvectors.defined() && previous.eigenvectors.sizes() == factor.sizes() &&
                   previous.eigenvalues.defined() && previous.eigenvalues.numel() == d,
               "refresh_eigenbasis: the previous eigenbasis does not match a ", d, "x", d, " factor");
+  load_cuda_linalg_once(factor);  // the QR is CUDA linear algebra too
   const auto dtype = factor.scalar_type();
   const auto order = torch::argsort(previous.eigenvalues, /*stable=*/true, /*dim=*/0, /*descending=*/true);
   const auto start = previous.eigenvectors.to(dtype).index_select(1, order);

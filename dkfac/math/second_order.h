@@ -30,7 +30,8 @@ EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
 /// order of their eigenvalues, so that the dominant directions are orthogonalised first), and as eigenvalues the
 /// Rayleigh quotients d_i = q_i^T factor q_i, clamped to >= 0; returned in ascending order of them. Exact where
 /// `previous` is the factor's own eigenbasis (the same Q up to signs, the same d); else the basis moves toward the
-/// factor's, at the cost of three products and a QR (no eigensolver, no host synchronisation). Nothing is checked:
+/// factor's, at the cost of two products, a QR and an element-wise reduction (no eigensolver, no host
+/// synchronisation). Nothing is checked:
 /// a non-finite `previous` gives a non-finite result, which the caller's check turns into a full decomposition.
 /// A diagonal factor is returned as eigen_decompose_unchecked returns it.
 EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& previous);

@@ -104,7 +104,7 @@ struct Rates {
   DecompositionRate decomposition;
   /// Eigen method: one refresh of a factor's eigenbasis (math::refresh_eigenbasis, Options::eigh_interval), by
   /// dimension as `decomposition`. Not measured (an empty table, no latency, no per_cubed_dim: rates of the
-  /// inverse method, or a file written before it was measured): a refresh is priced as a full decomposition.
+  /// inverse method, or rates given by hand): a refresh is priced as a full decomposition.
   DecompositionRate refresh;
   PreconditionRate precondition;
 

@@ -162,6 +162,8 @@ class StepSimulation {
     const int64_t e = rates.element_bytes();
     build_.assign(p_, 0.0);
     decompose_.assign(p_, 0.0);
+    full_.assign(p_, 0.0);
+    refreshed_.assign(p_, 0.0);
     precondition_.assign(p_, 0.0);
     second_order_.assign(p_, 0.0);
     std::vector<double> slot_build(2 * layers, 0.0);  // one builder's seconds per factor, in ready order
@@ -184,10 +186,16 @@ class StepSimulation {
         if (plan.builds_factors(i, r)) build_[r] += a_build + g_build + fold;
         if (!plan.preconditions(i, r)) continue;
         // A diagonal factor's decomposition is a clamp of d values: priced as nothing.
-        // Eigen with eigh_interval k: one full decomposition and k - 1 refreshes per k updates, averaged.
+        // Eigen with eigh_interval k: one full decomposition and k - 1 refreshes per k updates, averaged
+        // (decompose_), and each kind alone (a profiled step's own: calibrate).
         const int64_t k = eigen ? plan.eigh_interval : 1;
-        if (plan.computes_a(i, r) && !s.a_diagonal) decompose_[r] += rates.second_order_seconds(s.a_dim, k);
-        if (plan.computes_g(i, r) && !s.g_diagonal) decompose_[r] += rates.second_order_seconds(s.g_dim, k);
+        const auto decompose = [&](int64_t d) {
+          decompose_[r] += rates.second_order_seconds(d, k);
+          full_[r] += rates.second_order_seconds(d, 1);
+          refreshed_[r] += rates.refresh.measured() ? rates.refresh.seconds_for(d) : rates.second_order_seconds(d, 1);
+        };
+        if (plan.computes_a(i, r) && !s.a_diagonal) decompose(s.a_dim);
+        if (plan.computes_g(i, r) && !s.g_diagonal) decompose(s.g_dim);
         if (flow.broadcast_a) second_order_[r] += share(s.a_dim, s.a_diagonal);
         if (flow.broadcast_g) second_order_[r] += share(s.g_dim, s.g_diagonal);
         precondition_[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
@@ -206,7 +214,11 @@ class StepSimulation {
 
   /// One step of the given kind: ranks add their work and meet at the plan's collectives; the end of the
   /// slowest rank (the next gradient allreduce waits for it).
-  double step(bool factor_step, bool inverse_step) const {
+  /// An inverse step's decompositions: averaged over eigh_interval (predict_time), or of a step known to decompose
+  /// in full or to refresh (a profiled step).
+  enum class Decompositions { kAverage, kFull, kRefresh };
+
+  double step(bool factor_step, bool inverse_step, Decompositions which = Decompositions::kAverage) const {
     std::vector<double> t(p_, 0.0);
     if (factor_step) {
       share(t, build_);
@@ -217,7 +229,7 @@ class StepSimulation {
       }
     }
     if (inverse_step) {
-      share(t, decompose_);
+      share(t, which == Decompositions::kAverage ? decompose_ : which == Decompositions::kFull ? full_ : refreshed_);
       if (plan_.shares_second_order()) {
         std::vector<double> cost;
         for (const auto& c : columns_) cost.push_back(second_order_[c.front()]);
@@ -262,7 +274,7 @@ class StepSimulation {
   const StepPlan& plan_;
   const Rates& rates_;
   int p_;
-  std::vector<double> build_, decompose_, precondition_, second_order_;
+  std::vector<double> build_, decompose_, full_, refreshed_, precondition_, second_order_;
   double factor_comm_ = 0;
   double gradient_comm_ = 0;
   std::vector<std::vector<int>> columns_, rows_;
@@ -290,7 +302,9 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
 }
 
 double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind) {
-  return StepSimulation(plan, rates, batch_size).step(kind.factor_step, kind.inverse_step);
+  using Decompositions = StepSimulation::Decompositions;
+  return StepSimulation(plan, rates, batch_size)
+      .step(kind.factor_step, kind.inverse_step, kind.refresh ? Decompositions::kRefresh : Decompositions::kFull);
 }
 
 Rates scaled(const Rates& rates, const RateScales& scales) {
@@ -351,7 +365,11 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
     const Rates r = scaled(rates, scales);
     const StepSimulation simulation(plan, r, batch_size);
     double seconds = 0;
-    for (const auto& kind : measured.kinds) seconds += simulation.step(kind.factor_step, kind.inverse_step);
+    using Decompositions = StepSimulation::Decompositions;
+    for (const auto& kind : measured.kinds) {
+      seconds += simulation.step(kind.factor_step, kind.inverse_step,
+                                 kind.refresh ? Decompositions::kRefresh : Decompositions::kFull);
+    }
     return seconds;
   };
   double whole = 0;

@@ -64,6 +64,9 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
 struct StepKind {
   bool factor_step = true;
   bool inverse_step = true;
+  /// An inverse step that refreshed the eigenbases (Options::eigh_interval) rather than decompose in full: priced
+  /// at the refresh's rate.
+  bool refresh = false;
 };
 
 /// The seconds of one step of `kind`, as predict_time simulates each step (its step_seconds averages them).

@@ -733,7 +733,7 @@ class BaseKFACPreconditioner:
             unknown = sorted(set(layers) - set(self._names))
             if unknown:
                 raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
-            states = []
+            states, unheld = [], []
             for name in self._names:
                 entry = layers.get(name)
                 if entry is None:
@@ -742,8 +742,10 @@ class BaseKFACPreconditioner:
                 flags = held_flags.get(name, {})
                 found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
                 found.update(ours.get('second_order', {}).get(name, {}))
-                # Present: written and computed (kfac_pytorch writes None for a factor not built yet).
-                states.append({k: t for k, t in found.items() if t is not None and flags.get(k, True)})
+                # Present: written and computed (kfac_pytorch writes None for a factor not built yet); a blank the
+                # writer did not hold (a layer that never built its factors) is neither loaded nor missing.
+                states.append({k: t for k, t in found.items() if t is not None})
+                unheld.append({k for k in found if not flags.get(k, True)})
             method = ours.get('compute_method')  # None: kfac_pytorch's, whose inverses are recomputed
             writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
                       else "another rank's own state")
@@ -754,12 +756,9 @@ class BaseKFACPreconditioner:
                                f'to resume on rank {self._rank} of {self._world_size}, save '
                                'state_dict(gathered=True), called on every rank, or checkpoint through '
                                'torch.distributed.checkpoint')
-        else:
-            if compute_inverses:
-                warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
-                              'skipping it', stacklevel=2)
-            compute_inverses = False
-            states, method, per_rank_writer = self._core.layer_states(), self._core.compute_method, ''
+        elif compute_inverses:
+            warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
+                          'skipping it', stacklevel=2)
         # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:
@@ -773,7 +772,10 @@ class BaseKFACPreconditioner:
         except (TypeError, RuntimeError, ValueError) as error:
             raise ValueError(f'state_dict: {error}') from None
         with _CoreWarnings():
-            self._core.restore(steps, states, method, per_rank_writer, compute_inverses)
+            if 'layers' in state_dict:
+                self._core.restore(steps, states, method, per_rank_writer, compute_inverses, unheld)
+            else:  # no layer state to restore: the step count only, each layer keeping its own
+                self._core.load_layer_states(steps, self._core.layer_states())
         for name, value in hyper.items():
             setattr(self, '_' + name, value)
 

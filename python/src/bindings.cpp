@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <variant>
@@ -384,7 +385,8 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "restore",  // Preconditioner::restore: method "eigen", "inverse" or None (not known)
           [](Preconditioner& p, int64_t steps, std::vector<std::map<std::string, torch::Tensor>> layers,
-             const std::optional<std::string>& method, std::string per_rank_writer, bool recompute) {
+             const std::optional<std::string>& method, std::string per_rank_writer, bool recompute,
+             std::vector<std::set<std::string>> unheld) {
             SavedState saved;
             saved.steps = steps;
             saved.layers = std::move(layers);
@@ -392,6 +394,7 @@ PYBIND11_MODULE(_C, m) {
             if (method == to_string(ComputeMethod::kInverse)) saved.method = ComputeMethod::kInverse;
             saved.per_rank_writer = std::move(per_rank_writer);
             saved.recompute = recompute;
+            saved.unheld = std::move(unheld);
             try {
               const auto restored = p.restore(std::move(saved));
               return std::make_pair(restored.placed_layers, restored.recomputed_layers);
@@ -400,6 +403,7 @@ PYBIND11_MODULE(_C, m) {
             }
           },
           py::arg("steps"), py::arg("layers"), py::arg("method"), py::arg("per_rank_writer"), py::arg("recompute"),
+          py::arg("unheld"),
           py::call_guard<py::gil_scoped_release>())
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)

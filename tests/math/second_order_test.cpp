@@ -64,7 +64,7 @@ TEST(SecondOrder, RejectsNonFiniteFactor) {
   EXPECT_THROW(eigen_decompose(m), c10::Error);
 }
 
-// docs/MATH.md section 2.3's worked refresh: F = [[2, 1], [1, 2]] (eigenvalues 1 and 3) from the identity basis with
+// docs/MATH.md section 2.6's worked refresh: F = [[2, 1], [1, 2]] (eigenvalues 1 and 3) from the identity basis with
 // eigenvalues {1, 2}: Q R = F [e2, e1] gives q = (1, 2) / sqrt(5) and (2, -1) / sqrt(5), Rayleigh quotients 14/5 and
 // 6/5; a second refresh gives 122/41 and 42/41, toward 3 and 1.
 TEST(SecondOrder, SpecWorkedRefresh) {

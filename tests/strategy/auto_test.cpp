@@ -99,7 +99,7 @@ TEST(TimeModel, SingleProcessIsTheSumOfItsKernels) {
 }
 
 // Options::eigh_interval k: each second-order update is priced as the average of one full decomposition and k - 1
-// refreshes (Rates::refresh); a refresh not measured (rates of an older file) is priced as a full decomposition.
+// refreshes (Rates::refresh); a refresh not measured (rates given by hand) is priced as a full decomposition.
 TEST(TimeModel, EighIntervalAveragesFullDecompositionsAndRefreshes) {
   Rates r = rates(1e-9, 0, 0, 1);
   auto plan = StepPlan::single_process(shapes(), ComputeMethod::kEigen);
@@ -113,6 +113,12 @@ TEST(TimeModel, EighIntervalAveragesFullDecompositionsAndRefreshes) {
   EXPECT_NEAR(predict_time(plan, r, 32, {1, 1}).ranks[0].decomposition, full * (1 + 3 * 0.25) / 4, 1e-12);
   EXPECT_NEAR(r.second_order_seconds(100, 4), (1e-3 + 3 * 0.25e-3) / 4, 1e-15);
   EXPECT_DOUBLE_EQ(r.second_order_seconds(100, 1), 1e-3);
+  // A profiled step is priced as what it was: a full decomposition or a refresh (the re-check's calibration).
+  const double full_step = predict_step_seconds(plan, r, 32, {false, true, false});
+  const double refresh_step = predict_step_seconds(plan, r, 32, {false, true, true});
+  const double plain_step = predict_step_seconds(plan, r, 32, {false, false, false});
+  EXPECT_NEAR(full_step - plain_step, full, 1e-12);
+  EXPECT_NEAR(refresh_step - plain_step, full * 0.25, 1e-12);
   r.refresh.dims = {16, 64};
   r.refresh.seconds = {1.0};
   EXPECT_THROW(r.validate(), c10::Error) << "a refresh table of 2 dims and 1 time";

@@ -648,8 +648,6 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
   expect_ranks_match(got, same, 1e-12);
 }
 
-// A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
-// on as a job of that strategy that loaded the same checkpoint.
 // The one restore on 2 ranks (KAISA f = 1: each builds every factor and holds every second-order state): a state
 // that one rank refuses is refused on both (the other names no layer), and where one rank's state lacks a
 // second-order part both recompute from the factors (collective: neither waits for the other), ending equal.
@@ -689,6 +687,8 @@ TEST(Restore, RanksTakeTheSameBranch) {
   for (size_t i = 0; i < eigenvalues[0].size(); ++i) EXPECT_TRUE(torch::equal(eigenvalues[0][i], eigenvalues[1][i]));
 }
 
+// A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
+// on as a job of that strategy that loaded the same checkpoint.
 TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const auto method = ComputeMethod::kEigen;
