@@ -92,7 +92,7 @@ bool is_png(const fs::path& file) {
 }
 
 const std::string kRun =
-    R"({"event":"run","format_version":2,"dkfac_version":"0.1.0","command_line":"dkfac train","options":{},)"
+    R"({"event":"run","format_version":3,"dkfac_version":"0.1.0","command_line":"dkfac train","options":{},)"
     R"("world_size":2,"seed":0})"
     "\n";
 
@@ -110,18 +110,18 @@ std::string epoch(int epoch, int step, double accuracy, double test_loss, double
   return s.str();
 }
 
-/// A version 2 run of 2 epochs of 4 steps, with the events plot ignores.
-std::string two_epochs_v2() {
+/// A run of 2 epochs of 4 steps, with the events plot ignores.
+std::string two_epochs() {
   return kRun + step(2, 1, 0.5, 1.5, 1.0) + step(4, 1, 1.0, 1.0, 2.0) + epoch(1, 4, 0.5, 1.2, 2.5) +
          R"({"event":"skipped_step","step":5,"epoch":2})" "\n" + step(6, 2, 1.5, 0.8, 3.5) +
          R"({"event":"something_new","x":[1,2]})" "\n" + step(8, 2, 2.0, 0.6, 4.5) + epoch(2, 8, 0.75, 0.7, 5.0) +
          R"({"event":"summary","best_test_accuracy":0.75,"wall_time_s":5.1})" "\n";
 }
 
-TEST(PlotCurveTest, ReadsStepAndEpochEventsOfVersion2) {
+TEST(PlotCurveTest, ReadsStepAndEpochEvents) {
   Scratch dir;
   std::ostringstream warnings;
-  const auto curve = read_curve(dir.write("run_1.jsonl", two_epochs_v2()), warnings);
+  const auto curve = read_curve(dir.write("run_1.jsonl", two_epochs()), warnings);
   EXPECT_EQ(curve.label, "run_1");
   EXPECT_EQ(curve.epoch, (std::vector<double>{1, 2}));
   EXPECT_EQ(curve.wall_time_s, (std::vector<double>{2.5, 5.0}));
@@ -148,14 +148,14 @@ std::string kfac_time(int format, bool step_or_rank, double total) {
   return s.str() + "}";
 }
 
-/// two_epochs_v2's run as a K-FAC job of 2 ranks writes it in `format` (2 or 3): kfac_time_s in every
+/// two_epochs()' run as a K-FAC job of 2 ranks writes it in `format` (2 or 3): kfac_time_s in every
 /// step, epoch and summary event and in the summary's ranks[].
 std::string two_epochs_with_kfac_time(int format) {
   auto with_time = [&](std::string event, bool step_or_rank, double total) {
     return event.insert(event.rfind('}'), R"(,"kfac_time_s":)" + kfac_time(format, step_or_rank, total));
   };
   std::string run = kRun;
-  run.replace(run.find("\"format_version\":2"), 18, "\"format_version\":" + std::to_string(format));
+  run.replace(run.find("\"format_version\":3"), 18, "\"format_version\":" + std::to_string(format));
   std::string ranks = R"(,"world_size":2,"ranks":[)";
   for (int r = 0; r < 2; ++r) {
     ranks += (r ? "," : "") + with_time(R"({"rank":)" + std::to_string(r) + R"(,"comm_bytes":{"factors":64},)"
@@ -168,35 +168,45 @@ std::string two_epochs_with_kfac_time(int format) {
          with_time(epoch(2, 8, 0.75, 0.7, 5.0), false, 0.75) + with_time(summary, false, 0.75);
 }
 
-TEST(PlotCurveTest, Format3ReadsAsFormat2) {
+// kfac_time_s (K-FAC's phases, in every event of a K-FAC job) changes nothing plot draws.
+TEST(PlotCurveTest, KfacTimeDoesNotChangeTheCurves) {
   Scratch dir;
   const auto v3 = two_epochs_with_kfac_time(3);
-  ASSERT_NE(v3.find(R"("format_version":3)"), std::string::npos);
   ASSERT_NE(v3.find(R"("event":"epoch","epoch":1,"train_loss":0.9,"test_loss":1.2,"test_accuracy":0.5,)"
                     R"("wall_time_s":2.5,"step":4,"kfac_time_s":{"factors":0.25,)"),
             std::string::npos)
       << v3;
-  ASSERT_NE(two_epochs_with_kfac_time(2).find(R"("step":4,"kfac_time_s":0.5})"), std::string::npos);
-  const auto reference = read_curve(dir.write("plain.jsonl", two_epochs_v2()));
-  for (int format : {2, 3}) {
-    std::ostringstream warnings;
-    const auto curve = read_curve(dir.write("v" + std::to_string(format) + ".jsonl", two_epochs_with_kfac_time(format)),
-                                  warnings);
-    EXPECT_EQ(curve.epoch, reference.epoch) << "format " << format;
-    EXPECT_EQ(curve.wall_time_s, reference.wall_time_s) << "format " << format;
-    EXPECT_EQ(curve.test_accuracy, reference.test_accuracy) << "format " << format;
-    EXPECT_EQ(curve.test_loss, reference.test_loss) << "format " << format;
-    EXPECT_EQ(curve.step, reference.step) << "format " << format;
-    EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5, 2.0})) << "format " << format;
-    EXPECT_EQ(curve.step_wall_time_s, reference.step_wall_time_s) << "format " << format;
-    EXPECT_EQ(curve.train_loss, reference.train_loss) << "format " << format;
-    EXPECT_EQ(warnings.str(), "") << "format " << format;
-  }
+  const auto reference = read_curve(dir.write("plain.jsonl", two_epochs()));
+  std::ostringstream warnings;
+  const auto curve = read_curve(dir.write("v3.jsonl", v3), warnings);
+  EXPECT_EQ(curve.epoch, reference.epoch);
+  EXPECT_EQ(curve.wall_time_s, reference.wall_time_s);
+  EXPECT_EQ(curve.test_accuracy, reference.test_accuracy);
+  EXPECT_EQ(curve.test_loss, reference.test_loss);
+  EXPECT_EQ(curve.step, reference.step);
+  EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5, 2.0}));
+  EXPECT_EQ(curve.step_wall_time_s, reference.step_wall_time_s);
+  EXPECT_EQ(curve.train_loss, reference.train_loss);
+  EXPECT_EQ(warnings.str(), "");
 }
 
-// The metrics files under docs/perf are format 1 (docs/perf/tta) and format 2 (docs/perf/torch-2.11/tta):
-// they keep reading, with every step placed on the epoch axis, and plot together with a format 3 file.
-TEST(PlotCurveTest, CommittedFormat1And2FilesReadAndPlotWithFormat3) {
+// Formats 1 (no run event) and 2 are refused at their first step or epoch event, naming the file, the line, the
+// format and the converter (scripts/convert_metrics.py, tests/python/test_convert_metrics.py).
+TEST(PlotCurveTest, OlderFormatsAreRefusedNamingTheConverter) {
+  Scratch dir;
+  const auto v2 = dir.write("v2.jsonl", two_epochs_with_kfac_time(2));
+  expect_error([&] { read_curve(v2); }, {"metrics file '" + v2 + "' line 2", "metrics format 2; dkfac plot reads "
+                                         "format 3", "python3 scripts/convert_metrics.py " + v2});
+  const auto v1 = dir.write("v1.jsonl", R"({"event":"step","step":2,"epoch":0,"loss":1.5,"lr":0.1,"wall_time_s":1})"
+                                        "\n");
+  expect_error([&] { read_curve(v1); }, {"line 1", "metrics format 1 (no run event before it)",
+                                         "scripts/convert_metrics.py"});
+}
+
+// The metrics files under docs/perf were format 1 (docs/perf/tta) and format 2 (docs/perf/torch-2.11/tta),
+// converted once by scripts/convert_metrics.py: they read, with every step placed on the epoch axis, and plot
+// together with a file dkfac train writes.
+TEST(PlotCurveTest, CommittedConvertedFilesReadAndPlot) {
   const fs::path perf = fs::path(DKFAC_TEST_DATA_DIR) / ".." / ".." / ".." / "docs" / "perf";
   const std::vector<std::pair<std::string, int>> committed = {
       {(perf / "tta" / "kfac-inverse-e2.jsonl").string(), 1},
@@ -206,8 +216,7 @@ TEST(PlotCurveTest, CommittedFormat1And2FilesReadAndPlotWithFormat3) {
   std::vector<std::string> paths;
   for (const auto& [path, format] : committed) {
     ASSERT_TRUE(fs::exists(path)) << path;
-    const bool has_run_event = read_text(path).find(R"("event":"run")") != std::string::npos;
-    EXPECT_EQ(has_run_event, format >= 2) << path << " is not the format this test expects";
+    EXPECT_NE(read_text(path).find(R"("converted_from":)" + std::to_string(format)), std::string::npos) << path;
     std::ostringstream warnings;
     const auto curve = read_curve(path, warnings);
     EXPECT_EQ(curve.epoch, (std::vector<double>{1, 2})) << path;
@@ -216,7 +225,7 @@ TEST(PlotCurveTest, CommittedFormat1And2FilesReadAndPlotWithFormat3) {
       EXPECT_TRUE(curve.step_epoch[k] > 0 && curve.step_epoch[k] <= 2.0) << path << " step " << curve.step[k];
       if (k > 0) EXPECT_GT(curve.step_epoch[k], curve.step_epoch[k - 1]) << path << " step " << curve.step[k];
     }
-    // 468 steps per epoch (the epoch events' steps): format 1 derives what format 2 writes.
+    // 468 steps per epoch (the epoch events' steps): format 1's conversion derives what format 2 wrote.
     EXPECT_NEAR(curve.step_epoch.back(), curve.step.back() / 468.0, 1e-12) << path;
     EXPECT_EQ(warnings.str(), "") << path;
     paths.push_back(path);
@@ -235,27 +244,6 @@ TEST(PlotCurveTest, MaxStepsRunWithoutEpochEventsHasItsSteps) {
   EXPECT_TRUE(curve.epoch.empty());
   EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.25, 0.5}));
   EXPECT_EQ(curve.train_loss, (std::vector<double>{2.0, 1.8}));
-}
-
-TEST(PlotCurveTest, Version1StepEpochIsStepOverStepsPerEpoch) {
-  Scratch dir;
-  // Version 1: no run event, 0-based "epoch" in step events, no epoch_progress; 4 steps per epoch.
-  const std::string v1 =
-      R"({"event":"step","step":2,"epoch":0,"loss":1.5,"lr":0.1,"wall_time_s":1.0})" "\n"
-      R"({"event":"step","step":4,"epoch":0,"loss":1.0,"lr":0.1,"wall_time_s":2.0})" "\n"
-      R"({"event":"epoch","epoch":1,"train_loss":1.2,"test_loss":1.1,"test_accuracy":0.6,"wall_time_s":2.2,)"
-      R"("step":4})" "\n"
-      R"({"event":"step","step":6,"epoch":1,"loss":0.7,"lr":0.1,"wall_time_s":3.0})" "\n";
-  const auto curve = read_curve(dir.write("v1.jsonl", v1));
-  EXPECT_EQ(curve.step_epoch, (std::vector<double>{0.5, 1.0, 1.5}));
-  EXPECT_EQ(curve.epoch, (std::vector<double>{1}));
-  EXPECT_EQ(curve.test_accuracy, (std::vector<double>{60}));
-
-  // Without an epoch event the steps have no epoch coordinate (wall-time panel only).
-  const auto steps_only = read_curve(dir.write("v1-steps.jsonl", v1.substr(0, v1.find("{\"event\":\"epoch\""))));
-  ASSERT_EQ(steps_only.step_epoch.size(), 2u);
-  EXPECT_TRUE(std::isnan(steps_only.step_epoch[0]) && std::isnan(steps_only.step_epoch[1]));
-  EXPECT_EQ(steps_only.train_loss, (std::vector<double>{1.5, 1.0}));
 }
 
 TEST(PlotCurveTest, ResumedRunReplacesTheStepsItReplays) {
@@ -321,7 +309,7 @@ TEST(PlotLabelTest, DefaultLabelsAreStemsThenDirectoriesThenPaths) {
 
 TEST(PlotLabelTest, LabelCountMismatchNamesBothCounts) {
   Scratch dir;
-  const auto a = dir.write("a.jsonl", two_epochs_v2()), b = dir.write("b.jsonl", two_epochs_v2());
+  const auto a = dir.write("a.jsonl", two_epochs()), b = dir.write("b.jsonl", two_epochs());
   PlotOptions options;
   options.labels = {"only one"};
   expect_error([&] { plot_metrics({a, b}, (dir.path() / "out.png").string(), options); },
@@ -377,7 +365,7 @@ TEST(PlotTest, StepOnlyRunPlotsToAPng) {
 
 TEST(PlotTest, TwoRunsWithLabelsPlot) {
   Scratch dir;
-  const auto a = dir.write("a/metrics.jsonl", two_epochs_v2());
+  const auto a = dir.write("a/metrics.jsonl", two_epochs());
   const auto b = dir.write("b/metrics.jsonl", kRun + step(1, 1, 0.25, 2.0, 0.5));
   PlotOptions options;
   options.labels = {"kfac_run", "sgd"};
@@ -387,7 +375,7 @@ TEST(PlotTest, TwoRunsWithLabelsPlot) {
 
 TEST(PlotTest, MissingOutputDirectoryIsNamed) {
   Scratch dir;
-  const auto m = dir.write("m.jsonl", two_epochs_v2());
+  const auto m = dir.write("m.jsonl", two_epochs());
   const auto missing = dir.path() / "no-such-dir";
   expect_error([&] { plot_metrics({m}, (missing / "out.png").string()); },
                {"output directory '" + missing.string() + "'", "does not exist"}, {"gnuplot"});
@@ -395,7 +383,7 @@ TEST(PlotTest, MissingOutputDirectoryIsNamed) {
 
 TEST(PlotTest, MissingOrFailingGnuplotIsReported) {
   Scratch dir;
-  const auto m = dir.write("m.jsonl", two_epochs_v2());
+  const auto m = dir.write("m.jsonl", two_epochs());
   PlotOptions options;
   options.gnuplot = "dkfac-no-such-gnuplot";
   expect_error([&] { plot_metrics({m}, (dir.path() / "out.png").string(), options); },
@@ -408,7 +396,7 @@ TEST(PlotTest, MissingOrFailingGnuplotIsReported) {
 
 TEST(PlotTest, QuotesInTheOutputAndTemporaryPathsWriteExactlyThatPng) {
   Scratch dir;
-  const auto m = dir.write("in/m.jsonl", two_epochs_v2());
+  const auto m = dir.write("in/m.jsonl", two_epochs());
   const auto out_dir = dir.path() / "out";
   const auto tmp = dir.path() / "tmp it's `touch x` \"q\" \\ @m";
   fs::create_directories(out_dir);
@@ -422,8 +410,8 @@ TEST(PlotTest, QuotesInTheOutputAndTemporaryPathsWriteExactlyThatPng) {
 
 TEST(PlotTest, NoTemporaryDirectoryIsLeftBehind) {
   Scratch dir;
-  const auto good = dir.write("good.jsonl", two_epochs_v2());
-  const auto bad = dir.write("bad.jsonl", "{\n" + two_epochs_v2());
+  const auto good = dir.write("good.jsonl", two_epochs());
+  const auto bad = dir.write("bad.jsonl", "{\n" + two_epochs());
   const auto tmp = dir.path() / "tmp";
   fs::create_directories(tmp);
   TmpDirEnv env(tmp);

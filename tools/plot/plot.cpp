@@ -29,6 +29,8 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// The one metrics format read (tools/train/metrics.h); older files are converted by scripts/convert_metrics.py.
+constexpr int kMetricsFormat = 3;
 
 std::string where(const std::string& path, int64_t line) {
   return "metrics file '" + path + "' line " + std::to_string(line);
@@ -58,7 +60,6 @@ bool blank(const std::string& line) {
 
 struct StepPoint {
   double step, epoch, wall, loss;
-  bool derive_epoch;  // version 1: epoch = step / steps_per_epoch, once known
 };
 struct EpochPoint {
   double epoch, wall, accuracy, loss;
@@ -197,8 +198,7 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
   size_t last = lines.size();  // the last non-blank line
   while (last > 0 && blank(lines[last - 1])) --last;
 
-  double format = 1;  // the run event's format_version (format 1 has no run event)
-  double steps_per_epoch = kNaN;
+  double format = 0;  // the run event's format_version; 0: no run event yet (format 1 has none)
   std::vector<StepPoint> steps;
   std::vector<EpochPoint> epochs;
   for (size_t i = 0; i < last; ++i) {
@@ -224,13 +224,20 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
     if (kind == "run") {
       const auto v = event.find("format_version");
       if (v != event.end() && v->is_number()) format = v->get<double>();
-    } else if (kind == "step") {
+    }
+    if ((kind == "step" || kind == "epoch") && format < kMetricsFormat) {
+      throw std::runtime_error(
+          where(path, number_) + ": metrics format " + (format > 0 ? std::to_string(static_cast<int>(format))
+                                                                   : std::string("1 (no run event before it)")) +
+          "; dkfac plot reads format " + std::to_string(kMetricsFormat) +
+          ": convert the file once with `python3 scripts/convert_metrics.py " + path + "`");
+    }
+    if (kind == "step") {
       StepPoint p{};
       p.step = number(event, "step", kind, path, number_);
       p.loss = number(event, "loss", kind, path, number_);
       p.wall = number(event, "wall_time_s", kind, path, number_);
-      p.derive_epoch = format < 2 && !event.contains("epoch_progress");
-      p.epoch = p.derive_epoch ? kNaN : number(event, "epoch_progress", kind, path, number_);
+      p.epoch = number(event, "epoch_progress", kind, path, number_);  // NaN where null (unknown)
       while (!steps.empty() && !(steps.back().step < p.step)) steps.pop_back();  // a resumed run replays
       steps.push_back(p);
     } else if (kind == "epoch") {
@@ -239,10 +246,6 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
       p.wall = number(event, "wall_time_s", kind, path, number_);
       p.accuracy = 100.0 * number(event, "test_accuracy", kind, path, number_);
       p.loss = number(event, "test_loss", kind, path, number_);
-      if (std::isnan(steps_per_epoch) && event.contains("step") && p.epoch > 0) {
-        const double step = number(event, "step", kind, path, number_);
-        if (step > 0) steps_per_epoch = step / p.epoch;
-      }
       while (!epochs.empty() && !(epochs.back().epoch < p.epoch)) epochs.pop_back();
       epochs.push_back(p);
     }
@@ -259,7 +262,7 @@ Curve read_curve(const std::string& path, std::ostream& warnings) {
   }
   for (const auto& p : steps) {
     curve.step.push_back(p.step);
-    curve.step_epoch.push_back(p.derive_epoch ? p.step / steps_per_epoch : p.epoch);  // NaN without epochs
+    curve.step_epoch.push_back(p.epoch);
     curve.step_wall_time_s.push_back(p.wall);
     curve.train_loss.push_back(p.loss);
   }

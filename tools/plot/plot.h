@@ -12,14 +12,12 @@
 /// `"event":"epoch"` lines, the training loss from `"event":"step"` lines; a run stopped by `--max-steps`
 /// before its first epoch ended has only the training-loss panels. A panel no input has data for says "no data".
 ///
-/// Metrics format (JSON Lines written by `dkfac train`, tools/train/metrics.h): every line is one JSON object;
+/// Metrics format 3 (JSON Lines written by `dkfac train`, tools/train/metrics.h): every line is one JSON object;
 /// events other than "step" and "epoch" ("run", "summary", "skipped_step", unknown ones) are ignored, and so
-/// are the fields not named here (kfac_time_s, whose shape changed in version 3, among them).
-///  - versions 2 and 3 (a file whose run event says `"format_version":2` or 3, or whose step events carry
-///    `"epoch_progress"`): a step's epoch coordinate is its `epoch_progress` (epochs completed, a float).
-///  - version 1 (no run event, no epoch_progress): a step's epoch coordinate is step / steps_per_epoch, where
-///    steps_per_epoch comes from the file's first epoch event (its `step` / its `epoch`). A version 1 file
-///    without epoch events has no such coordinate: its steps appear in the wall-time panel only.
+/// are the fields not named here. A step's epoch coordinate is its `epoch_progress` (epochs completed, a float;
+/// null: unknown, and the step appears in the wall-time panel only). A file of an older format (a step or epoch
+/// event before a run event of format 3) is refused, naming the line and `scripts/convert_metrics.py`, which
+/// converts it once.
 /// Appended runs (a resumed job appends a run segment that replays from its checkpoint): an event whose
 /// `step` (for epoch events: whose `epoch`) is not after the previous event of its kind replaces the earlier
 /// points from that step (epoch) on, so the curve follows the run that continued.

@@ -33,7 +33,8 @@
 /// wall_time_s is the host's clock since the run started; each step ends by reading its loss, which waits
 /// for the device, so it covers the device's work. Times around device work alone come from device::Mark
 /// (CUDA events on a GPU).
-/// Earlier versions, which readers (dkfac plot) still read:
+/// Earlier versions, which scripts/convert_metrics.py converts to 3 (dkfac plot reads 3 only; the files under
+/// docs/perf were converted on 2026-11-28):
 ///   2  kfac_time_s was the per-phase object without "total" in step events and ranks[], and a number (the
 ///      total) in epoch and summary events.
 ///   1  (before dkfac 0.1.0's issue 17) as 2, without the run event and epoch_progress, and with 0-based
