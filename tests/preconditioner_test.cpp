@@ -724,6 +724,8 @@ TEST(Preconditioner, EigenAdamWithSgdOnItsLayersIsAdamWsUpdate) {
       EXPECT_TENSOR_NEAR(fc1.gradient(), expected, 1e-12);
     }
     ASSERT_TRUE(fc1.adam_moments().defined());
+    EXPECT_FALSE(state.denominator.defined()) << "Adam's step does not use the eigenvalues: no denominator held";
+    EXPECT_EQ(fc1.state().count("denominator"), 0u);
     EXPECT_EQ(fc1.adam_moments().steps.item<double>(), s + 1.0);
     std::vector<torch::Tensor> before, steps;
     for (const auto& p : layers) {

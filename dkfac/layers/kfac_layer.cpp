@@ -40,6 +40,7 @@ std::vector<int64_t> KfacLayer::state_shape(const LayerStateEntry& entry) const 
     case 'q': return diagonal ? std::vector<int64_t>{} : std::vector<int64_t>{d, d};
     case 'v': return {d};
     case 's': return {1};
+    case 'r': return eigen_adam_ ? std::vector<int64_t>{} : std::vector<int64_t>{g_dim(), a_dim()};  // unused there
     default: return {g_dim(), a_dim()};
   }
 }
@@ -219,7 +220,8 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
     };
     if (a_part) next.a_eigen = stored(decompose(a_factor_, next.a_eigen));
     if (g_part) next.g_eigen = stored(decompose(g_factor_, next.g_eigen));
-    if (a_part && g_part) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
+    // Adam in the eigenbasis steps without the eigenvalues: no denominator to hold.
+    if (a_part && g_part && !eigen_adam_) next.denominator = math::eigen_denominator(next.a_eigen, next.g_eigen, damping);
   } else {
     auto a_damping = torch::scalar_tensor(damping, torch::kFloat64);
     auto g_damping = a_damping;
@@ -274,7 +276,9 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
 
 void KfacLayer::finish_second_order(double damping) {
   auto& s = second_order_;
-  if (s.method == ComputeMethod::kEigen) s.denominator = math::eigen_denominator(s.a_eigen, s.g_eigen, damping);
+  if (s.method == ComputeMethod::kEigen && !eigen_adam_) {
+    s.denominator = math::eigen_denominator(s.a_eigen, s.g_eigen, damping);
+  }
 }
 
 bool KfacLayer::has_gradient() const {
@@ -367,6 +371,7 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   auto get = [&](const char* key) {
     const auto it = state.find(key);
     if (it == state.end() || !it->second.defined()) return torch::Tensor();
+    if (eigen_adam_ && layer_state_entry(key)->form == 'r') return torch::Tensor();  // a denominator: not held
     const auto* entry = layer_state_entry(key);
     const auto dtype = entry->factor ? factor_type : entry->form == 's' ? torch::kFloat32 : stored_type;
     // A copy even where device and dtype match: the caller's tensors (a state dict it may fill again) are never

@@ -22,12 +22,15 @@ struct SecondOrderState {
   ComputeMethod method = ComputeMethod::kEigen;
   math::EigenFactor a_eigen;  // Q_A [a, a], d_A [a]
   math::EigenFactor g_eigen;  // Q_G [g, g], d_G [g]
-  torch::Tensor denominator;  // 1 / (d_G d_A^T + damping), [g, a]
+  torch::Tensor denominator;  // 1 / (d_G d_A^T + damping), [g, a]; not held with Options::eigen_adam (unused)
   torch::Tensor a_inverse;    // (A + damping_A I)^-1, [a, a]
   torch::Tensor g_inverse;    // (G + damping_G I)^-1, [g, g]
 
-  /// True once computed.
-  bool defined() const { return denominator.defined() || a_inverse.defined(); }
+  /// True once computed: the eigen method's two sides (where the denominator is built from both), the inverse's A.
+  bool defined() const {
+    return method == ComputeMethod::kEigen ? a_eigen.eigenvalues.defined() && g_eigen.eigenvalues.defined()
+                                           : a_inverse.defined();
+  }
   /// V for `grad` [g, a], computed in the state's dtype and returned in the gradient's.
   torch::Tensor precondition(const torch::Tensor& grad) const;
   /// Bytes held.

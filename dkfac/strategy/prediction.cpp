@@ -42,9 +42,11 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       if (plan.keeps_factors(i, rank)) r.memory_bytes += e * (held(a, da) + held(g, dg));
       // Second-order state: held by the layer's grad workers; each part computed by its worker.
       if (plan.preconditions(i, rank)) {
-        r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + g * a
+        // The eigen denominator [g, a] is not held with eigen_adam (Adam's step does not use the eigenvalues).
+        const int64_t denominator = plan.eigen_adam ? 0 : g * a;
+        r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + denominator
                                      : held(a, da) + held(g, dg));
-        if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a;  // Adam's m and v (its [1] step count aside)
+        if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a + 4;  // Adam's m and v, and its float32 step count
         const double per_decomposition = eigen ? 9.0 : 1.0;
         if (plan.computes_a(i, rank) && !da) r.decomposition_flops += per_decomposition * cube(a);
         if (plan.computes_g(i, rank) && !dg) r.decomposition_flops += per_decomposition * cube(g);

@@ -914,7 +914,9 @@ TEST_P(PlanPredicts, BytesAndMemoryPerRank) {
       {"kaisa-mem-opt-eigen", base_options(ComputeMethod::kEigen, false, 0.25)},
       {"kaisa-in-step", base_options(ComputeMethod::kEigen, false, 1.0).update_factors_in_hook(false)},
       {"spd", base_options(ComputeMethod::kInverse, false, 1.0).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(6).fusion({6}))},
-      {"dp", base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kDp)}};
+      {"dp", base_options(ComputeMethod::kEigen, false, 1.0).strategy(Strategy::kDp)},
+      // Adam in the eigenbasis: its two moments per layer held, the eigen denominator not.
+      {"kaisa-hybrid-eigen-adam", base_options(ComputeMethod::kEigen, false, 0.5).kl_clip(0).eigen_adam(true)}};
   const auto& c = cases[GetParam()];
   std::vector<std::map<std::string, comm::Traffic>> traffic(kWorld);
   std::vector<int64_t> memory(kWorld);
@@ -949,7 +951,7 @@ TEST_P(PlanPredicts, BytesAndMemoryPerRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, PlanPredicts, ::testing::Range(0, 5));
+INSTANTIATE_TEST_SUITE_P(Strategies, PlanPredicts, ::testing::Range(0, 6));
 
 }  // namespace
 }  // namespace dkfac::strategy
