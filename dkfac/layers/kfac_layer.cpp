@@ -371,8 +371,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   auto get = [&](const char* key) {
     const auto it = state.find(key);
     if (it == state.end() || !it->second.defined()) return torch::Tensor();
-    if (eigen_adam_ && layer_state_entry(key)->form == 'r') return torch::Tensor();  // a denominator: not held
     const auto* entry = layer_state_entry(key);
+    if (eigen_adam_ && entry->form == 'r') return torch::Tensor();  // a denominator: not held
     const auto dtype = entry->factor ? factor_type : entry->form == 's' ? torch::kFloat32 : stored_type;
     // A copy even where device and dtype match: the caller's tensors (a state dict it may fill again) are never
     // the live state.

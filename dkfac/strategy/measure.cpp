@@ -47,6 +47,13 @@ double per_cubed_dim(double probe_seconds) {
   return probe_seconds / (probe * probe * probe);
 }
 
+/// The d x d symmetric positive definite matrix the decomposition probes time (seeded: the same on every rank).
+torch::Tensor probe_factor(int64_t d, c10::ScalarType dtype, c10::Device device) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto x = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32));
+  return (x.matmul(x.t()) / d + torch::eye(d)).to(torch::TensorOptions().dtype(dtype).device(device));
+}
+
 }  // namespace
 
 std::vector<double> time_runs(c10::Device device, int repeats, const std::function<void()>& work) {
@@ -113,10 +120,7 @@ assign::AlphaBeta measure_link(comm::Communicator& communicator, comm::GroupId g
 }
 
 double time_decomposition(int64_t d, ComputeMethod method, c10::ScalarType dtype, c10::Device device) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  auto x = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32));
-  const auto options = torch::TensorOptions().dtype(dtype).device(device);
-  const auto spd = (x.matmul(x.t()) / d + torch::eye(d)).to(options);
+  const auto spd = probe_factor(d, dtype, device);
   return time_median(device, d >= 640 ? 2 : 3, [&] {
     if (method == ComputeMethod::kEigen) {
       (void)math::eigen_decompose(spd);
@@ -127,12 +131,9 @@ double time_decomposition(int64_t d, ComputeMethod method, c10::ScalarType dtype
 }
 
 double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  auto x = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32));
-  const auto options = torch::TensorOptions().dtype(dtype).device(device);
-  const auto before = (x.matmul(x.t()) / d + torch::eye(d)).to(options);
+  const auto before = probe_factor(d, dtype, device);
   const auto basis = math::eigen_decompose(before);
-  const auto after = (0.95 * before + 0.05 * torch::eye(d, options)).contiguous();
+  const auto after = (0.95 * before + 0.05 * torch::eye(d, before.options())).contiguous();
   return time_median(device, d >= 640 ? 2 : 3, [&] { (void)math::refresh_eigenbasis(after, basis); });
 }
 

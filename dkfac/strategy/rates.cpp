@@ -425,11 +425,15 @@ void Rates::validate() const {
   check_table("refresh", refresh);
 }
 
+double Rates::refresh_seconds(int64_t d) const {
+  return refresh.measured() ? refresh.seconds_for(d) : decomposition.seconds_for(d);
+}
+
 double Rates::second_order_seconds(int64_t d, int64_t eigh_interval) const {
   const double full = decomposition.seconds_for(d);
-  if (eigh_interval <= 1 || !refresh.measured()) return full;
+  if (eigh_interval <= 1) return full;
   const double k = static_cast<double>(eigh_interval);
-  return (full + (k - 1) * refresh.seconds_for(d)) / k;
+  return (full + (k - 1) * refresh_seconds(d)) / k;
 }
 
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,

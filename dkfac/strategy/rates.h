@@ -108,8 +108,11 @@ struct Rates {
   DecompositionRate refresh;
   PreconditionRate precondition;
 
+  /// Seconds of one refresh of a d x d factor's eigenbasis: `refresh`'s, or a full decomposition's where it is not
+  /// measured.
+  double refresh_seconds(int64_t d) const;
   /// Seconds of one second-order update of a d x d factor, averaged over `eigh_interval` updates: one full
-  /// decomposition and eigh_interval - 1 refreshes (a full decomposition each where `refresh` is not measured).
+  /// decomposition and eigh_interval - 1 refreshes (refresh_seconds).
   double second_order_seconds(int64_t d, int64_t eigh_interval) const;
   /// The rate of factors built by `kernel`.
   const FactorRate& for_kernel(math::FactorKernel kernel) const;

@@ -191,8 +191,8 @@ class StepSimulation {
         const int64_t k = eigen ? plan.eigh_interval : 1;
         const auto decompose = [&](int64_t d) {
           decompose_[r] += rates.second_order_seconds(d, k);
-          full_[r] += rates.second_order_seconds(d, 1);
-          refreshed_[r] += rates.refresh.measured() ? rates.refresh.seconds_for(d) : rates.second_order_seconds(d, 1);
+          full_[r] += rates.decomposition.seconds_for(d);
+          refreshed_[r] += rates.refresh_seconds(d);
         };
         if (plan.computes_a(i, r) && !s.a_diagonal) decompose(s.a_dim);
         if (plan.computes_g(i, r) && !s.g_diagonal) decompose(s.g_dim);
@@ -239,6 +239,10 @@ class StepSimulation {
     share(t, precondition_);
     if (plan_.broadcast_gradients) meet(t, rows_, std::vector<double>(rows_.size(), gradient_comm_));
     return *std::max_element(t.begin(), t.end());
+  }
+  /// One step of a kind that ran (a profiled step): its decompositions in full, or refreshes.
+  double step(const StepKind& kind) const {
+    return step(kind.factor_step, kind.inverse_step, kind.refresh ? Decompositions::kRefresh : Decompositions::kFull);
   }
 
   /// Each rank's own work per phase, per step averaged over `intervals`.
@@ -302,9 +306,7 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
 }
 
 double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind) {
-  using Decompositions = StepSimulation::Decompositions;
-  return StepSimulation(plan, rates, batch_size)
-      .step(kind.factor_step, kind.inverse_step, kind.refresh ? Decompositions::kRefresh : Decompositions::kFull);
+  return StepSimulation(plan, rates, batch_size).step(kind);
 }
 
 Rates scaled(const Rates& rates, const RateScales& scales) {
@@ -365,11 +367,7 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
     const Rates r = scaled(rates, scales);
     const StepSimulation simulation(plan, r, batch_size);
     double seconds = 0;
-    using Decompositions = StepSimulation::Decompositions;
-    for (const auto& kind : measured.kinds) {
-      seconds += simulation.step(kind.factor_step, kind.inverse_step,
-                                 kind.refresh ? Decompositions::kRefresh : Decompositions::kFull);
-    }
+    for (const auto& kind : measured.kinds) seconds += simulation.step(kind);
     return seconds;
   };
   double whole = 0;

@@ -439,15 +439,20 @@ TEST(ChooseStrategy, ApplySetsOnlyTheStrategysOptions) {
   o.validate();
 }
 
-TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
-  // One intra-op thread: with two, a test running beside this one on a 2-core machine made a 16 x 16 inverse
-  // take 1 ms instead of 17 us (the threads' barrier waits for a descheduled thread), so that the sizes'
-  // order, which this test checks, was the load's and not the kernels'.
+// This machine's rates for `method`, measured on one intra-op thread: with two, a test running beside this one on
+// a 2-core machine made a 16 x 16 inverse take 1 ms instead of 17 us (the threads' barrier waits for a
+// descheduled thread), so that the sizes' order, which these tests check, was the load's and not the kernels'.
+Rates measured_on_one_thread(ComputeMethod method) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
-  const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kInverse);
+  const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, method);
   at::set_num_threads(threads);
   r.validate();
+  return r;
+}
+
+TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
+  const auto r = measured_on_one_thread(ComputeMethod::kInverse);
   EXPECT_EQ(r.world_size, 1);
   EXPECT_EQ(r.threads, 1);
   EXPECT_GT(r.factor.seconds_for(4096, 256), r.factor.seconds_for(64, 16));
@@ -458,11 +463,7 @@ TEST(Rates, MeasuredLocallyArePositiveAndGrowWithSize) {
 
 // The eigen method's rates also time the eigenbasis refresh (Options::eigh_interval), at the decomposition's dims.
 TEST(Rates, EigenRatesTimeTheRefreshToo) {
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  const auto r = measure_local_rates(c10::Device(c10::kCPU), c10::kFloat, ComputeMethod::kEigen);
-  at::set_num_threads(threads);
-  r.validate();
+  const auto r = measured_on_one_thread(ComputeMethod::kEigen);
   ASSERT_TRUE(r.refresh.measured());
   EXPECT_EQ(r.refresh.dims, r.decomposition.dims);
   for (double seconds : r.refresh.seconds) EXPECT_GT(seconds, 0.0);

@@ -654,7 +654,6 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
 TEST(Restore, RanksTakeTheSameBranch) {
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const Options options = base_options(ComputeMethod::kEigen, false, 1.0);
-  std::vector<std::map<std::string, torch::Tensor>> saved;
   std::vector<std::string> errors(2);
   std::vector<std::vector<torch::Tensor>> eigenvalues(2);
   std::vector<int64_t> recomputed(2);
@@ -666,8 +665,7 @@ TEST(Restore, RanksTakeTheSameBranch) {
       local_loss(*net, step, rank).backward();
       kfac.step();
     }
-    auto states = kfac.gathered_layer_states();
-    if (rank == 0) saved = states;
+    const auto states = kfac.gathered_layer_states();
     auto lacking = states;
     if (rank == 0) lacking[1].erase("a_factor");
     try {
