@@ -86,6 +86,19 @@ void Options::validate() const {
       TORCH_CHECK(false, "skip_layers pattern '", pattern, "' is not a valid regular expression: ", e.what());
     }
   }
+  for (const auto& pattern : shared_input_layers_) {
+    size_t groups = 0;
+    try {
+      groups = std::regex(pattern).mark_count();
+    } catch (const std::regex_error& e) {
+      TORCH_CHECK(false, "shared_input_layers pattern '", pattern, "' is not a valid regular expression: ", e.what());
+    }
+    TORCH_CHECK(groups >= 1, "shared_input_layers pattern '", pattern, "' has no capture group: its group (...) "
+                "marks the part of the names in which the layers that share an input differ, e.g. '(query|key|value)$'");
+  }
+  TORCH_CHECK(shared_input_layers_.empty() || !pi_damping_, "shared_input_layers with pi_damping: pi damping "
+              "splits each layer's damping by its own G, so layers that share an A factor would need different A "
+              "inverses; use one of them");
   // Constant schedules are checked now so that a bad value fails at construction, not mid-run.
   if (lr_.is_constant()) lr_at(0);
   if (damping_.is_constant()) damping_at(0);

@@ -163,6 +163,11 @@ inline OptionRange any_value() { return {}; }
   X(Value, std::vector<std::string>, skip_layers, {}, any_value(), "--skip-layers", "", "",                          \
     "regular expressions (ECMAScript, searched) matched against each layer's name and class; matching layers keep "  \
     "their plain gradient; a pattern that matches no layer is warned about")                                        \
+  X(Value, std::vector<std::string>, shared_input_layers, {}, any_value(), "--shared-input-layers", "", "",          \
+    "regular expressions (ECMAScript, searched in layer names), each with one capture group: the layers a pattern "  \
+    "matches whose names agree outside the captured text read one input (BERT's query, key and value: "              \
+    "'(query|key|value)$') and share one A factor and its decomposition, exactly; every factor step checks that "    \
+    "they were given the same tensor (docs/MATH.md section 2.7)")                                                    \
   X(Value, int64_t, large_factor_dim, 4096, at_least(0), "--large-factor-dim", "", "",                               \
     "warn at construction about factors wider than this, with their memory and update cost (0: never)")            \
   X(Value, int64_t, diagonal_factor_dim, 8192, at_least(0), "--diagonal-factor-dim", "", "",                           \

@@ -188,7 +188,17 @@ std::vector<KfacLayer> Preconditioner::staged_layer_states(
     const std::vector<std::map<std::string, torch::Tensor>>& states) const {
   std::vector<KfacLayer> staged = layers_;
   for (size_t i = 0; i < staged.size(); ++i) staged[i].load_state(placed_here(i, states[i]), options_.compute_method());
+  link_shared_inputs(staged, /*second_order=*/true);
   return staged;
+}
+
+void Preconditioner::link_shared_inputs(std::vector<KfacLayer>& layers, bool second_order) {
+  for (auto& layer : layers) {
+    if (!layer.follows_a()) continue;
+    const auto& leader = layers[static_cast<size_t>(layer.a_leader())];
+    layer.link_a(leader);
+    if (second_order) layer.link_a_second_order(leader);
+  }
 }
 
 std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer_states() const {
@@ -205,7 +215,55 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor
   return batches;
 }
 
+void Preconditioner::check_shared_inputs() const {
+  const auto index_of = [&](const FactorCapture* capture) {
+    for (size_t j = 0; j < layers_.size(); ++j) {
+      if (&layers_[j].capture() == capture) return j;
+    }
+    return layers_.size();
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    if ((!layer.follows_a() && !leads_a_[i]) || !executor_->builds_factors(i)) continue;
+    const FactorCapture* other = nullptr;
+    std::string differ = layer.capture().input_mismatch(&other);
+    size_t with = index_of(other);
+    if (differ.empty() && layer.follows_a()) {
+      with = static_cast<size_t>(layer.a_leader());
+      const size_t mine = layer.capture().input_passes();
+      const size_t theirs = layers_[with].capture().input_passes();
+      // A layer that did not run at all is the unused-layer policy's to handle.
+      if (mine > 0 && theirs > 0 && mine != theirs) differ = c10::str("ran ", mine, " time(s) where it ran ", theirs);
+    }
+    if (differ.empty()) continue;
+    const std::string other_name = with < layers_.size() ? names_.layer(layers_[with], with) : "another member";
+    TORCH_CHECK(false, "shared_input_layers: K-FAC layer ", names_.layer(layer, i), " shares its A factor with ",
+                other_name, " but ", differ, " at step ", steps_, ". Layers share an A factor only when their forward "
+                "is given the same tensor (not a copy, not changed in place between them); correct the "
+                "shared_input_layers patterns");
+  }
+}
+
+void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
+  std::vector<bool> group_plain(layers_.size(), false);  // by leader: some member keeps its plain gradient
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const size_t leader = layers_[i].follows_a() ? static_cast<size_t>(layers_[i].a_leader()) : i;
+    if (fates[i] == LayerFate::kPlainGradient) group_plain[leader] = true;
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i].follows_a() && !leads_a_[i]) continue;
+    const auto leader = layers_[i].follows_a() ? static_cast<size_t>(layers_[i].a_leader()) : i;
+    if (!group_plain[leader] || fates[i] == LayerFate::kPlainGradient) continue;
+    warn_once(i, "shared input", "shares its A factor (shared_input_layers) with a layer that cannot be used at "
+              "this step, so it keeps its plain gradient too");
+    layers_[i].capture().clear();
+    fates[i] = LayerFate::kPlainGradient;
+    ++events_.skipped_unused;
+  }
+}
+
 std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step) {
+  if (factor_step) check_shared_inputs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
@@ -240,6 +298,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     ++events_.skipped_unused;
   }
   if (agrees_on_unused_layers()) agree_on_unused_layers(fates);
+  spread_group_fates(fates);
   return fates;
 }
 
@@ -273,13 +332,25 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   // Averaged before the NaN check, so that every rank takes the same decision.
   clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
+  std::vector<torch::Tensor> a_folded(layers_.size());  // a shared-input group's A, by leader
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
     mark("factor update", static_cast<int64_t>(i));
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
-    factor_ok_[i] = layers_[i].fold_factors(batches[i].first, batches[i].second, decay);
-    if (!layers_[i].a_factor().defined()) {  // a first update that was not finite: known here already
+    auto& layer = layers_[i];
+    if (!layer.follows_a() && !leads_a_[i]) {
+      factor_ok_[i] = layer.fold_factors(batches[i].first, batches[i].second, decay);
+    } else {
+      // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
+      // member its own G, each side where its batch is finite; a member is usable where both of its are.
+      if (leads_a_[i]) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
+      const auto g_folded = layer.fold_factor(/*a=*/false, batches[i].second, decay);
+      const auto leader = layer.follows_a() ? static_cast<size_t>(layer.a_leader()) : i;
+      if (layer.follows_a()) layer.link_a(layers_[leader]);
+      factor_ok_[i] = a_folded[leader].logical_and(g_folded);
+    }
+    if (!layer.has_factors()) {  // a first update that was not finite: known here already
       factor_ok_[i] = torch::Tensor();
       warn_factor_fallback(i);
       fates[i] = LayerFate::kPlainGradient;
@@ -299,7 +370,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
   try {
     for (size_t i = 0; i < layers_.size(); ++i) {
       auto& layer = layers_[i];
-      if (!layer.a_factor().defined()) continue;
+      if (!layer.has_factors()) continue;
       const bool a_part = executor_->computes_a(i);
       const bool g_part = executor_->computes_g(i);
       if (!a_part && !g_part) continue;
@@ -329,6 +400,10 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
   }
   mark("second-order broadcast");
   clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
+  link_shared_inputs(layers_, /*second_order=*/true);
+  for (auto& layer : layers_) {  // a follower's denominator: its own G with its leader's new A
+    if (layer.follows_a() && layer.second_order().defined()) layer.finish_second_order(damping);
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
   }

@@ -337,6 +337,18 @@ class Preconditioner {
     phase_ = phase;
     phase_layer_ = layer;
   }
+  /// Options::shared_input_layers at construction: the groups (layers/discovery.h), checked to be able to share an A
+  /// factor (one kind, width, bias, geometry and dtype; not sharded), each follower told its leader.
+  void group_shared_inputs();
+  /// On a factor step, before anything is taken: each follower's captured inputs are its leader's, pass for pass
+  /// (the same tensor, unchanged); refused naming both layers otherwise.
+  void check_shared_inputs() const;
+  /// A group's layers keep their plain gradient together: one that cannot be used this step takes the others
+  /// with it (their captures dropped), so that the shared A is folded only with every member's G.
+  void spread_group_fates(std::vector<LayerFate>& fates);
+  /// Aliases every follower's A side (running factor, and with `second_order` the decomposition) to its leader's,
+  /// in `layers` (the live ones, or staged ones).
+  static void link_shared_inputs(std::vector<KfacLayer>& layers, bool second_order);
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
   /// The layers with `states` loaded (what placed_here keeps of each), checked; this preconditioner unchanged.
@@ -369,6 +381,7 @@ class Preconditioner {
   int64_t steps_ = 0;
   c10::Device device_{c10::kCPU};
   PhaseClock clock_;                     // the phases' times, this step's and before
+  std::vector<bool> leads_a_;  // the layer holds the A factor its shared-input group's followers alias
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";
   int64_t phase_layer_ = -1;

@@ -173,6 +173,23 @@ StateRestore Preconditioner::restore(SavedState saved) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& have = saved.layers[i];
     const bool has_factors = have.count("a_factor") > 0 || have.count("g_factor") > 0;
+    // One factor without the other: not another rank's share (which lacks both), but a follower's state.
+    const bool keeps_a = wanted[i].count("a_factor") > 0;  // a shared-input follower keeps its leader's
+    if (keeps_a && have.count("g_factor") > 0 && have.count("a_factor") == 0 && refusal.empty()) {
+      refusal = c10::str("state holds the G factor of layer '", layers_[i].name(), "' but no A factor: it was saved "
+                         "with shared_input_layers, where this layer shared the A factor of an earlier one (or it is "
+                         "damaged); build the preconditioner with the same shared_input_layers to load it");
+    }
+    if (layers_[i].follows_a() && have.count("a_factor") > 0) {
+      const auto& leader = saved.layers[static_cast<size_t>(layers_[i].a_leader())];
+      const auto it = leader.find("a_factor");
+      if (it != leader.end() && !torch::equal(it->second.cpu(), have.at("a_factor").cpu())) {
+        TORCH_WARN("dkfac: the state's A factor of layer '", layers_[i].name(), "' differs from that of layer '",
+                   layers_[static_cast<size_t>(layers_[i].a_leader())].name(), "', whose A factor it shares "
+                   "(shared_input_layers): the shared one is the latter's (the layers' inputs differed when it was "
+                   "saved?)");
+      }
+    }
     for (const auto& [key, unused] : wanted[i]) {
       const auto& entry = *layer_state_entry(key);
       if (have.count(key) > 0) continue;
@@ -185,6 +202,7 @@ StateRestore Preconditioner::restore(SavedState saved) {
                            "', which this rank builds: ", saved.per_rank_writer);
       }
     }
+
   }
   // Every rank takes the same branch: the recompute is collective, and a refusal must reach every rank.
   const bool distributed = communicator_ && communicator_->size() > 1;

@@ -44,13 +44,13 @@ void report_large_factors(const std::vector<KfacLayer>& layers, const Options& o
     // A diagonal factor costs d values and no decomposition: never large.
     const auto sides = factor_sides(layer);
     const auto large = [limit](const FactorSide& f) { return !f.diagonal && f.dim > limit; };
-    if (!large(sides[0]) && !large(sides[1])) continue;
+    if (!(large(sides[0]) && !layer.follows_a()) && !large(sides[1])) continue;
     const double factor_bytes = static_cast<double>(c10::elementSize(layer.factor_dtype()));
     const double state_bytes = static_cast<double>(c10::elementSize(layer.second_order_dtype()));
     std::ostringstream what;
     double flops = 0.0;
     for (const auto& side : sides) {
-      if (!large(side)) continue;
+      if (!large(side) || (side.name[0] == 'A' && layer.follows_a())) continue;  // its leader's is reported
       const int64_t dim = side.dim;
       const double d = static_cast<double>(dim);
       // Eigen: eigenvectors d x d and eigenvalues d; inverse: one d x d inverse.
@@ -87,6 +87,7 @@ void refuse_factors_beyond_memory(const std::vector<KfacLayer>& layers, const Op
     const auto& layer = layers[i];
     const double element = static_cast<double>(c10::elementSize(layer.factor_dtype()));
     for (const auto& side : factor_sides(layer)) {
+      if (side.name[0] == 'A' && layer.follows_a()) continue;  // its shared-input group's leader holds it
       const double d = static_cast<double>(side.dim);
       const double bytes = (side.diagonal ? d : d * d) * element;
       needed += 3.0 * bytes;
@@ -193,6 +194,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     layers_.back().set_eigen_adam(options_.eigen_adam());
     layers_.back().set_diagonal_limit(options_.diagonal_factor_dim());
   }
+  group_shared_inputs();
   device_ = layers_.front().weight().device();
   clock_ = PhaseClock(device_);
   factor_ok_.resize(layers_.size());
@@ -228,6 +230,49 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   arm_capture();
 }
 
+void Preconditioner::group_shared_inputs() {
+  leads_a_.assign(layers_.size(), false);
+  if (options_.shared_input_layers().empty()) return;
+  std::vector<std::string> names;
+  for (const auto& layer : layers_) names.push_back(layer.name());
+  const auto leaders = input_groups(names, options_.shared_input_layers());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (leaders[i] < 0) continue;
+    const auto& leader = layers_[static_cast<size_t>(leaders[i])];
+    auto& layer = layers_[i];
+    const auto& a = leader.capture().geometry();
+    const auto& b = layer.capture().geometry();
+    std::string differ;
+    if (a.kind != b.kind) differ = c10::str("kinds ", to_string(a.kind), " and ", to_string(b.kind));
+    else if (leader.a_dim() != layer.a_dim()) differ = c10::str("A widths ", leader.a_dim(), " and ", layer.a_dim());
+    else if (a.has_bias != b.has_bias) differ = "a bias on one only (a column of A)";
+    else if (a.a_diagonal != b.a_diagonal) differ = "a diagonal A on one only";
+    else if (a.vocabulary != b.vocabulary) differ = "vocabularies";
+    else if (a.kind == LayerKind::kConv2d && (a.conv.kernel_size != b.conv.kernel_size || a.conv.stride != b.conv.stride ||
+                                              a.conv.padding != b.conv.padding || a.conv.dilation != b.conv.dilation ||
+                                              a.conv.padding_mode.index() != b.conv.padding_mode.index()))
+      differ = "convolution geometries (kernel, stride, padding or dilation)";
+    else if (leader.factor_dtype() != layer.factor_dtype())
+      differ = c10::str("factor dtypes ", leader.factor_dtype(), " and ", layer.factor_dtype());
+    else if (leader.sharded() || layer.sharded())
+      differ = "a sharded gradient (FSDP2, HSDP): shared A factors are for unsharded layers (DDP or one process)";
+    TORCH_CHECK(differ.empty(), "shared_input_layers groups ", names_.layer(leader, static_cast<size_t>(leaders[i])),
+                " and ", names_.layer(layer, i), ", which cannot share an A factor: they have ", differ);
+    layer.set_a_leader(leaders[i]);
+    leads_a_[static_cast<size_t>(leaders[i])] = true;
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {  // each member's capture compares its inputs with the others'
+    const int group = layers_[i].follows_a() ? layers_[i].a_leader() : leads_a_[i] ? static_cast<int>(i) : -1;
+    if (group < 0) continue;
+    std::vector<std::shared_ptr<FactorCapture>> others;
+    for (size_t j = 0; j < layers_.size(); ++j) {
+      const bool member = static_cast<int>(j) == group || layers_[j].a_leader() == group;
+      if (member && j != i) others.push_back(layers_[j].shared_capture());
+    }
+    layers_[i].capture().set_shared_input(/*member=*/true, /*follower=*/layers_[i].follows_a(), others);
+  }
+}
+
 std::vector<std::string> Preconditioner::description() const {
   std::vector<std::string> lines;
   lines.push_back(std::to_string(layers_.size()) + " layers");
@@ -236,7 +281,8 @@ std::vector<std::string> Preconditioner::description() const {
     std::ostringstream line;
     line << "layer " << i << " '" << layer.name() << "': " << to_string(layer.kind()) << ", weight "
          << layer.weight().sizes() << " " << layer.weight().scalar_type() << (layer.bias().defined() ? ", bias" : ", no bias")
-         << (layer.sharded() ? ", sharded" : "");
+         << (layer.sharded() ? ", sharded" : "")
+         << (layer.follows_a() ? c10::str(", shares the A factor of layer ", layer.a_leader()) : std::string());
     lines.push_back(line.str());
   }
   for (const auto& info : option_table()) lines.push_back(info.name + "=" + option_text(info, options_.get(info.name)));
@@ -298,6 +344,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   options_ = chosen;
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
+  link_shared_inputs(layers_, /*second_order=*/true);
 }
 
 void Preconditioner::recheck_strategy() {

@@ -105,37 +105,57 @@ Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, d
   std::vector<double> column_load(columns.size(), 0.0);
   std::vector<double> rank_load(world_size, 0.0);
 
-  std::vector<size_t> order(layers.size());
+  // Units of placement: a layer, or a shared-input group (its leader first, then its followers); each unit's
+  // factors as (cost, layer, is A), its one A first.
+  struct Factor {
+    double cost;
+    size_t layer;
+    bool is_a;
+  };
+  std::vector<std::vector<Factor>> units;
+  std::vector<size_t> unit_of(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& l = layers[i];
+    const int leader = l.a_shared_with;
+    TORCH_CHECK(leader < static_cast<int>(i) && (leader < 0 || layers[leader].a_shared_with < 0), "layer ", i, " ('",
+                l.name, "') shares the A factor of layer ", leader, ", which is not an earlier group leader");
+    if (leader < 0) {
+      unit_of[i] = units.size();
+      units.push_back({{cost(l.a_dim, l.a_diagonal, balance), i, true}});
+    }
+    units[unit_of[leader < 0 ? i : static_cast<size_t>(leader)]].push_back({cost(l.g_dim, l.g_diagonal, balance), i, false});
+  }
+  const auto total = [](const std::vector<Factor>& unit) {
+    double sum = 0.0;
+    for (const auto& f : unit) sum += f.cost;
+    return sum;
+  };
+  std::vector<size_t> order(units.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-    const auto& lx = layers[x];
-    const auto& ly = layers[y];
-    return cost(lx.a_dim, lx.a_diagonal, balance) + cost(lx.g_dim, lx.g_diagonal, balance) >
-           cost(ly.a_dim, ly.a_diagonal, balance) + cost(ly.g_dim, ly.g_diagonal, balance);
-  });
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return total(units[x]) > total(units[y]); });
   std::vector<int> column_ids(columns.size());
   std::iota(column_ids.begin(), column_ids.end(), 0);
-  for (size_t index : order) {
-    const double a_cost = cost(layers[index].a_dim, layers[index].a_diagonal, balance);
-    const double g_cost = cost(layers[index].g_dim, layers[index].g_diagonal, balance);
+  for (size_t u : order) {
+    auto unit = units[u];
     const size_t c = argmin(column_load, column_ids);
-    column_load[c] += a_cost + g_cost;
-    auto& l = out.layers[index];
-    l.grad_workers = columns[c];
+    column_load[c] += total(unit);
+    for (const auto& f : unit) out.layers[f.layer].grad_workers = columns[c];
     if (colocate) {
       const int rank = columns[c][argmin(rank_load, columns[c])];
-      l.a_worker = l.g_worker = rank;
-      rank_load[rank] += a_cost + g_cost;
+      for (const auto& f : unit) out.layers[f.layer].a_worker = out.layers[f.layer].g_worker = rank;
+      rank_load[rank] += total(unit);
     } else {
-      // Larger factor first, so that the smaller one fills the other rank.
-      const bool a_first = a_cost >= g_cost;
-      int& first = a_first ? l.a_worker : l.g_worker;
-      int& second = a_first ? l.g_worker : l.a_worker;
-      first = columns[c][argmin(rank_load, columns[c])];
-      rank_load[first] += a_first ? a_cost : g_cost;
-      second = columns[c][argmin(rank_load, columns[c])];
-      rank_load[second] += a_first ? g_cost : a_cost;
+      // Larger factor first, so that the smaller ones fill the other ranks (A first on a tie).
+      std::stable_sort(unit.begin(), unit.end(), [](const Factor& x, const Factor& y) { return x.cost > y.cost; });
+      for (const auto& f : unit) {
+        const int rank = columns[c][argmin(rank_load, columns[c])];
+        (f.is_a ? out.layers[f.layer].a_worker : out.layers[f.layer].g_worker) = rank;
+        rank_load[rank] += f.cost;
+      }
     }
+    // A group's followers decompose no A: their leader's rank holds the one they share.
+    const size_t leader = units[u].front().layer;  // the unit as built: its A first
+    for (const auto& f : unit) out.layers[f.layer].a_worker = out.layers[leader].a_worker;
   }
   return out;
 }
@@ -159,7 +179,7 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
   std::vector<Factor> factors;
   for (size_t i = 0; i < layers.size(); ++i) {
     out.layers[i].grad_workers = everyone;
-    factors.push_back({layers[i].a_dim, i, true, layers[i].a_diagonal});
+    if (layers[i].a_shared_with < 0) factors.push_back({layers[i].a_dim, i, true, layers[i].a_diagonal});
     factors.push_back({layers[i].g_dim, i, false, layers[i].g_diagonal});
   }
   std::stable_sort(factors.begin(), factors.end(), [](const Factor& x, const Factor& y) { return x.dim > y.dim; });
@@ -171,6 +191,9 @@ Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int
       load[worker] += cost(f.dim, Balance::kCompute);
     }
     (f.is_a ? out.layers[f.layer].a_worker : out.layers[f.layer].g_worker) = worker;
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i].a_shared_with >= 0) out.layers[i].a_worker = out.layers[layers[i].a_shared_with].a_worker;
   }
   return out;
 }

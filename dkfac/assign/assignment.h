@@ -31,6 +31,10 @@ struct LayerShape {
   bool g_diagonal = false;
   /// The gradient is sharded by output rows over each row of ranks (FSDP2, HSDP; KfacLayer::sharded).
   bool sharded = false;
+  /// Options::shared_input_layers: the index of the earlier layer whose A factor this one shares (its group's
+  /// first), or -1. A group is placed as one unit: one column, its A on one rank; a follower builds, reduces,
+  /// decomposes, broadcasts and holds no A of its own.
+  int a_shared_with = -1;
 };
 
 /// A factor decomposed redundantly by every rank (SPD-KFAC's small factors): nothing is broadcast.
@@ -88,13 +92,15 @@ std::string fraction_name(int grad_workers, int world_size);
 /// KAISA placement on kaisa_layout's grid, warning (TORCH_WARN) where that grid turns `colocate` on:
 /// layers are placed largest first (greedy longest-processing-time). Each goes to the column with the least
 /// load so far; within it, A and G go to its least-loaded rank together (`colocate`) or each factor
-/// separately. Ties go to the lowest index.
+/// separately, larger first. Ties go to the lowest index. A shared-input group (LayerShape::a_shared_with) is
+/// placed as one layer whose factors are its one A and every member's G.
 Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, double grad_worker_fraction,
                         Balance balance = Balance::kCompute, bool colocate = true);
 
 /// SPD-KFAC placement: every rank preconditions every layer (W = P). Factors (A and G separately) are
 /// taken largest first; one of dimension <= `redundant_dim` is decomposed by every rank (kEveryRank),
-/// a larger one goes to the rank with the least dim^3 load so far (ties to the lowest rank).
+/// a larger one goes to the rank with the least dim^3 load so far (ties to the lowest rank). A follower of a
+/// shared-input group has no A of its own: its a_worker is its leader's.
 Assignment assign_spd(const std::vector<LayerShape>& layers, int world_size, int64_t redundant_dim);
 
 /// DP-KFAC placement: each layer has one owner (A and G together, W = 1), greedy largest-first on the

@@ -1,5 +1,6 @@
 #include "dkfac/layers/discovery.h"
 
+#include <map>
 #include <regex>
 
 #include <c10/util/Exception.h>
@@ -67,6 +68,42 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
   TORCH_CHECK(!chosen.empty(), "found no Linear, Conv2d or Embedding layer to precondition in ", model,
               " (after skip_layers, frozen parameters and layers that keep their plain gradient)");
   return chosen;
+}
+
+std::vector<int> input_groups(const std::vector<std::string>& names, const std::vector<std::string>& patterns) {
+  std::vector<int> leader(names.size(), -1);
+  std::vector<std::string> grouped_by(names.size());  // the pattern that put each layer in a group of two or more
+  for (const auto& pattern : patterns) {
+    const std::regex re(pattern);  // Options::validate checked it
+    std::map<std::string, std::vector<size_t>> groups;  // the name with the captured text as "*" -> members
+    std::string matched;
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::smatch m;
+      if (!std::regex_search(names[i], m, re) || !m[1].matched) continue;
+      const auto at = static_cast<size_t>(m.position(1));
+      groups[names[i].substr(0, at) + "*" + names[i].substr(at + static_cast<size_t>(m.length(1)))].push_back(i);
+      matched += (matched.empty() ? "'" : ", '") + names[i] + "'";
+    }
+    bool formed = false;
+    for (const auto& [key, members] : groups) {
+      if (members.size() < 2) continue;
+      formed = true;
+      for (size_t k = 0; k < members.size(); ++k) {
+        const size_t i = members[k];
+        TORCH_CHECK(grouped_by[i].empty(), "shared_input_layers: layer '", names[i], "' is in a group of pattern '",
+                    grouped_by[i], "' and of pattern '", pattern, "'; a layer reads one input, so it belongs to one "
+                    "group");
+        grouped_by[i] = pattern;
+        if (k > 0) leader[i] = static_cast<int>(members[0]);
+      }
+    }
+    if (!formed) {
+      TORCH_WARN("dkfac: shared_input_layers pattern '", pattern, "' forms no group of two or more layers, so it ",
+                 "shares nothing; it matched ", matched.empty() ? std::string("no layer") : matched,
+                 " (members' names must agree outside the pattern's capture group)");
+    }
+  }
+  return leader;
 }
 
 }  // namespace dkfac

@@ -38,4 +38,12 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
                                   const std::vector<std::string>& skip_layers, const std::string& model,
                                   std::vector<std::string>* reasons = nullptr);
 
+/// Options::shared_input_layers as groups: for each of `names` (the registered layers, in model order), the index
+/// of the first layer of its group (the group's leader, which holds the shared A factor), or -1 where the layer
+/// is in no group (or leads one). A pattern's first capture group marks where member names differ: the layers a
+/// pattern matches (searched) whose names agree once that text is replaced by "*" form one group; a group of one
+/// layer shares nothing. Refused (c10::Error): a layer two patterns put in different groups. Warned: a pattern
+/// that forms no group of two, listing the names it matched.
+std::vector<int> input_groups(const std::vector<std::string>& names, const std::vector<std::string>& patterns);
+
 }  // namespace dkfac

@@ -4,6 +4,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <sstream>
+
 namespace dkfac {
 
 const char* to_string(LayerKind kind) {
@@ -23,6 +25,30 @@ LayerGeometry embedding_geometry(int64_t vocabulary) {
   geometry.vocabulary = vocabulary;
   geometry.a_diagonal = true;
   return geometry;
+}
+
+InputPass::InputPass(const torch::Tensor& input)
+    : data(input.has_storage() ? input.data_ptr() : nullptr),
+      sizes(input.sizes().vec()),
+      strides(input.strides().vec()),
+      dtype(input.scalar_type()),
+      device(input.device()),
+      version(input._version()) {
+  if (input.has_storage()) storage = input.storage().getWeakStorageImpl();
+}
+
+bool InputPass::same(const InputPass& other) const {
+  if (!storage || !other.storage) return false;
+  const auto live = storage->lock();
+  return live && live == other.storage->lock() && data == other.data && sizes == other.sizes &&
+         strides == other.strides && dtype == other.dtype && device == other.device && version == other.version;
+}
+
+std::string InputPass::describe() const {
+  std::ostringstream out;
+  out << c10::IntArrayRef(sizes) << " " << dtype << " on " << device << " at " << data << ", version " << version;
+  if (!storage || !storage->lock()) out << " (freed since)";
+  return out.str();
 }
 
 FactorCapture::FactorCapture(LayerGeometry geometry) : geometry_(geometry) {
@@ -86,7 +112,56 @@ bool autocast_on(const torch::Tensor& t) {
 
 }  // namespace
 
+void FactorCapture::set_shared_input(bool member, bool follower,
+                                     const std::vector<std::shared_ptr<FactorCapture>>& group) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(), "set_shared_input after factors were captured");
+  member_ = member || follower;
+  follower_ = follower;
+  group_.assign(group.begin(), group.end());
+}
+
+size_t FactorCapture::input_passes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return passes_.size();
+}
+
+std::optional<InputPass> FactorCapture::pass_at(size_t k) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (k >= passes_.size()) return std::nullopt;
+  return passes_[k];
+}
+
+std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (other != nullptr) *other = mismatch_with_;
+  return mismatch_;
+}
+
 void FactorCapture::capture_input(const torch::Tensor& input) {
+  if (member_) {
+    const InputPass pass(input);
+    size_t k = 0;
+    std::vector<std::weak_ptr<FactorCapture>> group;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      passes_.push_back(pass);
+      k = passes_.size() - 1;
+      group = group_;
+    }
+    // Compared now, while both inputs are alive; one lock at a time (members may capture on other threads).
+    for (const auto& weak : group) {
+      const auto other = weak.lock();
+      const auto theirs = other ? other->pass_at(k) : std::nullopt;
+      if (!theirs || theirs->same(pass)) continue;
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!mismatch_.empty()) continue;
+      mismatch_ = c10::str("was given another input at pass ", k + 1, ": ", pass.describe(), " where it was given ",
+                           theirs->describe());
+      mismatch_with_ = other.get();
+    }
+    if (follower_) return;  // the group's first member builds the A factor they share
+  }
   const bool autocast = autocast_on(input);
   forward_autocast_ = autocast;
   const bool hooked = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
@@ -242,6 +317,7 @@ void FactorCapture::set_listener(Listener listener) {
 
 int64_t FactorCapture::a_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (follower_) return static_cast<int64_t>(passes_.size());  // its passes: the leader holds the factor
   return a_count_ + static_cast<int64_t>(waiting_inputs_.size());
 }
 
@@ -253,6 +329,9 @@ int64_t FactorCapture::g_count() const {
 torch::Tensor FactorCapture::take_a() {
   build_waiting_inputs();
   std::lock_guard<std::mutex> lock(mutex_);
+  passes_.clear();
+  mismatch_.clear();
+  mismatch_with_ = nullptr;
   return take(a_sum_, a_count_);
 }
 
@@ -264,6 +343,9 @@ torch::Tensor FactorCapture::take_g() {
 void FactorCapture::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   waiting_inputs_.clear();
+  passes_.clear();
+  mismatch_.clear();
+  mismatch_with_ = nullptr;
   a_sum_ = torch::Tensor();
   g_sum_ = torch::Tensor();
   a_count_ = 0;

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -52,6 +53,23 @@ struct CaptureTiming {
   std::vector<std::pair<device::Mark, device::Mark>> spans;
 };
 
+/// What identifies one captured input (Options::shared_input_layers): the layers of a group must have been given
+/// one tensor, the same data, view and version, pass for pass.
+struct InputPass {
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;  ///< held weakly (no memory kept)
+  const void* data = nullptr;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::kCPU;
+  uint32_t version = 0;  ///< written to in place since: another value
+  explicit InputPass(const torch::Tensor& input);
+  /// The same tensor, seen twice: one live storage, one view of it, unchanged since.
+  bool same(const InputPass& other) const;
+  /// "[8, 16] float at 0x..., version 0" for messages.
+  std::string describe() const;
+};
+
 /// Per-layer accumulator of mini-batch Kronecker factors, fed the same way by either front end: the
 /// C++ dkfac::nn modules call `capture_input` from their forward and `capture_output_grad` from a hook
 /// on their output; the Python package calls them from torch module and tensor hooks. The preconditioner
@@ -74,6 +92,19 @@ class FactorCapture {
   /// in a lower precision (mixed precision), and an Embedding's A factor (its input is integers) takes it,
   /// unless set_factor_dtype says otherwise. KfacLayer sets it.
   void set_weight_dtype(torch::ScalarType dtype) { weight_dtype_ = dtype; }
+
+  /// Options::shared_input_layers: every capture of a group's member records its inputs (input_passes), and a
+  /// `follower` (every member but the group's first) builds no A factor: the first member's is the group's.
+  /// Before anything is captured (the preconditioner's construction).
+  /// `group`: the other members' captures (held weakly), whose passes each capture compares its own with as it
+  /// captures, while both inputs are alive (autograd frees them after the backward pass).
+  void set_shared_input(bool member, bool follower, const std::vector<std::shared_ptr<FactorCapture>>& group = {});
+  bool follows_input() const { return follower_; }
+  /// Passes captured since the last take_a or clear (a group's members only).
+  size_t input_passes() const;
+  /// The first pass since then whose input was not another member's input of that pass ("" where none): pass,
+  /// this capture's input and the other's, for the preconditioner's refusal; `other` is set to that member.
+  std::string input_mismatch(const FactorCapture** other) const;
 
   /// True when the next forward should capture: enabled, module in training mode, grad mode on.
   bool active(bool training) const { return enabled_ && training && torch::GradMode::is_enabled(); }
@@ -183,6 +214,14 @@ class FactorCapture {
   std::atomic<int64_t> samples_per_pass_{0};
   std::atomic<bool> forward_autocast_{false};  // the last captured forward ran under autocast
   std::vector<torch::Tensor> waiting_inputs_;  // captured inputs whose A factor is not built yet
+  bool member_ = false;    // of a shared-input group: passes_ recorded
+  bool follower_ = false;  // of a shared-input group, not its first: no A factor built
+  std::vector<InputPass> passes_;
+  std::vector<std::weak_ptr<FactorCapture>> group_;  // the other members of its shared-input group
+  std::string mismatch_;                             // input_mismatch()
+  const FactorCapture* mismatch_with_ = nullptr;
+  /// Pass `k` of this capture, if it captured that many.
+  std::optional<InputPass> pass_at(size_t k) const;
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;

@@ -33,6 +33,7 @@ const std::array<LayerStateEntry, 12>& layer_state_entries() {
 
 std::vector<int64_t> KfacLayer::state_shape(const LayerStateEntry& entry) const {
   const bool a = entry.side == 'a';
+  if (a && follows_a()) return {};  // its group's first layer holds it
   const int64_t d = a ? a_dim() : g_dim();
   const bool diagonal = a ? a_diagonal() : g_diagonal();
   switch (entry.form) {
@@ -90,6 +91,21 @@ void KfacLayer::set_diagonal_limit(int64_t limit) {
   binding_.capture->set_diagonal(limit > 0 && a_dim() > limit, limit > 0 && g_dim() > limit);
 }
 
+void KfacLayer::set_a_leader(int leader) { a_leader_ = leader; }
+
+void KfacLayer::link_a(const KfacLayer& leader) {
+  TORCH_INTERNAL_ASSERT(follows_a() && !leader.follows_a(), "layer '", name(), "' linked to '", leader.name(), "'");
+  a_factor_ = leader.a_factor_;
+}
+
+void KfacLayer::link_a_second_order(const KfacLayer& leader) {
+  TORCH_INTERNAL_ASSERT(follows_a() && !leader.follows_a(), "layer '", name(), "' linked to '", leader.name(), "'");
+  const auto& from = leader.second_order_;
+  if (second_order_.method != from.method) second_order_ = SecondOrderState{from.method};
+  second_order_.a_eigen = from.a_eigen;
+  second_order_.a_inverse = from.a_inverse;
+}
+
 void KfacLayer::set_inv_dtype(std::optional<torch::ScalarType> inv_dtype) { inv_dtype_ = inv_dtype; }
 
 void KfacLayer::rebind(torch::Tensor weight, torch::Tensor bias) {
@@ -139,6 +155,18 @@ torch::Tensor KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch:
   a_factor_ = std::move(folded.a);
   g_factor_ = std::move(folded.g);
   return folded.finite;
+}
+
+torch::Tensor KfacLayer::fold_factor(bool a, const torch::Tensor& batch, double alpha) {
+  TORCH_INTERNAL_ASSERT(!a || !follows_a(), "layer '", name(), "' folds the A factor its group's first layer holds");
+  auto& factor = a ? a_factor_ : g_factor_;
+  auto finite = torch::isfinite(batch).all();
+  if (!factor.defined()) {  // nothing to keep if the batch is not finite: decided here (the first update only)
+    if (finite.item<bool>()) factor = math::running_average(factor, batch, alpha);
+    return finite;
+  }
+  factor = torch::where(finite, math::running_average(factor, batch, alpha), factor);
+  return finite;
 }
 
 void KfacLayer::compute_second_order(ComputeMethod method, double damping, bool pi_damping, bool a_part,
@@ -325,8 +353,9 @@ void KfacLayer::set_gradient_where(const torch::Tensor& use, const torch::Tensor
 }
 
 int64_t KfacLayer::memory_bytes() const {
-  return bytes_of(a_factor_) + bytes_of(g_factor_) + second_order_.memory_bytes() + bytes_of(adam_.exp_avg) +
-         bytes_of(adam_.exp_avg_sq) + bytes_of(adam_.steps);
+  int64_t total = 0;
+  for (const auto& [key, tensor] : state()) total += bytes_of(tensor);  // a follower's A side is its leader's
+  return total;
 }
 
 torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants) {
@@ -346,7 +375,7 @@ torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math
 std::map<std::string, torch::Tensor> KfacLayer::state() const {
   std::map<std::string, torch::Tensor> state;
   auto put = [&](const char* key, const torch::Tensor& t) {
-    if (t.defined()) state[key] = t;
+    if (t.defined() && !(follows_a() && layer_state_entry(key)->side == 'a')) state[key] = t;  // a leader's
   };
   put("a_factor", a_factor_);
   put("g_factor", g_factor_);
@@ -378,6 +407,14 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
     // the live state.
     return it->second.to(binding_.weight.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
   };
+  if (follows_a()) {  // its group's first layer holds the A side (a checkpoint without sharing has a copy)
+    auto own = state;
+    for (auto it = own.begin(); it != own.end();) {
+      const auto* entry = layer_state_entry(it->first);
+      it = entry != nullptr && entry->side == 'a' ? own.erase(it) : std::next(it);
+    }
+    if (own.size() < state.size()) return load_state(own, method);
+  }
   for (const auto& [key, tensor] : state) {
     const auto* entry = layer_state_entry(key);
     TORCH_CHECK(entry == nullptr || !tensor.defined() || torch::isfinite(tensor).all().item<bool>(),

@@ -95,6 +95,7 @@ class KfacLayer {
   /// throws naming the layer and both tensors otherwise. Factors and second-order state are kept.
   void rebind(torch::Tensor weight, torch::Tensor bias);
   FactorCapture& capture() { return *binding_.capture; }
+  const std::shared_ptr<FactorCapture>& shared_capture() const { return binding_.capture; }
   const FactorCapture& capture() const { return *binding_.capture; }
   /// a = inputs per output (+1 with bias), g = outputs: weight columns and rows, swapped where transposed.
   int64_t a_dim() const { return a_dim_; }
@@ -111,6 +112,19 @@ class KfacLayer {
   /// The shape `entry` has in this layer's state; empty where this layer never holds it (the eigenvectors
   /// of a diagonal factor).
   std::vector<int64_t> state_shape(const LayerStateEntry& entry) const;
+
+  /// Options::shared_input_layers: the index of the layer whose A factor this one shares (its group's first
+  /// layer), or -1 where it holds its own. A follower holds none of the A side's state: link_a aliases the
+  /// leader's, state() and memory_bytes() leave it out, state_shape() gives it no shape, and load_state ignores
+  /// it. Before any capture (the preconditioner's construction, which also sets up the members' captures:
+  /// FactorCapture::set_shared_input).
+  void set_a_leader(int leader);
+  int a_leader() const { return a_leader_; }
+  bool follows_a() const { return a_leader_ >= 0; }
+  /// Aliases the leader's running A factor and the A side of its second-order state (Q_A and d_A, or the A
+  /// inverse); the denominator is this layer's own (finish_second_order rebuilds it).
+  void link_a(const KfacLayer& leader);
+  void link_a_second_order(const KfacLayer& leader);
 
   /// Storage dtype of the second-order state (Options::inv_dtype); nullopt: the factors' dtype.
   void set_inv_dtype(std::optional<torch::ScalarType> inv_dtype);
@@ -131,6 +145,12 @@ class KfacLayer {
   /// device: returns a 0-dim bool tensor, true when updated, false when a batch held NaN/Inf and the factors
   /// were left unchanged. Only the first update (no previous factor to keep) waits for the device.
   torch::Tensor fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
+  /// One factor's fold (a shared-input group's: A once for the group, each member's G): F = alpha F +
+  /// (1 - alpha) F_batch where the batch is finite, decided on the device; the 0-dim bool says whether it was.
+  /// A first update (no previous factor) that is not finite leaves the factor undefined.
+  torch::Tensor fold_factor(bool a, const torch::Tensor& batch, double alpha);
+  /// Both running factors exist (a first factor update succeeded).
+  bool has_factors() const { return a_factor_.defined() && g_factor_.defined(); }
   /// Running factors: A [a, a] and G [g, g] ([a] / [g] where diagonal); undefined before the first update.
   const torch::Tensor& a_factor() const { return a_factor_; }
   const torch::Tensor& g_factor() const { return g_factor_; }
@@ -215,6 +235,7 @@ class KfacLayer {
   torch::Tensor g_factor_;                     // G, [g, g]
   SecondOrderState second_order_;
   bool eigen_adam_ = false;
+  int a_leader_ = -1;  // Options::shared_input_layers: the layer whose A side this one aliases
   math::EigenAdamMoments adam_;
   /// The eigenbasis adam_ is expressed in ({Q_A, Q_G}: the tensors of the state it was last updated with; a
   /// refresh installs new ones); nullopt: whichever is current (new or loaded moments).

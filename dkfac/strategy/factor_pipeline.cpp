@@ -29,9 +29,11 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
     const auto& layer = layers[layer_of(slot)];
     const int64_t n = is_a(slot) ? layer.a_dim() : layer.g_dim();
     const bool diagonal = is_a(slot) ? layer.a_diagonal() : layer.g_diagonal();
+    const bool absent = is_a(slot) && layer.follows_a();
     slot_dims_.push_back(n);
     slot_diagonal_.push_back(diagonal);
-    slot_bytes_.push_back(element * comm::packed_length(n, triangles_, diagonal));
+    slot_absent_.push_back(absent);
+    slot_bytes_.push_back(absent ? 0 : element * comm::packed_length(n, triangles_, diagonal));
   }
   const auto& fusion = plan.fusion;
   if (!fusion_) {
@@ -87,6 +89,7 @@ void FactorPipeline::on_ready(size_t slot, int64_t count) {
   if (group.started) return;
   std::vector<torch::Tensor> tensors;
   for (size_t s : group.slots) {
+    if (slot_absent_[s]) continue;
     if (!ready_tensor_[s].defined()) return;  // the group waits for its last member
     tensors.push_back(ready_tensor_[s]);
   }
@@ -126,6 +129,7 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     group.handle.wait();
     int64_t offset = 0;
     for (size_t s : group.slots) {
+      if (slot_absent_[s]) continue;  // not in the buffer
       const int64_t n = slot_dims_[s];
       const bool diagonal = slot_diagonal_[s];
       const int64_t length = comm::packed_length(n, triangles_, diagonal);

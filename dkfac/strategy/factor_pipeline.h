@@ -20,7 +20,8 @@
 namespace dkfac::strategy {
 
 /// Factor allreduce started as soon as each factor exists. Factors are "slots" in ready order: A of
-/// every layer in model order (forward), then G in reverse model order (backward). A listener on
+/// every layer in model order (forward), then G in reverse model order (backward); a shared-input
+/// follower's A slot is absent (empty, never waited for: its leader's slot carries the group's A). A listener on
 /// each layer's FactorCapture fires when a factor holds its last micro-batch; once every slot of a
 /// fusion group has fired, the group's upper triangles are concatenated and one allreduce starts on
 /// the pipeline's own process group (so its order never interleaves with data-parallel buckets).
@@ -80,6 +81,7 @@ class FactorPipeline {
   std::vector<int64_t> slot_dims_;   // factor dimension per slot
   std::vector<bool> slot_diagonal_;  // the factor is kept diagonal (sent as [n])
   std::vector<int64_t> slot_bytes_;  // bytes sent per slot
+  std::vector<bool> slot_absent_;    // never fires: a shared-input follower's A (its leader's slot carries it)
   assign::AlphaBeta link_;
   const int64_t profile_steps_;  // StepPlan::profile_steps: 0 unless SPD-KFAC fuses by measurement
   int64_t profiled_steps_ = 0;

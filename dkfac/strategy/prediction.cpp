@@ -34,18 +34,23 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       const int64_t g = shape.g_dim;
       const bool da = shape.a_diagonal;
       const bool dg = shape.g_diagonal;
-      if (plan.reduction != FactorReduction::kNone) r.factor_bytes += e * (factor_entries(a, da) + factor_entries(g, dg));
+      // A follower of a shared-input group builds, sends and holds no A of its own (its leader's counts it).
+      const bool own_a = shape.a_shared_with < 0;
+      const int64_t a_held = own_a ? held(a, da) : 0;
+      if (plan.reduction != FactorReduction::kNone) {
+        r.factor_bytes += e * ((own_a ? factor_entries(a, da) : 0) + factor_entries(g, dg));
+      }
       if (plan.builds_factors(i, rank)) {
         const double rows = static_cast<double>(batch_size * shape.rows_per_sample);
-        r.factor_flops += 2.0 * rows * static_cast<double>(held(a, da) + held(g, dg));
+        r.factor_flops += 2.0 * rows * static_cast<double>(a_held + held(g, dg));
       }
-      if (plan.keeps_factors(i, rank)) r.memory_bytes += e * (held(a, da) + held(g, dg));
+      if (plan.keeps_factors(i, rank)) r.memory_bytes += e * (a_held + held(g, dg));
       // Second-order state: held by the layer's grad workers; each part computed by its worker.
       if (plan.preconditions(i, rank)) {
         // The eigen denominator [g, a] is not held with eigen_adam (Adam's step does not use the eigenvalues).
         const int64_t denominator = plan.eigen_adam ? 0 : g * a;
-        r.memory_bytes += e * (eigen ? held(a, da) + (da ? 0 : a) + held(g, dg) + (dg ? 0 : g) + denominator
-                                     : held(a, da) + held(g, dg));
+        const int64_t a_state = !own_a ? 0 : eigen ? held(a, da) + (da ? 0 : a) : held(a, da);
+        r.memory_bytes += e * (eigen ? a_state + held(g, dg) + (dg ? 0 : g) + denominator : a_state + held(g, dg));
         if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a + 4;  // Adam's m and v, and its float32 step count
         const double per_decomposition = eigen ? 9.0 : 1.0;
         if (plan.computes_a(i, rank) && !da) r.decomposition_flops += per_decomposition * cube(a);

@@ -14,6 +14,7 @@ std::vector<assign::LayerShape> layer_shapes(const std::vector<KfacLayer>& layer
     shape.a_diagonal = layer.a_diagonal();
     shape.g_diagonal = layer.g_diagonal();
     shape.sharded = layer.sharded();
+    shape.a_shared_with = layer.a_leader();
     const auto& geometry = layer.capture().geometry();
     if (geometry.kind == LayerKind::kConv2d) {
       const int64_t in_channels = layer.weight().size(1);  // [out, in, kh, kw]
@@ -114,7 +115,7 @@ void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double dam
     return [this, group, root](torch::Tensor t) { return communicator_->broadcast(t, root, group, comm::Purpose::kSecondOrder); };
   };
   for (size_t i = 0; i < layers.size(); ++i) {
-    if (!preconditions(i) || !layers[i].a_factor().defined()) continue;
+    if (!preconditions(i) || !layers[i].has_factors()) continue;
     const auto& placed = plan_.placement.layers[i];
     const bool send_a = plan_.flows[i].broadcast_a;
     const bool send_g = plan_.flows[i].broadcast_g;
@@ -139,7 +140,10 @@ void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double dam
   }
   comm::wait_all(handles);
   for (auto& f : finish) f();
-  for (size_t i : shared) layers[i].finish_second_order(damping);
+  // A follower of a shared-input group is finished once the preconditioner links its leader's A (link_a).
+  for (size_t i : shared) {
+    if (!layers[i].follows_a()) layers[i].finish_second_order(damping);
+  }
 }
 
 void StepExecutor::share_gradients(std::vector<torch::Tensor>& preconditioned) {

@@ -102,7 +102,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     LayerFlow flow;
     flow.owner_rows = shapes[i].sharded && plan.sharded_placement == ShardedPlacement::kOwner;
     if (plan.strategy == Strategy::kDp) flow.factor_builder = placed.a_worker;
-    flow.broadcast_a = w > 1 && placed.a_worker != assign::kEveryRank;
+    flow.broadcast_a = w > 1 && placed.a_worker != assign::kEveryRank && shapes[i].a_shared_with < 0;
     flow.broadcast_g = w > 1 && placed.g_worker != assign::kEveryRank;
     plan.flows.push_back(flow);
   }
@@ -128,6 +128,7 @@ size_t StepPlan::sharded_layers() const {
 }
 
 bool StepPlan::computes_a(size_t layer, int rank) const {
+  if (layer < shapes.size() && shapes[layer].a_shared_with >= 0) return false;  // its leader's A
   const int worker = placement.layers.at(layer).a_worker;
   return worker == rank || worker == assign::kEveryRank;
 }
@@ -207,6 +208,12 @@ std::string StepPlan::describe(bool per_layer) const {
           << "\n";
     }
   }
+  size_t followers = 0;
+  for (const auto& shape : shapes) followers += shape.a_shared_with >= 0 ? 1 : 0;
+  if (followers > 0) {
+    out << "  shared inputs: " << followers << " layer(s) share the A factor of an earlier layer that reads the same "
+        << "input (built, reduced, decomposed and held once per group)\n";
+  }
   for (size_t i = 0; per_layer && i < placement.layers.size(); ++i) {
     const auto& placed = placement.layers[i];
     const auto& flow = flows[i];
@@ -218,8 +225,14 @@ std::string StepPlan::describe(bool per_layer) const {
     }
     out << ": factors on " << (flow.owner_rows && flow.factor_builder == assign::kEveryRank ? "every rank, kept where decomposed"
                                                                                     : where(flow.factor_builder))
-        << "; A on " << where(placed.a_worker)
-        << (flow.broadcast_a ? " (broadcast)" : "") << ", G on " << where(placed.g_worker)
+        << "; A ";
+    if (i < shapes.size() && shapes[i].a_shared_with >= 0) {
+      const auto leader = static_cast<size_t>(shapes[i].a_shared_with);
+      out << "shared with " << (leader < shapes.size() ? shapes[leader].name : std::to_string(leader));
+    } else {
+      out << "on " << where(placed.a_worker) << (flow.broadcast_a ? " (broadcast)" : "");
+    }
+    out << ", G on " << where(placed.g_worker)
         << (flow.broadcast_g ? " (broadcast)" : "") << "; grad workers " << ranks(placed.grad_workers) << "\n";
   }
   return out.str();

@@ -33,7 +33,8 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
     const auto& shape = plan.shapes[slot < layers ? slot : 2 * layers - 1 - slot];
     const int64_t n = slot < layers ? shape.a_dim : shape.g_dim;
     const bool diagonal = slot < layers ? shape.a_diagonal : shape.g_diagonal;
-    bytes.push_back(rates.element_bytes() * comm::packed_length(n, plan.factor_triangles, diagonal));
+    const bool absent = slot < layers && shape.a_shared_with >= 0;  // a follower's A: its leader's is sent
+    bytes.push_back(absent ? 0 : rates.element_bytes() * comm::packed_length(n, plan.factor_triangles, diagonal));
   }
   std::vector<int64_t> groups;
   switch (plan.reduction) {
@@ -64,6 +65,7 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
   for (size_t g = 0; g < groups.size(); ++g) {
     double group_bytes = 0;
     for (int64_t k = 0; k < groups[g] && at < bytes.size(); ++k) group_bytes += static_cast<double>(bytes[at++]);
+    if (group_bytes == 0) continue;  // only followers' A slots: nothing is sent
     const bool during_backward = from_hooks && g + 1 < groups.size();
     seconds += during_backward ? rates.busy_allreduce_seconds(p, group_bytes) : rates.allreduce_seconds(p, group_bytes);
   }
@@ -170,7 +172,7 @@ class StepSimulation {
     for (size_t i = 0; i < layers; ++i) {
       const auto& s = plan.shapes[i];
       const int64_t rows = batch_size * s.rows_per_sample;
-      const double a_build = rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
+      const double a_build = s.a_shared_with >= 0 ? 0.0 : rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
       const double g_build = rates.for_kernel(s.g_kernel).seconds_for(rows, s.g_dim);
       const double fold = rates.fold.seconds_for(s.a_dim, s.g_dim);
       slot_build[i] = a_build;

@@ -203,6 +203,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``eigh_interval`` k > 1 (eigen method, a fast mode) computes the eigendecompositions in full every k inverse
     updates only, and between them refreshes each factor's previous eigenbasis by one subspace-iteration step (a
     QR, no eigensolver; docs/MATH.md section 2.6); 1, the default, always in full.
+    ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
+    layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
+    and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
+    it; every factor step checks that the members were given the same tensor; docs/MATH.md section 2.7).
 
     ``distributed_strategy``, ``grad_worker_fraction`` and ``colocate_factors`` are KAISA's grid as the core
     placed the work when the preconditioner was built: W = round(P f) gradient workers per layer (halves away
@@ -237,6 +241,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         factor_dtype: torch.dtype | None = _default('factor_dtype'),
         inv_dtype: torch.dtype | None = _default('inv_dtype'),
         skip_layers: list[str] | str | None = _default('skip_layers'),
+        shared_input_layers: list[str] | str | None = _default('shared_input_layers'),
         update_factors_in_hook: bool = _default('update_factors_in_hook'),
         loglevel: int = logging.DEBUG,
         # dkfac's own
@@ -287,9 +292,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             raise TypeError('process_group must be a torch.distributed ProcessGroup (None: the default group), got '
                             f'{type(process_group).__name__}')
         core = {name: _core_value(v) for name, v in values.items()}
-        if isinstance(core['skip_layers'], str):
-            core['skip_layers'] = [core['skip_layers']]
-        core['skip_layers'] = list(core['skip_layers'] or [])  # None: kfac_pytorch's default
+        for patterns in ('skip_layers', 'shared_input_layers'):  # one pattern, a list, or None (none)
+            if isinstance(core[patterns], str):
+                core[patterns] = [core[patterns]]
+            core[patterns] = list(core[patterns] or [])
         resolved = dict(_C.option_values({typed[k]: v for k, v in core.items()}))  # checked by the core
 
         compute_method = _ENUMS['compute_method'][resolved['compute_method'].upper()]
@@ -309,6 +315,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             if name not in _BASE:
                 setattr(self, _OPTIONS[name]['alias'] or name, value)
         self.skip_layers = list(core['skip_layers'])
+        self.shared_input_layers = list(core['shared_input_layers'])
         self.compute_method = compute_method
         self.allreduce_method = (AllreduceMethod.ALLREDUCE_BUCKETED if values['allreduce_bucket_cap_mb'] > 0
                                  else AllreduceMethod.ALLREDUCE)
@@ -320,7 +327,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # repr(): every option (kfac_pytorch's names and values as given), then the fields kfac_pytorch derives.
         defaults = {(_OPTIONS[n]['alias'] or n): v for n, v in values.items() if n not in _BASE}
         defaults.update(allreduce_method=self.allreduce_method, compute_method=compute_method,
-                        grad_scaler=grad_scaler is not None, skip_layers=self.skip_layers, world_size=size)
+                        grad_scaler=grad_scaler is not None, skip_layers=self.skip_layers,
+                        shared_input_layers=self.shared_input_layers, world_size=size)
         super().__init__(
             layers, options=options, process_group=group if size > 1 else None, timeout=timeout,
             defaults=defaults, loglevel=loglevel,

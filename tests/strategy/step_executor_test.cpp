@@ -667,7 +667,8 @@ TEST(Restore, RanksTakeTheSameBranch) {
     }
     const auto states = kfac.gathered_layer_states();
     auto lacking = states;
-    if (rank == 0) lacking[1].erase("a_factor");
+    if (rank == 0) lacking[1].erase("a_factor");  // another rank's share: neither factor
+    if (rank == 0) lacking[1].erase("g_factor");
     try {
       kfac.restore({2, lacking, ComputeMethod::kEigen, "it is another rank's share", true});
     } catch (const c10::Error& e) {

@@ -129,6 +129,9 @@ Command add_plan_command(CLI::App& app) {
   plan->add_option("--grad-worker-fraction", r.grad_worker_fractions,
                    "extra KAISA rows at these fractions (repeatable; W = nproc x f must divide nproc), besides "
                    "f = 1, 1/2 and 1/P");
+  plan->add_option("--shared-input-layers", r.shared_input_layers,
+                   "regular expressions with one capture group (repeatable): the layers that read one input share "
+                   "one A factor (bert-large: '(query|key|value)$'; docs/MATH.md section 2.7)");
   plan->add_flag("--symmetric-comm", r.symmetric_comm,
                  "KAISA rows (dkfac, kaisa, dkfac-lw): factors, and inverses, sent as upper triangles");
   auto* fsdp = plan->add_flag("--fsdp", config->fsdp,

@@ -11,6 +11,7 @@
 #include "dkfac/dkfac.h"
 #include "dkfac/numbers.h"
 #include "dkfac/comm/communicator.h"
+#include "dkfac/layers/discovery.h"
 #include "dkfac/strategy/prediction.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
@@ -117,7 +118,14 @@ std::string cell(const nlohmann::json& value, bool bytes) {
 PlanReport plan_report(const PlanRequest& r) {
   TORCH_CHECK(r.nproc >= 1, "--nproc must be >= 1, got ", r.nproc);
   TORCH_CHECK(r.batch_size >= 1, "--batch-size must be >= 1, got ", r.batch_size);
-  const ModelTable t = model_table(r);
+  ModelTable t = model_table(r);
+  if (!r.shared_input_layers.empty()) {  // the groups a job's preconditioner forms (layers/discovery.h)
+    Options().shared_input_layers(r.shared_input_layers).validate();
+    std::vector<std::string> names;
+    for (const auto& s : t.layers) names.push_back(s.name);
+    const auto leaders = input_groups(names, r.shared_input_layers);
+    for (size_t i = 0; i < t.layers.size(); ++i) t.layers[i].a_shared_with = leaders[i];
+  }
   const auto& shapes = t.layers;
   struct Row {
     std::string name;
@@ -191,6 +199,7 @@ PlanReport plan_report(const PlanRequest& r) {
                              {"g_diagonal", s.g_diagonal},
                              {"a_kernel", math::to_string(s.a_kernel)},
                              {"g_kernel", math::to_string(s.g_kernel)}});
+    if (s.a_shared_with >= 0) out["layers"].back()["a_shared_with"] = s.a_shared_with;
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
   for (const auto& row : rows) {

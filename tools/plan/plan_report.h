@@ -37,6 +37,8 @@ struct PlanRequest {
   /// sharded by rows over groups of that many ranks (FSDP: nproc; HSDP: nproc / replicas), each strategy in the
   /// replicated placement plus the owner placements (kaisa with one grad worker per replica; dp on a 1-D mesh).
   int shard_ranks = 0;
+  /// Options::shared_input_layers: the layers whose names these group share one A factor (LayerShape::a_shared_with).
+  std::vector<std::string> shared_input_layers;
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
