@@ -83,7 +83,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -111,6 +111,38 @@ BATCH = {'cnn': 128, 'resnet': 128, 'resnet50': 64, 'bert': 32}
 # plain SGD at 0.1 diverges on the synthetic data of resnet50 and bert.
 LR = {'cnn': 0.1, 'resnet': 0.1, 'resnet50': 0.025, 'bert': 0.01}
 QUICK_BATCH = {'resnet50': 4, 'bert': 4}
+
+
+def option_value(key: str, text: str) -> Any:
+    """A --variant value as the preconditioner takes it: a torch dtype for *_dtype, true/false as a bool, a number
+    as a number (eigen_adam=true,kl_clip=0), anything else as the text (precondition_dtype=tf32)."""
+    if key.endswith('_dtype') and isinstance(getattr(torch, text, None), torch.dtype):
+        return getattr(torch, text)
+    if text.lower() in ('true', 'false'):
+        return text.lower() == 'true'
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_variants(specs: list[str], error: Callable[[str], Any]) -> dict[str, dict[str, Any]]:
+    """--variant NAME:KEY=VALUE[,KEY=VALUE] values as {NAME: options}: dkfac with those options, as method NAME."""
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, _, settings = spec.partition(':')
+        options: dict[str, Any] = {}
+        for item in filter(None, settings.split(',')):
+            key, _, value = item.partition('=')
+            if not key or not value:
+                error(f'--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]')
+            options[key] = option_value(key, value)
+        if not name or not options or name in METHODS:
+            error(f'--variant {spec!r}: a new method name and at least one option')
+        variants[name] = options
+    return variants
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,9 +204,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--quick', action='store_true',
                         help='one repeat of one inverse period, 10 plain steps, 2 warm-up steps (~1 min); '
                              'tiny resnet50 and bert')
+    parser.add_argument('--variant', action='append', default=[], metavar='NAME:KEY=VALUE[,KEY=VALUE]',
+                        help='also run dkfac with these options, as method NAME, interleaved with the others (e.g. '
+                             'shared:shared_input_layers=(query|key|value)$); repeatable')
     parser.add_argument('--json', default=None, help='also write the results to this JSON file')
     parser.add_argument('--markdown', default=None, help='also write a markdown table to this file')
     args = parser.parse_args(argv)
+    args.variants = parse_variants(args.variant, parser.error)
     if args.device == 'cuda' and not torch.cuda.is_available():
         parser.error('--device cuda: torch.cuda.is_available() is False')
     if args.models is None:
@@ -198,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f'--bert-hidden {args.bert_hidden} must be a multiple of --bert-heads {args.bert_heads}')
     if args.schedule is None:
         args.schedule = 'interleaved' if args.device == 'cpu' else 'sequential'
+    if args.variants and args.schedule != 'interleaved':
+        parser.error('--variant runs with the interleaved schedule (bench/step_kinds.py takes it on CUDA)')
     intervals = []
     for pair in args.intervals.split(';'):
         f, i = (int(v) for v in pair.split(','))
@@ -609,6 +647,10 @@ def measure(model_name: str, interval: tuple[int, int], methods: list[str], plai
         runners[method] = Runner(method, model_name, interval, args, batches, backends)
         for _ in range(args.warmup):
             runners[method].step(None)
+    for name, extra in getattr(args, 'variants', {}).items():  # dkfac with other options
+        runners[name] = Runner('dkfac', model_name, interval, args, batches, backends, extra)
+        for _ in range(args.warmup):
+            runners[name].step(None)
     records = {m: {k: [] for k in ('step',) + SPLITS} for m in runners}
     windows: dict[str, list[float]] = {m: [] for m in runners}
     order = list(runners)

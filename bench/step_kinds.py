@@ -99,18 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.block_steps = {'non_update': 2, 'factor': 2, 'inverse': 1}
     args.warmup = warmup if '--warmup' not in rest else args.warmup
     args.tf32 = ours.tf32
-    args.variants = {}
-    for spec in ours.variant:
-        name, _, settings = spec.partition(':')
-        options: dict[str, Any] = {}
-        for item in filter(None, settings.split(',')):
-            key, _, value = item.partition('=')
-            if not key or not value:
-                parser.error(f'--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE]')
-            options[key] = _option_value(key, value)
-        if not name or not options or name in ps.METHODS:
-            parser.error(f'--variant {spec!r}: a new method name and at least one option')
-        args.variants[name] = options
+    args.variants = ps.parse_variants(ours.variant, parser.error)
     args.skip_kfac_pytorch = ours.no_kfac_pytorch_run
     args.kind_budget_s = ours.budget_s if ours.budget_s is not None else (90.0 if args.device == 'cuda' else 0.0)
     return args
@@ -204,21 +193,6 @@ def floors(shapes: list[dict[str, int]], rates: dict[str, float]) -> dict[str, d
         'second_order': {'flops': eigh_flops, 'floor_ms': 1000 * eigh_flops / rates['gemm_flops']},
         'precondition': {'flops': precondition_flops, 'bytes': precondition_bytes, 'floor_ms': 1000 * precondition_s},
     }
-
-
-def _option_value(key: str, text: str) -> Any:
-    """A --variant value as the preconditioner takes it: a torch dtype for *_dtype, true/false as a bool, a number
-    as a number (eigen_adam=true,kl_clip=0), anything else as the text (precondition_dtype=tf32)."""
-    if key.endswith('_dtype') and isinstance(getattr(torch, text, None), torch.dtype):
-        return getattr(torch, text)
-    if text.lower() in ('true', 'false'):
-        return text.lower() == 'true'
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 # --- measuring ------------------------------------------------------------------------------------------------

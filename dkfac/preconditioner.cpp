@@ -216,6 +216,7 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor
 }
 
 void Preconditioner::check_shared_inputs() const {
+  std::string refusal;
   const auto index_of = [&](const FactorCapture* capture) {
     for (size_t j = 0; j < layers_.size(); ++j) {
       if (&layers_[j].capture() == capture) return j;
@@ -237,11 +238,24 @@ void Preconditioner::check_shared_inputs() const {
     }
     if (differ.empty()) continue;
     const std::string other_name = with < layers_.size() ? names_.layer(layers_[with], with) : "another member";
-    TORCH_CHECK(false, "shared_input_layers: K-FAC layer ", names_.layer(layer, i), " shares its A factor with ",
-                other_name, " but ", differ, " at step ", steps_, ". Layers share an A factor only when their forward "
-                "is given the same tensor (not a copy, not changed in place between them); correct the "
-                "shared_input_layers patterns");
+    refusal = c10::str("shared_input_layers: K-FAC layer ", names_.layer(layer, i), " shares its A factor with ",
+                       other_name, " but ", differ, " at step ", steps_, ". Layers share an A factor only when their "
+                       "forward is given the same tensor (not a copy, not changed in place between them); correct "
+                       "the shared_input_layers patterns");
+    break;
   }
+  // Where only some ranks build a group's factors (DP-KFAC's owners), only they can see a difference: the ranks
+  // agree, so that every rank refuses the step (the others would wait in its collectives).
+  bool every_rank_builds = true;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (leads_a_[i] && executor_->plan().flows[i].factor_builder != assign::kEveryRank) every_rank_builds = false;
+  }
+  if (!every_rank_builds && communicator_ && communicator_->size() > 1 &&
+      !comm::all_true(*communicator_, refusal.empty())) {
+    TORCH_CHECK(!refusal.empty(), "shared_input_layers: another rank found that the layers of a group were not given "
+                "the same input at step ", steps_, " (its error names them)");
+  }
+  TORCH_CHECK(refusal.empty(), refusal);
 }
 
 void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
@@ -345,9 +359,11 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
       // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
       // member its own G, each side where its batch is finite; a member is usable where both of its are.
       if (leads_a_[i]) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
-      const auto g_folded = layer.fold_factor(/*a=*/false, batches[i].second, decay);
       const auto leader = layer.follows_a() ? static_cast<size_t>(layer.a_leader()) : i;
       if (layer.follows_a()) layer.link_a(layers_[leader]);
+      // No G before there is an A (a first A batch that was not finite): a layer never holds G alone.
+      const auto g_folded = layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[i].second, decay)
+                                                      : a_folded[leader];
       factor_ok_[i] = a_folded[leader].logical_and(g_folded);
     }
     if (!layer.has_factors()) {  // a first update that was not finite: known here already
@@ -383,6 +399,10 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
     }
   } catch (...) {  // out of memory part-way (rethrown by keeping_previous_state): no unchecked state stays
     for (auto& [i, had] : fallback) layers_[i].set_second_order(std::move(had));
+    link_shared_inputs(layers_, /*second_order=*/true);  // followers' A side and denominators as their leaders'
+    for (auto& layer : layers_) {
+      if (layer.follows_a() && layer.second_order().defined()) layer.finish_second_order(damping);
+    }
     throw;
   }
   const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);

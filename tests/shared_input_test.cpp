@@ -203,6 +203,30 @@ TEST(SharedInput, AnotherInputIsRefusedNamingBothLayers) {
   EXPECT_NO_THROW(kfac.step());
 }
 
+// Under DP-KFAC only a group's owner captures its inputs: the ranks agree, and every rank refuses the step.
+TEST(SharedInput, AnotherInputIsRefusedOnEveryRankWhereOnlyTheOwnerCaptures) {
+  std::vector<std::string> errors(2);
+  testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    net->copy_for_key = true;
+    Preconditioner kfac(net, Options().strategy(Strategy::kDp).shared_input_layers(kShared), communicator);
+    loss(*net, 0, rank).backward();
+    try {
+      kfac.step();
+    } catch (const c10::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  const auto& plan_owner = assign::assign_dp(
+      Preconditioner(make_net(), Options().shared_input_layers(kShared)).plan().shapes, 2).layers[4].a_worker;
+  const auto& owner = errors[static_cast<size_t>(plan_owner)];
+  const auto& other = errors[static_cast<size_t>(1 - plan_owner)];
+  EXPECT_NE(owner.find("was given another input at pass 1"), std::string::npos) << owner;
+  EXPECT_NE(other.find("another rank found that the layers of a group were not given the same input"),
+            std::string::npos)
+      << other;
+}
+
 // Checkpoints hold the shared A once; a run that shares loads a checkpoint of one that did not, exactly; one that
 // does not share refuses a checkpoint of one that did, naming the option.
 TEST(SharedInput, CheckpointsHoldTheSharedFactorOnce) {

@@ -139,6 +139,8 @@ std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
 }
 
 void FactorCapture::capture_input(const torch::Tensor& input) {
+  const bool autocast = autocast_on(input);
+  forward_autocast_ = autocast;  // a follower's G is built in the dtype its forward's autocast says too
   if (member_) {
     const InputPass pass(input);
     size_t k = 0;
@@ -162,8 +164,6 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
     }
     if (follower_) return;  // the group's first member builds the A factor they share
   }
-  const bool autocast = autocast_on(input);
-  forward_autocast_ = autocast;
   const bool hooked = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
   if (geometry_.kind != LayerKind::kEmbedding && !autocast && !hooked) {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -168,6 +168,8 @@ void FactorPipeline::choose_grouping() {
       if (!std::isnan(step[s])) seen.push_back(step[s]);
     }
     ready[s] = seen.empty() ? std::numeric_limits<double>::infinity() : median(seen);
+    // A follower's A never fires: ready when its predecessor is (it adds nothing), not last.
+    if (slot_absent_[s]) ready[s] = s > 0 ? ready[s - 1] : 0.0;
   }
   const double last = std::accumulate(ready.begin(), ready.end(), 0.0, [](double m, double v) {
     return std::isfinite(v) ? std::max(m, v) : m;

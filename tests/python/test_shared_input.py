@@ -120,3 +120,27 @@ def test_bad_patterns_are_refused_naming_the_option():
         model = torch.nn.ModuleDict({'a_query': torch.nn.Linear(4, 3), 'b_query': torch.nn.Linear(3, 3)})
         model.forward = lambda x: model['b_query'](model['a_query'](x))
         dkfac.KFACPreconditioner(model, shared_input_layers='^(a|b)_query$')
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = torch.nn.Linear(4, 3)
+        self.key = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.query(x) * self.key(x)
+
+
+def test_followers_build_their_g_as_their_leader_does_under_autocast():
+    """bfloat16 weights under bfloat16 autocast: every G is built in float32 (the autocast rule), the followers'
+    too, though they build no A from the forward that says so."""
+    model = Attention().to(torch.bfloat16)
+    preconditioner = dkfac.KFACPreconditioner(model, shared_input_layers=SHARED)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = model(torch.randn(5, 4, dtype=torch.bfloat16))
+    out.float().sum().backward()
+    preconditioner.step()
+    query, key = preconditioner._core.layer_states()
+    assert query['a_factor'].dtype == query['g_factor'].dtype == key['g_factor'].dtype == torch.float32
+    assert 'a_factor' not in key
