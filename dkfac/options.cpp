@@ -94,7 +94,8 @@ void Options::validate() const {
       TORCH_CHECK(false, "shared_input_layers pattern '", pattern, "' is not a valid regular expression: ", e.what());
     }
     TORCH_CHECK(groups >= 1, "shared_input_layers pattern '", pattern, "' has no capture group: its group (...) "
-                "marks the part of the names in which the layers that share an input differ, e.g. '(query|key|value)$'");
+                "marks the part of the names in which the layers that share an input differ, e.g. "
+                "'(query|key|value)$'");
   }
   TORCH_CHECK(shared_input_layers_.empty() || !pi_damping_, "shared_input_layers with pi_damping: pi damping "
               "splits each layer's damping by its own G, so layers that share an A factor would need different A "

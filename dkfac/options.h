@@ -139,6 +139,11 @@ inline OptionRange any_value() { return {}; }
     "refresh the previous eigenbasis by one subspace-iteration step (Q R = F Q, the Rayleigh quotients as "         \
     "eigenvalues: no eigensolver; SOAP-style, docs/MATH.md section 2.6), a fast mode whose error is in "             \
     "docs/PERFORMANCE.md; 1: always in full (exact)")                                                               \
+  X(Value, int64_t, second_order_concurrency, 1, at_least(0), "--second-order-concurrency", "", "",                  \
+    "on a CPU, how many layers' second-order updates (eigendecompositions or inverses) run at once, each on one "    \
+    "thread: 1 (the default) one layer at a time on every intra-op thread; 0 as many as the intra-op threads "       \
+    "(torch.get_num_threads()); results differ from one at a time by rounding (docs/PERFORMANCE.md: 1.06-1.08x on a " \
+    "BERT-shaped stack's second-order phase on 2 cores); on CUDA one at a time")                                     \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
     "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \

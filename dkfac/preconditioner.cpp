@@ -1,6 +1,7 @@
 #include "dkfac/preconditioner.h"
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 
 // The step: the phase sequence of Preconditioner::step() (check the layers, factors, second order, precondition,
 // guard and clip, apply) and what each phase does. Construction and re-planning: preconditioner_setup.cpp; the
@@ -19,6 +20,7 @@
 #include <iomanip>
 #include <limits>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -383,19 +385,49 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
   std::vector<size_t> started;
   std::vector<torch::Tensor> checks;
   std::map<size_t, SecondOrderState> fallback;  // layers installed unchecked, with the state they had
+  std::vector<size_t> todo;                     // the layers with a part to compute here
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].has_factors() && (executor_->computes_a(i) || executor_->computes_g(i))) todo.push_back(i);
+  }
+  // Options::second_order_concurrency: on a CPU, that many layers' decompositions at once, each on one thread
+  // (a decomposition of a few hundred rows uses two threads poorly); computed in chunks, then installed in order on
+  // this thread, so that at most a chunk's new states wait beside the old ones.
+  const auto chunk = static_cast<size_t>(std::max<int64_t>(
+      1, !device_.is_cpu()                             ? 1
+         : options_.second_order_concurrency() > 0 ? options_.second_order_concurrency()
+                                                   : at::get_num_threads()));
   try {
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      auto& layer = layers_[i];
-      if (!layer.has_factors()) continue;
-      const bool a_part = executor_->computes_a(i);
-      const bool g_part = executor_->computes_g(i);
-      if (!a_part && !g_part) continue;
-      keeping_previous_state(i, [&] {
-        auto pending = layer.start_second_order(method, damping, options_.pi_damping(), a_part, g_part, refresh);
-        if (auto had = layer.install_second_order(std::move(pending.state), pending.ok)) fallback.emplace(i, *had);
-        started.push_back(i);
-        checks.push_back(pending.ok);
-      });
+    for (size_t first = 0; first < todo.size(); first += chunk) {
+      const size_t count = std::min(chunk, todo.size() - first);
+      std::vector<std::optional<PendingSecondOrder>> pending(count);
+      std::vector<std::exception_ptr> failed(count);
+      const auto compute = [&](size_t k) {
+        const size_t i = todo[first + k];
+        try {
+          pending[k] = layers_[i].start_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
+                                                     executor_->computes_g(i), refresh);
+        } catch (...) {
+          failed[k] = std::current_exception();  // reported below, on this thread, as the sequential loop would
+        }
+      };
+      if (count == 1) {
+        compute(0);
+      } else {
+        at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
+          for (int64_t k = begin; k < end; ++k) compute(static_cast<size_t>(k));
+        });
+      }
+      for (size_t k = 0; k < count; ++k) {
+        const size_t i = todo[first + k];
+        keeping_previous_state(i, [&] {
+          if (failed[k]) std::rethrow_exception(failed[k]);
+          auto& layer = layers_[i];
+          auto had = layer.install_second_order(std::move(pending[k]->state), pending[k]->ok);
+          if (had) fallback.emplace(i, *had);
+          started.push_back(i);
+          checks.push_back(pending[k]->ok);
+        });
+      }
     }
   } catch (...) {  // out of memory part-way (rethrown by keeping_previous_state): no unchecked state stays
     for (auto& [i, had] : fallback) layers_[i].set_second_order(std::move(had));

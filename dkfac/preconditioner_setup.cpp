@@ -248,9 +248,10 @@ void Preconditioner::group_shared_inputs() {
     else if (a.has_bias != b.has_bias) differ = "a bias on one only (a column of A)";
     else if (a.a_diagonal != b.a_diagonal) differ = "a diagonal A on one only";
     else if (a.vocabulary != b.vocabulary) differ = "vocabularies";
-    else if (a.kind == LayerKind::kConv2d && (a.conv.kernel_size != b.conv.kernel_size || a.conv.stride != b.conv.stride ||
-                                              a.conv.padding != b.conv.padding || a.conv.dilation != b.conv.dilation ||
-                                              a.conv.padding_mode.index() != b.conv.padding_mode.index()))
+    else if (a.kind == LayerKind::kConv2d &&
+             (a.conv.kernel_size != b.conv.kernel_size || a.conv.stride != b.conv.stride ||
+              a.conv.padding != b.conv.padding || a.conv.dilation != b.conv.dilation ||
+              a.conv.padding_mode.index() != b.conv.padding_mode.index()))
       differ = "convolution geometries (kernel, stride, padding or dilation)";
     else if (leader.factor_dtype() != layer.factor_dtype())
       differ = c10::str("factor dtypes ", leader.factor_dtype(), " and ", layer.factor_dtype());

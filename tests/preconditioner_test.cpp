@@ -430,6 +430,43 @@ TEST(Preconditioner, FailedDecompositionKeepsThePreviousState) {
   EXPECT_EQ(kfac.events().second_order_failures, 1);
 }
 
+// Options::second_order_concurrency: layers decomposed two at a time, each on one thread, give the results of one
+// layer at a time to rounding (each decomposition on one thread, not two), for both methods; a failed decomposition in
+// a concurrent chunk keeps that layer's previous state, as one at a time does.
+TEST(Preconditioner, ConcurrentSecondOrderIsOneLayerAtATimeToRounding) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  for (const auto method : {ComputeMethod::kEigen, ComputeMethod::kInverse}) {
+    std::vector<std::vector<torch::Tensor>> got[2];
+    int64_t failures[2] = {0, 0};
+    for (const int64_t concurrency : {1, 2}) {
+      auto net = make_net();
+      Preconditioner kfac(net, Options().compute_method(method).second_order_concurrency(concurrency));
+      torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+      for (int64_t step = 0; step < 4; ++step) {
+        zero_grad_and_backward(*net, 900 + step);
+        if (step == 2 && method == ComputeMethod::kInverse) {  // fc1's damped A exactly singular: its inverse fails
+          const double huge = std::numeric_limits<double>::max();
+          net->fc1->factor_capture().add_a(torch::full({10, 10}, huge, torch::kFloat64), 0.0);
+        }
+        kfac.step();
+        got[concurrency - 1].push_back(gradients(*net));
+        sgd.step();
+      }
+      failures[concurrency - 1] = kfac.events().second_order_failures;
+    }
+    EXPECT_EQ(failures[1], failures[0]);
+    EXPECT_EQ(failures[1] > 0, method == ComputeMethod::kInverse);  // steps 2 and 3: the huge A stays in the average
+    for (size_t step = 0; step < got[0].size(); ++step) {
+      for (size_t p = 0; p < got[0][step].size(); ++p) {
+        EXPECT_TENSOR_NEAR(got[1][step][p], got[0][step][p], 1e-10)
+            << to_string(method) << " step " << step << " " << p;
+      }
+    }
+  }
+  at::set_num_threads(threads);
+}
+
 TEST(Preconditioner, NonFiniteGradientIsNotPreconditioned) {
   auto net = make_net();
   Preconditioner kfac(net, Options());

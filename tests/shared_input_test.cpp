@@ -100,7 +100,9 @@ void expect_equal(const std::vector<std::vector<torch::Tensor>>& got,
   }
 }
 
-int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+int64_t bytes_of(const torch::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
 
 TEST(SharedInput, GroupsByTheCapturedText) {
   const std::vector<std::string> names = {"pre", "b0.attn.query", "b0.attn.key", "b0.attn.value", "b1.attn.query",
@@ -121,8 +123,8 @@ TEST(SharedInput, GroupsByTheCapturedText) {
   }
   EXPECT_THROW(Options().shared_input_layers({"query|key"}).validate(), c10::Error);  // no capture group
   EXPECT_THROW(Options().shared_input_layers({"(query"}).validate(), c10::Error);
-  EXPECT_THROW(Options().compute_method(ComputeMethod::kInverse).pi_damping(true).shared_input_layers(kShared).validate(),
-               c10::Error);
+  const auto pi_damped = Options().compute_method(ComputeMethod::kInverse).pi_damping(true);
+  EXPECT_THROW(Options(pi_damped).shared_input_layers(kShared).validate(), c10::Error);
 }
 
 struct ExactCase {
@@ -191,8 +193,9 @@ TEST(SharedInput, AnotherInputIsRefusedNamingBothLayers) {
   } catch (const c10::Error& e) {
     const std::string what = e.what();
     // Whichever of the two captured second finds the difference (C++ leaves the order of `*`'s operands open).
-    const bool key_first = what.find("'block1.key' (Linear) shares its A factor with 'block1.query'") != std::string::npos;
-    const bool query_first = what.find("'block1.query' (Linear) shares its A factor with 'block1.key'") != std::string::npos;
+    const auto npos = std::string::npos;
+    const bool key_first = what.find("'block1.key' (Linear) shares its A factor with 'block1.query'") != npos;
+    const bool query_first = what.find("'block1.query' (Linear) shares its A factor with 'block1.key'") != npos;
     EXPECT_TRUE(key_first || query_first) << what;
     EXPECT_NE(what.find("was given another input at pass 1"), std::string::npos) << what;
   }
@@ -294,7 +297,8 @@ TEST(SharedInput, PlanPlacesAGroupAsOneUnitAndCountsItsAOnce) {
   EXPECT_EQ(shapes[6].a_shared_with, 4);
   EXPECT_EQ(shapes[4].a_shared_with, -1);
   EXPECT_EQ(shapes[7].a_shared_with, -1);
-  for (const auto& options : {Options().grad_worker_fraction(0.0), Options().grad_worker_fraction(0.5).colocate_factors(false),
+  for (const auto& options : {Options().grad_worker_fraction(0.0),
+                              Options().grad_worker_fraction(0.5).colocate_factors(false),
                               Options().strategy(Strategy::kDp),
                               Options().strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(5).fusion({16}))}) {
     const auto plan = strategy::make_step_plan(shapes, 4, options);
@@ -385,7 +389,8 @@ TEST(SharedInput, EveryStrategyEqualsSeparateFactors) {
       {2, Options(base).grad_worker_fraction(0.5).colocate_factors(false)},
       {4, Options(base).grad_worker_fraction(0.0)},
       {4, Options(base).grad_worker_fraction(1.0).symmetric_comm(true)},
-      {4, Options(base).grad_worker_fraction(0.5).update_factors_in_hook(false).compute_method(ComputeMethod::kInverse)},
+      {4, Options(base).grad_worker_fraction(0.5).update_factors_in_hook(false)
+              .compute_method(ComputeMethod::kInverse)},
       {2, Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(0).profile_steps(1))},
       {4, Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(6).fusion({3, 5, 8}))},
       {2, Options(base).strategy(Strategy::kDp)},
@@ -405,7 +410,8 @@ TEST(SharedInput, EveryStrategyEqualsSeparateFactors) {
           loss(*net, step, rank).backward();
           std::vector<comm::Handle> handles;
           for (auto& p : net->parameters()) {
-            handles.push_back(communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
+            handles.push_back(
+                communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
           }
           comm::wait_all(handles);
           kfac.step();

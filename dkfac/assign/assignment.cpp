@@ -123,7 +123,8 @@ Assignment assign_kaisa(const std::vector<LayerShape>& layers, int world_size, d
       unit_of[i] = units.size();
       units.push_back({{cost(l.a_dim, l.a_diagonal, balance), i, true}});
     }
-    units[unit_of[leader < 0 ? i : static_cast<size_t>(leader)]].push_back({cost(l.g_dim, l.g_diagonal, balance), i, false});
+    const size_t unit = unit_of[leader < 0 ? i : static_cast<size_t>(leader)];
+    units[unit].push_back({cost(l.g_dim, l.g_diagonal, balance), i, false});
   }
   const auto total = [](const std::vector<Factor>& unit) {
     double sum = 0.0;

@@ -115,7 +115,8 @@ bool autocast_on(const torch::Tensor& t) {
 void FactorCapture::set_shared_input(bool member, bool follower,
                                      const std::vector<std::shared_ptr<FactorCapture>>& group) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(), "set_shared_input after factors were captured");
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(),
+              "set_shared_input after factors were captured");
   member_ = member || follower;
   follower_ = follower;
   group_.assign(group.begin(), group.end());

@@ -203,6 +203,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``eigh_interval`` k > 1 (eigen method, a fast mode) computes the eigendecompositions in full every k inverse
     updates only, and between them refreshes each factor's previous eigenbasis by one subspace-iteration step (a
     QR, no eigensolver; docs/MATH.md section 2.6); 1, the default, always in full.
+    ``second_order_concurrency`` is how many layers' second-order updates run at once on a CPU, each on one thread
+    (1, the default: one layer at a time on every thread; 0: as many as ``torch.get_num_threads()``).
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
@@ -255,6 +257,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         kfac_approx: str = _default('kfac_approx'),
         precondition_dtype: str = _default('precondition_dtype'),
         eigh_interval: int = _default('eigh_interval'),
+        second_order_concurrency: int = _default('second_order_concurrency'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),
