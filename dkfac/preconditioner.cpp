@@ -260,6 +260,88 @@ void Preconditioner::check_shared_inputs() const {
   TORCH_CHECK(refusal.empty(), refusal);
 }
 
+void Preconditioner::suggest_shared_inputs() {
+  suggest_shared_inputs_ = false;
+  // Layers whose first input this step was one tensor (its data, view and version; the storage itself is freed by
+  // now) and whose A factors are built alike.
+  std::map<std::string, std::vector<size_t>> alike;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& layer = layers_[i];
+    const auto pass = layer.capture().pass_at(0);
+    if (!pass || layer.sharded()) continue;
+    const auto& g = layer.capture().geometry();
+    std::ostringstream key;
+    key << pass->data << c10::IntArrayRef(pass->sizes) << c10::IntArrayRef(pass->strides) << pass->dtype
+        << pass->device << pass->version << to_string(g.kind) << layer.a_dim() << g.has_bias << g.a_diagonal
+        << c10::IntArrayRef(g.conv.kernel_size) << c10::IntArrayRef(g.conv.stride) << c10::IntArrayRef(g.conv.padding)
+        << c10::IntArrayRef(g.conv.dilation) << g.conv.padding_mode.index() << layer.factor_dtype();
+    alike[key.str()].push_back(i);
+  }
+  std::vector<std::vector<size_t>> groups;  // in model order
+  for (const auto& [key, members] : alike) {
+    if (members.size() > 1) groups.push_back(members);
+  }
+  if (groups.empty()) return;
+  std::sort(groups.begin(), groups.end());
+  const auto escaped = [](const std::string& text) {
+    static const std::regex special(R"([.^$|()\[\]{}*+?\\])");
+    return std::regex_replace(text, special, R"(\$&)");
+  };
+  // Each group's pattern: the parts of its names between their common prefix and suffix as the alternatives of one
+  // capture group, then the suffix; `anchored` adds the prefix too (where groups' short patterns would overlap).
+  const auto pattern_of = [&](const std::vector<size_t>& members, bool anchored) {
+    std::vector<std::string> names;
+    for (size_t i : members) names.push_back(layers_[i].name());
+    const auto& first = names.front();
+    size_t shortest = first.size();
+    for (const auto& n : names) shortest = std::min(shortest, n.size());
+    const auto same_at = [&](const auto& index) {
+      return std::all_of(names.begin(), names.end(), [&](const std::string& n) { return n[index(n)] == first[index(first)]; });
+    };
+    size_t prefix = 0, suffix = 0;
+    while (prefix < shortest && same_at([&](const std::string&) { return prefix; })) ++prefix;
+    while (suffix < shortest - prefix && same_at([&](const std::string& n) { return n.size() - 1 - suffix; })) ++suffix;
+    std::string alternatives;
+    for (const auto& n : names) {
+      alternatives += (alternatives.empty() ? "" : "|") + escaped(n.substr(prefix, n.size() - prefix - suffix));
+    }
+    return (anchored ? "^" + escaped(first.substr(0, prefix)) : std::string()) + "(" + alternatives + ")" +
+           escaped(first.substr(first.size() - suffix)) + "$";
+  };
+  std::vector<int> wanted(layers_.size(), -1);  // the groups as input_groups gives them: each member's leader
+  std::vector<std::string> names;
+  for (const auto& layer : layers_) names.push_back(layer.name());
+  for (const auto& members : groups) {
+    for (size_t k = 1; k < members.size(); ++k) wanted[members[k]] = static_cast<int>(members[0]);
+  }
+  std::vector<std::string> patterns;
+  for (const bool anchored : {false, true}) {  // the short patterns where they give exactly these groups
+    patterns.clear();
+    for (const auto& members : groups) {
+      const auto p = pattern_of(members, anchored);
+      if (std::find(patterns.begin(), patterns.end(), p) == patterns.end()) patterns.push_back(p);
+    }
+    struct Quiet : c10::WarningHandler {
+      void process(const c10::Warning&) override {}
+    } quiet;
+    try {
+      c10::WarningUtils::WarningHandlerGuard guard(&quiet);  // a trial: its warnings are not the user's
+      if (input_groups(names, patterns) == wanted) break;
+    } catch (const c10::Error&) {  // a layer in two groups: the anchored patterns next
+    }
+    patterns.clear();
+  }
+  std::string example;
+  for (size_t k = 0; k < groups.front().size(); ++k) example += (k ? ", '" : "'") + names[groups.front()[k]] + "'";
+  std::string listed;
+  for (const auto& p : patterns) listed += (listed.empty() ? "'" : ", '") + p + "'";
+  TORCH_WARN("dkfac: ", groups.size(), " group(s) of layers were given one input tensor at step ", steps_, " (", example,
+             groups.size() > 1 ? " and others" : "", "), so each group's A factors are equal: ",
+             listed.empty() ? std::string("shared_input_layers patterns that name them")
+                            : names_.option("shared_input_layers", "[" + listed + "]"),
+             " would build, reduce, decompose and hold one per group, with the same results (docs/MATH.md section 2.7)");
+}
+
 void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
   std::vector<bool> group_plain(layers_.size(), false);  // by leader: some member keeps its plain gradient
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -279,6 +361,7 @@ void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
 }
 
 std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step) {
+  if (factor_step && suggest_shared_inputs_) suggest_shared_inputs();
   if (factor_step) check_shared_inputs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   for (size_t i = 0; i < layers_.size(); ++i) {

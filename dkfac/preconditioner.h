@@ -343,6 +343,9 @@ class Preconditioner {
   /// On a factor step, before anything is taken: each follower's captured inputs are its leader's, pass for pass
   /// (the same tensor, unchanged); refused naming both layers otherwise.
   void check_shared_inputs() const;
+  /// Without shared_input_layers, at the first factor step: warns once naming the layers that were given one input
+  /// tensor (and have alike A factors), with the shared_input_layers patterns that would share it.
+  void suggest_shared_inputs();
   /// A group's layers keep their plain gradient together: one that cannot be used this step takes the others
   /// with it (their captures dropped), so that the shared A is folded only with every member's G.
   void spread_group_fates(std::vector<LayerFate>& fates);
@@ -382,6 +385,7 @@ class Preconditioner {
   c10::Device device_{c10::kCPU};
   PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<bool> leads_a_;  // the layer holds the A factor its shared-input group's followers alias
+  bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";
   int64_t phase_layer_ = -1;

@@ -232,7 +232,15 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
 
 void Preconditioner::group_shared_inputs() {
   leads_a_.assign(layers_.size(), false);
-  if (options_.shared_input_layers().empty()) return;
+  if (options_.shared_input_layers().empty()) {
+    // Every capture records its inputs (weakly: no memory), so that the first factor step can name the layers that
+    // were given one tensor (suggest_shared_inputs).
+    suggest_shared_inputs_ = layers_.size() > 1;
+    for (auto& layer : layers_) {
+      if (suggest_shared_inputs_) layer.capture().set_shared_input(/*member=*/true, /*follower=*/false);
+    }
+    return;
+  }
   std::vector<std::string> names;
   for (const auto& layer : layers_) names.push_back(layer.name());
   const auto leaders = input_groups(names, options_.shared_input_layers());

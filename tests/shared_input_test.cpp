@@ -127,6 +127,44 @@ TEST(SharedInput, GroupsByTheCapturedText) {
   EXPECT_THROW(Options(pi_damped).shared_input_layers(kShared).validate(), c10::Error);
 }
 
+// Without the option, the first factor step names the layers that were given one tensor and the patterns that would
+// share it, once; layers given other tensors (the key's copy) are not among them.
+TEST(SharedInput, LayersGivenOneTensorAreSuggested) {
+  for (const bool copy : {false, true}) {
+    auto net = make_net();
+    net->copy_for_key = copy;
+    Preconditioner kfac(net, Options());
+    testing::CapturedWarnings warnings;
+    for (int64_t step = 0; step < 2; ++step) {
+      net->zero_grad();
+      loss(*net, step).backward();
+      kfac.step();
+    }
+    std::vector<std::string> suggestions;
+    for (const auto& m : warnings.messages) {
+      if (m.find("were given one input tensor") != std::string::npos) suggestions.push_back(m);
+    }
+    ASSERT_EQ(suggestions.size(), 1u) << "once, at the first factor step";
+    const auto& m = suggestions[0];
+    EXPECT_NE(m.find("2 group(s)"), std::string::npos) << m;
+    EXPECT_NE(m.find("'block0.query', 'block0.key', 'block0.value'"), std::string::npos) << m;
+    // block1's key had a copy: block1's query and value only, whose short pattern would also match block0's query
+    // and value: each pattern then names its block.
+    const std::string patterns = copy ? "Options::shared_input_layers ['^block0\\.(query|key|value)$', "
+                                        "'^block1\\.(query|value)$']"
+                                      : "Options::shared_input_layers ['(query|key|value)$']";
+    EXPECT_NE(m.find(patterns), std::string::npos) << m;
+  }
+  {
+    auto net = make_net();
+    Preconditioner kfac(net, Options().shared_input_layers(kShared));
+    testing::CapturedWarnings warnings;
+    loss(*net, 0).backward();
+    kfac.step();
+    for (const auto& m : warnings.messages) EXPECT_EQ(m.find("were given one input tensor"), std::string::npos) << m;
+  }
+}
+
 struct ExactCase {
   std::string name;
   Options options;

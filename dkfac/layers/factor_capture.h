@@ -102,6 +102,8 @@ class FactorCapture {
   bool follows_input() const { return follower_; }
   /// Passes captured since the last take_a or clear (a group's members only).
   size_t input_passes() const;
+  /// Pass `k` of this capture, if it captured that many.
+  std::optional<InputPass> pass_at(size_t k) const;
   /// The first pass since then whose input was not another member's input of that pass ("" where none): pass,
   /// this capture's input and the other's, for the preconditioner's refusal; `other` is set to that member.
   std::string input_mismatch(const FactorCapture** other) const;
@@ -220,8 +222,7 @@ class FactorCapture {
   std::vector<std::weak_ptr<FactorCapture>> group_;  // the other members of its shared-input group
   std::string mismatch_;                             // input_mismatch()
   const FactorCapture* mismatch_with_ = nullptr;
-  /// Pass `k` of this capture, if it captured that many.
-  std::optional<InputPass> pass_at(size_t k) const;
+
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;

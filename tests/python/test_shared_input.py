@@ -144,3 +144,15 @@ def test_followers_build_their_g_as_their_leader_does_under_autocast():
     query, key = preconditioner._core.layer_states()
     assert query['a_factor'].dtype == query['g_factor'].dtype == key['g_factor'].dtype == torch.float32
     assert 'a_factor' not in key
+
+
+@needs_transformers
+def test_a_bert_without_the_option_is_told_which_patterns_would_share():
+    model = bert()
+    preconditioner = dkfac.KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"2 group\(s\) of layers were given one input tensor at step 0 "
+                                         r"\('encoder.layer.0.attention.self.query', "
+                                         r"'encoder.layer.0.attention.self.key', 'encoder.layer.0.attention.self.value' "
+                                         r"and others\).*shared_input_layers=\['\(query\|key\|value\)\$'\]") as record:
+        train(model, preconditioner, range(2))
+    assert sum('given one input tensor' in str(w.message) for w in record) == 1  # once
