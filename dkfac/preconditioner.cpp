@@ -296,7 +296,8 @@ void Preconditioner::suggest_shared_inputs() {
     size_t shortest = first.size();
     for (const auto& n : names) shortest = std::min(shortest, n.size());
     const auto same_at = [&](const auto& index) {
-      return std::all_of(names.begin(), names.end(), [&](const std::string& n) { return n[index(n)] == first[index(first)]; });
+      return std::all_of(names.begin(), names.end(),
+                         [&](const std::string& n) { return n[index(n)] == first[index(first)]; });
     };
     size_t prefix = 0, suffix = 0;
     while (prefix < shortest && same_at([&](const std::string&) { return prefix; })) ++prefix;
@@ -335,11 +336,12 @@ void Preconditioner::suggest_shared_inputs() {
   for (size_t k = 0; k < groups.front().size(); ++k) example += (k ? ", '" : "'") + names[groups.front()[k]] + "'";
   std::string listed;
   for (const auto& p : patterns) listed += (listed.empty() ? "'" : ", '") + p + "'";
-  TORCH_WARN("dkfac: ", groups.size(), " group(s) of layers were given one input tensor at step ", steps_, " (", example,
-             groups.size() > 1 ? " and others" : "", "), so each group's A factors are equal: ",
+  TORCH_WARN("dkfac: ", groups.size(), " group(s) of layers were given one input tensor at step ", steps_, " (",
+             example, groups.size() > 1 ? " and others" : "", "), so each group's A factors are equal: ",
              listed.empty() ? std::string("shared_input_layers patterns that name them")
                             : names_.option("shared_input_layers", "[" + listed + "]"),
-             " would build, reduce, decompose and hold one per group, with the same results (docs/MATH.md section 2.7)");
+             " would build, reduce, decompose and hold one per group, with the same results (docs/MATH.md section "
+             "2.7)");
 }
 
 void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
