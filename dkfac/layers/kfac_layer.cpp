@@ -288,7 +288,8 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
   if (method == ComputeMethod::kEigen) {
     if (eigen_adam_) {  // broadcast into copies: the basis the moments are in (adam_basis_) keeps the old tensors
       for (auto* q : {&s.a_eigen.eigenvectors, &s.g_eigen.eigenvectors}) {
-        if (q->defined()) *q = q->clone(at::MemoryFormat::Contiguous);
+        const bool leaders = q == &s.a_eigen.eigenvectors && follows_a();  // relinked after the broadcast
+        if (q->defined() && !leaders) *q = q->clone(at::MemoryFormat::Contiguous);
       }
     }
     ensure(s.a_eigen.eigenvectors, "a_eigenvectors");

@@ -174,7 +174,7 @@ class StepSimulation {
       const int64_t rows = batch_size * s.rows_per_sample;
       const double a_build = s.a_shared_with >= 0 ? 0.0 : rates.for_kernel(s.a_kernel).seconds_for(rows, s.a_dim);
       const double g_build = rates.for_kernel(s.g_kernel).seconds_for(rows, s.g_dim);
-      const double fold = rates.fold.seconds_for(s.a_dim, s.g_dim);
+      const double fold = rates.fold.seconds_for(s.a_shared_with >= 0 ? 0 : s.a_dim, s.g_dim);  // a follower: G only
       slot_build[i] = a_build;
       slot_build[2 * layers - 1 - i] = g_build;
       const auto& flow = plan.flows[i];
