@@ -190,16 +190,20 @@ std::vector<KfacLayer> Preconditioner::staged_layer_states(
     const std::vector<std::map<std::string, torch::Tensor>>& states) const {
   std::vector<KfacLayer> staged = layers_;
   for (size_t i = 0; i < staged.size(); ++i) staged[i].load_state(placed_here(i, states[i]), options_.compute_method());
-  link_shared_inputs(staged, /*second_order=*/true);
+  link_shared_inputs(staged);
   return staged;
 }
 
-void Preconditioner::link_shared_inputs(std::vector<KfacLayer>& layers, bool second_order) {
+void Preconditioner::link_shared_inputs(std::vector<KfacLayer>& layers) {
   for (auto& layer : layers) {
-    if (!layer.follows_a()) continue;
-    const auto& leader = layers[static_cast<size_t>(layer.a_leader())];
-    layer.link_a(leader);
-    if (second_order) layer.link_a_second_order(leader);
+    if (layer.follows_a()) layer.link_a(layers[static_cast<size_t>(layer.a_leader())]);
+  }
+}
+
+void Preconditioner::relink_followers(double damping) {
+  link_shared_inputs(layers_);
+  for (auto& layer : layers_) {
+    if (layer.follows_a() && layer.second_order().defined()) layer.finish_second_order(damping);
   }
 }
 
@@ -227,7 +231,7 @@ void Preconditioner::check_shared_inputs() const {
   };
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& layer = layers_[i];
-    if ((!layer.follows_a() && !leads_a_[i]) || !executor_->builds_factors(i)) continue;
+    if (group_of(i) < 0 || !executor_->builds_factors(i)) continue;
     const FactorCapture* other = nullptr;
     std::string differ = layer.capture().input_mismatch(&other);
     size_t with = index_of(other);
@@ -347,13 +351,12 @@ void Preconditioner::suggest_shared_inputs() {
 void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
   std::vector<bool> group_plain(layers_.size(), false);  // by leader: some member keeps its plain gradient
   for (size_t i = 0; i < layers_.size(); ++i) {
-    const size_t leader = layers_[i].follows_a() ? static_cast<size_t>(layers_[i].a_leader()) : i;
-    if (fates[i] == LayerFate::kPlainGradient) group_plain[leader] = true;
+    if (group_of(i) >= 0 && fates[i] == LayerFate::kPlainGradient) group_plain[static_cast<size_t>(group_of(i))] = true;
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i].follows_a() && !leads_a_[i]) continue;
-    const auto leader = layers_[i].follows_a() ? static_cast<size_t>(layers_[i].a_leader()) : i;
-    if (!group_plain[leader] || fates[i] == LayerFate::kPlainGradient) continue;
+    if (group_of(i) < 0 || !group_plain[static_cast<size_t>(group_of(i))] || fates[i] == LayerFate::kPlainGradient) {
+      continue;
+    }
     warn_once(i, "shared input", "shares its A factor (shared_input_layers) with a layer that cannot be used at "
               "this step, so it keeps its plain gradient too");
     layers_[i].capture().clear();
@@ -440,13 +443,13 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
     // and, this step, its plain gradient.
     auto& layer = layers_[i];
-    if (!layer.follows_a() && !leads_a_[i]) {
+    if (group_of(i) < 0) {
       factor_ok_[i] = layer.fold_factors(batches[i].first, batches[i].second, decay);
     } else {
       // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
       // member its own G, each side where its batch is finite; a member is usable where both of its are.
-      if (leads_a_[i]) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
-      const auto leader = layer.follows_a() ? static_cast<size_t>(layer.a_leader()) : i;
+      const auto leader = static_cast<size_t>(group_of(i));
+      if (leader == i) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
       if (layer.follows_a()) layer.link_a(layers_[leader]);
       // No G before there is an A (a first A batch that was not finite): a layer never holds G alone.
       const auto g_folded = layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[i].second, decay)
@@ -516,10 +519,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
     }
   } catch (...) {  // out of memory part-way (rethrown by keeping_previous_state): no unchecked state stays
     for (auto& [i, had] : fallback) layers_[i].set_second_order(std::move(had));
-    link_shared_inputs(layers_, /*second_order=*/true);  // followers' A side and denominators as their leaders'
-    for (auto& layer : layers_) {
-      if (layer.follows_a() && layer.second_order().defined()) layer.finish_second_order(damping);
-    }
+    relink_followers(damping);  // followers' A side and denominators as their leaders'
     throw;
   }
   const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);
@@ -537,10 +537,7 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
   }
   mark("second-order broadcast");
   clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
-  link_shared_inputs(layers_, /*second_order=*/true);
-  for (auto& layer : layers_) {  // a follower's denominator: its own G with its leader's new A
-    if (layer.follows_a() && layer.second_order().defined()) layer.finish_second_order(damping);
-  }
+  relink_followers(damping);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
   }

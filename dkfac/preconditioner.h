@@ -349,9 +349,16 @@ class Preconditioner {
   /// A group's layers keep their plain gradient together: one that cannot be used this step takes the others
   /// with it (their captures dropped), so that the shared A is folded only with every member's G.
   void spread_group_fates(std::vector<LayerFate>& fates);
-  /// Aliases every follower's A side (running factor, and with `second_order` the decomposition) to its leader's,
-  /// in `layers` (the live ones, or staged ones).
-  static void link_shared_inputs(std::vector<KfacLayer>& layers, bool second_order);
+  /// Aliases every follower's A side (running factor and decomposition) to its leader's, in `layers` (the live ones,
+  /// or staged ones).
+  static void link_shared_inputs(std::vector<KfacLayer>& layers);
+  /// After a second-order update: link_shared_inputs, then each follower's denominator from its G and the leader's
+  /// new A.
+  void relink_followers(double damping);
+  /// The leader of layer `index`'s shared-input group (itself where it leads one), or -1 where it is in none.
+  int group_of(size_t index) const {
+    return layers_[index].follows_a() ? layers_[index].a_leader() : leads_a_[index] ? static_cast<int>(index) : -1;
+  }
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
   /// The layers with `states` loaded (what placed_here keeps of each), checked; this preconditioner unchanged.

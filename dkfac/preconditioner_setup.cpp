@@ -271,12 +271,11 @@ void Preconditioner::group_shared_inputs() {
     leads_a_[static_cast<size_t>(leaders[i])] = true;
   }
   for (size_t i = 0; i < layers_.size(); ++i) {  // each member's capture compares its inputs with the others'
-    const int group = layers_[i].follows_a() ? layers_[i].a_leader() : leads_a_[i] ? static_cast<int>(i) : -1;
+    const int group = group_of(i);
     if (group < 0) continue;
     std::vector<std::shared_ptr<FactorCapture>> others;
     for (size_t j = 0; j < layers_.size(); ++j) {
-      const bool member = static_cast<int>(j) == group || layers_[j].a_leader() == group;
-      if (member && j != i) others.push_back(layers_[j].shared_capture());
+      if (group_of(j) == group && j != i) others.push_back(layers_[j].shared_capture());
     }
     layers_[i].capture().set_shared_input(/*member=*/true, /*follower=*/layers_[i].follows_a(), others);
   }
@@ -353,7 +352,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   options_ = chosen;
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
-  link_shared_inputs(layers_, /*second_order=*/true);
+  link_shared_inputs(layers_);
 }
 
 void Preconditioner::recheck_strategy() {

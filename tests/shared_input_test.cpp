@@ -58,6 +58,16 @@ std::shared_ptr<Net> make_net() {
   return net;
 }
 
+// A fresh net holding `net`'s parameters (a resumed job's model).
+std::shared_ptr<Net> copy_of(Net& net) {
+  auto copy = make_net();
+  torch::NoGradGuard no_grad;
+  const auto from = net.parameters();
+  auto to = copy->parameters();
+  for (size_t p = 0; p < to.size(); ++p) to[p].copy_(from[p]);
+  return copy;
+}
+
 const std::vector<std::string> kShared = {"(query|key|value)$"};
 
 torch::Tensor loss(Net& net, int64_t step, int rank = 0) {
@@ -289,11 +299,7 @@ TEST(SharedInput, CheckpointsHoldTheSharedFactorOnce) {
     into.load(in);
   };
   // The separate run's checkpoint into a sharing run: the next steps are the separate run's.
-  auto continued_net = make_net();
-  for (size_t p = 0; p < continued_net->parameters().size(); ++p) {
-    torch::NoGradGuard no_grad;
-    continued_net->parameters()[p].copy_(separate_net->parameters()[p]);
-  }
+  auto continued_net = copy_of(*separate_net);
   Preconditioner continued(continued_net, Options(options).shared_input_layers(kShared));
   round_trip(separate, continued);
   expect_equal(train(*continued_net, continued, 3, 3), train(*separate_net, separate, 3, 3), "separate into shared");
@@ -313,11 +319,7 @@ TEST(SharedInput, CheckpointsHoldTheSharedFactorOnce) {
   }
   EXPECT_EQ(refusing.steps(), 0) << "a refused load changes nothing";
   // And into a sharing run: the same next steps.
-  auto resumed_net = make_net();
-  for (size_t p = 0; p < resumed_net->parameters().size(); ++p) {
-    torch::NoGradGuard no_grad;
-    resumed_net->parameters()[p].copy_(shared_net->parameters()[p]);
-  }
+  auto resumed_net = copy_of(*shared_net);
   Preconditioner resumed(resumed_net, Options(options).shared_input_layers(kShared));
   round_trip(shared, resumed);
   expect_equal(train(*resumed_net, resumed, 3, 3), train(*shared_net, shared, 3, 3), "shared into shared");

@@ -133,6 +133,12 @@ std::optional<InputPass> FactorCapture::pass_at(size_t k) const {
   return passes_[k];
 }
 
+void FactorCapture::forget_passes() {
+  passes_.clear();
+  mismatch_.clear();
+  mismatch_with_ = nullptr;
+}
+
 std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (other != nullptr) *other = mismatch_with_;
@@ -330,9 +336,7 @@ int64_t FactorCapture::g_count() const {
 torch::Tensor FactorCapture::take_a() {
   build_waiting_inputs();
   std::lock_guard<std::mutex> lock(mutex_);
-  passes_.clear();
-  mismatch_.clear();
-  mismatch_with_ = nullptr;
+  forget_passes();
   return take(a_sum_, a_count_);
 }
 
@@ -344,9 +348,7 @@ torch::Tensor FactorCapture::take_g() {
 void FactorCapture::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   waiting_inputs_.clear();
-  passes_.clear();
-  mismatch_.clear();
-  mismatch_with_ = nullptr;
+  forget_passes();
   a_sum_ = torch::Tensor();
   g_sum_ = torch::Tensor();
   a_count_ = 0;

@@ -99,7 +99,6 @@ class FactorCapture {
   /// `group`: the other members' captures (held weakly), whose passes each capture compares its own with as it
   /// captures, while both inputs are alive (autograd frees them after the backward pass).
   void set_shared_input(bool member, bool follower, const std::vector<std::shared_ptr<FactorCapture>>& group = {});
-  bool follows_input() const { return follower_; }
   /// Passes captured since the last take_a or clear (a group's members only).
   size_t input_passes() const;
   /// Pass `k` of this capture, if it captured that many.
@@ -222,6 +221,8 @@ class FactorCapture {
   std::vector<std::weak_ptr<FactorCapture>> group_;  // the other members of its shared-input group
   std::string mismatch_;                             // input_mismatch()
   const FactorCapture* mismatch_with_ = nullptr;
+  /// Drops the passes and their mismatch (take_a, clear). Caller holds mutex_.
+  void forget_passes();
 
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal

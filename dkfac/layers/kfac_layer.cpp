@@ -96,10 +96,6 @@ void KfacLayer::set_a_leader(int leader) { a_leader_ = leader; }
 void KfacLayer::link_a(const KfacLayer& leader) {
   TORCH_INTERNAL_ASSERT(follows_a() && !leader.follows_a(), "layer '", name(), "' linked to '", leader.name(), "'");
   a_factor_ = leader.a_factor_;
-}
-
-void KfacLayer::link_a_second_order(const KfacLayer& leader) {
-  TORCH_INTERNAL_ASSERT(follows_a() && !leader.follows_a(), "layer '", name(), "' linked to '", leader.name(), "'");
   const auto& from = leader.second_order_;
   if (second_order_.method != from.method) second_order_ = SecondOrderState{from.method};
   second_order_.a_eigen = from.a_eigen;

@@ -124,7 +124,6 @@ class KfacLayer {
   /// Aliases the leader's running A factor and the A side of its second-order state (Q_A and d_A, or the A
   /// inverse); the denominator is this layer's own (finish_second_order rebuilds it).
   void link_a(const KfacLayer& leader);
-  void link_a_second_order(const KfacLayer& leader);
 
   /// Storage dtype of the second-order state (Options::inv_dtype); nullopt: the factors' dtype.
   void set_inv_dtype(std::optional<torch::ScalarType> inv_dtype);

@@ -94,18 +94,21 @@ def test_state_dicts_hold_the_shared_factor_once_and_load_where_they_can():
         assert all(torch.equal(a, b) for a, b in zip(g, e))
 
 
-class CopiedInput(torch.nn.Module):
-    def __init__(self) -> None:
+class Attention(torch.nn.Module):
+    """query and key of one input; with `copy_key`, the key is given a copy of it (not the same tensor)."""
+
+    def __init__(self, copy_key: bool = False) -> None:
         super().__init__()
         self.query = torch.nn.Linear(4, 3)
         self.key = torch.nn.Linear(4, 3)
+        self.copy_key = copy_key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.query(x) * self.key(x.clone())
+        return self.query(x) * self.key(x.clone() if self.copy_key else x)
 
 
 def test_an_input_that_is_not_the_same_tensor_is_refused_naming_both_layers():
-    model = CopiedInput()
+    model = Attention(copy_key=True)
     preconditioner = dkfac.KFACPreconditioner(model, shared_input_layers=SHARED)
     model(torch.randn(5, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"'(key|query)' \(Linear\) shares its A factor with '(query|key)' "
@@ -115,21 +118,11 @@ def test_an_input_that_is_not_the_same_tensor_is_refused_naming_both_layers():
 
 def test_bad_patterns_are_refused_naming_the_option():
     with pytest.raises(ValueError, match="shared_input_layers pattern 'query' has no capture group"):
-        dkfac.KFACPreconditioner(CopiedInput(), shared_input_layers='query')
+        dkfac.KFACPreconditioner(Attention(), shared_input_layers='query')
     with pytest.raises(RuntimeError, match='cannot share an A factor: they have A widths 5 and 4'):
         model = torch.nn.ModuleDict({'a_query': torch.nn.Linear(4, 3), 'b_query': torch.nn.Linear(3, 3)})
         model.forward = lambda x: model['b_query'](model['a_query'](x))
         dkfac.KFACPreconditioner(model, shared_input_layers='^(a|b)_query$')
-
-
-class Attention(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.query = torch.nn.Linear(4, 3)
-        self.key = torch.nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.query(x) * self.key(x)
 
 
 def test_followers_build_their_g_as_their_leader_does_under_autocast():
