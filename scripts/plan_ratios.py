@@ -24,11 +24,19 @@ def plan(dkfac, args):
     return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
-def strategy(report, cli_name):
+def strategy(report, name):
+    """The row `name` of a plan ("dp", "kaisa f=1/2 (W=32)"; a KAISA row may end in " triangles")."""
     for s in report["strategies"]:
-        if s["strategy"] == cli_name or s["strategy"].startswith(cli_name + " "):
+        if s["strategy"] == name or s["strategy"].startswith(name + " "):
             return s
-    raise KeyError(cli_name)
+    raise KeyError(name)
+
+
+def kaisa(report, grad_workers):
+    """KAISA's row with W = `grad_workers`: W = P is SC20's D-KFAC (comm-opt), W = 1 its layer-wise variant."""
+    p = report["nproc"]
+    f = "1" if grad_workers == p else f"1/{p // grad_workers}"
+    return strategy(report, f"kaisa f={f} (W={grad_workers})")
 
 
 def mib(b):
@@ -42,15 +50,16 @@ def gflop(f):
 def decomposition_weight(report, target):
     """Per-FLOP cost k of a decomposition relative to the other K-FAC work at which the max-rank update cost
     (factor + precondition + k x decomposition FLOPs) of D-KFAC over DP-KFAC equals `target` (bisection)."""
-    def cost(name, k):
+    def cost(row, k):
         return max(r["factor_flops"] + r["precondition_flops"] + k * r["decomposition_flops"]
-                   for r in strategy(report, name)["ranks"])
+                   for r in row["ranks"])
     lo, hi = 1.0, 1e6
-    if cost("dkfac", hi) / cost("dp", hi) > target or cost("dkfac", lo) / cost("dp", lo) < target:
+    d_kfac, dp = kaisa(report, report["nproc"]), strategy(report, "dp")
+    if cost(d_kfac, hi) / cost(dp, hi) > target or cost(d_kfac, lo) / cost(dp, lo) < target:
         return None
     for _ in range(200):
         mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if cost("dkfac", mid) / cost("dp", mid) > target else (lo, mid)
+        lo, hi = (mid, hi) if cost(d_kfac, mid) / cost(dp, mid) > target else (lo, mid)
     return lo
 
 
@@ -63,7 +72,7 @@ def ratios(dkfac, nproc, batch, triangles):
     for model, dataset in MODELS:
         r = plan(dkfac, ["--model", model, "--dataset", dataset, "--nproc", str(nproc), "--batch-size", str(batch),
                          "--compute-method", "inverse", "--spd-redundant-dim", "100000"] + flags)
-        d, p = strategy(r, "dkfac")["summary"], strategy(r, "dp")["summary"]
+        d, p = kaisa(r, nproc)["summary"], strategy(r, "dp")["summary"]
         state = r["model_state_bytes"]
         dm, pm = d["memory_bytes"]["max"], p["memory_bytes"]["max"]
         other = [(dm - x * pm) / (x - 1) for x in (1.14, 1.47)]
@@ -81,7 +90,7 @@ def ratios(dkfac, nproc, batch, triangles):
             f"{(dm + state) / (pm + state):.2f}x",
             f"{other[1] / 2**30:.2f} / {other[0] / 2**30:.2f}",
         ])
-        s, lw = strategy(r, "spd")["summary"], strategy(r, "dkfac-lw")["summary"]
+        s, lw = strategy(r, "spd")["summary"], kaisa(r, 1)["summary"]
         comm.append([model, f"{mib(s['update_bytes']['max'])}",
                      f"**{s['update_bytes']['max'] / p['update_bytes']['max']:.2f}x**",
                      f"{s['update_ring_bytes']['max'] / p['update_ring_bytes']['max']:.2f}x",
@@ -100,7 +109,7 @@ def ratios(dkfac, nproc, batch, triangles):
           f"{PAPER['communication']} | | {PAPER['memory']} (GPU memory) | | |")
     print(f"\nCommunication against two other D-KFAC baselines from the same commands: factors only "
           f"(`spd` row with --spd-redundant-dim 100000: triangles allreduced, every inverse computed on every "
-          f"rank, nothing second-order sent) and layer-wise (`dkfac-lw` row: factors + V broadcast; its factors "
+          f"rank, nothing second-order sent) and layer-wise (`kaisa f=1/P (W=1)` row: factors + V broadcast; its factors "
           f"as {layout}).\n")
     print("| model | factors only: MiB per update | vs DP-KFAC (payload) | ring model "
           "| layer-wise: MiB per update | vs DP-KFAC (payload) | ring model |")
@@ -126,8 +135,7 @@ def kaisa_tradeoff(dkfac, nproc, batch):
           "| K-FAC MiB per update (max rank) | precondition GFLOP per step (max) |")
     print("|---|---|---|---|---|---|---|---|")
     for k in fractions:
-        name = "kaisa f=1" if k == 1 else f"kaisa f=1/{k}"
-        s = strategy(r, f"{name} (W={nproc // k})")
+        s = kaisa(r, nproc // k)
         m = s["summary"]
         print(f"| {'1' if k == 1 else '1/' + str(k)} | {s['grad_workers']} | {mib(m['memory_bytes']['max'])} | "
               f"{mib(m['memory_bytes']['median'])} | {mib(m['second_order_bytes']['max'])} | {mib(m['gradient_bytes']['max'])} | "

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "dkfac/comm/packing.h"
+#include "dkfac/strategy/candidates.h"
 #include "dkfac/numbers.h"
 #include "dkfac/strategy/prediction.h"
 
@@ -448,10 +449,10 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
               " method, but the options use ", to_string(base.compute_method()), ": measure them for it");
   const int p = world_size;
   StrategyChoice choice;
-  const auto add = [&](std::string name, Options options) {
+  for (auto& named : candidates(p, base)) {
     Candidate c;
-    c.name = std::move(name);
-    c.options = std::move(options.memory_budget(0));  // the budget is the choice's, not a candidate's option
+    c.name = std::move(named.name);
+    c.options = std::move(named.options.memory_budget(0));  // the budget is the choice's, not a candidate's option
     c.plan = make_step_plan(shapes, p, c.options, rates.spd_redundant_dim(p));
     c.time = predict_time(c.plan, rates, batch_size, intervals);
     for (const auto& r : predict(c.plan, rates.element_bytes(), batch_size)) {
@@ -459,20 +460,7 @@ StrategyChoice choose_strategy(const std::vector<assign::LayerShape>& shapes, in
     }
     c.fits = memory_budget_bytes == kNoMemoryBudget || c.memory_bytes <= memory_budget_bytes;
     choice.candidates.push_back(std::move(c));
-  };
-  for (int w = p; w >= 1; --w) {
-    if (p % w != 0) continue;
-    for (const bool triangles : {false, true}) {
-      const double f = static_cast<double>(w) / p;
-      add("kaisa f=" + assign::fraction_name(w, p) + " (W=" + std::to_string(w) + ")" + (triangles ? " triangles" : ""),
-          Options(base).strategy(Strategy::kKaisa).grad_worker_fraction(f).symmetric_comm(triangles));
-    }
   }
-  // SPD-KFAC reduces factors from the capture hooks: not when ranks may skip layers (Preconditioner).
-  if (base.unused_layer_policy() != UnusedLayerPolicy::kSkip) {
-    add("spd", Options(base).strategy(Strategy::kSpd).grad_worker_fraction(1.0).symmetric_comm(true));
-  }
-  add("dp", Options(base).strategy(Strategy::kDp).grad_worker_fraction(1.0).symmetric_comm(false));
 
   const auto& all = choice.candidates;
   const auto same_time = [](double x, double y) { return std::abs(x - y) <= 1e-9 * std::max(std::abs(x), std::abs(y)); };

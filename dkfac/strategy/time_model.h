@@ -160,9 +160,9 @@ bool runs_as(const Candidate& candidate, const Options& running);
 /// unchanged. Pure.
 void prefer_running(StrategyChoice& choice, const Options& running);
 
-/// `Strategy` auto's choice for a job of `world_size` ranks on layers `shapes`: candidates KAISA at every
-/// W dividing P (f = W/P: 1/P, the divisors between, 1), each with and without symmetric_comm; SPD-KFAC;
-/// DP-KFAC. Each candidate's StepPlan comes from make_step_plan (the one place a strategy's behaviour is
+/// `Strategy` auto's choice for a job of `world_size` ranks on layers `shapes`, among candidates(P, base)
+/// (candidates.h): KAISA at every W dividing P (f = W/P: 1, the divisors between, 1/P), each with and without
+/// symmetric_comm; SPD-KFAC; DP-KFAC. Each candidate's StepPlan comes from make_step_plan (the one place a strategy's behaviour is
 /// written) with `base` otherwise unchanged; its time from predict_time, its memory from predict. The pick is
 /// the fastest candidate whose K-FAC memory per rank fits `memory_budget_bytes` (kNoMemoryBudget: any);
 /// equal predicted times (within 1e-9 relative) go to less memory, then to the earlier candidate. When none

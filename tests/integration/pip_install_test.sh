@@ -280,7 +280,7 @@ echo "run path: $runpath"
 [[ $runpath == '$ORIGIN/'* && $runpath != *:/* ]] || fail "the command's run path is not relative to it: $runpath"
 env -u LD_LIBRARY_PATH "$dkfac" plan --model resnet50 --nproc 64 > "$tmp/out" 2>&1 || { cat "$tmp/out"; fail "dkfac plan"; }
 has "plan: resnet50 on imagenet (3x224x224), 64 ranks"
-has "== dkfac (kaisa f=1, comm-opt)"
+has "== kaisa f=1 (W=64)  [KAISA comm-opt, P=64, W=64]"
 head -2 "$tmp/out"
 # Fashion-MNIST where the integration tests read it (the .gz files go through zlib), else synthetic data.
 data="${DKFAC_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}"

@@ -8,6 +8,7 @@
 
 #include "dkfac/comm/communicator.h"
 
+#include "dkfac/strategy/candidates.h"
 #include "dkfac/strategy/measure.h"
 #include "dkfac/strategy/prediction.h"
 #include "dkfac/strategy/rates.h"
@@ -371,6 +372,62 @@ TEST(ChooseStrategy, TheTableListsEveryCandidate) {
   EXPECT_NE(text.find(choice.reason), std::string::npos);
   // The pick is the fastest.
   for (const auto& c : choice.candidates) EXPECT_LE(choice.pick().time.step_seconds, c.time.step_seconds);
+}
+
+std::vector<std::string> names_of(const std::vector<NamedOptions>& all) {
+  std::vector<std::string> names;
+  for (const auto& c : all) names.push_back(c.name);
+  return names;
+}
+
+TEST(Candidates, NamesSayWhatRuns) {
+  const auto all = candidates(4, Options());
+  EXPECT_EQ(names_of(all), (std::vector<std::string>{"kaisa f=1 (W=4)", "kaisa f=1 (W=4) triangles", "kaisa f=1/2 (W=2)",
+                                                     "kaisa f=1/2 (W=2) triangles", "kaisa f=1/4 (W=1)",
+                                                     "kaisa f=1/4 (W=1) triangles", "spd", "dp"}));
+  for (const auto& c : all) {
+    SCOPED_TRACE(c.name);
+    c.options.validate();
+    const auto plan = make_step_plan(shapes(), 4, c.options, 64);
+    if (c.name.rfind("kaisa", 0) == 0) {
+      EXPECT_EQ(plan.strategy, Strategy::kKaisa);
+      EXPECT_EQ(c.name.find("(W=" + std::to_string(plan.grad_workers()) + ")") != std::string::npos, true);
+      EXPECT_EQ(plan.factor_triangles, c.name.find("triangles") != std::string::npos);
+    }
+  }
+  EXPECT_EQ(all[6].options.strategy(), Strategy::kSpd);
+  EXPECT_EQ(all[7].options.strategy(), Strategy::kDp);
+  // Strategy auto chooses among exactly these.
+  const auto choice = choose_strategy(shapes(), 4, Options(), rates(1e-10, 1e-4, 1e-9), kNoMemoryBudget, 32, {1, 1});
+  std::vector<std::string> chosen_among;
+  for (const auto& c : choice.candidates) chosen_among.push_back(c.name);
+  EXPECT_EQ(chosen_among, names_of(all));
+}
+
+TEST(Candidates, ChosenWorkersLayoutsAndShardedPlacements) {
+  CandidateSpace space;
+  space.grad_workers = {8, 4, 1, 4};  // a repeat is listed once
+  space.both_layouts = false;
+  const auto base = Options().symmetric_comm(true).spd(SpdOptions().redundant_dim(64));
+  EXPECT_EQ(names_of(candidates(8, base, space)),
+            (std::vector<std::string>{"kaisa f=1 (W=8) triangles", "kaisa f=1/2 (W=4) triangles",
+                                      "kaisa f=1/8 (W=1) triangles", "spd (redundant dim <= 64)", "dp"}));
+  space.shard_ranks = 4;  // HSDP: 2 replicas of 4
+  const auto sharded = candidates(8, base, space);
+  ASSERT_EQ(sharded.size(), 6u);
+  EXPECT_EQ(sharded[0].name, "kaisa f=1 (W=8) triangles, replicated");
+  EXPECT_EQ(sharded[0].options.sharded_placement(), ShardedPlacement::kReplicated);
+  EXPECT_EQ(sharded[5].name, "owner (kaisa, W=2)");
+  EXPECT_EQ(sharded[5].options.sharded_placement(), ShardedPlacement::kOwner);
+  EXPECT_DOUBLE_EQ(sharded[5].options.grad_worker_fraction(), 0.25);
+  space.shard_ranks = 8;  // FSDP: one replica, so DP-KFAC's one owner per layer fits the mesh
+  EXPECT_EQ(candidates(8, base, space).back().name, "owner (dp)");
+  // SPD-KFAC reduces factors from the hooks: not a candidate where ranks may skip layers.
+  const auto skipping = names_of(candidates(2, Options().unused_layer_policy(UnusedLayerPolicy::kSkip)));
+  EXPECT_EQ(std::count(skipping.begin(), skipping.end(), "spd"), 0);
+  space = {};
+  space.grad_workers = {3};
+  EXPECT_THROW(candidates(8, base, space), c10::Error);
 }
 
 TEST(ChooseStrategy, ASlowLinkPrefersFewerBytes) {

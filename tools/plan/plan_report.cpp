@@ -12,6 +12,7 @@
 #include "dkfac/numbers.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
+#include "dkfac/strategy/candidates.h"
 #include "dkfac/strategy/prediction.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
@@ -113,6 +114,14 @@ std::string cell(const nlohmann::json& value, bool bytes) {
   return bytes ? human_bytes(v) : human_flops(v);
 }
 
+/// The published system a plan runs: "KAISA comm-opt" (SC20's D-KFAC), "KAISA hybrid-opt", "KAISA mem-opt"
+/// (SC20's layer-wise variant), "SPD-KFAC", "DP-KFAC".
+std::string system_of(const strategy::StepPlan& plan) {
+  std::string name = system_name(plan.strategy);
+  if (plan.strategy == Strategy::kKaisa) name += std::string(" ") + to_string(plan.placement.distributed_strategy());
+  return name;
+}
+
 }  // namespace
 
 PlanReport plan_report(const PlanRequest& r) {
@@ -127,45 +136,36 @@ PlanReport plan_report(const PlanRequest& r) {
     for (size_t i = 0; i < t.layers.size(); ++i) t.layers[i].a_shared_with = leaders[i];
   }
   const auto& shapes = t.layers;
-  struct Row {
-    std::string name;
-    Options options;
-  };
   const int p = r.nproc;
   // Options as a training job would set them; the same make_step_plan() a job calls builds each plan.
   const Options base = Options()
                            .compute_method(r.compute_method)
-                           .symmetric_comm(r.symmetric_comm);
-  const auto kaisa = [&](double f) { return Options(base).grad_worker_fraction(f); };
-  std::vector<Row> rows = {{"dkfac (kaisa f=1, comm-opt)", kaisa(1.0)}};
-  if (p > 2 && p % 2 == 0) rows.push_back({"kaisa f=1/2 (hybrid-opt)", kaisa(0.5)});
-  if (p > 1) rows.push_back({"dkfac-lw (kaisa f=1/P, mem-opt)", kaisa(1.0 / p)});
+                           .symmetric_comm(r.symmetric_comm)
+                           .spd(SpdOptions().redundant_dim(r.spd_redundant_dim));
+  // KAISA as the papers compare it: f = 1 (SC20's D-KFAC, comm-opt), 1/2 (hybrid-opt), 1/P (mem-opt), and the
+  // fractions asked for.
+  strategy::CandidateSpace space;
+  space.both_layouts = false;
+  space.grad_workers = {p};
+  if (p > 2 && p % 2 == 0) space.grad_workers.push_back(p / 2);
+  space.grad_workers.push_back(1);
   for (const double f : r.grad_worker_fractions) {
     TORCH_CHECK(f > 0.0 && f <= 1.0, "--grad-worker-fraction must be in (0, 1], got ", f);
-    int w = 0;
     try {
-      w = assign::grad_worker_count(p, f);
+      space.grad_workers.push_back(assign::grad_worker_count(p, f));
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "--grad-worker-fraction with --nproc ", p, ": ", e.what_without_backtrace());
     }
-    rows.push_back({"kaisa f=" + assign::fraction_name(w, p) + " (W=" + std::to_string(w) + ")", kaisa(f)});
   }
   TORCH_CHECK(r.spd_redundant_dim >= 0, "--spd-redundant-dim must be >= 0, got ", r.spd_redundant_dim);
-  rows.push_back({"spd (redundant dim <= " + std::to_string(r.spd_redundant_dim) + ")",
-                  Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(r.spd_redundant_dim))});
-  rows.push_back({"dp", Options(base).strategy(Strategy::kDp)});
   auto shapes_planned = shapes;
   if (r.shard_ranks > 0) {
-    const int s = r.shard_ranks;
-    TORCH_CHECK(p % s == 0, "--hsdp: the replicas must divide --nproc ", p, " (", p / std::max(1, s), " shard ranks)");
-    for (auto& row : rows) row.name += ", replicated";
+    TORCH_CHECK(p % r.shard_ranks == 0, "--hsdp: the replicas must divide --nproc ", p, " (", r.shard_ranks,
+                " shard ranks)");
+    space.shard_ranks = r.shard_ranks;
     for (auto& shape : shapes_planned) shape.sharded = true;
-    const int replicas = p / s;
-    const auto owner = [](Options o) { return o.sharded_placement(ShardedPlacement::kOwner); };
-    rows.push_back({"owner (kaisa, W=" + std::to_string(replicas) + ")",
-                    owner(kaisa(static_cast<double>(replicas) / p))});
-    if (replicas == 1) rows.push_back({"owner (dp)", owner(Options(base).strategy(Strategy::kDp))});
   }
+  const auto rows = strategy::candidates(p, base, space);
 
   const int64_t element_bytes = 4;
   PlanReport report;
@@ -237,7 +237,7 @@ PlanReport plan_report(const PlanRequest& r) {
                       {"sum", sum}};
     }
     out["strategies"].push_back({{"strategy", row.name},
-                                 {"system", system_name(step_plan.strategy)},
+                                 {"system", system_of(step_plan)},
                                  {"grad_workers", step_plan.grad_workers()},
                                  {"factor_reduction", strategy::to_string(step_plan.reduction)},
                                  {"factor_triangles", step_plan.factor_triangles},
