@@ -71,7 +71,7 @@ void Options::validate() const {
   TORCH_CHECK(strategy_ == Strategy::kKaisa || grad_worker_fraction_ == 1.0, "grad_worker_fraction applies to ",
               "strategy kaisa only (", to_string(strategy_), " places its own work), got ", grad_worker_fraction_);
   checked("memory_budget", memory_budget_);
-  TORCH_CHECK(memory_budget_ == 0 || strategy_ == Strategy::kAuto, "memory_budget applies to strategy auto only (",
+  TORCH_CHECK(memory_budget_ == 0 || !strategy_, "memory_budget applies to strategy auto only (",
               to_string(strategy_), " places its own work), got ", memory_budget_);
   TORCH_CHECK(sharded_placement_ != ShardedPlacement::kOwner || strategy_ == Strategy::kKaisa ||
                   strategy_ == Strategy::kDp,
@@ -150,11 +150,11 @@ const char* to_string(Strategy strategy) {
       return "spd";
     case Strategy::kDp:
       return "dp";
-    case Strategy::kAuto:
-      return "auto";
   }
   return "unknown";
 }
+
+const char* to_string(const StrategyOption& strategy) { return strategy ? to_string(*strategy) : "auto"; }
 
 const char* system_name(Strategy strategy) {
   switch (strategy) {
@@ -164,8 +164,6 @@ const char* system_name(Strategy strategy) {
       return "SPD-KFAC";
     case Strategy::kDp:
       return "DP-KFAC";
-    case Strategy::kAuto:
-      return "strategy auto";
   }
   return "unknown";
 }

@@ -47,9 +47,14 @@ enum class Strategy {
   kKaisa,  ///< KAISA (SC21); grad_worker_fraction 1 is SC20's D-KFAC, 1/P its layer-wise variant
   kSpd,    ///< SPD-KFAC (ICDCS'21): pipelined, fused factor allreduce; small factors decomposed everywhere
   kDp,     ///< DP-KFAC: one owner per layer builds its factors from its own batch; V broadcast every step
-  kAuto,   ///< chosen by the Preconditioner at its first step: the fastest of the above on measured rates that
-           ///< fits memory_budget (strategy::choose_strategy; docs/STRATEGIES.md, "Choosing automatically")
 };
+
+/// The `strategy` option: one Strategy, or none for strategy auto, which the Preconditioner chooses at its first
+/// step: the fastest of strategy::candidates on measured rates that fits memory_budget (strategy::choose_strategy;
+/// docs/STRATEGIES.md, "Choosing automatically"). Everything that runs a strategy takes a Strategy.
+using StrategyOption = std::optional<Strategy>;
+/// `Options().strategy(kStrategyAuto)`: strategy auto.
+inline constexpr std::nullopt_t kStrategyAuto = std::nullopt;
 
 /// Where the K-FAC work of a layer whose gradient the front end shards by output rows (FSDP2's `fully_shard`,
 /// HSDP: assign::LayerShape::sharded) runs (docs/STRATEGIES.md, "Sharded models"). Layers that are not sharded
@@ -202,7 +207,7 @@ inline OptionRange any_value() { return {}; }
     "(off: all in step(); same results)")                                                                           \
   X(Value, double, allreduce_bucket_cap_mb, 25.0, at_least(0), "--allreduce-bucket-cap-mb", "", "",                  \
     "KAISA in hooks: largest factor bucket in MiB (0: each factor alone)")                                          \
-  X(Value, Strategy, strategy, Strategy::kKaisa, any_value(), "--strategy", "", "",                                  \
+  X(Value, StrategyOption, strategy, Strategy::kKaisa, any_value(), "--strategy", "", "",                                  \
     "the published system that places and moves K-FAC work: kaisa (with grad_worker_fraction), spd (SPD-KFAC), "   \
     "dp (DP-KFAC), or auto (the fastest on this machine's measured rates, chosen at the first step)")                \
   X(Value, int64_t, memory_budget, 0, at_least(0), "--kfac-memory-budget", "", "",                                   \
@@ -374,8 +379,9 @@ c10::ScalarType decomposition_dtype(c10::ScalarType factor_dtype, c10::ScalarTyp
 std::string storage_dtype_name(c10::ScalarType dtype);
 std::optional<c10::ScalarType> storage_dtype_named(const std::string& name);
 
-/// Readable name of a strategy ("kaisa", "spd", "dp").
+/// Readable name of a strategy ("kaisa", "spd", "dp"), and of the option ("auto" for kStrategyAuto).
 const char* to_string(Strategy strategy);
+const char* to_string(const StrategyOption& strategy);
 const char* to_string(ShardedPlacement placement);
 /// Readable name of a placement balance ("compute", "memory") and of an unused-layer policy ("error", "skip").
 const char* to_string(assign::Balance balance);

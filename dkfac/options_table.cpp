@@ -41,9 +41,9 @@ struct Choices<PreconditionDtype> {
   }
 };
 template <>
-struct Choices<Strategy> {
-  static std::vector<std::pair<std::string, Strategy>> all() {
-    return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}, {"auto", Strategy::kAuto}};
+struct Choices<StrategyOption> {
+  static std::vector<std::pair<std::string, StrategyOption>> all() {
+    return {{"kaisa", Strategy::kKaisa}, {"spd", Strategy::kSpd}, {"dp", Strategy::kDp}, {"auto", kStrategyAuto}};
   }
 };
 template <>
@@ -59,6 +59,9 @@ struct Choices<assign::Balance> {
   }
 };
 using Dtype = std::optional<c10::ScalarType>;
+// An option whose value is one of the names Choices<T> lists.
+template <typename T>
+constexpr bool is_choice_v = std::is_enum_v<T> || std::is_same_v<T, StrategyOption>;
 const std::vector<std::pair<std::string, c10::ScalarType>>& dtype_names() {
   static const std::vector<std::pair<std::string, c10::ScalarType>> all = {
       {"float32", c10::kFloat}, {"float64", c10::kDouble}, {"bfloat16", c10::kBFloat16}, {"float16", c10::kHalf}};
@@ -73,13 +76,13 @@ constexpr OptionType type_of() {
   if constexpr (std::is_same_v<T, Dtype>) return OptionType::kDtype;
   if constexpr (std::is_same_v<T, std::vector<std::string>>) return OptionType::kStrings;
   if constexpr (std::is_same_v<T, std::vector<int64_t>>) return OptionType::kInts;
-  if constexpr (std::is_enum_v<T>) return OptionType::kChoice;
+  if constexpr (is_choice_v<T>) return OptionType::kChoice;
 }
 
 template <typename T>
 std::vector<std::string> choice_names() {
   std::vector<std::string> names;
-  if constexpr (std::is_enum_v<T>) {
+  if constexpr (is_choice_v<T>) {
     for (const auto& [name, value] : Choices<T>::all()) names.push_back(name);
   } else if constexpr (std::is_same_v<T, Dtype>) {
     for (const auto& [name, value] : dtype_names()) names.push_back(name);
@@ -163,7 +166,7 @@ T convert(const OptionValue& value, const OptionRange& range, const std::string&
   } else if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(!std::holds_alternative<bool>(value), shown, " must be a number, got ", given(value));
     return number_in(value, range, shown, false);
-  } else if constexpr (std::is_enum_v<T>) {
+  } else if constexpr (is_choice_v<T>) {
     const auto* name = std::get_if<std::string>(&value);
     if (name != nullptr) {
       for (const auto& [n, v] : Choices<T>::all()) {
@@ -200,7 +203,7 @@ T convert(const OptionValue& value, const OptionRange& range, const std::string&
 // A value of the option's C++ type as an OptionValue.
 template <typename T>
 OptionValue value_of(const T& v) {
-  if constexpr (std::is_enum_v<T>) {
+  if constexpr (is_choice_v<T>) {
     for (const auto& [n, e] : Choices<T>::all()) {
       if (e == v) return n;
     }

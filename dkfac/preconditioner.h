@@ -168,11 +168,11 @@ class Preconditioner {
   /// first, and those at multiples of k inverse intervals. A function of the step, so a resumed run is the same.
   bool is_full_decomposition_step(int64_t step) const;
 
-  /// The options in force. With Strategy::kAuto: auto until the first step() chose, then the choice's
+  /// The options in force. With kStrategyAuto: auto until the first step() chose, then the choice's
   /// (StrategyChoice::apply); in one process kaisa from the start (every strategy is the same plan there).
   const Options& options() const { return options_; }
   /// The job's step plan: who builds, reduces, decomposes and preconditions what (one process: everything here).
-  /// With Strategy::kAuto, until the first step() chose: a provisional KAISA plan (every rank builds every
+  /// With kStrategyAuto, until the first step() chose: a provisional KAISA plan (every rank builds every
   /// factor, all collectives in step()), under which save() and load() work as for any plan. A copy: strategy
   /// auto replaces the plan at its first step (and may at its re-check), so no reference into it is handed out.
   strategy::StepPlan plan() const { return executor_->plan(); }

@@ -213,7 +213,7 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
     options_.update_factors_in_hook(false);
   }
   Options plan_options = options_;
-  auto_requested_ = options_.strategy() == Strategy::kAuto;
+  auto_requested_ = !options_.strategy();
   if (auto_requested_) {
     if (!communicator_ || communicator_->size() == 1) {
       strategy_choice_ = "strategy auto: one process, where every strategy is the same plan: kaisa";

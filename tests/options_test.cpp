@@ -80,6 +80,15 @@ TEST(OptionTable, SetByNameConvertsAndChecksAgainstTheDeclaration) {
   EXPECT_EQ(Options().set("kl_clip", std::monostate()).kl_clip_at(0), 0.0) << "none turns clipping off";
   EXPECT_EQ(Options().set("factor_dtype", std::monostate()).factor_dtype(), std::nullopt);
   EXPECT_EQ(Options().set("inv_update_steps", std::string("100")).inv_update_steps_at(0), 100) << "text as typed";
+  // Strategy auto is no Strategy: the option holds none until the Preconditioner chose one.
+  EXPECT_EQ(Options().set("strategy", std::string("auto")).strategy(), kStrategyAuto);
+  EXPECT_EQ(Options().set("strategy", std::string("dp")).strategy(), Strategy::kDp);
+  EXPECT_EQ(std::get<std::string>(Options().strategy(kStrategyAuto).get("strategy")), "auto");
+  EXPECT_STREQ(to_string(Options().strategy(kStrategyAuto).strategy()), "auto");
+  EXPECT_STREQ(to_string(Options().strategy()), "kaisa");
+  Options().strategy(kStrategyAuto).memory_budget(1).validate();
+  testing::expect_error<c10::Error>([] { Options().strategy(Strategy::kKaisa).memory_budget(1).validate(); },
+                                    {"memory_budget applies to strategy auto only (kaisa"});
   // Schedules: a function of the step; an integer schedule's values must be whole.
   auto scheduled = Options().set("damping", std::function<double(int64_t)>([](int64_t s) { return 0.1 / (s + 1); }));
   EXPECT_DOUBLE_EQ(scheduled.damping_at(4), 0.02);

@@ -35,7 +35,7 @@ class AutoStrategy {
   /// True until choose() ran.
   bool choice_pending() const { return pending_; }
 
-  /// The first choice, at step `step`, for `requested` (the options in force, which ask for Strategy::kAuto):
+  /// The first choice, at step `step`, for `requested` (the options in force, which ask for kStrategyAuto):
   /// measures this machine's rates (unless given; collective), chooses with choose_strategy from the layers'
   /// `shapes` and `batch` samples per rank per step, agrees on rank 0's pick (collective) and returns the
   /// options to run (StrategyChoice::apply). The re-check chooses for `requested` again.

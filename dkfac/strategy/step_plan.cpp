@@ -48,10 +48,10 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
                         int64_t measured_redundant_dim, int replicated_shard_ranks) {
   options.validate();
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
-  TORCH_CHECK(options.strategy() != Strategy::kAuto, "strategy auto has no plan of its own: choose_strategy "
+  TORCH_CHECK(options.strategy(), "strategy auto has no plan of its own: choose_strategy "
               "(strategy/time_model.h) picks kaisa, spd or dp first, as the Preconditioner does at its first step");
   if (world_size == 1) {
-    auto plan = StepPlan::single_process(shapes, options.compute_method(), options.strategy());
+    auto plan = StepPlan::single_process(shapes, options.compute_method(), *options.strategy());
     plan.approx = options.kfac_approx();
     plan.eigen_adam = options.eigen_adam();
     return plan;
@@ -59,7 +59,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   StepPlan plan;
   plan.approx = options.kfac_approx();
   plan.eigen_adam = options.eigen_adam();
-  plan.strategy = options.strategy();
+  plan.strategy = *options.strategy();
   plan.method = options.compute_method();
   plan.eigh_interval = options.eigh_interval();
   plan.shapes = shapes;
@@ -85,8 +85,6 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     case Strategy::kDp:
       plan.placement = assign::assign_dp(shapes, world_size);
       plan.reduction = FactorReduction::kNone;  // each owner keeps the factors of its own batch
-      break;
-    case Strategy::kAuto:  // refused above
       break;
   }
   const int w = plan.placement.grad_workers;

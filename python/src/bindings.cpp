@@ -444,7 +444,11 @@ PYBIND11_MODULE(_C, m) {
                                                                        p.options().grad_worker_fraction(),
                                                                        p.options().colocate_factors()));
                              })
-      .def_property_readonly("system", [](const Preconditioner& p) { return system_name(p.options().strategy()); })
+      .def_property_readonly("system",
+                             [](const Preconditioner& p) {
+                               const auto& strategy = p.options().strategy();  // auto until the first step chose
+                               return strategy ? system_name(*strategy) : "strategy auto";
+                             })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })
       .def("events", [](Preconditioner& p) {

@@ -599,7 +599,7 @@ TEST(StrategyAuto, RunsWhatChooseStrategyPicksAsThatStrategyWould) {
     SCOPED_TRACE("expected pick " + expected.pick().name);
     std::vector<std::string> choices(2);
     const auto got = run_distributed(
-        2, Options(base).strategy(Strategy::kAuto),
+        2, Options(base).strategy(kStrategyAuto),
         [&](int rank, Preconditioner& kfac, comm::Communicator&) {
           EXPECT_EQ(kfac.options().strategy(), chosen.strategy());
           EXPECT_EQ(kfac.options().grad_worker_fraction(), chosen.grad_worker_fraction());
@@ -632,7 +632,7 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
   ASSERT_EQ(chosen.strategy(), Strategy::kSpd);
   std::vector<std::vector<bool>> chosen_before(2);  // at each step, before its step(): had auto chosen?
   const auto got = run_distributed(
-      2, Options(base).strategy(Strategy::kAuto),
+      2, Options(base).strategy(kStrategyAuto),
       [&](int rank, Preconditioner& kfac, comm::Communicator&) {
         EXPECT_EQ(kfac.options().strategy(), chosen.strategy()) << "rank " << rank;
         EXPECT_EQ(kfac.options().grad_worker_fraction(), chosen.grad_worker_fraction());
@@ -730,7 +730,7 @@ TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
     });
     return grads;
   };
-  const auto got = resumed(Options(base).strategy(Strategy::kAuto), true);
+  const auto got = resumed(Options(base).strategy(kStrategyAuto), true);
   const auto expected = resumed(chosen, false);
   for (int rank = 0; rank < 2; ++rank) {
     for (size_t p = 0; p < expected[rank].size(); ++p) {
@@ -800,7 +800,7 @@ TEST(StrategyAuto, RecheckChoosesAgainFromMeasuredPhasesAndGoesOnFromTheSameStat
   std::vector<std::string> reports(2);
   run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
     auto net = make_wide_net();
-    Preconditioner kfac(net, Options(base).strategy(Strategy::kAuto), communicator);
+    Preconditioner kfac(net, Options(base).strategy(kStrategyAuto), communicator);
     kfac.use_rates(wrong);
     // Held across both replacements of the executor (the choice, the re-check): still valid, still the
     // provisional plan's.
@@ -868,7 +868,7 @@ TEST(StrategyAuto, BudgetAndOneProcess) {
   const auto expected = choose_strategy(kObservedShapes, 2, base, r, 1, kBatch, {1, 2});
   ASSERT_FALSE(expected.fits);
   run_distributed(
-      2, Options(base).strategy(Strategy::kAuto).memory_budget(1),
+      2, Options(base).strategy(kStrategyAuto).memory_budget(1),
       [&](int, Preconditioner& kfac, comm::Communicator&) {
         EXPECT_EQ(kfac.options().strategy(), expected.pick().options.strategy());
         EXPECT_EQ(kfac.options().memory_budget(), 0);
@@ -876,7 +876,7 @@ TEST(StrategyAuto, BudgetAndOneProcess) {
       },
       nullptr, [&](Preconditioner& kfac) { kfac.use_rates(r); });
 
-  Preconditioner single(make_net(), Options(base).strategy(Strategy::kAuto));
+  Preconditioner single(make_net(), Options(base).strategy(kStrategyAuto));
   EXPECT_EQ(single.options().strategy(), Strategy::kKaisa);
   EXPECT_EQ(single.plan().world_size(), 1);
   EXPECT_NE(single.strategy_choice().find("one process"), std::string::npos);

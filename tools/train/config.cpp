@@ -139,7 +139,7 @@ void TrainConfig::validate() const {
   TORCH_CHECK(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096] (0: LibTorch's default), got ",
               threads);
   kfac_options.validate();  // each flag was checked against its declaration when it was parsed
-  TORCH_CHECK(kfac_rates.empty() || kfac_options.strategy() == Strategy::kAuto, "--kfac-rates are for --strategy "
+  TORCH_CHECK(kfac_rates.empty() || !kfac_options.strategy(), "--kfac-rates are for --strategy "
               "auto, but --strategy is ", to_string(kfac_options.strategy()));
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");

@@ -240,7 +240,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
              << dkfac::to_string(layer.kind()) << " " << layer.a_dim() << "x" << layer.g_dim();
     }
     log() << layers.str() << "\n";
-    if (s.kfac->options().strategy() == Strategy::kAuto) {
+    if (!s.kfac->options().strategy()) {
       log() << "step plan: strategy auto chooses it at the first step, from "
             << (config_.kfac_rates.empty() ? "this machine's rates measured then" : "the rates in " + config_.kfac_rates)
             << std::endl;
