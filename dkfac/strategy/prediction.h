@@ -10,7 +10,7 @@
 namespace dkfac::strategy {
 
 /// One rank's predicted figures. Bytes count a collective's payload once per call on each
-/// participating rank (as comm::Communicator counts them).
+/// participating rank (as comm::Communicator counts them). As JSON: tools/common/report_json.h.
 struct RankCost {
   int64_t factor_bytes = 0;        ///< per factor step
   int64_t second_order_bytes = 0;  ///< per second-order step

@@ -63,6 +63,7 @@ struct PreconditionRate {
 /// time model scales them as a ring would (allreduce: alpha by (k-1)/(P-1), beta by ((k-1)/k)/((P-1)/P);
 /// broadcast from one root, which sends to each peer: alpha and beta by (k-1)/(P-1)), and a group of one
 /// costs nothing. Using rates measured on P ranks for a plan on more ranks extrapolates the same way.
+/// As JSON (the file `dkfac plan --measure-rates` writes): tools/common/report_json.h.
 struct Rates {
   int world_size = 1;                           ///< ranks the collectives were measured on
   /// Ranks that share one machine's compute (consecutive ranks form a node): measure_rates runs on one

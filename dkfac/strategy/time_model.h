@@ -124,7 +124,7 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
 /// No limit for choose_strategy's memory budget.
 constexpr int64_t kNoMemoryBudget = 0;
 
-/// One strategy that `Strategy` auto considers, with its prediction.
+/// One strategy that strategy auto considers, with its prediction (as JSON: tools/common/report_json.h).
 struct Candidate {
   std::string name;         ///< "kaisa f=1/2 W=2 triangles", "spd", "dp", ...
   Options options;          ///< the base options with this candidate's strategy, fraction and symmetric_comm

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "tools/models/paper_shapes.h"
+#include "tools/common/report_json.h"
 #include "tools/plan/plan_report.h"
 
 namespace dkfac::plan {
@@ -241,7 +242,7 @@ strategy::Rates given_rates(ComputeMethod method) {
 
 TEST(PlanAuto, RatesRoundTripThroughJson) {
   const auto r = given_rates(ComputeMethod::kEigen);
-  const auto back = rates_from_json(rates_to_json(r));
+  const auto back = nlohmann::json(r).get<strategy::Rates>();
   EXPECT_EQ(back.world_size, 4);
   EXPECT_EQ(back.method, ComputeMethod::kEigen);
   EXPECT_EQ(back.dtype, c10::kFloat);
@@ -262,24 +263,24 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.refresh.seconds, r.refresh.seconds);
   EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
   EXPECT_EQ(back.conditions, "test");
-  auto broken = rates_to_json(r);
+  auto broken = nlohmann::json(r);
   broken["factor"].erase("per_flop_s");
   try {
-    rates_from_json(broken);
+    broken.get<strategy::Rates>();
     FAIL() << "a missing field must be named";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("factor.per_flop_s"), std::string::npos);
   }
-  broken = rates_to_json(r);
+  broken = nlohmann::json(r);
   broken["allreduce"]["alpha_s"] = -1.0;
-  EXPECT_THROW(rates_from_json(broken), c10::Error);
-  // One format: a file without a part that rates_to_json writes is refused naming it, not read with a stand-in.
+  EXPECT_THROW(broken.get<strategy::Rates>(), c10::Error);
+  // One format: a file without a part that to_json writes is refused naming it, not read with a stand-in.
   for (const char* part :
        {"allreduce_busy", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold", "refresh"}) {
-    auto older = rates_to_json(r);
+    auto older = nlohmann::json(r);
     older.erase(part);
     try {
-      rates_from_json(older);
+      older.get<strategy::Rates>();
       ADD_FAILURE() << "rates without " << part << " were read";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what_without_backtrace()).find(std::string("rates: missing field ") + part),

@@ -10,6 +10,7 @@
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
 #include "dkfac/strategy/time_model.h"
+#include "tools/common/report_json.h"
 #include "tools/plan/plan_report.h"
 
 namespace dkfac::cli {
@@ -49,7 +50,7 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
                << std::thread::hardware_concurrency() << " hardware threads";
     rates.conditions = conditions.str();
     std::ofstream out(c.measure_file);
-    out << plan::rates_to_json(rates).dump(2) << "\n";
+    out << nlohmann::json(rates).dump(2) << "\n";
     out.close();
     TORCH_CHECK(out, "--measure-rates: could not write ", c.measure_file);
     if (c.strategy.empty()) {
@@ -58,7 +59,7 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
     }
     have = true;
   } else if (!c.rates_file.empty()) {
-    rates = plan::read_rates(c.rates_file, "--rates");
+    rates = read_rates(c.rates_file, "--rates");
     have = true;
   }
   TORCH_CHECK(have || any_rate_flag(c), "--strategy auto needs rates: --rates FILE (written by --measure-rates), "

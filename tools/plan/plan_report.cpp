@@ -14,6 +14,7 @@
 #include "dkfac/layers/discovery.h"
 #include "dkfac/strategy/candidates.h"
 #include "dkfac/strategy/prediction.h"
+#include "tools/common/report_json.h"
 #include "tools/models/models.h"
 #include "tools/models/paper_shapes.h"
 
@@ -209,18 +210,12 @@ PlanReport plan_report(const PlanRequest& r) {
     nlohmann::json ranks = nlohmann::json::array();
     for (int rank = 0; rank < p; ++rank) {
       const auto& x = plan[rank];
-      ranks.push_back({{"rank", rank},
-                       {"factor_bytes", x.factor_bytes},
-                       {"second_order_bytes", x.second_order_bytes},
-                       {"gradient_bytes", x.gradient_bytes},
-                       {"memory_bytes", x.memory_bytes},
-                       {"factor_flops", x.factor_flops},
-                       {"decomposition_flops", x.decomposition_flops},
-                       {"precondition_flops", x.precondition_flops},
-                       {"update_bytes", x.factor_bytes + x.second_order_bytes + x.gradient_bytes},
-                       {"update_ring_bytes",
-                        ring * (2.0 * x.factor_bytes + x.second_order_bytes + x.gradient_bytes)},
-                       {"update_flops", x.factor_flops + x.decomposition_flops + x.precondition_flops}});
+      nlohmann::json entry = x;
+      entry["rank"] = rank;
+      entry["update_bytes"] = x.factor_bytes + x.second_order_bytes + x.gradient_bytes;
+      entry["update_ring_bytes"] = ring * (2.0 * x.factor_bytes + x.second_order_bytes + x.gradient_bytes);
+      entry["update_flops"] = x.factor_flops + x.decomposition_flops + x.precondition_flops;
+      ranks.push_back(std::move(entry));
     }
     nlohmann::json summary;
     std::vector<std::string> keys;
@@ -295,132 +290,13 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
 
 namespace {
 
-c10::ScalarType dtype_from_name(const std::string& name) {
-  const auto dtype = storage_dtype_named(name);
-  TORCH_CHECK(dtype, "rates: dtype must be float32, float64, bfloat16 or float16, got '", name, "'");
-  return *dtype;
-}
-
-template <typename T>
-T field(const nlohmann::json& json, const char* object, const char* key) {
-  const nlohmann::json& o = object ? json.at(object) : json;
-  TORCH_CHECK(o.contains(key), "rates: missing field ", object ? std::string(object) + "." : "", key);
-  try {
-    return o.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "rates: field ", object ? std::string(object) + "." : "", key, ": ", e.what());
-  }
-}
-
 std::string us(double seconds) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(1) << seconds * 1e6 << " us";
   return out.str();
 }
 
-nlohmann::json factor_rate_json(const strategy::FactorRate& rate) {
-  return {{"seconds", rate.seconds}, {"per_entry_s", rate.per_entry}, {"per_flop_s", rate.per_flop}};
-}
-
-/// The FactorRate in `j[name]`.
-strategy::FactorRate factor_rate_from_json(const nlohmann::json& j, const char* name) {
-  return {field<double>(j, name, "seconds"), field<double>(j, name, "per_entry_s"), field<double>(j, name, "per_flop_s")};
-}
-
-nlohmann::json decomposition_rate_json(const strategy::DecompositionRate& rate) {
-  return {{"dims", rate.dims}, {"seconds", rate.seconds}, {"latency_s", rate.latency},
-          {"per_cubed_dim_s", rate.per_cubed_dim}};
-}
-
-/// The DecompositionRate in `j[name]`.
-strategy::DecompositionRate decomposition_rate_from_json(const nlohmann::json& j, const char* name) {
-  strategy::DecompositionRate rate;
-  rate.dims = field<std::vector<int64_t>>(j, name, "dims");
-  rate.seconds = field<std::vector<double>>(j, name, "seconds");
-  rate.latency = field<double>(j, name, "latency_s");
-  rate.per_cubed_dim = field<double>(j, name, "per_cubed_dim_s");
-  return rate;
-}
-
 }  // namespace
-
-nlohmann::json rates_to_json(const strategy::Rates& r) {
-  return {{"format", "dkfac rates 1"},
-          {"world_size", r.world_size},
-          {"ranks_per_node", r.ranks_per_node},
-          {"parallel_ranks", r.parallel_ranks},
-          {"device", r.device},
-          {"dtype", storage_dtype_name(r.dtype)},
-          {"compute_method", to_string(r.method)},
-          {"threads", r.threads},
-          {"conditions", r.conditions},
-          {"allreduce", {{"alpha_s", r.allreduce.alpha}, {"beta_s_per_byte", r.allreduce.beta}}},
-          {"allreduce_busy", {{"alpha_s", r.allreduce_busy.alpha}, {"beta_s_per_byte", r.allreduce_busy.beta}}},
-          {"broadcast", {{"alpha_s", r.broadcast.alpha}, {"beta_s_per_byte", r.broadcast.beta}}},
-          {"factor", factor_rate_json(r.factor)},
-          {"conv_factor", factor_rate_json(r.conv_factor)},
-          {"conv_g_factor", factor_rate_json(r.conv_g_factor)},
-          {"conv_patches_factor", factor_rate_json(r.conv_patches_factor)},
-          {"conv_unfold_factor", factor_rate_json(r.conv_unfold_factor)},
-          {"fold", {{"seconds", r.fold.seconds}, {"per_entry_s", r.fold.per_entry}}},
-          {"decomposition", decomposition_rate_json(r.decomposition)},
-          {"refresh", decomposition_rate_json(r.refresh)},
-          {"precondition", {{"seconds", r.precondition.seconds}, {"per_flop_s", r.precondition.per_flop}}}};
-}
-
-strategy::Rates rates_from_json(const nlohmann::json& j) {
-  TORCH_CHECK(j.is_object(), "rates: expected a JSON object");
-  strategy::Rates r;
-  r.world_size = field<int>(j, nullptr, "world_size");
-  r.ranks_per_node = field<int>(j, nullptr, "ranks_per_node");
-  r.parallel_ranks = field<double>(j, nullptr, "parallel_ranks");
-  r.device = field<std::string>(j, nullptr, "device");
-  r.dtype = dtype_from_name(field<std::string>(j, nullptr, "dtype"));
-  const auto method = field<std::string>(j, nullptr, "compute_method");
-  TORCH_CHECK(method == "eigen" || method == "inverse", "rates: compute_method must be eigen or inverse, got '",
-              method, "'");
-  r.method = method == "eigen" ? ComputeMethod::kEigen : ComputeMethod::kInverse;
-  r.threads = field<int>(j, nullptr, "threads");
-  r.conditions = j.value("conditions", std::string());
-  // One format, as rates_to_json writes it: every field is required, a missing one is named.
-  for (const char* kind : {"allreduce", "broadcast", "allreduce_busy"}) {
-    TORCH_CHECK(j.contains(kind), "rates: missing field ", kind);
-  }
-  r.allreduce = {field<double>(j, "allreduce", "alpha_s"), field<double>(j, "allreduce", "beta_s_per_byte")};
-  r.broadcast = {field<double>(j, "broadcast", "alpha_s"), field<double>(j, "broadcast", "beta_s_per_byte")};
-  r.allreduce_busy = {field<double>(j, "allreduce_busy", "alpha_s"), field<double>(j, "allreduce_busy", "beta_s_per_byte")};
-  for (const char* part : {"factor", "conv_factor", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold",
-                           "decomposition", "refresh", "precondition"}) {
-    TORCH_CHECK(j.contains(part), "rates: missing field ", part);
-  }
-  r.factor = factor_rate_from_json(j, "factor");
-  r.conv_factor = factor_rate_from_json(j, "conv_factor");
-  r.conv_g_factor = factor_rate_from_json(j, "conv_g_factor");
-  r.conv_patches_factor = factor_rate_from_json(j, "conv_patches_factor");
-  r.conv_unfold_factor = factor_rate_from_json(j, "conv_unfold_factor");
-  r.fold = {field<double>(j, "fold", "seconds"), field<double>(j, "fold", "per_entry_s")};
-  r.decomposition = decomposition_rate_from_json(j, "decomposition");
-  r.refresh = decomposition_rate_from_json(j, "refresh");  // empty for the inverse method
-  r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
-  r.validate();
-  return r;
-}
-
-strategy::Rates read_rates(const std::string& path, const std::string& flag) {
-  std::ifstream in(path);
-  TORCH_CHECK(in, flag, ": cannot read ", path);
-  nlohmann::json j;
-  try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, flag, " ", path, ": not JSON (", e.what(), ")");
-  }
-  try {
-    return rates_from_json(j);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, flag, " ", path, ": ", e.what_without_backtrace());
-  }
-}
 
 strategy::Rates measure_rates_in_process(int nproc, int threads, ComputeMethod method) {
   TORCH_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
@@ -467,26 +343,6 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
   const auto choice = strategy::choose_strategy(t.layers, r.nproc, base, rates, r.memory_budget_bytes, r.batch_size,
                                                 {r.factor_update_steps, r.inv_update_steps});
   AutoReport report;
-  nlohmann::json candidates = nlohmann::json::array();
-  for (const auto& c : choice.candidates) {
-    const strategy::PhaseSeconds m = c.time.slowest_phases();
-    candidates.push_back({{"name", c.name},
-                          {"strategy", to_string(c.options.strategy())},
-                          {"grad_worker_fraction", c.options.grad_worker_fraction()},
-                          {"grad_workers", c.plan.grad_workers()},
-                          {"symmetric_comm", c.options.symmetric_comm()},
-                          {"redundant_dim", c.plan.redundant_dim},
-                          {"step_seconds", c.time.step_seconds},
-                          {"max_over_ranks_seconds",
-                           {{"factor_build", m.factor_build},
-                            {"factor_comm", m.factor_comm},
-                            {"decomposition", m.decomposition},
-                            {"second_order_comm", m.second_order_comm},
-                            {"precondition", m.precondition},
-                            {"gradient_comm", m.gradient_comm}}},
-                          {"memory_bytes", c.memory_bytes},
-                          {"fits", c.fits}});
-  }
   report.json = {{"model", r.model},
                  {"dataset", t.dataset},
                  {"input", t.input},
@@ -496,8 +352,8 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
                  {"factor_update_steps", r.factor_update_steps},
                  {"inv_update_steps", r.inv_update_steps},
                  {"memory_budget_bytes", r.memory_budget_bytes},
-                 {"rates", rates_to_json(rates)},
-                 {"candidates", candidates},
+                 {"rates", rates},
+                 {"candidates", choice.candidates},
                  {"chosen", choice.pick().name},
                  {"fits", choice.fits},
                  {"reason", choice.reason}};

@@ -71,13 +71,6 @@ struct AutoReport {
 };
 AutoReport auto_report(const PlanRequest& request, const strategy::Rates& rates);
 
-/// Rates as JSON (seconds, bytes, FLOPs; every field of strategy::Rates) and back. rates_from_json throws
-/// c10::Error naming a missing or invalid field.
-nlohmann::json rates_to_json(const strategy::Rates& rates);
-strategy::Rates rates_from_json(const nlohmann::json& json);
-/// rates_from_json of the file at `path`; errors name `flag` (the flag that gave the path) and the file.
-strategy::Rates read_rates(const std::string& path, const std::string& flag);
-
 /// `dkfac plan --measure-rates`: strategy::measure_rates on `nproc` ranks that are threads of this process
 /// (Gloo over loopback, an in-process store), each with `threads` intra-op threads, CPU float32 kernels
 /// of `method`. Returns rank 0's rates (every rank's are the same average).

@@ -1,7 +1,7 @@
 #include "tools/train/trainer.h"
 
 #include "tools/common/threads.h"
-#include "tools/plan/plan_report.h"
+#include "tools/common/report_json.h"
 #include "tools/train/checkpointer.h"
 #include "tools/train/devices.h"
 #include "tools/train/metrics.h"
@@ -64,13 +64,6 @@ void add_gpu_memory(nlohmann::json& event, c10::Device device) {
   event["gpu_memory_reserved_bytes"] = stats->reserved;
 }
 
-// Metrics format 3's kfac_time_s (tools/train/metrics.h): seconds per K-FAC phase and their total.
-nlohmann::json kfac_time_json(const PhaseTimes& t) {
-  nlohmann::json out = t.by_name();
-  out["total"] = t.total();
-  return out;
-}
-
 // One rank's entry in the summary event's ranks[].
 struct RankReport {
   std::map<std::string, int64_t> comm_bytes;  // every comm::Purpose by name; 0 where nothing moved
@@ -129,7 +122,7 @@ nlohmann::json report_json(int rank, const RankReport& report, bool with_gpu) {
   nlohmann::json json = {{"rank", rank},
                          {"comm_bytes", report.comm_bytes},
                          {"kfac_memory_bytes", report.kfac_memory_bytes},
-                         {"kfac_time_s", kfac_time_json(report.kfac_time)},
+                         {"kfac_time_s", report.kfac_time},
                          {"wall_time_s", report.wall_time_s}};
   if (with_gpu) json["gpu_max_memory_allocated_bytes"] = report.gpu_max_memory_allocated_bytes;
   return json;
@@ -228,7 +221,7 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
         })
         .accumulation_steps(config_.accumulation_steps);
     s.kfac = std::make_unique<Preconditioner>(s.model.ptr(), options, communicator_);
-    if (!config_.kfac_rates.empty()) s.kfac->use_rates(plan::read_rates(config_.kfac_rates, "--kfac-rates"));
+    if (!config_.kfac_rates.empty()) s.kfac->use_rates(read_rates(config_.kfac_rates, "--kfac-rates"));
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
   if (s.kfac && rank_ == 0) {
@@ -880,7 +873,7 @@ nlohmann::json Trainer::step_event(const Position& at, double loss) const {
                           {"loss", loss},          {"lr", s.current_lr},
                           {"wall_time_s", s.wall()}};
   add_gpu_memory(event, device_);
-  if (s.kfac) event["kfac_time_s"] = kfac_time_json(s.kfac->total_times());
+  if (s.kfac) event["kfac_time_s"] = s.kfac->total_times();
   return event;
 }
 
@@ -890,7 +883,7 @@ nlohmann::json Trainer::epoch_event(const Position& at, double train_loss, const
                           {"train_loss", train_loss}, {"test_loss", eval.loss},
                           {"test_accuracy", eval.accuracy}, {"wall_time_s", s.wall()},
                           {"step", s.global_step}};
-  if (s.kfac) event["kfac_time_s"] = kfac_time_json(s.kfac->total_times());
+  if (s.kfac) event["kfac_time_s"] = s.kfac->total_times();
   add_gpu_memory(event, device_);
   return event;
 }
@@ -904,7 +897,7 @@ nlohmann::json Trainer::summary_event(const TrainSummary& summary) const {
                           {"final_test_accuracy", summary.final_accuracy},
                           {"final_test_loss", summary.final_test_loss},
                           {"wall_time_s", summary.wall_seconds},
-                          {"kfac_time_s", kfac_time_json(s.kfac ? s.kfac->total_times() : PhaseTimes())},
+                          {"kfac_time_s", s.kfac ? s.kfac->total_times() : PhaseTimes()},
                           {"parameters_crc32", summary.parameters_crc32},
                           {"model", to_string(config_.model)},
                           {"dataset", to_string(config_.dataset)},
