@@ -12,7 +12,7 @@
 #include "dkfac/strategy/rates.h"
 #include "dkfac/strategy/step_plan.h"
 
-/// Predicted K-FAC time of a StepPlan from measured Rates, and `Strategy` auto's choice among the
+/// Predicted K-FAC time of a StepPlan from measured Rates, and strategy auto's choice among the
 /// strategies' plans (docs/STRATEGIES.md, "Choosing automatically"). Pure: no tensors, no processes.
 namespace dkfac::strategy {
 
@@ -160,7 +160,7 @@ bool runs_as(const Candidate& candidate, const Options& running);
 /// unchanged. Pure.
 void prefer_running(StrategyChoice& choice, const Options& running);
 
-/// `Strategy` auto's choice for a job of `world_size` ranks on layers `shapes`, among candidates(P, base)
+/// strategy auto's choice for a job of `world_size` ranks on layers `shapes`, among candidates(P, base)
 /// (candidates.h): KAISA at every W dividing P (f = W/P: 1, the divisors between, 1/P), each with and without
 /// symmetric_comm; SPD-KFAC; DP-KFAC. Each candidate's StepPlan comes from make_step_plan (the one place a strategy's behaviour is
 /// written) with `base` otherwise unchanged; its time from predict_time, its memory from predict. The pick is
@@ -169,7 +169,7 @@ void prefer_running(StrategyChoice& choice, const Options& running);
 /// fits, the candidate with the least memory (then the fastest), and `fits` is false. Pure given the rates:
 /// every rank that calls it with the same arguments gets the same choice.
 ///
-/// What strategy::AutoStrategy (auto.h) does for the Preconditioner with Options' `Strategy` auto at its first
+/// What strategy::AutoStrategy (auto.h) does for the Preconditioner with Options' strategy auto at its first
 /// step (dkfac train --strategy auto and Python's strategy='auto' go through it):
 ///  1. rates = measure_rates(communicator, device, dtype, method) on every rank at once (collective; every
 ///     rank gets the same averaged numbers), or Rates read from a file written earlier;
