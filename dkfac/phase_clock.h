@@ -40,6 +40,15 @@ class PhaseClock {
     spans_.push_back({KfacPhase::kCommunication, 1.0, start, end});
     spans_.push_back({phase, -1.0, std::move(start), std::move(end)});
   }
+  /// Runs `run` outside every phase and returns what it returns, counting its time as communication (a front
+  /// end's collectives around the step).
+  template <typename F>
+  auto communication(F&& run) {
+    auto start = device::Mark::now(device_);
+    auto result = std::forward<F>(run)();
+    spans_.push_back({KfacPhase::kCommunication, 1.0, std::move(start), device::Mark::now(device_)});
+    return result;
+  }
   /// `phase` of this step ran from `start` to `end` (e.g. a capture's device marks).
   void add(KfacPhase phase, device::Mark start, device::Mark end) {
     spans_.push_back({phase, 1.0, std::move(start), std::move(end)});

@@ -79,9 +79,33 @@ void Preconditioner::check_schedules_agree() const {
   }
 }
 
-
-void Preconditioner::step() {
+void Preconditioner::step(const Distributor& distributor) {
   settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
+  move_gradients(distributor.gather);
+  bool factor_step = false;
+  try {
+    factor_step = run_step();
+  } catch (...) {
+    try {
+      move_gradients(distributor.scatter);  // the gathered gradients back as they came: ranks stay in step
+    } catch (const std::exception& e) {
+      TORCH_WARN("K-FAC step ", steps_, " failed, and returning the gathered gradients failed too: ", e.what());
+    }
+    throw;
+  }
+  move_gradients(distributor.scatter);
+  close_step_timing();
+  if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
+    const auto t = last_step_times();
+    const bool inverse = is_inverse_step(steps_);
+    auto_->record(steps_, {factor_step, inverse, inverse && !is_full_decomposition_step(steps_)}, t);
+  }
+  ++steps_;
+  if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
+  arm_capture();
+}
+
+bool Preconditioner::run_step() {
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
@@ -111,15 +135,13 @@ void Preconditioner::step() {
     forget_failed_step();
     throw;
   }
-  close_step_timing();
-  if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
-    const auto t = last_step_times();
-    const bool inverse = is_inverse_step(steps_);
-    auto_->record(steps_, {factor_step, inverse, inverse && !is_full_decomposition_step(steps_)}, t);
-  }
-  ++steps_;
-  if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
-  arm_capture();
+  return factor_step;
+}
+
+void Preconditioner::move_gradients(const std::function<Distributor::Moved()>& move) {
+  if (!move) return;
+  const auto moved = clock_.communication(move);
+  if (communicator_) communicator_->add_traffic(comm::Purpose::kGradients, moved.calls, moved.bytes);
 }
 
 void Preconditioner::refuse_repeated_step() const {

@@ -88,6 +88,22 @@ struct MessageNames {
   std::string option(const std::string& name, const std::string& value) const;
 };
 
+/// A front end's collectives around the core's step, for layers whose gradients it holds in parts: Python's
+/// FSDP2 and HSDP layers, where the core binds full-shaped stand-ins and one distributor per parallelism
+/// (python/dkfac/base_preconditioner.py, `_distributor`) fills them before the step and returns their rows
+/// after it. Preconditioner::step runs `gather` first, before it reads any gradient, and `scatter` last, after it
+/// wrote them, also when the step failed after the gather (every rank keeps its collectives in order). Their time
+/// is communication in the phase clock, and the calls and bytes they return count under
+/// comm::Purpose::kGradients in the Communicator's traffic, as strategy::predict counts a sharded layer's rows.
+struct Distributor {
+  struct Moved {
+    int64_t calls = 0;  ///< collectives run
+    int64_t bytes = 0;  ///< gradient bytes this rank sent or received (a chunk's padding not counted)
+  };
+  std::function<Moved()> gather;
+  std::function<Moved()> scatter;
+};
+
 /// K-FAC preconditioner for a LibTorch model (single process).
 ///
 /// Finds every dkfac::nn::Linear / dkfac::nn::Conv2d in `model` whose parameters all require grad
@@ -122,8 +138,9 @@ class Preconditioner {
   /// -> KL clip -> write gradients. Then arms capture for the next step. With several ranks it first checks
   /// that every rank's schedules give the same values at this step (check_schedules_agree). A step() that
   /// finds every gradient it wrote last time unchanged (no backward pass, accumulation or gradient allreduce
-  /// since) is refused: it would precondition the same gradients twice.
-  void step();
+  /// since) is refused: it would precondition the same gradients twice. `distributor`: a front end's
+  /// collectives around the step (Distributor).
+  void step(const Distributor& distributor = {});
 
   /// Drops the current step without touching gradients, factors or the step counter, for a training loop
   /// that skips a step (e.g. a non-finite loss). Factors captured in forward/backward are discarded; on a
@@ -330,6 +347,11 @@ class Preconditioner {
   bool agrees_on_unused_layers() const;
   /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
   void agree_on_unused_layers(std::vector<LayerFate>& fates);
+  /// step() between the distributor's gather and scatter: the checks, then factors, second order,
+  /// preconditioning and the written gradients. Returns whether it was a factor step.
+  bool run_step();
+  /// Runs one of a distributor's moves (none when empty), timed as communication and counted as gradient traffic.
+  void move_gradients(const std::function<Distributor::Moved()>& move);
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
   void close_step_timing();
   /// Marks where the step is (its phase, and the layer), for an out-of-memory error to name.

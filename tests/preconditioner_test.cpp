@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <thread>
 
 #include "dkfac/dkfac.h"
 #include "tests/test_util.h"
@@ -574,6 +575,69 @@ TEST(Preconditioner, FailedStepDropsItsCapture) {
   const auto [expected, expected_steps] = run(false);
   const auto [got, steps] = run(true);
   EXPECT_EQ(steps, expected_steps);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
+}
+
+// A front end's distributor frames the step: its gather runs before the step reads any gradient, its scatter after
+// the step wrote them (also when the step failed after the gather), and their time is communication.
+TEST(Preconditioner, ADistributorFramesTheStep) {
+  const auto run = [](bool distributed) {
+    torch::manual_seed(1);
+    auto net = std::make_shared<TinyNet>();
+    net->to(torch::kFloat64);
+    Preconditioner kfac(net, Options());
+    std::vector<std::string> order;
+    std::vector<torch::Tensor> held;  // the gradients "on other ranks" until the gather brings them
+    const auto own_gradients = [&] {
+      std::vector<torch::Tensor> out;
+      for (const auto& p : net->parameters()) out.push_back(p.grad().clone());
+      return out;
+    };
+    std::vector<torch::Tensor> scattered;
+    Distributor distributor;
+    distributor.gather = [&] {
+      order.push_back("gather");
+      for (size_t i = 0; i < held.size(); ++i) net->parameters()[i].mutable_grad().copy_(held[i]);  // in place
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return Distributor::Moved{1, 64};
+    };
+    distributor.scatter = [&] {
+      order.push_back("scatter");
+      scattered = gradients(*net);
+      return Distributor::Moved{1, 32};
+    };
+    for (int64_t step = 0; step < 3; ++step) {
+      zero_grad_and_backward(*net, 30 + step);
+      if (!distributed) {
+        kfac.step();
+        continue;
+      }
+      held = own_gradients();
+      for (auto& p : net->parameters()) p.mutable_grad().zero_();  // what the step would read without the gather
+      kfac.step(distributor);
+      EXPECT_EQ(kfac.last_step_times()[KfacPhase::kCommunication] >= 0.02, true) << "the gather's 20 ms";
+      const auto written = gradients(*net);
+      for (size_t i = 0; i < written.size(); ++i) EXPECT_TRUE(torch::equal(scattered[i], written[i]));
+    }
+    const auto result = gradients(*net);
+    if (distributed) {
+      EXPECT_EQ(order, (std::vector<std::string>{"gather", "scatter", "gather", "scatter", "gather", "scatter"}));
+      order.clear();
+      // A step that fails after the gather (fc2 "has no gradient") still runs the scatter: ranks stay in step.
+      auto failing = distributor;
+      failing.gather = [&] {
+        order.push_back("gather");
+        net->fc2->weight.mutable_grad() = torch::Tensor();
+        return Distributor::Moved{};
+      };
+      zero_grad_and_backward(*net, 40);
+      EXPECT_THROW(kfac.step(failing), c10::Error);
+      EXPECT_EQ(order, (std::vector<std::string>{"gather", "scatter"}));
+    }
+    return result;
+  };
+  const auto expected = run(false);
+  const auto got = run(true);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
 }
 

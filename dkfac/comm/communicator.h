@@ -61,7 +61,8 @@ enum class Purpose {
   kCalibration,   ///< "calibration": SPD-KFAC's link and decomposition measurements
   kSetup,         ///< "setup": configuration checks, checkpoint and summary tables
   kFiniteCheck,   ///< "finite-check": the ranks' agreement on a non-finite loss (dkfac train)
-  kControl,       ///< "control": the ranks' schedule values each step, the Python front end's all_true
+  kControl,       ///< "control": the ranks' schedule values each step, the Python front end's all_true, the owners'
+                  ///< guard reports (owner placement)
 };
 
 /// The phase's name: "data_parallel", "factors", "second_order", "gradients", "calibration", "setup",

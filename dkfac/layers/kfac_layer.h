@@ -58,6 +58,8 @@ struct LayerBinding {
   /// The front end shards this layer's gradient by output rows over each row of ranks (FSDP2, HSDP) and moves
   /// the rows itself; `weight` and `bias` are full-shaped stand-ins (Options::sharded_placement).
   bool sharded = false;
+  /// A sharded layer's shard group: the ranks its rows are split over (HSDP: world / replicas); 0: the world.
+  int shard_ranks = 0;
 };
 
 /// One entry of KfacLayer::state(): the one list of a layer's state that checkpoints, the collective gather
@@ -103,8 +105,9 @@ class KfacLayer {
   /// Whether the A / G factor is kept as its diagonal (math/factors.h): an Embedding's A, or a factor wider
   /// than Options::diagonal_factor_dim.
   bool a_diagonal() const { return binding_.capture->geometry().a_diagonal; }
-  /// LayerBinding::sharded.
+  /// LayerBinding::sharded and shard_ranks.
   bool sharded() const { return binding_.sharded; }
+  int shard_ranks() const { return binding_.shard_ranks; }
   bool g_diagonal() const { return binding_.capture->geometry().g_diagonal; }
   /// Keeps the factors wider than `limit` diagonal (0: none); before any capture (the preconditioner's
   /// construction).

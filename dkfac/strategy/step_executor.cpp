@@ -41,7 +41,12 @@ StepExecutor::StepExecutor(std::shared_ptr<comm::Communicator> communicator, std
                                    /*threshold=*/redundant < 0);
     if (redundant < 0) redundant = spd_measurement_.redundant_dim;
   }
-  plan_ = make_step_plan(shapes, world, options, redundant);
+  // Replicated placement all-gathers a sharded layer's rows over its shard group (HSDP: world / replicas).
+  int shard_ranks = 0;
+  for (const auto& layer : layers) {
+    if (layer.sharded()) shard_ranks = std::max(shard_ranks, layer.shard_ranks());
+  }
+  plan_ = make_step_plan(shapes, world, options, redundant, shard_ranks);
   if (world == 1) return;
   // Same order on every rank: columns, then rows (then the pipeline's group); the world is reused
   // where a group is everyone.
@@ -172,7 +177,7 @@ void StepExecutor::agree_on_reports(torch::Tensor& rows, const std::vector<size_
   auto reports = rows.index_select(0, index);
   if (communicator_ && plan_.world_size() > 1) {
     auto wire = reports.to(communicator_->control_device());
-    communicator_->allreduce_sum(wire, comm::kWorld, comm::Purpose::kGradients).wait();
+    communicator_->allreduce_sum(wire, comm::kWorld, comm::Purpose::kControl).wait();
     reports = wire.to(rows.device());
   }
   // Each owner's V is the same: its sum(V * grad) once, and a flag 1 only where every owner's is.

@@ -218,38 +218,86 @@ def _is_dtensor(t: Any) -> bool:
     return t is not None and type(t).__name__ == 'DTensor' and hasattr(t, 'full_tensor')
 
 
-class _ShardedLayer:
-    """A layer whose Parameters are DTensors (FSDP2's ``fully_shard``, HSDP): the core preconditions full-shaped
-    stand-ins. Before the core's step every rank all-gathers each such gradient (``full_tensor()``: FSDP2 left it
-    reduce-scattered, averaged over the data-parallel ranks as DDP averages it) into its stand-in; after it, each
-    rank copies its own rows of the preconditioned gradient back into its shard. Factors come from the hooks as
-    for DDP (each rank's full local activations and output gradients) and are reduced over every rank, so the job
-    equals the same one under DDP (docs/STRATEGIES.md, "Sharded models"). K-FAC memory is that of the strategy
-    under DDP, plus the full gradients of every sharded layer, gathered before the core's step and freed after it."""
+def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a layer's Parameters are DTensors (FSDP2's ``fully_shard``, HSDP)."""
+    sharded = [_is_dtensor(t) for t in (weight, bias) if t is not None]
+    if any(sharded) and not all(sharded):
+        raise ValueError('a layer whose weight and bias are not both DTensors (or both plain tensors) cannot be '
+                         'preconditioned')
+    return any(sharded)
+
+
+class _Distributor:
+    """How one layer's gradient reaches the core's step and returns from it, for one parallelism (the core calls
+    them through ``Preconditioner::step``'s Distributor, docs/ARCHITECTURE.md). What the core binds for the layer
+    (`core_tensors`); what the rank gathers before the core's step (`start_gather`: the collectives' works, then
+    `finish_gather` once they were waited for) and returns after it (`start_scatter`, `finish_scatter`). Each
+    start adds to `moved` the collectives it ran and the gradient bytes this rank sent or received (a chunk's
+    padding not counted), which the core counts as gradient traffic.
+
+    This one is data-parallel replication (DDP, or one process): the core binds the layer's Parameters, whose
+    gradients DDP already averaged, and nothing moves."""
+
+    shard_ranks = 0  # the ranks a sharded layer's rows are split over; 0: not sharded
+
+    def __init__(self) -> None:
+        self.moved = [0, 0]  # calls, bytes
+
+    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return weight, bias
+
+    def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        return []
+
+    def finish_gather(self) -> None:
+        pass
+
+    def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        return []
+
+    def finish_scatter(self) -> None:
+        pass
+
+
+class _ReplicatedShards(_Distributor):
+    """A layer sharded by FSDP2 or HSDP, replicated placement (``sharded_placement='replicated'``): the core
+    preconditions full-shaped stand-ins. Before the core's step every rank all-gathers each such gradient
+    (``full_tensor()``: FSDP2 left it reduce-scattered, averaged over the data-parallel ranks as DDP averages it)
+    into its stand-in; after it, each rank copies its own rows of the preconditioned gradient back into its shard.
+    Factors come from the hooks as for DDP (each rank's full local activations and output gradients) and are
+    reduced over every rank, so the job equals the same one under DDP (docs/STRATEGIES.md, "Sharded models").
+    K-FAC memory is that of the strategy under DDP, plus the full gradients of every sharded layer, gathered
+    before the core's step and freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard
+
+        self.shard_ranks = 1
+        for d, p in enumerate(weight.placements):
+            if isinstance(p, Shard):
+                self.shard_ranks *= weight.device_mesh.size(d)
         # Full-shaped leaves over one element (zero strides): the core reads their shape, dtype, device and
         # requires_grad (a layer frozen later is named so), and their .grad.
         self.stand_ins = [None if t is None else torch.empty_strided(t.shape, [0] * t.dim(), dtype=t.dtype,
                                                                      device=t.to_local().device).requires_grad_(t.requires_grad)
                           for t in (weight, bias)]
 
-    @staticmethod
-    def of(weight: torch.Tensor, bias: torch.Tensor | None) -> _ShardedLayer | None:
-        sharded = [_is_dtensor(t) for t in (weight, bias) if t is not None]
-        if not any(sharded):
-            return None
-        if not all(sharded):
-            raise ValueError('a layer whose weight and bias are not both DTensors (or both plain tensors) cannot be '
-                             'preconditioned')
-        return _ShardedLayer(weight, bias)
+    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return tuple(self.stand_ins)
 
-    def gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
-            if stand_in is not None:
-                stand_in.grad = None if parameter.grad is None else parameter.grad.full_tensor()
+            if stand_in is None:
+                continue
+            stand_in.grad = None if parameter.grad is None else parameter.grad.full_tensor()
+            if stand_in.grad is not None:  # the rows this rank lacked
+                local = parameter.grad.to_local()
+                self.moved[0] += 1
+                self.moved[1] += (stand_in.grad.numel() - local.numel()) * stand_in.grad.element_size()
+        return []
 
-    def scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
@@ -260,28 +308,39 @@ class _ShardedLayer:
             rows = stand_in.grad[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
             grad.to_local().copy_(rows)
             stand_in.grad = None
+        return []
 
 
-class _OwnerRows:
-    """Owner placement (``sharded_placement='owner'``) of a layer sharded by FSDP2 or HSDP: before the core's step
+class _OwnerShards(_ReplicatedShards):
+    """A layer sharded by FSDP2 or HSDP, owner placement (``sharded_placement='owner'``): before the core's step
     each rank of the layer's shard group sends its rows of the gradient to the layer's owner there (one
     ``gather``, each shard padded to ``torch.chunk``'s size as FSDP2 splits rows), which preconditions the whole
     gradient; after it, the owner sends each rank its rows back (one ``scatter``). The other ranks hold nothing of
     the layer but their rows: the core keeps its factors and second-order state with the owner
     (strategy::LayerFlow::owner_rows)."""
 
-    def __init__(self, layer: _ShardedLayer, owner: int, group: Any, me: int) -> None:
-        self.layer, self.owner, self.group, self.mine = layer, owner, group, owner == me
+    def __init__(self, replicated: _ReplicatedShards, owner: int, group: Any, me: int) -> None:
+        _Distributor.__init__(self)
+        self.stand_ins, self.shard_ranks = replicated.stand_ins, replicated.shard_ranks  # what the core is bound to
+        self.owner, self.group, self.mine = owner, group, owner == me
         self.size = dist.get_world_size(group)
 
     def _local(self, parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's rows of `parameter`'s gradient, and the rows of a whole chunk."""
         return parameter.grad.to_local(), -(-parameter.grad.shape[0] // self.size)
 
+    def _count(self, parameter: torch.Tensor, local: torch.Tensor, chunk: int) -> None:
+        """One collective of this layer's rows: the owner receives (or sends) every other rank's real rows, another
+        rank sends (or receives) its own."""
+        rows = parameter.shape[0]
+        theirs = rows - min(chunk, rows - min(rows, dist.get_group_rank(self.group, self.owner) * chunk))
+        self.moved[0] += 1
+        self.moved[1] += (theirs if self.mine else local.shape[0]) * parameter.shape[1:].numel() * local.element_size()
+
     def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         works = []
         self.received = []
-        for parameter, stand_in in zip((weight, bias), self.layer.stand_ins):
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
             if stand_in is None:
                 continue
             if parameter.grad is None:  # FSDP2 leaves it None on every rank alike: the core's unused-layer policy
@@ -291,6 +350,7 @@ class _OwnerRows:
             padded[:local.shape[0]].copy_(local)
             chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.mine else None
             works.append(dist.gather(padded, chunks, dst=self.owner, group=self.group, async_op=True))
+            self._count(parameter, local, chunk)
             self.received.append((stand_in, parameter.shape[0], chunks))
         return works
 
@@ -305,7 +365,7 @@ class _OwnerRows:
     def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         works = []
         self.returned = []
-        for parameter, stand_in in zip((weight, bias), self.layer.stand_ins):
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
             if stand_in is None or parameter.grad is None:
                 continue
             local, chunk = self._local(parameter)
@@ -316,6 +376,7 @@ class _OwnerRows:
                 chunks = list(whole.split(chunk))
             rows = local.new_empty((chunk, *local.shape[1:]))
             works.append(dist.scatter(rows, chunks, src=self.owner, group=self.group, async_op=True))
+            self._count(parameter, local, chunk)
             self.returned.append((local, rows, stand_in))
         return works
 
@@ -324,6 +385,19 @@ class _OwnerRows:
             local.copy_(rows[:local.shape[0]])
             stand_in.grad = None
         self.returned = []
+
+
+def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distributor | None = None,
+                 owner: tuple[int, Any, int] | None = None) -> _Distributor:
+    """The one place a layer's distributor is chosen, from its Parameters and its placement: plain tensors, data-
+    parallel replication (_Distributor); DTensors, the owner placement where the plan gave the layer an owner
+    (`owner`: its global rank, the shard group, this rank; _OwnerShards), else the replicated placement
+    (_ReplicatedShards). A sharded layer keeps the stand-ins of the distributor it `was` (the core is bound to
+    them)."""
+    if not _is_sharded(weight, bias):
+        return _Distributor()
+    replicated = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
+    return replicated if owner is None else _OwnerShards(replicated, *owner)
 
 
 def _shard_group(parameter: torch.Tensor) -> tuple[Any, int]:
@@ -342,12 +416,6 @@ def _shard_group(parameter: torch.Tensor) -> tuple[Any, int]:
         if isinstance(p, Replicate):
             replicas *= mesh.size(d)
     return mesh.get_group(dims[0]), replicas
-
-
-def _core_tensors(weight: torch.Tensor, bias: torch.Tensor | None,
-                  sharded: _ShardedLayer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the core binds for a layer: its Parameters, or a sharded layer's full-shaped stand-ins."""
-    return (weight, bias) if sharded is None else tuple(sharded.stand_ins)
 
 
 class BaseKFACPreconditioner:
@@ -425,19 +493,18 @@ class BaseKFACPreconditioner:
         core_options.update(options, accumulation_steps=accumulation_steps,
                             update_factors_in_hook=bool(update_factors_in_hook))
         self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
-        # What the core preconditions: the Parameters themselves, or for a layer sharded by FSDP2 (DTensors),
-        # full-shaped stand-ins whose gradients step() gathers and scatters back (_ShardedLayer).
-        self._sharded = [_ShardedLayer.of(weight, bias) for weight, bias in self._bound]
-        core_layers = [(name, type(module).__name__, *_core_tensors(weight, bias, sharded), capture)
-                       for (module, (name, capture)), (weight, bias), sharded
-                       in zip(self._layers.items(), self._bound, self._sharded)]
+        # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, or for a
+        # layer sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back.
+        self._distributors = [_distributor(weight, bias) for weight, bias in self._bound]
+        core_layers = [(name, type(module).__name__, *distributor.core_tensors(weight, bias), capture)
+                       for (module, (name, capture)), (weight, bias), distributor
+                       in zip(self._layers.items(), self._bound, self._distributors)]
         owner_placed = self._owner_placed = options.get('sharded_placement') == 'owner' and self._world_size > 1
         if owner_placed:
             self._owner_grid(core_options, process_group)
         with _CoreWarnings():
             self._core = _C.Preconditioner(core_layers, core_options, self._communicator,
-                                           sharded=[s is not None for s in self._sharded])
-        self._owners: list[_OwnerRows | None] = [None] * len(self._sharded)
+                                           shard_ranks=[d.shard_ranks for d in self._distributors])
         if owner_placed:
             self._place_owners(process_group)
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
@@ -455,7 +522,7 @@ class BaseKFACPreconditioner:
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard
         groups (KAISA's grad_worker_fraction = replicas / P; DP-KFAC has one owner in a world of one row)."""
-        groups = [_shard_group(weight) for s, (weight, _) in zip(self._sharded, self._bound) if s is not None]
+        groups = [_shard_group(weight) for index, (weight, _) in enumerate(self._bound) if self._sharded(index)]
         if not groups:
             return
         replicas = groups[0][1]
@@ -465,13 +532,13 @@ class BaseKFACPreconditioner:
             core_options['grad_worker_fraction'] = replicas / self._world_size
 
     def _place_owners(self, group: Any) -> None:
-        """Checks that the core's rows of ranks are the mesh's shard groups, and keeps each owner-placed layer's
-        owner and group for step()."""
+        """Checks that the core's rows of ranks are the mesh's shard groups, and gives each owner-placed layer the
+        distributor of its owner and group."""
         row, owners = self._core.row_owners()
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         me = dist.get_rank()
-        for index, (sharded, owner) in enumerate(zip(self._sharded, owners)):
-            if sharded is None or owner < 0:
+        for index, owner in enumerate(owners):
+            if not self._sharded(index) or owner < 0:
                 continue
             shard_group, _ = _shard_group(self._bound[index][0])
             ranks = sorted(dist.get_process_group_ranks(shard_group))
@@ -480,7 +547,12 @@ class BaseKFACPreconditioner:
                                  f'{ranks}, but the plan places its owner in a row of ranks '
                                  f'{sorted(to_global(r) for r in row)} (strategy dp has one row of every rank: '
                                  'use kaisa on an HSDP mesh)')
-            self._owners[index] = _OwnerRows(sharded, to_global(owner), shard_group, me)
+            self._distributors[index] = _distributor(*self._bound[index], was=self._distributors[index],
+                                                     owner=(to_global(owner), shard_group, me))
+
+    def _sharded(self, index: int) -> bool:
+        """Whether layer `index` is sharded (its distributor fills stand-ins)."""
+        return isinstance(self._distributors[index], _ReplicatedShards)
 
     @staticmethod
     def _make_communicator(group: Any, timeout: float | None) -> Any:
@@ -543,33 +615,34 @@ class BaseKFACPreconditioner:
         gradients already averaged across ranks, and before the optimizer's step().
         """
         self._follow_parameters()
-        with torch.no_grad():
-            self._move_sharded_gradients('gather', 'gathering the sharded layers\' gradients')
-            try:
-                with _CoreWarnings():
-                    self._core.step()
-            finally:
-                self._move_sharded_gradients('scatter', 'scattering the sharded layers\' preconditioned gradients')
+        # The distributors' gather and scatter run inside the core's step, which times and counts them.
+        moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
+        with torch.no_grad(), _CoreWarnings():
+            self._core.step(*moves)
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
 
-    def _move_sharded_gradients(self, way: str, what: str) -> None:
-        """Gathers (``way='gather'``) the sharded layers' gradients into the core's full-shaped stand-ins before its
-        step, or scatters (``'scatter'``) the preconditioned rows back after it: each owner-placed layer's
-        collectives started together, then waited for; each replicated layer's in turn (_ShardedLayer)."""
+    def _moves_gradients(self) -> bool:
+        return any(self._sharded(index) for index in range(len(self._distributors)))
+
+    def _move(self, way: str) -> tuple[int, int]:
+        """Every distributor's gather (``way='gather'``: the sharded layers' gradients into the core's full-shaped
+        stand-ins, before its step reads them) or scatter (``'scatter'``: the preconditioned rows back, after it
+        wrote them): their collectives started together, then waited for. Returns the collectives run and the
+        bytes this rank moved, which the core counts as gradient traffic."""
+        what = ("gathering the sharded layers' gradients" if way == 'gather'
+                else "scattering the sharded layers' preconditioned gradients")
         with self._naming_lost_ranks(what):
             works = []
-            for index, sharded in enumerate(self._sharded):
-                if self._owners[index] is not None:
-                    works += getattr(self._owners[index], 'start_' + way)(*self._bound[index])
-                elif sharded is not None:
-                    getattr(sharded, way)(*self._bound[index])
+            for distributor, bound in zip(self._distributors, self._bound):
+                distributor.moved = [0, 0]
+                works += getattr(distributor, 'start_' + way)(*bound)
             for work in works:
                 work.wait()
-            for owner in self._owners:
-                if owner is not None:
-                    getattr(owner, 'finish_' + way)()
+            for distributor in self._distributors:
+                getattr(distributor, 'finish_' + way)()
+        return (sum(d.moved[0] for d in self._distributors), sum(d.moved[1] for d in self._distributors))
 
     @contextlib.contextmanager
     def _naming_lost_ranks(self, what: str) -> Iterator[None]:
@@ -596,18 +669,18 @@ class BaseKFACPreconditioner:
                 continue
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
-            sharded = _ShardedLayer.of(weight, bias)
-            if (sharded is None) != (self._sharded[index] is None) and self._owner_placed:
-                raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
-                                 f'{"sharded" if sharded is not None else "unsharded"} after the preconditioner was '
-                                 'built; its plan places the layer as it was then: shard the model (fully_shard) '
-                                 'first, then build the preconditioner')
-            if sharded is not None and self._sharded[index] is not None:
-                sharded = self._sharded[index]  # the same stand-ins: nothing changes for the core
+            sharded = _is_sharded(weight, bias)
+            if sharded != self._sharded(index):
+                if self._owner_placed:
+                    raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
+                                     f'{"sharded" if sharded else "unsharded"} after the preconditioner was '
+                                     'built; its plan places the layer as it was then: shard the model (fully_shard) '
+                                     'first, then build the preconditioner')
+                self._distributors[index] = _distributor(weight, bias)
+            # else the same distributor: a sharded layer's stand-ins stay, and nothing changes for the core
             with _CoreWarnings():
-                self._core.rebind_layer(index, *_core_tensors(weight, bias, sharded))
+                self._core.rebind_layer(index, *self._distributors[index].core_tensors(weight, bias))
             self._bound[index] = (weight, bias)
-            self._sharded[index] = sharded
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update."""

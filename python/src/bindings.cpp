@@ -336,16 +336,17 @@ PYBIND11_MODULE(_C, m) {
                                                     std::optional<torch::Tensor>, std::shared_ptr<FactorCapture>>>&
                            layers,
                        const py::dict& options, std::shared_ptr<comm::Communicator> communicator,
-                       const std::vector<bool>& sharded) {
-             TORCH_CHECK(sharded.empty() || sharded.size() == layers.size(), "sharded names ", sharded.size(),
-                         " layers, ", layers.size(), " are given");
+                       const std::vector<int>& shard_ranks) {
+             // shard_ranks: per layer, the ranks its rows are sharded over (FSDP2, HSDP), 0 for one not sharded.
+             TORCH_CHECK(shard_ranks.empty() || shard_ranks.size() == layers.size(), "shard_ranks names ",
+                         shard_ranks.size(), " layers, ", layers.size(), " are given");
              std::vector<LayerBinding> bindings;
              MessageNames names;  // messages name torch.nn classes and keyword arguments (large_factor_dim=4096)
              names.option_prefix = "";
              names.option_separator = "=";
              for (const auto& [name, class_name, weight, bias, capture] : layers) {
-               bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture,
-                                   !sharded.empty() && sharded[bindings.size()]});
+               const int ranks = shard_ranks.empty() ? 0 : shard_ranks[bindings.size()];
+               bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture, ranks > 0, ranks});
                names.layer_classes.push_back(class_name);
              }
              auto o = make_options(options);
@@ -354,8 +355,25 @@ PYBIND11_MODULE(_C, m) {
                                                      std::move(names));
            }),
            py::arg("layers"), py::arg("options"), py::arg("communicator") = nullptr,
-           py::arg("sharded") = std::vector<bool>{})
-      .def("step", &Preconditioner::step, py::call_guard<py::gil_scoped_release>())
+           py::arg("shard_ranks") = std::vector<int>{})
+      .def(
+          "step",
+          // gather and scatter: a front end's distributors (Distributor), each returning (collectives, bytes).
+          [](Preconditioner& p, std::optional<py::function> gather, std::optional<py::function> scatter) {
+            const auto call = [](const py::function& move) {
+              return [&move]() -> Distributor::Moved {
+                py::gil_scoped_acquire gil;
+                const auto moved = move().cast<std::pair<int64_t, int64_t>>();
+                return {moved.first, moved.second};
+              };
+            };
+            Distributor distributor;
+            if (gather) distributor.gather = call(*gather);
+            if (scatter) distributor.scatter = call(*scatter);
+            py::gil_scoped_release release;  // back before `distributor` goes: it refers to the functions only
+            p.step(distributor);
+          },
+          py::arg("gather") = py::none(), py::arg("scatter") = py::none())
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
       .def("rebind_layer",  // bias None for a layer without one
@@ -408,6 +426,16 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
       .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })
+      .def("predicted_gradient_bytes",
+           [](const Preconditioner& p, int64_t element_bytes) {
+             // Per rank, the gradient bytes the plan says it moves per step (strategy::predict): V's broadcasts and a
+             // sharded layer's rows, which the distributors move and the core counts.
+             std::vector<int64_t> out;
+             for (const auto& cost : strategy::predict(p.executor()->plan(), element_bytes, 1)) {
+               out.push_back(cost.gradient_bytes);
+             }
+             return out;
+           })
       .def("predicted_memory_bytes",
            [](const Preconditioner& p, int64_t element_bytes) {
              // Per rank, the K-FAC state (factors and second-order state) the plan says it holds (strategy::predict).

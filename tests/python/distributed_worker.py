@@ -207,6 +207,8 @@ def main() -> None:
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
                 'memory': preconditioner.memory_usage(),
+                'traffic': preconditioner._communicator.traffic(), 'times': preconditioner.phase_times(total=True),
+                'predicted_gradient_bytes': preconditioner._core.predicted_gradient_bytes(4),
                 'choice': preconditioner.strategy_choice, 'layout': layout,
                 'warnings': [str(w.message) for w in caught]}, output)
     dist.destroy_process_group()

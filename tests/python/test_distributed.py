@@ -255,6 +255,26 @@ def test_owner_placement_keeps_each_layers_state_with_its_owners(size, shard, tm
     assert max(state(r['memory']) for r in owner) < whole
 
 
+@pytest.mark.parametrize('size,shard,placement', [(2, 'fsdp', 'replicated'), (2, 'fsdp', 'owner'),
+                                                  (4, 'hsdp', 'replicated'), (4, 'hsdp', 'owner')])
+def test_sharded_gradients_move_inside_the_core_step_as_the_plan_predicts(size, shard, placement, tmp_path):
+    """The distributors' gathers and scatters run inside the core's step (Distributor): their bytes are the
+    communicator's 'gradients' traffic, each step what the plan predicts for each rank (replicated: the rows it
+    lacks, all-gathered over its shard group, HSDP's 2 ranks; owner: the rows to the owner and back), their calls
+    one collective per sharded tensor each way, and their time communication."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'model': 'lm', 'diagonal_factor_dim': 16, 'shard': shard,
+              'sharded_placement': placement}
+    if placement == 'replicated':
+        kwargs['grad_worker_fraction'] = 1.0  # no V broadcast: the gathers are the layer's only gradient traffic
+    results = run_workers(size, kwargs, tmp_path)
+    tensors = 5  # wte's weight, c_fc's and head's weight and bias: every one sharded
+    for rank, result in enumerate(results):
+        calls, moved = result['traffic']['gradients']
+        assert moved == STEPS * result['predicted_gradient_bytes'][rank] > 0, (rank, moved, result['plan'])
+        assert calls == STEPS * tensors * (1 if placement == 'replicated' else 2), (rank, calls)
+        assert result['times']['communication'] > 0
+
+
 @pytest.mark.parametrize('strategy', [dict(strategy='dp'), dict(strategy='kaisa', grad_worker_fraction=0.5)])
 def test_eigen_adam_keeps_each_layers_moments_where_it_is_preconditioned(strategy, tmp_path):
     """eigen_adam's moments are held by the one rank that preconditions each layer (DP-KFAC's owner, KAISA's grad
