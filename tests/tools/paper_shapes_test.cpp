@@ -40,6 +40,42 @@ TEST(PaperShapes, ParameterCountsMatchThePublishedOnes) {
   // bert-large-uncased's BertModel (embeddings, 24 layers, pooler; no pre-training heads).
   EXPECT_EQ(paper_model("bert-large").parameters, 335141888);
   EXPECT_EQ(paper_model("bert-large", 512).parameters, 335141888);  // positions are 512 whatever the length
+  // GPT-2's architecture at GPT-3's 1.3B and 6.7B shapes: token and position embeddings V d + 2048 d, per block
+  // two LayerNorms (4 d) and the four Linear layers with biases (12 d^2 + 9 d), the final LayerNorm (2 d).
+  const auto gpt = [](int64_t blocks, int64_t d) {
+    return 50257 * d + 2048 * d + blocks * (12 * d * d + 13 * d) + 2 * d;
+  };
+  EXPECT_EQ(paper_model("gpt-1.3b").parameters, gpt(24, 2048));
+  EXPECT_EQ(paper_model("gpt-1.3b").parameters, 1315723264);
+  EXPECT_EQ(paper_model("gpt-6.7b").parameters, gpt(32, 4096));
+  EXPECT_EQ(paper_model("gpt-6.7b").parameters, 6658404352);  // both: transformers.GPT2Model at these sizes
+}
+
+TEST(PaperShapes, GptLayersAndTheirParallelLayout) {
+  const auto m = paper_model("gpt-1.3b", 2048);
+  ASSERT_EQ(m.layers.size(), 1u + 24 * 4);  // the position embedding and 4 Linear layers per block
+  ASSERT_EQ(m.parallel.size(), m.layers.size());
+  EXPECT_EQ(m.blocks, 24);
+  expect_shape(m, "transformer.wpe", 2048, 2048, 2048);
+  EXPECT_TRUE(layer(m, "transformer.wpe").a_diagonal);
+  expect_shape(m, "transformer.h.0.attn.c_attn", 2049, 6144, 2048);
+  expect_shape(m, "transformer.h.0.attn.c_proj", 2049, 2048, 2048);
+  expect_shape(m, "transformer.h.0.mlp.c_fc", 2049, 8192, 2048);
+  expect_shape(m, "transformer.h.23.mlp.c_proj", 8193, 2048, 2048);
+  // Wider than diagonal_factor_dim (8192): diagonal, as a job keeps it.
+  EXPECT_FALSE(layer(m, "transformer.h.0.mlp.c_fc").g_diagonal);
+  EXPECT_TRUE(layer(m, "transformer.h.0.mlp.c_proj").a_diagonal);
+  EXPECT_TRUE(layer(paper_model("gpt-6.7b"), "transformer.h.0.mlp.c_fc").g_diagonal);
+  // Megatron-LM's layout: QKV and the MLP's first layer split by output rows, the projections after them by input.
+  EXPECT_EQ(m.parallel[1].split, TpSplit::kColumn);
+  EXPECT_EQ(m.parallel[2].split, TpSplit::kRow);
+  EXPECT_EQ(m.parallel[3].split, TpSplit::kColumn);
+  EXPECT_EQ(m.parallel[4].split, TpSplit::kRow);
+  EXPECT_EQ(m.parallel[0].block, -1);
+  EXPECT_EQ(m.parallel.back().block, 23);
+  EXPECT_TRUE(paper_model("resnet50").parallel.empty()) << "no tensor or pipeline layout for a CNN table";
+  EXPECT_THROW(paper_model("gpt-1.3b", 4096), c10::Error);
+  EXPECT_THROW(paper_model("bert-large", 1024), c10::Error);
 }
 
 TEST(PaperShapes, LayerCounts) {

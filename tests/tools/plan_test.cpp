@@ -168,6 +168,76 @@ TEST(Plan, ExtraGradWorkerFractions) {
   EXPECT_NE(error_of(request).find("--grad-worker-fraction"), std::string::npos);
 }
 
+// Bytes a rank holds for a layer under KAISA f = 1 with the inverse method: each factor and its inverse (a
+// diagonal side: d values each), float32.
+int64_t inverse_held(int64_t a, bool a_diagonal, int64_t g, bool g_diagonal) {
+  const auto side = [](int64_t n, bool diagonal) { return 2 * (diagonal ? n : n * n); };
+  return 4 * (side(a, a_diagonal) + side(g, g_diagonal));
+}
+
+TEST(Plan, TensorAndPipelineParallelSplitTheLayers) {
+  PlanRequest request;
+  request.model = "gpt-1.3b";
+  request.nproc = 16;
+  request.batch_size = 1;
+  request.compute_method = ComputeMethod::kInverse;
+  const int64_t wpe = inverse_held(2048, true, 2048, false);  // replicated over tp: A diagonal, G whole
+  // Without tensor parallelism: mlp.c_proj's A (8193) is wider than diagonal_factor_dim, so diagonal.
+  const int64_t whole = inverse_held(2049, false, 6144, false) + inverse_held(2049, false, 2048, false) +
+                        inverse_held(2049, false, 8192, false) + inverse_held(8193, true, 2048, false);
+  auto json = plan_report(request).json;
+  EXPECT_EQ(json["dp"], 16);
+  EXPECT_FALSE(json["strategies"][0].contains("stages"));
+  EXPECT_EQ(strategy(json, "kaisa f=1 (W=16)")["ranks"][0]["memory_bytes"].get<int64_t>(), wpe + 24 * whole);
+  // tp 2, for the group's first rank: QKV and c_fc keep half their outputs (G), the projections half their inputs
+  // plus the bias (A): mlp.c_proj's A, 4097 wide, is dense again.
+  const int64_t split = inverse_held(2049, false, 3072, false) + inverse_held(1025, false, 2048, false) +
+                        inverse_held(2049, false, 4096, false) + inverse_held(4097, false, 2048, false);
+  request.tp = 2;
+  json = plan_report(request).json;
+  EXPECT_EQ(json["dp"], 8);
+  const auto& tp = strategy(json, "kaisa f=1 (W=8)");
+  ASSERT_EQ(tp["ranks"].size(), 8u);
+  EXPECT_EQ(tp["ranks"][0]["memory_bytes"].get<int64_t>(), wpe + 24 * split);
+  ASSERT_EQ(tp["stages"].size(), 1u);
+  // tp 2 x pp 2: blocks 0-11 and the position embedding on stage 0, blocks 12-23 on stage 1; stage 0 is the fuller.
+  request.pp = 2;
+  json = plan_report(request).json;
+  EXPECT_EQ(json["dp"], 4);
+  const auto& both = strategy(json, "kaisa f=1 (W=4)");
+  ASSERT_EQ(both["stages"].size(), 2u);
+  EXPECT_EQ(both["stages"][0]["layers"], 49);
+  EXPECT_EQ(both["stages"][1]["layers"], 48);
+  EXPECT_EQ(both["stage"], 0);
+  EXPECT_EQ(both["stages"][0]["memory_bytes"].get<int64_t>(), wpe + 12 * split);
+  EXPECT_EQ(both["stages"][1]["memory_bytes"].get<int64_t>(), 12 * split);
+  EXPECT_EQ(both["ranks"][0]["memory_bytes"].get<int64_t>(), wpe + 12 * split);
+  // DP-KFAC over the 4 data-parallel ranks of a position holds each of its layers once.
+  int64_t held = 0;
+  for (const auto& r : strategy(json, "dp")["ranks"]) held += r["memory_bytes"].get<int64_t>();
+  EXPECT_EQ(held, wpe + 12 * split);
+  // FSDP over the data-parallel ranks: the owner placement's rows go to one owner among them.
+  request.shard_ranks = 4;
+  json = plan_report(request).json;
+  strategy(json, "owner (kaisa, W=1)");
+  const auto text = plan_text(plan_report(request), false);
+  EXPECT_NE(text.find("tp 2 x pp 2 x dp 4"), std::string::npos);
+  EXPECT_NE(text.find("* 0 (49)"), std::string::npos);
+
+  request.shard_ranks = 0;
+  request.tp = 3;  // the projections' 2048 inputs do not split in three
+  request.pp = 1;
+  request.nproc = 12;
+  EXPECT_NE(error_of(request).find("--tp 3"), std::string::npos);
+  request.tp = 4;  // 4 x 1 does not divide 6
+  request.nproc = 6;
+  EXPECT_NE(error_of(request).find("must divide --nproc"), std::string::npos);
+  request.model = "resnet50";
+  request.nproc = 8;
+  request.tp = 2;
+  EXPECT_NE(error_of(request).find("--tp and --pp need a transformer"), std::string::npos);
+}
+
 TEST(Plan, BertLargeSequenceLength) {
   PlanRequest request;
   request.model = "bert-large";

@@ -111,15 +111,18 @@ Command add_plan_command(CLI::App& app) {
       "KiB/MiB/GiB and kFLOP/MFLOP/GFLOP/TFLOP; --json prints raw bytes and FLOPs");
   std::string models;
   for (const auto& n : dkfac::models::model_names()) models += n + " | ";
-  for (const auto& n : dkfac::models::paper_model_names()) models += n + (n == "bert-large" ? "" : " | ");
+  const auto& paper = dkfac::models::paper_model_names();
+  for (const auto& n : paper) models += n + (n == paper.back() ? "" : " | ");
   plan->add_option("--model", r.model,
-                   models + " (the last five are paper-scale layer tables on ImageNet / BERT inputs)")
+                   models + " (the last seven are paper-scale layer tables on ImageNet, BERT and GPT inputs)")
       ->capture_default_str();
   plan->add_option("--dataset", r.dataset,
                    "input shape: fashion-mnist | mnist | cifar10 for the small models (default fashion-mnist); "
                    "imagenet for resnet50, resnet152, densenet201 (3x224x224) and inception-v4 (3x299x299); "
-                   "wikipedia for bert-large (default: the model's own)");
-  auto* seq = plan->add_option("--seq-len", r.seq_len, "bert-large only: tokens per sample, 1..512 (default 128)");
+                   "wikipedia for bert-large; webtext for gpt-1.3b and gpt-6.7b (default: the model's own)");
+  auto* seq = plan->add_option("--seq-len", r.seq_len,
+                               "sequence models only: tokens per sample, bert-large 1..512 (default 128), gpt-1.3b "
+                               "and gpt-6.7b 1..2048 (default 2048)");
   plan->add_option("--nproc", r.nproc, "ranks")->capture_default_str()->check(CLI::Range(1, 4096));
   plan->add_option("--batch-size", r.batch_size, "examples per rank per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -133,6 +136,14 @@ Command add_plan_command(CLI::App& app) {
   plan->add_option("--shared-input-layers", r.shared_input_layers,
                    "regular expressions with one capture group (repeatable): the layers that read one input share "
                    "one A factor (bert-large: '(query|key|value)$'; docs/MATH.md section 2.7)");
+  plan->add_option("--tp", r.tp,
+                   "tensor-parallel ranks per group (transformers): column-parallel layers keep 1/tp of G, "
+                   "row-parallel layers 1/tp of A (block-diagonal factors; docs/STRATEGIES.md, \"Tensor and "
+                   "pipeline parallel\")")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  plan->add_option("--pp", r.pp,
+                   "pipeline stages (transformers): each holds its blocks' layers; the fullest stage is shown")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   plan->add_flag("--symmetric-comm", r.symmetric_comm,
                  "KAISA rows (dkfac, kaisa, dkfac-lw): factors, and inverses, sent as upper triangles");
   auto* fsdp = plan->add_flag("--fsdp", config->fsdp,
@@ -187,19 +198,21 @@ Command add_plan_command(CLI::App& app) {
 
   return {plan, [config, seq](const Invocation&) {
             plan::PlanRequest request = config->request;
-            TORCH_CHECK(seq->count() == 0 || request.model == "bert-large",
-                        "--seq-len applies only to --model bert-large, got --model ", request.model);
-            TORCH_CHECK(seq->count() == 0 || (request.seq_len >= 1 && request.seq_len <= 512),
-                        "--seq-len must be in [1, 512] (BERT-Large's positions), got ", config->request.seq_len);
-            if (config->fsdp) request.shard_ranks = request.nproc;
+            TORCH_CHECK(seq->count() == 0 || request.seq_len >= 1, "--seq-len must be >= 1, got ", request.seq_len);
+            // FSDP and HSDP shard over the data-parallel ranks: all of them under --tp 1 --pp 1.
+            const int dp = request.nproc / std::max(1, request.tp * request.pp);
+            if (config->fsdp) request.shard_ranks = dp;
             if (config->hsdp_replicas > 0) {
-              TORCH_CHECK(request.nproc % config->hsdp_replicas == 0, "--hsdp ", config->hsdp_replicas,
-                          " replicas must divide --nproc ", request.nproc);
-              request.shard_ranks = request.nproc / config->hsdp_replicas;
+              TORCH_CHECK(dp % config->hsdp_replicas == 0, "--hsdp ", config->hsdp_replicas,
+                          " replicas must divide the ", dp, " data-parallel ranks (--nproc / (--tp x --pp))");
+              request.shard_ranks = dp / config->hsdp_replicas;
             }
             TORCH_CHECK(request.shard_ranks == 0 || (config->measure_file.empty() && config->strategy.empty()),
                         "--fsdp and --hsdp print the placements' bytes and memory; strategy auto does not choose among "
                         "sharded placements yet");
+            TORCH_CHECK(request.tp * request.pp == 1 || (config->measure_file.empty() && config->strategy.empty()),
+                        "--tp and --pp print each strategy's bytes and memory; strategy auto does not plan tensor or "
+                        "pipeline parallel jobs yet");
             if (!config->measure_file.empty() || !config->strategy.empty()) return run_auto(*config, request);
             const auto report = plan::plan_report(request);
             std::cout << (config->json ? report.json.dump(2) : plan::plan_text(report, config->per_rank)) << std::endl;

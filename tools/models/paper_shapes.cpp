@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "dkfac/options.h"
+
 namespace dkfac::models {
 namespace {
 
@@ -36,21 +38,36 @@ class Builder {
             bool bias = false) {
     return conv(name, in, out, x, k, k, stride, pad, pad, bias);
   }
-  /// Linear `in -> out` with a bias applied to `rows` rows per sample.
-  void linear(const std::string& name, int64_t in, int64_t out, int64_t rows = 1, bool bias = true) {
-    add_layer({name, in + (bias ? 1 : 0), out, rows});
+  /// Linear `in -> out` with a bias applied to `rows` rows per sample; `split` and `block` for a transformer.
+  void linear(const std::string& name, int64_t in, int64_t out, int64_t rows = 1, bool bias = true,
+              TpSplit split = TpSplit::kReplicated, int block = -1) {
+    add_layer({name, in + (bias ? 1 : 0), out, rows}, {split, block, bias, false});
   }
+  /// Embedding of `count` rows of width `dim` looked up `rows` times per sample (A diagonal).
+  void embedding(const std::string& name, int64_t count, int64_t dim, int64_t rows, int block = -1) {
+    assign::LayerShape shape{name, count, dim, rows};
+    shape.a_diagonal = true;
+    add_layer(std::move(shape), {TpSplit::kReplicated, block, false, true});
+  }
+  void blocks(int n) { model_.blocks = n; }
   /// Parameters outside K-FAC: a BatchNorm's or LayerNorm's weight and bias over `channels`.
   void norm(int64_t channels) { model_.parameters += 2 * channels; }
   /// Other parameters outside K-FAC (embeddings).
   void other(int64_t count) { model_.parameters += count; }
 
-  PaperModel done() { return std::move(model_); }
+  PaperModel done() {
+    if (model_.blocks == 0) model_.parallel.clear();  // not a transformer: no tensor or pipeline layout
+    return std::move(model_);
+  }
 
  private:
-  void add_layer(assign::LayerShape shape) {
+  void add_layer(assign::LayerShape shape, ParallelLayer parallel = {}) {
     const int64_t parameters = shape.a_dim * shape.g_dim;  // the bias is the A factor's last column
+    const int64_t widest = Options().diagonal_factor_dim();  // a job's default
+    shape.a_diagonal = shape.a_diagonal || shape.a_dim > widest;
+    shape.g_diagonal = shape.g_dim > widest;
     model_.layers.push_back(std::move(shape));
+    model_.parallel.push_back(parallel);
     model_.parameters += parameters;
     model_.kfac_parameters += parameters;
   }
@@ -224,18 +241,39 @@ PaperModel bert_large(int64_t seq_len) {
   Builder b("bert-large", "sequence of " + std::to_string(seq_len) + " tokens");
   b.other((30522 + 512 + 2) * hidden);  // word, position and token-type embeddings
   b.norm(hidden);                        // embedding LayerNorm
-  for (int64_t i = 0; i < layers; ++i) {
+  b.blocks(layers);
+  for (int i = 0; i < layers; ++i) {
     const std::string p = "encoder.layer." + std::to_string(i) + ".";
-    b.linear(p + "attention.self.query", hidden, hidden, seq_len);
-    b.linear(p + "attention.self.key", hidden, hidden, seq_len);
-    b.linear(p + "attention.self.value", hidden, hidden, seq_len);
-    b.linear(p + "attention.output.dense", hidden, hidden, seq_len);
+    for (const char* projection : {"query", "key", "value"}) {
+      b.linear(p + "attention.self." + projection, hidden, hidden, seq_len, true, TpSplit::kColumn, i);
+    }
+    b.linear(p + "attention.output.dense", hidden, hidden, seq_len, true, TpSplit::kRow, i);
     b.norm(hidden);
-    b.linear(p + "intermediate.dense", hidden, ffn, seq_len);
-    b.linear(p + "output.dense", ffn, hidden, seq_len);
+    b.linear(p + "intermediate.dense", hidden, ffn, seq_len, true, TpSplit::kColumn, i);
+    b.linear(p + "output.dense", ffn, hidden, seq_len, true, TpSplit::kRow, i);
     b.norm(hidden);
   }
-  b.linear("pooler.dense", hidden, hidden, 1);  // the first token only
+  b.linear("pooler.dense", hidden, hidden, 1, true, TpSplit::kReplicated, layers);  // the first token only
+  return b.done();
+}
+
+/// GPT-3's shapes on GPT-2's architecture (paper_model's comment).
+PaperModel gpt(const std::string& name, int blocks, int64_t width, int64_t seq_len) {
+  const int64_t vocabulary = 50257, positions = 2048;
+  Builder b(name, "sequence of " + std::to_string(seq_len) + " tokens");
+  b.blocks(blocks);
+  b.other(vocabulary * width);  // the token embedding, tied with the LM head: left to the optimizer
+  b.embedding("transformer.wpe", positions, width, seq_len);
+  for (int i = 0; i < blocks; ++i) {
+    const std::string p = "transformer.h." + std::to_string(i) + ".";
+    b.norm(width);
+    b.linear(p + "attn.c_attn", width, 3 * width, seq_len, true, TpSplit::kColumn, i);
+    b.linear(p + "attn.c_proj", width, width, seq_len, true, TpSplit::kRow, i);
+    b.norm(width);
+    b.linear(p + "mlp.c_fc", width, 4 * width, seq_len, true, TpSplit::kColumn, i);
+    b.linear(p + "mlp.c_proj", 4 * width, width, seq_len, true, TpSplit::kRow, i);
+  }
+  b.norm(width);  // ln_f
   return b.done();
 }
 
@@ -243,7 +281,7 @@ PaperModel bert_large(int64_t seq_len) {
 
 const std::vector<std::string>& paper_model_names() {
   static const std::vector<std::string> names = {"resnet50", "resnet152", "densenet201", "inception-v4",
-                                                 "bert-large"};
+                                                 "bert-large", "gpt-1.3b", "gpt-6.7b"};
   return names;
 }
 
@@ -252,16 +290,26 @@ bool is_paper_model(const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
+SequenceInput sequence_input(const std::string& name) {
+  if (name == "bert-large") return {128, 512, "wikipedia"};
+  if (name == "gpt-1.3b" || name == "gpt-6.7b") return {2048, 2048, "webtext"};
+  return {};
+}
+
 PaperModel paper_model(const std::string& name, int64_t seq_len, int64_t classes) {
-  TORCH_CHECK(seq_len >= 1 && seq_len <= 512, "sequence length must be in [1, 512], got ", seq_len);
+  const auto sequence = sequence_input(name);
+  TORCH_CHECK(sequence.max_len == 0 || (seq_len >= 1 && seq_len <= sequence.max_len), "sequence length must be in [1, ",
+              sequence.max_len, "], got ", seq_len);
   TORCH_CHECK(classes >= 1, "classes must be >= 1, got ", classes);
   if (name == "resnet50") return resnet(name, {3, 4, 6, 3}, classes);
   if (name == "resnet152") return resnet(name, {3, 8, 36, 3}, classes);
   if (name == "densenet201") return densenet201(classes);
   if (name == "inception-v4") return inception_v4(classes);
   if (name == "bert-large") return bert_large(seq_len);
+  if (name == "gpt-1.3b") return gpt(name, 24, 2048, seq_len);
+  if (name == "gpt-6.7b") return gpt(name, 32, 4096, seq_len);
   TORCH_CHECK(false, "unknown paper model '", name,
-              "'; valid: resnet50, resnet152, densenet201, inception-v4, bert-large");
+              "'; valid: resnet50, resnet152, densenet201, inception-v4, bert-large, gpt-1.3b, gpt-6.7b");
 }
 
 }  // namespace dkfac::models

@@ -51,8 +51,48 @@ struct ModelTable {
   std::vector<assign::LayerShape> layers;
   int64_t parameters = 0;
   int64_t kfac_parameters = 0;
-  int64_t seq_len = 0;  // bert-large only
+  int64_t seq_len = 0;  // sequence models only
+  std::vector<models::ParallelLayer> parallel;  // transformers: each layer's tensor and pipeline placement
+  int blocks = 0;
 };
+
+/// The layers pipeline stage `stage` of `stages` holds (blocks split evenly, the first stages taking one more where
+/// they do not divide; what precedes the blocks with the first stage, what follows with the last), each split as
+/// tensor parallelism over `tp` ranks splits it for the group's first rank, which holds the row-parallel biases
+/// (docs/STRATEGIES.md, "Tensor and pipeline parallel"). A factor split narrower than Options::diagonal_factor_dim
+/// becomes dense again, as a job's would.
+std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int stages, int tp) {
+  const int per = t.blocks / stages, extra = t.blocks % stages;
+  const int first = stage * per + std::min(stage, extra);
+  const int last = first + per + (stage < extra ? 1 : 0);  // one past
+  const int64_t widest = Options().diagonal_factor_dim();
+  std::vector<assign::LayerShape> out;
+  std::vector<int> index(t.layers.size(), -1);  // model index -> stage index (shared A factors)
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const auto& where = t.parallel[i];
+    const bool here = where.block < 0           ? stage == 0
+                      : where.block >= t.blocks ? stage == stages - 1
+                                                : where.block >= first && where.block < last;
+    if (!here) continue;
+    auto shape = t.layers[i];
+    const int64_t bias = where.bias ? 1 : 0;
+    if (where.split == models::TpSplit::kColumn) {
+      TORCH_CHECK(shape.g_dim % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.g_dim,
+                  " outputs do not split evenly");
+      shape.g_dim /= tp;
+    } else if (where.split == models::TpSplit::kRow) {
+      TORCH_CHECK((shape.a_dim - bias) % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.a_dim - bias,
+                  " inputs do not split evenly");
+      shape.a_dim = (shape.a_dim - bias) / tp + bias;
+    }
+    shape.a_diagonal = where.embedding || shape.a_dim > widest;
+    shape.g_diagonal = shape.g_dim > widest;
+    if (shape.a_shared_with >= 0) shape.a_shared_with = index[static_cast<size_t>(shape.a_shared_with)];
+    index[i] = static_cast<int>(out.size());
+    out.push_back(std::move(shape));
+  }
+  return out;
+}
 
 ModelTable model_table(const PlanRequest& r) {
   const auto& tools = models::model_names();
@@ -61,25 +101,27 @@ ModelTable model_table(const PlanRequest& r) {
   for (const auto& n : models::paper_model_names()) all.push_back(n);
   TORCH_CHECK(is_tools || models::is_paper_model(r.model), "--model must be one of ", join(all), ", got '", r.model,
               "'");
-  const bool bert = r.model == "bert-large";
-  TORCH_CHECK(r.seq_len == 0 || bert, "--seq-len applies only to --model bert-large (", r.model,
-              " has image inputs)");
+  const auto sequence = models::sequence_input(r.model);
+  TORCH_CHECK(r.seq_len == 0 || sequence.max_len > 0, "--seq-len applies only to the sequence models (bert-large, "
+              "gpt-1.3b, gpt-6.7b); ", r.model, " has image inputs");
   ModelTable t;
   if (!is_tools) {
-    const std::string expected = bert ? "wikipedia" : "imagenet";
+    const std::string expected = sequence.max_len > 0 ? sequence.dataset : "imagenet";
     t.dataset = r.dataset.empty() ? expected : r.dataset;
     TORCH_CHECK(t.dataset == expected, "--dataset for --model ", r.model, " must be ", expected, ", got '", t.dataset,
                 "'");
-    if (bert) {
-      t.seq_len = r.seq_len == 0 ? 128 : r.seq_len;
-      TORCH_CHECK(t.seq_len >= 1 && t.seq_len <= 512, "--seq-len must be in [1, 512] (BERT-Large's positions), got ",
-                  t.seq_len);
+    if (sequence.max_len > 0) {
+      t.seq_len = r.seq_len == 0 ? sequence.default_len : r.seq_len;
+      TORCH_CHECK(t.seq_len >= 1 && t.seq_len <= sequence.max_len, "--seq-len must be in [1, ", sequence.max_len,
+                  "] (", r.model, "'s positions), got ", t.seq_len);
     }
-    auto m = models::paper_model(r.model, bert ? t.seq_len : 128, 1000);
+    auto m = models::paper_model(r.model, sequence.max_len > 0 ? t.seq_len : 128, 1000);
     t.input = m.input;
     t.layers = std::move(m.layers);
     t.parameters = m.parameters;
     t.kfac_parameters = m.kfac_parameters;
+    t.parallel = std::move(m.parallel);
+    t.blocks = m.blocks;
     return t;
   }
   struct Input {
@@ -137,7 +179,18 @@ PlanReport plan_report(const PlanRequest& r) {
     for (size_t i = 0; i < t.layers.size(); ++i) t.layers[i].a_shared_with = leaders[i];
   }
   const auto& shapes = t.layers;
-  const int p = r.nproc;
+  TORCH_CHECK(r.tp >= 1 && r.pp >= 1, "--tp and --pp must be >= 1, got ", r.tp, " and ", r.pp);
+  TORCH_CHECK(r.nproc % (r.tp * r.pp) == 0, "--tp ", r.tp, " x --pp ", r.pp, " must divide --nproc ", r.nproc);
+  TORCH_CHECK((r.tp == 1 && r.pp == 1) || t.blocks > 0, "--tp and --pp need a transformer's layer table "
+              "(bert-large, gpt-1.3b, gpt-6.7b), got --model ", r.model);
+  TORCH_CHECK(r.pp <= std::max(1, t.blocks), "--pp ", r.pp, " stages for ", t.blocks, " blocks");
+  // The K-FAC strategies run over the data-parallel ranks of each (tensor, pipeline) position.
+  const int p = r.nproc / (r.tp * r.pp);
+  std::vector<std::vector<assign::LayerShape>> stages = {shapes};
+  if (r.tp * r.pp > 1) {
+    stages.clear();
+    for (int stage = 0; stage < r.pp; ++stage) stages.push_back(stage_layers(t, stage, r.pp, r.tp));
+  }
   // Options as a training job would set them; the same make_step_plan() a job calls builds each plan.
   const Options base = Options()
                            .compute_method(r.compute_method)
@@ -159,12 +212,13 @@ PlanReport plan_report(const PlanRequest& r) {
     }
   }
   TORCH_CHECK(r.spd_redundant_dim >= 0, "--spd-redundant-dim must be >= 0, got ", r.spd_redundant_dim);
-  auto shapes_planned = shapes;
   if (r.shard_ranks > 0) {
-    TORCH_CHECK(p % r.shard_ranks == 0, "--hsdp: the replicas must divide --nproc ", p, " (", r.shard_ranks,
-                " shard ranks)");
+    TORCH_CHECK(p % r.shard_ranks == 0, "--hsdp: the replicas must divide the ", p, " data-parallel ranks (",
+                r.shard_ranks, " shard ranks)");
     space.shard_ranks = r.shard_ranks;
-    for (auto& shape : shapes_planned) shape.sharded = true;
+    for (auto& stage : stages) {
+      for (auto& shape : stage) shape.sharded = true;
+    }
   }
   const auto rows = strategy::candidates(p, base, space);
 
@@ -173,7 +227,10 @@ PlanReport plan_report(const PlanRequest& r) {
   report.json = {{"model", r.model},
                         {"dataset", t.dataset},
                         {"input", t.input},
-                        {"nproc", p},
+                        {"nproc", r.nproc},
+                        {"tp", r.tp},
+                        {"pp", r.pp},
+                        {"dp", p},
                         {"batch_size", r.batch_size},
                         {"compute_method", to_string(r.compute_method)},
                         {"symmetric_comm", r.symmetric_comm},
@@ -203,13 +260,12 @@ PlanReport plan_report(const PlanRequest& r) {
     if (s.a_shared_with >= 0) out["layers"].back()["a_shared_with"] = s.a_shared_with;
   }
   const double ring = p > 1 ? static_cast<double>(p - 1) / p : 0.0;
-  for (const auto& row : rows) {
-    const auto step_plan = strategy::make_step_plan(shapes_planned, p, row.options, -1, r.shard_ranks);
-    const auto plan = strategy::predict(step_plan, element_bytes, r.batch_size);
-    report.placements.push_back(step_plan.describe());
+  // Each rank's figures of a plan, with the derived update totals.
+  const auto rank_rows = [&](const strategy::StepPlan& step_plan) {
     nlohmann::json ranks = nlohmann::json::array();
+    const auto costs = strategy::predict(step_plan, element_bytes, r.batch_size);
     for (int rank = 0; rank < p; ++rank) {
-      const auto& x = plan[rank];
+      const auto& x = costs[rank];
       nlohmann::json entry = x;
       entry["rank"] = rank;
       entry["update_bytes"] = x.factor_bytes + x.second_order_bytes + x.gradient_bytes;
@@ -217,6 +273,28 @@ PlanReport plan_report(const PlanRequest& r) {
       entry["update_flops"] = x.factor_flops + x.decomposition_flops + x.precondition_flops;
       ranks.push_back(std::move(entry));
     }
+    return ranks;
+  };
+  const auto most = [](const nlohmann::json& ranks, const char* key) {
+    double m = 0;
+    for (const auto& x : ranks) m = std::max(m, x[key].get<double>());
+    return m;
+  };
+  for (const auto& row : rows) {
+    // Under pipeline parallelism every stage is planned; the fullest (the most K-FAC memory on a rank) is shown.
+    std::vector<strategy::StepPlan> plans;
+    std::vector<nlohmann::json> stage_ranks;
+    size_t fullest = 0;
+    for (const auto& stage : stages) {
+      plans.push_back(strategy::make_step_plan(stage, p, row.options, -1, r.shard_ranks));
+      stage_ranks.push_back(rank_rows(plans.back()));
+      if (most(stage_ranks.back(), "memory_bytes") > most(stage_ranks[fullest], "memory_bytes")) {
+        fullest = stage_ranks.size() - 1;
+      }
+    }
+    const auto& step_plan = plans[fullest];
+    const nlohmann::json& ranks = stage_ranks[fullest];
+    report.placements.push_back(step_plan.describe());
     nlohmann::json summary;
     std::vector<std::string> keys;
     for (const auto& f : fields()) keys.push_back(f.key);
@@ -239,18 +317,35 @@ PlanReport plan_report(const PlanRequest& r) {
                                  {"broadcast_gradients", step_plan.broadcast_gradients},
                                  {"ranks", ranks},
                                  {"summary", summary}});
+    if (r.tp * r.pp > 1) {
+      nlohmann::json per_stage = nlohmann::json::array();
+      for (size_t k = 0; k < stages.size(); ++k) {
+        per_stage.push_back({{"stage", k},
+                             {"layers", stages[k].size()},
+                             {"memory_bytes", most(stage_ranks[k], "memory_bytes")},
+                             {"update_bytes", most(stage_ranks[k], "update_bytes")},
+                             {"update_flops", most(stage_ranks[k], "update_flops")}});
+      }
+      out["strategies"].back()["stage"] = fullest;
+      out["strategies"].back()["stages"] = per_stage;
+    }
   }
   return report;
 }
 
 std::string plan_text(const PlanReport& plan, bool per_rank) {
   const nlohmann::json& report = plan.json;
-  const int p = report["nproc"].get<int>();
+  const int p = report["dp"].get<int>();  // the ranks a strategy runs over
+  const int tp = report["tp"].get<int>(), pp = report["pp"].get<int>();
   const size_t layers = report["layers"].size();
   const bool detail = per_rank || (p <= 8 && layers <= 32);
   std::ostringstream text;
   text << "plan: " << report["model"].get<std::string>() << " on " << report["dataset"].get<std::string>() << " ("
-       << report["input"].get<std::string>() << "), " << p << " ranks x batch " << report["batch_size"].get<int64_t>()
+       << report["input"].get<std::string>() << "), " << report["nproc"].get<int>() << " ranks"
+       << (tp * pp > 1 ? " (tp " + std::to_string(tp) + " x pp " + std::to_string(pp) + " x dp " + std::to_string(p) +
+                             "; K-FAC runs over the dp ranks of each tensor and pipeline position)"
+                       : std::string())
+       << " x batch " << report["batch_size"].get<int64_t>()
        << ", " << report["compute_method"].get<std::string>() << ", float32"
        << (report["symmetric_comm"].get<bool>() ? ", KAISA factors as upper triangles" : "") << "\n"
        << "  " << grouped(report["parameters"].get<int64_t>()) << " parameters, " << layers
@@ -263,10 +358,20 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
     const auto& s = report["strategies"][i];
     text << "\n== " << s["strategy"].get<std::string>() << "  [" << s["system"].get<std::string>() << ", P=" << p
          << ", W=" << s["grad_workers"].get<int>() << "]\n";
+    if (s.contains("stages")) {  // tensor or pipeline parallel: the fullest stage below, every stage's maxima here
+      text << "  stage (layers): most K-FAC memory / update bytes / update FLOPs on a rank of its first tp rank\n";
+      for (const auto& stage : s["stages"]) {
+        text << "    " << (stage["stage"] == s["stage"] ? "* " : "  ") << stage["stage"].get<int>() << " ("
+             << stage["layers"].get<int>() << "): " << human_bytes(stage["memory_bytes"].get<double>()) << " / "
+             << human_bytes(stage["update_bytes"].get<double>()) << " / "
+             << human_flops(stage["update_flops"].get<double>()) << "\n";
+      }
+    }
     if (detail) {
       text << plan.placements.at(i);
     } else {
-      text << "  (" << layers << " layers placed; --per-rank lists each layer's placement and every rank)\n";
+      const auto placed = s.contains("stages") ? s["stages"][s["stage"].get<size_t>()]["layers"].get<size_t>() : layers;
+      text << "  (" << placed << " layers placed; --per-rank lists each layer's placement and every rank)\n";
     }
     text << "  " << std::setw(6) << (detail ? "rank" : "ranks");
     for (const auto& f : fields()) text << std::setw(kWidth) << f.header;

@@ -39,6 +39,12 @@ struct PlanRequest {
   int shard_ranks = 0;
   /// Options::shared_input_layers: the layers whose names these group share one A factor (LayerShape::a_shared_with).
   std::vector<std::string> shared_input_layers;
+  /// Tensor- and pipeline-parallel degrees (transformer tables only): the K-FAC strategies run over the
+  /// nproc / (tp x pp) data-parallel ranks of each position, on the layers of each pipeline stage as tensor
+  /// parallelism splits them for a group's first rank (block-diagonal factors); `shard_ranks` then counts
+  /// data-parallel ranks.
+  int tp = 1;
+  int pp = 1;
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
