@@ -81,6 +81,11 @@ void Preconditioner::check_schedules_agree() const {
 
 void Preconditioner::step(const Distributor& distributor) {
   settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
+  sum_over_model_ = distributor.sum_over_model;
+  struct Forget {  // the front end's function is this step's only
+    std::function<void(torch::Tensor&)>& f;
+    ~Forget() { f = nullptr; }
+  } forget{sum_over_model_};
   move_gradients(distributor.gather);
   bool factor_step = false;
   try {
@@ -655,8 +660,7 @@ torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip
   if (kl_clip <= 0.0) return one;
   // math::kl_clip_scale on the device: 1 where the sum is 0. An unusable row's sum may be NaN: selected out, not
   // multiplied by 0 (NaN * 0 is NaN).
-  const auto vgs = report.rows.select(1, GuardReport::kVg);
-  const auto vg = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum() * (lr * lr);
+  const auto vg = report.vg_sum * (lr * lr);
   return torch::where(vg == 0, one, torch::clamp_max(torch::sqrt(kl_clip / vg.abs()), 1.0));
 }
 
@@ -698,6 +702,16 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     clock_.collective(KfacPhase::kApply, [&] { executor_->agree_on_reports(report.rows, report.layers); });
   }
   report.usable = (report.rows.narrow(1, 0, GuardReport::kVg) >= 1.0).all(1);
+  if (kl_clip > 0.0) {
+    // An unusable row's sum may be NaN: selected out, not multiplied by 0 (NaN * 0 is NaN).
+    const auto vgs = report.rows.select(1, GuardReport::kVg);
+    report.vg_sum = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum();
+    if (sum_over_model_) {  // the other pipeline stages' layers: one nu for the whole model
+      clock_.collective(KfacPhase::kApply, [&] { sum_over_model_(report.vg_sum); });
+      if (communicator_) communicator_->add_traffic(comm::Purpose::kControl, 1, 8);
+      report.model_summed = true;
+    }
+  }
   report.scale = kl_scale(report, kl_clip, report.lr);
   for (const size_t i : report.layers) {
     // An owner-placed layer is written by its owners alone; the front end scatters their rows.
@@ -729,6 +743,7 @@ void Preconditioner::settle_guard(GuardReport& report, std::vector<LayerFate>* f
     last_kl_scale_ = (report.host_scale.defined() ? report.host_scale : report.scale).item<double>();
     return;
   }
+  if (report.model_summed) vg_sum = report.vg_sum.item<double>();  // this part's and the others'
   last_kl_scale_ = report.kl_clip > 0.0 ? math::kl_clip_scale(vg_sum * report.lr * report.lr, report.kl_clip) : 1.0;
   report.scale = torch::Tensor();  // settled: apply() uses the fates and last_kl_scale_
 }

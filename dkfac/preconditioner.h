@@ -95,6 +95,10 @@ struct MessageNames {
 /// wrote them, also when the step failed after the gather (every rank keeps its collectives in order). Their time
 /// is communication in the phase clock, and the calls and bytes they return count under
 /// comm::Purpose::kGradients in the Communicator's traffic, as strategy::predict counts a sharded layer's rows.
+///
+/// `sum_over_model`: where this rank holds one part of a replica's layers (a pipeline stage; the front end's
+/// `model_parallel_group`), sums a 0-dim float64 tensor over the ranks holding the other parts, in place. The KL
+/// clip's sum(V * grad) is the whole model's then, as in one process: every part scales by the same nu.
 struct Distributor {
   struct Moved {
     int64_t calls = 0;  ///< collectives run
@@ -102,6 +106,7 @@ struct Distributor {
   };
   std::function<Moved()> gather;
   std::function<Moved()> scatter;
+  std::function<void(torch::Tensor&)> sum_over_model;
 };
 
 /// K-FAC preconditioner for a LibTorch model (single process).
@@ -296,6 +301,8 @@ class Preconditioner {
     std::vector<size_t> layers;      // the layer of each row
     torch::Tensor rows;          // [layers, kColumns] float64
     torch::Tensor usable;        // [layers] bool: reported, finite and folded
+    torch::Tensor vg_sum;        // 0-dim float64: sum(V * grad) of the usable rows (Distributor::sum_over_model's)
+    bool model_summed = false;   // vg_sum summed over the model's parts
     torch::Tensor scale;         // 0-dim float64: the KL-clip scale nu (1 without KL clipping)
     // After a device apply(): rows and scale copied to the host without waiting (pinned memory), and the mark
     // past which the copies are done.
@@ -305,7 +312,7 @@ class Preconditioner {
   /// What the guard does with one layer, from its row.
   enum class GuardVerdict { kPrecondition, kNotPreconditioned, kFactorsNotFinite, kGradientNotFinite };
   static GuardVerdict guard_verdict(const double* row);
-  /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 sum(V * grad)|)) over the usable rows, on the device.
+  /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 report.vg_sum|)), on the device.
   static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
   /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale; `vg` as precondition() left it. Nothing
@@ -352,6 +359,8 @@ class Preconditioner {
   bool run_step();
   /// Runs one of a distributor's moves (none when empty), timed as communication and counted as gradient traffic.
   void move_gradients(const std::function<Distributor::Moved()>& move);
+  /// This step's Distributor::sum_over_model (empty outside step() and without one).
+  std::function<void(torch::Tensor&)> sum_over_model_;
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
   void close_step_timing();
   /// Marks where the step is (its phase, and the layer), for an out-of-memory error to name.

@@ -641,6 +641,31 @@ TEST(Preconditioner, ADistributorFramesTheStep) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
 }
 
+// A pipeline stage's KL clip: sum(V * grad) summed over the model's parts (Distributor::sum_over_model) sets nu.
+TEST(Preconditioner, KlClipSumsOverTheModelsParts) {
+  const auto nu = [](bool other_parts) {
+    torch::manual_seed(1);
+    auto net = std::make_shared<TinyNet>();
+    net->to(torch::kFloat64);
+    Preconditioner kfac(net, Options().kl_clip(1e-4).lr(1.0));
+    Distributor distributor;
+    int calls = 0;
+    if (other_parts) {
+      distributor.sum_over_model = [&](torch::Tensor& sum) {
+        ++calls;
+        sum.mul_(4.0);  // three other stages whose sums equal this one's
+      };
+    }
+    zero_grad_and_backward(*net, 50);
+    kfac.step(distributor);
+    EXPECT_EQ(calls, other_parts ? 1 : 0);
+    return kfac.last_kl_scale();
+  };
+  const double alone = nu(false), summed = nu(true);
+  ASSERT_LT(alone, 0.5) << "the clip must act: nu = sqrt(kl_clip / sum) < 1";
+  EXPECT_NEAR(summed, alone / 2.0, 1e-12 * alone);  // sqrt(1/4)
+}
+
 // A layer called twice in one forward (weights shared) is not "2 micro-batches": the warning says what may
 // have happened.
 TEST(Preconditioner, LayerCalledTwicePerForwardIsDescribedSo) {

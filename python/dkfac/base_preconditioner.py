@@ -428,7 +428,10 @@ class BaseKFACPreconditioner:
     of kfac_pytorch's required ``assignment`` and ``tdc``). ``process_group``: a torch.distributed group of
     more than one rank (backend gloo, nccl or cpu:gloo,cuda:nccl; dkfac's own subgroups use the same
     backends) for distributed K-FAC (every rank builds its preconditioner with the same layers and options),
-    or None; ``timeout``: seconds for dkfac's own subgroups (default: torch's). The hyper-parameters,
+    or None; ``timeout``: seconds for dkfac's own subgroups (default: torch's); ``model_parallel_group``: where
+    ``layers`` are one part of each replica's model (a pipeline stage built by ``torch.distributed.pipelining``),
+    the group of the ranks holding its other parts, over which KL clipping sums sum(V * grad), so that every part
+    scales by the whole model's nu (``process_group`` is then the part's data-parallel group). The hyper-parameters,
     ``accumulation_steps``, ``update_factors_in_hook``, ``defaults`` (extra entries of ``repr()``) and
     ``loglevel`` have kfac_pytorch's meanings. Most code builds a ``KFACPreconditioner`` instead.
     """
@@ -440,6 +443,7 @@ class BaseKFACPreconditioner:
         options: dict[str, Any],
         process_group: Any = None,
         timeout: float | None = None,
+        model_parallel_group: Any = None,
         factor_update_steps: Callable[[int], int] | int = _default('factor_update_steps'),
         inv_update_steps: Callable[[int], int] | int = _default('inv_update_steps'),
         damping: Callable[[int], float] | float = _default('damping'),
@@ -474,6 +478,11 @@ class BaseKFACPreconditioner:
         self._names = [name for name, _ in self._layers.values()]
         self._modules = list(self._layers)
         self._captures = [capture for _, capture in self._layers.values()]
+        if model_parallel_group is not None and not isinstance(model_parallel_group, dist.ProcessGroup):
+            raise TypeError('model_parallel_group must be a torch.distributed ProcessGroup (the ranks holding the '
+                            f'model\'s other parts) or None, got {type(model_parallel_group).__name__}')
+        self._model_group = (model_parallel_group if model_parallel_group is not None
+                             and dist.get_world_size(model_parallel_group) > 1 else None)
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
         self._communicator = self._make_communicator(process_group, timeout) if self._world_size > 1 else None
@@ -618,10 +627,15 @@ class BaseKFACPreconditioner:
         # The distributors' gather and scatter run inside the core's step, which times and counts them.
         moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
         with torch.no_grad(), _CoreWarnings():
-            self._core.step(*moves)
+            self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None)
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    def _sum_over_model(self, tensor: torch.Tensor) -> None:
+        """Sums `tensor` in place over the ranks holding the model's other parts (the core's KL-clip sum)."""
+        with self._naming_lost_ranks("summing the KL clip over the model's parts"):
+            dist.all_reduce(tensor, group=self._model_group)
 
     def _moves_gradients(self) -> bool:
         return any(self._sharded(index) for index in range(len(self._distributors)))

@@ -40,7 +40,7 @@ _DKFAC_NAMES = {o['name']: o['alias'] for o in _OPTIONS.values() if o['alias']}
 # The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them), and the front end's own.
 _BASE = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr', 'accumulation_steps',
          'update_factors_in_hook')
-_FRONT_END = ('grad_scaler', 'loglevel', 'process_group', 'timeout')
+_FRONT_END = ('grad_scaler', 'loglevel', 'process_group', 'timeout', 'model_parallel_group')
 
 def _core_value(value: Any) -> Any:
     """A keyword's value as the core takes it: kfac_pytorch's enums and torch dtypes by name."""
@@ -189,7 +189,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     chosen again after ``auto_recheck_steps`` profiled steps where they measured more than 20% off the prediction;
     see ``strategy_choice``), ``unused_layer_policy`` ('error' or
     'skip'), ``pi_damping`` (inverse method), ``process_group`` (default: torch.distributed's default group
-    when initialised), ``spd_redundant_dim``, ``timeout`` (seconds for dkfac's own subgroups) and
+    when initialised; a pipeline stage's: its data-parallel group), ``model_parallel_group`` (a pipeline stage's:
+    the ranks holding the other stages of its replica, over which KL clipping sums; "Pipeline
+    parallel" in docs/PYTHON.md), ``spd_redundant_dim``, ``timeout`` (seconds for dkfac's own subgroups) and
     ``large_factor_dim`` (a layer with a factor wider than this is warned about when the preconditioner is
     built, with the factor's memory and the cost of its second-order updates; 0: never). ``symmetric_comm``
     and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give one of each pair).
@@ -269,6 +271,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         spd_fusion: list[int] = _default('spd_fusion'),
         process_group: Any = None,
         timeout: float | None = None,
+        model_parallel_group: Any = None,
         symmetric_comm: bool | None = None,
         balance: AssignmentStrategy | str | None = None,
     ) -> None:
@@ -334,6 +337,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                         shared_input_layers=self.shared_input_layers, world_size=size)
         super().__init__(
             layers, options=options, process_group=group if size > 1 else None, timeout=timeout,
+            model_parallel_group=model_parallel_group,
             defaults=defaults, loglevel=loglevel,
             **{name: values[name] for name in _BASE})
         # The grid the core placed the work on (its rules: dkfac/assign/assignment.h), as kfac_pytorch names it.

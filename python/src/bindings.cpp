@@ -358,8 +358,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("shard_ranks") = std::vector<int>{})
       .def(
           "step",
-          // gather and scatter: a front end's distributors (Distributor), each returning (collectives, bytes).
-          [](Preconditioner& p, std::optional<py::function> gather, std::optional<py::function> scatter) {
+          // gather and scatter: a front end's distributors (Distributor), each returning (collectives, bytes);
+          // sum_over_model: sums a tensor over the model-parallel group in place.
+          [](Preconditioner& p, std::optional<py::function> gather, std::optional<py::function> scatter,
+             std::optional<py::function> sum_over_model) {
             const auto call = [](const py::function& move) {
               return [&move]() -> Distributor::Moved {
                 py::gil_scoped_acquire gil;
@@ -370,10 +372,16 @@ PYBIND11_MODULE(_C, m) {
             Distributor distributor;
             if (gather) distributor.gather = call(*gather);
             if (scatter) distributor.scatter = call(*scatter);
+            if (sum_over_model) {
+              distributor.sum_over_model = [&sum = *sum_over_model](torch::Tensor& t) {
+                py::gil_scoped_acquire gil;
+                sum(t);  // in place
+              };
+            }
             py::gil_scoped_release release;  // back before `distributor` goes: it refers to the functions only
             p.step(distributor);
           },
-          py::arg("gather") = py::none(), py::arg("scatter") = py::none())
+          py::arg("gather") = py::none(), py::arg("scatter") = py::none(), py::arg("sum_over_model") = py::none())
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
       .def("rebind_layer",  // bias None for a layer without one

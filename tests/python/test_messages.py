@@ -113,7 +113,8 @@ def test_keywords_and_defaults_are_the_cores_declaration():
     dkfac_names = {o['name'] for o in _C.option_table() if o['alias']}
     assert dkfac_names == {'symmetric_comm', 'balance'}
     assert set(table) <= set(parameters)
-    assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout'} | dkfac_names
+    assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout',
+                                             'model_parallel_group'} | dkfac_names
     for name, option in table.items():
         assert parameters[name].default == dkfac.preconditioner._python_default(option), name
     assert all(parameters[name].default is None for name in dkfac_names)

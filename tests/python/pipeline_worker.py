@@ -1,0 +1,90 @@
+"""One rank of a pipeline-parallel job (tests/python/test_pipeline.py): 2 stages built by
+torch.distributed.pipelining, `dp` replicas (rank = replica * 2 + stage), each stage preconditioned by its own
+KFACPreconditioner over its data-parallel group, KL clipping summed over its replica's stages
+(model_parallel_group). Writes each step's gradients of the stage (after K-FAC, before SGD) to `output`.
+
+    pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "mismatch": false}'
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+import dkfac
+import scenarios
+
+STEPS, MICRO, BATCH = 10, 4, 16  # BATCH per replica
+KFAC = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, lr=0.1, kl_clip=0.001,
+            factor_dtype='float64', inv_dtype='float64')
+
+
+def model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 5)).double()
+
+
+def data(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + replica)
+    return (torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 5, generator=g, dtype=torch.float64))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def stage_of(whole: torch.nn.Sequential, stage: int) -> torch.nn.Sequential:
+    return whole[:2] if stage == 0 else whole[2:]
+
+
+def main() -> None:
+    output, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group('gloo')
+    rank = dist.get_rank()
+    dp = kwargs['dp']
+    replica, stage = divmod(rank, 2)
+    # Every rank creates every group, in one order.
+    pipelines = [dist.new_group([2 * r, 2 * r + 1]) for r in range(dp)]
+    replicas = [dist.new_group(list(range(s, 2 * dp, 2))) for s in range(2)]
+    part = stage_of(model(), stage)
+    accumulation = MICRO + (1 if kwargs.get('mismatch') and rank == 2 else 0)
+    try:
+        preconditioner = dkfac.KFACPreconditioner(
+            part, accumulation_steps=accumulation * dp, process_group=replicas[stage],
+            model_parallel_group=pipelines[replica], **KFAC)
+    except (ValueError, RuntimeError) as error:
+        torch.save({'error': str(error)}, output)
+        dist.destroy_process_group()
+        return
+    if kwargs.get('mismatch'):  # construction only: stage 0's group refused, stage 1's built
+        torch.save({'built': True}, output)
+        dist.destroy_process_group()
+        return
+    schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B}[kwargs['schedule']]
+    pipeline = schedule(PipelineStage(part, stage, 2, torch.device('cpu'), group=pipelines[replica]), MICRO,
+                        loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
+    grads = []
+    for step in range(STEPS):
+        x, y = data(step, replica)
+        optimizer.zero_grad()
+        if stage == 0:
+            pipeline.step(x)
+        else:
+            pipeline.step(target=y)
+        if dp > 1:  # the replicas' mean gradient, as DDP would give it
+            for p in part.parameters():
+                dist.all_reduce(p.grad, group=replicas[stage])
+                p.grad /= dp
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in part.parameters()])
+        optimizer.step()
+    torch.save({'grads': grads, 'stage': stage}, output)
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,92 @@
+"""Pipeline parallel (torch.distributed.pipelining): each stage preconditions its own layers with factors
+accumulated over the schedule's micro-batches, averaged over its data-parallel group, and KL clipping summed over
+its replica's stages; the job equals one process preconditioning the whole model over the same micro-batches."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dkfac
+import pipeline_worker as worker
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(size: int, kwargs: dict, tmp_path) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(size):
+        env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
+                   PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), PYTHONWARNINGS='ignore',
+                   OMP_NUM_THREADS='1')
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, 'pipeline_worker.py'),
+                                       str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
+    return [torch.load(tmp_path / f'rank{rank}.pt', weights_only=False) for rank in range(size)]
+
+
+def reference(dp: int) -> list[list[torch.Tensor]]:
+    """The whole model in one process: every replica's micro-batches, each loss's gradient summed and divided by
+    their number (as the schedule scales them and the replicas average), factors over all of them."""
+    model = worker.model()
+    preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=worker.MICRO * dp, **worker.KFAC)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(worker.STEPS):
+        optimizer.zero_grad()
+        for replica in range(dp):
+            x, y = worker.data(step, replica)
+            for xm, ym in zip(x.chunk(worker.MICRO), y.chunk(worker.MICRO)):
+                worker.loss_fn(model(xm), ym).backward()
+        for p in model.parameters():
+            p.grad /= worker.MICRO * dp
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return grads
+
+
+@pytest.mark.parametrize('schedule,dp', [('gpipe', 1), ('1f1b', 1), ('1f1b', 2)])
+def test_pipeline_stages_equal_the_whole_model_in_one_process(schedule, dp, tmp_path):
+    results = run(2 * dp, {'schedule': schedule, 'dp': dp}, tmp_path)
+    expected = reference(dp)
+    assert any(abs(a - b).max() > 1e-3 for a, b in zip(expected[1], reference_without_clip(dp)[1])), \
+        'KL clipping must act in this test, or a stage summing only its own layers would pass'
+    for rank, result in enumerate(results):
+        assert 'error' not in result, result
+        first = 0 if result['stage'] == 0 else 2  # stage 0 holds Linear 0's weight and bias
+        for step in range(worker.STEPS):
+            for got, want in zip(result['grads'][step], expected[step][first:first + 4]):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13, msg=f'rank {rank}, step {step}')
+
+
+def reference_without_clip(dp: int) -> list[list[torch.Tensor]]:
+    kfac = worker.KFAC
+    try:
+        worker.KFAC = {**kfac, 'kl_clip': None}
+        return reference(dp)
+    finally:
+        worker.KFAC = kfac
+
+
+def test_a_stage_whose_replicas_count_other_micro_batches_is_refused(tmp_path):
+    results = run(4, {'schedule': 'gpipe', 'dp': 2, 'mismatch': True}, tmp_path)
+    for rank in (0, 2):  # stage 0's data-parallel group: rank 2 declares one more micro-batch
+        assert 'accumulation_steps' in results[rank]['error'], results[rank]
+    assert results[1] == {'built': True} and results[3] == {'built': True}, (results[1], results[3])
