@@ -153,8 +153,9 @@ class _CaptureHook:
     It holds the capture and a weak reference to its module, not the preconditioner: no reference cycle through
     the model."""
 
-    def __init__(self, module: torch.nn.Module | None, capture: Any) -> None:
+    def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '') -> None:
         self._module = weakref.ref(module) if module is not None else None
+        self._name = name
         self._capture = capture
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
@@ -175,6 +176,9 @@ class _CaptureHook:
             return
         if not capture.enabled:
             return
+        if _is_dtensor(inputs[0]):
+            raise ValueError(_TENSOR_PARALLEL.format(f'layer {self._name!r} ({type(module).__name__}), whose input is '
+                                                     f'a DTensor ({inputs[0].placements}): ColwiseParallel'))
         capture.capture_input(inputs[0])
         if output.requires_grad:
             output.register_hook(capture.capture_output_grad)
@@ -218,8 +222,20 @@ def _is_dtensor(t: Any) -> bool:
     return t is not None and type(t).__name__ == 'DTensor' and hasattr(t, 'full_tensor')
 
 
-def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a layer's Parameters are DTensors (FSDP2's ``fully_shard``, HSDP)."""
+_TENSOR_PARALLEL = ('dkfac does not precondition tensor-parallel layers yet, and this is one: {}; '
+                    'leave such layers to the optimizer (skip_layers), or shard the model with fully_shard only '
+                    '(FSDP2, HSDP). dkfac plan --tp predicts what tensor parallelism would cost (docs/STRATEGIES.md)')
+
+
+def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None, name: str = '') -> bool:
+    """Whether a layer's Parameters are DTensors (FSDP2's ``fully_shard``, HSDP). A weight split along its inputs
+    (tensor parallel's RowwiseParallel) is refused; ColwiseParallel's, split by rows as FSDP2 splits them, is
+    refused at the first forward, whose input is then a DTensor (_CaptureHook)."""
+    from torch.distributed.tensor import Shard
+
+    if _is_dtensor(weight) and any(isinstance(p, Shard) and p.dim != 0 for p in weight.placements):
+        raise ValueError(_TENSOR_PARALLEL.format(f'layer {name!r}, whose weight is split along dimension 1 '
+                                                 f'({weight.placements}: RowwiseParallel)'))
     sharded = [_is_dtensor(t) for t in (weight, bias) if t is not None]
     if any(sharded) and not all(sharded):
         raise ValueError('a layer whose weight and bias are not both DTensors (or both plain tensors) cannot be '
@@ -388,13 +404,13 @@ class _OwnerShards(_ReplicatedShards):
 
 
 def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distributor | None = None,
-                 owner: tuple[int, Any, int] | None = None) -> _Distributor:
+                 owner: tuple[int, Any, int] | None = None, name: str = '') -> _Distributor:
     """The one place a layer's distributor is chosen, from its Parameters and its placement: plain tensors, data-
     parallel replication (_Distributor); DTensors, the owner placement where the plan gave the layer an owner
     (`owner`: its global rank, the shard group, this rank; _OwnerShards), else the replicated placement
     (_ReplicatedShards). A sharded layer keeps the stand-ins of the distributor it `was` (the core is bound to
     them)."""
-    if not _is_sharded(weight, bias):
+    if not _is_sharded(weight, bias, name):
         return _Distributor()
     replicated = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
     return replicated if owner is None else _OwnerShards(replicated, *owner)
@@ -504,7 +520,8 @@ class BaseKFACPreconditioner:
         self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
         # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, or for a
         # layer sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back.
-        self._distributors = [_distributor(weight, bias) for weight, bias in self._bound]
+        self._distributors = [_distributor(weight, bias, name=name)
+                              for (weight, bias), name in zip(self._bound, self._names)]
         core_layers = [(name, type(module).__name__, *distributor.core_tensors(weight, bias), capture)
                        for (module, (name, capture)), (weight, bias), distributor
                        in zip(self._layers.items(), self._bound, self._distributors)]
@@ -520,8 +537,8 @@ class BaseKFACPreconditioner:
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
         hooks, capture_hooks = [], []
-        for module, (_, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
-            capture_hooks.append(_CaptureHook(module, capture))
+        for module, (name, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
+            capture_hooks.append(_CaptureHook(module, capture, name))
             hooks.append(module.register_forward_hook(capture_hooks[-1]))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
@@ -683,14 +700,14 @@ class BaseKFACPreconditioner:
                 continue
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
-            sharded = _is_sharded(weight, bias)
+            sharded = _is_sharded(weight, bias, self._names[index])
             if sharded != self._sharded(index):
                 if self._owner_placed:
                     raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
                                      f'{"sharded" if sharded else "unsharded"} after the preconditioner was '
                                      'built; its plan places the layer as it was then: shard the model (fully_shard) '
                                      'first, then build the preconditioner')
-                self._distributors[index] = _distributor(weight, bias)
+                self._distributors[index] = _distributor(weight, bias, name=self._names[index])
             # else the same distributor: a sharded layer's stand-ins stay, and nothing changes for the core
             with _CoreWarnings():
                 self._core.rebind_layer(index, *self._distributors[index].core_tensors(weight, bias))

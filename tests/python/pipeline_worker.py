@@ -40,9 +40,36 @@ def stage_of(whole: torch.nn.Sequential, stage: int) -> torch.nn.Sequential:
     return whole[:2] if stage == 0 else whole[2:]
 
 
+def tensor_parallel(output: str) -> None:
+    """Tensor parallel is refused, naming the layer: RowwiseParallel's weight when the preconditioner is built,
+    ColwiseParallel's layer at its first forward (its weight is split by rows, as FSDP2 splits them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh('cpu', (dist.get_world_size(),), mesh_dim_names=('tp',))
+    whole = model()
+    parallelize_module(whole, mesh, {'0': ColwiseParallel(), '2': RowwiseParallel(), '4': ColwiseParallel()})
+    alone = dist.new_group([dist.get_rank()])
+    errors = {}
+    try:
+        dkfac.KFACPreconditioner(whole, process_group=alone)
+    except ValueError as error:
+        errors['build'] = str(error)
+    kept = dkfac.KFACPreconditioner(whole, process_group=alone, skip_layers=['^2$'])  # noqa: F841 (hooks live with it)
+    try:
+        whole(torch.randn(4, 6, dtype=torch.float64))
+    except ValueError as error:
+        errors['forward'] = str(error)
+    torch.save(errors, output)
+
+
 def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     dist.init_process_group('gloo')
+    if kwargs.get('tensor_parallel'):
+        tensor_parallel(output)
+        dist.destroy_process_group()
+        return
     rank = dist.get_rank()
     dp = kwargs['dp']
     replica, stage = divmod(rank, 2)

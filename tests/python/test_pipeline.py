@@ -90,3 +90,11 @@ def test_a_stage_whose_replicas_count_other_micro_batches_is_refused(tmp_path):
     for rank in (0, 2):  # stage 0's data-parallel group: rank 2 declares one more micro-batch
         assert 'accumulation_steps' in results[rank]['error'], results[rank]
     assert results[1] == {'built': True} and results[3] == {'built': True}, (results[1], results[3])
+
+
+def test_tensor_parallel_layers_are_refused_naming_them(tmp_path):
+    """Not built yet (issue 46): a tensor-parallel layer is refused, never preconditioned as FSDP2's would be."""
+    for result in run(2, {'tensor_parallel': True}, tmp_path):
+        assert "layer '2'" in result['build'] and 'RowwiseParallel' in result['build'], result
+        assert "layer '0'" in result['forward'] and 'ColwiseParallel' in result['forward'], result
+        assert 'skip_layers' in result['forward']
