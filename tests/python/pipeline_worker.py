@@ -3,7 +3,10 @@ torch.distributed.pipelining, `dp` replicas (rank = replica * 2 + stage), each s
 KFACPreconditioner over its data-parallel group, KL clipping summed over its replica's stages
 (model_parallel_group). Writes each step's gradients of the stage (after K-FAC, before SGD) to `output`.
 
-    pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "mismatch": false}'
+    pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "model": "mlp" | "lm", "mismatch": false}'
+
+The "lm" model is scenarios.TinyLanguageModel (an Embedding, a Conv1D, a LayerNorm and a Linear head: GPT-2's layer
+kinds), stage 0 its embedding and Conv1D, stage 1 its LayerNorm and head.
 """
 import json
 import sys
@@ -20,24 +23,40 @@ KFAC = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, lr=0.1, kl_
             factor_dtype='float64', inv_dtype='float64')
 
 
-def model() -> torch.nn.Sequential:
+def model(kind: str = 'mlp') -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == 'lm':
+        return scenarios.TinyLanguageModel().double()
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
                                torch.nn.Linear(8, 5)).double()
 
 
-def data(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data(step: int, replica: int, kind: str = 'mlp') -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == 'lm':  # contiguous: the schedule checks each micro-batch's strides against the first
+        return tuple(t.contiguous() for t in scenarios.batch('lm', 100 * step + replica, size=BATCH))
     g = torch.Generator().manual_seed(100 * step + replica)
     return (torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
             torch.randn(BATCH, 5, generator=g, dtype=torch.float64))
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if target.dtype == torch.int64:  # the language model's next tokens
+        return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
     return torch.nn.functional.mse_loss(output, target)
 
 
-def stage_of(whole: torch.nn.Sequential, stage: int) -> torch.nn.Sequential:
+def stage_of(whole: torch.nn.Module, stage: int) -> torch.nn.Sequential:
+    if isinstance(whole, scenarios.TinyLanguageModel):
+        return (torch.nn.Sequential(whole.wte, whole.c_fc, torch.nn.Tanh()) if stage == 0
+                else torch.nn.Sequential(whole.ln, whole.head))
     return whole[:2] if stage == 0 else whole[2:]
+
+
+def stage_parameters(kind: str, stage: int) -> slice:
+    """Which of the whole model's parameters (in its order) stage `stage` holds."""
+    if kind == 'lm':  # wte; c_fc's weight and bias | ln's and head's weight and bias
+        return slice(0, 3) if stage == 0 else slice(3, 7)
+    return slice(0, 2) if stage == 0 else slice(2, 6)
 
 
 def tensor_parallel(output: str) -> None:
@@ -76,7 +95,8 @@ def main() -> None:
     # Every rank creates every group, in one order.
     pipelines = [dist.new_group([2 * r, 2 * r + 1]) for r in range(dp)]
     replicas = [dist.new_group(list(range(s, 2 * dp, 2))) for s in range(2)]
-    part = stage_of(model(), stage)
+    kind = kwargs.get('model', 'mlp')
+    part = stage_of(model(kind), stage)
     accumulation = MICRO + (1 if kwargs.get('mismatch') and rank == 2 else 0)
     try:
         preconditioner = dkfac.KFACPreconditioner(
@@ -96,7 +116,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
     grads = []
     for step in range(STEPS):
-        x, y = data(step, replica)
+        x, y = data(step, replica, kind)
         optimizer.zero_grad()
         if stage == 0:
             pipeline.step(x)
