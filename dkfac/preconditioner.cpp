@@ -1,5 +1,7 @@
 #include "dkfac/preconditioner.h"
 
+#include <chrono>
+
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 
@@ -86,6 +88,7 @@ void Preconditioner::step(const Distributor& distributor) {
     std::function<void(torch::Tensor&)>& f;
     ~Forget() { f = nullptr; }
   } forget{sum_over_model_};
+  front_end_seconds_ = 0.0;
   move_gradients(distributor.gather);
   bool factor_step = false;
   try {
@@ -98,14 +101,26 @@ void Preconditioner::step(const Distributor& distributor) {
     }
     throw;
   }
-  move_gradients(distributor.scatter);
+  // The step is done once its gradients are written: a scatter that fails (a lost rank) still ends it, then says so.
+  std::exception_ptr scatter_failed;
+  try {
+    move_gradients(distributor.scatter);
+  } catch (...) {
+    scatter_failed = std::current_exception();
+  }
   close_step_timing();
   if (auto_ && auto_->profiles(steps_)) {  // reading the times waits for the step's events on a GPU
-    const auto t = last_step_times();
+    auto t = last_step_times();
+    // The time model prices K-FAC's own collectives, not the front end's (sharded rows, the pipeline's KL sum).
+    t[KfacPhase::kCommunication] = std::max(0.0, t[KfacPhase::kCommunication] - front_end_seconds_);
     const bool inverse = is_inverse_step(steps_);
     auto_->record(steps_, {factor_step, inverse, inverse && !is_full_decomposition_step(steps_)}, t);
   }
   ++steps_;
+  if (scatter_failed) {
+    arm_capture();
+    std::rethrow_exception(scatter_failed);
+  }
   if (auto_ && auto_->recheck_due(steps_)) recheck_strategy();
   arm_capture();
 }
@@ -145,7 +160,9 @@ bool Preconditioner::run_step() {
 
 void Preconditioner::move_gradients(const std::function<Distributor::Moved()>& move) {
   if (!move) return;
+  const auto start = std::chrono::steady_clock::now();
   const auto moved = clock_.communication(move);
+  front_end_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (communicator_) communicator_->add_traffic(comm::Purpose::kGradients, moved.calls, moved.bytes);
 }
 
@@ -707,7 +724,9 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     const auto vgs = report.rows.select(1, GuardReport::kVg);
     report.vg_sum = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum();
     if (sum_over_model_) {  // the other pipeline stages' layers: one nu for the whole model
+      const auto start = std::chrono::steady_clock::now();
       clock_.collective(KfacPhase::kApply, [&] { sum_over_model_(report.vg_sum); });
+      front_end_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (communicator_) communicator_->add_traffic(comm::Purpose::kControl, 1, 8);
       report.model_summed = true;
     }

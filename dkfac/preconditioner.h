@@ -92,8 +92,10 @@ struct MessageNames {
 /// FSDP2 and HSDP layers, where the core binds full-shaped stand-ins and one distributor per parallelism
 /// (python/dkfac/base_preconditioner.py, `_distributor`) fills them before the step and returns their rows
 /// after it. Preconditioner::step runs `gather` first, before it reads any gradient, and `scatter` last, after it
-/// wrote them, also when the step failed after the gather (every rank keeps its collectives in order). Their time
-/// is communication in the phase clock, and the calls and bytes they return count under
+/// wrote them, also when the step failed after the gather (every rank keeps its collectives in order); a scatter
+/// that fails ends the step (counted) before its error goes on. Their time is communication in the phase clock
+/// (not in strategy auto's profile: the time model prices K-FAC's own collectives), and the calls and bytes they
+/// return count under
 /// comm::Purpose::kGradients in the Communicator's traffic, as strategy::predict counts a sharded layer's rows.
 ///
 /// `sum_over_model`: where this rank holds one part of a replica's layers (a pipeline stage; the front end's
@@ -361,6 +363,8 @@ class Preconditioner {
   void move_gradients(const std::function<Distributor::Moved()>& move);
   /// This step's Distributor::sum_over_model (empty outside step() and without one).
   std::function<void(torch::Tensor&)> sum_over_model_;
+  /// This step's host seconds in the front end's collectives (taken out of what strategy auto profiles).
+  double front_end_seconds_ = 0.0;
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.
   void close_step_timing();
   /// Marks where the step is (its phase, and the layer), for an out-of-memory error to name.

@@ -631,8 +631,20 @@ TEST(Preconditioner, ADistributorFramesTheStep) {
         return Distributor::Moved{};
       };
       zero_grad_and_backward(*net, 40);
+      const int64_t before = kfac.steps();
       EXPECT_THROW(kfac.step(failing), c10::Error);
       EXPECT_EQ(order, (std::vector<std::string>{"gather", "scatter"}));
+      EXPECT_EQ(kfac.steps(), before) << "a failed step is not counted";
+      // A scatter that fails (a lost rank) after the step wrote the gradients: the step is counted, then the error.
+      auto lost = distributor;
+      lost.gather = [] { return Distributor::Moved{}; };
+      lost.scatter = []() -> Distributor::Moved { TORCH_CHECK(false, "rank 1 is gone"); };
+      zero_grad_and_backward(*net, 41);
+      EXPECT_THROW(kfac.step(lost), c10::Error);
+      EXPECT_EQ(kfac.steps(), before + 1);
+      zero_grad_and_backward(*net, 42);
+      kfac.step();  // the next step runs as usual
+      EXPECT_EQ(kfac.steps(), before + 2);
     }
     return result;
   };

@@ -126,7 +126,7 @@ constexpr int64_t kNoMemoryBudget = 0;
 
 /// One strategy that strategy auto considers, with its prediction (as JSON: tools/common/report_json.h).
 struct Candidate {
-  std::string name;         ///< "kaisa f=1/2 W=2 triangles", "spd", "dp", ...
+  std::string name;         ///< "kaisa f=1/2 (W=2) triangles", "spd", "dp", ...
   Options options;          ///< the base options with this candidate's strategy, fraction and symmetric_comm
   StepPlan plan;            ///< make_step_plan(shapes, world, options) (SPD-KFAC: its redundancy threshold
                             ///< from the rates, as its executor would measure it)

@@ -177,8 +177,9 @@ class _CaptureHook:
         if not capture.enabled:
             return
         if _is_dtensor(inputs[0]):
-            raise ValueError(_TENSOR_PARALLEL.format(f'layer {self._name!r} ({type(module).__name__}), whose input is '
-                                                     f'a DTensor ({inputs[0].placements}): ColwiseParallel'))
+            raise ValueError(_TENSOR_PARALLEL.format(
+                f'layer {self._name!r} ({type(module).__name__}), whose input is a DTensor ({inputs[0].placements}: '
+                'tensor parallel)'))
         capture.capture_input(inputs[0])
         if output.requires_grad:
             output.register_hook(capture.capture_output_grad)
@@ -227,15 +228,18 @@ _TENSOR_PARALLEL = ('dkfac does not precondition tensor-parallel layers yet, and
                     '(FSDP2, HSDP). dkfac plan --tp predicts what tensor parallelism would cost (docs/STRATEGIES.md)')
 
 
-def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None, name: str = '') -> bool:
-    """Whether a layer's Parameters are DTensors (FSDP2's ``fully_shard``, HSDP). A weight split along its inputs
-    (tensor parallel's RowwiseParallel) is refused; ColwiseParallel's, split by rows as FSDP2 splits them, is
-    refused at the first forward, whose input is then a DTensor (_CaptureHook)."""
-    from torch.distributed.tensor import Shard
+def _refuse_tensor_parallel(name: str, module: torch.nn.Module) -> None:
+    """Refuses a layer that torch.distributed.tensor.parallel split (ColwiseParallel, RowwiseParallel, ...): its
+    forward hooks are distribute_module's. Should that mark change, the first forward still refuses it: its input is
+    then a DTensor (_CaptureHook)."""
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    if any(getattr(h, '__qualname__', '').startswith('distribute_module.') for h in hooks):
+        raise ValueError(_TENSOR_PARALLEL.format(f'layer {name!r} ({type(module).__name__}), split by '
+                                                 'torch.distributed.tensor.parallel'))
 
-    if _is_dtensor(weight) and any(isinstance(p, Shard) and p.dim != 0 for p in weight.placements):
-        raise ValueError(_TENSOR_PARALLEL.format(f'layer {name!r}, whose weight is split along dimension 1 '
-                                                 f'({weight.placements}: RowwiseParallel)'))
+
+def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a layer's Parameters are DTensors (FSDP2's ``fully_shard``, HSDP)."""
     sharded = [_is_dtensor(t) for t in (weight, bias) if t is not None]
     if any(sharded) and not all(sharded):
         raise ValueError('a layer whose weight and bias are not both DTensors (or both plain tensors) cannot be '
@@ -404,13 +408,13 @@ class _OwnerShards(_ReplicatedShards):
 
 
 def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distributor | None = None,
-                 owner: tuple[int, Any, int] | None = None, name: str = '') -> _Distributor:
+                 owner: tuple[int, Any, int] | None = None) -> _Distributor:
     """The one place a layer's distributor is chosen, from its Parameters and its placement: plain tensors, data-
     parallel replication (_Distributor); DTensors, the owner placement where the plan gave the layer an owner
     (`owner`: its global rank, the shard group, this rank; _OwnerShards), else the replicated placement
     (_ReplicatedShards). A sharded layer keeps the stand-ins of the distributor it `was` (the core is bound to
     them)."""
-    if not _is_sharded(weight, bias, name):
+    if not _is_sharded(weight, bias):
         return _Distributor()
     replicated = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
     return replicated if owner is None else _OwnerShards(replicated, *owner)
@@ -520,8 +524,9 @@ class BaseKFACPreconditioner:
         self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
         # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, or for a
         # layer sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back.
-        self._distributors = [_distributor(weight, bias, name=name)
-                              for (weight, bias), name in zip(self._bound, self._names)]
+        for name, module in zip(self._names, self._modules):
+            _refuse_tensor_parallel(name, module)
+        self._distributors = [_distributor(weight, bias) for weight, bias in self._bound]
         core_layers = [(name, type(module).__name__, *distributor.core_tensors(weight, bias), capture)
                        for (module, (name, capture)), (weight, bias), distributor
                        in zip(self._layers.items(), self._bound, self._distributors)]
@@ -665,14 +670,22 @@ class BaseKFACPreconditioner:
         what = ("gathering the sharded layers' gradients" if way == 'gather'
                 else "scattering the sharded layers' preconditioned gradients")
         with self._naming_lost_ranks(what):
-            works = []
-            for distributor, bound in zip(self._distributors, self._bound):
-                distributor.moved = [0, 0]
-                works += getattr(distributor, 'start_' + way)(*bound)
-            for work in works:
-                work.wait()
-            for distributor in self._distributors:
-                getattr(distributor, 'finish_' + way)()
+            try:
+                works = []
+                for distributor, bound in zip(self._distributors, self._bound):
+                    distributor.moved = [0, 0]
+                    works += getattr(distributor, 'start_' + way)(*bound)
+                for work in works:
+                    work.wait()
+                for distributor in self._distributors:
+                    getattr(distributor, 'finish_' + way)()
+            except BaseException:
+                if way == 'gather':  # the step will not run: no whole gradient is kept until the next one
+                    for distributor in self._distributors:
+                        for stand_in in getattr(distributor, 'stand_ins', ()):
+                            if stand_in is not None:
+                                stand_in.grad = None
+                raise
         return (sum(d.moved[0] for d in self._distributors), sum(d.moved[1] for d in self._distributors))
 
     @contextlib.contextmanager
@@ -700,14 +713,14 @@ class BaseKFACPreconditioner:
                 continue
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
-            sharded = _is_sharded(weight, bias, self._names[index])
+            sharded = _is_sharded(weight, bias)
             if sharded != self._sharded(index):
                 if self._owner_placed:
                     raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
                                      f'{"sharded" if sharded else "unsharded"} after the preconditioner was '
                                      'built; its plan places the layer as it was then: shard the model (fully_shard) '
                                      'first, then build the preconditioner')
-                self._distributors[index] = _distributor(weight, bias, name=self._names[index])
+                self._distributors[index] = _distributor(weight, bias)
             # else the same distributor: a sharded layer's stand-ins stay, and nothing changes for the core
             with _CoreWarnings():
                 self._core.rebind_layer(index, *self._distributors[index].core_tensors(weight, bias))

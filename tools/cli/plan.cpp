@@ -145,7 +145,7 @@ Command add_plan_command(CLI::App& app) {
                    "pipeline stages (transformers): each holds its blocks' layers; the fullest stage is shown")
       ->capture_default_str()->check(CLI::PositiveNumber);
   plan->add_flag("--symmetric-comm", r.symmetric_comm,
-                 "KAISA rows (dkfac, kaisa, dkfac-lw): factors, and inverses, sent as upper triangles");
+                 "KAISA rows: factors, and inverses, sent as upper triangles");
   auto* fsdp = plan->add_flag("--fsdp", config->fsdp,
                               "every layer sharded by FSDP2 over all ranks: each strategy in the replicated placement, "
                               "and the owner placements (docs/STRATEGIES.md, \"Sharded models\")");

@@ -208,7 +208,7 @@ PlanReport plan_report(const PlanRequest& r) {
     try {
       space.grad_workers.push_back(assign::grad_worker_count(p, f));
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "--grad-worker-fraction with --nproc ", p, ": ", e.what_without_backtrace());
+      TORCH_CHECK(false, "--grad-worker-fraction with ", p, " data-parallel ranks: ", e.what_without_backtrace());
     }
   }
   TORCH_CHECK(r.spd_redundant_dim >= 0, "--spd-redundant-dim must be >= 0, got ", r.spd_redundant_dim);
@@ -350,7 +350,9 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
        << (report["symmetric_comm"].get<bool>() ? ", KAISA factors as upper triangles" : "") << "\n"
        << "  " << grouped(report["parameters"].get<int64_t>()) << " parameters, " << layers
        << " K-FAC layers holding " << grouped(report["kfac_parameters"].get<int64_t>()) << "; data-parallel gradient allreduce "
-       << human_bytes(report["data_parallel_bytes_per_step"].get<double>()) << " per step on every strategy\n"
+       << human_bytes(report["data_parallel_bytes_per_step"].get<double>())
+       << (tp * pp > 1 ? " for the whole model (a rank's stage and tensor shard a part)" : "")
+       << " per step on every strategy\n"
        << "  bytes: payload per collective call on each rank; update = one step that builds factors, decomposes "
           "and preconditions\n";
   constexpr int kWidth = 15;
