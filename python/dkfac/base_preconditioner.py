@@ -534,8 +534,15 @@ class BaseKFACPreconditioner:
         if owner_placed:
             self._owner_grid(core_options, process_group)
         with _CoreWarnings():
-            self._core = _C.Preconditioner(core_layers, core_options, self._communicator,
-                                           shard_ranks=[d.shard_ranks for d in self._distributors])
+            try:
+                self._core = _C.Preconditioner(core_layers, core_options, self._communicator,
+                                               shard_ranks=[d.shard_ranks for d in self._distributors])
+            except RuntimeError as error:  # the core names a subgroup's ranks as the group numbers them
+                ranks = dist.get_process_group_ranks(process_group) if process_group is not None else []
+                if 'the ranks built their preconditioners differently' not in str(error) or ranks == sorted(ranks) == \
+                        list(range(len(ranks))):
+                    raise
+                raise RuntimeError(f'{error} (process_group\'s rank i is global rank {ranks}[i])') from error
         if owner_placed:
             self._place_owners(process_group)
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):

@@ -92,6 +92,7 @@ def test_a_stage_whose_replicas_count_other_micro_batches_is_refused(tmp_path):
     results = run(4, {'schedule': 'gpipe', 'dp': 2, 'mismatch': True}, tmp_path)
     for rank in (0, 2):  # stage 0's data-parallel group: rank 2 declares one more micro-batch
         assert 'accumulation_steps' in results[rank]['error'], results[rank]
+        assert "process_group's rank i is global rank [0, 2][i]" in results[rank]['error'], results[rank]
     assert results[1] == {'built': True} and results[3] == {'built': True}, (results[1], results[3])
 
 
