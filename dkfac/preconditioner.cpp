@@ -1,7 +1,5 @@
 #include "dkfac/preconditioner.h"
 
-#include <chrono>
-
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <chrono>
 #include <iomanip>
 #include <limits>
 #include <map>
@@ -83,16 +82,11 @@ void Preconditioner::check_schedules_agree() const {
 
 void Preconditioner::step(const Distributor& distributor) {
   settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
-  sum_over_model_ = distributor.sum_over_model;
-  struct Forget {  // the front end's function is this step's only
-    std::function<void(torch::Tensor&)>& f;
-    ~Forget() { f = nullptr; }
-  } forget{sum_over_model_};
   front_end_seconds_ = 0.0;
   move_gradients(distributor.gather);
   bool factor_step = false;
   try {
-    factor_step = run_step();
+    factor_step = run_step(distributor.sum_over_model);
   } catch (...) {
     try {
       move_gradients(distributor.scatter);  // the gathered gradients back as they came: ranks stay in step
@@ -125,7 +119,7 @@ void Preconditioner::step(const Distributor& distributor) {
   arm_capture();
 }
 
-bool Preconditioner::run_step() {
+bool Preconditioner::run_step(const std::function<void(torch::Tensor&)>& sum_over_model) {
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
@@ -143,7 +137,7 @@ bool Preconditioner::run_step() {
       const double kl_clip = options_.kl_clip_at(steps_);
       std::vector<torch::Tensor> vg;
       auto preconditioned = precondition(fates, kl_clip, vg);
-      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip);
+      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip, sum_over_model);
       apply(fates, preconditioned, report);
     }
     remember_written_gradients(fates);
@@ -158,11 +152,16 @@ bool Preconditioner::run_step() {
   return factor_step;
 }
 
+void Preconditioner::front_end(const std::function<void()>& run) {
+  const auto start = std::chrono::steady_clock::now();
+  run();
+  front_end_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 void Preconditioner::move_gradients(const std::function<Distributor::Moved()>& move) {
   if (!move) return;
-  const auto start = std::chrono::steady_clock::now();
-  const auto moved = clock_.communication(move);
-  front_end_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Distributor::Moved moved;
+  front_end([&] { moved = clock_.communication(move); });
   if (communicator_) communicator_->add_traffic(comm::Purpose::kGradients, moved.calls, moved.bytes);
 }
 
@@ -683,7 +682,8 @@ torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip
 
 Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
                                                            const std::vector<torch::Tensor>& preconditioned,
-                                                           const std::vector<torch::Tensor>& vg, double kl_clip) {
+                                                           const std::vector<torch::Tensor>& vg, double kl_clip,
+                                                           const std::function<void(torch::Tensor&)>& sum_over_model) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   mark("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
@@ -723,10 +723,8 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     // An unusable row's sum may be NaN: selected out, not multiplied by 0 (NaN * 0 is NaN).
     const auto vgs = report.rows.select(1, GuardReport::kVg);
     report.vg_sum = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum();
-    if (sum_over_model_) {  // the other pipeline stages' layers: one nu for the whole model
-      const auto start = std::chrono::steady_clock::now();
-      clock_.collective(KfacPhase::kApply, [&] { sum_over_model_(report.vg_sum); });
-      front_end_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (sum_over_model) {  // the other pipeline stages' layers: one nu for the whole model
+      front_end([&] { clock_.collective(KfacPhase::kApply, [&] { sum_over_model(report.vg_sum); }); });
       if (communicator_) communicator_->add_traffic(comm::Purpose::kControl, 1, 8);
       report.model_summed = true;
     }

@@ -317,10 +317,11 @@ class Preconditioner {
   /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 report.vg_sum|)), on the device.
   static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
-  /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale; `vg` as precondition() left it. Nothing
-  /// waits for the device.
+  /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale, its sum(V * grad) summed over the model's
+  /// parts by `sum_over_model` where given; `vg` as precondition() left it. Nothing waits for the device.
   GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
-                             const std::vector<torch::Tensor>& vg, double kl_clip);
+                             const std::vector<torch::Tensor>& vg, double kl_clip,
+                             const std::function<void(torch::Tensor&)>& sum_over_model);
   /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before apply()
   /// (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host in row order as
   /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
@@ -357,12 +358,13 @@ class Preconditioner {
   /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
   void agree_on_unused_layers(std::vector<LayerFate>& fates);
   /// step() between the distributor's gather and scatter: the checks, then factors, second order,
-  /// preconditioning and the written gradients. Returns whether it was a factor step.
-  bool run_step();
+  /// preconditioning (KL clipping summed over the model's parts by `sum_over_model` where given) and the written
+  /// gradients. Returns whether it was a factor step.
+  bool run_step(const std::function<void(torch::Tensor&)>& sum_over_model);
   /// Runs one of a distributor's moves (none when empty), timed as communication and counted as gradient traffic.
   void move_gradients(const std::function<Distributor::Moved()>& move);
-  /// This step's Distributor::sum_over_model (empty outside step() and without one).
-  std::function<void(torch::Tensor&)> sum_over_model_;
+  /// Runs a front end's collective, adding its host seconds to front_end_seconds_.
+  void front_end(const std::function<void()>& run);
   /// This step's host seconds in the front end's collectives (taken out of what strategy auto profiles).
   double front_end_seconds_ = 0.0;
   /// Moves the capture hooks' timing and this step's spans to the last step's; folds older ones into the total.

@@ -133,6 +133,13 @@ class WarningCollector : public c10::WarningHandler {
 
 // KAISA's grid as the core resolved it (assign::kaisa_layout): what the package reports as kfac_pytorch's
 // distributed_strategy, grad_worker_fraction and colocate_factors.
+/// One figure of strategy::predict for each rank of `p`'s plan, with K-FAC tensors of `element_bytes`.
+std::vector<int64_t> predicted(const Preconditioner& p, int64_t element_bytes, int64_t strategy::RankCost::*figure) {
+  std::vector<int64_t> out;
+  for (const auto& cost : strategy::predict(p.executor()->plan(), element_bytes, 1)) out.push_back(cost.*figure);
+  return out;
+}
+
 py::dict layout_dict(const assign::Assignment& grid) {
   py::dict d;
   d["world_size"] = grid.world_size;
@@ -434,24 +441,16 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_layer_states", &Preconditioner::gathered_layer_states, py::call_guard<py::gil_scoped_release>())
       .def("state_template", &Preconditioner::state_template)
       .def("describe", [](const Preconditioner& p) { return p.executor()->describe(); })
+      // Per rank, the gradient bytes the plan says it moves per step (strategy::predict): V's broadcasts and a
+      // sharded layer's rows, which the distributors move and the core counts.
       .def("predicted_gradient_bytes",
            [](const Preconditioner& p, int64_t element_bytes) {
-             // Per rank, the gradient bytes the plan says it moves per step (strategy::predict): V's broadcasts and a
-             // sharded layer's rows, which the distributors move and the core counts.
-             std::vector<int64_t> out;
-             for (const auto& cost : strategy::predict(p.executor()->plan(), element_bytes, 1)) {
-               out.push_back(cost.gradient_bytes);
-             }
-             return out;
+             return predicted(p, element_bytes, &strategy::RankCost::gradient_bytes);
            })
+      // Per rank, the K-FAC state (factors and second-order state) the plan says it holds.
       .def("predicted_memory_bytes",
            [](const Preconditioner& p, int64_t element_bytes) {
-             // Per rank, the K-FAC state (factors and second-order state) the plan says it holds (strategy::predict).
-             std::vector<int64_t> out;
-             for (const auto& cost : strategy::predict(p.executor()->plan(), element_bytes, 1)) {
-               out.push_back(cost.memory_bytes);
-             }
-             return out;
+             return predicted(p, element_bytes, &strategy::RankCost::memory_bytes);
            })
       .def("row_owners",
            [](const Preconditioner& p) {

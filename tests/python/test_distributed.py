@@ -10,10 +10,10 @@ process whose factors come from the layer owner's shard only.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,50 +24,16 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import dkfac
 import scenarios
+import workers
+from workers import outputs_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GLOBAL_BATCH, STEPS = 16, 4
 COMMON = dict(factor_update_steps=1, inv_update_steps=2, damping=0.003, lr=0.1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def start_workers(size: int, kwargs: dict, tmp_path) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = []
-    for rank in range(size):
-        env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                   PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), PYTHONWARNINGS='ignore',
-                   OMP_NUM_THREADS='1')
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, 'distributed_worker.py'),
-                                       str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
-
-
-def outputs_of(procs: list[subprocess.Popen], seconds: float) -> list[str]:
-    """Each worker's output once all have ended; fails the test (killing them) if one runs past `seconds`."""
-    outputs = []
-    for rank, proc in enumerate(procs):
-        try:
-            outputs.append(proc.communicate(timeout=seconds)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f'rank {rank} of {len(procs)} did not finish in {seconds} s')
-    return outputs
-
-
-def run_workers(size: int, kwargs: dict, tmp_path) -> list[dict]:
-    procs = start_workers(size, kwargs, tmp_path)
-    outputs = outputs_of(procs, 240)
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
-    return [torch.load(tmp_path / f'rank{rank}.pt', weights_only=False) for rank in range(size)]
+start_workers = functools.partial(workers.start_workers, 'distributed_worker.py')
+run_workers = functools.partial(workers.run_workers, 'distributed_worker.py')
 
 
 def reference(size: int, kwargs: dict, factor_shard: int | None = None,

@@ -1,44 +1,16 @@
 """Pipeline parallel (torch.distributed.pipelining): each stage preconditions its own layers with factors
 accumulated over the schedule's micro-batches, averaged over its data-parallel group, and KL clipping summed over
 its replica's stages; the job equals one process preconditioning the whole model over the same micro-batches."""
-import json
-import os
-import socket
-import subprocess
-import sys
+import functools
 
 import pytest
 import torch
 
 import dkfac
 import pipeline_worker as worker
+import workers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def run(size: int, kwargs: dict, tmp_path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(size):
-        env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                   PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), PYTHONWARNINGS='ignore',
-                   OMP_NUM_THREADS='1')
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, 'pipeline_worker.py'),
-                                       str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f'rank {rank} failed:\n{outputs[rank]}'
-    return [torch.load(tmp_path / f'rank{rank}.pt', weights_only=False) for rank in range(size)]
+run = functools.partial(workers.run_workers, 'pipeline_worker.py')
 
 
 def reference(dp: int, kind: str = 'mlp') -> list[list[torch.Tensor]]:

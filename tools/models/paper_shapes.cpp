@@ -45,9 +45,7 @@ class Builder {
   }
   /// Embedding of `count` rows of width `dim` looked up `rows` times per sample (A diagonal).
   void embedding(const std::string& name, int64_t count, int64_t dim, int64_t rows, int block = -1) {
-    assign::LayerShape shape{name, count, dim, rows};
-    shape.a_diagonal = true;
-    add_layer(std::move(shape), {TpSplit::kReplicated, block, false, true});
+    add_layer({name, count, dim, rows}, {TpSplit::kReplicated, block, false, true});
   }
   void blocks(int n) { model_.blocks = n; }
   /// Parameters outside K-FAC: a BatchNorm's or LayerNorm's weight and bias over `channels`.
@@ -63,9 +61,7 @@ class Builder {
  private:
   void add_layer(assign::LayerShape shape, ParallelLayer parallel = {}) {
     const int64_t parameters = shape.a_dim * shape.g_dim;  // the bias is the A factor's last column
-    const int64_t widest = Options().diagonal_factor_dim();  // a job's default
-    shape.a_diagonal = shape.a_diagonal || shape.a_dim > widest;
-    shape.g_diagonal = shape.g_dim > widest;
+    keep_wide_factors_diagonal(shape, parallel.embedding);
     model_.layers.push_back(std::move(shape));
     model_.parallel.push_back(parallel);
     model_.parameters += parameters;
@@ -288,6 +284,12 @@ const std::vector<std::string>& paper_model_names() {
 bool is_paper_model(const std::string& name) {
   const auto& names = paper_model_names();
   return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+void keep_wide_factors_diagonal(assign::LayerShape& shape, bool embedding) {
+  const int64_t widest = Options().diagonal_factor_dim();
+  shape.a_diagonal = embedding || shape.a_dim > widest;
+  shape.g_diagonal = shape.g_dim > widest;
 }
 
 SequenceInput sequence_input(const std::string& name) {

@@ -69,6 +69,10 @@ bool is_paper_model(const std::string& name);
 /// 1..512 for bert-large, 1..2048 for the GPT models. Throws c10::Error naming the valid names for an unknown one.
 PaperModel paper_model(const std::string& name, int64_t seq_len = 128, int64_t classes = 1000);
 
+/// Keeps `shape`'s factors diagonal where a job would (KfacLayer): an Embedding's A (`embedding`) always, and any
+/// factor wider than Options::diagonal_factor_dim's default; the others dense.
+void keep_wide_factors_diagonal(assign::LayerShape& shape, bool embedding);
+
 /// The default tokens per sample of a sequence model (bert-large 128, the GPT models 2048), its most
 /// (512, 2048), and its dataset's name ("wikipedia", "webtext"); 0, 0, "" for an image model.
 struct SequenceInput {

@@ -65,7 +65,6 @@ std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int
   const int per = t.blocks / stages, extra = t.blocks % stages;
   const int first = stage * per + std::min(stage, extra);
   const int last = first + per + (stage < extra ? 1 : 0);  // one past
-  const int64_t widest = Options().diagonal_factor_dim();
   std::vector<assign::LayerShape> out;
   std::vector<int> index(t.layers.size(), -1);  // model index -> stage index (shared A factors)
   for (size_t i = 0; i < t.layers.size(); ++i) {
@@ -85,8 +84,7 @@ std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int
                   " inputs do not split evenly");
       shape.a_dim = (shape.a_dim - bias) / tp + bias;
     }
-    shape.a_diagonal = where.embedding || shape.a_dim > widest;
-    shape.g_diagonal = shape.g_dim > widest;
+    models::keep_wide_factors_diagonal(shape, where.embedding);
     if (shape.a_shared_with >= 0) shape.a_shared_with = index[static_cast<size_t>(shape.a_shared_with)];
     index[i] = static_cast<int>(out.size());
     out.push_back(std::move(shape));
