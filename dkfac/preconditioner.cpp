@@ -86,7 +86,7 @@ void Preconditioner::step(const Distributor& distributor) {
   move_gradients(distributor.gather);
   bool factor_step = false;
   try {
-    factor_step = run_step(distributor.sum_over_model);
+    factor_step = run_step(distributor);
   } catch (...) {
     try {
       move_gradients(distributor.scatter);  // the gathered gradients back as they came: ranks stay in step
@@ -119,7 +119,7 @@ void Preconditioner::step(const Distributor& distributor) {
   arm_capture();
 }
 
-bool Preconditioner::run_step(const std::function<void(torch::Tensor&)>& sum_over_model) {
+bool Preconditioner::run_step(const Distributor& model) {
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
@@ -137,7 +137,7 @@ bool Preconditioner::run_step(const std::function<void(torch::Tensor&)>& sum_ove
       const double kl_clip = options_.kl_clip_at(steps_);
       std::vector<torch::Tensor> vg;
       auto preconditioned = precondition(fates, kl_clip, vg);
-      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip, sum_over_model);
+      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip, model);
       apply(fates, preconditioned, report);
     }
     remember_written_gradients(fates);
@@ -683,7 +683,7 @@ torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip
 Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
                                                            const std::vector<torch::Tensor>& preconditioned,
                                                            const std::vector<torch::Tensor>& vg, double kl_clip,
-                                                           const std::function<void(torch::Tensor&)>& sum_over_model) {
+                                                           const Distributor& model) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   mark("NaN guard and KL clipping");
   torch::NoGradGuard no_grad;
@@ -706,8 +706,10 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     } else {
       auto finite = torch::isfinite(v).all().to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
+      const bool counted = i >= model.counted_elsewhere.size() || !model.counted_elsewhere[i];
       auto vg_i = kl_clip <= 0.0    ? one
-                  : vg[i].defined() ? vg[i]  // preconditioned here
+                  : !counted        ? torch::zeros({}, one.options())  // another model-parallel rank adds it
+                  : vg[i].defined() ? vg[i]                            // preconditioned here
                                     : (v * layers_[i].gradient()).sum().to(torch::kFloat64);
       rows.push_back(torch::stack({one, finite, folded, vg_i}));
     }
@@ -723,8 +725,8 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     // An unusable row's sum may be NaN: selected out, not multiplied by 0 (NaN * 0 is NaN).
     const auto vgs = report.rows.select(1, GuardReport::kVg);
     report.vg_sum = torch::where(report.usable, vgs, torch::zeros_like(vgs)).sum();
-    if (sum_over_model) {  // the other pipeline stages' layers: one nu for the whole model
-      front_end([&] { clock_.collective(KfacPhase::kApply, [&] { sum_over_model(report.vg_sum); }); });
+    if (model.sum_over_model) {  // the other parts' layers (stages, tensor-parallel slices): one nu for the model
+      front_end([&] { clock_.collective(KfacPhase::kApply, [&] { model.sum_over_model(report.vg_sum); }); });
       if (communicator_) communicator_->add_traffic(comm::Purpose::kControl, 1, 8);
       report.model_summed = true;
     }

@@ -98,9 +98,11 @@ struct MessageNames {
 /// return count under
 /// comm::Purpose::kGradients in the Communicator's traffic, as strategy::predict counts a sharded layer's rows.
 ///
-/// `sum_over_model`: where this rank holds one part of a replica's layers (a pipeline stage; the front end's
-/// `model_parallel_group`), sums a 0-dim float64 tensor over the ranks holding the other parts, in place. The KL
-/// clip's sum(V * grad) is the whole model's then, as in one process: every part scales by the same nu.
+/// `sum_over_model`: where this rank holds one part of a replica's layers (a pipeline stage, a tensor-parallel
+/// slice; the front end's `model_parallel_group`), sums a 0-dim float64 tensor over the ranks holding the other
+/// parts, in place. The KL clip's sum(V * grad) is the whole model's then, as in one process: every part scales by
+/// the same nu. `counted_elsewhere` (empty: none) marks the layers of which another rank of that sum adds the term:
+/// a layer tensor parallelism leaves whole is held by every tensor-parallel rank, and one of them counts it.
 struct Distributor {
   struct Moved {
     int64_t calls = 0;  ///< collectives run
@@ -109,6 +111,7 @@ struct Distributor {
   std::function<Moved()> gather;
   std::function<Moved()> scatter;
   std::function<void(torch::Tensor&)> sum_over_model;
+  std::vector<bool> counted_elsewhere;
 };
 
 /// K-FAC preconditioner for a LibTorch model (single process).
@@ -318,10 +321,10 @@ class Preconditioner {
   static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
   /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale, its sum(V * grad) summed over the model's
-  /// parts by `sum_over_model` where given; `vg` as precondition() left it. Nothing waits for the device.
+  /// parts by `model.sum_over_model` where given (without the layers `model.counted_elsewhere`); `vg` as
+  /// precondition() left it. Nothing waits for the device.
   GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
-                             const std::vector<torch::Tensor>& vg, double kl_clip,
-                             const std::function<void(torch::Tensor&)>& sum_over_model);
+                             const std::vector<torch::Tensor>& vg, double kl_clip, const Distributor& model);
   /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before apply()
   /// (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host in row order as
   /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
@@ -358,9 +361,9 @@ class Preconditioner {
   /// Makes `fates` the same on every rank: a layer that any rank cannot use keeps its plain gradient everywhere.
   void agree_on_unused_layers(std::vector<LayerFate>& fates);
   /// step() between the distributor's gather and scatter: the checks, then factors, second order,
-  /// preconditioning (KL clipping summed over the model's parts by `sum_over_model` where given) and the written
-  /// gradients. Returns whether it was a factor step.
-  bool run_step(const std::function<void(torch::Tensor&)>& sum_over_model);
+  /// preconditioning (KL clipping summed over the model's parts, as `model` says) and the written gradients.
+  /// Returns whether it was a factor step.
+  bool run_step(const Distributor& model);
   /// Runs one of a distributor's moves (none when empty), timed as communication and counted as gradient traffic.
   void move_gradients(const std::function<Distributor::Moved()>& move);
   /// Runs a front end's collective, adding its host seconds to front_end_seconds_.

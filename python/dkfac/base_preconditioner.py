@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from types import FrameType
 from types import TracebackType
 from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -151,11 +152,14 @@ class _CaptureHook:
     attributes, and must neither feed this preconditioner's factors nor fail to copy. A copied or unpickled hook
     is inert (it captures nothing); the copy trains with its plain gradients, or with a preconditioner of its own.
     It holds the capture and a weak reference to its module, not the preconditioner: no reference cycle through
-    the model."""
+    the model. On a tensor-parallel layer (`sliced`) it runs before torch.distributed.tensor.parallel's output
+    hook and captures the local parts of the DTensors it sees: its input, whole or this rank's features, and
+    its output's gradient, this rank's features or whole (_TensorParallelSlice)."""
 
-    def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '') -> None:
+    def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '', sliced: bool = False) -> None:
         self._module = weakref.ref(module) if module is not None else None
         self._name = name
+        self.sliced = sliced
         self._capture = capture
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
@@ -170,16 +174,21 @@ class _CaptureHook:
             return
         if torch.compiler.is_compiling():
             key = self.key
-            torch.ops.dkfac.capture_input(inputs[0], self.passes, key)
+            torch.ops.dkfac.capture_input(_local(inputs[0]), self.passes, key)
             if output.requires_grad:
-                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(grad, key))
+                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(_local(grad), key))
             return
         if not capture.enabled:
             return
+        if self.sliced:  # a tensor-parallel slice: this rank's part of the input and of the output gradient
+            capture.capture_input(_local(inputs[0]))
+            if output.requires_grad:
+                output.register_hook(lambda grad: capture.capture_output_grad(_local(grad)))
+            return
         if _is_dtensor(inputs[0]):
-            raise ValueError(_TENSOR_PARALLEL.format(
-                f'layer {self._name!r} ({type(module).__name__}), whose input is a DTensor ({inputs[0].placements}: '
-                'tensor parallel)'))
+            raise ValueError(f'layer {self._name!r} ({type(module).__name__}) takes a DTensor input '
+                             f'({inputs[0].placements}): it was split by torch.distributed.tensor.parallel after the '
+                             'preconditioner was built. Build the preconditioner after parallelize_module')
         capture.capture_input(inputs[0])
         if output.requires_grad:
             output.register_hook(capture.capture_output_grad)
@@ -223,19 +232,78 @@ def _is_dtensor(t: Any) -> bool:
     return t is not None and type(t).__name__ == 'DTensor' and hasattr(t, 'full_tensor')
 
 
-_TENSOR_PARALLEL = ('dkfac does not precondition tensor-parallel layers yet, and this is one: {}; '
-                    'leave such layers to the optimizer (skip_layers), or shard the model with fully_shard only '
-                    '(FSDP2, HSDP). dkfac plan --tp predicts what tensor parallelism would cost (docs/STRATEGIES.md)')
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (waited for, where an asynchronous redistribution made it); else `t`."""
+    if _is_dtensor(t):
+        t = t.to_local()
+    return t.wait() if type(t).__name__ == 'AsyncCollectiveTensor' else t
 
 
-def _refuse_tensor_parallel(name: str, module: torch.nn.Module) -> None:
-    """Refuses a layer that torch.distributed.tensor.parallel split (ColwiseParallel, RowwiseParallel, ...): its
-    forward hooks are distribute_module's. Should that mark change, the first forward still refuses it: its input is
-    then a DTensor (_CaptureHook)."""
+def _split_by_tensor_parallel(module: torch.nn.Module) -> bool:
+    """Whether torch.distributed.tensor.parallel split the module (ColwiseParallel, RowwiseParallel, ...): its
+    forward hooks are distribute_module's."""
     hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
-    if any(getattr(h, '__qualname__', '').startswith('distribute_module.') for h in hooks):
-        raise ValueError(_TENSOR_PARALLEL.format(f'layer {name!r} ({type(module).__name__}), split by '
-                                                 'torch.distributed.tensor.parallel'))
+    return any(getattr(h, '__qualname__', '').startswith('distribute_module.') for h in hooks)
+
+
+class _TensorParallel(NamedTuple):
+    """How tensor parallelism split one layer (_tensor_parallel): 'column' (output features sharded: A is the
+    same on every tensor-parallel rank, G this rank's block), 'row' (input features sharded: A this rank's
+    block, G the same everywhere; the bias, replicated, goes with the block of tensor-parallel rank 0) or
+    'replicated' (whole on every rank, counted once by KL clipping). docs/MATH.md section 9."""
+    style: str
+    group: Any          # the tensor-parallel process group
+    rank: int           # this rank's place in it
+    size: int
+    root: int           # the global rank of its place 0
+    gathered: tuple     # the weight's placements in this rank's whole slice: Replicate() over FSDP2's dimensions
+    shard_ranks: int    # the ranks FSDP2 (or HSDP) shards the slice over; 0: none
+
+    def bias_here(self) -> bool:
+        """Whether this rank preconditions the layer's bias (a row layer's: place 0 only)."""
+        return self.style != 'row' or self.rank == 0
+
+
+def _tensor_parallel(name: str, module: torch.nn.Module) -> _TensorParallel | None:
+    """The split of a layer by torch.distributed.tensor.parallel, or None for a layer it did not split: the
+    tensor-parallel dimension is the mesh's last (fully_shard puts its own dimensions before it). A split dkfac
+    cannot precondition is refused, naming the layer."""
+    if not _split_by_tensor_parallel(module):
+        return None
+    weight = module.weight
+    what = f'layer {name!r} ({type(module).__name__}), split by torch.distributed.tensor.parallel'
+    if not _is_dtensor(weight):
+        raise ValueError(f'{what}, has a weight that is not a DTensor')
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements = weight.device_mesh, weight.placements
+    *data_parallel, placement = placements
+    if not all(isinstance(p, Replicate) or (isinstance(p, (Shard, _StridedShard)) and p.dim == 0)
+               for p in data_parallel):
+        raise ValueError(f'{what}, is placed as {placements} over its mesh: dkfac expects fully_shard\'s row '
+                         'sharding (or replication) before the tensor-parallel dimension')
+    # Which weight dimension holds the output features (G's side) and which the input features (A's side).
+    out_dim, in_dim = (1, 0) if isinstance(module, torch.nn.Embedding) else (0, 1)
+    if isinstance(placement, Replicate):
+        style = 'replicated'
+    elif type(placement) is Shard and placement.dim in (out_dim, in_dim):
+        style = 'column' if placement.dim == out_dim else 'row'
+    else:
+        raise ValueError(f'{what}, has its weight placed as {placement}, which dkfac cannot precondition: leave the '
+                         'layer to the optimizer (skip_layers)')
+    if style == 'row' and isinstance(module, torch.nn.Embedding):
+        raise ValueError(f"{what}, has its vocabulary sharded (RowwiseParallel): dkfac cannot precondition it yet; "
+                         "leave the layer to the optimizer (skip_layers) or shard its embedding dimension "
+                         "(ColwiseParallel)")
+    tp = mesh.ndim - 1
+    group = mesh.get_group(tp)
+    shard_ranks = 1
+    for d, p in enumerate(data_parallel):
+        if not isinstance(p, Replicate):
+            shard_ranks *= mesh.size(d)
+    return _TensorParallel(style, group, mesh.get_local_rank(tp), mesh.size(tp), dist.get_global_rank(group, 0),
+                           (Replicate(),) * tp + (placement,), shard_ranks if shard_ranks > 1 else 0)
 
 
 def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -259,6 +327,7 @@ class _Distributor:
     gradients DDP already averaged, and nothing moves."""
 
     shard_ranks = 0  # the ranks a sharded layer's rows are split over; 0: not sharded
+    moves = False  # whether it fills stand-ins around the core's step
 
     def __init__(self) -> None:
         self.moved = [0, 0]  # calls, bytes
@@ -293,6 +362,7 @@ class _ReplicatedShards(_Distributor):
         super().__init__()
         from torch.distributed.tensor import Shard
 
+        self.moves = True
         self.shard_ranks = 1
         for d, p in enumerate(weight.placements):
             if isinstance(p, Shard):
@@ -407,13 +477,80 @@ class _OwnerShards(_ReplicatedShards):
         self.returned = []
 
 
+class _TensorParallelSlice(_Distributor):
+    """A layer split by tensor parallelism (_TensorParallel): the core preconditions this rank's slice as a layer
+    of its own, bound to stand-ins of the slice's shapes. Its factors are reduced over the data-parallel group
+    only; nothing moves between tensor-parallel ranks but a row layer's bias gradient, which place 0
+    preconditions with its block and broadcasts to the others after the core's step (their bias gradients are the
+    same before it). Alone, the slice's gradients are the local gradients themselves (the core writes them in
+    place); under fully_shard each is all-gathered over FSDP2's dimensions before the core's step and its rows
+    taken back after it, as _ReplicatedShards does for a whole layer."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: _TensorParallel) -> None:
+        super().__init__()
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        self.moves = True
+        self.split = split
+        self.shard_ranks = split.shard_ranks
+        self.stand_ins = []
+        for t in (weight, bias if split.bias_here() else None):
+            if t is None:
+                self.stand_ins.append(None)
+                continue
+            shape, _ = compute_local_shape_and_global_offset(t.shape, t.device_mesh, self._gathered(t))
+            self.stand_ins.append(torch.empty_strided(shape, [0] * t.dim(), dtype=t.dtype,
+                                                      device=t.to_local().device).requires_grad_(t.requires_grad))
+
+    def _gathered(self, t: torch.Tensor) -> tuple:
+        """The placements of this rank's whole slice of `t`: replicated over FSDP2's dimensions, as it is over the
+        tensor-parallel one."""
+        return self.split.gathered[:-1] + (t.placements[-1],)
+
+    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return tuple(self.stand_ins)
+
+    def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
+            if stand_in is None:
+                continue
+            grad = parameter.grad
+            if grad is None or not self.shard_ranks:
+                stand_in.grad = None if grad is None else grad.to_local()
+                continue
+            stand_in.grad = grad.redistribute(grad.device_mesh, self._gathered(grad)).to_local()
+            self.moved[0] += 1
+            self.moved[1] += (stand_in.grad.numel() - grad.to_local().numel()) * stand_in.grad.element_size()
+        return []
+
+    def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        from torch.distributed.tensor import DTensor
+
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
+            if stand_in is None:
+                continue
+            grad = parameter.grad
+            if self.shard_ranks and grad is not None and stand_in.grad is not None:  # this rank's rows, no traffic
+                whole = DTensor.from_local(stand_in.grad, grad.device_mesh, self._gathered(grad), run_check=False)
+                grad.to_local().copy_(whole.redistribute(grad.device_mesh, grad.placements).to_local())
+            stand_in.grad = None  # alone, the core wrote the local gradients themselves
+        if self.split.style != 'row' or bias is None or bias.grad is None:
+            return []
+        local = bias.grad.to_local()
+        self.moved[0] += 1
+        self.moved[1] += local.numel() * local.element_size() * (self.split.size - 1 if self.split.rank == 0 else 1)
+        return [dist.broadcast(local, src=self.split.root, group=self.split.group, async_op=True)]
+
+
 def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distributor | None = None,
-                 owner: tuple[int, Any, int] | None = None) -> _Distributor:
-    """The one place a layer's distributor is chosen, from its Parameters and its placement: plain tensors, data-
-    parallel replication (_Distributor); DTensors, the owner placement where the plan gave the layer an owner
-    (`owner`: its global rank, the shard group, this rank; _OwnerShards), else the replicated placement
-    (_ReplicatedShards). A sharded layer keeps the stand-ins of the distributor it `was` (the core is bound to
-    them)."""
+                 owner: tuple[int, Any, int] | None = None, split: _TensorParallel | None = None) -> _Distributor:
+    """The one place a layer's distributor is chosen, from its Parameters and its placement: a layer split by
+    tensor parallelism (`split`), its slice (_TensorParallelSlice); plain tensors, data-parallel replication
+    (_Distributor); DTensors, the owner placement where the plan gave the layer an owner (`owner`: its global rank,
+    the shard group, this rank; _OwnerShards), else the replicated placement (_ReplicatedShards). A sharded layer
+    keeps the stand-ins of the distributor it `was` (the core is bound to them)."""
+    if split is not None:
+        return _TensorParallelSlice(weight, bias, split)
     if not _is_sharded(weight, bias):
         return _Distributor()
     replicated = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
@@ -522,11 +659,20 @@ class BaseKFACPreconditioner:
         core_options.update(options, accumulation_steps=accumulation_steps,
                             update_factors_in_hook=bool(update_factors_in_hook))
         self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
-        # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, or for a
-        # layer sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back.
-        for name, module in zip(self._names, self._modules):
-            _refuse_tensor_parallel(name, module)
-        self._distributors = [_distributor(weight, bias) for weight, bias in self._bound]
+        # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, for a layer
+        # sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back, for a
+        # tensor-parallel one its local slice.
+        self._splits = [_tensor_parallel(name, module) for name, module in zip(self._names, self._modules)]
+        self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
+        if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
+            raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
+                             '(each slice gathered over the data-parallel ranks that shard it)')
+        self._distributors = [_distributor(weight, bias, split=split) for (weight, bias), split
+                              in zip(self._bound, self._splits)]
+        # A slice's state is this rank's alone: its own name in state dicts (DCP writes each name once).
+        self._state_names = [name if split is None or split.style == 'replicated'
+                             else f'{name} (tensor-parallel slice {split.rank} of {split.size})'
+                             for name, split in zip(self._names, self._splits)]
         core_layers = [(name, type(module).__name__, *distributor.core_tensors(weight, bias), capture)
                        for (module, (name, capture)), (weight, bias), distributor
                        in zip(self._layers.items(), self._bound, self._distributors)]
@@ -549,13 +695,44 @@ class BaseKFACPreconditioner:
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
         hooks, capture_hooks = [], []
-        for module, (name, capture) in self._layers.items():  # once the core accepted them: a failure leaves no hooks
-            capture_hooks.append(_CaptureHook(module, capture, name))
-            hooks.append(module.register_forward_hook(capture_hooks[-1]))
+        for (module, (name, capture)), split in zip(self._layers.items(), self._splits):
+            # Once the core accepted them: a failure leaves no hooks. A tensor-parallel layer's runs before
+            # distribute_module's output hook, which would hand on a whole output or a sequence shard of it.
+            capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None))
+            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=split is not None))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
+
+    def _join_tensor_parallel(self, process_group: Any, model_parallel_group: Any) -> list[bool]:
+        """For a model split by tensor parallelism: checks that ``process_group`` (factor reduction, the strategy)
+        holds no other tensor-parallel rank, and has KL clipping sum over the tensor-parallel group (or the given
+        ``model_parallel_group``, which must hold it). Returns the layers another tensor-parallel rank counts in
+        that sum: those it holds whole, which place 0 counts (empty where there is no tensor parallelism)."""
+        splits = [(name, split) for name, split in zip(self._names, self._splits) if split is not None]
+        if not splits:
+            return []
+        tp_ranks = sorted(dist.get_process_group_ranks(splits[0][1].group))
+        for name, split in splits:
+            if sorted(dist.get_process_group_ranks(split.group)) != tp_ranks:
+                raise ValueError(f'layers {splits[0][0]!r} and {name!r} are split over different tensor-parallel '
+                                 f'groups (ranks {tp_ranks} and {sorted(dist.get_process_group_ranks(split.group))})')
+        me = dist.get_rank()
+        if process_group is not None:
+            peers = sorted(set(dist.get_process_group_ranks(process_group)) & set(tp_ranks) - {me})
+            if peers:
+                raise ValueError(f'layer {splits[0][0]!r} is split by tensor parallelism over ranks {tp_ranks}, and '
+                                 f'process_group holds ranks {peers} of them: pass process_group=the data-parallel '
+                                 "group (the ranks holding the same slices: e.g. mesh['dp'].get_group() of a "
+                                 "('dp', 'tp') DeviceMesh)")
+        if model_parallel_group is None:
+            self._model_group = splits[0][1].group
+        elif not set(tp_ranks) <= set(dist.get_process_group_ranks(model_parallel_group)):
+            raise ValueError(f'model_parallel_group must hold the tensor-parallel ranks {tp_ranks} (KL clipping sums '
+                             'over every part of the model)')
+        first = splits[0][1].rank == 0
+        return [not first and (split is None or split.style == 'replicated') for split in self._splits]
 
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard
@@ -656,7 +833,8 @@ class BaseKFACPreconditioner:
         # The distributors' gather and scatter run inside the core's step, which times and counts them.
         moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
         with torch.no_grad(), _CoreWarnings():
-            self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None)
+            self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None,
+                            counted_elsewhere=self._counted_elsewhere)
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
@@ -667,7 +845,7 @@ class BaseKFACPreconditioner:
             dist.all_reduce(tensor, group=self._model_group)
 
     def _moves_gradients(self) -> bool:
-        return any(self._sharded(index) for index in range(len(self._distributors)))
+        return any(distributor.moves for distributor in self._distributors)
 
     def _move(self, way: str) -> tuple[int, int]:
         """Every distributor's gather (``way='gather'``: the sharded layers' gradients into the core's full-shaped
@@ -721,7 +899,9 @@ class BaseKFACPreconditioner:
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
             sharded = _is_sharded(weight, bias)
-            if sharded != self._sharded(index):
+            if self._splits[index] is not None:  # new local tensors: new stand-ins
+                self._distributors[index] = _distributor(weight, bias, split=self._splits[index])
+            elif sharded != self._sharded(index):
                 if self._owner_placed:
                     raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
                                      f'{"sharded" if sharded else "unsharded"} after the preconditioner was '
@@ -810,7 +990,7 @@ class BaseKFACPreconditioner:
                 layer_states = self._core.layer_states()
                 wanted = self._core.state_template()
         layers, second_order, held = {}, {}, {}
-        for name, have, want in zip(self._names, layer_states, wanted):
+        for name, have, want in zip(self._state_names, layer_states, wanted):
             # An entry the plan places here but not computed yet (before the first step) is written as its
             # blank, so that a reader filling tensors in place finds every entry it asks for; `held` says so.
             # Copies, never the live state: torch.distributed.checkpoint.load writes a checkpoint into these
@@ -854,11 +1034,11 @@ class BaseKFACPreconditioner:
         held_flags = ours.get('held', {})
         if 'layers' in state_dict:
             layers = state_dict['layers']
-            unknown = sorted(set(layers) - set(self._names))
+            unknown = sorted(set(layers) - set(self._state_names))
             if unknown:
                 raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
             states, unheld = [], []
-            for name in self._names:
+            for name in self._state_names:
                 entry = layers.get(name)
                 if entry is None:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '

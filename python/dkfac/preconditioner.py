@@ -29,6 +29,7 @@ from dkfac.base_preconditioner import _KEYWORDS
 from dkfac.base_preconditioner import _OPTIONS
 from dkfac.base_preconditioner import _default
 from dkfac.base_preconditioner import _python_default
+from dkfac.base_preconditioner import _tensor_parallel
 from dkfac.base_preconditioner import logger
 from dkfac.enums import AllreduceMethod
 from dkfac.enums import AssignmentStrategy
@@ -328,6 +329,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.grad_scaler = grad_scaler
 
         layers = self._register(model, loglevel)
+        if process_group is None and size > 1:
+            # The default group is the tensor-parallel group itself: no data parallelism, nothing to reduce.
+            splits = [s for s in (_tensor_parallel(name, m) for m, (name, _) in layers.items()) if s is not None]
+            if splits and sorted(dist.get_process_group_ranks(group)) == sorted(
+                    dist.get_process_group_ranks(splits[0].group)):
+                group, size = None, 1
         options = {typed[k]: v for k, v in core.items() if k not in _BASE}
         options['grad_scale'] = self._scale_function(grad_scaler)
         # repr(): every option (kfac_pytorch's names and values as given), then the fields kfac_pytorch derives.
@@ -376,8 +383,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             kind = candidates[index][2]
             if kind == 'Embedding':
                 capture = _C.embedding_capture(module.num_embeddings)
-            elif kind == 'Linear':
-                capture = _C.linear_capture(module.bias is not None, transposed=not isinstance(module, torch.nn.Linear))
+            elif kind == 'Linear':  # a row-parallel slice's bias is preconditioned by place 0 (_TensorParallel)
+                split = _tensor_parallel(name, module)
+                bias = module.bias is not None and (split is None or split.bias_here())
+                capture = _C.linear_capture(bias, transposed=not isinstance(module, torch.nn.Linear))
             else:
                 capture = _C.conv2d_capture(
                     module.bias is not None, tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation),

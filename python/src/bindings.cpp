@@ -366,9 +366,10 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "step",
           // gather and scatter: a front end's distributors (Distributor), each returning (collectives, bytes);
-          // sum_over_model: sums a tensor over the model-parallel group in place.
+          // sum_over_model: sums a tensor over the model-parallel group in place; counted_elsewhere: the layers
+          // whose KL term another rank of that group adds.
           [](Preconditioner& p, std::optional<py::function> gather, std::optional<py::function> scatter,
-             std::optional<py::function> sum_over_model) {
+             std::optional<py::function> sum_over_model, std::vector<bool> counted_elsewhere) {
             const auto call = [](const py::function& move) {
               return [&move]() -> Distributor::Moved {
                 py::gil_scoped_acquire gil;
@@ -385,10 +386,12 @@ PYBIND11_MODULE(_C, m) {
                 sum(t);  // in place
               };
             }
+            distributor.counted_elsewhere = std::move(counted_elsewhere);
             py::gil_scoped_release release;  // back before `distributor` goes: it refers to the functions only
             p.step(distributor);
           },
-          py::arg("gather") = py::none(), py::arg("scatter") = py::none(), py::arg("sum_over_model") = py::none())
+          py::arg("gather") = py::none(), py::arg("scatter") = py::none(), py::arg("sum_over_model") = py::none(),
+          py::arg("counted_elsewhere") = std::vector<bool>{})
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
       .def("rebind_layer",  // bias None for a layer without one

@@ -59,38 +59,9 @@ def stage_parameters(kind: str, stage: int) -> slice:
     return slice(0, 2) if stage == 0 else slice(2, 6)
 
 
-def tensor_parallel(output: str) -> None:
-    """Tensor parallel is refused, naming the layer: when the preconditioner is built on a parallelized model, and
-    at the first forward when the model was parallelized after (the layer's input is then a DTensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh('cpu', (dist.get_world_size(),), mesh_dim_names=('tp',))
-    plan = {'0': ColwiseParallel(), '2': RowwiseParallel(), '4': ColwiseParallel()}
-    alone = dist.new_group([dist.get_rank()])
-    errors = {}
-    whole = parallelize_module(model(), mesh, plan)
-    try:
-        dkfac.KFACPreconditioner(whole, process_group=alone)
-    except ValueError as error:
-        errors['build'] = str(error)
-    whole = model()
-    kept = dkfac.KFACPreconditioner(whole, process_group=alone)  # noqa: F841 (its hooks live with it)
-    parallelize_module(whole, mesh, plan)
-    try:
-        whole(torch.randn(4, 6, dtype=torch.float64))
-    except ValueError as error:
-        errors['forward'] = str(error)
-    torch.save(errors, output)
-
-
 def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     dist.init_process_group('gloo')
-    if kwargs.get('tensor_parallel'):
-        tensor_parallel(output)
-        dist.destroy_process_group()
-        return
     rank = dist.get_rank()
     dp = kwargs['dp']
     replica, stage = divmod(rank, 2)

@@ -67,10 +67,3 @@ def test_a_stage_whose_replicas_count_other_micro_batches_is_refused(tmp_path):
         assert "process_group's rank i is global rank [0, 2][i]" in results[rank]['error'], results[rank]
     assert results[1] == {'built': True} and results[3] == {'built': True}, (results[1], results[3])
 
-
-def test_tensor_parallel_layers_are_refused_naming_them(tmp_path):
-    """Not built yet (issue 46): a tensor-parallel layer is refused, never preconditioned as FSDP2's would be."""
-    for result in run(2, {'tensor_parallel': True}, tmp_path):
-        assert "layer '0' (Linear), split by torch.distributed.tensor.parallel" in result['build'], result
-        assert "layer '0' (Linear), whose input is a DTensor" in result['forward'], result
-        assert 'skip_layers' in result['forward']

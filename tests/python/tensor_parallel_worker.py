@@ -1,0 +1,168 @@
+"""One rank of a tensor-parallel job (tests/python/test_tensor_parallel.py): `tp` tensor-parallel ranks split the
+model with torch.distributed.tensor.parallel, `dp` replicas of that split average their gradients over their
+data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its slices with a KFACPreconditioner
+over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
+
+    tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
+                                       "fsdp": false}'
+
+"mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
+holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
+`sequence_parallel` the input and the residual stream are sharded on the sequence dimension (SequenceParallel on a
+LayerNorm, the split layers' layouts as torchtitan gives them) and the head is column-parallel too. With `fsdp`
+the replicas shard the split model with fully_shard (FSDP2 x TP, as torchtitan composes them).
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import dkfac
+
+STEPS, BATCH, SEQ, WIDTH, HIDDEN, OUT, VOCAB = 10, 4, 6, 8, 12, 6, 11
+KFAC = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, lr=0.1, kl_clip=0.001,
+            factor_dtype='float64', inv_dtype='float64')
+
+
+class Block(torch.nn.Module):
+    """(Embedding ->) LayerNorm -> up -> tanh -> down, a residual, and a head."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH) if kind == 'lm' else None
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        h = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return self.head(h)
+
+
+def model(kind: str) -> Block:
+    torch.manual_seed(0)
+    return Block(kind).double()
+
+
+def data(step: int, replica: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + replica)
+    x = (torch.randint(VOCAB, (BATCH, SEQ), generator=g) if kind == 'lm'
+         else torch.randn(BATCH, SEQ, WIDTH, generator=g, dtype=torch.float64))
+    return x, torch.randn(BATCH, SEQ, OUT, generator=g, dtype=torch.float64)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def plan(kind: str, sequence_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if not sequence_parallel:
+        layers = {'up': ColwiseParallel(), 'down': RowwiseParallel()}
+        if kind == 'lm':
+            layers['embed'] = ColwiseParallel(output_layouts=Replicate())
+        return layers
+    layers = {'norm': SequenceParallel(), 'up': ColwiseParallel(input_layouts=Shard(1)),
+              'down': RowwiseParallel(output_layouts=Shard(1)),
+              'head': ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    if kind == 'lm':
+        layers['embed'] = ColwiseParallel(output_layouts=Shard(1))
+    return layers
+
+
+def local_input(x: torch.Tensor, tp_rank: int, tp: int, sequence_parallel: bool, kind: str) -> torch.Tensor:
+    """What a rank feeds the model: the whole batch, or under sequence parallelism (with a plain first layer) its
+    chunk of the sequence."""
+    return x.chunk(tp, dim=1)[tp_rank].contiguous() if sequence_parallel and kind != 'lm' else x
+
+
+def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's slice of p's gradient: its tensor-parallel part, whole over fully_shard's dimension (a
+    sequence-parallel LayerNorm's, a partial sum over the sequence, summed)."""
+    grad = p.grad
+    if not hasattr(grad, 'to_local'):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    kept = [placement if name == 'tp' and not placement.is_partial() else Replicate()
+            for name, placement in zip(grad.device_mesh.mesh_dim_names, grad.placements)]
+    return grad.redistribute(grad.device_mesh, kept).to_local()
+
+
+def refusals(output: str) -> None:
+    """What dkfac refuses, naming the layer: a model split after the preconditioner was built (at its first
+    forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh('cpu', (dist.get_world_size(),), mesh_dim_names=('tp',))
+    errors = {}
+    whole = model('mlp')
+    kept = dkfac.KFACPreconditioner(whole)  # noqa: F841 (its hooks live with it)
+    parallelize_module(whole, mesh, plan('mlp', False))
+    try:
+        whole(data(0, 0, 'mlp')[0])
+    except ValueError as error:
+        errors['split after'] = str(error)
+    whole = parallelize_module(model('lm'), mesh, {'embed': RowwiseParallel(), 'up': ColwiseParallel()})
+    try:
+        dkfac.KFACPreconditioner(whole)
+    except ValueError as error:
+        errors['vocabulary'] = str(error)
+    torch.save(errors, output)
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    output, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group('gloo')
+    if kwargs.get('refusals'):
+        refusals(output)
+        dist.destroy_process_group()
+        return
+    tp, dp, kind = kwargs['tp'], kwargs['dp'], kwargs.get('model', 'mlp')
+    sequence_parallel = kwargs.get('sequence_parallel', False)
+    mesh = init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))
+    replica, tp_rank = mesh.get_local_rank('dp'), mesh.get_local_rank('tp')
+    whole = parallelize_module(model(kind), mesh['tp'], plan(kind, sequence_parallel))
+    if kwargs.get('fsdp'):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(whole, mesh=mesh['dp'])
+    options = dict(KFAC, **kwargs.get('options', {}))
+    try:
+        preconditioner = dkfac.KFACPreconditioner(
+            whole, **({'process_group': mesh['dp'].get_group()} if kwargs.get('pass_group', True) else {}), **options)
+    except (ValueError, RuntimeError) as error:
+        torch.save({'error': str(error)}, output)
+        dist.destroy_process_group()
+        return
+    optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
+    grads = []
+    for step in range(STEPS):
+        x, y = data(step, replica, kind)
+        optimizer.zero_grad()
+        loss_fn(whole(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
+        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
+            for p in whole.parameters():
+                local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
+                dist.all_reduce(local, group=mesh['dp'].get_group())
+                local /= dp
+        preconditioner.step()
+        grads.append({name: local_gradient(p).clone() for name, p in whole.named_parameters()})
+        optimizer.step()
+    torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(),
+                'memory': preconditioner.memory_usage()}, output)
+    dist.barrier()  # every rank done with every collective before the groups go
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,129 @@
+"""Tensor parallel (torch.distributed.tensor.parallel): each rank preconditions its slice of every split layer as a
+layer of its own, with block-diagonal factors (docs/MATH.md section 9), its factors averaged over its data-parallel
+group only, and KL clipping summed over the tensor-parallel group, counting once the layers every rank holds whole.
+The job equals one process preconditioning the model with each split layer written as its slices."""
+import functools
+
+import pytest
+import torch
+
+import dkfac
+import tensor_parallel_worker as worker
+import workers
+
+run = functools.partial(workers.run_workers, 'tensor_parallel_worker.py')
+TP = 2
+
+
+class Sliced(torch.nn.Module):
+    """worker.Block with each split layer as TP layers: `up` (and `embed`, and the head under sequence parallelism)
+    by output features, `down` by input features with the bias on the first slice. In one process it computes what
+    the split model computes; K-FAC then gives each slice its own factors, the tensor-parallel job's blocks."""
+
+    def __init__(self, whole: worker.Block, split_head: bool) -> None:
+        super().__init__()
+        def rows(module: torch.nn.Module, k: int, bias: bool = True) -> torch.nn.Linear:
+            part = torch.nn.Linear(module.in_features, module.out_features // TP, dtype=torch.float64)
+            part.weight.data.copy_(module.weight.data.chunk(TP, 0)[k])
+            part.bias.data.copy_(module.bias.data.chunk(TP, 0)[k])
+            return part
+
+        def columns(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
+            part = torch.nn.Linear(module.in_features // TP, module.out_features, bias=k == 0, dtype=torch.float64)
+            part.weight.data.copy_(module.weight.data.chunk(TP, 1)[k])
+            if k == 0:
+                part.bias.data.copy_(module.bias.data)
+            return part
+
+        self.embed = None
+        if whole.embed is not None:
+            self.embed = torch.nn.ModuleList(torch.nn.Embedding.from_pretrained(
+                whole.embed.weight.data.chunk(TP, 1)[k].clone(), freeze=False) for k in range(TP))
+        self.norm = whole.norm
+        self.up = torch.nn.ModuleList(rows(whole.up, k) for k in range(TP))
+        self.down = torch.nn.ModuleList(columns(whole.down, k) for k in range(TP))
+        self.head = torch.nn.ModuleList(rows(whole.head, k) for k in range(TP)) if split_head else whole.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([e(x) for e in self.embed], -1) if self.embed is not None else x
+        u = torch.tanh(torch.cat([part(self.norm(h)) for part in self.up], -1))
+        h = h + sum(part(c) for part, c in zip(self.down, u.chunk(TP, -1)))
+        return torch.cat([part(h) for part in self.head], -1) if isinstance(self.head, torch.nn.ModuleList) \
+            else self.head(h)
+
+    def local_grads(self, k: int) -> dict[str, torch.Tensor]:
+        """Slice k's gradients, named as the tensor-parallel rank k names its local ones."""
+        grads = {'norm.weight': self.norm.weight.grad, 'norm.bias': self.norm.bias.grad,
+                 'up.weight': self.up[k].weight.grad, 'up.bias': self.up[k].bias.grad,
+                 'down.weight': self.down[k].weight.grad, 'down.bias': self.down[0].bias.grad}
+        if self.embed is not None:
+            grads['embed.weight'] = self.embed[k].weight.grad
+        head = self.head[k] if isinstance(self.head, torch.nn.ModuleList) else self.head
+        grads.update({'head.weight': head.weight.grad, 'head.bias': head.bias.grad})
+        return grads
+
+
+def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[list[dict[str, torch.Tensor]]]:
+    """Each step's gradients of every slice k, from one process: every replica's batch one micro-batch, their
+    gradients averaged (as the replicas average them), factors over all of them."""
+    model = Sliced(worker.model(kind), split_head=sequence_parallel)
+    preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **dict(worker.KFAC, **options))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(worker.STEPS):
+        optimizer.zero_grad()
+        for replica in range(dp):
+            worker.loss_fn(model(worker.data(step, replica, kind)[0]), worker.data(step, replica, kind)[1]).backward()
+        for p in model.parameters():
+            p.grad /= dp
+        preconditioner.step()
+        steps.append([{name: g.clone() for name, g in model.local_grads(k).items()} for k in range(TP)])
+        optimizer.step()
+    return steps
+
+
+def check(results: list[dict], expected: list, tp: int = TP) -> None:
+    for rank, result in enumerate(results):
+        assert 'error' not in result, result
+        k = result['tp_rank']
+        assert k == rank % tp
+        for step in range(worker.STEPS):
+            want = expected[step][k]
+            assert sorted(result['grads'][step]) == sorted(want)
+            for name, got in result['grads'][step].items():
+                torch.testing.assert_close(got, want[name], rtol=1e-10, atol=1e-13,
+                                           msg=lambda m: f'rank {rank}, step {step}, {name}: {m}')
+
+
+@pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [
+    (1, 'mlp', False, False), (2, 'mlp', False, False), (1, 'lm', False, False), (1, 'mlp', True, False),
+    (1, 'lm', True, False), (2, 'mlp', False, True), (2, 'lm', True, True)])
+def test_tensor_parallel_slices_equal_the_sliced_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
+    """dp 2 without fsdp: the replicas average their gradients as DDP would; with it, FSDP2 x TP."""
+    results = run(TP * dp, {'tp': TP, 'dp': dp, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': fsdp},
+                  tmp_path)
+    expected = reference(dp, kind, sequence_parallel)
+    unclipped = reference(dp, kind, sequence_parallel, kl_clip=None)
+    assert any(abs(a - b).max() > 1e-3 for a, b in zip(expected[1][0].values(), unclipped[1][0].values())), \
+        'KL clipping must act in this test, or a rank summing only its own slices would pass'
+    check(results, expected)
+
+
+def test_a_tensor_parallel_job_with_the_default_group_on_a_wider_world_is_refused(tmp_path):
+    """process_group defaults to the world; here it holds the other tensor-parallel rank, whose factors are of
+    another slice: refused, naming the ranks. With tp = world, the default means no data parallelism."""
+    results = run(TP * 2, {'tp': TP, 'dp': 2, 'pass_group': False}, tmp_path)
+    for result in results:
+        assert 'error' in result
+        assert 'split by tensor parallelism over ranks' in result['error']
+        assert 'pass process_group=the data-parallel group' in result['error']
+    check(run(TP, {'tp': TP, 'dp': 1, 'pass_group': False}, tmp_path), reference(1, 'mlp', False))
+
+
+def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
+    for result in run(TP, {'refusals': True}, tmp_path):
+        assert "layer 'up' (Linear) takes a DTensor input" in result['split after'], result
+        assert 'Build the preconditioner after parallelize_module' in result['split after']
+        assert "layer 'embed' (Embedding), split by torch.distributed.tensor.parallel, has its vocabulary sharded" \
+            in result['vocabulary'], result
+        assert 'skip_layers' in result['vocabulary']
