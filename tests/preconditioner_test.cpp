@@ -678,6 +678,42 @@ TEST(Preconditioner, KlClipSumsOverTheModelsParts) {
   EXPECT_NEAR(summed, alone / 2.0, 1e-12 * alone);  // sqrt(1/4)
 }
 
+// A tensor-parallel rank holds whole layers that every other one holds too: those another rank counts
+// (Distributor::counted_elsewhere) leave this rank's part of the sum, so that the model's sum counts each once.
+TEST(Preconditioner, KlClipLeavesOutTheLayersCountedElsewhere) {
+  const auto nu = [](double kl_clip, const std::vector<bool>& counted_elsewhere) {
+    torch::manual_seed(1);
+    auto net = std::make_shared<TinyNet>();
+    net->to(torch::kFloat64);
+    Preconditioner kfac(net, Options().kl_clip(kl_clip).lr(1.0));
+    Distributor distributor;
+    distributor.sum_over_model = [](torch::Tensor&) {};  // the other ranks' parts: none here
+    distributor.counted_elsewhere = counted_elsewhere;
+    zero_grad_and_backward(*net, 50);
+    kfac.step(distributor);
+    return kfac.last_kl_scale();
+  };
+  // Unclipped, each layer's sum(V * grad): conv, fc1, fc2 (gradients() gives one matrix per layer).
+  torch::manual_seed(1);
+  auto net = std::make_shared<TinyNet>();
+  net->to(torch::kFloat64);
+  Preconditioner unclipped(net, Options().kl_clip(0.0));
+  zero_grad_and_backward(*net, 50);
+  const auto plain = gradients(*net);
+  unclipped.step();
+  const auto v = gradients(*net);
+  const auto vg = [&](size_t first, size_t last) {
+    double sum = 0.0;
+    for (size_t i = first; i < last; ++i) sum += (v[i] * plain[i]).sum().item<double>();
+    return sum;
+  };
+  const double kl_clip = 1e-4;
+  const double nu_all = nu(kl_clip, {}), nu_fc2 = nu(kl_clip, {true, true, false});
+  ASSERT_LT(nu_all, 0.5) << "the clip must act";
+  EXPECT_NEAR(nu_all, std::sqrt(kl_clip / vg(0, 3)), 1e-10 * nu_all);
+  EXPECT_NEAR(nu_fc2, std::sqrt(kl_clip / vg(2, 3)), 1e-10 * nu_fc2) << "conv and fc1 counted elsewhere";
+}
+
 // A layer called twice in one forward (weights shared) is not "2 micro-batches": the warning says what may
 // have happened.
 TEST(Preconditioner, LayerCalledTwicePerForwardIsDescribedSo) {
