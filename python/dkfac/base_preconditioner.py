@@ -154,12 +154,15 @@ class _CaptureHook:
     It holds the capture and a weak reference to its module, not the preconditioner: no reference cycle through
     the model. On a tensor-parallel layer (`sliced`) it runs before torch.distributed.tensor.parallel's output
     hook and captures the local parts of the DTensors it sees: its input, whole or this rank's features, and
-    its output's gradient, this rank's features or whole (_TensorParallelSlice)."""
+    its output's gradient, this rank's features or whole (_TensorParallelSlice); with exact factors (`whole`),
+    both whole, gathered over the tensor-parallel ranks."""
 
-    def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '', sliced: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '', sliced: bool = False,
+                 whole: bool = False) -> None:
         self._module = weakref.ref(module) if module is not None else None
         self._name = name
         self.sliced = sliced
+        self._part = _whole if whole else _local
         self._capture = capture
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
@@ -180,10 +183,11 @@ class _CaptureHook:
             return
         if not capture.enabled:
             return
-        if self.sliced:  # a tensor-parallel slice: this rank's part of the input and of the output gradient
-            capture.capture_input(_local(inputs[0]))
+        if self.sliced:  # a tensor-parallel layer: this rank's part of the input and of the output gradient, or all
+            part = self._part
+            capture.capture_input(part(inputs[0]))
             if output.requires_grad:
-                output.register_hook(lambda grad: capture.capture_output_grad(_local(grad)))
+                output.register_hook(lambda grad: capture.capture_output_grad(part(grad)))
             return
         if _is_dtensor(inputs[0]):
             raise ValueError(f'layer {self._name!r} ({type(module).__name__}) takes a DTensor input '
@@ -239,6 +243,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if type(t).__name__ == 'AsyncCollectiveTensor' else t
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank (exact tensor-parallel factors); else `t`."""
+    if not _is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return _local(t.full_tensor())
+
+
 def _split_by_tensor_parallel(module: torch.nn.Module) -> bool:
     """Whether torch.distributed.tensor.parallel split the module (ColwiseParallel, RowwiseParallel, ...): its
     forward hooks are distribute_module's."""
@@ -256,18 +268,23 @@ class _TensorParallel(NamedTuple):
     rank: int           # this rank's place in it
     size: int
     root: int           # the global rank of its place 0
-    gathered: tuple     # the weight's placements in this rank's whole slice: Replicate() over FSDP2's dimensions
-    shard_ranks: int    # the ranks FSDP2 (or HSDP) shards the slice over; 0: none
+    gathered: tuple     # the weight's placements in what this rank preconditions: Replicate() over FSDP2's dimensions
+    shard_ranks: int    # the data-parallel ranks FSDP2 (or HSDP) shards the layer over; 0: none
+    exact: bool         # tensor_parallel_factors='exact': the whole layer on every rank, its factors exact
 
     def bias_here(self) -> bool:
-        """Whether this rank preconditions the layer's bias (a row layer's: place 0 only)."""
-        return self.style != 'row' or self.rank == 0
+        """Whether this rank preconditions the layer's bias (a row layer's block-diagonal slice: place 0 only)."""
+        return self.style != 'row' or self.rank == 0 or self.exact
+
+    def whole(self) -> bool:
+        """Whether every tensor-parallel rank preconditions the whole layer (and one counts it in KL clipping)."""
+        return self.style == 'replicated' or self.exact
 
 
-def _tensor_parallel(name: str, module: torch.nn.Module) -> _TensorParallel | None:
+def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_diagonal') -> _TensorParallel | None:
     """The split of a layer by torch.distributed.tensor.parallel, or None for a layer it did not split: the
-    tensor-parallel dimension is the mesh's last (fully_shard puts its own dimensions before it). A split dkfac
-    cannot precondition is refused, naming the layer."""
+    tensor-parallel dimension is the mesh's last (fully_shard puts its own dimensions before it). `factors`:
+    tensor_parallel_factors. A split dkfac cannot precondition is refused, naming the layer."""
     if not _split_by_tensor_parallel(module):
         return None
     weight = module.weight
@@ -296,14 +313,16 @@ def _tensor_parallel(name: str, module: torch.nn.Module) -> _TensorParallel | No
         raise ValueError(f"{what}, has its vocabulary sharded (RowwiseParallel): dkfac cannot precondition it yet; "
                          "leave the layer to the optimizer (skip_layers) or shard its embedding dimension "
                          "(ColwiseParallel)")
+    exact = factors == 'exact' and style != 'replicated'
     tp = mesh.ndim - 1
     group = mesh.get_group(tp)
     shard_ranks = 1
     for d, p in enumerate(data_parallel):
         if not isinstance(p, Replicate):
             shard_ranks *= mesh.size(d)
+    gathered = (Replicate(),) * tp + (Replicate() if exact else placement,)
     return _TensorParallel(style, group, mesh.get_local_rank(tp), mesh.size(tp), dist.get_global_rank(group, 0),
-                           (Replicate(),) * tp + (placement,), shard_ranks if shard_ranks > 1 else 0)
+                           gathered, shard_ranks if shard_ranks > 1 else 0, exact)
 
 
 def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -484,7 +503,8 @@ class _TensorParallelSlice(_Distributor):
     preconditions with its block and broadcasts to the others after the core's step (their bias gradients are the
     same before it). Alone, the slice's gradients are the local gradients themselves (the core writes them in
     place); under fully_shard each is all-gathered over FSDP2's dimensions before the core's step and its rows
-    taken back after it, as _ReplicatedShards does for a whole layer."""
+    taken back after it, as _ReplicatedShards does for a whole layer. With exact factors every rank gathers and
+    preconditions the whole layer (over the tensor-parallel dimension too) and keeps its own part."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: _TensorParallel) -> None:
         super().__init__()
@@ -492,7 +512,8 @@ class _TensorParallelSlice(_Distributor):
 
         self.moves = True
         self.split = split
-        self.shard_ranks = split.shard_ranks
+        self.shard_ranks = split.shard_ranks  # the plan prices the data-parallel gather (not the tensor-parallel one)
+        self._gathers = bool(split.shard_ranks) or split.exact
         self.stand_ins = []
         for t in (weight, bias if split.bias_here() else None):
             if t is None:
@@ -503,9 +524,9 @@ class _TensorParallelSlice(_Distributor):
                                                       device=t.to_local().device).requires_grad_(t.requires_grad))
 
     def _gathered(self, t: torch.Tensor) -> tuple:
-        """The placements of this rank's whole slice of `t`: replicated over FSDP2's dimensions, as it is over the
-        tensor-parallel one."""
-        return self.split.gathered[:-1] + (t.placements[-1],)
+        """The placements of what this rank preconditions of `t`: replicated over FSDP2's dimensions, and over the
+        tensor-parallel one as `t` is (its slice), or replicated (exact factors: the whole layer)."""
+        return self.split.gathered[:-1] + (self.split.gathered[-1] if self.split.exact else t.placements[-1],)
 
     def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return tuple(self.stand_ins)
@@ -515,7 +536,7 @@ class _TensorParallelSlice(_Distributor):
             if stand_in is None:
                 continue
             grad = parameter.grad
-            if grad is None or not self.shard_ranks:
+            if grad is None or not self._gathers:
                 stand_in.grad = None if grad is None else grad.to_local()
                 continue
             stand_in.grad = grad.redistribute(grad.device_mesh, self._gathered(grad)).to_local()
@@ -530,11 +551,11 @@ class _TensorParallelSlice(_Distributor):
             if stand_in is None:
                 continue
             grad = parameter.grad
-            if self.shard_ranks and grad is not None and stand_in.grad is not None:  # this rank's rows, no traffic
+            if self._gathers and grad is not None and stand_in.grad is not None:  # this rank's part, no traffic
                 whole = DTensor.from_local(stand_in.grad, grad.device_mesh, self._gathered(grad), run_check=False)
                 grad.to_local().copy_(whole.redistribute(grad.device_mesh, grad.placements).to_local())
             stand_in.grad = None  # alone, the core wrote the local gradients themselves
-        if self.split.style != 'row' or bias is None or bias.grad is None:
+        if self.split.style != 'row' or self.split.exact or bias is None or bias.grad is None:
             return []
         local = bias.grad.to_local()
         self.moved[0] += 1
@@ -601,6 +622,7 @@ class BaseKFACPreconditioner:
         process_group: Any = None,
         timeout: float | None = None,
         model_parallel_group: Any = None,
+        tensor_parallel_factors: str = 'block_diagonal',
         factor_update_steps: Callable[[int], int] | int = _default('factor_update_steps'),
         inv_update_steps: Callable[[int], int] | int = _default('inv_update_steps'),
         damping: Callable[[int], float] | float = _default('damping'),
@@ -638,6 +660,9 @@ class BaseKFACPreconditioner:
         if model_parallel_group is not None and not isinstance(model_parallel_group, dist.ProcessGroup):
             raise TypeError('model_parallel_group must be a torch.distributed ProcessGroup (the ranks holding the '
                             f'model\'s other parts) or None, got {type(model_parallel_group).__name__}')
+        if tensor_parallel_factors not in ('block_diagonal', 'exact'):
+            raise ValueError("tensor_parallel_factors must be 'block_diagonal' or 'exact', got "
+                             f'{tensor_parallel_factors!r}')
         self._model_group = (model_parallel_group if model_parallel_group is not None
                              and dist.get_world_size(model_parallel_group) > 1 else None)
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
@@ -662,7 +687,8 @@ class BaseKFACPreconditioner:
         # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, for a layer
         # sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back, for a
         # tensor-parallel one its local slice.
-        self._splits = [_tensor_parallel(name, module) for name, module in zip(self._names, self._modules)]
+        self._splits = [_tensor_parallel(name, module, tensor_parallel_factors)
+                        for name, module in zip(self._names, self._modules)]
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
         if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
             raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
@@ -670,7 +696,7 @@ class BaseKFACPreconditioner:
         self._distributors = [_distributor(weight, bias, split=split) for (weight, bias), split
                               in zip(self._bound, self._splits)]
         # A slice's state is this rank's alone: its own name in state dicts (DCP writes each name once).
-        self._state_names = [name if split is None or split.style == 'replicated'
+        self._state_names = [name if split is None or split.whole()
                              else f'{name} (tensor-parallel slice {split.rank} of {split.size})'
                              for name, split in zip(self._names, self._splits)]
         core_layers = [(name, type(module).__name__, *distributor.core_tensors(weight, bias), capture)
@@ -698,7 +724,8 @@ class BaseKFACPreconditioner:
         for (module, (name, capture)), split in zip(self._layers.items(), self._splits):
             # Once the core accepted them: a failure leaves no hooks. A tensor-parallel layer's runs before
             # distribute_module's output hook, which would hand on a whole output or a sequence shard of it.
-            capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None))
+            capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
+                                              whole=split is not None and split.exact))
             hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=split is not None))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
@@ -732,7 +759,7 @@ class BaseKFACPreconditioner:
             raise ValueError(f'model_parallel_group must hold the tensor-parallel ranks {tp_ranks} (KL clipping sums '
                              'over every part of the model)')
         first = splits[0][1].rank == 0
-        return [not first and (split is None or split.style == 'replicated') for split in self._splits]
+        return [not first and (split is None or split.whole()) for split in self._splits]
 
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard

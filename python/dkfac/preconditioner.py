@@ -38,10 +38,9 @@ from dkfac.enums import DistributedStrategy
 
 # dkfac's own name of an option kfac_pytorch names otherwise (symmetric_comm: symmetry_aware) is a keyword too.
 _DKFAC_NAMES = {o['name']: o['alias'] for o in _OPTIONS.values() if o['alias']}
-# The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them), and the front end's own.
+# The options BaseKFACPreconditioner takes (kfac_pytorch's base class has them).
 _BASE = ('factor_update_steps', 'inv_update_steps', 'damping', 'factor_decay', 'kl_clip', 'lr', 'accumulation_steps',
          'update_factors_in_hook')
-_FRONT_END = ('grad_scaler', 'loglevel', 'process_group', 'timeout', 'model_parallel_group')
 
 def _core_value(value: Any) -> Any:
     """A keyword's value as the core takes it: kfac_pytorch's enums and torch dtypes by name."""
@@ -273,6 +272,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         process_group: Any = None,
         timeout: float | None = None,
         model_parallel_group: Any = None,
+        tensor_parallel_factors: str = 'block_diagonal',
         symmetric_comm: bool | None = None,
         balance: AssignmentStrategy | str | None = None,
     ) -> None:
@@ -328,7 +328,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                  else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
 
-        layers = self._register(model, loglevel)
+        layers = self._register(model, loglevel, tensor_parallel_factors)
         if process_group is None and size > 1:
             # The default group is the tensor-parallel group itself: no data parallelism, nothing to reduce.
             splits = [s for s in (_tensor_parallel(name, m) for m, (name, _) in layers.items()) if s is not None]
@@ -344,7 +344,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                         shared_input_layers=self.shared_input_layers, world_size=size)
         super().__init__(
             layers, options=options, process_group=group if size > 1 else None, timeout=timeout,
-            model_parallel_group=model_parallel_group,
+            model_parallel_group=model_parallel_group, tensor_parallel_factors=tensor_parallel_factors,
             defaults=defaults, loglevel=loglevel,
             **{name: values[name] for name in _BASE})
         # The grid the core placed the work on (its rules: dkfac/assign/assignment.h), as kfac_pytorch names it.
@@ -354,7 +354,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self._defaults.update(layout)  # repr()
 
     # --- registration --------------------------------------------------------------------------------
-    def _register(self, model: torch.nn.Module, loglevel: int) -> dict[torch.nn.Module, tuple[str, Any]]:
+    def _register(self, model: torch.nn.Module, loglevel: int,
+                  tensor_parallel_factors: str = 'block_diagonal') -> dict[torch.nn.Module, tuple[str, Any]]:
         """{module: (name, capture)} of the layers to precondition, in model order (hooked by the base): the
         torch.nn.Linear, Conv2d and Embedding leaves and transformers' Conv1D, chosen by the core's rules
         (dkfac/layers/discovery.h: frozen, grouped, sparse, tied and skip_layers), the same ones the C++ front end
@@ -384,7 +385,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             if kind == 'Embedding':
                 capture = _C.embedding_capture(module.num_embeddings)
             elif kind == 'Linear':  # a row-parallel slice's bias is preconditioned by place 0 (_TensorParallel)
-                split = _tensor_parallel(name, module)
+                split = _tensor_parallel(name, module, tensor_parallel_factors)
                 bias = module.bias is not None and (split is None or split.bias_here())
                 capture = _C.linear_capture(bias, transposed=not isinstance(module, torch.nn.Linear))
             else:

@@ -82,6 +82,30 @@ def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[li
     return steps
 
 
+def whole_reference(dp: int, kind: str, sequence_parallel: bool) -> list[list[dict[str, torch.Tensor]]]:
+    """As reference(), for the model itself (exact factors), each step's gradients cut as slice k holds them."""
+    model = worker.model(kind)
+    preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **worker.KFAC)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The dimension each split parameter is cut along (None: whole on every rank).
+    cut = {'up.weight': 0, 'up.bias': 0, 'down.weight': 1, 'embed.weight': 1}
+    if sequence_parallel:
+        cut.update({'head.weight': 0, 'head.bias': 0})
+    steps = []
+    for step in range(worker.STEPS):
+        optimizer.zero_grad()
+        for replica in range(dp):
+            x, y = worker.data(step, replica, kind)
+            worker.loss_fn(model(x), y).backward()
+        for p in model.parameters():
+            p.grad /= dp
+        preconditioner.step()
+        steps.append([{name: p.grad.chunk(TP, cut[name])[k].clone() if name in cut else p.grad.clone()
+                       for name, p in model.named_parameters()} for k in range(TP)])
+        optimizer.step()
+    return steps
+
+
 def check(results: list[dict], expected: list, tp: int = TP) -> None:
     for rank, result in enumerate(results):
         assert 'error' not in result, result
@@ -96,8 +120,8 @@ def check(results: list[dict], expected: list, tp: int = TP) -> None:
 
 
 @pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [
-    (1, 'mlp', False, False), (2, 'mlp', False, False), (1, 'lm', False, False), (1, 'mlp', True, False),
-    (1, 'lm', True, False), (2, 'mlp', False, True), (2, 'lm', True, True)])
+    (1, 'mlp', False, False), (2, 'mlp', False, False), (1, 'lm', False, False), (1, 'lm', True, False),
+    (2, 'mlp', False, True), (2, 'lm', True, True)])
 def test_tensor_parallel_slices_equal_the_sliced_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
     """dp 2 without fsdp: the replicas average their gradients as DDP would; with it, FSDP2 x TP."""
     results = run(TP * dp, {'tp': TP, 'dp': dp, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': fsdp},
@@ -106,6 +130,19 @@ def test_tensor_parallel_slices_equal_the_sliced_model_in_one_process(dp, kind, 
     unclipped = reference(dp, kind, sequence_parallel, kl_clip=None)
     assert any(abs(a - b).max() > 1e-3 for a, b in zip(expected[1][0].values(), unclipped[1][0].values())), \
         'KL clipping must act in this test, or a rank summing only its own slices would pass'
+    check(results, expected)
+
+
+@pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [(1, 'lm', False, False), (2, 'lm', True, True)])
+def test_exact_factors_equal_the_whole_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
+    """tensor_parallel_factors='exact': every rank gathers each split layer's inputs, output gradients and
+    gradient over the tensor-parallel ranks and preconditions the whole layer, as one process does."""
+    results = run(TP * dp, {'tp': TP, 'dp': dp, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': fsdp,
+                            'options': {'tensor_parallel_factors': 'exact'}}, tmp_path)
+    expected = whole_reference(dp, kind, sequence_parallel)
+    sliced = reference(dp, kind, sequence_parallel)
+    assert any(abs(expected[1][0][name] - sliced[1][0][name]).max() > 1e-5 for name in sliced[1][0]), \
+        'block-diagonal and exact factors must differ in this test'
     check(results, expected)
 
 
