@@ -609,7 +609,9 @@ class BaseKFACPreconditioner:
     or None; ``timeout``: seconds for dkfac's own subgroups (default: torch's); ``model_parallel_group``: where
     ``layers`` are one part of each replica's model (a pipeline stage built by ``torch.distributed.pipelining``),
     the group of the ranks holding its other parts, over which KL clipping sums sum(V * grad), so that every part
-    scales by the whole model's nu (``process_group`` is then the part's data-parallel group). The hyper-parameters,
+    scales by the whole model's nu (``process_group`` is then the part's data-parallel group; layers split by
+    torch.distributed.tensor.parallel add their tensor-parallel group to it, ``tensor_parallel_factors`` saying
+    whether each rank preconditions its slice, 'block_diagonal', or the whole layer, 'exact'). The hyper-parameters,
     ``accumulation_steps``, ``update_factors_in_hook``, ``defaults`` (extra entries of ``repr()``) and
     ``loglevel`` have kfac_pytorch's meanings. Most code builds a ``KFACPreconditioner`` instead.
     """

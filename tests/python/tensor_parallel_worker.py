@@ -4,7 +4,7 @@ data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its
 over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
 
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
-                                       "fsdp": false}'
+                                       "fsdp": false, "dcp_save": PATH, "dcp_load": PATH}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
@@ -144,6 +144,14 @@ def main() -> None:
         torch.save({'error': str(error)}, output)
         dist.destroy_process_group()
         return
+    if kwargs.get('dcp_load'):  # a fresh job reads what another one saved: its state, as loaded
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({'kfac': preconditioner}, checkpoint_id=kwargs['dcp_load'])
+        torch.save({'tp_rank': tp_rank, 'state': preconditioner.state_dict()}, output)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
     grads = []
     for step in range(STEPS):
@@ -158,6 +166,10 @@ def main() -> None:
         preconditioner.step()
         grads.append({name: local_gradient(p).clone() for name, p in whole.named_parameters()})
         optimizer.step()
+    if kwargs.get('dcp_save'):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({'kfac': preconditioner}, checkpoint_id=kwargs['dcp_save'])
     torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(),
                 'memory': preconditioner.memory_usage()}, output)
     dist.barrier()  # every rank done with every collective before the groups go

@@ -164,3 +164,24 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "layer 'embed' (Embedding), split by torch.distributed.tensor.parallel, has its vocabulary sharded" \
             in result['vocabulary'], result
         assert 'skip_layers' in result['vocabulary']
+
+
+def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_path):
+    """Each slice's state is saved under its own name (the tensor-parallel ranks' factors differ), and a job with
+    the same tensor-parallel split and another number of replicas reads each slice's exactly."""
+    path = str(tmp_path / 'checkpoint')
+    (tmp_path / 'save').mkdir()
+    (tmp_path / 'load').mkdir()
+    saved = run(TP * 2, {'tp': TP, 'dp': 2, 'fsdp': True, 'dcp_save': path}, tmp_path / 'save')
+    loaded = run(TP, {'tp': TP, 'dp': 1, 'dcp_load': path}, tmp_path / 'load')
+    for result in loaded:
+        want = saved[result['tp_rank']]['state']
+        assert sorted(result['state']['layers']) == sorted(want['layers'])
+        assert f"up (tensor-parallel slice {result['tp_rank']} of 2)" in want['layers'] and 'head' in want['layers']
+        assert result['state']['steps'] == want['steps'] == worker.STEPS
+        for name, entry in want['layers'].items():
+            for side, tensor in entry.items():
+                assert torch.equal(result['state']['layers'][name][side], tensor), (name, side)
+        for name, entry in want['dkfac']['second_order'].items():
+            for key, tensor in entry.items():
+                assert torch.equal(result['state']['dkfac']['second_order'][name][key], tensor), (name, key)
