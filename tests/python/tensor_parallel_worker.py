@@ -4,7 +4,8 @@ data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its
 over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
 
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
-                                       "fsdp": false, "dcp_save": PATH, "dcp_load": PATH}'
+                                       "fsdp": false, "dcp_save": PATH, "dcp_load": PATH, "device": "cpu" | "cuda",
+                                       "backend": "gloo" | "nccl"}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
@@ -122,16 +123,17 @@ def main() -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
-    dist.init_process_group('gloo')
+    device = torch.device(kwargs.get('device', 'cpu'))
+    dist.init_process_group(kwargs.get('backend', 'gloo'))
     if kwargs.get('refusals'):
         refusals(output)
         dist.destroy_process_group()
         return
     tp, dp, kind = kwargs['tp'], kwargs['dp'], kwargs.get('model', 'mlp')
     sequence_parallel = kwargs.get('sequence_parallel', False)
-    mesh = init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))
     replica, tp_rank = mesh.get_local_rank('dp'), mesh.get_local_rank('tp')
-    whole = parallelize_module(model(kind), mesh['tp'], plan(kind, sequence_parallel))
+    whole = parallelize_module(model(kind).to(device), mesh['tp'], plan(kind, sequence_parallel))
     if kwargs.get('fsdp'):
         from torch.distributed.fsdp import fully_shard
 
@@ -155,7 +157,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
     grads = []
     for step in range(STEPS):
-        x, y = data(step, replica, kind)
+        x, y = (t.to(device) for t in data(step, replica, kind))
         optimizer.zero_grad()
         loss_fn(whole(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
         if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
@@ -164,7 +166,7 @@ def main() -> None:
                 dist.all_reduce(local, group=mesh['dp'].get_group())
                 local /= dp
         preconditioner.step()
-        grads.append({name: local_gradient(p).clone() for name, p in whole.named_parameters()})
+        grads.append({name: local_gradient(p).cpu() for name, p in whole.named_parameters()})
         optimizer.step()
     if kwargs.get('dcp_save'):
         import torch.distributed.checkpoint as dcp

@@ -312,6 +312,22 @@ def test_two_ranks_share_the_gpu_through_gloo(kwargs, tmp_path):
                 assert close(a, b), f'rank {rank}, step {step}, parameter {i}: max diff {(a - b).abs().max()}'
 
 
+# Tensor parallel on CUDA tensors (float64, against the CPU float64 reference of the sliced model): a one-rank NCCL
+# mesh (the slice is the whole layer), and two ranks sharing the GPU through Gloo (its CUDA allreduce serves the
+# column and row layers' redistributions; sequence parallelism would need a CUDA reduce-scatter, which Gloo lacks).
+@pytest.mark.parametrize('ranks,backend', [(1, 'nccl'), (2, 'gloo')])
+def test_tensor_parallel_on_cuda_matches_cpu_float64(ranks, backend, tmp_path):
+    import test_tensor_parallel as tp
+    import workers
+
+    results = workers.run_workers('tensor_parallel_worker.py', ranks,
+                                  {'tp': ranks, 'dp': 1, 'device': 'cuda', 'backend': backend}, tmp_path)
+    if ranks == 2:
+        tp.check(results, tp.reference(1, 'mlp', False), rtol=1e-9, atol=1e-12)
+    else:
+        tp.check(results, tp.whole_reference(1, 'mlp', False, tp=1), tp=1, rtol=1e-9, atol=1e-12)
+
+
 def test_a_compiled_model_on_cuda_matches_the_eager_one():
     """The capture's custom operators (dkfac::capture_input, dkfac::capture_output_grad) inside a compiled model's
     CUDA graphs: one forward and one backward graph, no graph break, the eager model's K-FAC gradients (aot_eager:

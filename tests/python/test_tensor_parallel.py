@@ -82,8 +82,9 @@ def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[li
     return steps
 
 
-def whole_reference(dp: int, kind: str, sequence_parallel: bool) -> list[list[dict[str, torch.Tensor]]]:
-    """As reference(), for the model itself (exact factors), each step's gradients cut as slice k holds them."""
+def whole_reference(dp: int, kind: str, sequence_parallel: bool, tp: int = TP) -> list[list[dict[str, torch.Tensor]]]:
+    """As reference(), for the model itself (exact factors, or tp = 1), each step's gradients cut as slice k of
+    tp holds them."""
     model = worker.model(kind)
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **worker.KFAC)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -100,13 +101,13 @@ def whole_reference(dp: int, kind: str, sequence_parallel: bool) -> list[list[di
         for p in model.parameters():
             p.grad /= dp
         preconditioner.step()
-        steps.append([{name: p.grad.chunk(TP, cut[name])[k].clone() if name in cut else p.grad.clone()
-                       for name, p in model.named_parameters()} for k in range(TP)])
+        steps.append([{name: p.grad.chunk(tp, cut[name])[k].clone() if name in cut else p.grad.clone()
+                       for name, p in model.named_parameters()} for k in range(tp)])
         optimizer.step()
     return steps
 
 
-def check(results: list[dict], expected: list, tp: int = TP) -> None:
+def check(results: list[dict], expected: list, tp: int = TP, rtol: float = 1e-10, atol: float = 1e-13) -> None:
     for rank, result in enumerate(results):
         assert 'error' not in result, result
         k = result['tp_rank']
@@ -115,7 +116,7 @@ def check(results: list[dict], expected: list, tp: int = TP) -> None:
             want = expected[step][k]
             assert sorted(result['grads'][step]) == sorted(want)
             for name, got in result['grads'][step].items():
-                torch.testing.assert_close(got, want[name], rtol=1e-10, atol=1e-13,
+                torch.testing.assert_close(got, want[name], rtol=rtol, atol=atol,
                                            msg=lambda m: f'rank {rank}, step {step}, {name}: {m}')
 
 
@@ -185,3 +186,9 @@ def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_
         for name, entry in want['dkfac']['second_order'].items():
             for key, tensor in entry.items():
                 assert torch.equal(result['state']['dkfac']['second_order'][name][key], tensor), (name, key)
+
+
+def test_one_tensor_parallel_rank_is_the_model_itself(tmp_path):
+    """A one-rank tensor-parallel mesh: each split layer's slice is the whole layer (the GPU check runs this on a
+    one-rank NCCL mesh)."""
+    check(run(1, {'tp': 1, 'dp': 1}, tmp_path), whole_reference(1, 'mlp', False, tp=1), tp=1)
