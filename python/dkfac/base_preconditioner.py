@@ -176,10 +176,10 @@ class _CaptureHook:
         if not module.training or not torch.is_grad_enabled():
             return
         if torch.compiler.is_compiling():
-            key = self.key
-            torch.ops.dkfac.capture_input(_local(inputs[0]), self.passes, key)
+            key, part = self.key, (self._part if self.sliced else lambda t: t)
+            torch.ops.dkfac.capture_input(part(inputs[0]), self.passes, key)
             if output.requires_grad:
-                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(_local(grad), key))
+                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(part(grad), key))
             return
         if not capture.enabled:
             return
@@ -268,7 +268,7 @@ class _TensorParallel(NamedTuple):
     rank: int           # this rank's place in it
     size: int
     root: int           # the global rank of its place 0
-    gathered: tuple     # the weight's placements in what this rank preconditions: Replicate() over FSDP2's dimensions
+    gathered: tuple     # the weight's placements in what this rank preconditions: Replicate() over FSDP2's dims
     shard_ranks: int    # the data-parallel ranks FSDP2 (or HSDP) shards the layer over; 0: none
     exact: bool         # tensor_parallel_factors='exact': the whole layer on every rank, its factors exact
 
@@ -377,11 +377,12 @@ class _ReplicatedShards(_Distributor):
     K-FAC memory is that of the strategy under DDP, plus the full gradients of every sharded layer, gathered
     before the core's step and freed after it."""
 
+    moves = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         from torch.distributed.tensor import Shard
 
-        self.moves = True
         self.shard_ranks = 1
         for d, p in enumerate(weight.placements):
             if isinstance(p, Shard):
@@ -506,11 +507,12 @@ class _TensorParallelSlice(_Distributor):
     taken back after it, as _ReplicatedShards does for a whole layer. With exact factors every rank gathers and
     preconditions the whole layer (over the tensor-parallel dimension too) and keeps its own part."""
 
+    moves = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: _TensorParallel) -> None:
         super().__init__()
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        self.moves = True
         self.split = split
         self.shard_ranks = split.shard_ranks  # the plan prices the data-parallel gather (not the tensor-parallel one)
         self._gathers = bool(split.shard_ranks) or split.exact

@@ -114,7 +114,7 @@ def test_keywords_and_defaults_are_the_cores_declaration():
     assert dkfac_names == {'symmetric_comm', 'balance'}
     assert set(table) <= set(parameters)
     assert set(parameters) - set(table) == {'model', 'grad_scaler', 'loglevel', 'process_group', 'timeout',
-                                             'model_parallel_group'} | dkfac_names
+                                             'model_parallel_group', 'tensor_parallel_factors'} | dkfac_names
     for name, option in table.items():
         assert parameters[name].default == dkfac.preconditioner._python_default(option), name
     assert all(parameters[name].default is None for name in dkfac_names)

@@ -224,7 +224,26 @@ TEST(Plan, TensorAndPipelineParallelSplitTheLayers) {
   EXPECT_NE(text.find("tp 2 x pp 2 x dp 4"), std::string::npos);
   EXPECT_NE(text.find("* 0 (49)"), std::string::npos);
 
+  // Exact factors: the split layers whole on every tensor-parallel rank (as without tensor parallelism), and per
+  // update, for one block, the all-gathers of the column layers' output gradients (QKV 6144 and c_fc 8192 wide, 2048
+  // rows) and gradients (2049 x 6144, 2049 x 8192), and of the row layers' inputs and gradients (2048 and 8192
+  // inputs over 2048 rows and 2048 outputs), half of each from the other rank; block-diagonal: the row layers'
+  // bias gradients (2048 each) broadcast.
   request.shard_ranks = 0;
+  request.pp = 1;
+  request.tp_exact = true;
+  json = plan_report(request).json;
+  EXPECT_EQ(json["tensor_parallel_factors"], "exact");
+  const auto& exact = strategy(json, "kaisa f=1 (W=8)");
+  EXPECT_EQ(exact["ranks"][0]["memory_bytes"].get<int64_t>(), wpe + 24 * whole);
+  const double column = 2048.0 * 6144 + 2049.0 * 6144 + 2048.0 * 8192 + 2049.0 * 8192;
+  const double row = (2048.0 + 2048) * 2048 + (2048.0 + 2048) * 8192;
+  EXPECT_DOUBLE_EQ(exact["stages"][0]["tensor_parallel_bytes"].get<double>(), 4 * 24 * 0.5 * (column + row));
+  request.tp_exact = false;
+  json = plan_report(request).json;
+  EXPECT_DOUBLE_EQ(strategy(json, "kaisa f=1 (W=8)")["stages"][0]["tensor_parallel_bytes"].get<double>(),
+                   4 * 24 * 2 * 2048.0);
+
   request.tp = 3;  // the projections' 2048 inputs do not split in three
   request.pp = 1;
   request.nproc = 12;

@@ -141,6 +141,9 @@ Command add_plan_command(CLI::App& app) {
                    "row-parallel layers 1/tp of A (block-diagonal factors; docs/STRATEGIES.md, \"Tensor and "
                    "pipeline parallel\")")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  plan->add_flag("--tp-exact-factors", r.tp_exact,
+                 "with --tp: Python's tensor_parallel_factors='exact' (each tensor-parallel rank holds the split layers "
+                 "whole and gathers their split side and gradients; docs/MATH.md section 9.2)");
   plan->add_option("--pp", r.pp,
                    "pipeline stages (transformers): each holds its blocks' layers; the fullest stage is shown")
       ->capture_default_str()->check(CLI::PositiveNumber);

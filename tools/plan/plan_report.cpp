@@ -59,9 +59,15 @@ struct ModelTable {
 /// The layers pipeline stage `stage` of `stages` holds (blocks split evenly, the first stages taking one more where
 /// they do not divide; what precedes the blocks with the first stage, what follows with the last), each split as
 /// tensor parallelism over `tp` ranks splits it for the group's first rank, which holds the row-parallel biases
-/// (docs/STRATEGIES.md, "Tensor and pipeline parallel"). A factor split narrower than Options::diagonal_factor_dim
-/// becomes dense again, as a job's would.
-std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int stages, int tp) {
+/// (docs/STRATEGIES.md, "Tensor and pipeline parallel"), or kept whole with `exact` factors. A factor split
+/// narrower than Options::diagonal_factor_dim becomes dense again, as a job's would. `tp_elements` receives the
+/// elements that rank moves over the tensor-parallel group per update (a step that builds factors): the
+/// row-parallel biases' gradients it broadcasts (block-diagonal), or the all-gathers of each split layer's
+/// output gradients (column) or inputs (row) over a `batch` of samples and of its gradient (exact).
+std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int stages, int tp, bool exact,
+                                             int64_t batch, double& tp_elements) {
+  const double others = static_cast<double>(tp - 1) / tp;  // an all-gather brings the other ranks' parts
+  tp_elements = 0.0;
   const int per = t.blocks / stages, extra = t.blocks % stages;
   const int first = stage * per + std::min(stage, extra);
   const int last = first + per + (stage < extra ? 1 : 0);  // one past
@@ -75,7 +81,12 @@ std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int
     if (!here) continue;
     auto shape = t.layers[i];
     const int64_t bias = where.bias ? 1 : 0;
-    if (where.split == models::TpSplit::kColumn) {
+    const int64_t samples = batch * shape.rows_per_sample;
+    if (exact && where.split == models::TpSplit::kColumn) {
+      tp_elements += others * static_cast<double>(samples * shape.g_dim + shape.a_dim * shape.g_dim);
+    } else if (exact && where.split == models::TpSplit::kRow) {
+      tp_elements += others * static_cast<double>((samples + shape.g_dim) * (shape.a_dim - bias));
+    } else if (where.split == models::TpSplit::kColumn) {
       TORCH_CHECK(shape.g_dim % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.g_dim,
                   " outputs do not split evenly");
       shape.g_dim /= tp;
@@ -83,6 +94,7 @@ std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int
       TORCH_CHECK((shape.a_dim - bias) % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.a_dim - bias,
                   " inputs do not split evenly");
       shape.a_dim = (shape.a_dim - bias) / tp + bias;
+      tp_elements += static_cast<double>((tp - 1) * bias * shape.g_dim);  // the bias gradient, to every other rank
     }
     models::keep_wide_factors_diagonal(shape, where.embedding);
     if (shape.a_shared_with >= 0) shape.a_shared_with = index[static_cast<size_t>(shape.a_shared_with)];
@@ -185,9 +197,12 @@ PlanReport plan_report(const PlanRequest& r) {
   // The K-FAC strategies run over the data-parallel ranks of each (tensor, pipeline) position.
   const int p = r.nproc / (r.tp * r.pp);
   std::vector<std::vector<assign::LayerShape>> stages = {shapes};
+  std::vector<double> tp_elements(static_cast<size_t>(r.pp), 0.0);
   if (r.tp * r.pp > 1) {
     stages.clear();
-    for (int stage = 0; stage < r.pp; ++stage) stages.push_back(stage_layers(t, stage, r.pp, r.tp));
+    for (int stage = 0; stage < r.pp; ++stage) {
+      stages.push_back(stage_layers(t, stage, r.pp, r.tp, r.tp_exact, r.batch_size, tp_elements[stage]));
+    }
   }
   // Options as a training job would set them; the same make_step_plan() a job calls builds each plan.
   const Options base = Options()
@@ -227,6 +242,7 @@ PlanReport plan_report(const PlanRequest& r) {
                         {"input", t.input},
                         {"nproc", r.nproc},
                         {"tp", r.tp},
+                        {"tensor_parallel_factors", r.tp_exact ? "exact" : "block_diagonal"},
                         {"pp", r.pp},
                         {"dp", p},
                         {"batch_size", r.batch_size},
@@ -322,7 +338,8 @@ PlanReport plan_report(const PlanRequest& r) {
                              {"layers", stages[k].size()},
                              {"memory_bytes", most(stage_ranks[k], "memory_bytes")},
                              {"update_bytes", most(stage_ranks[k], "update_bytes")},
-                             {"update_flops", most(stage_ranks[k], "update_flops")}});
+                             {"update_flops", most(stage_ranks[k], "update_flops")},
+                             {"tensor_parallel_bytes", element_bytes * tp_elements[k]}});
       }
       out["strategies"].back()["stage"] = fullest;
       out["strategies"].back()["stages"] = per_stage;
@@ -359,12 +376,15 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
     text << "\n== " << s["strategy"].get<std::string>() << "  [" << s["system"].get<std::string>() << ", P=" << p
          << ", W=" << s["grad_workers"].get<int>() << "]\n";
     if (s.contains("stages")) {  // tensor or pipeline parallel: the fullest stage below, every stage's maxima here
-      text << "  stage (layers): most K-FAC memory / update bytes / update FLOPs on a rank of its first tp rank\n";
+      text << "  stage (layers): most K-FAC memory / update bytes / update FLOPs on a rank of its first tp rank, "
+           << "and the bytes it moves over the tensor-parallel group per update ("
+           << report["tensor_parallel_factors"].get<std::string>() << " factors)\n";
       for (const auto& stage : s["stages"]) {
         text << "    " << (stage["stage"] == s["stage"] ? "* " : "  ") << stage["stage"].get<int>() << " ("
              << stage["layers"].get<int>() << "): " << human_bytes(stage["memory_bytes"].get<double>()) << " / "
              << human_bytes(stage["update_bytes"].get<double>()) << " / "
-             << human_flops(stage["update_flops"].get<double>()) << "\n";
+             << human_flops(stage["update_flops"].get<double>()) << ", tp "
+             << human_bytes(stage["tensor_parallel_bytes"].get<double>()) << "\n";
       }
     }
     if (detail) {

@@ -45,6 +45,10 @@ struct PlanRequest {
   /// data-parallel ranks.
   int tp = 1;
   int pp = 1;
+  /// Python's tensor_parallel_factors='exact' (docs/MATH.md section 9.2): every tensor-parallel rank holds and
+  /// preconditions the split layers whole, and all-gathers their split side and gradients over the tensor-parallel
+  /// group (each stage's `tensor_parallel_bytes`); false: the block-diagonal default.
+  bool tp_exact = false;
 };
 
 /// A plan: the JSON that `dkfac plan --json` prints, and each strategy's per-layer placement as text
