@@ -234,8 +234,9 @@ class KFAC(torch.optim.Optimizer):
                 raise ValueError('dkfac.optim.KFAC: graft=True takes the length of the base optimizer\'s step; '
                                  "eigen_adam's step is Adam's own, with its own length: use one of them")
         if graft and any(_is_dtensor(p) for _, module in preconditioner.layers for p in _layer_parameters(module)):
-            raise ValueError('dkfac.optim.KFAC: graft=True with layers sharded by FSDP2 (DTensor parameters) is not '
-                             'supported yet; graft a model that is not sharded, or use graft=False')
+            raise ValueError('dkfac.optim.KFAC: graft=True with layers sharded by FSDP2 or split by tensor parallelism '
+                             '(DTensor parameters) is not supported yet; graft a model that is not sharded, or use '
+                             'graft=False')
         self._patch_step_function()  # step() runs the step pre/post hooks, as every torch optimizer's
         self._check_layers_are_optimized()
         self._follow_lr()

@@ -96,8 +96,9 @@ def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def refusals(output: str) -> None:
-    """What dkfac refuses, naming the layer: a model split after the preconditioner was built (at its first
-    forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding."""
+    """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
+    first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement of slices, a
+    model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -115,6 +116,13 @@ def refusals(output: str) -> None:
         dkfac.KFACPreconditioner(whole)
     except ValueError as error:
         errors['vocabulary'] = str(error)
+    alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    for name, options in (('owner', {'sharded_placement': 'owner'}), ('model group', {'model_parallel_group': alone}),
+                          ('factors', {'tensor_parallel_factors': 'blocks'})):
+        try:
+            dkfac.KFACPreconditioner(parallelize_module(model('mlp'), mesh, plan('mlp', False)), **options)
+        except ValueError as error:
+            errors[name] = str(error)
     torch.save(errors, output)
 
 
