@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument('--inv-update-steps', type=int, default=100)
     parser.add_argument('--lr', type=float, default=4e-3)
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--profile', type=int, default=0,
+                        help="then profile this many non-update preconditioner.step() calls of K-FAC + AdamW "
+                             "(torch.profiler's operators by self time)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -167,6 +170,33 @@ def main() -> None:
     print(f'  so K-FAC adds at least {floor:.3f} of an AdamW step here, amortised (preconditioning every step, '
           'triangle grams on factor steps): the least ratio exact K-FAC can reach is '
           f'{1 + floor:.3f}x')
+
+
+    if args.profile:
+        profile_non_update_steps(methods['kfac_adamw'][0], optimizers['kfac_adamw'], batches[0], args)
+
+
+def profile_non_update_steps(model: torch.nn.Module, optimizer, tokens: torch.Tensor, args) -> None:
+    """torch.profiler over `args.profile` non-update preconditioner.step() calls on one backward's gradients (each
+    marked new between calls, so that step() runs again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pre = optimizer.preconditioner
+    while True:
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if pre.steps % args.factor_update_steps and pre.steps % args.inv_update_steps:
+            break
+        optimizer.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile):
+            pre.step()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0)  # a new version of each gradient
+    print(f'\nK-FAC + AdamW, {args.profile} non-update preconditioner.step() calls:')
+    print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=12))
 
 
 if __name__ == '__main__':
