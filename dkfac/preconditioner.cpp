@@ -704,10 +704,10 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
       if (!placed) continue;
       rows.push_back(torch::zeros({GuardReport::kColumns}, one.options()));
     } else {
-      // Finite iff its sum is (a NaN or an infinity makes the sum one; only a sum past float32's range of
-      // finite entries would too, a V no layer can use): one reduction where isfinite().all() takes four passes.
-      const auto total = v.scalar_type() == torch::kFloat64 ? v.sum() : v.sum(torch::kFloat32);
-      auto finite = torch::isfinite(total).to(torch::kFloat64);
+      // Finite iff its float64 sum is: a NaN or an infinity makes the sum one, and finite float32 (or narrower)
+      // entries cannot (only float64 entries near 1e308 could, a V no layer can use). One reduction, where
+      // isfinite().all() takes four passes.
+      auto finite = torch::isfinite(v.sum(torch::kFloat64)).to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
       const bool counted = i >= model.counted_elsewhere.size() || !model.counted_elsewhere[i];
       auto vg_i = kl_clip <= 0.0    ? one

@@ -260,9 +260,9 @@ def _split_by_tensor_parallel(module: torch.nn.Module) -> bool:
 
 class _TensorParallel(NamedTuple):
     """How tensor parallelism split one layer (_tensor_parallel): 'column' (output features sharded: A is the
-    same on every tensor-parallel rank, G this rank's block), 'row' (input features sharded: A this rank's
-    block, G the same everywhere; the bias, replicated, goes with the block of tensor-parallel rank 0) or
-    'replicated' (whole on every rank, counted once by KL clipping). docs/MATH.md section 9."""
+    same on every tensor-parallel rank, G this rank's block) or 'row' (input features sharded: A this rank's
+    block, G the same everywhere; the bias, replicated, goes with the block of tensor-parallel rank 0).
+    docs/MATH.md section 9."""
     style: str
     group: Any          # the tensor-parallel process group
     rank: int           # this rank's place in it
@@ -278,13 +278,14 @@ class _TensorParallel(NamedTuple):
 
     def whole(self) -> bool:
         """Whether every tensor-parallel rank preconditions the whole layer (and one counts it in KL clipping)."""
-        return self.style == 'replicated' or self.exact
+        return self.exact
 
 
 def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_diagonal') -> _TensorParallel | None:
     """The split of a layer by torch.distributed.tensor.parallel, or None for a layer it did not split: the
     tensor-parallel dimension is the mesh's last (fully_shard puts its own dimensions before it). `factors`:
-    tensor_parallel_factors. A split dkfac cannot precondition is refused, naming the layer."""
+    tensor_parallel_factors. A split dkfac cannot precondition (a replicated weight, a vocabulary-sharded Embedding,
+    another placement) is refused, naming the layer."""
     if not _split_by_tensor_parallel(module):
         return None
     weight = module.weight
@@ -303,8 +304,12 @@ def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_d
     # Which weight dimension holds the output features (G's side) and which the input features (A's side).
     out_dim, in_dim = (1, 0) if isinstance(module, torch.nn.Embedding) else (0, 1)
     if isinstance(placement, Replicate):
-        style = 'replicated'
-    elif type(placement) is Shard and placement.dim in (out_dim, in_dim):
+        # SequenceParallel's: the layer runs on this rank's share of the sequence, so its gradient and factors are
+        # partial sums over the tensor-parallel ranks.
+        raise ValueError(f'{what}, has its weight replicated over the tensor-parallel ranks ({placement}: '
+                         'SequenceParallel), so its gradient is a partial sum over them: dkfac cannot precondition '
+                         'it yet; leave the layer to the optimizer (skip_layers)')
+    if type(placement) is Shard and placement.dim in (out_dim, in_dim):
         style = 'column' if placement.dim == out_dim else 'row'
     else:
         raise ValueError(f'{what}, has its weight placed as {placement}, which dkfac cannot precondition: leave the '
@@ -313,7 +318,7 @@ def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_d
         raise ValueError(f"{what}, has its vocabulary sharded (RowwiseParallel): dkfac cannot precondition it yet; "
                          "leave the layer to the optimizer (skip_layers) or shard its embedding dimension "
                          "(ColwiseParallel)")
-    exact = factors == 'exact' and style != 'replicated'
+    exact = factors == 'exact'
     tp = mesh.ndim - 1
     group = mesh.get_group(tp)
     shard_ranks = 1
@@ -694,6 +699,10 @@ class BaseKFACPreconditioner:
         self._splits = [_tensor_parallel(name, module, tensor_parallel_factors)
                         for name, module in zip(self._names, self._modules)]
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
+        if any(split is not None and split.exact for split in self._splits) and str(options.get('strategy')).lower() == 'auto':
+            raise ValueError("tensor_parallel_factors='exact' with strategy='auto': the tensor-parallel ranks gather "
+                             'in the hooks of the layers their plans capture, and auto may choose differently on each '
+                             "data-parallel group; choose the strategy ('kaisa', 'spd' or 'dp')")
         if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
             raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
                              '(each slice gathered over the data-parallel ranks that shard it)')
@@ -930,8 +939,16 @@ class BaseKFACPreconditioner:
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
             sharded = _is_sharded(weight, bias)
-            if self._splits[index] is not None:  # new local tensors: new stand-ins
-                self._distributors[index] = _distributor(weight, bias, split=self._splits[index])
+            if self._splits[index] is not None:  # new local tensors: new stand-ins, the split as it was
+                split = self._splits[index]
+                now = _tensor_parallel(self._names[index], module, 'exact' if split.exact else 'block_diagonal')
+                if now is None or (now.style, now.gathered, now.shard_ranks) != (split.style, split.gathered,
+                                                                                  split.shard_ranks):
+                    raise ValueError(f'layer {self._names[index]!r}: its tensor-parallel parameters were replaced by '
+                                     'ones placed otherwise (fully_shard after the preconditioner was built?); its '
+                                     'plan keeps the layer as it was then: split and shard the model first, then build '
+                                     'the preconditioner')
+                self._distributors[index] = _distributor(weight, bias, split=split)
             elif sharded != self._sharded(index):
                 if self._owner_placed:
                     raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '
@@ -991,7 +1008,9 @@ class BaseKFACPreconditioner:
           reads each rank's own entries of its new plan (docs/STRATEGIES.md, "Checkpoints").
         - ``gathered=True`` (collective: every rank calls it, e.g. before rank 0 saves): every layer's factors
           and second-order state, the same on every rank, whatever the strategy. It loads exactly on any world
-          size and strategy: each rank keeps the part its plan gives it.
+          size and strategy: each rank keeps the part its plan gives it. Under tensor parallelism it holds the
+          slices of this rank's tensor-parallel position only (gathered over ``process_group``): save one per
+          position, or checkpoint through torch.distributed.checkpoint, which writes every position's.
 
         ``include_second_order=False`` leaves the second-order state out (the eigen method's eigenvectors,
         eigenvalues and denominators are twice the factors' size and more): ``load_state_dict`` then recomputes it

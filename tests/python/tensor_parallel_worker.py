@@ -98,9 +98,10 @@ def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 def refusals(output: str) -> None:
     """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
     first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement of slices, a
-    model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors."""
+    model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact factors with
+    strategy auto, a replicated weight (SequenceParallel on a Linear)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     mesh = init_device_mesh('cpu', (dist.get_world_size(),), mesh_dim_names=('tp',))
     errors = {}
@@ -118,11 +119,16 @@ def refusals(output: str) -> None:
         errors['vocabulary'] = str(error)
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     for name, options in (('owner', {'sharded_placement': 'owner'}), ('model group', {'model_parallel_group': alone}),
-                          ('factors', {'tensor_parallel_factors': 'blocks'})):
+                          ('factors', {'tensor_parallel_factors': 'blocks'}),
+                          ('exact auto', {'tensor_parallel_factors': 'exact', 'strategy': 'auto'})):
         try:
             dkfac.KFACPreconditioner(parallelize_module(model('mlp'), mesh, plan('mlp', False)), **options)
         except ValueError as error:
             errors[name] = str(error)
+    try:  # a Linear under SequenceParallel: its weight replicated, its gradient a partial sum
+        dkfac.KFACPreconditioner(parallelize_module(model('mlp'), mesh, {'up': SequenceParallel()}))
+    except ValueError as error:
+        errors['replicated'] = str(error)
     torch.save(errors, output)
 
 

@@ -168,6 +168,9 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "sharded_placement='owner' does not place tensor-parallel slices yet" in result['owner'], result
         assert 'model_parallel_group must hold the tensor-parallel ranks [0, 1]' in result['model group'], result
         assert "tensor_parallel_factors must be 'block_diagonal' or 'exact', got 'blocks'" in result['factors'], result
+        assert "tensor_parallel_factors='exact' with strategy='auto'" in result['exact auto'], result
+        assert "layer 'up' (Linear), split by torch.distributed.tensor.parallel, has its weight replicated" in \
+            result['replicated'], result
 
 
 def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_path):
