@@ -124,7 +124,8 @@ def main() -> None:
           f'{os.getloadavg()[0]:.2f}; torch {torch.__version__}, transformers {transformers.__version__}, '
           f'dkfac {getattr(dkfac, "__version__", "?")}, Python {platform.python_version()}')
     print(f'model: GPT-2 n_embd {args.n_embd}, n_layer {args.n_layer}, n_head {args.n_head}, {params:,} parameters; '
-          f'batch {args.batch} x {args.context} tokens; K-FAC at ({args.factor_update_steps}, {args.inv_update_steps}); '
+          f'batch {args.batch} x {args.context} tokens; '
+          f'K-FAC at ({args.factor_update_steps}, {args.inv_update_steps}); '
           f'{args.steps} timed steps of each method in lockstep after {args.warmup}')
     every = args.inv_update_steps
     share = {'inverse': 1, 'factor': every // args.factor_update_steps - 1}

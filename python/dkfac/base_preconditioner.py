@@ -699,7 +699,8 @@ class BaseKFACPreconditioner:
         self._splits = [_tensor_parallel(name, module, tensor_parallel_factors)
                         for name, module in zip(self._names, self._modules)]
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
-        if any(split is not None and split.exact for split in self._splits) and str(options.get('strategy')).lower() == 'auto':
+        exact = any(split is not None and split.exact for split in self._splits)
+        if exact and str(options.get('strategy')).lower() == 'auto':
             raise ValueError("tensor_parallel_factors='exact' with strategy='auto': the tensor-parallel ranks gather "
                              'in the hooks of the layers their plans capture, and auto may choose differently on each '
                              "data-parallel group; choose the strategy ('kaisa', 'spd' or 'dp')")

@@ -195,8 +195,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     'block_diagonal', each rank's slice with the factors it builds alone, or 'exact', gathered over the
     tensor-parallel ranks; "Tensor parallel" in docs/PYTHON.md), ``spd_redundant_dim``, ``timeout`` (seconds for
     dkfac's own subgroups) and ``large_factor_dim`` (a layer with a factor wider than this is warned about when the
-    preconditioner is built, with the factor's memory and the cost of its second-order updates; 0: never). ``symmetric_comm``
-    and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give one of each pair).
+    preconditioner is built, with the factor's memory and the cost of its second-order updates; 0: never).
+    ``symmetric_comm`` and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give
+    one of each pair).
     ``sharded_placement`` says where the K-FAC work of layers sharded by FSDP2's ``fully_shard`` (or HSDP) runs:
     'replicated' (every rank gathers each gradient and runs the strategy as under DDP) or 'owner' (one owner per
     layer and replica holds its factors and second-order state, gathers the gradient's shards and scatters the
