@@ -372,7 +372,26 @@ class _Distributor:
         pass
 
 
-class _ReplicatedShards(_Distributor):
+class _StandIns(_Distributor):
+    """A distributor whose layer the core sees through stand-ins (`stand_ins`, for the weight and the bias or
+    None): leaves of the shape the core preconditions over one element (zero strides), whose .grad the gather fills
+    and the scatter empties. The core reads their shape, dtype, device and requires_grad (a layer frozen later is
+    named so), and their .grad."""
+
+    moves = True
+    stand_ins: list[torch.Tensor | None]
+
+    @staticmethod
+    def _stand_in(t: torch.Tensor, shape: Any) -> torch.Tensor:
+        """A stand-in of `shape` for the DTensor parameter `t` (its dtype, device and requires_grad)."""
+        return torch.empty_strided(shape, [0] * len(shape), dtype=t.dtype,
+                                   device=t.to_local().device).requires_grad_(t.requires_grad)
+
+    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return tuple(self.stand_ins)
+
+
+class _ReplicatedShards(_StandIns):
     """A layer sharded by FSDP2 or HSDP, replicated placement (``sharded_placement='replicated'``): the core
     preconditions full-shaped stand-ins. Before the core's step every rank all-gathers each such gradient
     (``full_tensor()``: FSDP2 left it reduce-scattered, averaged over the data-parallel ranks as DDP averages it)
@@ -382,8 +401,6 @@ class _ReplicatedShards(_Distributor):
     K-FAC memory is that of the strategy under DDP, plus the full gradients of every sharded layer, gathered
     before the core's step and freed after it."""
 
-    moves = True
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         from torch.distributed.tensor import Shard
@@ -392,14 +409,7 @@ class _ReplicatedShards(_Distributor):
         for d, p in enumerate(weight.placements):
             if isinstance(p, Shard):
                 self.shard_ranks *= weight.device_mesh.size(d)
-        # Full-shaped leaves over one element (zero strides): the core reads their shape, dtype, device and
-        # requires_grad (a layer frozen later is named so), and their .grad.
-        self.stand_ins = [None if t is None else torch.empty_strided(t.shape, [0] * t.dim(), dtype=t.dtype,
-                                                                     device=t.to_local().device).requires_grad_(t.requires_grad)
-                          for t in (weight, bias)]
-
-    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return tuple(self.stand_ins)
+        self.stand_ins = [None if t is None else self._stand_in(t, t.shape) for t in (weight, bias)]  # full-shaped
 
     def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
@@ -502,7 +512,7 @@ class _OwnerShards(_ReplicatedShards):
         self.returned = []
 
 
-class _TensorParallelSlice(_Distributor):
+class _TensorParallelSlice(_StandIns):
     """A layer split by tensor parallelism (_TensorParallel): the core preconditions this rank's slice as a layer
     of its own, bound to stand-ins of the slice's shapes. Its factors are reduced over the data-parallel group
     only; nothing moves between tensor-parallel ranks but a row layer's bias gradient, which place 0
@@ -511,8 +521,6 @@ class _TensorParallelSlice(_Distributor):
     place); under fully_shard each is all-gathered over FSDP2's dimensions before the core's step and its rows
     taken back after it, as _ReplicatedShards does for a whole layer. With exact factors every rank gathers and
     preconditions the whole layer (over the tensor-parallel dimension too) and keeps its own part."""
-
-    moves = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: _TensorParallel) -> None:
         super().__init__()
@@ -527,16 +535,12 @@ class _TensorParallelSlice(_Distributor):
                 self.stand_ins.append(None)
                 continue
             shape, _ = compute_local_shape_and_global_offset(t.shape, t.device_mesh, self._gathered(t))
-            self.stand_ins.append(torch.empty_strided(shape, [0] * t.dim(), dtype=t.dtype,
-                                                      device=t.to_local().device).requires_grad_(t.requires_grad))
+            self.stand_ins.append(self._stand_in(t, shape))
 
     def _gathered(self, t: torch.Tensor) -> tuple:
         """The placements of what this rank preconditions of `t`: replicated over FSDP2's dimensions, and over the
         tensor-parallel one as `t` is (its slice), or replicated (exact factors: the whole layer)."""
         return self.split.gathered[:-1] + (self.split.gathered[-1] if self.split.exact else t.placements[-1],)
-
-    def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return tuple(self.stand_ins)
 
     def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
