@@ -2,6 +2,8 @@
 
 #include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
@@ -73,6 +75,43 @@ Mark Mark::now(c10::Device device) {
 }
 
 int64_t events_created() { return event_pool().created(); }
+
+SideWork::SideWork(c10::Device device) : device_(device) {
+  if (device.is_cpu()) return;
+  const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
+  if (!device_.has_index()) device_ = c10::Device(device.type(), guard->getDevice().index());
+  side_ = guard->getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  started_.emplace(device.type());
+  done_.emplace(device.type());
+  started_->record(guard->getStream(device_));
+}
+
+void SideWork::run(const std::function<void()>& work) {
+  if (!side_) {
+    work();
+    return;
+  }
+  c10::DeviceGuard on_device(device_);
+  c10::StreamGuard on_stream(*side_);
+  started_->block(*side_);
+  try {
+    work();
+  } catch (...) {
+    done_->record(*side_);  // join still waits for what the work enqueued before it failed
+    throw;
+  }
+  done_->record(*side_);
+}
+
+void SideWork::join(const std::vector<c10::Storage>& made) {
+  if (!side_) return;
+  const auto* guard = c10::impl::getDeviceGuardImpl(device_.type());
+  const auto current = guard->getStream(device_);
+  done_->block(current);
+  for (const auto& storage : made) {
+    if (storage) guard->recordDataPtrOnStream(storage.data_ptr(), current);
+  }
+}
 
 double Mark::seconds_between(const Mark& start, const Mark& end) {
   TORCH_INTERNAL_ASSERT((start.event_ == nullptr) == (end.event_ == nullptr), "marks of different devices");

@@ -6,12 +6,16 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
+#include <c10/core/Storage.h>
+#include <c10/core/Stream.h>
 #include <c10/util/Exception.h>
 
 namespace dkfac::device {
@@ -36,6 +40,27 @@ class Mark {
 
 /// Timing events created so far in this process (Marks reuse them: after the first steps, the count stays).
 int64_t events_created();
+
+/// Work that another host thread does beside this one's (Options::second_order_lag). On a CUDA device the other
+/// thread enqueues its kernels on a low-priority stream of the pool, after everything enqueued on this thread's
+/// current stream so far, and this thread's stream waits for them when it takes the results (join); on the CPU the
+/// work is done when the other thread returns, and nothing more is needed.
+class SideWork {
+ public:
+  /// On the thread that hands the work over, before the other thread starts: the point the side work follows.
+  explicit SideWork(c10::Device device);
+  /// On the other thread: runs `work` on `device` and the side stream, after the point above.
+  void run(const std::function<void()>& work);
+  /// On the first thread, once the other has returned: its current stream waits for the side work, and the
+  /// storages the side work made (`made`), which this thread's stream will read and free, are marked as in use
+  /// by it (the caching allocator must not give them to the side stream again before that stream's reads are done).
+  void join(const std::vector<c10::Storage>& made);
+
+ private:
+  c10::Device device_;
+  std::optional<c10::Stream> side_;  // nullopt on the CPU
+  std::optional<c10::Event> started_, done_;
+};
 
 /// Allocator statistics of a device, in bytes.
 struct MemoryStats {

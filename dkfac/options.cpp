@@ -53,6 +53,7 @@ void Options::validate() const {
   checked("accumulation_steps", accumulation_steps_);
   checked("start_preconditioning_step", start_preconditioning_step_);
   checked("eigh_interval", eigh_interval_);
+  checked("second_order_lag", second_order_lag_);
   checked("grad_worker_fraction", grad_worker_fraction_);
   checked("allreduce_bucket_cap_mb", allreduce_bucket_cap_mb_);
   checked("large_factor_dim", large_factor_dim_);

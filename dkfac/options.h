@@ -149,6 +149,11 @@ inline OptionRange any_value() { return {}; }
     "thread: 1 (the default) one layer at a time on every intra-op thread; 0 as many as the intra-op threads "       \
     "(torch.get_num_threads()); results differ from one at a time by rounding (docs/PERFORMANCE.md: 1.06-1.08x on a " \
     "BERT-shaped stack's second-order phase on 2 cores); on CUDA one at a time")                                     \
+  X(Value, int64_t, second_order_lag, 0, at_least(0), "--second-order-lag", "", "",                                \
+    "steps between starting a second-order update and installing it: 0 (the default, exact) installs it at the "     \
+    "step that computes it; k > 0, a fast mode, computes it beside the next k steps (a thread, on CUDA a side "      \
+    "stream), which precondition with the state before it, and installs it at the k-th (sooner at the next "        \
+    "inverse step); the first update runs at once (docs/MATH.md section 2.8, its error in docs/PERFORMANCE.md)")     \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
     "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \

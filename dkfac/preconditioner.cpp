@@ -23,6 +23,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <thread>
 #include <sstream>
 
 namespace dkfac {
@@ -133,6 +134,7 @@ bool Preconditioner::run_step(const Distributor& model) {
     if (warming_up) {
       std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
     } else {
+      if (job_ && steps_ >= job_->install_at) install_second_order_job(&fates);  // Options::second_order_lag
       if (is_inverse_step(steps_)) compute_second_order(fates, !is_full_decomposition_step(steps_));
       const double kl_clip = options_.kl_clip_at(steps_);
       std::vector<torch::Tensor> vg;
@@ -205,7 +207,7 @@ void Preconditioner::discard_step() {
 
 void Preconditioner::update_second_order() {
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
-  compute_second_order(fates);
+  compute_second_order(fates, /*refresh=*/false, /*lag=*/false);
 }
 
 void Preconditioner::forget_failed_step() {
@@ -223,8 +225,11 @@ void Preconditioner::load_layer_states(int64_t steps,
   TORCH_CHECK(steps >= 0, "steps must be >= 0, got ", steps);
   TORCH_CHECK(states.size() == layers_.size(), "state holds ", states.size(), " K-FAC layers, the model has ",
               layers_.size());
-  layers_ = staged_layer_states(states);  // a bad entry leaves this preconditioner unchanged
+  auto staged = staged_layer_states(states);  // a bad entry leaves this preconditioner unchanged
+  job_.reset();
+  layers_ = std::move(staged);
   steps_ = steps;
+  resume_second_order_job();
   reset_batch();
   arm_capture();
 }
@@ -507,84 +512,222 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   }
 }
 
-void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool refresh) {
-  PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
-  const double damping = options_.damping_at(steps_);
-  const auto method = executor_->plan().method;
-  // Layer by layer: each new state replaces the old one as it is computed (chosen on the device by its own
-  // check), so that one layer's two states are alive at a time; then every layer's check in one read.
-  std::vector<size_t> started;
-  std::vector<torch::Tensor> checks;
-  std::map<size_t, SecondOrderState> fallback;  // layers installed unchecked, with the state they had
-  std::vector<size_t> todo;                     // the layers with a part to compute here
+namespace {
+
+// Computes `pending[k]` for `sources[k]`, k in [first, first + count), as KfacLayer::start_second_order: several
+// at once where `count` > 1, each on one thread; a failure is kept in `failed[k]` for the caller to report.
+void compute_states(const std::vector<const KfacLayer*>& sources, const std::vector<std::pair<bool, bool>>& parts,
+                    size_t first, size_t count, ComputeMethod method, double damping, bool pi_damping, bool refresh,
+                    std::vector<std::optional<PendingSecondOrder>>& pending, std::vector<std::exception_ptr>& failed) {
+  const auto compute = [&](size_t k) {
+    try {
+      pending[k] = sources[k]->start_second_order(method, damping, pi_damping, parts[k].first, parts[k].second,
+                                                  refresh);
+    } catch (...) {
+      failed[k] = std::current_exception();
+    }
+  };
+  if (count == 1) {
+    compute(first);
+    return;
+  }
+  at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) compute(first + static_cast<size_t>(k));
+  });
+}
+
+}  // namespace
+
+std::vector<std::pair<bool, bool>> Preconditioner::second_order_parts(const std::vector<size_t>& layers) const {
+  std::vector<std::pair<bool, bool>> parts;
+  for (size_t i : layers) parts.emplace_back(executor_->computes_a(i), executor_->computes_g(i));
+  return parts;
+}
+
+size_t Preconditioner::second_order_chunk() const {
+  // Options::second_order_concurrency: on a CPU, that many layers' decompositions at once, each on one thread
+  // (a decomposition of a few hundred rows uses two threads poorly).
+  if (!device_.is_cpu()) return 1;
+  const int64_t concurrency = options_.second_order_concurrency();
+  return static_cast<size_t>(std::max<int64_t>(1, concurrency > 0 ? concurrency : at::get_num_threads()));
+}
+
+void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
+  // Computed by another thread from copies of the layers as they are now (their tensors are replaced, never
+  // written in place, so the copies keep this step's factors and state).
+  auto job = std::make_unique<SecondOrderJob>();
+  job->install_at = step + options_.second_order_lag();
+  job->method = executor_->plan().method;
+  job->damping = options_.damping_at(step);
+  job->layers = second_order_layers();
+  for (size_t i : job->layers) job->sources.push_back(layers_[i]);
+  job->pending.resize(job->layers.size());
+  job->failed.resize(job->layers.size());
+  job->side.emplace(device_);
+  auto* work = job.get();
+  job->worker = std::thread([work, parts = second_order_parts(job->layers), chunk = second_order_chunk(),
+                             pi_damping = options_.pi_damping(), refresh] {
+    try {
+      work->side->run([&] {
+        torch::NoGradGuard no_grad;
+        std::vector<const KfacLayer*> sources;
+        for (const auto& layer : work->sources) sources.push_back(&layer);
+        for (size_t first = 0; first < sources.size(); first += chunk) {
+          compute_states(sources, parts, first, std::min(chunk, sources.size() - first), work->method,
+                         work->damping, pi_damping, refresh, work->pending, work->failed);
+        }
+      });
+    } catch (...) {  // the side stream could not be set up: every layer reports it
+      for (auto& failed : work->failed) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+  });
+  job_ = std::move(job);
+}
+
+void Preconditioner::resume_second_order_job() {
+  job_.reset();
+  const int64_t lag = options_.second_order_lag();
+  for (int64_t t = steps_ - 1; lag > 0 && t >= 0 && t >= steps_ - lag; --t) {
+    if (!is_inverse_step(t)) continue;
+    // The update of step t, in flight when the state was saved: recomputed from what was loaded, installed at the
+    // step it would have been (its factors are step t's unless a factor update came between).
+    if (t > options_.start_preconditioning_step()) start_second_order_job(t, !is_full_decomposition_step(t));
+    return;
+  }
+}
+
+std::vector<size_t> Preconditioner::second_order_layers() const {
+  std::vector<size_t> todo;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (layers_[i].has_factors() && (executor_->computes_a(i) || executor_->computes_g(i))) todo.push_back(i);
   }
-  // Options::second_order_concurrency: on a CPU, that many layers' decompositions at once, each on one thread
-  // (a decomposition of a few hundred rows uses two threads poorly); computed in chunks, then installed in order on
-  // this thread, so that at most a chunk's new states wait beside the old ones.
-  const auto chunk = static_cast<size_t>(std::max<int64_t>(
-      1, !device_.is_cpu()                             ? 1
-         : options_.second_order_concurrency() > 0 ? options_.second_order_concurrency()
-                                                   : at::get_num_threads()));
+  return todo;
+}
+
+void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool refresh, bool lag) {
+  PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
+  if (job_) install_second_order_job(&fates);  // one update in flight at a time: the one before goes in first
+  const double damping = options_.damping_at(steps_);
+  const auto method = executor_->plan().method;
+  // Options::second_order_lag: beside the steps, after the first update (at start_preconditioning_step).
+  if (lag && options_.second_order_lag() > 0 && steps_ > options_.start_preconditioning_step()) {
+    start_second_order_job(steps_, refresh);
+    return;
+  }
+  // Layer by layer: each new state replaces the old one as it is computed (chosen on the device by its own
+  // check), so that one layer's two states are alive at a time; then every layer's check in one read. Concurrent
+  // chunks are computed, then installed in order on this thread, so that at most a chunk's new states wait beside
+  // the old ones.
+  const auto todo = second_order_layers();
+  const auto parts = second_order_parts(todo);
+  const auto chunk = second_order_chunk();
+  std::vector<const KfacLayer*> sources;
+  for (size_t i : todo) sources.push_back(&layers_[i]);
+  std::vector<std::optional<PendingSecondOrder>> pending(todo.size());
+  std::vector<std::exception_ptr> failed(todo.size());
+  Installed installed;
   try {
     for (size_t first = 0; first < todo.size(); first += chunk) {
       const size_t count = std::min(chunk, todo.size() - first);
-      std::vector<std::optional<PendingSecondOrder>> pending(count);
-      std::vector<std::exception_ptr> failed(count);
-      const auto compute = [&](size_t k) {
-        const size_t i = todo[first + k];
-        try {
-          pending[k] = layers_[i].start_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
-                                                     executor_->computes_g(i), refresh);
-        } catch (...) {
-          failed[k] = std::current_exception();  // reported below, on this thread, as the sequential loop would
-        }
-      };
-      if (count == 1) {
-        compute(0);
-      } else {
-        at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
-          for (int64_t k = begin; k < end; ++k) compute(static_cast<size_t>(k));
-        });
-      }
-      for (size_t k = 0; k < count; ++k) {
-        const size_t i = todo[first + k];
-        keeping_previous_state(i, [&] {
-          if (failed[k]) std::rethrow_exception(failed[k]);
-          auto& layer = layers_[i];
-          auto had = layer.install_second_order(std::move(pending[k]->state), pending[k]->ok);
-          if (had) fallback.emplace(i, *had);
-          started.push_back(i);
-          checks.push_back(pending[k]->ok);
-        });
-      }
+      compute_states(sources, parts, first, count, method, damping, options_.pi_damping(), refresh, pending, failed);
+      for (size_t k = first; k < first + count; ++k) install_computed(todo[k], pending[k], failed[k], installed);
     }
   } catch (...) {  // out of memory part-way (rethrown by keeping_previous_state): no unchecked state stays
-    for (auto& [i, had] : fallback) layers_[i].set_second_order(std::move(had));
-    relink_followers(damping);  // followers' A side and denominators as their leaders'
+    undo_installed(installed, damping);
     throw;
   }
-  const auto ok = checks.empty() ? torch::Tensor() : torch::stack(checks).to(torch::kCPU);
-  for (size_t k = 0; k < started.size(); ++k) {
+  check_installed(installed, [this](size_t i) -> const KfacLayer& { return layers_[i]; }, method, damping);
+  share_second_order(&fates, damping);
+}
+
+void Preconditioner::install_computed(size_t index, std::optional<PendingSecondOrder>& pending,
+                                      const std::exception_ptr& failed, Installed& installed) {
+  keeping_previous_state(index, [&] {
+    if (failed) std::rethrow_exception(failed);
+    auto had = layers_[index].install_second_order(std::move(pending->state), pending->ok);
+    if (had) installed.fallback.emplace(index, *had);
+    installed.layers.push_back(index);
+    installed.checks.push_back(pending->ok);
+  });
+  pending.reset();  // the layer holds what it needs
+}
+
+void Preconditioner::undo_installed(Installed& installed, double damping) {
+  for (auto& [i, had] : installed.fallback) layers_[i].set_second_order(std::move(had));
+  relink_followers(damping);  // followers' A side and denominators as their leaders'
+}
+
+void Preconditioner::check_installed(Installed& installed, const std::function<const KfacLayer&(size_t)>& source,
+                                     ComputeMethod method, double damping) {
+  if (installed.layers.empty()) return;
+  const auto ok = torch::stack(installed.checks).to(torch::kCPU);
+  for (size_t k = 0; k < installed.layers.size(); ++k) {
     if (ok.data_ptr<bool>()[k]) continue;
-    const size_t i = started[k];
+    const size_t i = installed.layers[k];
     auto& layer = layers_[i];
-    if (auto had = fallback.find(i); had != fallback.end()) layer.set_second_order(std::move(had->second));
+    if (auto had = installed.fallback.find(i); had != installed.fallback.end()) {
+      layer.set_second_order(std::move(had->second));
+    }
     // The checked path: a general inverse where Cholesky failed, a full eigendecomposition where a refresh failed
-    // (from a basis that was not finite); eigendecompositions report the NaN.
+    // (from a basis that was not finite); eigendecompositions report the NaN. From the factors the update started
+    // from, into a copy whose state is the layer's own.
     keeping_previous_state(i, [&] {
-      layer.compute_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
-                                 executor_->computes_g(i));
+      KfacLayer from = source(i);
+      from.set_second_order(layer.second_order());
+      from.compute_second_order(method, damping, options_.pi_damping(), executor_->computes_a(i),
+                                executor_->computes_g(i));
+      layer.set_second_order(from.second_order());
     });
   }
+}
+
+void Preconditioner::share_second_order(std::vector<LayerFate>* fates, double damping) {
   mark("second-order broadcast");
   clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
   relink_followers(damping);
+  if (!fates) return;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (!layers_[i].second_order().defined() && executor_->preconditions(i)) fates[i] = LayerFate::kPlainGradient;
+    if (!layers_[i].second_order().defined() && executor_->preconditions(i)) (*fates)[i] = LayerFate::kPlainGradient;
   }
 }
+
+Preconditioner::SecondOrderJob::~SecondOrderJob() {
+  if (worker.joinable()) worker.join();
+}
+
+void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
+  PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
+  auto job = std::move(job_);
+  mark("second-order wait");
+  job->worker.join();  // the time it still needed shows in this step's second-order phase
+  std::vector<c10::Storage> made;
+  for (const auto& pending : job->pending) {
+    if (!pending) continue;
+    const auto& s = pending->state;
+    for (const auto* t : {&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
+                          &s.g_eigen.eigenvalues, &s.denominator, &s.a_inverse, &s.g_inverse, &pending->ok}) {
+      if (t->defined()) made.push_back(t->storage());
+    }
+  }
+  job->side->join(made);
+  Installed installed;
+  try {
+    for (size_t k = 0; k < job->layers.size(); ++k) {
+      install_computed(job->layers[k], job->pending[k], job->failed[k], installed);
+    }
+  } catch (...) {
+    undo_installed(installed, job->damping);
+    throw;
+  }
+  std::map<size_t, size_t> source_of;
+  for (size_t k = 0; k < job->layers.size(); ++k) source_of[job->layers[k]] = k;
+  check_installed(installed, [&](size_t i) -> const KfacLayer& { return job->sources[source_of.at(i)]; },
+                  job->method, job->damping);
+  share_second_order(fates, job->damping);
+}
+
 
 void Preconditioner::keeping_previous_state(size_t index, const std::function<void()>& update) {
   mark("second-order update", static_cast<int64_t>(index));
@@ -852,6 +995,21 @@ void Preconditioner::warn_once(size_t index, const std::string& kind, const std:
 int64_t Preconditioner::memory_bytes() const {
   int64_t total = 0;
   for (const auto& layer : layers_) total += layer.memory_bytes();
+  // Options::second_order_lag: the states computed beside the steps (as large as the ones they replace) wait beside
+  // the ones in use until installed, and the factors they are computed from stay until then where newer ones
+  // replaced them (read here, not the job's results, which its thread may be writing).
+  if (job_) {
+    for (size_t k = 0; k < job_->layers.size(); ++k) {
+      const auto& now = layers_[job_->layers[k]];
+      const auto& from = job_->sources[k];
+      total += now.second_order().memory_bytes();
+      const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},
+                                                                             {&from.g_factor(), &now.g_factor()}};
+      for (const auto& [was, is] : sides) {
+        if (was->defined() && !was->is_same(*is)) total += static_cast<int64_t>(was->nbytes());
+      }
+    }
+  }
   return total;
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -287,8 +288,56 @@ class Preconditioner {
   std::vector<LayerFate> check_layers(bool factor_step);
   void update_factors(std::vector<LayerFate>& fates);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerFate>& fates);
-  /// `refresh`: refresh the eigenbases held (Options::eigh_interval) rather than decompose in full.
-  void compute_second_order(std::vector<LayerFate>& fates, bool refresh = false);
+  /// `refresh`: refresh the eigenbases held (Options::eigh_interval) rather than decompose in full. `lag`: with
+  /// Options::second_order_lag > 0, after the first update (at start_preconditioning_step), start a job
+  /// (start_second_order_job) in place of computing and installing at once.
+  void compute_second_order(std::vector<LayerFate>& fates, bool refresh = false, bool lag = true);
+  /// The layers with a second-order part to compute on this rank.
+  std::vector<size_t> second_order_layers() const;
+  /// Options::second_order_lag: an update computed by another thread (on CUDA, a side stream) from copies of the
+  /// layers taken when it started, installed `lag` steps later.
+  struct SecondOrderJob {
+    int64_t install_at = 0;  ///< the step that installs it
+    ComputeMethod method = ComputeMethod::kEigen;
+    double damping = 0.0;
+    std::vector<size_t> layers;      ///< the layers it computes (second_order_layers)
+    std::vector<KfacLayer> sources;  ///< each one's copy at the start: the factors and state it is computed from
+    std::vector<std::optional<PendingSecondOrder>> pending;
+    std::vector<std::exception_ptr> failed;
+    std::optional<device::SideWork> side;
+    std::thread worker;
+    ~SecondOrderJob();
+  };
+  /// Installs the job's states (waiting for it where it has not finished) and shares them as the plan says
+  /// (collective); `fates`, where given, as compute_second_order leaves them.
+  void install_second_order_job(std::vector<LayerFate>* fates);
+  /// Starts the job of step `step`'s update (`refresh`: Options::eigh_interval's), to be installed at step + lag.
+  void start_second_order_job(int64_t step, bool refresh);
+  /// After a load: the update a saved run had in flight (an inverse step at most lag steps before the loaded step
+  /// count), started again from the state loaded, installed at the step the saved run would have installed it.
+  void resume_second_order_job();
+  /// Which parts (A, G) of `layers` this rank computes; how many layers' decompositions run at once.
+  std::vector<std::pair<bool, bool>> second_order_parts(const std::vector<size_t>& layers) const;
+  size_t second_order_chunk() const;
+  /// States installed by install_computed, not yet checked on the host.
+  struct Installed {
+    std::vector<size_t> layers;                   // the layers installed
+    std::vector<torch::Tensor> checks;            // each one's check (0-dim bool, on the device)
+    std::map<size_t, SecondOrderState> fallback;  // layers installed unchecked, with the state they had
+  };
+  /// Installs layer `index`'s computed state (KfacLayer::install_second_order), or reports its failure
+  /// (`failed`: keeping_previous_state).
+  void install_computed(size_t index, std::optional<PendingSecondOrder>& pending, const std::exception_ptr& failed,
+                        Installed& installed);
+  /// Reads every installed layer's check at once; a layer whose check failed gets its previous state back, then
+  /// the checked path (a general inverse, a full eigendecomposition) computed from `source(index)`: the layer
+  /// itself, or the copy a job started from.
+  void check_installed(Installed& installed, const std::function<const KfacLayer&(size_t)>& source,
+                       ComputeMethod method, double damping);
+  /// On an error part-way: every layer installed unchecked gets its previous state back.
+  void undo_installed(Installed& installed, double damping);
+  /// Shares the installed states (collective) and leaves layers without one to their plain gradient.
+  void share_second_order(std::vector<LayerFate>* fates, double damping);
   /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
   /// layer keeps its previous state.
   void keeping_previous_state(size_t index, const std::function<void()>& update);
@@ -432,6 +481,7 @@ class Preconditioner {
   c10::Device device_{c10::kCPU};
   PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<bool> leads_a_;  // the layer holds the A factor its shared-input group's followers alias
+  std::unique_ptr<SecondOrderJob> job_;  // Options::second_order_lag: the update in flight, or nullptr
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";

@@ -235,6 +235,7 @@ StateRestore Preconditioner::restore(SavedState saved) {
   }
   TORCH_CHECK_VALUE(refusal.empty(), refusal);
   TORCH_CHECK(unfit.empty(), unfit);
+  job_.reset();  // Options::second_order_lag: the state it would install is replaced
   layers_ = std::move(staged);
   steps_ = saved.steps;
   reset_batch();
@@ -245,6 +246,7 @@ StateRestore Preconditioner::restore(SavedState saved) {
       if (executor_->holds_second_order(i) && layers_[i].second_order().defined()) ++restore.recomputed_layers;
     }
   }
+  resume_second_order_job();
   return restore;
 }
 

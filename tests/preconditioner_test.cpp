@@ -758,6 +758,7 @@ TEST(Preconditioner, BadOptionsCarryTheValue) {
   testing::expect_error(build(Options().pi_damping(true)), {"pi_damping applies to the inverse compute_method only"});
   testing::expect_error(build(Options().skip_layers({"fc("})), {"skip_layers pattern 'fc(' is not a valid"});
   testing::expect_error(build(Options().eigh_interval(0)), {"eigh_interval must be >= 1, got 0"});
+  testing::expect_error(build(Options().second_order_lag(-1)), {"second_order_lag must be >= 0, got -1"});
   testing::expect_error(build(Options().compute_method(ComputeMethod::kInverse).eigh_interval(4)),
                         {"eigh_interval refreshes eigenbases", "needs compute_method eigen, got inverse"});
   testing::expect_error(build(Options().start_preconditioning_step(-1)),
@@ -866,6 +867,89 @@ TEST(Preconditioner, EighIntervalRefreshesTheBasesBetweenFullDecompositions) {
 // A resumed run refreshes from the basis it loaded, at the steps the uninterrupted run does (step 4 and 5 refresh).
 TEST(Preconditioner, EighIntervalCheckpointRoundTripGivesSameNextStep) {
   expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(1).eigh_interval(3));
+}
+
+// Options::second_order_lag 2, inverse updates every 3 steps, factors every step, nothing trained (both runs see
+// the same factors): the update of step 0 is installed at once, each later one (3, 6, 9, 12) two steps after it
+// starts, and until then the layers precondition with the state before it. Against the exact run, whose states at
+// its inverse steps are the lagged run's two steps later: its gradients differ in those two steps only, and the
+// state computed beside the steps is counted by memory_bytes until it is installed.
+TEST(Preconditioner, SecondOrderLagInstallsEachUpdateLagStepsLater) {
+  for (const auto method : {ComputeMethod::kEigen, ComputeMethod::kInverse}) {
+    auto exact_net = make_net();
+    auto lagged_net = make_net();
+    const auto options = Options().compute_method(method).inv_update_steps(3);
+    Preconditioner exact(exact_net, options);
+    Preconditioner lagged(lagged_net, Options(options).second_order_lag(2));
+    std::map<int64_t, std::vector<SecondOrderState>> exact_states;  // after each inverse step
+    for (int64_t s = 0; s < 14; ++s) {
+      zero_grad_and_backward(*exact_net, 300 + s);
+      zero_grad_and_backward(*lagged_net, 300 + s);
+      exact.step();
+      lagged.step();
+      if (s % 3 == 0) {
+        for (const auto& layer : exact.layers()) exact_states[s].push_back(layer.second_order());
+      }
+      const int64_t installed = s < 5 ? 0 : (s - 2) / 3 * 3;  // the update the lagged run holds
+      const bool window = s >= 3 && s % 3 != 2;               // an update in flight: steps 3-4, 6-7, ...
+      const std::string where = std::string(to_string(method)) + " step " + std::to_string(s);
+      for (size_t i = 0; i < lagged.layers().size(); ++i) {
+        const auto& got = lagged.layers()[i].second_order();
+        const auto& want = exact_states.at(installed)[i];
+        const std::pair<const torch::Tensor*, const torch::Tensor*> parts[] = {
+            {&got.a_eigen.eigenvectors, &want.a_eigen.eigenvectors}, {&got.a_eigen.eigenvalues, &want.a_eigen.eigenvalues},
+            {&got.g_eigen.eigenvectors, &want.g_eigen.eigenvectors}, {&got.g_eigen.eigenvalues, &want.g_eigen.eigenvalues},
+            {&got.denominator, &want.denominator}, {&got.a_inverse, &want.a_inverse}, {&got.g_inverse, &want.g_inverse}};
+        for (const auto& [g, w] : parts) {
+          ASSERT_EQ(g->defined(), w->defined()) << where;
+          if (g->defined()) EXPECT_TENSOR_NEAR(*g, *w, 1e-10) << where << " layer " << i;
+        }
+      }
+      const auto a = gradients(*exact_net);
+      const auto b = gradients(*lagged_net);
+      double differs = 0.0;
+      for (size_t p = 0; p < a.size(); ++p) {
+        differs = std::max(differs, ((a[p] - b[p]).abs().max() / a[p].abs().max()).item<double>());
+      }
+      if (window) {
+        EXPECT_GT(differs, 1e-6) << where << ": the lagged run still holds the update before";
+        EXPECT_GT(lagged.memory_bytes(), exact.memory_bytes()) << where;
+      } else {
+        EXPECT_LT(differs, 1e-10) << where;
+        EXPECT_EQ(lagged.memory_bytes(), exact.memory_bytes()) << where;
+      }
+    }
+  }
+}
+
+// A lagged update that fails (fc1's damped A exactly singular: Cholesky and the general inverse both fail) keeps the
+// layer's state before it when it is installed, counted and warned about as at once; the other layers take theirs.
+TEST(Preconditioner, FailedLaggedUpdateKeepsThePreviousState) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2)
+                               .factor_decay(0.0).second_order_lag(1));
+  std::vector<SecondOrderState> first;
+  for (int64_t step = 0; step < 4; ++step) {
+    zero_grad_and_backward(*net, 700 + step);
+    if (step == 2) {
+      for (const auto& layer : kfac.layers()) first.push_back(layer.second_order());
+      const double huge = std::numeric_limits<double>::max();
+      net->fc1->factor_capture().add_a(torch::full({10, 10}, huge, torch::kFloat64), 0.0);
+    }
+    kfac.step();
+    if (step == 2) EXPECT_EQ(kfac.events().second_order_failures, 0) << "computed beside the steps, not yet seen";
+  }
+  EXPECT_EQ(kfac.events().second_order_failures, 1);
+  EXPECT_TRUE(torch::equal(kfac.layers()[1].second_order().a_inverse, first[1].a_inverse)) << "previous state kept";
+  EXPECT_FALSE(torch::equal(kfac.layers()[0].second_order().a_inverse, first[0].a_inverse)) << "the others installed";
+  EXPECT_FALSE(torch::equal(kfac.layers()[2].second_order().g_inverse, first[2].g_inverse));
+}
+
+// A checkpoint taken while an update is in flight (saved after step 3, whose update installs at step 5): the resumed
+// run starts it again from what it loaded (no factor update came between) and installs it at step 5, as the
+// uninterrupted run does.
+TEST(Preconditioner, SecondOrderLagCheckpointRoundTripGivesSameNextStep) {
+  expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(3).second_order_lag(2));
 }
 
 // docs/CPP.md's eigen_adam loop: SGD with weight decay over the dkfac layers' parameters gives AdamW's update with
