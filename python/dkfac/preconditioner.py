@@ -210,6 +210,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     QR, no eigensolver; docs/MATH.md section 2.6); 1, the default, always in full.
     ``second_order_concurrency`` is how many layers' second-order updates run at once on a CPU, each on one thread
     (1, the default: one layer at a time on every thread; 0: as many as ``torch.get_num_threads()``).
+    ``second_order_lag`` k > 0 (a fast mode) computes each second-order update after the first beside the next k
+    steps, on another thread (on CUDA, a side stream), and installs it at the k-th: those steps precondition with
+    the state before it, so no step waits for the eigendecompositions (docs/MATH.md section 2.8); 0, the default,
+    installs each update at the step that computes it.
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
@@ -263,6 +267,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         precondition_dtype: str = _default('precondition_dtype'),
         eigh_interval: int = _default('eigh_interval'),
         second_order_concurrency: int = _default('second_order_concurrency'),
+        second_order_lag: int = _default('second_order_lag'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),

@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   std::ifstream in(argv[1], std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto spec = torch::pickle_load(bytes).toGenericDict();
-  // "eigen", "inverse", "eigen_adam" or "eigen_refresh" (eigen with eigh_interval 2: step 3 refreshes)
+  // "eigen", "inverse", "eigen_adam", "eigen_refresh" (eigen with eigh_interval 2: step 3 refreshes) or "eigen_lag"
+  // (second_order_lag 1: step 3's update is installed at step 4)
   const auto& name = spec.at("method").toStringRef();
   const auto method = name == "inverse" ? dkfac::ComputeMethod::kInverse : dkfac::ComputeMethod::kEigen;
   const bool eigen_adam = name == "eigen_adam";
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
                                         .compute_method(method)
                                         .eigen_adam(eigen_adam)
                                         .eigh_interval(name == "eigen_refresh" ? 2 : 1)
+                                        .second_order_lag(name == "eigen_lag" ? 1 : 0)
                                         .inv_dtype(torch::kFloat32));
   auto inputs = spec.at("inputs").toList();
   auto targets = spec.at("targets").toList();

@@ -20,7 +20,7 @@ BINARY = os.environ.get('DKFAC_CPP_REFERENCE', os.path.join(os.path.dirname(os.p
                                                              'build', 'tests', 'dkfac_cpp_reference'))
 
 
-@pytest.mark.parametrize('method', ['eigen', 'inverse', 'eigen_adam', 'eigen_refresh'])
+@pytest.mark.parametrize('method', ['eigen', 'inverse', 'eigen_adam', 'eigen_refresh', 'eigen_lag'])
 def test_python_equals_cpp_api(method, tmp_path):
     if not os.path.exists(BINARY):
         pytest.fail(f'{BINARY} is missing: build the project (./scripts/build.sh) first')
@@ -36,8 +36,10 @@ def test_python_equals_cpp_api(method, tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     adam = method == 'eigen_adam'  # Adam in the eigenbasis (docs/MATH.md section 8): no KL clipping
     refresh = method == 'eigen_refresh'  # eigh_interval 2: step 3's inverse update refreshes (docs/MATH.md 2.6)
+    lag = int(method == 'eigen_lag')  # second_order_lag 1: step 3's update is installed at step 4 (docs/MATH.md 2.8)
     preconditioner = dkfac.KFACPreconditioner(model, compute_method='inverse' if method == 'inverse' else 'eigen',
                                               eigen_adam=adam, eigh_interval=2 if refresh else 1, lr=0.1,
+                                              second_order_lag=lag,
                                               kl_clip=None if adam else 0.001, **settings)
     python = []
     for x, y in batches:

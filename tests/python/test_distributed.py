@@ -122,6 +122,8 @@ CASES = [
     # Adam's step depends on it: those cases run the LM (LM_CASES, DCP_CASES).
     (2, dict(strategy='kaisa', grad_worker_fraction=0.5,
              eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
+    # second_order_lag (docs/MATH.md section 2.8): step 1's update installed and shared at step 2, as in one process.
+    (2, dict(strategy='kaisa', grad_worker_fraction=0.5, inv_update_steps=1, second_order_lag=1)),
 ]
 
 
@@ -187,6 +189,7 @@ SHARDED_CASES = [
     (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', compute_method='inverse')),
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner',
              eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
+    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', inv_update_steps=1, second_order_lag=1)),
 ]
 
 

@@ -575,6 +575,49 @@ const std::vector<assign::LayerShape> kObservedShapes = {
 constexpr int64_t kBatch = 3;
 
 // testing::uniform_rates measured on 2 ranks in float64 (the test model's dtype).
+// Options::second_order_lag 1 with an inverse update at every step: step 0's update runs at once, step 1's is computed
+// beside the step and installed, then shared, at step 2 (which starts its own). Under every strategy the ranks end
+// each step with the single-process run's gradients (with the same lag), which differ from the exact run's from
+// step 1 on.
+TEST(SecondOrderLag, EveryStrategyEqualsOneProcess) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto lagged = [](ComputeMethod method) {
+    return base_options(method, false, 1.0).inv_update_steps(1).second_order_lag(1);
+  };
+  const std::pair<int, Options> cases[] = {
+      {2, Options(lagged(ComputeMethod::kEigen)).grad_worker_fraction(0.5)},
+      {4, Options(lagged(ComputeMethod::kEigen)).grad_worker_fraction(0.0)},
+      {4, Options(lagged(ComputeMethod::kInverse)).grad_worker_fraction(1.0).symmetric_comm(true)},
+      {2, Options(lagged(ComputeMethod::kEigen)).eigen_adam(true).kl_clip(0).grad_worker_fraction(0.5)},
+      {2, Options(lagged(ComputeMethod::kEigen))
+              .strategy(Strategy::kSpd)
+              .spd(SpdOptions().fusion({6}).redundant_dim(0).profile_steps(1))},
+      {4, Options(lagged(ComputeMethod::kInverse)).strategy(Strategy::kDp)}};
+  for (const auto& [world, options] : cases) {
+    const std::string what = std::to_string(world) + " ranks, " + to_string(options.strategy()) + ", fraction " +
+                             std::to_string(options.grad_worker_fraction());  // ranks are threads: no SCOPED_TRACE
+    const auto got = run_distributed(world, options);
+    const bool dp = options.strategy() == Strategy::kDp;
+    const auto owners = assign::assign_dp(model_shapes(), world);
+    const auto expected = dp ? dp_reference(world, options, owners) : reference(world, options);
+    const auto exact_options = Options(options).second_order_lag(0);
+    const auto exact = dp ? dp_reference(world, exact_options, owners) : reference(world, exact_options);
+    for (int rank = 0; rank < world; ++rank) {
+      for (int64_t step = 0; step < kSteps; ++step) {
+        double differs = 0.0;
+        for (size_t p = 0; p < expected[step].size(); ++p) {
+          EXPECT_TENSOR_NEAR(got[rank][step][p], expected[step][p], 1e-5) << what << " rank " << rank << " step "
+                                                                          << step << " param " << p;
+          EXPECT_TRUE(torch::equal(got[rank][step][p], got[0][step][p])) << what << ": ranks must agree";
+          differs = std::max(differs, (expected[step][p] - exact[step][p]).abs().max().item<double>());
+        }
+        // Trained: from step 1 on the weights differ too.
+        if (rank == 0) EXPECT_EQ(differs > 1e-8, step >= 1) << what << " step " << step << ": " << differs;
+      }
+    }
+  }
+}
+
 Rates auto_rates(double seconds_per_flop, double alpha, double beta, ComputeMethod method) {
   return testing::uniform_rates(seconds_per_flop, alpha, beta, 2, method, torch::kFloat64);
 }

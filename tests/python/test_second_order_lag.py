@@ -1,0 +1,84 @@
+"""``second_order_lag`` (a fast mode, docs/MATH.md section 2.8): each second-order update after the first is computed
+beside the next k steps and installed at the k-th. From Python: the state in use at each step is the exact run's
+from k steps before, a state_dict saved while an update is in flight resumes it, and bad values are refused naming
+the option. (Every strategy against one process, and the failures: tests/strategy/step_executor_test.cpp and
+tests/preconditioner_test.cpp.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dkfac
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+
+
+def backward(model: torch.nn.Module, step: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(32, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(32, 3, generator=generator, dtype=torch.float64)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def second_order(preconditioner: dkfac.KFACPreconditioner) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in state.items() if 'factor' not in k}
+            for state in preconditioner._core.layer_states()]
+
+
+def test_each_update_is_installed_lag_steps_later():
+    # Not trained (both runs see the same factors); inverse updates every 2 steps, lag 1: the update of step 2 is
+    # installed at step 3, of step 4 at 5, ...
+    exact_model, lagged_model = make_model(), make_model()
+    exact = dkfac.KFACPreconditioner(exact_model, factor_update_steps=1, inv_update_steps=2)
+    lagged = dkfac.KFACPreconditioner(lagged_model, factor_update_steps=1, inv_update_steps=2, second_order_lag=1)
+    assert lagged.second_order_lag == 1
+    states = {}
+    for step in range(8):
+        for model, preconditioner in ((exact_model, exact), (lagged_model, lagged)):
+            backward(model, step)
+            preconditioner.step()
+        if step % 2 == 0:
+            states[step] = second_order(exact)
+        held = 0 if step < 3 else (step - 1) // 2 * 2
+        for got, want in zip(second_order(lagged), states[held]):
+            assert got.keys() == want.keys()
+            for key in got:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-12, msg=f'step {step} {key}')
+        differ = max((a.grad - b.grad).abs().max().item()
+                     for a, b in zip(exact_model.parameters(), lagged_model.parameters()))
+        assert (differ > 1e-8) == (step >= 2 and step % 2 == 0), f'step {step}: {differ}'
+
+
+def test_state_dict_saved_with_an_update_in_flight_resumes_it():
+    # Inverse updates every 3 steps, factors every 2, lag 2: saved after step 3, whose update installs at step 5;
+    # no factor update between (steps 2 and 4 are factor steps), so the resumed run installs the same update.
+    options = dict(factor_update_steps=2, inv_update_steps=3, second_order_lag=2)
+    model = make_model()
+    preconditioner = dkfac.KFACPreconditioner(model, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        backward(model, step)
+        preconditioner.step()
+        optimizer.step()
+    resumed_model = make_model()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = dkfac.KFACPreconditioner(resumed_model, **options)
+    resumed.load_state_dict(preconditioner.state_dict())
+    resumed_optimizer = torch.optim.SGD(resumed_model.parameters(), lr=0.1)
+    for step in range(4, 9):
+        for m, p, o in ((model, preconditioner, optimizer), (resumed_model, resumed, resumed_optimizer)):
+            backward(m, step)
+            p.step()
+            o.step()
+        for a, b in zip(model.parameters(), resumed_model.parameters()):
+            assert torch.equal(a, b), f'step {step}'
+
+
+def test_bad_values_are_refused_naming_the_option():
+    with pytest.raises(ValueError, match='second_order_lag must be >= 0, got -1'):
+        dkfac.KFACPreconditioner(make_model(), second_order_lag=-1)
