@@ -134,7 +134,10 @@ bool Preconditioner::run_step(const Distributor& model) {
     if (warming_up) {
       std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
     } else {
-      if (job_ && steps_ >= job_->install_at) install_second_order_job(&fates);  // Options::second_order_lag
+      if (job_ && steps_ >= job_->install_at) {  // Options::second_order_lag
+        PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
+        install_second_order_job(&fates);
+      }
       if (is_inverse_step(steps_)) compute_second_order(fates, !is_full_decomposition_step(steps_));
       const double kl_clip = options_.kl_clip_at(steps_);
       std::vector<torch::Tensor> vg;
@@ -695,10 +698,12 @@ void Preconditioner::share_second_order(std::vector<LayerFate>* fates, double da
 
 Preconditioner::SecondOrderJob::~SecondOrderJob() {
   if (worker.joinable()) worker.join();
+  // A job dropped unjoined (a load): the step's stream still waits for the side stream, before the tensors that
+  // stream reads go back to the step stream's pool.
+  if (side) side->join({});
 }
 
 void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
-  PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
   auto job = std::move(job_);
   mark("second-order wait");
   job->worker.join();  // the time it still needed shows in this step's second-order phase

@@ -309,7 +309,7 @@ class Preconditioner {
     ~SecondOrderJob();
   };
   /// Installs the job's states (waiting for it where it has not finished) and shares them as the plan says
-  /// (collective); `fates`, where given, as compute_second_order leaves them.
+  /// (collective); `fates`, where given, as compute_second_order leaves them. Inside a second-order Span.
   void install_second_order_job(std::vector<LayerFate>* fates);
   /// Starts the job of step `step`'s update (`refresh`: Options::eigh_interval's), to be installed at step + lag.
   void start_second_order_job(int64_t step, bool refresh);

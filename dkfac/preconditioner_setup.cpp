@@ -346,7 +346,10 @@ void Preconditioner::choose_strategy() {
 }
 
 void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
-  if (job_) install_second_order_job(nullptr);  // placed by the plan it started under
+  if (job_) {  // placed by the plan it started under
+    PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
+    install_second_order_job(nullptr);
+  }
   std::vector<std::map<std::string, torch::Tensor>> states;
   if (has_state) states = executor_->gather_states(layers_);
   executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, chosen);

@@ -13,8 +13,9 @@
 #                   bench/kernel_probe.py if at least DKFAC_GPU_PROBE_MIN_S (60) remain
 #   call2           from a cold machine, if at least 4 minutes of device time remain: env, build
 #                   (DKFAC_GPU_TARGETS), pytest -m gpu (DKFAC_GPU_PYTEST_ARGS narrows it), bench-kinds
-#                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants), then compile-step and
-#                   fast-error (DKFAC_GPU_FAST_ARGS), each if at least DKFAC_GPU_FAST_MIN_S (60) seconds remain
+#                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants), then compile-step,
+#                   fast-error (DKFAC_GPU_FAST_ARGS) and lag-step (DKFAC_GPU_LAG_ARGS), each if at least
+#                   DKFAC_GPU_FAST_MIN_S (60) seconds remain
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
 # bounds every step: each step's timeout is what is left of it, less DKFAC_GPU_EXPORT_RESERVE_S (15) for the
 # last export. After every step, summary.md and OUT_DIR packed as gpu-results.tar.gz are copied to
@@ -29,6 +30,7 @@
 #   kernel-probe    bench/kernel_probe.py: eigh through cuSOLVER and MAGMA, on streams, batched; GEMM widths
 #   fast-error      bench/fast_mode_error.py: each fast mode's preconditioned gradient and trained loss against exact
 #   compile-step    bench/compile_step.py: torch.compile against eager, with and without dkfac (DKFAC_GPU_COMPILE_ARGS)
+#   lag-step        bench/second_order_lag.py: training steps with second_order_lag against exact, in lockstep
 #   bench-resnet50  bench/python_step.py --device cuda --models resnet50 (SGD, dkfac, kfac_pytorch)
 #   bench-bert      the same for the BERT-Large-shaped encoder
 #   bench           both benchmarks
@@ -61,6 +63,8 @@
 #                           --mode tf32:precondition_dtype=tf32 --mode bf16:inv_dtype=bfloat16")
 #   DKFAC_GPU_COMPILE_ARGS  bench/compile_step.py's arguments ("--layers 4 --hidden 1024 --heads 16 --ffn 4096
 #                           --seq-len 128 --batch 16 --factor-update-steps 10 --inv-update-steps 100 --steps 30")
+#   DKFAC_GPU_LAG_ARGS      bench/second_order_lag.py's arguments ("--models bert --bert-layers 8 --intervals 10,100
+#                           --lag 1 --lag 10 --cycles 3 --warmup-cycles 1")
 #   DKFAC_GPU_EXPORT        a folder that gets summary.md and gpu-results.tar.gz after every step
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
@@ -80,6 +84,7 @@ ctest_jobs=${DKFAC_GPU_CTEST_JOBS:-4}
 pytest_jobs=${DKFAC_GPU_PYTEST_JOBS:-4}
 read -r -a fast_args <<<"${DKFAC_GPU_FAST_ARGS:---models bert --bert-layers 4 --mode tf32:precondition_dtype=tf32 --mode bf16:inv_dtype=bfloat16}"
 fast_min=${DKFAC_GPU_FAST_MIN_S:-60}
+read -r -a lag_args <<<"${DKFAC_GPU_LAG_ARGS:---models bert --bert-layers 8 --intervals 10,100 --lag 1 --lag 10 --cycles 3 --warmup-cycles 1}"
 read -r -a compile_args <<<"${DKFAC_GPU_COMPILE_ARGS:---layers 4 --hidden 1024 --heads 16 --ffn 4096 --seq-len 128 --batch 16 --factor-update-steps 10 --inv-update-steps 100 --steps 30}"
 kinds_models=${DKFAC_GPU_KINDS_MODELS:-resnet50,bert}
 kinds_min=${DKFAC_GPU_KINDS_MIN_S:-120}
@@ -94,8 +99,8 @@ read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
 read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
 
 # The steps, in the order the summary lists them.
-steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds kernel-probe compile-step fast-error bench-resnet50
-  bench-bert)
+steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds kernel-probe compile-step fast-error lag-step
+  bench-resnet50 bench-bert)
 
 mkdir -p "$out/status" "$build"
 out=$(realpath "$out")
@@ -492,6 +497,9 @@ run_bench_script() {
 # --- fast-error: bench/fast_mode_error.py, each fast mode's error against the exact mode ----------------------
 step_fast() { run_bench_script fast-error fast_mode_error.py "${fast_args[@]}"; }
 
+# --- lag-step: bench/second_order_lag.py, training steps with second_order_lag against exact ------------------
+step_lag() { run_bench_script lag-step second_order_lag.py "${lag_args[@]}"; }
+
 # --- compile-step: bench/compile_step.py, torch.compile against eager, with and without dkfac ------------------
 step_compile() { run_bench_script compile-step compile_step.py "${compile_args[@]}"; }
 
@@ -548,9 +556,11 @@ run_test() {
 run_bench() { step_bench resnet50 "$@"; step_bench bert "$@"; }
 
 case $stage in
-  build | ctest | pytest | test | bench-kinds | kernel-probe | compile-step | fast-error | bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
+  build | ctest | pytest | test | bench-kinds | kernel-probe | compile-step | fast-error | lag-step | bench-resnet50 | \
+    bench-bert | bench | all | call1 | call2) step_env ;;
   summary) ;;
-  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|kernel-probe|compile-step|fast-error|bench-resnet50|bench-bert|bench|all|summary]" \
+  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|kernel-probe|compile-step|fast-error|lag-step|" \
+       "bench-resnet50|bench-bert|bench|all|summary]" \
        "[OUT_DIR]" >&2
      exit 2 ;;
 esac
@@ -564,12 +574,13 @@ case $stage in
   kernel-probe) step_probe ;;
   fast-error) step_fast ;;
   compile-step) step_compile ;;
+  lag-step) step_lag ;;
   bench-resnet50) step_bench resnet50 ;;
   bench-bert) step_bench bert ;;
   bench) run_bench ;;
   all) run_build && run_test; step_kinds; run_bench ;;
   call1) run_build && { run_test; step_kinds; step_probe; } ;;
-  call2) run_build && { step_pytest; step_kinds; step_compile; step_fast; } ;;
+  call2) run_build && { step_pytest; step_kinds; step_compile; step_fast; step_lag; } ;;
 esac
 write_summary
 export_results
