@@ -12,7 +12,9 @@ after one untimed run, between ``torch.cuda.synchronize()`` calls:
   after another on one stream, against the same split over 2 and 4 host threads each on its own CUDA stream,
   and against ``torch.linalg.eigh`` of the stacked same-shaped matrices (batched);
 * **GEMM alignment**: the preconditioning products Q_G^T grad Q_A at widths 1025 and 4097 (a bias column)
-  against 1024 and 4096, as TFLOP/s;
+  against 1024 and 4096, as TFLOP/s; at the odd widths also three ways to align them to a multiple of 8: the same
+  matrices with a padded leading dimension, matrices held padded (identity-padded eigenbases, zero gradient
+  columns), and padding copies made at each call;
 * **the gram** x^T x of a factor (4096 rows): ``mm`` of the full matrix against its upper triangle in blocks;
 * **refresh against eigh** per size: the core's full eigendecomposition against its refresh of the previous
   basis (``eigh_interval``, dkfac._C's kernels: PYTHONPATH=build/python), with the refresh's error.
@@ -177,6 +179,23 @@ def gemm_alignment(args: argparse.Namespace, timer: Timer, pairs: list[tuple[int
         t = timer(lambda: qg.t().mm(grad).mm(qa))
         flops = 2 * g * a * (g + a)
         out[f'{g}x{a}'] = dict(t, tflops=flops / (t['median_ms'] / 1000) / 1e12)
+        g8, a8 = -(-g // 8) * 8, -(-a // 8) * 8
+        if (g8, a8) != (g, a):  # the ways to align an odd width (issue 44), each as TFLOP/s of the same 2 g a (g + a)
+            def strided(rows: int, cols: int, stride: int) -> torch.Tensor:  # rows x cols, leading dimension stride
+                return torch.randn(rows, stride, device=args.device)[:, :cols]
+            sqg, sqa, sgrad = strided(g, g, g8), strided(a, a, a8), strided(g, a, a8)
+            pqg, pqa, pgrad = (torch.randn(g8, g8, device=args.device), torch.randn(a8, a8, device=args.device),
+                               torch.randn(g8, a8, device=args.device))
+            pad = torch.nn.functional.pad
+            ways = {'leading_dimension_padded': lambda: sqg.t().mm(sgrad).mm(sqa),
+                    'held_padded': lambda: pqg.t().mm(pgrad).mm(pqa),
+                    'padded_each_call': lambda: pad(qg, (0, g8 - g, 0, g8 - g)).t().mm(
+                        pad(grad, (0, a8 - a, 0, g8 - g))).mm(pad(qa, (0, a8 - a, 0, a8 - a)))}
+            for way, fn in ways.items():
+                w = timer(fn)
+                out[f'{g}x{a}'][way] = dict(w, tflops=flops / (w['median_ms'] / 1000) / 1e12)
+            print(f"GEMM g {g} a {a} aligned to {g8} x {a8}: " + ', '.join(
+                f"{way} {out[f'{g}x{a}'][way]['tflops']:.1f}" for way in ways) + ' TFLOP/s', flush=True)
         x = torch.randn(rows, a, device=args.device)
         full = timer(lambda: torch.mm(x.t(), x))
         # dkfac's CPU triangle (math/gemm.cpp): 4 row blocks of equal work over the upper triangle, then mirrored.
