@@ -145,10 +145,10 @@ inline OptionRange any_value() { return {}; }
     "eigenvalues: no eigensolver; SOAP-style, docs/MATH.md section 2.6), a fast mode whose error is in "             \
     "docs/PERFORMANCE.md; 1: always in full (exact)")                                                               \
   X(Value, int64_t, second_order_concurrency, 1, at_least(0), "--second-order-concurrency", "", "",                  \
-    "on a CPU, how many layers' second-order updates (eigendecompositions or inverses) run at once, each on one "    \
-    "thread: 1 (the default) one layer at a time on every intra-op thread; 0 as many as the intra-op threads "       \
-    "(torch.get_num_threads()); results differ from one at a time by rounding (docs/PERFORMANCE.md: 1.06-1.08x on a " \
-    "BERT-shaped stack's second-order phase on 2 cores); on CUDA one at a time")                                     \
+    "how many layers' second-order updates (eigendecompositions or inverses) run at once: 1 (the default) one at a " \
+    "time; 0 as many as the intra-op threads (torch.get_num_threads()); on a CPU each on one thread (results differ " \
+    "from one at a time by rounding; docs/PERFORMANCE.md: 1.06-1.08x on a BERT-shaped stack's second-order phase on " \
+    "2 cores), on CUDA each from a host thread of its own on a stream of its own (not yet measured in the step)")     \
   X(Value, int64_t, second_order_lag, 0, at_least(0), "--second-order-lag", "", "",                                \
     "steps between starting a second-order update and installing it: 0 (the default, exact) installs it at the "     \
     "step that computes it; k > 0, a fast mode, computes it beside the next k steps (a thread, on CUDA a side "      \

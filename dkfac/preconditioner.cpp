@@ -517,6 +517,18 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
 
 namespace {
 
+// The storages of a computed state (its check included), which its computing stream made.
+std::vector<c10::Storage> storages(const std::optional<PendingSecondOrder>& pending) {
+  std::vector<c10::Storage> made;
+  if (!pending) return made;
+  const auto& s = pending->state;
+  for (const auto* t : {&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
+                        &s.g_eigen.eigenvalues, &s.denominator, &s.a_inverse, &s.g_inverse, &pending->ok}) {
+    if (t->defined()) made.push_back(t->storage());
+  }
+  return made;
+}
+
 // Computes `pending[k]` for `sources[k]`, k in [first, first + count), as KfacLayer::start_second_order: several
 // at once where `count` > 1, each on one thread; a failure is kept in `failed[k]` for the caller to report.
 void compute_states(const std::vector<const KfacLayer*>& sources, const std::vector<std::pair<bool, bool>>& parts,
@@ -534,9 +546,33 @@ void compute_states(const std::vector<const KfacLayer*>& sources, const std::vec
     compute(first);
     return;
   }
-  at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) compute(first + static_cast<size_t>(k));
-  });
+  const auto device = sources[first]->weight().device();
+  if (device.is_cpu()) {
+    at::parallel_for(0, static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) compute(first + static_cast<size_t>(k));
+    });
+    return;
+  }
+  // On a device: one host thread per layer, each enqueuing on a stream of its own after the work enqueued so far,
+  // and the calling thread's stream waits for them all (a decomposition's waits for the device hold its thread).
+  std::vector<device::SideWork> sides;
+  sides.reserve(count);
+  for (size_t k = 0; k < count; ++k) sides.emplace_back(device);
+  std::vector<std::thread> threads;
+  for (size_t k = 0; k < count; ++k) {
+    threads.emplace_back([&, k] {
+      try {
+        sides[k].run([&] {
+          torch::NoGradGuard no_grad;
+          compute(first + k);
+        });
+      } catch (...) {  // the stream could not be set up
+        if (!failed[first + k]) failed[first + k] = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (size_t k = 0; k < count; ++k) sides[k].join(storages(pending[first + k]));
 }
 
 }  // namespace
@@ -548,9 +584,8 @@ std::vector<std::pair<bool, bool>> Preconditioner::second_order_parts(const std:
 }
 
 size_t Preconditioner::second_order_chunk() const {
-  // Options::second_order_concurrency: on a CPU, that many layers' decompositions at once, each on one thread
-  // (a decomposition of a few hundred rows uses two threads poorly).
-  if (!device_.is_cpu()) return 1;
+  // Options::second_order_concurrency: that many layers' decompositions at once; on a CPU each on one thread (a
+  // decomposition of a few hundred rows uses two threads poorly), on a device each on a stream of its own.
   const int64_t concurrency = options_.second_order_concurrency();
   return static_cast<size_t>(std::max<int64_t>(1, concurrency > 0 ? concurrency : at::get_num_threads()));
 }
@@ -709,12 +744,8 @@ void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
   job->worker.join();  // the time it still needed shows in this step's second-order phase
   std::vector<c10::Storage> made;
   for (const auto& pending : job->pending) {
-    if (!pending) continue;
-    const auto& s = pending->state;
-    for (const auto* t : {&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
-                          &s.g_eigen.eigenvalues, &s.denominator, &s.a_inverse, &s.g_inverse, &pending->ok}) {
-      if (t->defined()) made.push_back(t->storage());
-    }
+    const auto more = storages(pending);
+    made.insert(made.end(), more.begin(), more.end());
   }
   job->side->join(made);
   Installed installed;

@@ -208,8 +208,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``eigh_interval`` k > 1 (eigen method, a fast mode) computes the eigendecompositions in full every k inverse
     updates only, and between them refreshes each factor's previous eigenbasis by one subspace-iteration step (a
     QR, no eigensolver; docs/MATH.md section 2.6); 1, the default, always in full.
-    ``second_order_concurrency`` is how many layers' second-order updates run at once on a CPU, each on one thread
-    (1, the default: one layer at a time on every thread; 0: as many as ``torch.get_num_threads()``).
+    ``second_order_concurrency`` is how many layers' second-order updates run at once (1, the default: one layer at
+    a time; 0: as many as ``torch.get_num_threads()``): on a CPU each on one thread, on CUDA each from a host thread
+    of its own on a stream of its own.
     ``second_order_lag`` k > 0 (a fast mode) computes each second-order update after the first beside the next k
     steps, on another thread (on CUDA, a side stream), and installs it at the k-th: those steps precondition with
     the state before it, so no step waits for the eigendecompositions (docs/MATH.md section 2.8); 0, the default,

@@ -100,6 +100,22 @@ def test_lagged_second_order_on_a_side_stream_matches_cpu_float64(kwargs):
             assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
 
 
+# second_order_concurrency on CUDA: each layer's decomposition from a host thread of its own on a stream of its own
+# (inside the job's thread, with second_order_lag); against the CPU float64 reference, one layer at a time.
+@pytest.mark.parametrize('kwargs', [dict(second_order_concurrency=3),
+                                    dict(second_order_concurrency=3, compute_method='inverse'),
+                                    dict(second_order_concurrency=0, second_order_lag=1, kind='lm',
+                                         diagonal_factor_dim=16)],
+                         ids=['eigen-3', 'inverse-3', 'lm-all-lag-1'])
+def test_concurrent_second_order_on_streams_matches_cpu_float64(kwargs):
+    expected = train('cpu', torch.float64, steps=6,
+                     **{k: v for k, v in kwargs.items() if k != 'second_order_concurrency'})
+    got = train('cuda', torch.float32, steps=6, **kwargs)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        for i, (a, b) in enumerate(zip(g, e)):
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
+
+
 # The layer kinds of a transformer on CUDA (docs/MATH.md section 7): an Embedding (its A diagonal, token counts
 # by index_add_), a Conv1D (weight stored [in, out]) and a 40-token head whose G is kept diagonal.
 @pytest.mark.parametrize('kwargs', [dict(compute_method='eigen'), dict(compute_method='inverse'),
