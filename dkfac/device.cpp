@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
+#include <tuple>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -76,11 +77,28 @@ Mark Mark::now(c10::Device device) {
 
 int64_t events_created() { return event_pool().created(); }
 
-SideWork::SideWork(c10::Device device) : device_(device) {
+namespace {
+
+// One low-priority stream of the pool per device and lane, taken the first time it is asked for.
+c10::Stream lane_stream(const c10::impl::DeviceGuardImplInterface& guard, c10::Device device, size_t lane) {
+  static std::mutex mutex;
+  static std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, size_t>, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device.type(), device.index(), lane);
+  auto found = streams.find(key);
+  if (found == streams.end()) {
+    found = streams.emplace(key, guard.getStreamFromGlobalPool(device, /*isHighPriority=*/false)).first;
+  }
+  return found->second;
+}
+
+}  // namespace
+
+SideWork::SideWork(c10::Device device, size_t lane) : device_(device) {
   if (device.is_cpu()) return;
   const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
   if (!device_.has_index()) device_ = c10::Device(device.type(), guard->getDevice().index());
-  side_ = guard->getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  side_ = lane_stream(*guard, device_, lane);
   started_.emplace(device.type());
   done_.emplace(device.type());
   started_->record(guard->getStream(device_));

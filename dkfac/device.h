@@ -48,7 +48,9 @@ int64_t events_created();
 class SideWork {
  public:
   /// On the thread that hands the work over, before the other thread starts: the point the side work follows.
-  explicit SideWork(c10::Device device);
+  /// `lane` picks the stream: the same one for the same device and lane every time (the caching allocator keeps
+  /// freed memory per stream, so a new stream each time would strand it).
+  explicit SideWork(c10::Device device, size_t lane = 0);
   /// On the other thread: runs `work` on `device` and the side stream, after the point above.
   void run(const std::function<void()>& work);
   /// On the first thread, once the other has returned: its current stream waits for the side work, and the

@@ -517,6 +517,14 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
 
 namespace {
 
+// Runs `work` as a thread of its own should run second-order work: without autograd, and in exact float32 (no TF32:
+// precondition_dtype tf32 switches the process-wide flag around the step's products, which must not reach it).
+void side_thread_work(const std::function<void()>& work) {
+  torch::NoGradGuard no_grad;
+  at::NoTF32Guard no_tf32;
+  work();
+}
+
 // The storages of a computed state (its check included), which its computing stream made.
 std::vector<c10::Storage> storages(const std::optional<PendingSecondOrder>& pending) {
   std::vector<c10::Storage> made;
@@ -553,23 +561,26 @@ void compute_states(const std::vector<const KfacLayer*>& sources, const std::vec
     });
     return;
   }
-  // On a device: one host thread per layer, each enqueuing on a stream of its own after the work enqueued so far,
-  // and the calling thread's stream waits for them all (a decomposition's waits for the device hold its thread).
+  // On a device: one host thread per layer, each enqueuing on a stream of its own (lanes 1, 2, ...; a job's thread
+  // has lane 0) after the work enqueued so far, and the calling thread's stream waits for them all (a
+  // decomposition's waits for the device hold its thread).
   std::vector<device::SideWork> sides;
   sides.reserve(count);
-  for (size_t k = 0; k < count; ++k) sides.emplace_back(device);
+  for (size_t k = 0; k < count; ++k) sides.emplace_back(device, k + 1);
   std::vector<std::thread> threads;
-  for (size_t k = 0; k < count; ++k) {
-    threads.emplace_back([&, k] {
-      try {
-        sides[k].run([&] {
-          torch::NoGradGuard no_grad;
-          compute(first + k);
-        });
-      } catch (...) {  // the stream could not be set up
-        if (!failed[first + k]) failed[first + k] = std::current_exception();
-      }
-    });
+  try {
+    for (size_t k = 0; k < count; ++k) {
+      threads.emplace_back([&, k] {
+        try {
+          sides[k].run([&] { side_thread_work([&] { compute(first + k); }); });
+        } catch (...) {  // the stream could not be set up
+          if (!failed[first + k]) failed[first + k] = std::current_exception();
+        }
+      });
+    }
+  } catch (...) {  // a thread could not be started: the others end first
+    for (auto& thread : threads) thread.join();
+    throw;
   }
   for (auto& thread : threads) thread.join();
   for (size_t k = 0; k < count; ++k) sides[k].join(storages(pending[first + k]));
@@ -594,6 +605,7 @@ void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
   // Computed by another thread from copies of the layers as they are now (their tensors are replaced, never
   // written in place, so the copies keep this step's factors and state).
   auto job = std::make_unique<SecondOrderJob>();
+  job->started = step;
   job->install_at = step + options_.second_order_lag();
   job->method = executor_->plan().method;
   job->damping = options_.damping_at(step);
@@ -607,13 +619,14 @@ void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
                              pi_damping = options_.pi_damping(), refresh] {
     try {
       work->side->run([&] {
-        torch::NoGradGuard no_grad;
-        std::vector<const KfacLayer*> sources;
-        for (const auto& layer : work->sources) sources.push_back(&layer);
-        for (size_t first = 0; first < sources.size(); first += chunk) {
-          compute_states(sources, parts, first, std::min(chunk, sources.size() - first), work->method,
-                         work->damping, pi_damping, refresh, work->pending, work->failed);
-        }
+        side_thread_work([&] {
+          std::vector<const KfacLayer*> sources;
+          for (const auto& layer : work->sources) sources.push_back(&layer);
+          for (size_t first = 0; first < sources.size(); first += chunk) {
+            compute_states(sources, parts, first, std::min(chunk, sources.size() - first), work->method,
+                           work->damping, pi_damping, refresh, work->pending, work->failed);
+          }
+        });
       });
     } catch (...) {  // the side stream could not be set up: every layer reports it
       for (auto& failed : work->failed) {
@@ -646,7 +659,10 @@ std::vector<size_t> Preconditioner::second_order_layers() const {
 
 void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool refresh, bool lag) {
   PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
-  if (job_) install_second_order_job(&fates);  // one update in flight at a time: the one before goes in first
+  // One update in flight at a time: the one before goes in first; one this step started before it failed and is
+  // now retried (the same step count) is dropped, and computed again below.
+  if (job_ && job_->started == steps_) job_.reset();
+  if (job_) install_second_order_job(&fates);
   const double damping = options_.damping_at(steps_);
   const auto method = executor_->plan().method;
   // Options::second_order_lag: beside the steps, after the first update (at start_preconditioning_step).
@@ -735,7 +751,11 @@ Preconditioner::SecondOrderJob::~SecondOrderJob() {
   if (worker.joinable()) worker.join();
   // A job dropped unjoined (a load): the step's stream still waits for the side stream, before the tensors that
   // stream reads go back to the step stream's pool.
-  if (side) side->join({});
+  try {
+    if (side) side->join({});
+  } catch (const std::exception& e) {  // a device already in error: nothing more to wait for
+    TORCH_WARN("K-FAC: waiting for a second-order update beside the steps failed: ", e.what());
+  }
 }
 
 void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
@@ -748,9 +768,28 @@ void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
     made.insert(made.end(), more.begin(), more.end());
   }
   job->side->join(made);
+  const auto failed_beside_the_steps = [this](size_t index, const std::string& what) {
+    ++events_.second_order_failures;
+    warn_once(index, "second_order",
+              "second-order update beside the steps failed, keeping the previous state: " + what);
+  };
   Installed installed;
   try {
     for (size_t k = 0; k < job->layers.size(); ++k) {
+      // Whatever the thread failed with (out of memory beside the next steps' passes included) is that layer's
+      // failure, counted and warned about: the layer keeps its state, and this rank still shares with the others.
+      if (job->failed[k]) {
+        try {
+          std::rethrow_exception(job->failed[k]);
+        } catch (const c10::Error& e) {
+          failed_beside_the_steps(job->layers[k], e.what_without_backtrace());
+        } catch (const std::exception& e) {
+          failed_beside_the_steps(job->layers[k], e.what());
+        } catch (...) {
+          failed_beside_the_steps(job->layers[k], "an unknown error");
+        }
+        continue;
+      }
       install_computed(job->layers[k], job->pending[k], job->failed[k], installed);
     }
   } catch (...) {

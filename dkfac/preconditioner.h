@@ -297,6 +297,7 @@ class Preconditioner {
   /// Options::second_order_lag: an update computed by another thread (on CUDA, a side stream) from copies of the
   /// layers taken when it started, installed `lag` steps later.
   struct SecondOrderJob {
+    int64_t started = 0;     ///< the step whose update it is (a load resumes one of a step before the one loaded)
     int64_t install_at = 0;  ///< the step that installs it
     ComputeMethod method = ComputeMethod::kEigen;
     double damping = 0.0;

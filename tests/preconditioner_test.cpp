@@ -945,6 +945,32 @@ TEST(Preconditioner, FailedLaggedUpdateKeepsThePreviousState) {
   EXPECT_FALSE(torch::equal(kfac.layers()[2].second_order().g_inverse, first[2].g_inverse));
 }
 
+// A step that starts a lagged update, then fails (here the model's KL sum, as a lost pipeline stage would) and is
+// retried at the same step count drops that update and starts it again: the retried step keeps the state in use
+// (not the failed attempt's update installed at once), and the next step installs the retry's.
+TEST(Preconditioner, RetriedStepStartsItsLaggedUpdateAgain) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().inv_update_steps(2).second_order_lag(1));
+  for (int64_t step = 0; step < 2; ++step) {
+    zero_grad_and_backward(*net, 500 + step);
+    kfac.step();
+  }
+  const auto before = kfac.layers()[1].second_order().a_eigen.eigenvalues;
+  Distributor failing;
+  failing.sum_over_model = [](torch::Tensor&) { throw std::runtime_error("a stage was lost"); };
+  zero_grad_and_backward(*net, 502);
+  EXPECT_THROW(kfac.step(failing), std::runtime_error);
+  EXPECT_EQ(kfac.steps(), 2);
+  zero_grad_and_backward(*net, 503);  // the retry, on another batch: its factors are not the failed attempt's
+  kfac.step();
+  EXPECT_TRUE(kfac.layers()[1].second_order().a_eigen.eigenvalues.is_same(before)) << "the state in use kept";
+  const auto factor = kfac.layers()[1].a_factor();
+  zero_grad_and_backward(*net, 504);
+  kfac.step();  // step 3 installs the retry's update: the factor as it was after step 2's retry
+  const auto expected = math::eigen_decompose(factor.to(torch::kFloat64));
+  EXPECT_TENSOR_NEAR(kfac.layers()[1].second_order().a_eigen.eigenvalues, expected.eigenvalues, 1e-10);
+}
+
 // A checkpoint taken while an update is in flight (saved after step 3, whose update installs at step 5): the resumed
 // run starts it again from what it loaded (no factor update came between) and installs it at step 5, as the
 // uninterrupted run does.
