@@ -529,11 +529,10 @@ void side_thread_work(const std::function<void()>& work) {
 std::vector<c10::Storage> storages(const std::optional<PendingSecondOrder>& pending) {
   std::vector<c10::Storage> made;
   if (!pending) return made;
-  const auto& s = pending->state;
-  for (const auto* t : {&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
-                        &s.g_eigen.eigenvalues, &s.denominator, &s.a_inverse, &s.g_inverse, &pending->ok}) {
-    if (t->defined()) made.push_back(t->storage());
+  for (const auto* part : pending->state.parts()) {
+    if (part->defined()) made.push_back(part->storage());
   }
+  made.push_back(pending->ok.storage());
   return made;
 }
 
@@ -697,14 +696,17 @@ void Preconditioner::compute_second_order(std::vector<LayerFate>& fates, bool re
 }
 
 void Preconditioner::install_computed(size_t index, std::optional<PendingSecondOrder>& pending,
-                                      const std::exception_ptr& failed, Installed& installed) {
-  keeping_previous_state(index, [&] {
-    if (failed) std::rethrow_exception(failed);
-    auto had = layers_[index].install_second_order(std::move(pending->state), pending->ok);
-    if (had) installed.fallback.emplace(index, *had);
-    installed.layers.push_back(index);
-    installed.checks.push_back(pending->ok);
-  });
+                                      const std::exception_ptr& failed, Installed& installed, bool beside_the_steps) {
+  keeping_previous_state(
+      index,
+      [&] {
+        if (failed) std::rethrow_exception(failed);
+        auto had = layers_[index].install_second_order(std::move(pending->state), pending->ok);
+        if (had) installed.fallback.emplace(index, *had);
+        installed.layers.push_back(index);
+        installed.checks.push_back(pending->ok);
+      },
+      beside_the_steps);
   pending.reset();  // the layer holds what it needs
 }
 
@@ -768,29 +770,12 @@ void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
     made.insert(made.end(), more.begin(), more.end());
   }
   job->side->join(made);
-  const auto failed_beside_the_steps = [this](size_t index, const std::string& what) {
-    ++events_.second_order_failures;
-    warn_once(index, "second_order",
-              "second-order update beside the steps failed, keeping the previous state: " + what);
-  };
   Installed installed;
   try {
     for (size_t k = 0; k < job->layers.size(); ++k) {
       // Whatever the thread failed with (out of memory beside the next steps' passes included) is that layer's
       // failure, counted and warned about: the layer keeps its state, and this rank still shares with the others.
-      if (job->failed[k]) {
-        try {
-          std::rethrow_exception(job->failed[k]);
-        } catch (const c10::Error& e) {
-          failed_beside_the_steps(job->layers[k], e.what_without_backtrace());
-        } catch (const std::exception& e) {
-          failed_beside_the_steps(job->layers[k], e.what());
-        } catch (...) {
-          failed_beside_the_steps(job->layers[k], "an unknown error");
-        }
-        continue;
-      }
-      install_computed(job->layers[k], job->pending[k], job->failed[k], installed);
+      install_computed(job->layers[k], job->pending[k], job->failed[k], installed, /*beside_the_steps=*/true);
     }
   } catch (...) {
     undo_installed(installed, job->damping);
@@ -804,16 +789,28 @@ void Preconditioner::install_second_order_job(std::vector<LayerFate>* fates) {
 }
 
 
-void Preconditioner::keeping_previous_state(size_t index, const std::function<void()>& update) {
+void Preconditioner::keeping_previous_state(size_t index, const std::function<void()>& update, bool beside_the_steps) {
   mark("second-order update", static_cast<int64_t>(index));
-  try {
-    update();
-  } catch (const c10::OutOfMemoryError&) {
-    throw;  // step() names it with the phase and layer
-  } catch (const c10::Error& e) {
+  const auto failed = [&](const std::string& what) {
     ++events_.second_order_failures;
     warn_once(index, "second_order",
-              std::string("second-order update failed, keeping the previous state: ") + e.what_without_backtrace());
+              std::string(beside_the_steps ? "second-order update beside the steps failed"
+                                           : "second-order update failed") +
+                  ", keeping the previous state: " + what);
+  };
+  try {
+    update();
+  } catch (const c10::OutOfMemoryError& e) {
+    if (!beside_the_steps) throw;  // step() names it with the phase and layer
+    failed(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    failed(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    if (!beside_the_steps) throw;
+    failed(e.what());
+  } catch (...) {
+    if (!beside_the_steps) throw;
+    failed("an unknown error");
   }
 }
 

@@ -329,7 +329,7 @@ class Preconditioner {
   /// Installs layer `index`'s computed state (KfacLayer::install_second_order), or reports its failure
   /// (`failed`: keeping_previous_state).
   void install_computed(size_t index, std::optional<PendingSecondOrder>& pending, const std::exception_ptr& failed,
-                        Installed& installed);
+                        Installed& installed, bool beside_the_steps = false);
   /// Reads every installed layer's check at once; a layer whose check failed gets its previous state back, then
   /// the checked path (a general inverse, a full eigendecomposition) computed from `source(index)`: the layer
   /// itself, or the copy a job started from.
@@ -341,7 +341,9 @@ class Preconditioner {
   void share_second_order(std::vector<LayerFate>* fates, double damping);
   /// Runs one layer's second-order `update`; a failure (not out-of-memory) is counted and warned about, and the
   /// layer keeps its previous state.
-  void keeping_previous_state(size_t index, const std::function<void()>& update);
+  /// `beside_the_steps` (an update of Options::second_order_lag, installed): every error is the layer's failure,
+  /// out of memory and errors that are not torch's included, so that no rank leaves the share that follows.
+  void keeping_previous_state(size_t index, const std::function<void()>& update, bool beside_the_steps = false);
   /// V of each layer preconditioned here (the others' are filled by share_gradients) and, with KL clipping on
   /// (`kl_clip` > 0), sum(V * grad) of each in `vg` (0-dim float64), taken while its gradient is at hand.
   std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates, double kl_clip,

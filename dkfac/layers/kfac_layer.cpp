@@ -63,8 +63,9 @@ torch::Tensor SecondOrderState::precondition(const torch::Tensor& grad) const {
 }
 
 int64_t SecondOrderState::memory_bytes() const {
-  return bytes_of(a_eigen.eigenvectors) + bytes_of(a_eigen.eigenvalues) + bytes_of(g_eigen.eigenvectors) +
-         bytes_of(g_eigen.eigenvalues) + bytes_of(denominator) + bytes_of(a_inverse) + bytes_of(g_inverse);
+  int64_t total = 0;
+  for (const auto* part : parts()) total += bytes_of(*part);
+  return total;
 }
 
 KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
@@ -190,13 +191,8 @@ void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping,
 
 std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState next, const torch::Tensor& ok) {
   auto& now = second_order_;
-  auto parts = [](SecondOrderState& s) {
-    return std::array<torch::Tensor*, 7>{&s.a_eigen.eigenvectors, &s.a_eigen.eigenvalues, &s.g_eigen.eigenvectors,
-                                         &s.g_eigen.eigenvalues,  &s.denominator,          &s.a_inverse,
-                                         &s.g_inverse};
-  };
-  const auto old_parts = parts(now);
-  const auto new_parts = parts(next);
+  const auto old_parts = now.parts();
+  const auto new_parts = next.parts();
   bool selectable = now.method == next.method;
   for (size_t k = 0; k < old_parts.size() && selectable; ++k) {
     const auto& was = *old_parts[k];

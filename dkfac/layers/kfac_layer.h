@@ -31,6 +31,15 @@ struct SecondOrderState {
     return method == ComputeMethod::kEigen ? a_eigen.eigenvalues.defined() && g_eigen.eigenvalues.defined()
                                            : a_inverse.defined();
   }
+  /// Every part, held or not, in one order: Q_A, d_A, Q_G, d_G, the denominator, the A and G inverses.
+  std::array<torch::Tensor*, 7> parts() {
+    return {&a_eigen.eigenvectors, &a_eigen.eigenvalues, &g_eigen.eigenvectors, &g_eigen.eigenvalues, &denominator,
+            &a_inverse, &g_inverse};
+  }
+  std::array<const torch::Tensor*, 7> parts() const {
+    auto all = const_cast<SecondOrderState*>(this)->parts();
+    return {all[0], all[1], all[2], all[3], all[4], all[5], all[6]};
+  }
   /// V for `grad` [g, a], computed in the state's dtype and returned in the gradient's.
   torch::Tensor precondition(const torch::Tensor& grad) const;
   /// Bytes held.
