@@ -154,6 +154,11 @@ inline OptionRange any_value() { return {}; }
     "step that computes it; k > 0, a fast mode, computes it beside the next k steps (a thread, on CUDA a side "      \
     "stream), which precondition with the state before it, and installs it at the k-th (sooner at the next "        \
     "inverse step); the first update runs at once (docs/MATH.md section 2.8, its error in docs/PERFORMANCE.md)")     \
+  X(Value, bool, stack_layers, true, any_value(), "--stack-layers", "", "",                                          \
+    "precondition the layers of one shape together: their eigenbases (or inverses) and denominators held as slices "  \
+    "of one stacked tensor per shape, four batched products per group of layers in place of four per layer (exact: "  \
+    "equal to one at a time to rounding; docs/MATH.md section 2.9); off, or with second_order_lag, eigen_adam or "    \
+    "compute_eigenvalue_outer_product off: layer by layer")                                                            \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
     "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \

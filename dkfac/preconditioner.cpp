@@ -703,6 +703,7 @@ void Preconditioner::install_computed(size_t index, std::optional<PendingSecondO
         if (failed) std::rethrow_exception(failed);
         auto had = layers_[index].install_second_order(std::move(pending->state), pending->ok);
         if (had) installed.fallback.emplace(index, *had);
+        groups_.absorb(layers_, index);  // into its group's stacks: one layer's new state alive beside them
         installed.layers.push_back(index);
         installed.checks.push_back(pending->ok);
       },
@@ -743,6 +744,7 @@ void Preconditioner::share_second_order(std::vector<LayerFate>* fates, double da
   mark("second-order broadcast");
   clock_.collective(KfacPhase::kSecondOrder, [&] { executor_->share_second_order(layers_, damping); });
   relink_followers(damping);
+  layer_groups().absorb_all(layers_);  // what the broadcasts and the followers' denominators replaced
   if (!fates) return;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!layers_[i].second_order().defined() && executor_->preconditions(i)) (*fates)[i] = LayerFate::kPlainGradient;
@@ -847,7 +849,10 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   const Tf32Matmuls tf32(options_.precondition_dtype() == PreconditionDtype::kTf32 && device_.is_cuda());
   const double nan = std::numeric_limits<double>::quiet_NaN();
   vg.assign(layers_.size(), torch::Tensor());
+  std::vector<bool> done(layers_.size(), false);
+  precondition_groups(fates, kl_clip, preconditioned, vg, done);
   for (size_t i = 0; i < layers_.size(); ++i) {
+    if (done[i]) continue;
     auto& layer = layers_[i];
     mark("preconditioning", static_cast<int64_t>(i));
     const bool mine = executor_->preconditions(i);
@@ -877,6 +882,71 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   mark("gradient broadcast");
   clock_.collective(KfacPhase::kPrecondition, [&] { executor_->share_gradients(preconditioned); });
   return preconditioned;
+}
+
+LayerGroups& Preconditioner::layer_groups() {
+  const bool applies = options_.stack_layers() && options_.second_order_lag() == 0 && !options_.eigen_adam() &&
+                       (executor_->plan().method == ComputeMethod::kInverse ||
+                        options_.compute_eigenvalue_outer_product());
+  if (grouped_for_ != executor_.get()) {
+    groups_.clear(layers_);
+    if (applies) {
+      groups_.plan(layers_, [this](size_t i) { return executor_->preconditions(i); }, executor_->plan().method);
+    }
+    grouped_for_ = executor_.get();
+  }
+  return groups_;
+}
+
+void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, double kl_clip,
+                                         std::vector<torch::Tensor>& preconditioned, std::vector<torch::Tensor>& vg,
+                                         std::vector<bool>& done) {
+  auto& groups = layer_groups();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (size_t k = 0; k < groups.groups().size(); ++k) {
+    const auto& group = groups.groups()[k];
+    const bool all = std::all_of(group.members.begin(), group.members.end(), [&](size_t i) {
+      return fates[i] == LayerFate::kPreconditioned && layers_[i].second_order().defined();
+    });
+    if (!all || !groups.ready(layers_, k)) continue;  // layer by layer this step
+    const auto& first = layers_[group.members.front()];
+    mark("preconditioning", static_cast<int64_t>(group.members.front()));
+    const auto grad_options = first.weight().options();
+    const int64_t g = first.g_dim();
+    const int64_t a = first.a_dim();
+    const int64_t unit_bytes =
+        group.share * g * a * static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType()));
+    const int64_t units = static_cast<int64_t>(group.units.size());
+    const int64_t per_batch = std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
+    for (int64_t u = 0; u < units; u += per_batch) {
+      const int64_t count = std::min(per_batch, units - u);
+      const int64_t first_member = u * group.share;
+      const int64_t members = count * group.share;
+      auto grads = torch::empty({members, g, a}, grad_options);  // the gradients, gathered once
+      for (int64_t m = 0; m < members; ++m) {
+        layers_[group.members[static_cast<size_t>(first_member + m)]].copy_gradient_to(grads[m]);
+      }
+      const auto state_dtype = group.g.scalar_type();
+      const auto x = grads.scalar_type() == state_dtype ? grads : grads.to(state_dtype);
+      const auto a_side = group.a.narrow(0, u, count);
+      const auto g_side = group.g.narrow(0, first_member, members);
+      auto v = group.method == ComputeMethod::kEigen
+                   ? math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x)
+                   : math::precondition_inverse_stacked(a_side, g_side, x);
+      if (v.scalar_type() != grads.scalar_type()) v = v.to(grads.scalar_type());
+      for (int64_t m = 0; m < members; ++m) {
+        const size_t i = group.members[static_cast<size_t>(first_member + m)];
+        preconditioned[i] = v[m];
+        // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
+        if (factor_ok_[i].defined()) preconditioned[i].masked_fill_(factor_ok_[i].logical_not(), nan);
+        done[i] = true;
+      }
+      if (kl_clip <= 0.0) continue;
+      // KL clipping's sums, one reduction for the batch (in the gradient's dtype, as layer by layer).
+      const auto sums = (v * grads).sum({1, 2}).to(torch::kFloat64);
+      for (int64_t m = 0; m < members; ++m) vg[group.members[static_cast<size_t>(first_member + m)]] = sums[m];
+    }
+  }
 }
 
 Preconditioner::GuardVerdict Preconditioner::guard_verdict(const double* row) {

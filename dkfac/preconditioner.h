@@ -16,6 +16,7 @@
 
 #include "dkfac/device.h"
 #include "dkfac/layers/kfac_layer.h"
+#include "dkfac/layers/layer_group.h"
 #include "dkfac/options.h"
 #include "dkfac/phase.h"
 #include "dkfac/phase_clock.h"
@@ -348,6 +349,14 @@ class Preconditioner {
   /// (`kl_clip` > 0), sum(V * grad) of each in `vg` (0-dim float64), taken while its gradient is at hand.
   std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates, double kl_clip,
                                           std::vector<torch::Tensor>& vg);
+  /// Options::stack_layers: the groups of layers_ this rank preconditions together (LayerGroups), planned for the
+  /// executor in use (again after it is replaced); none where the option is off or does not apply.
+  LayerGroups& layer_groups();
+  /// precondition() of the groups whose every member is preconditioned this step, with batched products (in chunks
+  /// of at most kStackedBatchBytes of gradients); marks the layers done.
+  void precondition_groups(const std::vector<LayerFate>& fates, double kl_clip,
+                           std::vector<torch::Tensor>& preconditioned, std::vector<torch::Tensor>& vg,
+                           std::vector<bool>& done);
   /// What the NaN guard and KL clipping found, one row per layer they looked at, on the layers' device.
   struct GuardReport {
     /// A row's columns: preconditioned here (or by every owner), V finite, its factors folded (1 when none this
@@ -386,6 +395,9 @@ class Preconditioner {
   /// getters), or the oldest ones while more than kMaxPendingGuards wait.
   void settle_pending_guards(bool wait);
   static constexpr size_t kMaxPendingGuards = 4;
+  /// Options::stack_layers: the most gradient bytes one batch of a group's products takes (its intermediates are as
+  /// large), so that a group of many large layers does not hold several copies of all their gradients at once.
+  static constexpr int64_t kStackedBatchBytes = int64_t{64} << 20;
   /// Writes the gradients: from the settled fates and scale, or, with a report still on the device, each
   /// candidate layer's where(usable, V * nu, grad), without a host synchronisation.
   void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
@@ -485,6 +497,8 @@ class Preconditioner {
   PhaseClock clock_;                     // the phases' times, this step's and before
   std::vector<bool> leads_a_;  // the layer holds the A factor its shared-input group's followers alias
   std::unique_ptr<SecondOrderJob> job_;  // Options::second_order_lag: the update in flight, or nullptr
+  LayerGroups groups_;                   // Options::stack_layers
+  const strategy::StepExecutor* grouped_for_ = nullptr;  // the executor groups_ was planned for
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";

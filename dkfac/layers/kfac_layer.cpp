@@ -307,14 +307,31 @@ bool KfacLayer::has_gradient() const {
   return binding_.weight.grad().defined() && (!bias.defined() || bias.grad().defined());
 }
 
-torch::Tensor KfacLayer::gradient() const {
+torch::Tensor KfacLayer::weight_gradient_matrix() const {
   auto weight_grad = binding_.weight.grad();
   TORCH_CHECK(!weight_grad.is_sparse(), "layer '", name(), "' has a sparse gradient (an Embedding with sparse=True); "
               "K-FAC preconditions dense gradients only: build the Embedding with sparse=False, or skip it with skip_layers");
-  auto matrix = binding_.capture->geometry().transposed ? weight_grad.t() : weight_grad.reshape({weight_grad.size(0), -1});
+  return binding_.capture->geometry().transposed ? weight_grad.t() : weight_grad.reshape({weight_grad.size(0), -1});
+}
+
+torch::Tensor KfacLayer::gradient() const {
+  auto matrix = weight_gradient_matrix();
   const auto& bias = binding_.bias;
   if (!bias.defined()) return matrix;
   return torch::cat({matrix, bias.grad().reshape({-1, 1})}, 1);
+}
+
+void KfacLayer::copy_gradient_to(torch::Tensor out) const {
+  TORCH_INTERNAL_ASSERT(out.dim() == 2 && out.size(0) == g_dim() && out.size(1) == a_dim(), "layer '", name(),
+                        "': gradient slot of shape ", out.sizes());
+  const auto matrix = weight_gradient_matrix();
+  const auto& bias = binding_.bias;
+  if (!bias.defined()) {
+    out.copy_(matrix);
+    return;
+  }
+  out.narrow(1, 0, a_dim() - 1).copy_(matrix);
+  out.select(1, a_dim() - 1).copy_(bias.grad().reshape({-1}));
 }
 
 void KfacLayer::set_gradient(const torch::Tensor& matrix) {
@@ -458,7 +475,12 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
 void KfacLayer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("name", c10::IValue(name()));
   archive.write("method", c10::IValue(static_cast<int64_t>(second_order_.method)));
-  for (const auto& [key, tensor] : state()) archive.write(key, tensor, /*is_buffer=*/true);
+  for (const auto& [key, tensor] : state()) {
+    // A slot of a group's stack (Options::stack_layers) is written alone: an archive writes a view's whole storage.
+    const bool whole =
+        tensor.storage_offset() == 0 && static_cast<size_t>(tensor.nbytes()) == tensor.storage().nbytes();
+    archive.write(key, whole ? tensor : tensor.clone(), /*is_buffer=*/true);
+  }
 }
 
 void KfacLayer::load(torch::serialize::InputArchive& archive) {

@@ -213,6 +213,9 @@ class KfacLayer {
   bool has_gradient() const;
   /// The gradient as a matrix [g, a]: weight gradient viewed [g, -1], bias gradient as last column.
   torch::Tensor gradient() const;
+  /// gradient(), written into `out` [g, a] (a slot of a group's stacked gradients, LayerGroups) without a copy of its
+  /// own.
+  void copy_gradient_to(torch::Tensor out) const;
   /// Writes a [g, a] matrix back into the weight (and bias) gradients.
   void set_gradient(const torch::Tensor& matrix);
   /// Where `use` (a 0-dim bool, on the device) is true, writes `matrix` [g, a] into the weight (and bias) gradients;
@@ -234,6 +237,8 @@ class KfacLayer {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  /// The weight's gradient as a matrix [g, a - 1 with a bias] (a view where the weight's layout allows).
+  torch::Tensor weight_gradient_matrix() const;
   /// Inverses through damped_inverse (Cholesky, else a general inverse; checked): where Cholesky failed.
   void invert_without_cholesky(SecondOrderState& state, double damping, bool pi_damping, bool a_part,
                                bool g_part) const;

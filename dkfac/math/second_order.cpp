@@ -114,6 +114,48 @@ torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, con
   return precondition_eigen(a, g, eigen_denominator(a, g, damping), grad);
 }
 
+namespace {
+
+// Checks the stacked operands of `what`: m units of c layers, each [g, a]; returns c.
+int64_t stacked_units(const char* what, const torch::Tensor& a_side, const torch::Tensor& g_side,
+                      const torch::Tensor& grads) {
+  TORCH_CHECK(a_side.dim() == 3 && g_side.dim() == 3 && grads.dim() == 3 && a_side.size(0) > 0 &&
+                  grads.size(0) % a_side.size(0) == 0 && g_side.size(0) == grads.size(0) &&
+                  a_side.size(1) == grads.size(2) && a_side.size(2) == grads.size(2) &&
+                  g_side.size(1) == grads.size(1) && g_side.size(2) == grads.size(1),
+              what, ": A side ", a_side.sizes(), ", G side ", g_side.sizes(), " and gradients ", grads.sizes(),
+              " are not m [a, a], m c [g, g] and m c [g, a]");
+  return grads.size(0) / a_side.size(0);
+}
+
+// `layers` [m c, g, a] times each unit's `right` [m, a, a] (or its transpose), layer by layer: a unit's side is
+// repeated for each of its c layers (a copy, where c > 1), so that every layer's product is the GEMM it has alone
+// (one [c g, a] product per unit would round differently, and sharing an A factor is exact: section 2.7).
+torch::Tensor times_unit_side(const torch::Tensor& layers, const torch::Tensor& right) {
+  const int64_t c = layers.size(0) / right.size(0);
+  return torch::bmm(layers, c == 1 ? right : right.repeat_interleave(c, 0));
+}
+
+}  // namespace
+
+torch::Tensor precondition_eigen_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
+                                         const torch::Tensor& denominator, const torch::Tensor& grads) {
+  stacked_units("precondition_eigen_stacked", qa, qg, grads);
+  TORCH_CHECK(denominator.sizes() == grads.sizes(), "precondition_eigen_stacked: denominators ", denominator.sizes(),
+              " do not match gradients ", grads.sizes());
+  const int64_t c = grads.size(0) / qa.size(0);
+  const auto per_layer = c == 1 ? qa : qa.repeat_interleave(c, 0);  // each layer's Q_A (copies where shared)
+  auto rotated = torch::bmm(torch::bmm(qg.transpose(1, 2), grads), per_layer);  // to_eigenbasis's order
+  rotated.mul_(denominator);
+  return torch::bmm(torch::bmm(qg, rotated), per_layer.transpose(1, 2));
+}
+
+torch::Tensor precondition_inverse_stacked(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
+                                           const torch::Tensor& grads) {
+  stacked_units("precondition_inverse_stacked", a_inverse, g_inverse, grads);
+  return times_unit_side(torch::bmm(g_inverse, grads), a_inverse);
+}
+
 torch::Tensor damped_inverse(const torch::Tensor& factor, double damping) {
   check_factor(factor, "damped_inverse");
   if (is_diagonal(factor)) {

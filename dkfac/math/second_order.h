@@ -49,6 +49,15 @@ torch::Tensor from_eigenbasis(const EigenFactor& a, const EigenFactor& g, const 
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& denominator,
                                  const torch::Tensor& grad);
 
+/// precondition_eigen for several layers at once, with batched products (Options::stack_layers, docs/MATH.md section
+/// 2.9): `grads` [m c, g, a] holds m units of c layers each, the layers of a unit sharing one A side (c = 1: every
+/// layer its own; a shared-input group: c > 1, Options::shared_input_layers). `qa` [m, a, a] is each unit's Q_A; `qg`
+/// [m c, g, g] and `denominator` [m c, g, a] each layer's own. Returns every layer's V [m c, g, a], each layer's
+/// products taken as precondition_eigen takes them (a shared Q_A repeated for each of its layers): equal to it to
+/// rounding, bit for bit where a batched GEMM computes each matrix as mm does (this CPU's, tests/layers).
+torch::Tensor precondition_eigen_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
+                                         const torch::Tensor& denominator, const torch::Tensor& grads);
+
 /// Convenience form that builds the denominator for `damping`.
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
                                  double damping);
@@ -80,6 +89,11 @@ std::pair<torch::Tensor, torch::Tensor> pi_damping_on_device(const torch::Tensor
 /// V = G_inv grad A_inv with G_inv [g, g], A_inv [a, a] (either one a vector for a diagonal factor).
 torch::Tensor precondition_inverse(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
                                    const torch::Tensor& grad);
+
+/// precondition_inverse for several layers at once, as precondition_eigen_stacked: `a_inverse` [m, a, a] each unit's,
+/// `g_inverse` [m c, g, g] each layer's, `grads` [m c, g, a].
+torch::Tensor precondition_inverse_stacked(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,
+                                           const torch::Tensor& grads);
 
 /// KL-clipping scale nu = min(1, sqrt(kl_clip / |vg_sum|)), where vg_sum = sum over layers of
 /// sum(V * grad) * lr^2. Returns 1 when vg_sum is 0 or kl_clip is 0 (clipping off).

@@ -215,6 +215,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     steps, on another thread (on CUDA, a side stream), and installs it at the k-th: those steps precondition with
     the state before it, so no step waits for the eigendecompositions (docs/MATH.md section 2.8); 0, the default,
     installs each update at the step that computes it.
+    ``stack_layers`` (on by default, exact) preconditions the layers of one shape together: their eigenbases (or
+    inverses) and denominators are held as slices of one stacked tensor per shape, and each group of them takes four
+    batched products in place of four per layer (equal to one at a time to rounding; docs/MATH.md section 2.9).
+    Off, and with ``second_order_lag``, ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
@@ -269,6 +273,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         eigh_interval: int = _default('eigh_interval'),
         second_order_concurrency: int = _default('second_order_concurrency'),
         second_order_lag: int = _default('second_order_lag'),
+        stack_layers: bool = _default('stack_layers'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),

@@ -116,6 +116,19 @@ def test_concurrent_second_order_on_streams_matches_cpu_float64(kwargs):
             assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
 
 
+# stack_layers (docs/MATH.md section 2.9, on by default): layers of one shape preconditioned with batched products
+# from stacked state, with shared A sides and KL clipping; against the CPU float64 reference layer by layer.
+@pytest.mark.parametrize('kwargs', [dict(), dict(compute_method='inverse', shared_input_layers=['(query|key|value)$'])],
+                         ids=['eigen', 'inverse-shared'])
+def test_stacked_layers_match_cpu_float64_layer_by_layer(kwargs):
+    import test_stack_layers as stack
+    expected, _, _ = stack.train('cpu', torch.float64, 7, stack_layers=False, kl_clip=1e-4, **kwargs)
+    got, _, _ = stack.train('cuda', torch.float32, 7, kl_clip=1e-4, **kwargs)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        for i, (a, b) in enumerate(zip(g, e)):
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
+
+
 # The layer kinds of a transformer on CUDA (docs/MATH.md section 7): an Embedding (its A diagonal, token counts
 # by index_add_), a Conv1D (weight stored [in, out]) and a 40-token head whose G is kept diagonal.
 @pytest.mark.parametrize('kwargs', [dict(compute_method='eigen'), dict(compute_method='inverse'),

@@ -1,0 +1,171 @@
+#include "dkfac/layers/layer_group.h"
+
+#include <map>
+#include <string>
+#include <tuple>
+
+namespace dkfac {
+
+namespace {
+
+// Whether `part` is the view `slot` of its stack: the same memory, shape and strides.
+bool is_view_of(const torch::Tensor& part, const torch::Tensor& stack, int64_t slot) {
+  if (!part.defined() || !stack.defined()) return false;
+  const auto view = stack.select(0, slot);
+  return part.data_ptr() == view.data_ptr() && part.sizes() == view.sizes() && part.strides() == view.strides() &&
+         part.scalar_type() == view.scalar_type() && part.device() == view.device();
+}
+
+}  // namespace
+
+void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held,
+                       ComputeMethod method) {
+  TORCH_INTERNAL_ASSERT(groups_.empty(), "LayerGroups::plan over groups that were not cleared");
+  seats_.assign(layers.size(), Seat{});
+  // (g, a, share, dtype, device) -> group
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, std::string>, size_t> index;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    if (layer.follows_a() || !held(i) || layer.a_diagonal() || layer.g_diagonal()) continue;
+    std::vector<size_t> unit{i};
+    bool whole = true;
+    for (size_t j = 0; j < layers.size(); ++j) {
+      if (layers[j].a_leader() != static_cast<int>(i)) continue;
+      unit.push_back(j);
+      whole = whole && held(j) && !layers[j].g_diagonal() && layers[j].g_dim() == layer.g_dim() &&
+              layers[j].second_order_dtype() == layer.second_order_dtype();
+    }
+    if (!whole) continue;
+    const auto key = std::make_tuple(layer.g_dim(), layer.a_dim(), static_cast<int64_t>(unit.size()),
+                                     static_cast<int>(layer.second_order_dtype()), layer.weight().device().str());
+    auto [at, added] = index.emplace(key, groups_.size());
+    if (added) {
+      groups_.emplace_back();
+      groups_.back().method = method;
+      groups_.back().share = static_cast<int64_t>(unit.size());
+    }
+    auto& group = groups_[at->second];
+    group.units.push_back(i);
+    group.members.insert(group.members.end(), unit.begin(), unit.end());
+  }
+  // A group of one layer gains nothing from batched products.
+  std::vector<Group> kept;
+  for (auto& group : groups_) {
+    if (group.members.size() >= 2) kept.push_back(std::move(group));
+  }
+  groups_ = std::move(kept);
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    const auto& group = groups_[k];
+    for (size_t m = 0; m < group.members.size(); ++m) {
+      seats_[group.members[m]] = {static_cast<int>(k), static_cast<int64_t>(m),
+                                  m % static_cast<size_t>(group.share) == 0};
+    }
+  }
+}
+
+std::vector<LayerGroups::Binding> LayerGroups::bindings(Group& group, const Seat& seat, SecondOrderState& state) {
+  const auto units = static_cast<int64_t>(group.units.size());
+  const auto members = static_cast<int64_t>(group.members.size());
+  const int64_t unit = seat.member / group.share;
+  if (group.method == ComputeMethod::kEigen) {
+    return {{&group.a, units, unit, &state.a_eigen.eigenvectors},
+            {&group.g, members, seat.member, &state.g_eigen.eigenvectors},
+            {&group.denominator, members, seat.member, &state.denominator}};
+  }
+  return {{&group.a, units, unit, &state.a_inverse}, {&group.g, members, seat.member, &state.g_inverse}};
+}
+
+void LayerGroups::absorb(std::vector<KfacLayer>& layers, size_t i) {
+  if (i >= seats_.size() || seats_[i].group < 0) return;
+  const auto& seat = seats_[i];
+  auto& group = groups_[static_cast<size_t>(seat.group)];
+  auto& layer = layers[i];
+  if (layer.second_order().method != group.method || !layer.second_order().defined()) return;
+  SecondOrderState state = layer.second_order();
+  bool moved = false;
+  for (const auto& b : bindings(group, seat, state)) {
+    auto& part = *b.part;
+    if (b.stack == &group.a && !seat.holds_a) continue;  // a follower's A side is its unit's
+    if (!part.defined() || is_view_of(part, *b.stack, b.slot)) continue;
+    if (!b.stack->defined()) {
+      std::vector<int64_t> shape{b.count};
+      shape.insert(shape.end(), part.sizes().begin(), part.sizes().end());
+      *b.stack = torch::empty(shape, part.options().memory_format(at::MemoryFormat::Contiguous));
+    }
+    auto slot = b.stack->select(0, b.slot);
+    if (slot.sizes() != part.sizes() || slot.scalar_type() != part.scalar_type() || slot.device() != part.device()) {
+      continue;  // not the group's shape: this layer keeps its own tensor (and the group its layer-by-layer path)
+    }
+    torch::NoGradGuard no_grad;
+    slot.copy_(part);
+    part = slot;
+    moved = true;
+  }
+  if (!moved) return;
+  layer.set_second_order(std::move(state));
+  if (!seat.holds_a) return;
+  for (int64_t m = seat.member + 1; m < seat.member + group.share; ++m) {
+    auto& follower = layers[group.members[static_cast<size_t>(m)]];
+    if (follower.second_order().method == group.method) follower.link_a(layer);
+  }
+}
+
+void LayerGroups::absorb_all(std::vector<KfacLayer>& layers) {
+  for (const auto& group : groups_) {
+    for (size_t i : group.members) absorb(layers, i);
+  }
+}
+
+bool LayerGroups::in_slots(std::vector<KfacLayer>& layers, size_t i) {
+  const auto& seat = seats_[i];
+  auto& group = groups_[static_cast<size_t>(seat.group)];
+  SecondOrderState state = layers[i].second_order();
+  if (state.method != group.method || !state.defined()) return false;
+  for (const auto& b : bindings(group, seat, state)) {
+    if (!is_view_of(*b.part, *b.stack, b.slot)) return false;
+  }
+  return true;
+}
+
+bool LayerGroups::ready(std::vector<KfacLayer>& layers, size_t k) {
+  bool all = true;
+  for (size_t i : groups_[k].members) {
+    if (!in_slots(layers, i)) {
+      absorb(layers, i);
+      all = all && in_slots(layers, i);
+    }
+  }
+  return all;
+}
+
+void LayerGroups::clear(std::vector<KfacLayer>& layers) {
+  for (auto& group : groups_) {
+    for (auto* stack : {&group.a, &group.g, &group.denominator}) {
+      if (!stack->defined()) continue;
+      for (size_t i : group.members) {
+        if (i >= layers.size()) continue;
+        const auto& seat = seats_[i];
+        SecondOrderState state = layers[i].second_order();
+        bool copied = false;
+        for (const auto& b : bindings(group, seat, state)) {
+          if (b.stack != stack || (stack == &group.a && !seat.holds_a)) continue;
+          if (!is_view_of(*b.part, *stack, b.slot)) continue;
+          *b.part = b.part->clone();
+          copied = true;
+        }
+        if (!copied) continue;
+        layers[i].set_second_order(std::move(state));
+        if (!seat.holds_a) continue;
+        for (int64_t m = seat.member + 1; m < seat.member + group.share; ++m) {
+          auto& follower = layers[group.members[static_cast<size_t>(m)]];
+          if (follower.second_order().method == group.method && follower.follows_a()) follower.link_a(layers[i]);
+        }
+      }
+      *stack = torch::Tensor();
+    }
+  }
+  groups_.clear();
+  seats_.clear();
+}
+
+}  // namespace dkfac

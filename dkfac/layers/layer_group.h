@@ -1,0 +1,81 @@
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "dkfac/layers/kfac_layer.h"
+
+namespace dkfac {
+
+/// Options::stack_layers (docs/MATH.md section 2.9): the layers a rank preconditions, grouped by shape, so that a step
+/// preconditions each group with four batched products (math::precondition_eigen_stacked) in place of a dozen kernels
+/// per layer.
+///
+/// A group holds one tensor per part that preconditioning reads (Q_A, Q_G and the eigenvalue denominator; or the A
+/// and G inverses), and each member's part is a view of its slot in it: the stacked state is the layers' own, not a
+/// copy. Its units are the layers that hold an A side, each followed by the layers that share it
+/// (Options::shared_input_layers), so that the A side has one slot per unit.
+///
+/// Nothing here is taken on trust. A part replaced since it was placed (a second-order update, a broadcast, a load) is
+/// no longer its slot's view: `absorb` copies it into its slot and the layer keeps the view (the replaced tensor is
+/// freed), and `ready` says whether every member preconditions from its slots, else the preconditioner takes the
+/// layer-by-layer path. Copies into slots are the only writes in place; Options::second_order_lag, whose thread reads
+/// copies of the layers while the steps go on, takes no groups.
+class LayerGroups {
+ public:
+  struct Group {
+    ComputeMethod method = ComputeMethod::kEigen;
+    int64_t share = 1;            ///< layers per unit (per A side)
+    std::vector<size_t> units;    ///< each unit's layer holding its A side
+    std::vector<size_t> members;  ///< every layer, unit by unit: the unit's layer, then its followers
+    torch::Tensor a;              ///< [units, a, a]: Q_A, or the A inverse; undefined until a member is absorbed
+    torch::Tensor g;              ///< [members, g, g]: Q_G, or the G inverse
+    torch::Tensor denominator;    ///< [members, g, a] (eigen)
+  };
+
+  /// Groups the layers `held(i)` says this rank preconditions with `method`. A layer joins where neither of its
+  /// factors is diagonal and, where its A side is shared, where every layer sharing it is held here with the same
+  /// shape; the layers of one (g, a, share, second-order dtype, device) form a group, kept where it has two layers or
+  /// more. Layers keep their tensors until absorbed. Call clear() first where groups exist.
+  void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method);
+  /// No groups: every part that is a slot's view is copied out, part by part, so that no stack outlives its group
+  /// and no more than one part's stack and its copies are alive at once.
+  void clear(std::vector<KfacLayer>& layers);
+  bool empty() const { return groups_.empty(); }
+  const std::vector<Group>& groups() const { return groups_; }
+  /// Puts layer i's parts into its slots where they are not there yet and have the slots' shape, dtype and device
+  /// (allocating its group's stacks at the first), its unit's followers relinked to the A side's slot. Nothing for
+  /// a layer in no group, or without state of its group's method.
+  void absorb(std::vector<KfacLayer>& layers, size_t i);
+  /// Absorbs every member of every group (after a broadcast or a load).
+  void absorb_all(std::vector<KfacLayer>& layers);
+  /// Whether every member of group `k` preconditions from its slots, after absorbing the ones that do not.
+  bool ready(std::vector<KfacLayer>& layers, size_t k);
+
+ private:
+  /// Where layer i sits: its group, its slot among the members, and whether it holds its unit's A side.
+  struct Seat {
+    int group = -1;
+    int64_t member = 0;
+    bool holds_a = false;
+  };
+  /// One part of a layer's state and its slot: `stack` (count slots), its slot `slot`.
+  struct Binding {
+    torch::Tensor* stack;
+    int64_t count;
+    int64_t slot;
+    torch::Tensor* part;
+  };
+  /// The parts `state` places in its group's stacks; a follower's A side (its unit's) included.
+  std::vector<Binding> bindings(Group& group, const Seat& seat, SecondOrderState& state);
+  /// Whether each of layer i's parts is its slot's view.
+  bool in_slots(std::vector<KfacLayer>& layers, size_t i);
+
+  std::vector<Group> groups_;
+  std::vector<Seat> seats_;  // per layer
+};
+
+}  // namespace dkfac

@@ -1,0 +1,238 @@
+// Options::stack_layers (docs/MATH.md section 2.9): the layers of one shape preconditioned together, from state held
+// as slices of one stacked tensor per part. Exact: the stacked run equals the layer-by-layer run to rounding (float64
+// here: 1e-12), through second-order updates, shared A factors, KL clipping, a non-finite factor and a checkpoint.
+
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <sstream>
+
+#include "dkfac/dkfac.h"
+#include "dkfac/layers/layer_group.h"
+#include "dkfac/math/second_order.h"
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+// The products each kernel takes, against precondition_eigen / precondition_inverse one layer at a time: m units of
+// c layers, each unit's A side shared by its c layers.
+TEST(StackedKernels, EqualTheLayerByLayerKernels) {
+  torch::manual_seed(3);
+  const int64_t g = 5, a = 7;
+  for (const int64_t c : {1, 3}) {
+    const int64_t m = 2, n = m * c;
+    const auto orthogonal = [](int64_t count, int64_t d) {
+      return std::get<0>(torch::linalg_qr(torch::randn({count, d, d}, torch::kFloat64)));
+    };
+    const auto qa = orthogonal(m, a), qg = orthogonal(n, g);
+    const auto den = torch::rand({n, g, a}, torch::kFloat64) + 0.1;
+    const auto grads = torch::randn({n, g, a}, torch::kFloat64);
+    const auto a_inv = torch::randn({m, a, a}, torch::kFloat64), g_inv = torch::randn({n, g, g}, torch::kFloat64);
+    const auto eigen = math::precondition_eigen_stacked(qa, qg, den, grads);
+    const auto inverse = math::precondition_inverse_stacked(a_inv, g_inv, grads);
+    ASSERT_EQ(eigen.sizes(), grads.sizes());
+    for (int64_t k = 0; k < n; ++k) {
+      const math::EigenFactor fa{qa[k / c], torch::ones({a}, torch::kFloat64)};
+      const math::EigenFactor fg{qg[k], torch::ones({g}, torch::kFloat64)};
+      EXPECT_TENSOR_NEAR(eigen[k], math::precondition_eigen(fa, fg, den[k], grads[k]), 1e-13)
+          << "c " << c << " layer " << k;
+      EXPECT_TENSOR_NEAR(inverse[k], math::precondition_inverse(a_inv[k / c], g_inv[k], grads[k]), 1e-13)
+          << "c " << c << " layer " << k;
+    }
+  }
+  try {
+    math::precondition_inverse_stacked(torch::zeros({2, 7, 7}), torch::zeros({3, 5, 5}), torch::zeros({3, 5, 7}));
+    FAIL() << "three layers in two units were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("are not m [a, a], m c [g, g] and m c [g, a]"), std::string::npos) << e.what();
+  }
+}
+
+// Three attention-like blocks (query, key and value of one input: 6 -> 6) each followed by a 6 -> 6 layer, between
+// layers of other shapes: groups of 9 (3 units of 3 sharing an A side, or 9 alone without shared inputs) and 3.
+struct Block : torch::nn::Module {
+  Block() {
+    query = register_module("query", nn::Linear(6, 6));
+    key = register_module("key", nn::Linear(6, 6));
+    value = register_module("value", nn::Linear(6, 6));
+    mix = register_module("mix", nn::Linear(6, 6));
+  }
+  torch::Tensor forward(const torch::Tensor& h) {
+    return torch::tanh(mix->forward(torch::tanh(query->forward(h) * key->forward(h) + value->forward(h))));
+  }
+  nn::Linear query{nullptr}, key{nullptr}, value{nullptr}, mix{nullptr};
+};
+
+struct Tower : torch::nn::Module {
+  Tower() {
+    in = register_module("in", nn::Linear(4, 6));
+    for (int k = 0; k < 3; ++k) {
+      blocks.push_back(register_module("block" + std::to_string(k), std::make_shared<Block>()));
+    }
+    head = register_module("head", nn::Linear(torch::nn::LinearOptions(6, 2).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(in->forward(x));
+    for (auto& block : blocks) h = block->forward(h);
+    return head->forward(h);
+  }
+  nn::Linear in{nullptr}, head{nullptr};
+  std::vector<std::shared_ptr<Block>> blocks;
+};
+
+std::shared_ptr<Tower> make_tower() {
+  torch::manual_seed(11);
+  auto net = std::make_shared<Tower>();
+  net->to(torch::kFloat64);
+  return net;
+}
+
+void backward(Tower& net, int64_t step) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  const auto x = torch::randn({5, 3, 4}, g, torch::kFloat64);
+  const auto y = torch::randn({5, 3, 2}, g, torch::kFloat64);
+  net.zero_grad();
+  (net.forward(x) - y).pow(2).mean().backward();
+}
+
+std::vector<torch::Tensor> grads_of(Tower& net) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : net.parameters()) grads.push_back(p.grad().clone());
+  return grads;
+}
+
+double largest_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double worst = 0.0;
+  for (size_t p = 0; p < a.size(); ++p) {
+    worst = std::max(worst, ((a[p] - b[p]).abs().max() / (b[p].abs().max() + 1e-300)).item<double>());
+  }
+  return worst;
+}
+
+// Whether layers i and j hold their Q_G (or G inverse) in one stacked tensor.
+bool stacked_together(const Preconditioner& kfac, size_t i, size_t j) {
+  const auto& si = kfac.layers()[i].second_order();
+  const auto& sj = kfac.layers()[j].second_order();
+  const auto& gi = si.method == ComputeMethod::kEigen ? si.g_eigen.eigenvectors : si.g_inverse;
+  const auto& gj = sj.method == ComputeMethod::kEigen ? sj.g_eigen.eigenvectors : sj.g_inverse;
+  return gi.defined() && gj.defined() && gi.storage().is_alias_of(gj.storage());
+}
+
+size_t index_of(const Preconditioner& kfac, const std::string& name) {
+  for (size_t i = 0; i < kfac.layers().size(); ++i) {
+    if (kfac.layers()[i].name() == name) return i;
+  }
+  ADD_FAILURE() << "no layer " << name;
+  return 0;
+}
+
+struct Case {
+  ComputeMethod method;
+  bool shared;
+};
+
+class StackedLayers : public ::testing::TestWithParam<Case> {};
+
+// Factors every step, second order every 3 steps, KL clipping on: every step's gradients equal the layer-by-layer
+// run's, the memory held is the same, and the state is stacked (query and key of one block; two blocks' mix).
+TEST_P(StackedLayers, EqualLayerByLayer) {
+  const auto [method, shared] = GetParam();
+  auto options = Options().compute_method(method).inv_update_steps(3).kl_clip(1e-6);
+  if (shared) options.shared_input_layers({"(query|key|value)$"});
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  Preconditioner stacked(stacked_net, options);
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 8; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+    EXPECT_EQ(stacked.memory_bytes(), plain.memory_bytes()) << "step " << step;
+    EXPECT_NEAR(stacked.last_kl_scale(), plain.last_kl_scale(), 1e-12) << "step " << step;
+  }
+  const auto query = index_of(stacked, "block0.query"), key = index_of(stacked, "block0.key");
+  EXPECT_TRUE(stacked_together(stacked, query, key));
+  EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block2.mix")));
+  EXPECT_FALSE(stacked_together(plain, index_of(plain, "block0.mix"), index_of(plain, "block2.mix")));
+  EXPECT_LT(stacked.last_kl_scale(), 1.0) << "KL clipping is exercised";
+}
+
+INSTANTIATE_TEST_SUITE_P(MethodsAndSharing, StackedLayers,
+                         ::testing::Values(Case{ComputeMethod::kEigen, false}, Case{ComputeMethod::kEigen, true},
+                                           Case{ComputeMethod::kInverse, false}, Case{ComputeMethod::kInverse, true}),
+                         [](const auto& info) {
+                           return std::string(to_string(info.param.method)) + (info.param.shared ? "Shared" : "");
+                         });
+
+// A member whose factors are not finite this step keeps its plain gradient; the rest of its group is preconditioned,
+// as layer by layer.
+TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  Preconditioner stacked(stacked_net, Options().kl_clip(0));
+  Preconditioner plain(plain_net, Options().kl_clip(0).stack_layers(false));
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    if (step == 2) {
+      const auto poison = torch::full({7, 7}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64);
+      stacked_net->blocks[1]->mix->factor_capture().add_a(poison, 0.0);
+      plain_net->blocks[1]->mix->factor_capture().add_a(poison, 0.0);
+    }
+    const auto mix_plain = stacked_net->blocks[1]->mix->weight.grad().clone();
+    const auto other_plain = stacked_net->blocks[0]->mix->weight.grad().clone();
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+    if (step == 2) {
+      EXPECT_TRUE(torch::equal(stacked_net->blocks[1]->mix->weight.grad(), mix_plain)) << "the poisoned member";
+      EXPECT_FALSE(torch::equal(stacked_net->blocks[0]->mix->weight.grad(), other_plain)) << "its group's others";
+      EXPECT_EQ(stacked.events().fallbacks, 1);
+    }
+  }
+}
+
+// The C++ archive writes each slot alone (not the stack's whole storage), and it loads into a layer-by-layer
+// preconditioner, whose next steps equal the stacked one's.
+TEST(StackedLayersCheckpoint, WritesSlotsAndLoadsLayerByLayer) {
+  auto net = make_tower();
+  const auto options = Options().inv_update_steps(2);
+  Preconditioner stacked(net, options);
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*net, step);
+    stacked.step();
+  }
+  auto plain_net = make_tower();
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*plain_net, step);
+    plain.step();
+  }
+  std::stringstream stacked_bytes, plain_bytes;
+  torch::save(stacked, stacked_bytes);
+  torch::save(plain, plain_bytes);
+  EXPECT_LT(stacked_bytes.str().size(), plain_bytes.str().size() * 11 / 10) << "a slot was written with its stack";
+
+  auto restored_net = make_tower();
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = net->parameters();
+    auto to = restored_net->parameters();
+    for (size_t p = 0; p < to.size(); ++p) to[p].copy_(from[p]);
+  }
+  Preconditioner restored(restored_net, Options(options).stack_layers(false));
+  torch::load(restored, stacked_bytes);
+  for (int64_t step = 3; step < 6; ++step) {
+    backward(*net, step);
+    backward(*restored_net, step);
+    stacked.step();
+    restored.step();
+    EXPECT_LT(largest_difference(grads_of(*net), grads_of(*restored_net)), 1e-12) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace dkfac

@@ -1,0 +1,97 @@
+"""stack_layers (docs/MATH.md section 2.9): the layers of one shape preconditioned together, from state held as slices
+of one stacked tensor per shape, through the Python front end. Exact: equal to the layer-by-layer run to rounding
+(float64: 1e-12), with shared A factors and KL clipping, through a state dict that loads into a layer-by-layer run;
+on CUDA against the CPU float64 reference (tests/python/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dkfac
+
+
+class Stack(torch.nn.Module):
+    """Three blocks, each a query, key and value of one input and a mix (16 -> 16 each), between layers of other
+    shapes: groups of 9 (3 units of 3 sharing an A side, or 9 alone) and 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({name: torch.nn.Linear(16, 16) for name in
+                                                               ('query', 'key', 'value', 'mix')}) for _ in range(3))
+        self.head = torch.nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = torch.tanh(b['mix'](torch.tanh(b['query'](h) * b['key'](h) + b['value'](h))))
+        return self.head(h)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(40 + step)
+    return torch.randn(8, 3, 6, generator=g), torch.randn(8, 3, 4, generator=g)
+
+
+def train(device: str, dtype: torch.dtype, steps: int, model: Stack | None = None,
+          preconditioner: dkfac.KFACPreconditioner | None = None, first: int = 0,
+          **kwargs) -> tuple[list[list[torch.Tensor]], Stack, dkfac.KFACPreconditioner]:
+    """`steps` SGD steps; each step's gradients after preconditioner.step(), on the CPU in float64."""
+    if model is None:
+        torch.manual_seed(0)
+        model = Stack().to(device, dtype)
+    if preconditioner is None:
+        preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=3, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(device, dtype)), y.to(device, dtype)).backward()
+        preconditioner.step()
+        grads.append([p.grad.to('cpu', torch.float64) for p in model.parameters()])
+        optimizer.step()
+    return grads, model, preconditioner
+
+
+def largest_difference(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> float:
+    return max(((a - b).norm() / (b.norm() + 1e-300)).item() for g, e in zip(got, expected) for a, b in zip(g, e))
+
+
+SHARED = dict(shared_input_layers=['(query|key|value)$'])
+
+
+@pytest.mark.parametrize('kwargs', [dict(), dict(compute_method='inverse'), SHARED,
+                                    dict(compute_method='inverse', **SHARED)],
+                         ids=['eigen', 'inverse', 'eigen-shared', 'inverse-shared'])
+def test_stacked_equals_layer_by_layer(kwargs):
+    kwargs = dict(kl_clip=1e-4, **kwargs)  # KL clipping's scale below 1 at every step here: its sums are exercised
+    stacked, _, p_stacked = train('cpu', torch.float64, 8, **kwargs)
+    plain, _, p_plain = train('cpu', torch.float64, 8, stack_layers=False, **kwargs)
+    assert largest_difference(stacked, plain) < 1e-12
+    assert p_stacked.memory_usage() == p_plain.memory_usage()
+    assert p_stacked.stack_layers and not p_plain.stack_layers
+    # The live state (the core's, not state_dict()'s copies): the mix layers' G sides are slots of one tensor.
+    key = 'g_eigenvectors' if kwargs.get('compute_method', 'eigen') == 'eigen' else 'g_inverse'
+    for p, stacked_state in ((p_stacked, True), (p_plain, False)):
+        live = dict(zip(p._state_names, p._core.layer_states()))
+        storages = {live[f'blocks.{b}.mix'][key].untyped_storage().data_ptr() for b in range(3)}
+        assert (len(storages) == 1) == stacked_state, storages
+
+
+def test_state_dict_of_stacked_layers_loads_layer_by_layer():
+    _, model, stacked = train('cpu', torch.float64, 4)
+    state = stacked.state_dict()
+    # Copies, each its own: a slot of a stack is not handed out with its whole storage.
+    for name, entries in state['dkfac']['second_order'].items():
+        for key, tensor in entries.items():
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), (name, key)
+    torch.manual_seed(0)
+    restored_model = Stack().to(torch.float64)
+    restored_model.load_state_dict(model.state_dict())
+    restored = dkfac.KFACPreconditioner(restored_model, damping=0.01, inv_update_steps=3, stack_layers=False)
+    restored.load_state_dict(state)
+    got, _, _ = train('cpu', torch.float64, 4, restored_model, restored, first=4)
+    expected, _, _ = train('cpu', torch.float64, 4, model, stacked, first=4)
+    assert largest_difference(got, expected) < 1e-12
