@@ -774,14 +774,14 @@ def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Na
                 f"{fmt(e['splits_ms']['kfac_step']['mean'], 15)}{fmt(e.get('overhead_ms', math.nan), 10)}"
                 f"{e.get('x_sgd', math.nan):7.2f}{e['final_loss']:8.4f}")
     lines.append('')
-    lines.append("dkfac phases (phase_times()), ms per step: mean (amortised) / median / p90 over the measured steps"
-                 + (' (CUDA: the mean from phase_times(total=True) per window)' if cuda else ''))
-    lines.append(f"{'model':<10}{'(f,inv)':<9}" + ''.join(f'{p:>24}' for p in DKFAC_PHASES))
+    lines.append("dkfac's phases (and each --variant's: phase_times()), ms per step: mean (amortised) / median / p90 "
+                 "over the measured steps" + (' (CUDA: the mean from phase_times(total=True) per window)' if cuda else ''))
+    lines.append(f"{'model':<10}{'(f,inv)':<9}{'method':<14}" + ''.join(f'{p:>24}' for p in DKFAC_PHASES))
     for r in results:
-        e = r['methods'].get('dkfac')
-        if e and 'phases_ms' in e:
-            lines.append(f"{r['model']:<10}{'(%d,%d)' % (r['factor_update_steps'], r['inv_update_steps']):<9}"
-                         + ''.join(f'{triple(e["phases_ms"][p]):>24}' for p in DKFAC_PHASES))
+        for method, e in r['methods'].items():
+            if 'phases_ms' in e:
+                lines.append(f"{r['model']:<10}{'(%d,%d)' % (r['factor_update_steps'], r['inv_update_steps']):<9}"
+                             f"{method:<14}" + ''.join(f'{triple(e["phases_ms"][p]):>24}' for p in DKFAC_PHASES))
     lines.append('')
     lines.append('Per-step splits, ms: mean (amortised) / median / p90 over the measured steps '
                  '(kfac_pytorch builds its factors in the forward/backward hooks, dkfac in step())')

@@ -231,6 +231,7 @@ void Preconditioner::load_layer_states(int64_t steps,
   auto staged = staged_layer_states(states);  // a bad entry leaves this preconditioner unchanged
   job_.reset();
   layers_ = std::move(staged);
+  layer_groups();  // the loaded state into the stacks (or the stacks freed), not beside them
   steps_ = steps;
   resume_second_order_job();
   reset_batch();
@@ -702,8 +703,11 @@ void Preconditioner::install_computed(size_t index, std::optional<PendingSecondO
       [&] {
         if (failed) std::rethrow_exception(failed);
         auto had = layers_[index].install_second_order(std::move(pending->state), pending->ok);
-        if (had) installed.fallback.emplace(index, *had);
-        groups_.absorb(layers_, index);  // into its group's stacks: one layer's new state alive beside them
+        if (had) {
+          installed.fallback.emplace(index, *had);  // checked first (share_second_order absorbs it)
+        } else {
+          layer_groups().absorb(layers_, index);  // into its group's stacks: one layer's new state beside them
+        }
         installed.layers.push_back(index);
         installed.checks.push_back(pending->ok);
       },
@@ -888,12 +892,16 @@ LayerGroups& Preconditioner::layer_groups() {
   const bool applies = options_.stack_layers() && options_.second_order_lag() == 0 && !options_.eigen_adam() &&
                        (executor_->plan().method == ComputeMethod::kInverse ||
                         options_.compute_eigenvalue_outer_product());
-  if (grouped_for_ != executor_.get()) {
+  std::vector<bool> held(layers_.size(), false);
+  for (size_t i = 0; applies && i < layers_.size(); ++i) {
+    held[i] = executor_->preconditions(i) && (layers_[i].has_factors() || layers_[i].second_order().defined());
+  }
+  if (grouped_for_.lock() != executor_ || held != grouped_layers_) {
     groups_.clear(layers_);
-    if (applies) {
-      groups_.plan(layers_, [this](size_t i) { return executor_->preconditions(i); }, executor_->plan().method);
-    }
-    grouped_for_ = executor_.get();
+    if (applies) groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method);
+    groups_.absorb_all(layers_);
+    grouped_for_ = executor_;
+    grouped_layers_ = std::move(held);
   }
   return groups_;
 }
@@ -914,8 +922,10 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
     const auto grad_options = first.weight().options();
     const int64_t g = first.g_dim();
     const int64_t a = first.a_dim();
+    // A unit's gradients, and where shared its A side repeated for each of its layers (math::precondition_*_stacked).
     const int64_t unit_bytes =
-        group.share * g * a * static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType()));
+        group.share * (g * a + (group.share > 1 ? a * a : 0)) *
+        static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType()));
     const int64_t units = static_cast<int64_t>(group.units.size());
     const int64_t per_batch = std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
     for (int64_t u = 0; u < units; u += per_batch) {

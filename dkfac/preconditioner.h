@@ -350,7 +350,8 @@ class Preconditioner {
   std::vector<torch::Tensor> precondition(const std::vector<LayerFate>& fates, double kl_clip,
                                           std::vector<torch::Tensor>& vg);
   /// Options::stack_layers: the groups of layers_ this rank preconditions together (LayerGroups), planned for the
-  /// executor in use (again after it is replaced); none where the option is off or does not apply.
+  /// executor in use over the layers it preconditions here that have factors or state (again where either changed,
+  /// every member then absorbed); none where the option is off or does not apply.
   LayerGroups& layer_groups();
   /// precondition() of the groups whose every member is preconditioned this step, with batched products (in chunks
   /// of at most kStackedBatchBytes of gradients); marks the layers done.
@@ -498,7 +499,8 @@ class Preconditioner {
   std::vector<bool> leads_a_;  // the layer holds the A factor its shared-input group's followers alias
   std::unique_ptr<SecondOrderJob> job_;  // Options::second_order_lag: the update in flight, or nullptr
   LayerGroups groups_;                   // Options::stack_layers
-  const strategy::StepExecutor* grouped_for_ = nullptr;  // the executor groups_ was planned for
+  std::weak_ptr<const strategy::StepExecutor> grouped_for_;  // the executor groups_ was planned for
+  std::vector<bool> grouped_layers_;     // the layers it was planned over (layer_groups())
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   const char* phase_ = "";

@@ -357,6 +357,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
   link_shared_inputs(layers_);
+  layer_groups();  // Options::stack_layers: groups for the new plan now, the old stacks freed
 }
 
 void Preconditioner::recheck_strategy() {

@@ -189,6 +189,17 @@ void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping,
   if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store);
 }
 
+namespace {
+
+// Whether `a` and `b` are one tensor's memory: the same handle, or two handles of one view (a slot of a group's stack,
+// LayerGroups, handed out again since).
+bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.is_same(b) || (a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
+                          a.strides() == b.strides() && a.scalar_type() == b.scalar_type() && a.device() == b.device());
+}
+
+}  // namespace
+
 std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState next, const torch::Tensor& ok) {
   auto& now = second_order_;
   const auto old_parts = now.parts();
@@ -197,14 +208,14 @@ std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState
   for (size_t k = 0; k < old_parts.size() && selectable; ++k) {
     const auto& was = *old_parts[k];
     const auto& is = *new_parts[k];
-    if (!is.defined() || is.is_same(was)) continue;  // not recomputed: shared with the current state
+    if (!is.defined() || same_memory(is, was)) continue;  // not recomputed: shared with the current state
     selectable = was.defined() && was.sizes() == is.sizes() && was.scalar_type() == is.scalar_type() &&
                  was.device() == is.device();
   }
   if (!selectable) return std::exchange(now, std::move(next));
   for (size_t k = 0; k < old_parts.size(); ++k) {
     auto& is = *new_parts[k];
-    if (!is.defined() || is.is_same(*old_parts[k])) continue;
+    if (!is.defined() || same_memory(is, *old_parts[k])) continue;
     is = torch::where(ok.to(is.device()), is, *old_parts[k]);  // exactly `is` where ok holds
   }
   now = std::move(next);

@@ -22,8 +22,8 @@ void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function
                        ComputeMethod method) {
   TORCH_INTERNAL_ASSERT(groups_.empty(), "LayerGroups::plan over groups that were not cleared");
   seats_.assign(layers.size(), Seat{});
-  // (g, a, share, dtype, device) -> group
-  std::map<std::tuple<int64_t, int64_t, int64_t, int, std::string>, size_t> index;
+  // (g, a, share, second-order dtype, gradient dtype, device) -> group
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int, std::string>, size_t> index;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     if (layer.follows_a() || !held(i) || layer.a_diagonal() || layer.g_diagonal()) continue;
@@ -33,11 +33,13 @@ void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function
       if (layers[j].a_leader() != static_cast<int>(i)) continue;
       unit.push_back(j);
       whole = whole && held(j) && !layers[j].g_diagonal() && layers[j].g_dim() == layer.g_dim() &&
-              layers[j].second_order_dtype() == layer.second_order_dtype();
+              layers[j].second_order_dtype() == layer.second_order_dtype() &&
+              layers[j].weight().scalar_type() == layer.weight().scalar_type();
     }
     if (!whole) continue;
     const auto key = std::make_tuple(layer.g_dim(), layer.a_dim(), static_cast<int64_t>(unit.size()),
-                                     static_cast<int>(layer.second_order_dtype()), layer.weight().device().str());
+                                     static_cast<int>(layer.second_order_dtype()),
+                                     static_cast<int>(layer.weight().scalar_type()), layer.weight().device().str());
     auto [at, added] = index.emplace(key, groups_.size());
     if (added) {
       groups_.emplace_back();

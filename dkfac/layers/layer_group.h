@@ -22,8 +22,9 @@ namespace dkfac {
 /// Nothing here is taken on trust. A part replaced since it was placed (a second-order update, a broadcast, a load) is
 /// no longer its slot's view: `absorb` copies it into its slot and the layer keeps the view (the replaced tensor is
 /// freed), and `ready` says whether every member preconditions from its slots, else the preconditioner takes the
-/// layer-by-layer path. Copies into slots are the only writes in place; Options::second_order_lag, whose thread reads
-/// copies of the layers while the steps go on, takes no groups.
+/// layer-by-layer path. So a layer's parts are written in place (copies into slots, and the broadcasts into the parts
+/// that were already there): Options::second_order_lag, whose thread reads copies of the layers while the steps go on,
+/// takes no groups.
 class LayerGroups {
  public:
   struct Group {
@@ -36,10 +37,11 @@ class LayerGroups {
     torch::Tensor denominator;    ///< [members, g, a] (eigen)
   };
 
-  /// Groups the layers `held(i)` says this rank preconditions with `method`. A layer joins where neither of its
-  /// factors is diagonal and, where its A side is shared, where every layer sharing it is held here with the same
-  /// shape; the layers of one (g, a, share, second-order dtype, device) form a group, kept where it has two layers or
-  /// more. Layers keep their tensors until absorbed. Call clear() first where groups exist.
+  /// Groups the layers `held(i)` says this rank preconditions with `method` (and has state or factors for: a layer
+  /// that never runs takes no slot). A layer joins where neither of its factors is diagonal and, where its A side is
+  /// shared, where every layer sharing it is held here with the same shape and dtypes; the layers of one (g, a,
+  /// share, second-order dtype, gradient dtype, device) form a group, kept where it has two layers or more. Layers
+  /// keep their tensors until absorbed. Call clear() first where groups exist.
   void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method);
   /// No groups: every part that is a slot's view is copied out, part by part, so that no stack outlives its group
   /// and no more than one part's stack and its copies are alive at once.

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <mutex>
 #include <sstream>
 
 #include "dkfac/dkfac.h"
 #include "dkfac/layers/layer_group.h"
 #include "dkfac/math/second_order.h"
+#include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
 namespace dkfac {
@@ -74,22 +76,34 @@ struct Tower : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = torch::tanh(in->forward(x));
-    for (auto& block : blocks) h = block->forward(h);
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      auto& b = *blocks[k];
+      const auto& dtype = b.query->weight.scalar_type();
+      h = torch::tanh(b.query->forward(h) * b.key->forward(h) + b.value->forward(h));
+      // `skip_last_mix`: the last block's mix does not run (an unused layer, Options::unused_layer_policy skip).
+      if (!(skip_last_mix && k + 1 == blocks.size())) {
+        const auto& mix_dtype = b.mix->weight.scalar_type();
+        h = torch::tanh(b.mix->forward(h.to(mix_dtype))).to(dtype);
+      }
+    }
     return head->forward(h);
   }
   nn::Linear in{nullptr}, head{nullptr};
   std::vector<std::shared_ptr<Block>> blocks;
+  bool skip_last_mix = false;
 };
 
 std::shared_ptr<Tower> make_tower() {
+  static std::mutex mutex;  // ranks are threads: seeding and drawing the weights must not interleave
+  std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(11);
   auto net = std::make_shared<Tower>();
   net->to(torch::kFloat64);
   return net;
 }
 
-void backward(Tower& net, int64_t step) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+void backward(Tower& net, int64_t step, int rank = 0) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step + 1000 * rank);
   const auto x = torch::randn({5, 3, 4}, g, torch::kFloat64);
   const auto y = torch::randn({5, 3, 2}, g, torch::kFloat64);
   net.zero_grad();
@@ -98,7 +112,7 @@ void backward(Tower& net, int64_t step) {
 
 std::vector<torch::Tensor> grads_of(Tower& net) {
   std::vector<torch::Tensor> grads;
-  for (const auto& p : net.parameters()) grads.push_back(p.grad().clone());
+  for (const auto& p : net.parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
   return grads;
 }
 
@@ -128,18 +142,18 @@ size_t index_of(const Preconditioner& kfac, const std::string& name) {
 }
 
 struct Case {
-  ComputeMethod method;
-  bool shared;
+  std::string name;
+  Options options;
 };
+
+const std::vector<std::string> kShared = {"(query|key|value)$"};
 
 class StackedLayers : public ::testing::TestWithParam<Case> {};
 
 // Factors every step, second order every 3 steps, KL clipping on: every step's gradients equal the layer-by-layer
 // run's, the memory held is the same, and the state is stacked (query and key of one block; two blocks' mix).
 TEST_P(StackedLayers, EqualLayerByLayer) {
-  const auto [method, shared] = GetParam();
-  auto options = Options().compute_method(method).inv_update_steps(3).kl_clip(1e-6);
-  if (shared) options.shared_input_layers({"(query|key|value)$"});
+  const auto options = Options(GetParam().options).inv_update_steps(3).kl_clip(1e-6);
   auto stacked_net = make_tower();
   auto plain_net = make_tower();
   Preconditioner stacked(stacked_net, options);
@@ -160,12 +174,147 @@ TEST_P(StackedLayers, EqualLayerByLayer) {
   EXPECT_LT(stacked.last_kl_scale(), 1.0) << "KL clipping is exercised";
 }
 
-INSTANTIATE_TEST_SUITE_P(MethodsAndSharing, StackedLayers,
-                         ::testing::Values(Case{ComputeMethod::kEigen, false}, Case{ComputeMethod::kEigen, true},
-                                           Case{ComputeMethod::kInverse, false}, Case{ComputeMethod::kInverse, true}),
-                         [](const auto& info) {
-                           return std::string(to_string(info.param.method)) + (info.param.shared ? "Shared" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    MethodsAndSharing, StackedLayers,
+    ::testing::Values(Case{"eigen", Options()}, Case{"eigenShared", Options().shared_input_layers(kShared)},
+                      Case{"inverse", Options().compute_method(ComputeMethod::kInverse)},
+                      Case{"inverseShared", Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared)},
+                      // a refresh reads the basis from its slots; several layers' updates installed per chunk
+                      Case{"eighInterval", Options().eigh_interval(2).shared_input_layers(kShared)},
+                      Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)}),
+    [](const auto& info) { return info.param.name; });
+
+// A member that does not run (unused_layer_policy skip, the last block's mix from step 4) leaves its group to be
+// preconditioned layer by layer while it is skipped; every step equals the layer-by-layer run.
+TEST(StackedLayersFallback, UnusedMember) {
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  const auto options = Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip);
+  Preconditioner stacked(stacked_net, options);
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 8; ++step) {
+    stacked_net->skip_last_mix = plain_net->skip_last_mix = step >= 4 && step < 7;
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+    EXPECT_EQ(stacked.memory_bytes(), plain.memory_bytes()) << "step " << step;
+  }
+}
+
+// A layer that never runs (skipped from the first step) holds no slot in its group's stacks.
+TEST(StackedLayersFallback, NeverUsedMemberHoldsNoSlot) {
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  stacked_net->skip_last_mix = plain_net->skip_last_mix = true;
+  const auto options = Options().unused_layer_policy(UnusedLayerPolicy::kSkip);
+  Preconditioner stacked(stacked_net, options);
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+  }
+  EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block1.mix")));
+  const auto& mix = stacked.layers()[index_of(stacked, "block0.mix")].second_order().g_eigen.eigenvectors;
+  // One group of the 11 layers of (g, a) = (6, 7) that run (the blocks' query, key and value, two mixes), not 12.
+  EXPECT_EQ(mix.storage().nbytes(), 11u * static_cast<size_t>(mix.nbytes()));
+}
+
+// Layers of one shape in other dtypes (float32 and float64 weights, float64 factors: one second-order dtype) are
+// not grouped together: each is preconditioned in its gradient's dtype, as layer by layer.
+TEST(StackedLayersFallback, WeightDtypesAreNotMixed) {
+  auto make = [] {
+    auto net = make_tower();
+    net->blocks[0]->mix->to(torch::kFloat32);
+    return net;
+  };
+  auto stacked_net = make();
+  auto plain_net = make();
+  const auto options = Options().factor_dtype(torch::kFloat64);
+  Preconditioner stacked(stacked_net, options);
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+  }
+  EXPECT_FALSE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block1.mix")));
+  EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block1.mix"), index_of(stacked, "block2.mix")));
+}
+
+// A second-order update whose check fails (a damped A factor exactly singular: Cholesky and the general inverse
+// both fail) keeps the member's previous state in its slot, as layer by layer.
+TEST(StackedLayersFallback, FailedUpdateOfOneMember) {
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  const auto options =
+      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0);
+  Preconditioner stacked(stacked_net, options);
+  Preconditioner plain(plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < 4; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    if (step == 2) {
+      const auto huge = torch::full({7, 7}, std::numeric_limits<double>::max(), torch::kFloat64);
+      stacked_net->blocks[1]->mix->factor_capture().add_a(huge, 0.0);
+      plain_net->blocks[1]->mix->factor_capture().add_a(huge, 0.0);
+    }
+    stacked.step();
+    plain.step();
+    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
+  }
+  EXPECT_EQ(stacked.events().second_order_failures, 1);
+  EXPECT_EQ(plain.events().second_order_failures, 1);
+}
+
+// Under every strategy, at 2 and 4 ranks, the stacked run equals the layer-by-layer run on every rank (broadcasts
+// into slots, a rank's groups its own layers only).
+TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
+  const Options base = Options().damping(0.01).kl_clip(1e-3).inv_update_steps(2);
+  const std::pair<int, Options> cases[] = {
+      {2, Options(base).grad_worker_fraction(0.5).shared_input_layers(kShared)},
+      {4, Options(base).grad_worker_fraction(0.0)},
+      {4, Options(base).grad_worker_fraction(0.5).compute_method(ComputeMethod::kInverse)},
+      {2, Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(0).profile_steps(1))},
+      {4, Options(base).strategy(Strategy::kDp).shared_input_layers(kShared)}};
+  for (const auto& [world, options] : cases) {
+    const std::string what = std::to_string(world) + " ranks, " + to_string(options.strategy()) + ", fraction " +
+                             std::to_string(options.grad_worker_fraction());
+    const auto run = [&, world = world](const Options& o) {
+      std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
+      testing::run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+        auto net = make_tower();
+        Preconditioner kfac(net, o, communicator);
+        for (int64_t step = 0; step < 5; ++step) {
+          backward(*net, step, rank);
+          std::vector<comm::Handle> handles;
+          for (auto& p : net->parameters()) {
+            handles.push_back(
+                communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
+          }
+          comm::wait_all(handles);
+          kfac.step();
+          got[rank].push_back(grads_of(*net));
+        }
+      });
+      return got;
+    };
+    const auto stacked = run(options);
+    const auto plain = run(Options(options).stack_layers(false));
+    for (int rank = 0; rank < world; ++rank) {
+      for (size_t step = 0; step < stacked[rank].size(); ++step) {
+        EXPECT_LT(largest_difference(stacked[rank][step], plain[rank][step]), 1e-12)
+            << what << ": rank " << rank << " step " << step;
+      }
+    }
+  }
+}
 
 // A member whose factors are not finite this step keeps its plain gradient; the rest of its group is preconditioned,
 // as layer by layer.
@@ -224,14 +373,35 @@ TEST(StackedLayersCheckpoint, WritesSlotsAndLoadsLayerByLayer) {
     for (size_t p = 0; p < to.size(); ++p) to[p].copy_(from[p]);
   }
   Preconditioner restored(restored_net, Options(options).stack_layers(false));
+  const std::string saved = stacked_bytes.str();
   torch::load(restored, stacked_bytes);
+  // Into a stacked preconditioner that holds stacks of its own (two steps of another model): its next steps are the
+  // saved run's too.
+  auto other_net = make_tower();
+  Preconditioner into_stacked(other_net, options);
+  for (int64_t step = 0; step < 2; ++step) {
+    backward(*other_net, 100 + step);
+    into_stacked.step();
+  }
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = net->parameters();
+    auto to = other_net->parameters();
+    for (size_t p = 0; p < to.size(); ++p) to[p].copy_(from[p]);
+  }
+  std::stringstream saved_bytes(saved);
+  torch::load(into_stacked, saved_bytes);
   for (int64_t step = 3; step < 6; ++step) {
     backward(*net, step);
     backward(*restored_net, step);
+    backward(*other_net, step);
     stacked.step();
     restored.step();
+    into_stacked.step();
     EXPECT_LT(largest_difference(grads_of(*net), grads_of(*restored_net)), 1e-12) << "step " << step;
+    EXPECT_LT(largest_difference(grads_of(*net), grads_of(*other_net)), 1e-12) << "into stacked, step " << step;
   }
+  EXPECT_EQ(into_stacked.memory_bytes(), stacked.memory_bytes());
 }
 
 }  // namespace

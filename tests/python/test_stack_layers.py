@@ -80,7 +80,8 @@ def test_stacked_equals_layer_by_layer(kwargs):
         assert (len(storages) == 1) == stacked_state, storages
 
 
-def test_state_dict_of_stacked_layers_loads_layer_by_layer():
+@pytest.mark.parametrize('into_stacked', [False, True], ids=['into-layer-by-layer', 'into-stacked'])
+def test_state_dict_of_stacked_layers_loads(into_stacked):
     _, model, stacked = train('cpu', torch.float64, 4)
     state = stacked.state_dict()
     # Copies, each its own: a slot of a stack is not handed out with its whole storage.
@@ -90,7 +91,10 @@ def test_state_dict_of_stacked_layers_loads_layer_by_layer():
     torch.manual_seed(0)
     restored_model = Stack().to(torch.float64)
     restored_model.load_state_dict(model.state_dict())
-    restored = dkfac.KFACPreconditioner(restored_model, damping=0.01, inv_update_steps=3, stack_layers=False)
+    restored = dkfac.KFACPreconditioner(restored_model, damping=0.01, inv_update_steps=3, stack_layers=into_stacked)
+    if into_stacked:  # a preconditioner that holds stacks of its own already (two steps of its own)
+        train('cpu', torch.float64, 2, restored_model, restored, first=100)
+        restored_model.load_state_dict(model.state_dict())
     restored.load_state_dict(state)
     got, _, _ = train('cpu', torch.float64, 4, restored_model, restored, first=4)
     expected, _, _ = train('cpu', torch.float64, 4, model, stacked, first=4)
