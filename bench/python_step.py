@@ -775,7 +775,8 @@ def report(results: list[dict[str, Any]], env: dict[str, Any], args: argparse.Na
                 f"{e.get('x_sgd', math.nan):7.2f}{e['final_loss']:8.4f}")
     lines.append('')
     lines.append("dkfac's phases (and each --variant's: phase_times()), ms per step: mean (amortised) / median / p90 "
-                 "over the measured steps" + (' (CUDA: the mean from phase_times(total=True) per window)' if cuda else ''))
+                 "over the measured steps"
+                 + (' (CUDA: the mean from phase_times(total=True) per window)' if cuda else ''))
     lines.append(f"{'model':<10}{'(f,inv)':<9}{'method':<14}" + ''.join(f'{p:>24}' for p in DKFAC_PHASES))
     for r in results:
         for method, e in r['methods'].items():

@@ -178,7 +178,8 @@ INSTANTIATE_TEST_SUITE_P(
     MethodsAndSharing, StackedLayers,
     ::testing::Values(Case{"eigen", Options()}, Case{"eigenShared", Options().shared_input_layers(kShared)},
                       Case{"inverse", Options().compute_method(ComputeMethod::kInverse)},
-                      Case{"inverseShared", Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared)},
+                      Case{"inverseShared",
+                           Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared)},
                       // a refresh reads the basis from its slots; several layers' updates installed per chunk
                       Case{"eighInterval", Options().eigh_interval(2).shared_input_layers(kShared)},
                       Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)}),
