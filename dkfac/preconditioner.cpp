@@ -854,6 +854,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
   const double nan = std::numeric_limits<double>::quiet_NaN();
   vg.assign(layers_.size(), torch::Tensor());
   std::vector<bool> done(layers_.size(), false);
+  guard_rows_.assign(layers_.size(), torch::Tensor());
   precondition_groups(fates, kl_clip, preconditioned, vg, done);
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (done[i]) continue;
@@ -944,17 +945,33 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
                    ? math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x)
                    : math::precondition_inverse_stacked(a_side, g_side, x);
       if (v.scalar_type() != grads.scalar_type()) v = v.to(grads.scalar_type());
+      const auto yes = torch::ones({}, torch::TensorOptions().dtype(torch::kBool).device(v.device()));
+      std::vector<torch::Tensor> folded(static_cast<size_t>(members), yes);
+      bool any_folded = false;
       for (int64_t m = 0; m < members; ++m) {
         const size_t i = group.members[static_cast<size_t>(first_member + m)];
         preconditioned[i] = v[m];
         // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
-        if (factor_ok_[i].defined()) preconditioned[i].masked_fill_(factor_ok_[i].logical_not(), nan);
+        if (factor_ok_[i].defined()) {
+          preconditioned[i].masked_fill_(factor_ok_[i].logical_not(), nan);
+          folded[static_cast<size_t>(m)] = factor_ok_[i];
+          any_folded = true;
+        }
         done[i] = true;
       }
-      if (kl_clip <= 0.0) continue;
-      // KL clipping's sums, one reduction for the batch (in the gradient's dtype, as layer by layer).
-      const auto sums = (v * grads).sum({1, 2}).to(torch::kFloat64);
-      for (int64_t m = 0; m < members; ++m) vg[group.members[static_cast<size_t>(first_member + m)]] = sums[m];
+      // The batch's guard rows (guard_and_clip's columns for each layer) in a few kernels for all its layers, and
+      // KL clipping's sums in one reduction (in the gradient's dtype, as layer by layer).
+      const auto options64 = torch::TensorOptions().dtype(torch::kFloat64).device(v.device());
+      const auto ones = torch::ones({members}, options64);
+      const auto finite = torch::isfinite(v.sum({1, 2}, /*keepdim=*/false, torch::kFloat64)).to(torch::kFloat64);
+      const auto sums = kl_clip > 0.0 ? (v * grads).sum({1, 2}).to(torch::kFloat64) : ones;
+      const auto folded_column = any_folded ? torch::stack(folded).to(torch::kFloat64) : ones;
+      const auto rows = torch::stack({ones, finite, folded_column, sums}, 1);
+      for (int64_t m = 0; m < members; ++m) {
+        const size_t i = group.members[static_cast<size_t>(first_member + m)];
+        guard_rows_[i] = rows[m];
+        if (kl_clip > 0.0) vg[i] = sums[m];
+      }
     }
   }
 }
@@ -998,6 +1015,9 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
       fates[i] = LayerFate::kPlainGradient;
       if (!placed) continue;
       rows.push_back(torch::zeros({GuardReport::kColumns}, one.options()));
+    } else if (guard_rows_.size() > i && guard_rows_[i].defined() &&
+               (kl_clip <= 0.0 || i >= model.counted_elsewhere.size() || !model.counted_elsewhere[i])) {
+      rows.push_back(guard_rows_[i]);  // computed with its group's batch (precondition_groups), the same columns
     } else {
       // Finite iff its float64 sum is: a NaN or an infinity makes the sum one, and finite float32 (or narrower)
       // entries cannot (only float64 entries near 1e308 could, a V no layer can use). One reduction, where
@@ -1014,6 +1034,7 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
     report.layers.push_back(i);
   }
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
+  guard_rows_.clear();
   report.rows = rows.empty() ? torch::zeros({0, GuardReport::kColumns}, one.options()) : torch::stack(rows);
   if (std::any_of(report.layers.begin(), report.layers.end(), [&](size_t i) { return executor_->owner_rows(i); })) {
     clock_.collective(KfacPhase::kApply, [&] { executor_->agree_on_reports(report.rows, report.layers); });

@@ -354,7 +354,8 @@ class Preconditioner {
   /// every member then absorbed); none where the option is off or does not apply.
   LayerGroups& layer_groups();
   /// precondition() of the groups whose every member is preconditioned this step, with batched products (in chunks
-  /// of at most kStackedBatchBytes of gradients); marks the layers done.
+  /// of at most kStackedBatchBytes of gradients), and each member's guard row (guard_rows_) with its batch; marks
+  /// the layers done.
   void precondition_groups(const std::vector<LayerFate>& fates, double kl_clip,
                            std::vector<torch::Tensor>& preconditioned, std::vector<torch::Tensor>& vg,
                            std::vector<bool>& done);
@@ -503,6 +504,7 @@ class Preconditioner {
   std::vector<bool> grouped_layers_;     // the layers it was planned over (layer_groups())
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
+  std::vector<torch::Tensor> guard_rows_;  // stack_layers: a group member's guard row, made with its batch
   const char* phase_ = "";
   int64_t phase_layer_ = -1;
   LayerEvents events_;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -317,9 +318,10 @@ TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
   }
 }
 
-// A member whose factors are not finite this step keeps its plain gradient; the rest of its group is preconditioned,
-// as layer by layer.
+// A member whose factors are not finite this step keeps its plain gradient, and the warning names its factors (the
+// guard row's folded column, made with its group's batch); the rest of its group is preconditioned, as layer by layer.
 TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
+  testing::CapturedWarnings warnings;
   auto stacked_net = make_tower();
   auto plain_net = make_tower();
   Preconditioner stacked(stacked_net, Options().kl_clip(0));
@@ -343,6 +345,38 @@ TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
       EXPECT_EQ(stacked.events().fallbacks, 1);
     }
   }
+  const auto named = std::count_if(warnings.messages.begin(), warnings.messages.end(), [](const std::string& m) {
+    return m.find("'block1.mix'") != std::string::npos && m.find("captured factors contain NaN") != std::string::npos;
+  });
+  EXPECT_EQ(named, 2) << "the stacked and the layer-by-layer run each name the factors: " << warnings.all();
+}
+
+// A member whose gradient holds a NaN keeps its plain gradient (the guard's row made with its group's batch says
+// so); the rest of its group is preconditioned, as layer by layer.
+TEST(StackedLayersFallback, NonFiniteGradientOfOneMember) {
+  auto stacked_net = make_tower();
+  auto plain_net = make_tower();
+  Preconditioner stacked(stacked_net, Options().kl_clip(1e-6));
+  Preconditioner plain(plain_net, Options().kl_clip(1e-6).stack_layers(false));
+  for (int64_t step = 0; step < 3; ++step) {
+    backward(*stacked_net, step);
+    backward(*plain_net, step);
+    if (step == 2) {
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      stacked_net->blocks[1]->mix->weight.mutable_grad()[0][0] = nan;
+      plain_net->blocks[1]->mix->weight.mutable_grad()[0][0] = nan;
+    }
+    stacked.step();
+    plain.step();
+    const auto got = grads_of(*stacked_net);
+    const auto want = grads_of(*plain_net);
+    for (size_t p = 0; p < got.size(); ++p) {
+      EXPECT_TRUE(torch::allclose(got[p], want[p], 1e-12, 0.0, /*equal_nan=*/true)) << "step " << step << " " << p;
+    }
+    EXPECT_NEAR(stacked.last_kl_scale(), plain.last_kl_scale(), 1e-12) << "step " << step;
+  }
+  EXPECT_EQ(stacked.events().fallbacks, 1);
+  EXPECT_EQ(plain.events().fallbacks, 1);
 }
 
 // The C++ archive writes each slot alone (not the stack's whole storage), and it loads into a layer-by-layer
