@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -149,30 +150,53 @@ struct Case {
 
 const std::vector<std::string> kShared = {"(query|key|value)$"};
 
+// A stacked and a layer-by-layer run (`options`, and stack_layers off) on towers from `make`, in lockstep for `steps`
+// steps; `tamper(net, step)` runs on each net between its backward pass and its step, `check(step)` after both
+// steps. Every step's gradients agree to 1e-12 (NaN where NaN), and so does KL clipping's scale.
+struct Runs {
+  std::shared_ptr<Tower> stacked_net, plain_net;
+  std::unique_ptr<Preconditioner> stacked, plain;
+};
+Runs run_both(const Options& options, int64_t steps, const std::function<void(Tower&, int64_t)>& tamper = nullptr,
+              const std::function<void(const Runs&, int64_t)>& check = nullptr,
+              const std::function<std::shared_ptr<Tower>()>& make = make_tower) {
+  Runs runs{make(), make(), nullptr, nullptr};
+  runs.stacked = std::make_unique<Preconditioner>(runs.stacked_net, options);
+  runs.plain = std::make_unique<Preconditioner>(runs.plain_net, Options(options).stack_layers(false));
+  for (int64_t step = 0; step < steps; ++step) {
+    for (auto* net : {runs.stacked_net.get(), runs.plain_net.get()}) {
+      backward(*net, step);
+      if (tamper) tamper(*net, step);
+    }
+    runs.stacked->step();
+    runs.plain->step();
+    const auto got = grads_of(*runs.stacked_net);
+    const auto want = grads_of(*runs.plain_net);
+    for (size_t p = 0; p < got.size(); ++p) {
+      const double scale = want[p].nan_to_num(0.0).abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(got[p], want[p], 0.0, 1e-12 * scale + 1e-300, /*equal_nan=*/true))
+          << "step " << step << " parameter " << p;
+    }
+    EXPECT_NEAR(runs.stacked->last_kl_scale(), runs.plain->last_kl_scale(), 1e-12) << "step " << step;
+    if (check) check(runs, step);
+  }
+  return runs;
+}
+
 class StackedLayers : public ::testing::TestWithParam<Case> {};
 
 // Factors every step, second order every 3 steps, KL clipping on: every step's gradients equal the layer-by-layer
 // run's, the memory held is the same, and the state is stacked (query and key of one block; two blocks' mix).
 TEST_P(StackedLayers, EqualLayerByLayer) {
-  const auto options = Options(GetParam().options).inv_update_steps(3).kl_clip(1e-6);
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  Preconditioner stacked(stacked_net, options);
-  Preconditioner plain(plain_net, Options(options).stack_layers(false));
-  for (int64_t step = 0; step < 8; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-    EXPECT_EQ(stacked.memory_bytes(), plain.memory_bytes()) << "step " << step;
-    EXPECT_NEAR(stacked.last_kl_scale(), plain.last_kl_scale(), 1e-12) << "step " << step;
-  }
-  const auto query = index_of(stacked, "block0.query"), key = index_of(stacked, "block0.key");
-  EXPECT_TRUE(stacked_together(stacked, query, key));
+  const auto runs = run_both(Options(GetParam().options).inv_update_steps(3).kl_clip(1e-6), 8, nullptr,
+                             [](const Runs& r, int64_t step) {
+                               EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
+                             });
+  const auto& stacked = *runs.stacked;
+  EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.query"), index_of(stacked, "block0.key")));
   EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block2.mix")));
-  EXPECT_FALSE(stacked_together(plain, index_of(plain, "block0.mix"), index_of(plain, "block2.mix")));
-  EXPECT_LT(stacked.last_kl_scale(), 1.0) << "KL clipping is exercised";
+  EXPECT_FALSE(stacked_together(*runs.plain, index_of(stacked, "block0.mix"), index_of(stacked, "block2.mix")));
+  EXPECT_LT(runs.stacked->last_kl_scale(), 1.0) << "KL clipping is exercised";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -186,40 +210,25 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)}),
     [](const auto& info) { return info.param.name; });
 
-// A member that does not run (unused_layer_policy skip, the last block's mix from step 4) leaves its group to be
+// A member that does not run (unused_layer_policy skip, the last block's mix at steps 4-6) leaves its group to be
 // preconditioned layer by layer while it is skipped; every step equals the layer-by-layer run.
 TEST(StackedLayersFallback, UnusedMember) {
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  const auto options = Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip);
-  Preconditioner stacked(stacked_net, options);
-  Preconditioner plain(plain_net, Options(options).stack_layers(false));
-  for (int64_t step = 0; step < 8; ++step) {
-    stacked_net->skip_last_mix = plain_net->skip_last_mix = step >= 4 && step < 7;
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-    EXPECT_EQ(stacked.memory_bytes(), plain.memory_bytes()) << "step " << step;
-  }
+  run_both(
+      Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip), 8,
+      [](Tower& net, int64_t step) { net.skip_last_mix = step >= 3 && step < 6; },  // for the next step's pass
+      [](const Runs& r, int64_t step) {
+        EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
+      });
 }
 
 // A layer that never runs (skipped from the first step) holds no slot in its group's stacks.
 TEST(StackedLayersFallback, NeverUsedMemberHoldsNoSlot) {
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  stacked_net->skip_last_mix = plain_net->skip_last_mix = true;
-  const auto options = Options().unused_layer_policy(UnusedLayerPolicy::kSkip);
-  Preconditioner stacked(stacked_net, options);
-  Preconditioner plain(plain_net, Options(options).stack_layers(false));
-  for (int64_t step = 0; step < 3; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-  }
+  const auto runs = run_both(Options().unused_layer_policy(UnusedLayerPolicy::kSkip), 3, nullptr, nullptr, [] {
+    auto net = make_tower();
+    net->skip_last_mix = true;
+    return net;
+  });
+  const auto& stacked = *runs.stacked;
   EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block1.mix")));
   const auto& mix = stacked.layers()[index_of(stacked, "block0.mix")].second_order().g_eigen.eigenvectors;
   // One group of the 11 layers of (g, a) = (6, 7) that run (the blocks' query, key and value, two mixes), not 12.
@@ -229,23 +238,12 @@ TEST(StackedLayersFallback, NeverUsedMemberHoldsNoSlot) {
 // Layers of one shape in other dtypes (float32 and float64 weights, float64 factors: one second-order dtype) are
 // not grouped together: each is preconditioned in its gradient's dtype, as layer by layer.
 TEST(StackedLayersFallback, WeightDtypesAreNotMixed) {
-  auto make = [] {
+  const auto runs = run_both(Options().factor_dtype(torch::kFloat64), 3, nullptr, nullptr, [] {
     auto net = make_tower();
     net->blocks[0]->mix->to(torch::kFloat32);
     return net;
-  };
-  auto stacked_net = make();
-  auto plain_net = make();
-  const auto options = Options().factor_dtype(torch::kFloat64);
-  Preconditioner stacked(stacked_net, options);
-  Preconditioner plain(plain_net, Options(options).stack_layers(false));
-  for (int64_t step = 0; step < 3; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-  }
+  });
+  const auto& stacked = *runs.stacked;
   EXPECT_FALSE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block1.mix")));
   EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block1.mix"), index_of(stacked, "block2.mix")));
 }
@@ -253,26 +251,16 @@ TEST(StackedLayersFallback, WeightDtypesAreNotMixed) {
 // A second-order update whose check fails (a damped A factor exactly singular: Cholesky and the general inverse
 // both fail) keeps the member's previous state in its slot, as layer by layer.
 TEST(StackedLayersFallback, FailedUpdateOfOneMember) {
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  const auto options =
-      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0);
-  Preconditioner stacked(stacked_net, options);
-  Preconditioner plain(plain_net, Options(options).stack_layers(false));
-  for (int64_t step = 0; step < 4; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    if (step == 2) {
-      const auto huge = torch::full({7, 7}, std::numeric_limits<double>::max(), torch::kFloat64);
-      stacked_net->blocks[1]->mix->factor_capture().add_a(huge, 0.0);
-      plain_net->blocks[1]->mix->factor_capture().add_a(huge, 0.0);
-    }
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-  }
-  EXPECT_EQ(stacked.events().second_order_failures, 1);
-  EXPECT_EQ(plain.events().second_order_failures, 1);
+  const auto runs = run_both(
+      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0), 4,
+      [](Tower& net, int64_t step) {
+        if (step == 2) {
+          net.blocks[1]->mix->factor_capture().add_a(
+              torch::full({7, 7}, std::numeric_limits<double>::max(), torch::kFloat64), 0.0);
+        }
+      });
+  EXPECT_EQ(runs.stacked->events().second_order_failures, 1);
+  EXPECT_EQ(runs.plain->events().second_order_failures, 1);
 }
 
 // Under every strategy, at 2 and 4 ranks, the stacked run equals the layer-by-layer run on every rank (broadcasts
@@ -322,29 +310,23 @@ TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
 // guard row's folded column, made with its group's batch); the rest of its group is preconditioned, as layer by layer.
 TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
   testing::CapturedWarnings warnings;
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  Preconditioner stacked(stacked_net, Options().kl_clip(0));
-  Preconditioner plain(plain_net, Options().kl_clip(0).stack_layers(false));
-  for (int64_t step = 0; step < 3; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    if (step == 2) {
-      const auto poison = torch::full({7, 7}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64);
-      stacked_net->blocks[1]->mix->factor_capture().add_a(poison, 0.0);
-      plain_net->blocks[1]->mix->factor_capture().add_a(poison, 0.0);
-    }
-    const auto mix_plain = stacked_net->blocks[1]->mix->weight.grad().clone();
-    const auto other_plain = stacked_net->blocks[0]->mix->weight.grad().clone();
-    stacked.step();
-    plain.step();
-    EXPECT_LT(largest_difference(grads_of(*stacked_net), grads_of(*plain_net)), 1e-12) << "step " << step;
-    if (step == 2) {
-      EXPECT_TRUE(torch::equal(stacked_net->blocks[1]->mix->weight.grad(), mix_plain)) << "the poisoned member";
-      EXPECT_FALSE(torch::equal(stacked_net->blocks[0]->mix->weight.grad(), other_plain)) << "its group's others";
-      EXPECT_EQ(stacked.events().fallbacks, 1);
-    }
-  }
+  std::vector<torch::Tensor> plain;  // block1.mix's and block0.mix's plain weight gradients at step 2, stacked run
+  run_both(
+      Options().kl_clip(0), 3,
+      [&](Tower& net, int64_t step) {
+        if (step != 2) return;
+        net.blocks[1]->mix->factor_capture().add_a(
+            torch::full({7, 7}, std::numeric_limits<double>::quiet_NaN(), torch::kFloat64), 0.0);
+        if (plain.empty()) {
+          plain = {net.blocks[1]->mix->weight.grad().clone(), net.blocks[0]->mix->weight.grad().clone()};
+        }
+      },
+      [&](const Runs& r, int64_t step) {
+        if (step != 2) return;
+        EXPECT_TRUE(torch::equal(r.stacked_net->blocks[1]->mix->weight.grad(), plain[0])) << "the poisoned member";
+        EXPECT_FALSE(torch::equal(r.stacked_net->blocks[0]->mix->weight.grad(), plain[1])) << "its group's others";
+        EXPECT_EQ(r.stacked->events().fallbacks, 1);
+      });
   const auto named = std::count_if(warnings.messages.begin(), warnings.messages.end(), [](const std::string& m) {
     return m.find("'block1.mix'") != std::string::npos && m.find("captured factors contain NaN") != std::string::npos;
   });
@@ -354,29 +336,11 @@ TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
 // A member whose gradient holds a NaN keeps its plain gradient (the guard's row made with its group's batch says
 // so); the rest of its group is preconditioned, as layer by layer.
 TEST(StackedLayersFallback, NonFiniteGradientOfOneMember) {
-  auto stacked_net = make_tower();
-  auto plain_net = make_tower();
-  Preconditioner stacked(stacked_net, Options().kl_clip(1e-6));
-  Preconditioner plain(plain_net, Options().kl_clip(1e-6).stack_layers(false));
-  for (int64_t step = 0; step < 3; ++step) {
-    backward(*stacked_net, step);
-    backward(*plain_net, step);
-    if (step == 2) {
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      stacked_net->blocks[1]->mix->weight.mutable_grad()[0][0] = nan;
-      plain_net->blocks[1]->mix->weight.mutable_grad()[0][0] = nan;
-    }
-    stacked.step();
-    plain.step();
-    const auto got = grads_of(*stacked_net);
-    const auto want = grads_of(*plain_net);
-    for (size_t p = 0; p < got.size(); ++p) {
-      EXPECT_TRUE(torch::allclose(got[p], want[p], 1e-12, 0.0, /*equal_nan=*/true)) << "step " << step << " " << p;
-    }
-    EXPECT_NEAR(stacked.last_kl_scale(), plain.last_kl_scale(), 1e-12) << "step " << step;
-  }
-  EXPECT_EQ(stacked.events().fallbacks, 1);
-  EXPECT_EQ(plain.events().fallbacks, 1);
+  const auto runs = run_both(Options().kl_clip(1e-6), 3, [](Tower& net, int64_t step) {
+    if (step == 2) net.blocks[1]->mix->weight.mutable_grad()[0][0] = std::numeric_limits<double>::quiet_NaN();
+  });
+  EXPECT_EQ(runs.stacked->events().fallbacks, 1);
+  EXPECT_EQ(runs.plain->events().fallbacks, 1);
 }
 
 // The C++ archive writes each slot alone (not the stack's whole storage), and it loads into a layer-by-layer
