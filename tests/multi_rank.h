@@ -17,6 +17,15 @@
 
 namespace dkfac::testing {
 
+/// Averages every gradient of `model` over the world, as DDP does before kfac.step().
+inline void average_gradients(comm::Communicator& communicator, torch::nn::Module& model) {
+  std::vector<comm::Handle> handles;
+  for (auto& p : model.parameters()) {
+    handles.push_back(communicator.allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
+  }
+  comm::wait_all(handles);
+}
+
 /// Runs `body(rank, communicator)` on `world` threads; rethrows the first rank's exception.
 inline void run_ranks(int world, const std::function<void(int, std::shared_ptr<comm::Communicator>)>& body) {
   auto store = std::make_shared<comm::InProcessStore>();

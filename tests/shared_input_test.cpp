@@ -49,14 +49,7 @@ struct Net : torch::nn::Module {
   bool copy_for_key = false;
 };
 
-std::shared_ptr<Net> make_net() {
-  static std::mutex mutex;  // ranks are threads: seeding and drawing the weights must not interleave
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(7);
-  auto net = std::make_shared<Net>();
-  net->to(torch::kFloat64);
-  return net;
-}
+std::shared_ptr<Net> make_net() { return testing::seeded_float64<Net>(7); }
 
 // A fresh net holding `net`'s parameters (a resumed job's model).
 std::shared_ptr<Net> copy_of(Net& net) {
@@ -448,12 +441,7 @@ TEST(SharedInput, EveryStrategyEqualsSeparateFactors) {
         for (int64_t step = 0; step < 5; ++step) {
           sgd.zero_grad();
           loss(*net, step, rank).backward();
-          std::vector<comm::Handle> handles;
-          for (auto& p : net->parameters()) {
-            handles.push_back(
-                communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
-          }
-          comm::wait_all(handles);
+          testing::average_gradients(*communicator, *net);
           kfac.step();
           got[rank].push_back(grads_of(*net));
           sgd.step();

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -57,6 +59,23 @@ inline void exact_cuda_math() {
     GTEST_SKIP() << "no CUDA device visible (DKFAC_TEST_DEVICE=cuda): this GPU test runs on a GPU machine, " \
                     "see scripts/gpu_check.sh";                                                              \
   if (::dkfac::testing::test_device().is_cuda()) ::dkfac::testing::exact_cuda_math()
+
+/// The lock seeded_float64 holds: one for every Net type, since torch::manual_seed is the process's.
+inline std::mutex& seeding_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+/// A fresh `Net` (default-constructed) with the weights torch::manual_seed(`seed`) draws, in float64. Ranks of
+/// tests/multi_rank.h are threads: every seeding holds one lock, so that no two draws interleave.
+template <class Net>
+std::shared_ptr<Net> seeded_float64(uint64_t seed) {
+  std::lock_guard<std::mutex> lock(seeding_mutex());
+  torch::manual_seed(seed);
+  auto net = std::make_shared<Net>();
+  net->to(torch::kFloat64);
+  return net;
+}
 
 /// Collects TORCH_WARN messages while alive (the handler in place before it is restored at the end).
 class CapturedWarnings : public c10::WarningHandler {

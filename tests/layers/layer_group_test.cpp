@@ -95,14 +95,7 @@ struct Tower : torch::nn::Module {
   bool skip_last_mix = false;
 };
 
-std::shared_ptr<Tower> make_tower() {
-  static std::mutex mutex;  // ranks are threads: seeding and drawing the weights must not interleave
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(11);
-  auto net = std::make_shared<Tower>();
-  net->to(torch::kFloat64);
-  return net;
-}
+std::shared_ptr<Tower> make_tower() { return testing::seeded_float64<Tower>(11); }
 
 void backward(Tower& net, int64_t step, int rank = 0) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step + 1000 * rank);
@@ -283,12 +276,7 @@ TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
         Preconditioner kfac(net, o, communicator);
         for (int64_t step = 0; step < 5; ++step) {
           backward(*net, step, rank);
-          std::vector<comm::Handle> handles;
-          for (auto& p : net->parameters()) {
-            handles.push_back(
-                communicator->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
-          }
-          comm::wait_all(handles);
+          testing::average_gradients(*communicator, *net);
           kfac.step();
           got[rank].push_back(grads_of(*net));
         }
