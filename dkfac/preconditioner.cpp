@@ -945,8 +945,7 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
                    ? math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x)
                    : math::precondition_inverse_stacked(a_side, g_side, x);
       if (v.scalar_type() != grads.scalar_type()) v = v.to(grads.scalar_type());
-      const auto yes = torch::ones({}, torch::TensorOptions().dtype(torch::kBool).device(v.device()));
-      std::vector<torch::Tensor> folded(static_cast<size_t>(members), yes);
+      std::vector<torch::Tensor> folded(static_cast<size_t>(members));  // factor_ok_, where factors folded
       bool any_folded = false;
       for (int64_t m = 0; m < members; ++m) {
         const size_t i = group.members[static_cast<size_t>(first_member + m)];
@@ -958,6 +957,12 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
           any_folded = true;
         }
         done[i] = true;
+      }
+      if (any_folded) {  // 1 (true) for the members that folded none this step
+        const auto yes = torch::ones({}, torch::TensorOptions().dtype(torch::kBool).device(v.device()));
+        for (auto& ok : folded) {
+          if (!ok.defined()) ok = yes;
+        }
       }
       // The batch's guard rows (guard_and_clip's columns for each layer) in a few kernels for all its layers, and
       // KL clipping's sums in one reduction (in the gradient's dtype, as layer by layer).

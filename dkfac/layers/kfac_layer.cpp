@@ -189,16 +189,10 @@ void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping,
   if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store);
 }
 
-namespace {
-
-// Whether `a` and `b` are one tensor's memory: the same handle, or two handles of one view (a slot of a group's stack,
-// LayerGroups, handed out again since).
 bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
   return a.is_same(b) || (a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
                           a.strides() == b.strides() && a.scalar_type() == b.scalar_type() && a.device() == b.device());
 }
-
-}  // namespace
 
 std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState next, const torch::Tensor& ok) {
   auto& now = second_order_;

@@ -55,6 +55,10 @@ struct PendingSecondOrder {
   torch::Tensor ok;
 };
 
+/// Whether `a` and `b` are one tensor's memory: the same handle, or two handles of one view (a slot of a group's
+/// stack, LayerGroups, handed out again since): the same data, shape, strides, dtype and device.
+bool same_memory(const torch::Tensor& a, const torch::Tensor& b);
+
 /// One layer as the core sees it, whichever front end registered it: the C++ API binds each
 /// dkfac::nn module of a model, the Python package each torch.nn.Linear / Conv2d it hooks.
 struct LayerBinding {

@@ -8,12 +8,9 @@ namespace dkfac {
 
 namespace {
 
-// Whether `part` is the view `slot` of its stack: the same memory, shape and strides.
+// Whether `part` is the view `slot` of its stack.
 bool is_view_of(const torch::Tensor& part, const torch::Tensor& stack, int64_t slot) {
-  if (!part.defined() || !stack.defined()) return false;
-  const auto view = stack.select(0, slot);
-  return part.data_ptr() == view.data_ptr() && part.sizes() == view.sizes() && part.strides() == view.strides() &&
-         part.scalar_type() == view.scalar_type() && part.device() == view.device();
+  return part.defined() && stack.defined() && same_memory(part, stack.select(0, slot));
 }
 
 }  // namespace
@@ -105,10 +102,14 @@ void LayerGroups::absorb(std::vector<KfacLayer>& layers, size_t i) {
   }
   if (!moved) return;
   layer.set_second_order(std::move(state));
-  if (!seat.holds_a) return;
+  if (seat.holds_a) relink_followers(layers, group, seat);
+}
+
+void LayerGroups::relink_followers(std::vector<KfacLayer>& layers, const Group& group, const Seat& seat) {
+  const auto& leader = layers[group.members[static_cast<size_t>(seat.member)]];
   for (int64_t m = seat.member + 1; m < seat.member + group.share; ++m) {
     auto& follower = layers[group.members[static_cast<size_t>(m)]];
-    if (follower.second_order().method == group.method) follower.link_a(layer);
+    if (follower.second_order().method == group.method) follower.link_a(leader);
   }
 }
 
@@ -157,11 +158,7 @@ void LayerGroups::clear(std::vector<KfacLayer>& layers) {
         }
         if (!copied) continue;
         layers[i].set_second_order(std::move(state));
-        if (!seat.holds_a) continue;
-        for (int64_t m = seat.member + 1; m < seat.member + group.share; ++m) {
-          auto& follower = layers[group.members[static_cast<size_t>(m)]];
-          if (follower.second_order().method == group.method && follower.follows_a()) follower.link_a(layers[i]);
-        }
+        if (seat.holds_a) relink_followers(layers, group, seat);
       }
       *stack = torch::Tensor();
     }

@@ -73,6 +73,8 @@ class LayerGroups {
   };
   /// The parts `state` places in its group's stacks; a follower's A side (its unit's) included.
   std::vector<Binding> bindings(Group& group, const Seat& seat, SecondOrderState& state);
+  /// The followers of the unit whose A side the layer at `seat` holds, linked to it again (KfacLayer::link_a).
+  static void relink_followers(std::vector<KfacLayer>& layers, const Group& group, const Seat& seat);
   /// Whether each of layer i's parts is its slot's view.
   bool in_slots(std::vector<KfacLayer>& layers, size_t i);
 
