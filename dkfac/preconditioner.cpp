@@ -264,15 +264,6 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer
 }
 
 // This step's captured (A, G) batches of the layers that build factors here; undefined for the others.
-std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor_batches(
-    const std::vector<LayerFate>& fates) {
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (fates[i] == LayerFate::kPreconditioned && executor_->builds_factors(i)) batches[i] = layers_[i].take_factor_batches();
-  }
-  return batches;
-}
-
 void Preconditioner::check_shared_inputs() const {
   std::string refusal;
   const auto index_of = [&](const FactorCapture* capture) {
@@ -424,8 +415,13 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
+    const auto late = captured > 0 ? check_hook_fold(i, captured) : std::string();
+    if (!late.empty()) {
+      warn_once(i, "hook fold", late);
+      layer.capture().clear();
+    }
     if (captured != 0 && layer.has_gradient()) {
-      if (captured > 0 && captured != options_.accumulation_steps()) {
+      if (late.empty() && captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
                   "ran forward and backward " + std::to_string(captured) + " times since the last factor update "
                   "but accumulation_steps is " + std::to_string(options_.accumulation_steps()) +
@@ -443,7 +439,9 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
               "gradient recording, or a torch.compile graph traced before the hooks were added ran it (Dynamo does "
               "not guard on module hooks by default: build the preconditioner before the first compiled call)"
         : captured == 0 ? "did not run forward/backward in training mode"
-                        : "has no gradient";
+        : hook_folded_[i].defined()
+            ? "has no gradient (its backward hook had folded this step's passes into its factors: Options::fold_in_hooks)"
+            : "has no gradient";
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
                 what, " before step() at step ", steps_,
                 "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "
@@ -478,41 +476,6 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
     layers_[i].capture().clear();
     fates[i] = LayerFate::kPlainGradient;
     ++events_.skipped_unused;
-  }
-}
-
-void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
-  PhaseClock::Span span(clock_, KfacPhase::kFactors);
-  mark("factor update");
-  auto batches = take_factor_batches(fates);
-  // Averaged before the NaN check, so that every rank takes the same decision.
-  clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
-  const double decay = options_.factor_decay_at(steps_);
-  std::vector<torch::Tensor> a_folded(layers_.size());  // a shared-input group's A, by leader
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
-    mark("factor update", static_cast<int64_t>(i));
-    // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
-    // and, this step, its plain gradient.
-    auto& layer = layers_[i];
-    if (group_of(i) < 0) {
-      factor_ok_[i] = layer.fold_factors(batches[i].first, batches[i].second, decay);
-    } else {
-      // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
-      // member its own G, each side where its batch is finite; a member is usable where both of its are.
-      const auto leader = static_cast<size_t>(group_of(i));
-      if (leader == i) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
-      if (layer.follows_a()) layer.link_a(layers_[leader]);
-      // No G before there is an A (a first A batch that was not finite): a layer never holds G alone.
-      const auto g_folded = layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[i].second, decay)
-                                                      : a_folded[leader];
-      factor_ok_[i] = a_folded[leader].logical_and(g_folded);
-    }
-    if (!layer.has_factors()) {  // a first update that was not finite: known here already
-      factor_ok_[i] = torch::Tensor();
-      warn_factor_fallback(i);
-      fates[i] = LayerFate::kPlainGradient;
-    }
   }
 }
 
@@ -1137,6 +1100,7 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
 }
 
 void Preconditioner::arm_capture() {
+  std::fill(hook_folded_.begin(), hook_folded_.end(), torch::Tensor());
   const bool capture = is_factor_step(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     layers_[i].set_capture(capture && executor_->builds_factors(i));

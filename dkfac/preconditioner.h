@@ -405,6 +405,20 @@ class Preconditioner {
   void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
              const GuardReport& report);
   void arm_capture();
+  /// Options::fold_in_hooks: whether layer `index` may fold in its backward hook (step() would fold exactly what
+  /// the hook has: one process or DP-KFAC's own batches, no shared A, no grad scaler, no agreement on unused
+  /// layers to wait for).
+  bool may_fold_in_hooks(size_t index) const;
+  /// Arms layer `index`'s capture to fold its accumulation_steps passes in its backward hook (fold_in_hook).
+  void arm_hook_fold(size_t index);
+  /// Every capture folds at step() again (the executor changes; the destructor).
+  void disarm_hook_folds();
+  /// The fold of layer `index` in its backward hook: its batches taken and folded into its factors with this step's
+  /// decay, the result kept in hook_folded_ for update_factors. False (nothing taken) for a frozen weight.
+  bool fold_in_hook(size_t index);
+  /// At a factor step's check_layers: "" unless layer `index`, with `captured` passes, ran passes after the ones its
+  /// hook folded; then the warning, and the layer folds at step() for good.
+  std::string check_hook_fold(size_t index, int64_t captured);
   /// What must be the same on every rank, one line per item: the layers (names, kinds, shapes, dtypes) and every
   /// option (a schedule given as a function reads "schedule": its values are not compared).
   std::vector<std::string> description() const;
@@ -504,6 +518,11 @@ class Preconditioner {
   std::vector<bool> grouped_layers_;     // the layers it was planned over (layer_groups())
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
+  /// Options::fold_in_hooks, per layer: folded at step() (its first update, or passes that did not match
+  /// accumulation_steps, or not allowed), armed in its backward hook, or at step() for good (check_hook_fold).
+  enum class HookFold : uint8_t { kAtStep, kArmed, kNever };
+  std::vector<HookFold> hook_fold_;
+  std::vector<torch::Tensor> hook_folded_;  // this factor step's fold results where the hooks folded, or undefined
   std::vector<torch::Tensor> guard_rows_;  // stack_layers: a group member's guard row, made with its batch
   const char* phase_ = "";
   int64_t phase_layer_ = -1;

@@ -198,6 +198,8 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   device_ = layers_.front().weight().device();
   clock_ = PhaseClock(device_);
   factor_ok_.resize(layers_.size());
+  hook_folded_.resize(layers_.size());
+  hook_fold_.assign(layers_.size(), HookFold::kAtStep);
   refuse_factors_beyond_memory(layers_, options_, names_);
   report_large_factors(layers_, options_, names_);
   communicator_ = std::move(communicator);
@@ -352,6 +354,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   }
   std::vector<std::map<std::string, torch::Tensor>> states;
   if (has_state) states = executor_->gather_states(layers_);
+  disarm_hook_folds();  // armed by the old plan's reductions
   executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, chosen);
   options_ = chosen;
   if (!has_state) return;
@@ -369,6 +372,7 @@ void Preconditioner::recheck_strategy() {
 }
 
 Preconditioner::~Preconditioner() {
+  disarm_hook_folds();  // the captures may outlive it (its modules, autograd's hooks)
   for (auto& layer : layers_) layer.set_capture(false);
 }
 

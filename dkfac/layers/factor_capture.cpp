@@ -146,6 +146,12 @@ std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
 }
 
 void FactorCapture::capture_input(const torch::Tensor& input) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto forwards = follower_ ? static_cast<int64_t>(passes_.size())
+                                    : a_count_ + static_cast<int64_t>(waiting_inputs_.size());
+    if (forwards > g_count_) interleaved_ = true;  // before the last forward's backward
+  }
   const bool autocast = autocast_on(input);
   forward_autocast_ = autocast;  // a follower's G is built in the dtype its forward's autocast says too
   if (member_) {
@@ -259,6 +265,43 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
     return diagonal ? math::conv2d_g_diagonal(batched) : math::conv2d_g_factor(batched);
   });
   add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
+  fold_if_complete(grad_output.device());
+}
+
+void FactorCapture::set_fold(Fold fold, int64_t passes) {
+  TORCH_CHECK(!fold || passes >= 1, "a fold waits for at least one pass, got ", passes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  fold_ = std::move(fold);
+  fold_passes_ = passes;
+}
+
+int64_t FactorCapture::folded_passes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return folded_passes_;
+}
+
+bool FactorCapture::interleaved() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return interleaved_;
+}
+
+void FactorCapture::fold_if_complete(c10::Device device) {
+  Fold fold;
+  int64_t passes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!fold_ || folded_passes_ > 0 || interleaved_ || !waiting_inputs_.empty() || a_count_ != fold_passes_ ||
+        g_count_ != fold_passes_) {
+      return;
+    }
+    fold = fold_;
+    passes = fold_passes_;
+  }
+  auto start = device::Mark::now(device);
+  if (!fold()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  folded_passes_ = passes;
+  timing_.spans.emplace_back(std::move(start), device::Mark::now(device));
 }
 
 void FactorCapture::add(torch::Tensor& sum, int64_t& count, const torch::Tensor& batch) {
@@ -337,6 +380,7 @@ torch::Tensor FactorCapture::take_a() {
   build_waiting_inputs();
   std::lock_guard<std::mutex> lock(mutex_);
   forget_passes();
+  interleaved_ = false;
   return take(a_sum_, a_count_);
 }
 
@@ -353,6 +397,8 @@ void FactorCapture::clear() {
   g_sum_ = torch::Tensor();
   a_count_ = 0;
   g_count_ = 0;
+  folded_passes_ = 0;
+  interleaved_ = false;
 }
 
 std::pair<int64_t, int64_t> FactorCapture::pending_bytes() const {

@@ -180,6 +180,19 @@ class FactorCapture {
   /// Bytes held for the next factor update: the sums of the factors built, the inputs waiting for theirs.
   std::pair<int64_t, int64_t> pending_bytes() const;
 
+  /// Options::fold_in_hooks: `fold` runs when the `passes`-th output gradient arrives after as many forward passes,
+  /// each backward after its own forward (forward, backward, forward, ...: no forward before the last one's
+  /// backward): on the thread that captured, outside the lock, timed as factor building. It takes the batches
+  /// (take_a, take_g) into the layer's running factors and returns whether it did; those passes then count as
+  /// captured (KfacLayer::captured_batches) until clear(). A forward before the last backward (a layer called twice in one
+  /// forward, pipelined micro-batches, a recomputed forward) leaves everything to step(). nullptr: never.
+  using Fold = std::function<bool()>;
+  void set_fold(Fold fold, int64_t passes);
+  /// Passes taken by the fold since the last clear() (0: none).
+  int64_t folded_passes() const;
+  /// Since the last take_a or clear: a forward pass came before the backward of the one before it.
+  bool interleaved() const;
+
   /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
   /// A and how many micro-batches that factor now holds. The FactorPipeline (SPD-KFAC, KAISA's hook buckets)
   /// starts allreduces from it.
@@ -203,6 +216,8 @@ class FactorCapture {
   void build_a(const torch::Tensor& input, bool autocast);
   /// Builds the A factors of the inputs kept by capture_input, in the order they came.
   void build_waiting_inputs();
+  /// set_fold's fold, when the passes it waits for are in (capture_output_grad, after the add).
+  void fold_if_complete(c10::Device device);
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;
@@ -223,6 +238,11 @@ class FactorCapture {
   const FactorCapture* mismatch_with_ = nullptr;
   /// Drops the passes and their mismatch (take_a, clear). Caller holds mutex_.
   void forget_passes();
+
+  Fold fold_;                    // set_fold
+  int64_t fold_passes_ = 0;
+  int64_t folded_passes_ = 0;
+  bool interleaved_ = false;
 
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal

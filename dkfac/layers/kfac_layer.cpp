@@ -129,7 +129,7 @@ void KfacLayer::rebind(torch::Tensor weight, torch::Tensor bias) {
 
 int64_t KfacLayer::captured_batches() const {
   const auto& capture = *binding_.capture;
-  return std::min(capture.a_count(), capture.g_count());
+  return capture.folded_passes() + std::min(capture.a_count(), capture.g_count());
 }
 
 std::pair<torch::Tensor, torch::Tensor> KfacLayer::take_factor_batches() {

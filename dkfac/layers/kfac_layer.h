@@ -151,7 +151,8 @@ class KfacLayer {
 
   /// Turns activation/gradient capture on for the coming forward/backward (factor steps only).
   void set_capture(bool enabled) { binding_.capture->set_enabled(enabled); }
-  /// Micro-batches captured since the last factor update (min of the A and G counts).
+  /// Micro-batches captured since the last factor update: those its hooks folded (Options::fold_in_hooks), and the
+  /// min of the A and G counts.
   int64_t captured_batches() const;
 
   /// The mean captured factors {A_batch [a, a], G_batch [g, g]} (undefined if none); resets the capture.

@@ -219,6 +219,11 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     inverses) and denominators are held as slices of one stacked tensor per shape, and each group of them takes four
     batched products in place of four per layer (equal to one at a time to rounding; docs/MATH.md section 2.9).
     Off, and with ``second_order_lag``, ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
+    ``fold_in_hooks`` (on by default, exact) folds each layer's factor batches into its running factors in its
+    backward hook, once its ``accumulation_steps`` passes are in, where no factor is averaged across ranks (one
+    process, DP-KFAC), so that no batch is held until ``step()`` (docs/MATH.md section 1.8). A layer's first factor
+    update, passes that do not match ``accumulation_steps``, shared-input groups and a ``grad_scaler`` fold at
+    ``step()``; a step that is skipped or fails after its backward pass keeps what the hooks folded.
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
@@ -274,6 +279,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         second_order_concurrency: int = _default('second_order_concurrency'),
         second_order_lag: int = _default('second_order_lag'),
         stack_layers: bool = _default('stack_layers'),
+        fold_in_hooks: bool = _default('fold_in_hooks'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),
         adam_beta2: float = _default('adam_beta2'),

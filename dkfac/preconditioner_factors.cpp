@@ -1,0 +1,113 @@
+// Preconditioner's factor phase: the captured batches taken, averaged over ranks and folded into the running
+// factors at step(), or folded in each layer's backward hook where nothing is averaged (Options::fold_in_hooks,
+// docs/MATH.md section 1.8).
+#include <utility>
+#include <vector>
+
+#include "dkfac/preconditioner.h"
+
+namespace dkfac {
+
+std::vector<std::pair<torch::Tensor, torch::Tensor>> Preconditioner::take_factor_batches(
+    const std::vector<LayerFate>& fates) {
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches(layers_.size());
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (fates[i] != LayerFate::kPreconditioned || !executor_->builds_factors(i) || hook_folded_[i].defined()) continue;
+    batches[i] = layers_[i].take_factor_batches();
+  }
+  return batches;
+}
+
+void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
+  PhaseClock::Span span(clock_, KfacPhase::kFactors);
+  mark("factor update");
+  // Layers whose passes this step were what a fold in their hooks waits for: armed for the next factor steps.
+  std::vector<bool> steady(layers_.size(), false);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& capture = layers_[i].capture();
+    steady[i] = hook_fold_[i] == HookFold::kAtStep && may_fold_in_hooks(i) && !capture.interleaved() &&
+                layers_[i].captured_batches() == options_.accumulation_steps();
+  }
+  auto batches = take_factor_batches(fates);
+  // Averaged before the NaN check, so that every rank takes the same decision.
+  clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
+  const double decay = options_.factor_decay_at(steps_);
+  std::vector<torch::Tensor> a_folded(layers_.size());  // a shared-input group's A, by leader
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
+    mark("factor update", static_cast<int64_t>(i));
+    // Checked with the gradients, in guard_and_clip: a layer whose batch was not finite keeps its factors
+    // and, this step, its plain gradient.
+    auto& layer = layers_[i];
+    if (hook_folded_[i].defined()) {  // in its backward hook, as below
+      factor_ok_[i] = hook_folded_[i];
+      layer.capture().clear();  // its folded passes counted
+      continue;
+    }
+    if (group_of(i) < 0) {
+      factor_ok_[i] = layer.fold_factors(batches[i].first, batches[i].second, decay);
+    } else {
+      // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
+      // member its own G, each side where its batch is finite; a member is usable where both of its are.
+      const auto leader = static_cast<size_t>(group_of(i));
+      if (leader == i) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
+      if (layer.follows_a()) layer.link_a(layers_[leader]);
+      // No G before there is an A (a first A batch that was not finite): a layer never holds G alone.
+      const auto g_folded = layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[i].second, decay)
+                                                      : a_folded[leader];
+      factor_ok_[i] = a_folded[leader].logical_and(g_folded);
+    }
+    if (!layer.has_factors()) {  // a first update that was not finite: known here already
+      factor_ok_[i] = torch::Tensor();
+      warn_factor_fallback(i);
+      fates[i] = LayerFate::kPlainGradient;
+      continue;
+    }
+    if (steady[i]) arm_hook_fold(i);
+  }
+}
+
+bool Preconditioner::may_fold_in_hooks(size_t index) const {
+  // Where step() would fold exactly what the hook has: nothing averaged over ranks, no rank's verdict on the layer
+  // awaited, no shared A, no loss scale that may skip the step (the scaler's skipped batch joins the next).
+  return options_.fold_in_hooks() && executor_->plan().reduction == strategy::FactorReduction::kNone &&
+         executor_->builds_factors(index) && executor_->keeps_factors(index) && !agrees_on_unused_layers() &&
+         group_of(index) < 0 && !options_.grad_scaler();
+}
+
+void Preconditioner::arm_hook_fold(size_t index) {
+  hook_fold_[index] = HookFold::kArmed;
+  // The capture outlives neither the preconditioner's layers nor its destructor, which disarms it.
+  layers_[index].capture().set_fold([this, index] { return fold_in_hook(index); }, options_.accumulation_steps());
+}
+
+void Preconditioner::disarm_hook_folds() {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (hook_fold_[i] == HookFold::kArmed) hook_fold_[i] = HookFold::kAtStep;
+    layers_[i].capture().set_fold(nullptr, 0);
+  }
+}
+
+bool Preconditioner::fold_in_hook(size_t index) {
+  // On the thread that ran the layer's backward hook, while step() waits for the backward pass to end.
+  auto& layer = layers_[index];
+  if (!layer.weight().requires_grad()) return false;  // frozen since: check_layers names it at step()
+  auto [a, g] = layer.take_factor_batches();
+  hook_folded_[index] = layer.fold_factors(a, g, options_.factor_decay_at(steps_));
+  return true;
+}
+
+std::string Preconditioner::check_hook_fold(size_t index, int64_t captured) {
+  const auto folded = layers_[index].capture().folded_passes();
+  if (folded == 0 || captured == folded) return "";
+  // Passes after the ones its hook folded: the accumulation it was armed by changed. They are dropped (folding them
+  // too would decay the factors twice in one step), and the layer folds at step() from now on.
+  hook_fold_[index] = HookFold::kNever;
+  layers_[index].capture().set_fold(nullptr, 0);
+  return "ran forward and backward " + std::to_string(captured) + " times since the last factor update; its backward " +
+         "hook had folded the first " + std::to_string(folded) + " (accumulation_steps) into its factors, and the " +
+         std::to_string(captured - folded) + " after them are dropped. It folds at step() from now on, averaging " +
+         "every pass (fold_in_hooks off folds every layer there)";
+}
+
+}  // namespace dkfac

@@ -1,0 +1,289 @@
+// Options::fold_in_hooks (docs/MATH.md section 1.8): each layer's factor batches folded into its running factors in
+// its backward hook, where nothing is averaged across ranks. Exact: equal bit for bit to folding at step(), and no
+// batch is held from the hook to step(); the layers and runs it leaves to step() fold there.
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <limits>
+
+#include "dkfac/dkfac.h"
+#include "tests/multi_rank.h"
+#include "tests/test_util.h"
+
+namespace dkfac {
+namespace {
+
+// A convolution, two Linear layers, and two heads given one input (head and side): `reuse` runs `mid` twice in
+// one forward.
+struct Net : torch::nn::Module {
+  Net() {
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)));
+    fc = register_module("fc", nn::Linear(3 * 4 * 4, 8));
+    mid = register_module("mid", nn::Linear(8, 8));
+    head = register_module("head", nn::Linear(8, 3));
+    side = register_module("side", nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(conv->forward(x)).flatten(1);
+    h = torch::tanh(mid->forward(torch::tanh(fc->forward(h))));
+    if (reuse) h = torch::tanh(mid->forward(h));
+    return head->forward(h) + torch::tanh(side->forward(h));
+  }
+  nn::Conv2d conv{nullptr};
+  nn::Linear fc{nullptr}, mid{nullptr}, head{nullptr}, side{nullptr};
+  bool reuse = false;
+};
+
+std::shared_ptr<Net> make_net() { return testing::seeded_float64<Net>(21); }
+
+// One pass of micro-batch `micro` of `step` (rank `rank`'s data), its loss divided by `passes`.
+void pass(Net& net, int64_t step, int64_t micro, int64_t passes, int rank = 0) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(900 + 17 * step + micro + 1000 * rank);
+  const auto x = torch::randn({6, 2, 4, 4}, g, torch::kFloat64);
+  const auto y = torch::randn({6, 3}, g, torch::kFloat64);
+  ((net.forward(x) - y).pow(2).mean() / static_cast<double>(passes)).backward();
+}
+
+std::vector<torch::Tensor> grads_of(Net& net) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : net.parameters()) grads.push_back(p.grad().clone());
+  return grads;
+}
+
+void expect_same(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t p = 0; p < got.size(); ++p) {
+    EXPECT_TRUE(torch::allclose(got[p], want[p], 0.0, 0.0, /*equal_nan=*/true)) << what << ", tensor " << p;
+  }
+}
+
+std::vector<torch::Tensor> factors_of(const Preconditioner& kfac) {
+  std::vector<torch::Tensor> factors;
+  for (const auto& layer : kfac.layers()) {
+    factors.push_back(layer.a_factor().clone());
+    factors.push_back(layer.g_factor().clone());
+  }
+  return factors;
+}
+
+// Bytes of captured batches the preconditioner's layers hold (what folding in the hook frees at once).
+int64_t pending_bytes(const Preconditioner& kfac) {
+  int64_t bytes = 0;
+  for (const auto& layer : kfac.layers()) {
+    const auto [a, g] = layer.capture().pending_bytes();
+    bytes += a + g;
+  }
+  return bytes;
+}
+
+size_t index_of(const Preconditioner& kfac, const std::string& name) {
+  for (size_t i = 0; i < kfac.layers().size(); ++i) {
+    if (kfac.layers()[i].name() == name) return i;
+  }
+  ADD_FAILURE() << "no layer " << name;
+  return 0;
+}
+
+struct Case {
+  std::string name;
+  Options options;
+  int64_t passes;  // micro-batches per step (accumulation_steps)
+};
+
+class FoldInHooks : public ::testing::TestWithParam<Case> {};
+
+// The default (folded in the hooks) against fold_in_hooks off, in lockstep: every step's gradients, KL clipping's
+// scale and factors are the same bit for bit; from the second factor update on the batches are gone when the backward
+// pass ends (held until step() with the option off), and the hooks' folds are timed as factor work.
+TEST_P(FoldInHooks, EqualFoldingAtStepBitForBit) {
+  const auto& param = GetParam();
+  const auto options = Options(param.options).accumulation_steps(param.passes).kl_clip(1e-4);
+  auto hooked_net = make_net(), plain_net = make_net();
+  Preconditioner hooked(hooked_net, options), plain(plain_net, Options(options).fold_in_hooks(false));
+  const int64_t factor_every = options.factor_update_steps_at(0);
+  for (int64_t step = 0; step < 7; ++step) {
+    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+      net->zero_grad();
+      for (int64_t k = 0; k < param.passes; ++k) pass(*net, step, k, param.passes);
+    }
+    const std::string what = param.name + ", step " + std::to_string(step);
+    if (step % factor_every == 0) {
+      EXPECT_GT(pending_bytes(plain), 0) << what;
+      // The first factor update folds at step(); every later one in the hooks.
+      if (step == 0) EXPECT_GT(pending_bytes(hooked), 0) << what;
+      if (step > 0) EXPECT_EQ(pending_bytes(hooked), 0) << what;
+    }
+    hooked.step();
+    plain.step();
+    expect_same(grads_of(*hooked_net), grads_of(*plain_net), what);
+    expect_same(factors_of(hooked), factors_of(plain), what + " factors");
+    EXPECT_EQ(hooked.last_kl_scale(), plain.last_kl_scale()) << what;
+    if (step % factor_every == 0) EXPECT_GT(hooked.last_step_times()[KfacPhase::kFactors], 0.0) << what;
+  }
+  EXPECT_LT(hooked.last_kl_scale(), 1.0) << "KL clipping is exercised";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MethodsAndAccumulation, FoldInHooks,
+    ::testing::Values(Case{"eigen", Options().inv_update_steps(2), 1},
+                      Case{"inverse", Options().compute_method(ComputeMethod::kInverse).inv_update_steps(3), 1},
+                      Case{"accumulation3", Options().inv_update_steps(2), 3},
+                      Case{"factorEvery2", Options().factor_update_steps(2).inv_update_steps(4), 2},
+                      // the decay the hook reads is its step's
+                      Case{"decaySchedule",
+                           Options().stack_layers(false).factor_decay([](int64_t s) { return 0.9 - 0.2 * (s % 3); }),
+                           1}),
+    [](const auto& info) { return info.param.name; });
+
+// A step whose batches are not finite (a NaN input, step 3): factors kept and plain gradients on both runs, and the
+// runs agree bit for bit before, at and after it.
+TEST(FoldInHooksGuard, NonFiniteBatchKeepsTheFactors) {
+  testing::CapturedWarnings warnings;
+  auto hooked_net = make_net(), plain_net = make_net();
+  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  std::vector<torch::Tensor> before;
+  for (int64_t step = 0; step < 6; ++step) {
+    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+      net->zero_grad();
+      if (step == 3) {
+        auto x = torch::randn({6, 2, 4, 4}, torch::kFloat64);
+        x[0][0][0][0] = std::numeric_limits<double>::quiet_NaN();
+        net->forward(x).pow(2).mean().backward();
+      } else {
+        pass(*net, step, 0, 1);
+      }
+    }
+    if (step == 3) before = factors_of(hooked);
+    hooked.step();
+    plain.step();
+    const std::string what = "step " + std::to_string(step);
+    expect_same(grads_of(*hooked_net), grads_of(*plain_net), what);
+    expect_same(factors_of(hooked), factors_of(plain), what + " factors");
+    if (step == 3) expect_same(factors_of(hooked), before, "the non-finite step keeps the factors");
+  }
+  EXPECT_EQ(hooked.events().fallbacks, plain.events().fallbacks);
+  EXPECT_GT(hooked.events().fallbacks, 0);
+}
+
+// `mid` run twice in one forward (forward, forward, backward, backward) with accumulation_steps 2: its passes match
+// the count, but a forward came before the last one's backward, so it folds at step() (as do the other layers, whose
+// one pass does not match), and the run equals folding at step().
+TEST(FoldInHooksAtStep, InterleavedPassesFoldAtStep) {
+  auto hooked_net = make_net(), plain_net = make_net();
+  hooked_net->reuse = plain_net->reuse = true;
+  testing::CapturedWarnings warnings;  // the other layers: "ran forward and backward 1 times" (both runs)
+  const auto options = Options().accumulation_steps(2);
+  Preconditioner hooked(hooked_net, options), plain(plain_net, Options(options).fold_in_hooks(false));
+  const auto mid = index_of(hooked, "mid");
+  for (int64_t step = 0; step < 4; ++step) {
+    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+      net->zero_grad();
+      pass(*net, step, 0, 1);
+    }
+    EXPECT_EQ(hooked.layers()[mid].captured_batches(), 2) << "step " << step;
+    EXPECT_GT(hooked.layers()[mid].capture().pending_bytes().first, 0) << "step " << step;
+    hooked.step();
+    plain.step();
+    expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
+    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
+  }
+}
+
+// An armed layer given more passes than accumulation_steps (steps 0-2 one pass, step 3 two) keeps the pass its hook
+// folded, drops the later one with a warning naming the counts, and folds at step() from then on: its factors are
+// those of a run that had only the first pass at step 3, and the later steps equal folding at step().
+TEST(FoldInHooksAtStep, LatePassesAreDroppedAndNamed) {
+  testing::CapturedWarnings warnings;
+  auto hooked_net = make_net(), plain_net = make_net();
+  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  for (int64_t step = 0; step < 6; ++step) {
+    hooked_net->zero_grad();
+    plain_net->zero_grad();
+    pass(*hooked_net, step, 0, 1);
+    pass(*plain_net, step, 0, 1);
+    if (step == 3) pass(*hooked_net, step, 1, 1);
+    if (step > 3) EXPECT_GT(pending_bytes(hooked), 0) << "step " << step << ": folds at step() again";
+    hooked.step();
+    plain.step();
+    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
+    if (step != 3) expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
+  }
+  size_t named = 0;
+  for (const auto& m : warnings.messages) {
+    if (m.find("had folded the first 1 (accumulation_steps) into its factors, and the 1 after them are dropped") !=
+        std::string::npos) {
+      ++named;
+    }
+  }
+  EXPECT_EQ(named, hooked.layers().size()) << warnings.all();
+}
+
+// Never folded in the hooks: a shared-input group, a grad scaler, factors averaged across ranks (KAISA at 2 ranks).
+TEST(FoldInHooksAtStep, WhereStepMustDecide) {
+  const auto held_after_backward = [](const Options& options, const std::string& layer) {
+    auto net = make_net();
+    Preconditioner kfac(net, options);
+    int64_t held = 0;
+    for (int64_t step = 0; step < 3; ++step) {
+      net->zero_grad();
+      pass(*net, step, 0, 1);
+      held = kfac.layers()[index_of(kfac, layer)].capture().pending_bytes().first;
+      kfac.step();
+    }
+    return held;
+  };
+  EXPECT_EQ(held_after_backward(Options(), "fc"), 0);
+  EXPECT_GT(held_after_backward(Options().grad_scaler([] { return torch::ones({}, torch::kFloat64); }), "fc"), 0);
+  EXPECT_GT(held_after_backward(Options().shared_input_layers({"(head|side)$"}), "head"), 0);
+  EXPECT_EQ(held_after_backward(Options().shared_input_layers({"(head|side)$"}), "fc"), 0);
+  std::vector<int64_t> held(2);
+  testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, Options(), communicator);
+    for (int64_t step = 0; step < 3; ++step) {
+      net->zero_grad();
+      pass(*net, step, 0, 1, rank);
+      held[rank] = pending_bytes(kfac);
+      testing::average_gradients(*communicator, *net);
+      kfac.step();
+    }
+  });
+  EXPECT_GT(held[0], 0);
+  EXPECT_GT(held[1], 0);
+}
+
+// DP-KFAC at 2 ranks (each layer's owner keeps the factors of its own batch): folded in the owners' hooks, equal bit
+// for bit to folding at step() on every rank.
+TEST(FoldInHooksDistributed, DpKfacEqualsFoldingAtStep) {
+  const auto run = [](const Options& options, std::vector<int64_t>* held) {
+    std::vector<std::vector<std::vector<torch::Tensor>>> got(2);
+    testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+      auto net = make_net();
+      Preconditioner kfac(net, options, communicator);
+      for (int64_t step = 0; step < 5; ++step) {
+        net->zero_grad();
+        pass(*net, step, 0, 1, rank);
+        if (held && step > 0) (*held)[rank] += pending_bytes(kfac);
+        testing::average_gradients(*communicator, *net);
+        kfac.step();
+        got[rank].push_back(grads_of(*net));
+      }
+    });
+    return got;
+  };
+  const auto options = Options().strategy(Strategy::kDp).inv_update_steps(2).kl_clip(1e-4);
+  std::vector<int64_t> held(2, 0), held_plain(2, 0);
+  const auto hooked = run(options, &held);
+  const auto plain = run(Options(options).fold_in_hooks(false), &held_plain);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(held[rank], 0) << "rank " << rank;
+    EXPECT_GT(held_plain[rank], 0) << "rank " << rank << ": each rank owns some layer";
+    for (size_t step = 0; step < hooked[rank].size(); ++step) {
+      expect_same(hooked[rank][step], plain[rank][step], "rank " + std::to_string(rank) + " step " + std::to_string(step));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dkfac

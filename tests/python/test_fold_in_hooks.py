@@ -1,0 +1,92 @@
+"""fold_in_hooks (docs/MATH.md section 1.8) through the Python front end: each layer's factor batches are folded into
+its running factors in its backward hook. The run equals fold_in_hooks=False bit for bit, and no batch is held from
+the backward pass to step(), with or without accumulation, for Linear, Conv2d and Embedding layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dkfac
+
+
+class Net(torch.nn.Module):
+    """An Embedding (diagonal A), a Conv2d and two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = torch.nn.Linear(3 * 4 * 4 + 4, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([torch.tanh(self.conv(images)).flatten(1), self.embed(tokens)], 1)
+        return self.head(torch.tanh(self.fc(h)))
+
+
+def backward(model: Net, step: int, micro: int, passes: int) -> None:
+    g = torch.Generator().manual_seed(70 + 11 * step + micro)
+    tokens = torch.randint(0, 10, (6,), generator=g)
+    images = torch.randn(6, 2, 4, 4, generator=g, dtype=torch.float64)
+    target = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    (torch.nn.functional.mse_loss(model(tokens, images), target) / passes).backward()
+
+
+def run(passes: int, steps: int, **kwargs) -> tuple[list[list[torch.Tensor]], list[int], dkfac.KFACPreconditioner]:
+    """`steps` SGD steps of `passes` micro-batches each: every step's preconditioned gradients, and the bytes of
+    captured batches held when each backward pass ends."""
+    torch.manual_seed(0)
+    model = Net().double()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, kl_clip=1e-4, inv_update_steps=2,
+                                              accumulation_steps=passes, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads, held = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(passes):
+            backward(model, step, micro, passes)
+        usage = preconditioner.memory_usage()
+        held.append(usage['a_batch'] + usage['g_batch'])
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return grads, held, preconditioner
+
+
+@pytest.mark.parametrize('passes', [1, 3])
+@pytest.mark.parametrize('method', ['eigen', 'inverse'])
+def test_fold_in_hooks_equals_folding_at_step(passes, method):
+    hooked, held, p_hooked = run(passes, 6, compute_method=method)
+    plain, held_plain, p_plain = run(passes, 6, compute_method=method, fold_in_hooks=False)
+    assert p_hooked.fold_in_hooks and not p_plain.fold_in_hooks
+    for step, (got, want) in enumerate(zip(hooked, plain)):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f'step {step}'
+    # The first factor update folds at step(), every later one in the hooks; held until step() with the option off.
+    assert held[0] > 0 and all(h == 0 for h in held[1:]), held
+    assert all(h > 0 for h in held_plain), held_plain
+    for got, want in zip(p_hooked._core.layer_states(), p_plain._core.layer_states()):  # factors, second order
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[key], want[key]) for key in got), got.keys()
+
+
+def test_more_passes_than_declared_are_named():
+    """A layer armed by one pass per step that is given two passes keeps the pass its hook folded, drops the other,
+    and says so; it folds at step() from then on."""
+    torch.manual_seed(0)
+    model = Net().double()
+    preconditioner = dkfac.KFACPreconditioner(model, damping=0.01)
+    for step in range(3):
+        model.zero_grad()
+        backward(model, step, 0, 1)
+        if step == 2:
+            backward(model, step, 1, 1)
+            with pytest.warns(UserWarning, match=r'had folded the first 1 \(accumulation_steps\) into its factors, '
+                                                 r'and the 1 after them are dropped'):
+                preconditioner.step()
+        else:
+            preconditioner.step()
+    model.zero_grad()
+    backward(model, 3, 0, 1)
+    assert preconditioner.memory_usage()['a_batch'] > 0
