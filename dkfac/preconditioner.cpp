@@ -221,6 +221,7 @@ void Preconditioner::forget_failed_step() {
 
 void Preconditioner::reset_batch() {
   for (auto& layer : layers_) layer.capture().clear();
+  std::fill(hook_folded_.begin(), hook_folded_.end(), torch::Tensor());
 }
 
 void Preconditioner::load_layer_states(int64_t steps,
@@ -263,7 +264,6 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::gathered_layer
   return executor_->gather_states(layers_);
 }
 
-// This step's captured (A, G) batches of the layers that build factors here; undefined for the others.
 void Preconditioner::check_shared_inputs() const {
   std::string refusal;
   const auto index_of = [&](const FactorCapture* capture) {
@@ -415,11 +415,8 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
-    const auto late = captured > 0 ? check_hook_fold(i, captured) : std::string();
-    if (!late.empty()) {
-      warn_once(i, "hook fold", late);
-      layer.capture().clear();
-    }
+    const auto late = captured > 0 ? check_hook_fold(i) : std::string();
+    if (!late.empty()) warn_once(i, "hook fold", late);
     if (captured != 0 && layer.has_gradient()) {
       if (late.empty() && captured > 0 && captured != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
@@ -1100,7 +1097,7 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
 }
 
 void Preconditioner::arm_capture() {
-  std::fill(hook_folded_.begin(), hook_folded_.end(), torch::Tensor());
+  drop_stale_hook_folds();
   const bool capture = is_factor_step(steps_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     layers_[i].set_capture(capture && executor_->builds_factors(i));

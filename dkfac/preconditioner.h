@@ -157,14 +157,16 @@ class Preconditioner {
   /// Drops the current step without touching gradients, factors or the step counter, for a training loop
   /// that skips a step (e.g. a non-finite loss). Factors captured in forward/backward are discarded; on a
   /// factor step of a distributed preconditioner the factor collectives still run, so every rank must call
-  /// it for the same step. Capture stays armed for the step that replaces it.
+  /// it for the same step. Capture stays armed for the step that replaces it. With Options::fold_in_hooks, what
+  /// the layers' hooks already folded stays in the factors (off: the factors are untouched).
   void discard_step();
 
   /// Recomputes the second-order state from the current factors now, outside step() (collective: every
   /// rank calls it), e.g. after factors were loaded from a checkpoint that holds factors only.
   void update_second_order();
 
-  /// Drops whatever the hooks captured since the last factor update.
+  /// Drops whatever the hooks captured since the last factor update (with Options::fold_in_hooks, what they folded
+  /// into the factors stays there).
   void reset_batch();
 
   /// Restores the step count and each layer's KfacLayer::state() (a missing second-order state is
@@ -414,11 +416,15 @@ class Preconditioner {
   /// Every capture folds at step() again (the executor changes; the destructor).
   void disarm_hook_folds();
   /// The fold of layer `index` in its backward hook: its batches taken and folded into its factors with this step's
-  /// decay, the result kept in hook_folded_ for update_factors. False (nothing taken) for a frozen weight.
+  /// decay, the result kept in hook_folded_ for update_factors. False (nothing taken) where step() decides: a frozen
+  /// weight or bias, a layer without factors.
   bool fold_in_hook(size_t index);
-  /// At a factor step's check_layers: "" unless layer `index`, with `captured` passes, ran passes after the ones its
-  /// hook folded; then the warning, and the layer folds at step() for good.
-  std::string check_hook_fold(size_t index, int64_t captured);
+  /// At a factor step's check_layers: "" unless layer `index` captured passes (forward or backward) after the ones its
+  /// hook folded; then they are dropped, the layer folds at step() for good, and the warning is returned.
+  std::string check_hook_fold(size_t index);
+  /// Folds in the hooks that no step took (arm_capture: a schedule that made the step no factor step, a failed
+  /// step): kept in the factors, their captures cleared.
+  void drop_stale_hook_folds();
   /// What must be the same on every rank, one line per item: the layers (names, kinds, shapes, dtypes) and every
   /// option (a schedule given as a function reads "schedule": its values are not compared).
   std::vector<std::string> description() const;

@@ -25,8 +25,9 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   std::vector<bool> steady(layers_.size(), false);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& capture = layers_[i].capture();
+    const auto k = options_.accumulation_steps();
     steady[i] = hook_fold_[i] == HookFold::kAtStep && may_fold_in_hooks(i) && !capture.interleaved() &&
-                layers_[i].captured_batches() == options_.accumulation_steps();
+                capture.folded_passes() == 0 && capture.a_count() == k && capture.g_count() == k;
   }
   auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
@@ -40,7 +41,7 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     // and, this step, its plain gradient.
     auto& layer = layers_[i];
     if (hook_folded_[i].defined()) {  // in its backward hook, as below
-      factor_ok_[i] = hook_folded_[i];
+      factor_ok_[i] = std::exchange(hook_folded_[i], torch::Tensor());
       layer.capture().clear();  // its folded passes counted
       continue;
     }
@@ -89,25 +90,43 @@ void Preconditioner::disarm_hook_folds() {
 }
 
 bool Preconditioner::fold_in_hook(size_t index) {
-  // On the thread that ran the layer's backward hook, while step() waits for the backward pass to end.
+  // On the thread that ran the layer's backward hook, while step() waits for the backward pass to end. Left to
+  // step() (nothing taken): a weight or bias frozen since, which check_layers names; a layer without factors (loaded
+  // so), whose first update step() decides on the host.
   auto& layer = layers_[index];
-  if (!layer.weight().requires_grad()) return false;  // frozen since: check_layers names it at step()
+  const auto& bias = layer.bias();
+  if (!layer.weight().requires_grad() || (bias.defined() && !bias.requires_grad()) || !layer.has_factors()) {
+    return false;
+  }
+  const double decay = options_.factor_decay_at(steps_);  // a schedule that throws takes nothing
   auto [a, g] = layer.take_factor_batches();
-  hook_folded_[index] = layer.fold_factors(a, g, options_.factor_decay_at(steps_));
+  hook_folded_[index] = layer.fold_factors(a, g, decay);
   return true;
 }
 
-std::string Preconditioner::check_hook_fold(size_t index, int64_t captured) {
-  const auto folded = layers_[index].capture().folded_passes();
-  if (folded == 0 || captured == folded) return "";
+void Preconditioner::drop_stale_hook_folds() {
+  // A fold the step that followed did not take (its schedule made it no factor step after the captures were armed,
+  // or the step failed or was reset): it stays in the factors, and nothing of its window is carried to the next.
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].capture().folded_passes() > 0) layers_[i].capture().clear();
+  }
+  std::fill(hook_folded_.begin(), hook_folded_.end(), torch::Tensor());
+}
+
+std::string Preconditioner::check_hook_fold(size_t index) {
+  auto& capture = layers_[index].capture();
+  const auto folded = capture.folded_passes();
+  const auto forwards = capture.a_count(), backwards = capture.g_count();
+  if (folded == 0 || (forwards == 0 && backwards == 0)) return "";
   // Passes after the ones its hook folded: the accumulation it was armed by changed. They are dropped (folding them
   // too would decay the factors twice in one step), and the layer folds at step() from now on.
   hook_fold_[index] = HookFold::kNever;
-  layers_[index].capture().set_fold(nullptr, 0);
-  return "ran forward and backward " + std::to_string(captured) + " times since the last factor update; its backward " +
-         "hook had folded the first " + std::to_string(folded) + " (accumulation_steps) into its factors, and the " +
-         std::to_string(captured - folded) + " after them are dropped. It folds at step() from now on, averaging " +
-         "every pass (fold_in_hooks off folds every layer there)";
+  capture.set_fold(nullptr, 0);
+  capture.clear();
+  return "ran " + std::to_string(forwards) + " forward and " + std::to_string(backwards) + " backward passes after " +
+         "the " + std::to_string(folded) + " (accumulation_steps) its backward hook had folded into its factors this " +
+         "step; they are dropped. It folds at step() from now on, averaging every pass (fold_in_hooks off folds every " +
+         "layer there)";
 }
 
 }  // namespace dkfac

@@ -188,8 +188,10 @@ TEST(Preconditioner, IntervalsCaptureOnlyOnFactorSteps) {
     zero_grad_and_backward(*net, 200 + step);
     const bool factor_step = step % 2 == 0;
     EXPECT_EQ(kfac.is_factor_step(step), factor_step);
-    EXPECT_EQ(net->fc1->factor_capture().a_count(), factor_step ? 1 : 0) << "step " << step;
-    EXPECT_EQ(net->fc1->factor_capture().g_count(), factor_step ? 1 : 0) << "step " << step;
+    // Held, or folded in the hooks (Options::fold_in_hooks: from the second factor update on).
+    const auto& capture = net->fc1->factor_capture();
+    EXPECT_EQ(capture.folded_passes() + capture.a_count(), factor_step ? 1 : 0) << "step " << step;
+    EXPECT_EQ(capture.folded_passes() + capture.g_count(), factor_step ? 1 : 0) << "step " << step;
     auto a_before = kfac.layers()[1].a_factor();
     kfac.step();
     if (step > 0 && !factor_step) EXPECT_TRUE(torch::equal(a_before, kfac.layers()[1].a_factor()));
@@ -215,7 +217,8 @@ TEST(Preconditioner, ScheduledIntervalsAndDamping) {
                                }));
   for (int64_t step = 0; step < 4; ++step) {
     zero_grad_and_backward(*net, 300 + step);
-    EXPECT_EQ(net->fc2->factor_capture().a_count(), step < 2 ? 1 : 0) << "step " << step;
+    const auto& capture = net->fc2->factor_capture();  // held, or folded in the hooks
+    EXPECT_EQ(capture.folded_passes() + capture.a_count(), step < 2 ? 1 : 0) << "step " << step;
     kfac.step();
   }
   ASSERT_GE(dampings.size(), 4u);
@@ -383,7 +386,9 @@ TEST(Preconditioner, ReplacedParameterOfAnotherShapeIsRefusedNamingTheLayer) {
 
 TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
   auto net = make_net();
-  Preconditioner kfac(net, Options().kl_clip(0));
+  // The poison is added after the backward pass, for step() to fold (fold_in_hooks would have folded the real
+  // batch in the hook already: FoldInHooksGuard covers a non-finite batch there).
+  Preconditioner kfac(net, Options().kl_clip(0).fold_in_hooks(false));
   for (int64_t step = 0; step < 2; ++step) {
     zero_grad_and_backward(*net, 500 + step);
     auto plain = gradients(*net);
@@ -408,7 +413,7 @@ TEST(Preconditioner, NonFiniteFactorFallsBackToPlainGradient) {
 // damped factor is exactly singular) keeps the layer's previous second-order state, with a warning.
 TEST(Preconditioner, FailedDecompositionKeepsThePreviousState) {
   auto net = make_net();
-  Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse));
+  Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse).fold_in_hooks(false));
   torch::Tensor inverse_before;
   for (int64_t step = 0; step < 2; ++step) {
     zero_grad_and_backward(*net, 700 + step);
@@ -442,7 +447,8 @@ TEST(Preconditioner, ConcurrentSecondOrderIsOneLayerAtATimeToRounding) {
     int64_t failures[2] = {0, 0};
     for (const int64_t concurrency : {1, 2}) {
       auto net = make_net();
-      Preconditioner kfac(net, Options().compute_method(method).second_order_concurrency(concurrency));
+      Preconditioner kfac(net, Options().compute_method(method).second_order_concurrency(concurrency)
+                                   .fold_in_hooks(false));  // the huge batch is added for step() to fold
       torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
       for (int64_t step = 0; step < 4; ++step) {
         zero_grad_and_backward(*net, 900 + step);
@@ -489,8 +495,8 @@ TEST(Preconditioner, NonFiniteGradientIsNotPreconditioned) {
 TEST(Preconditioner, GuardReadOnTheDeviceEqualsTheHostRead) {
   auto host_net = make_net();
   auto device_net = make_net();
-  Preconditioner host(host_net, Options().kl_clip(1e-4));
-  Preconditioner device(device_net, Options().kl_clip(1e-4));
+  Preconditioner host(host_net, Options().kl_clip(1e-4).fold_in_hooks(false));  // the poison is added for step()
+  Preconditioner device(device_net, Options().kl_clip(1e-4).fold_in_hooks(false));
   device.read_guard_at_once(false);
   CapturedWarnings warnings;
   bool clipped = false;
@@ -553,12 +559,14 @@ TEST(Preconditioner, UnusedLayerIsAnErrorNamingIt) {
 // A step() that throws (here: a layer without a gradient under the default policy) drops what its forward and
 // backward captured: a caller who catches the error and goes on gets the factors of the batches after it only,
 // as if the failed attempt had not run. They used to be averaged in with the next batch ("2 micro-batches").
+// With fold_in_hooks (the default) the layers whose hooks folded the failed step's batch keep that fold, as if that
+// step's factor update had run (docs/MATH.md section 1.8): nothing is held, and the next step warns of nothing.
 TEST(Preconditioner, FailedStepDropsItsCapture) {
-  auto run = [](bool with_failure) {
+  auto run = [](bool with_failure, bool fold_in_hooks) {
     torch::manual_seed(1);
     auto net = std::make_shared<TinyNet>();
     net->to(torch::kFloat64);
-    Preconditioner kfac(net, Options());
+    Preconditioner kfac(net, Options().fold_in_hooks(fold_in_hooks));
     zero_grad_and_backward(*net, 20);
     kfac.step();
     if (with_failure) {
@@ -572,10 +580,15 @@ TEST(Preconditioner, FailedStepDropsItsCapture) {
     EXPECT_EQ(warnings.all(), "");
     return std::make_pair(gradients(*net), kfac.steps());
   };
-  const auto [expected, expected_steps] = run(false);
-  const auto [got, steps] = run(true);
+  const auto [expected, expected_steps] = run(false, false);
+  const auto [got, steps] = run(true, false);
   EXPECT_EQ(steps, expected_steps);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
+  const auto [folded, folded_steps] = run(true, true);
+  EXPECT_EQ(folded_steps, expected_steps);
+  bool differs = false;  // the failed step's batch is in the factors
+  for (size_t i = 0; i < got.size(); ++i) differs = differs || !torch::equal(folded[i], expected[i]);
+  EXPECT_TRUE(differs);
 }
 
 // A front end's distributor frames the step: its gather runs before the step reads any gradient, its scatter after
@@ -927,7 +940,7 @@ TEST(Preconditioner, SecondOrderLagInstallsEachUpdateLagStepsLater) {
 TEST(Preconditioner, FailedLaggedUpdateKeepsThePreviousState) {
   auto net = make_net();
   Preconditioner kfac(net, Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2)
-                               .factor_decay(0.0).second_order_lag(1));
+                               .factor_decay(0.0).second_order_lag(1).fold_in_hooks(false));  // add_a for step()
   std::vector<SecondOrderState> first;
   for (int64_t step = 0; step < 4; ++step) {
     zero_grad_and_backward(*net, 700 + step);

@@ -967,7 +967,8 @@ class BaseKFACPreconditioner:
             self._bound[index] = (weight, bias)
 
     def reset_batch(self) -> None:
-        """Drops what the hooks captured since the last factor update."""
+        """Drops what the hooks captured since the last factor update (with ``fold_in_hooks``, what they folded into
+        the factors stays there)."""
         self._core.reset_batch()
 
     def memory_usage(self) -> dict[str, int]:

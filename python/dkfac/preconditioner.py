@@ -222,8 +222,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``fold_in_hooks`` (on by default, exact) folds each layer's factor batches into its running factors in its
     backward hook, once its ``accumulation_steps`` passes are in, where no factor is averaged across ranks (one
     process, DP-KFAC), so that no batch is held until ``step()`` (docs/MATH.md section 1.8). A layer's first factor
-    update, passes that do not match ``accumulation_steps``, shared-input groups and a ``grad_scaler`` fold at
-    ``step()``; a step that is skipped or fails after its backward pass keeps what the hooks folded.
+    update, a layer whose passes at a factor update did not match ``accumulation_steps``, shared-input groups and a
+    ``grad_scaler`` fold at ``step()``; a layer whose hook folded and that runs more passes before ``step()`` warns,
+    drops them and folds at ``step()`` from then on; a step that fails after its backward pass, or whose batch
+    ``reset_batch()`` drops, keeps what the hooks folded.
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without

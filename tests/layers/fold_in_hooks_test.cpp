@@ -51,7 +51,8 @@ std::vector<torch::Tensor> grads_of(Net& net) {
   return grads;
 }
 
-void expect_same(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, const std::string& what) {
+void expect_same(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
+                 const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t p = 0; p < got.size(); ++p) {
     EXPECT_TRUE(torch::allclose(got[p], want[p], 0.0, 0.0, /*equal_nan=*/true)) << what << ", tensor " << p;
@@ -144,6 +145,7 @@ TEST(FoldInHooksGuard, NonFiniteBatchKeepsTheFactors) {
   Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
   std::vector<torch::Tensor> before;
   for (int64_t step = 0; step < 6; ++step) {
+    if (step == 3) before = factors_of(hooked);  // before the hooks fold
     for (auto* net : {hooked_net.get(), plain_net.get()}) {
       net->zero_grad();
       if (step == 3) {
@@ -154,7 +156,6 @@ TEST(FoldInHooksGuard, NonFiniteBatchKeepsTheFactors) {
         pass(*net, step, 0, 1);
       }
     }
-    if (step == 3) before = factors_of(hooked);
     hooked.step();
     plain.step();
     const std::string what = "step " + std::to_string(step);
@@ -211,12 +212,58 @@ TEST(FoldInHooksAtStep, LatePassesAreDroppedAndNamed) {
   }
   size_t named = 0;
   for (const auto& m : warnings.messages) {
-    if (m.find("had folded the first 1 (accumulation_steps) into its factors, and the 1 after them are dropped") !=
-        std::string::npos) {
+    if (m.find("ran 1 forward and 1 backward passes after the 1 (accumulation_steps) its backward hook had folded "
+               "into its factors this step; they are dropped") != std::string::npos) {
       ++named;
     }
   }
   EXPECT_EQ(named, hooked.layers().size()) << warnings.all();
+}
+
+// Two backward passes of one forward (retain_graph: two G batches to one A) never arm a layer: its A and G counts
+// differ, and step() averages the two G batches as with the option off.
+TEST(FoldInHooksAtStep, TwoBackwardPassesOfOneForwardFoldAtStep) {
+  testing::CapturedWarnings warnings;
+  auto hooked_net = make_net(), plain_net = make_net();
+  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  for (int64_t step = 0; step < 4; ++step) {
+    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+      net->zero_grad();
+      auto g = at::make_generator<at::CPUGeneratorImpl>(40 + step);
+      const auto out = net->forward(torch::randn({6, 2, 4, 4}, g, torch::kFloat64));
+      out.pow(2).mean().backward({}, /*retain_graph=*/true);
+      out.sin().mean().backward();
+    }
+    EXPECT_GT(pending_bytes(hooked), 0) << "step " << step;
+    hooked.step();
+    plain.step();
+    expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
+    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
+  }
+}
+
+// A factor interval changed after the captures were armed for a factor step (as an LR-style scheduler does after
+// step()): the hooks fold that step's batch although the step turns out not to be a factor step; the fold stays in
+// the factors, nothing of it is carried on, and the next factor step folds its own pass alone, without a warning.
+TEST(FoldInHooksAtStep, IntervalChangedAfterArming) {
+  testing::CapturedWarnings warnings;
+  int64_t interval = 1;
+  auto net = make_net();
+  Preconditioner kfac(net, Options().factor_update_steps([&interval](int64_t) { return interval; }));
+  for (int64_t step = 0; step < 6; ++step) {
+    const auto before = step == 3 ? factors_of(kfac) : std::vector<torch::Tensor>{};
+    net->zero_grad();
+    pass(*net, step, 0, 1);
+    kfac.step();
+    if (step == 0) warnings.messages.clear();  // the suggestion to share head's and side's input
+    if (step == 2) interval = 2;  // step 3 was armed as a factor step
+    if (step == 3) {
+      EXPECT_FALSE(torch::equal(before[0], kfac.layers()[0].a_factor())) << "step 3's fold stays";
+      EXPECT_EQ(pending_bytes(kfac), 0);
+      EXPECT_EQ(kfac.layers()[0].capture().folded_passes(), 0) << "nothing carried to step 4";
+    }
+  }
+  EXPECT_EQ(warnings.all(), "");
 }
 
 // Never folded in the hooks: a shared-input group, a grad scaler, factors averaged across ranks (KAISA at 2 ranks).
@@ -280,7 +327,8 @@ TEST(FoldInHooksDistributed, DpKfacEqualsFoldingAtStep) {
     EXPECT_EQ(held[rank], 0) << "rank " << rank;
     EXPECT_GT(held_plain[rank], 0) << "rank " << rank << ": each rank owns some layer";
     for (size_t step = 0; step < hooked[rank].size(); ++step) {
-      expect_same(hooked[rank][step], plain[rank][step], "rank " + std::to_string(rank) + " step " + std::to_string(step));
+      const auto what = "rank " + std::to_string(rank) + " step " + std::to_string(step);
+      expect_same(hooked[rank][step], plain[rank][step], what);
     }
   }
 }

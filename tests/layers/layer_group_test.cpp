@@ -245,7 +245,9 @@ TEST(StackedLayersFallback, WeightDtypesAreNotMixed) {
 // both fail) keeps the member's previous state in its slot, as layer by layer.
 TEST(StackedLayersFallback, FailedUpdateOfOneMember) {
   const auto runs = run_both(
-      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0), 4,
+      // add_a after the backward pass: a batch for step() to fold (fold_in_hooks off)
+      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0)
+          .fold_in_hooks(false), 4,
       [](Tower& net, int64_t step) {
         if (step == 2) {
           net.blocks[1]->mix->factor_capture().add_a(
@@ -300,7 +302,7 @@ TEST(StackedLayersFallback, NonFiniteFactorOfOneMember) {
   testing::CapturedWarnings warnings;
   std::vector<torch::Tensor> plain;  // block1.mix's and block0.mix's plain weight gradients at step 2, stacked run
   run_both(
-      Options().kl_clip(0), 3,
+      Options().kl_clip(0).fold_in_hooks(false), 3,  // add_a after the backward pass: a batch for step() to fold
       [&](Tower& net, int64_t step) {
         if (step != 2) return;
         net.blocks[1]->mix->factor_capture().add_a(

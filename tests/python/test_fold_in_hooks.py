@@ -25,19 +25,21 @@ class Net(torch.nn.Module):
         return self.head(torch.tanh(self.fc(h)))
 
 
-def backward(model: Net, step: int, micro: int, passes: int) -> None:
+def backward(model: Net, step: int, micro: int, passes: int, device: str = 'cpu',
+             dtype: torch.dtype = torch.float64) -> None:
     g = torch.Generator().manual_seed(70 + 11 * step + micro)
-    tokens = torch.randint(0, 10, (6,), generator=g)
-    images = torch.randn(6, 2, 4, 4, generator=g, dtype=torch.float64)
-    target = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 10, (6,), generator=g).to(device)
+    images = torch.randn(6, 2, 4, 4, generator=g, dtype=torch.float64).to(device, dtype)
+    target = torch.randn(6, 3, generator=g, dtype=torch.float64).to(device, dtype)
     (torch.nn.functional.mse_loss(model(tokens, images), target) / passes).backward()
 
 
-def run(passes: int, steps: int, **kwargs) -> tuple[list[list[torch.Tensor]], list[int], dkfac.KFACPreconditioner]:
-    """`steps` SGD steps of `passes` micro-batches each: every step's preconditioned gradients, and the bytes of
-    captured batches held when each backward pass ends."""
+def run(passes: int, steps: int, device: str = 'cpu', dtype: torch.dtype = torch.float64,
+        **kwargs) -> tuple[list[list[torch.Tensor]], list[int], dkfac.KFACPreconditioner]:
+    """`steps` SGD steps of `passes` micro-batches each: every step's preconditioned gradients (on the CPU in
+    float64), and the bytes of captured batches held when each backward pass ends."""
     torch.manual_seed(0)
-    model = Net().double()
+    model = Net().double().to(device, dtype)
     preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, kl_clip=1e-4, inv_update_steps=2,
                                               accumulation_steps=passes, **kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -45,11 +47,11 @@ def run(passes: int, steps: int, **kwargs) -> tuple[list[list[torch.Tensor]], li
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(passes):
-            backward(model, step, micro, passes)
+            backward(model, step, micro, passes, device, dtype)
         usage = preconditioner.memory_usage()
         held.append(usage['a_batch'] + usage['g_batch'])
         preconditioner.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        grads.append([p.grad.to('cpu', torch.float64) for p in model.parameters()])
         optimizer.step()
     return grads, held, preconditioner
 

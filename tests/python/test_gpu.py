@@ -129,6 +129,19 @@ def test_stacked_layers_match_cpu_float64_layer_by_layer(kwargs):
             assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
 
 
+@pytest.mark.parametrize('passes', [1, 2])
+def test_fold_in_hooks_on_cuda_matches_cpu_float64(passes):
+    """fold_in_hooks (docs/MATH.md section 1.8) on CUDA: folded on autograd's device thread, against the CPU float64
+    reference folded at step(); no batch is held when a backward pass ends after the first factor update."""
+    import test_fold_in_hooks as fold
+    expected, _, _ = fold.run(passes, 6, fold_in_hooks=False)
+    got, held, _ = fold.run(passes, 6, 'cuda', torch.float32)
+    assert held[0] > 0 and all(h == 0 for h in held[1:]), held
+    for step, (g, e) in enumerate(zip(got, expected)):
+        for i, (a, b) in enumerate(zip(g, e)):
+            assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8, f'step {step}, parameter {i}'
+
+
 # The layer kinds of a transformer on CUDA (docs/MATH.md section 7): an Embedding (its A diagonal, token counts
 # by index_add_), a Conv1D (weight stored [in, out]) and a 40-token head whose G is kept diagonal.
 @pytest.mark.parametrize('kwargs', [dict(compute_method='eigen'), dict(compute_method='inverse'),

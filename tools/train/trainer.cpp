@@ -220,6 +220,8 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
           return kl_clip * ratio * ratio;
         })
         .accumulation_steps(config_.accumulation_steps);
+    // A skipped step leaves the factors as they were: nothing folded in the hooks before the loss is checked.
+    if (config_.on_nan_loss == NanPolicy::kSkip) options.fold_in_hooks(false);
     s.kfac = std::make_unique<Preconditioner>(s.model.ptr(), options, communicator_);
     if (!config_.kfac_rates.empty()) s.kfac->use_rates(read_rates(config_.kfac_rates, "--kfac-rates"));
   }
