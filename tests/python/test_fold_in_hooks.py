@@ -84,8 +84,9 @@ def test_more_passes_than_declared_are_named():
         backward(model, step, 0, 1)
         if step == 2:
             backward(model, step, 1, 1)
-            with pytest.warns(UserWarning, match=r'had folded the first 1 \(accumulation_steps\) into its factors, '
-                                                 r'and the 1 after them are dropped'):
+            with pytest.warns(UserWarning, match=r'ran 1 forward and 1 backward passes after the 1 '
+                                                 r'\(accumulation_steps\) its backward hook had folded into its '
+                                                 r'factors this step; they are dropped'):
                 preconditioner.step()
         else:
             preconditioner.step()
