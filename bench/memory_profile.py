@@ -57,21 +57,10 @@ def parse() -> argparse.Namespace:
                         'dkfac gets reset_batch() in between, so it captures one batch as on any factor step)')
     p.add_argument('--bench-args', default='', help='more bench/python_step.py flags, e.g. "--quick --classes 1000"')
     p.add_argument('--dkfac-option', action='append', default=[], metavar='KEY=VALUE',
-                   help="a keyword for dkfac's preconditioner, e.g. fold_in_hooks=false (true/false, numbers, text)")
+                   help="a keyword for dkfac's preconditioner, e.g. fold_in_hooks=false (as python_step.py's --variant)")
     p.add_argument('--json', default=None)
     return p.parse_args()
 
-
-def option_value(text: str) -> object:
-    """'true'/'false' as bools, numbers as numbers, anything else as text."""
-    if text.lower() in ('true', 'false'):
-        return text.lower() == 'true'
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def label_hooks() -> None:
@@ -122,7 +111,8 @@ def main() -> None:
                  with_stack=a.stack) as prof:
         with record_function('build'):
             batches, _ = python_step.make_batches(args, a.model)
-            extra = dict((key, option_value(value)) for key, value in (o.split('=', 1) for o in a.dkfac_option))
+            extra = {key: python_step.option_value(key, value)
+                     for key, value in (o.split('=', 1) for o in a.dkfac_option)}
             runner = python_step.Runner(a.method, a.model, None if a.method == 'sgd' else interval, args, batches,
                                         backends, extra if a.method == 'dkfac' else None)
         labels.append('build')

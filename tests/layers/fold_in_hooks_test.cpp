@@ -78,13 +78,8 @@ int64_t pending_bytes(const Preconditioner& kfac) {
   return bytes;
 }
 
-size_t index_of(const Preconditioner& kfac, const std::string& name) {
-  for (size_t i = 0; i < kfac.layers().size(); ++i) {
-    if (kfac.layers()[i].name() == name) return i;
-  }
-  ADD_FAILURE() << "no layer " << name;
-  return 0;
-}
+// Net's layers in model order (Preconditioner::layers()).
+enum LayerIndex : size_t { kConv, kFc, kMid, kHead, kSide };
 
 struct Case {
   std::string name;
@@ -176,7 +171,8 @@ TEST(FoldInHooksAtStep, InterleavedPassesFoldAtStep) {
   testing::CapturedWarnings warnings;  // the other layers: "ran forward and backward 1 times" (both runs)
   const auto options = Options().accumulation_steps(2);
   Preconditioner hooked(hooked_net, options), plain(plain_net, Options(options).fold_in_hooks(false));
-  const auto mid = index_of(hooked, "mid");
+  const auto mid = kMid;
+  ASSERT_EQ(hooked.layers()[mid].name(), "mid");
   for (int64_t step = 0; step < 4; ++step) {
     for (auto* net : {hooked_net.get(), plain_net.get()}) {
       net->zero_grad();
@@ -268,22 +264,22 @@ TEST(FoldInHooksAtStep, IntervalChangedAfterArming) {
 
 // Never folded in the hooks: a shared-input group, a grad scaler, factors averaged across ranks (KAISA at 2 ranks).
 TEST(FoldInHooksAtStep, WhereStepMustDecide) {
-  const auto held_after_backward = [](const Options& options, const std::string& layer) {
+  const auto held_after_backward = [](const Options& options, LayerIndex layer) {
     auto net = make_net();
     Preconditioner kfac(net, options);
     int64_t held = 0;
     for (int64_t step = 0; step < 3; ++step) {
       net->zero_grad();
       pass(*net, step, 0, 1);
-      held = kfac.layers()[index_of(kfac, layer)].capture().pending_bytes().first;
+      held = kfac.layers()[layer].capture().pending_bytes().first;
       kfac.step();
     }
     return held;
   };
-  EXPECT_EQ(held_after_backward(Options(), "fc"), 0);
-  EXPECT_GT(held_after_backward(Options().grad_scaler([] { return torch::ones({}, torch::kFloat64); }), "fc"), 0);
-  EXPECT_GT(held_after_backward(Options().shared_input_layers({"(head|side)$"}), "head"), 0);
-  EXPECT_EQ(held_after_backward(Options().shared_input_layers({"(head|side)$"}), "fc"), 0);
+  EXPECT_EQ(held_after_backward(Options(), kFc), 0);
+  EXPECT_GT(held_after_backward(Options().grad_scaler([] { return torch::ones({}, torch::kFloat64); }), kFc), 0);
+  EXPECT_GT(held_after_backward(Options().shared_input_layers({"(head|side)$"}), kHead), 0);
+  EXPECT_EQ(held_after_backward(Options().shared_input_layers({"(head|side)$"}), kFc), 0);
   std::vector<int64_t> held(2);
   testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
     auto net = make_net();
