@@ -78,6 +78,25 @@ int64_t pending_bytes(const Preconditioner& kfac) {
   return bytes;
 }
 
+// The default (folded in the hooks) and fold_in_hooks off, each on a net from make_net(), stepped in lockstep.
+struct Lockstep {
+  explicit Lockstep(const Options& options)
+      : hooked_net(make_net()),
+        plain_net(make_net()),
+        hooked(hooked_net, options),
+        plain(plain_net, Options(options).fold_in_hooks(false)) {}
+  std::vector<Net*> nets() { return {hooked_net.get(), plain_net.get()}; }
+  /// Both step(); their factors, and unless `grads` is false their gradients, are the same bit for bit.
+  void step(const std::string& what, bool grads = true) {
+    hooked.step();
+    plain.step();
+    if (grads) expect_same(grads_of(*hooked_net), grads_of(*plain_net), what);
+    expect_same(factors_of(hooked), factors_of(plain), what + " factors");
+  }
+  std::shared_ptr<Net> hooked_net, plain_net;
+  Preconditioner hooked, plain;
+};
+
 // Net's layers in model order (Preconditioner::layers()).
 enum LayerIndex : size_t { kConv, kFc, kMid, kHead, kSide };
 
@@ -95,11 +114,12 @@ class FoldInHooks : public ::testing::TestWithParam<Case> {};
 TEST_P(FoldInHooks, EqualFoldingAtStepBitForBit) {
   const auto& param = GetParam();
   const auto options = Options(param.options).accumulation_steps(param.passes).kl_clip(1e-4);
-  auto hooked_net = make_net(), plain_net = make_net();
-  Preconditioner hooked(hooked_net, options), plain(plain_net, Options(options).fold_in_hooks(false));
+  Lockstep runs(options);
+  auto& hooked = runs.hooked;
+  auto& plain = runs.plain;
   const int64_t factor_every = options.factor_update_steps_at(0);
   for (int64_t step = 0; step < 7; ++step) {
-    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+    for (auto* net : runs.nets()) {
       net->zero_grad();
       for (int64_t k = 0; k < param.passes; ++k) pass(*net, step, k, param.passes);
     }
@@ -110,10 +130,7 @@ TEST_P(FoldInHooks, EqualFoldingAtStepBitForBit) {
       if (step == 0) EXPECT_GT(pending_bytes(hooked), 0) << what;
       if (step > 0) EXPECT_EQ(pending_bytes(hooked), 0) << what;
     }
-    hooked.step();
-    plain.step();
-    expect_same(grads_of(*hooked_net), grads_of(*plain_net), what);
-    expect_same(factors_of(hooked), factors_of(plain), what + " factors");
+    runs.step(what);
     EXPECT_EQ(hooked.last_kl_scale(), plain.last_kl_scale()) << what;
     if (step % factor_every == 0) EXPECT_GT(hooked.last_step_times()[KfacPhase::kFactors], 0.0) << what;
   }
@@ -136,12 +153,11 @@ INSTANTIATE_TEST_SUITE_P(
 // runs agree bit for bit before, at and after it.
 TEST(FoldInHooksGuard, NonFiniteBatchKeepsTheFactors) {
   testing::CapturedWarnings warnings;
-  auto hooked_net = make_net(), plain_net = make_net();
-  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  Lockstep runs{Options()};
   std::vector<torch::Tensor> before;
   for (int64_t step = 0; step < 6; ++step) {
-    if (step == 3) before = factors_of(hooked);  // before the hooks fold
-    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+    if (step == 3) before = factors_of(runs.hooked);  // before the hooks fold
+    for (auto* net : runs.nets()) {
       net->zero_grad();
       if (step == 3) {
         auto x = torch::randn({6, 2, 4, 4}, torch::kFloat64);
@@ -151,39 +167,30 @@ TEST(FoldInHooksGuard, NonFiniteBatchKeepsTheFactors) {
         pass(*net, step, 0, 1);
       }
     }
-    hooked.step();
-    plain.step();
-    const std::string what = "step " + std::to_string(step);
-    expect_same(grads_of(*hooked_net), grads_of(*plain_net), what);
-    expect_same(factors_of(hooked), factors_of(plain), what + " factors");
-    if (step == 3) expect_same(factors_of(hooked), before, "the non-finite step keeps the factors");
+    runs.step("step " + std::to_string(step));
+    if (step == 3) expect_same(factors_of(runs.hooked), before, "the non-finite step keeps the factors");
   }
-  EXPECT_EQ(hooked.events().fallbacks, plain.events().fallbacks);
-  EXPECT_GT(hooked.events().fallbacks, 0);
+  EXPECT_EQ(runs.hooked.events().fallbacks, runs.plain.events().fallbacks);
+  EXPECT_GT(runs.hooked.events().fallbacks, 0);
 }
 
 // `mid` run twice in one forward (forward, forward, backward, backward) with accumulation_steps 2: its passes match
 // the count, but a forward came before the last one's backward, so it folds at step() (as do the other layers, whose
 // one pass does not match), and the run equals folding at step().
 TEST(FoldInHooksAtStep, InterleavedPassesFoldAtStep) {
-  auto hooked_net = make_net(), plain_net = make_net();
-  hooked_net->reuse = plain_net->reuse = true;
   testing::CapturedWarnings warnings;  // the other layers: "ran forward and backward 1 times" (both runs)
-  const auto options = Options().accumulation_steps(2);
-  Preconditioner hooked(hooked_net, options), plain(plain_net, Options(options).fold_in_hooks(false));
-  const auto mid = kMid;
-  ASSERT_EQ(hooked.layers()[mid].name(), "mid");
+  Lockstep runs(Options().accumulation_steps(2));
+  runs.hooked_net->reuse = runs.plain_net->reuse = true;
+  const auto& mid = runs.hooked.layers()[kMid];
+  ASSERT_EQ(mid.name(), "mid");
   for (int64_t step = 0; step < 4; ++step) {
-    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+    for (auto* net : runs.nets()) {
       net->zero_grad();
       pass(*net, step, 0, 1);
     }
-    EXPECT_EQ(hooked.layers()[mid].captured_batches(), 2) << "step " << step;
-    EXPECT_GT(hooked.layers()[mid].capture().pending_bytes().first, 0) << "step " << step;
-    hooked.step();
-    plain.step();
-    expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
-    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
+    EXPECT_EQ(mid.captured_batches(), 2) << "step " << step;
+    EXPECT_GT(mid.capture().pending_bytes().first, 0) << "step " << step;
+    runs.step("step " + std::to_string(step));
   }
 }
 
@@ -192,19 +199,15 @@ TEST(FoldInHooksAtStep, InterleavedPassesFoldAtStep) {
 // those of a run that had only the first pass at step 3, and the later steps equal folding at step().
 TEST(FoldInHooksAtStep, LatePassesAreDroppedAndNamed) {
   testing::CapturedWarnings warnings;
-  auto hooked_net = make_net(), plain_net = make_net();
-  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  Lockstep runs{Options()};
   for (int64_t step = 0; step < 6; ++step) {
-    hooked_net->zero_grad();
-    plain_net->zero_grad();
-    pass(*hooked_net, step, 0, 1);
-    pass(*plain_net, step, 0, 1);
-    if (step == 3) pass(*hooked_net, step, 1, 1);
-    if (step > 3) EXPECT_GT(pending_bytes(hooked), 0) << "step " << step << ": folds at step() again";
-    hooked.step();
-    plain.step();
-    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
-    if (step != 3) expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
+    for (auto* net : runs.nets()) {
+      net->zero_grad();
+      pass(*net, step, 0, 1);
+    }
+    if (step == 3) pass(*runs.hooked_net, step, 1, 1);
+    if (step > 3) EXPECT_GT(pending_bytes(runs.hooked), 0) << "step " << step << ": folds at step() again";
+    runs.step("step " + std::to_string(step), /*grads=*/step != 3);  // step 3's second pass is the hooked run's
   }
   size_t named = 0;
   for (const auto& m : warnings.messages) {
@@ -213,28 +216,24 @@ TEST(FoldInHooksAtStep, LatePassesAreDroppedAndNamed) {
       ++named;
     }
   }
-  EXPECT_EQ(named, hooked.layers().size()) << warnings.all();
+  EXPECT_EQ(named, runs.hooked.layers().size()) << warnings.all();
 }
 
 // Two backward passes of one forward (retain_graph: two G batches to one A) never arm a layer: its A and G counts
 // differ, and step() averages the two G batches as with the option off.
 TEST(FoldInHooksAtStep, TwoBackwardPassesOfOneForwardFoldAtStep) {
   testing::CapturedWarnings warnings;
-  auto hooked_net = make_net(), plain_net = make_net();
-  Preconditioner hooked(hooked_net, Options()), plain(plain_net, Options().fold_in_hooks(false));
+  Lockstep runs{Options()};
   for (int64_t step = 0; step < 4; ++step) {
-    for (auto* net : {hooked_net.get(), plain_net.get()}) {
+    for (auto* net : runs.nets()) {
       net->zero_grad();
       auto g = at::make_generator<at::CPUGeneratorImpl>(40 + step);
       const auto out = net->forward(torch::randn({6, 2, 4, 4}, g, torch::kFloat64));
       out.pow(2).mean().backward({}, /*retain_graph=*/true);
       out.sin().mean().backward();
     }
-    EXPECT_GT(pending_bytes(hooked), 0) << "step " << step;
-    hooked.step();
-    plain.step();
-    expect_same(grads_of(*hooked_net), grads_of(*plain_net), "step " + std::to_string(step));
-    expect_same(factors_of(hooked), factors_of(plain), "step " + std::to_string(step) + " factors");
+    EXPECT_GT(pending_bytes(runs.hooked), 0) << "step " << step;
+    runs.step("step " + std::to_string(step));
   }
 }
 
