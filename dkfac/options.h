@@ -216,12 +216,13 @@ inline OptionRange any_value() { return {}; }
     "KAISA: start each factor's allreduce from the capture hooks, bucketed, overlapped with forward/backward "      \
     "(off: all in step(); same results)")                                                                           \
   X(Value, bool, fold_in_hooks, true, any_value(), "--fold-in-hooks", "", "",                                        \
-    "where no factor is reduced across ranks (one process, DP-KFAC): fold each layer's batches into its running "   \
-    "factors in its backward hook, once its accumulation_steps passes are in, so that no batch waits for step() "   \
-    "(exact: the same sums and fold; docs/MATH.md section 1.8). At step() instead: a layer's first factor update, "  \
-    "a layer whose passes at a factor update did not match accumulation_steps, shared-input groups, a grad scaler, "  \
-    "unused_layer_policy skip on several ranks. A step discarded or failed after its backward keeps what the hooks "  \
-    "folded (off: nothing); dkfac train --on-nan-loss skip turns it off")                                          \
+    "where no factor is reduced across ranks (one process, DP-KFAC): fold each layer's batches into its running "    \
+    "factors in its backward hook, once its accumulation_steps passes are in, so that no batch waits for step() "    \
+    "(exact: the same sums and fold; docs/MATH.md section 1.8); a shared-input group folds as one, in its last "     \
+    "member's hook. At step() instead: a layer's first factor update, a layer whose passes at a factor update "      \
+    "did not match accumulation_steps (a group: any member's), a grad scaler, unused_layer_policy skip on "          \
+    "several ranks. A step discarded or failed after its backward keeps what the hooks folded (off: nothing); "      \
+    "dkfac train --on-nan-loss skip turns it off")                                                                   \
   X(Value, double, allreduce_bucket_cap_mb, 25.0, at_least(0), "--allreduce-bucket-cap-mb", "", "",                  \
     "KAISA in hooks: largest factor bucket in MiB (0: each factor alone)")                                          \
   X(Value, StrategyOption, strategy, Strategy::kKaisa, any_value(), "--strategy", "", "",                                  \

@@ -1132,21 +1132,30 @@ void Preconditioner::warn_once(size_t index, const std::string& kind, const std:
 }
 
 int64_t Preconditioner::memory_bytes() const {
-  int64_t total = 0;
+  int64_t total = second_order_in_flight_bytes();
   for (const auto& layer : layers_) total += layer.memory_bytes();
-  // Options::second_order_lag: the states computed beside the steps (as large as the ones they replace) wait beside
-  // the ones in use until installed, and the factors they are computed from stay until then where newer ones
-  // replaced them (read here, not the job's results, which its thread may be writing).
-  if (job_) {
-    for (size_t k = 0; k < job_->layers.size(); ++k) {
-      const auto& now = layers_[job_->layers[k]];
-      const auto& from = job_->sources[k];
-      total += now.second_order().memory_bytes();
-      const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},
-                                                                             {&from.g_factor(), &now.g_factor()}};
-      for (const auto& [was, is] : sides) {
-        if (was->defined() && !was->is_same(*is)) total += static_cast<int64_t>(was->nbytes());
-      }
+  return total;
+}
+
+int64_t Preconditioner::second_order_in_flight_bytes() const {
+  // The states computed beside the steps (as large as the ones they replace) wait beside the ones in use until
+  // installed, and the factors they are computed from stay until then where newer ones replaced them (read here, not
+  // the job's results, which its thread may be writing). A shared-input group's follower holds its leader's A.
+  int64_t total = 0;
+  if (!job_) return total;
+  for (size_t k = 0; k < job_->layers.size(); ++k) {
+    const auto& now = layers_[job_->layers[k]];
+    const auto& from = job_->sources[k];
+    const bool own_a = !now.follows_a();
+    const auto parts = now.second_order().parts();  // Q_A, d_A, Q_G, d_G, the denominator, the A and G inverses
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const bool a_side = p == 0 || p == 1 || p == 5;
+      if ((own_a || !a_side) && parts[p]->defined()) total += static_cast<int64_t>(parts[p]->nbytes());
+    }
+    const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {
+        {own_a ? &from.a_factor() : nullptr, &now.a_factor()}, {&from.g_factor(), &now.g_factor()}};
+    for (const auto& [was, is] : sides) {
+      if (was != nullptr && was->defined() && !was->is_same(*is)) total += static_cast<int64_t>(was->nbytes());
     }
   }
   return total;

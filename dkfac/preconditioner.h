@@ -252,8 +252,13 @@ class Preconditioner {
     settle_pending_guards(/*wait=*/true);
     return last_kl_scale_;
   }
-  /// Bytes of K-FAC state (factors and second-order state) held now.
+  /// Bytes of K-FAC state (factors and second-order state) held now, second_order_in_flight_bytes included.
   int64_t memory_bytes() const;
+  /// Options::second_order_lag: bytes the update in flight holds beside the state in use: a second state of each
+  /// layer it computes (as large as the one it replaces; counted from its start, while its thread computes it), and
+  /// the factors it is computed from where a factor update has replaced them since. 0 with none in flight.
+  /// strategy::predict's RankCost::in_flight_bytes is its most.
+  int64_t second_order_in_flight_bytes() const;
 
   /// Every layer's whole state (KfacLayer::state(): factors and second-order state), the same on every rank
   /// and independent of the world size: factors from the ranks that build them (DP-KFAC's owners; KAISA and
@@ -408,8 +413,7 @@ class Preconditioner {
              const GuardReport& report);
   void arm_capture();
   /// Options::fold_in_hooks: whether layer `index` may fold in its backward hook (step() would fold exactly what
-  /// the hook has: one process or DP-KFAC's own batches, no shared A, no grad scaler, no agreement on unused
-  /// layers to wait for).
+  /// the hook has: one process or DP-KFAC's own batches, no grad scaler, no agreement on unused layers to wait for).
   bool may_fold_in_hooks(size_t index) const;
   /// Arms layer `index`'s capture to fold its accumulation_steps passes in its backward hook (fold_in_hook).
   void arm_hook_fold(size_t index);
@@ -417,8 +421,13 @@ class Preconditioner {
   void disarm_hook_folds();
   /// The fold of layer `index` in its backward hook: its batches taken and folded into its factors with this step's
   /// decay, the result kept in hook_folded_ for update_factors. False (nothing taken) where step() decides: a frozen
-  /// weight or bias, a layer without factors.
+  /// weight or bias, a layer without factors (may_fold_now). A shared-input group's member: fold_group_in_hook.
   bool fold_in_hook(size_t index);
+  /// Layer `index` is armed and its hook may take its batches now (fold_in_hook).
+  bool may_fold_now(size_t index) const;
+  /// The shared-input group led by `leader` folded as one (its A once, each member's G), in the hook of the member
+  /// whose passes come in last: false (nothing taken) until every member's are in, each given the one input.
+  bool fold_group_in_hook(size_t leader);
   /// At a factor step's check_layers: "" unless layer `index` captured passes (forward or backward) after the ones its
   /// hook folded; then they are dropped, the layer folds at step() for good, and the warning is returned.
   std::string check_hook_fold(size_t index);

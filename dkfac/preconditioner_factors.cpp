@@ -23,11 +23,16 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   mark("factor update");
   // Layers whose passes this step were what a fold in their hooks waits for: armed for the next factor steps.
   std::vector<bool> steady(layers_.size(), false);
+  std::vector<bool> group_steady(layers_.size(), true);  // by leader: every member of the shared-input group is
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& capture = layers_[i].capture();
     const auto k = options_.accumulation_steps();
     steady[i] = hook_fold_[i] == HookFold::kAtStep && may_fold_in_hooks(i) && !capture.interleaved() &&
                 capture.folded_passes() == 0 && capture.a_count() == k && capture.g_count() == k;
+    if (group_of(i) >= 0 && !steady[i]) group_steady[static_cast<size_t>(group_of(i))] = false;
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (group_of(i) >= 0 && !group_steady[static_cast<size_t>(group_of(i))]) steady[i] = false;  // armed as one
   }
   auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
@@ -70,10 +75,10 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
 
 bool Preconditioner::may_fold_in_hooks(size_t index) const {
   // Where step() would fold exactly what the hook has: nothing averaged over ranks, no rank's verdict on the layer
-  // awaited, no shared A, no loss scale that may skip the step (the scaler's skipped batch joins the next).
+  // awaited, no loss scale that may skip the step (the scaler's skipped batch joins the next).
   return options_.fold_in_hooks() && executor_->plan().reduction == strategy::FactorReduction::kNone &&
          executor_->builds_factors(index) && executor_->keeps_factors(index) && !agrees_on_unused_layers() &&
-         group_of(index) < 0 && !options_.grad_scaler();
+         !options_.grad_scaler();
 }
 
 void Preconditioner::arm_hook_fold(size_t index) {
@@ -89,18 +94,53 @@ void Preconditioner::disarm_hook_folds() {
   }
 }
 
-bool Preconditioner::fold_in_hook(size_t index) {
-  // On the thread that ran the layer's backward hook, while step() waits for the backward pass to end. Left to
-  // step() (nothing taken): a weight or bias frozen since, which check_layers names; a layer without factors (loaded
-  // so), whose first update step() decides on the host.
-  auto& layer = layers_[index];
+bool Preconditioner::may_fold_now(size_t index) const {
+  // Left to step() (nothing taken): a weight or bias frozen since, which check_layers names; a layer without factors
+  // (loaded so), whose first update step() decides on the host.
+  const auto& layer = layers_[index];
   const auto& bias = layer.bias();
-  if (!layer.weight().requires_grad() || (bias.defined() && !bias.requires_grad()) || !layer.has_factors()) {
-    return false;
-  }
+  return hook_fold_[index] == HookFold::kArmed && layer.weight().requires_grad() &&
+         (!bias.defined() || bias.requires_grad()) && layer.has_factors();
+}
+
+bool Preconditioner::fold_in_hook(size_t index) {
+  // On the thread that ran the layer's backward hook, while step() waits for the backward pass to end.
+  if (group_of(index) >= 0) return fold_group_in_hook(static_cast<size_t>(group_of(index)));
+  if (!may_fold_now(index)) return false;
+  auto& layer = layers_[index];
   const double decay = options_.factor_decay_at(steps_);  // a schedule that throws takes nothing
   auto [a, g] = layer.take_factor_batches();
   hook_folded_[index] = layer.fold_factors(a, g, decay);
+  return true;
+}
+
+bool Preconditioner::fold_group_in_hook(size_t leader) {
+  // In the hook of whichever member's passes come in last, once every member's have, each given the one input
+  // (check_shared_inputs refuses the step otherwise: nothing is taken); else a member's hook that comes later does
+  // it, or step(), which then sees exactly these batches. The same folds as update_factors', in its order.
+  std::vector<size_t> members;
+  for (size_t j = leader; j < layers_.size(); ++j) {
+    if (group_of(j) == static_cast<int>(leader)) members.push_back(j);
+  }
+  const auto passes = static_cast<size_t>(options_.accumulation_steps());
+  for (const auto j : members) {
+    const auto& capture = layers_[j].capture();
+    if (!may_fold_now(j) || !capture.fold_ready() || capture.input_passes() != passes ||
+        !capture.input_mismatch(nullptr).empty()) {
+      return false;
+    }
+  }
+  const double decay = options_.factor_decay_at(steps_);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (const auto j : members) batches.push_back(layers_[j].take_factor_batches());
+  torch::Tensor a_folded;
+  for (size_t m = 0; m < members.size(); ++m) {
+    auto& layer = layers_[members[m]];
+    if (members[m] == leader) a_folded = layer.fold_factor(/*a=*/true, batches[m].first, decay);
+    if (layer.follows_a()) layer.link_a(layers_[leader]);
+    hook_folded_[members[m]] = a_folded.logical_and(layer.fold_factor(/*a=*/false, batches[m].second, decay));
+    layer.capture().mark_folded();
+  }
   return true;
 }
 

@@ -285,15 +285,28 @@ bool FactorCapture::interleaved() const {
   return interleaved_;
 }
 
+bool FactorCapture::fold_ready_locked() const {
+  const auto forwards = follower_ ? static_cast<int64_t>(passes_.size()) : a_count_;
+  return fold_ && folded_passes_ == 0 && !interleaved_ && waiting_inputs_.empty() && forwards == fold_passes_ &&
+         g_count_ == fold_passes_;
+}
+
+bool FactorCapture::fold_ready() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return fold_ready_locked();
+}
+
+void FactorCapture::mark_folded() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  folded_passes_ = fold_passes_;
+}
+
 void FactorCapture::fold_if_complete(c10::Device device) {
   Fold fold;
   int64_t passes = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!fold_ || folded_passes_ > 0 || interleaved_ || !waiting_inputs_.empty() || a_count_ != fold_passes_ ||
-        g_count_ != fold_passes_) {
-      return;
-    }
+    if (!fold_ready_locked()) return;
     fold = fold_;
     passes = fold_passes_;
   }

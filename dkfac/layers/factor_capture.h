@@ -192,6 +192,11 @@ class FactorCapture {
   int64_t folded_passes() const;
   /// Since the last take_a or clear: a forward pass came before the backward of the one before it.
   bool interleaved() const;
+  /// The passes set_fold waits for are in, and nothing is folded yet: what the fold is called on. A shared-input
+  /// group folds as one, in its last member's hook: it asks the others whether theirs are in too.
+  bool fold_ready() const;
+  /// Those passes were taken by a fold another capture's hook ran (a shared-input group's): they count as folded.
+  void mark_folded();
 
   /// Called after each add (on the thread that added, outside the capture's lock) with whether it was
   /// A and how many micro-batches that factor now holds. The FactorPipeline (SPD-KFAC, KAISA's hook buckets)
@@ -218,6 +223,8 @@ class FactorCapture {
   void build_waiting_inputs();
   /// set_fold's fold, when the passes it waits for are in (capture_output_grad, after the add).
   void fold_if_complete(c10::Device device);
+  /// fold_ready's test. Caller holds mutex_.
+  bool fold_ready_locked() const;
 
   LayerGeometry geometry_;
   std::optional<torch::ScalarType> factor_dtype_;

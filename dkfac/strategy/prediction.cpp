@@ -50,7 +50,11 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         // The eigen denominator [g, a] is not held with eigen_adam (Adam's step does not use the eigenvalues).
         const int64_t denominator = plan.eigen_adam ? 0 : g * a;
         const int64_t a_state = !own_a ? 0 : eigen ? held(a, da) + (da ? 0 : a) : held(a, da);
-        r.memory_bytes += e * (eigen ? a_state + held(g, dg) + (dg ? 0 : g) + denominator : a_state + held(g, dg));
+        const int64_t state = e * (eigen ? a_state + held(g, dg) + (dg ? 0 : g) + denominator : a_state + held(g, dg));
+        r.memory_bytes += state;
+        if (plan.second_order_lag > 0 && (plan.computes_a(i, rank) || plan.computes_g(i, rank))) {
+          r.in_flight_bytes += state + (plan.keeps_factors(i, rank) ? e * (a_held + held(g, dg)) : 0);
+        }
         if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a + 4;  // Adam's m and v, and its float32 step count
         const double per_decomposition = eigen ? 9.0 : 1.0;
         if (plan.computes_a(i, rank) && !da) r.decomposition_flops += per_decomposition * cube(a);
@@ -76,6 +80,7 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
       }
       if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
     }
+    r.memory_bytes += r.in_flight_bytes;
   }
   return out;
 }

@@ -15,7 +15,13 @@ struct RankCost {
   int64_t factor_bytes = 0;        ///< per factor step
   int64_t second_order_bytes = 0;  ///< per second-order step
   int64_t gradient_bytes = 0;      ///< per step (preconditioned gradients)
-  int64_t memory_bytes = 0;        ///< K-FAC factors and second-order state held
+  /// K-FAC factors and second-order state held, at most: with StepPlan::second_order_lag, the update in flight's
+  /// states and the factors they are computed from included (in_flight_bytes)
+  int64_t memory_bytes = 0;
+  /// StepPlan::second_order_lag > 0: what the update in flight holds beside the state in use, at most (the
+  /// Preconditioner's second_order_in_flight_bytes): a second state of each layer this rank computes a part of,
+  /// and that layer's factors as they were when it started (where a factor update comes before it is installed)
+  int64_t in_flight_bytes = 0;
   double factor_flops = 0;         ///< per factor step: 2 rows d^2 per factor built here
   double decomposition_flops = 0;  ///< per second-order step: 9 d^3 per eigh, d^3 per inverse
   double precondition_flops = 0;   ///< per step: 2 g a (g + a), twice for eigen (rotate in and out)

@@ -54,6 +54,8 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     auto plan = StepPlan::single_process(shapes, options.compute_method(), *options.strategy());
     plan.approx = options.kfac_approx();
     plan.eigen_adam = options.eigen_adam();
+    plan.eigh_interval = options.eigh_interval();
+    plan.second_order_lag = options.second_order_lag();
     return plan;
   }
   StepPlan plan;
@@ -62,6 +64,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   plan.strategy = *options.strategy();
   plan.method = options.compute_method();
   plan.eigh_interval = options.eigh_interval();
+  plan.second_order_lag = options.second_order_lag();
   plan.shapes = shapes;
   switch (plan.strategy) {
     case Strategy::kKaisa:

@@ -44,6 +44,9 @@ struct StepPlan {
   /// Options::eigh_interval: one second-order update in this many decomposes in full, the others refresh the
   /// eigenbases (the time model prices the average, Rates::second_order_seconds)
   int64_t eigh_interval = 1;
+  /// Options::second_order_lag: each update after the first is computed beside the steps and installed this many
+  /// steps later (0: at once), holding a second state of the layers it computes meanwhile (strategy::predict)
+  int64_t second_order_lag = 0;
   /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
   /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
   std::vector<assign::LayerShape> shapes;

@@ -973,7 +973,9 @@ class BaseKFACPreconditioner:
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
-        and step counts, once held)."""
+        and step counts, once held; ``second_order_in_flight``: with ``second_order_lag``, while an update is
+        computed beside the steps, a second state of the layers it computes and the factors it reads where newer
+        ones replaced them)."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
         kinds = {key: 'adam_moments' if moment else f"{side}_{'factors' if factor else 'inverses'}"
                  for key, factor, side, moment in _STATE_ENTRIES}
@@ -984,6 +986,9 @@ class BaseKFACPreconditioner:
             a, g = capture.pending_bytes()
             sizes['a_batch'] += a
             sizes['g_batch'] += g
+        in_flight = self._core.second_order_in_flight_bytes()
+        if in_flight:  # as 'adam_moments': only where held, so that kfac_pytorch's keys stay the rest
+            sizes['second_order_in_flight'] = in_flight
         sizes['total'] = sum(sizes.values())
         return sizes
 

@@ -401,6 +401,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("steps", &Preconditioner::steps)
       .def("is_factor_step", &Preconditioner::is_factor_step)
       .def("memory_bytes", &Preconditioner::memory_bytes)
+      .def("second_order_in_flight_bytes", &Preconditioner::second_order_in_flight_bytes)
       .def("layer_dims",
            [](const Preconditioner& p) {
              // (a, g, A diagonal, G diagonal) per layer, as the core sized them

@@ -54,6 +54,28 @@ def test_each_update_is_installed_lag_steps_later():
         assert (differ > 1e-8) == (step >= 2 and step % 2 == 0), f'step {step}: {differ}'
 
 
+def test_memory_usage_counts_the_update_in_flight():
+    """While an update is computed beside the steps, memory_usage() names what it holds (a second state of each
+    layer, and once a factor update replaced them the factors it reads) and adds it to the total; the key is absent
+    otherwise, as kfac_pytorch's memory_usage() has it."""
+    exact_model, lagged_model = make_model(), make_model()
+    exact = dkfac.KFACPreconditioner(exact_model, factor_update_steps=1, inv_update_steps=3)
+    lagged = dkfac.KFACPreconditioner(lagged_model, factor_update_steps=1, inv_update_steps=3, second_order_lag=2)
+    dims = [(6 + 1, 5), (5 + 1, 3)]  # (a, g): A with the bias column
+    # Eigenvectors, eigenvalues and the denominator in inv_dtype (float32, as kfac_pytorch's); float64 factors.
+    state = 4 * sum(a * a + a + g * g + g + g * a for a, g in dims)
+    factors = 8 * sum(a * a + g * g for a, g in dims)
+    for step in range(6):
+        for model, preconditioner in ((exact_model, exact), (lagged_model, lagged)):
+            backward(model, step)
+            preconditioner.step()
+        usage, usage_exact = lagged.memory_usage(), exact.memory_usage()
+        in_flight = {3: state, 4: state + factors}.get(step)  # step 3's update, installed at step 5
+        assert usage.get('second_order_in_flight') == in_flight, (step, usage)
+        assert usage['total'] == usage_exact['total'] + (in_flight or 0), step
+        assert 'second_order_in_flight' not in usage_exact
+
+
 def test_state_dict_saved_with_an_update_in_flight_resumes_it():
     # Inverse updates every 3 steps, factors every 2, lag 2: saved after step 3, whose update installs at step 5;
     # no factor update between (steps 2 and 4 are factor steps), so the resumed run installs the same update.

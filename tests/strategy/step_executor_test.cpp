@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <numeric>
 
 #include <mutex>
@@ -596,7 +597,21 @@ TEST(SecondOrderLag, EveryStrategyEqualsOneProcess) {
   for (const auto& [world, options] : cases) {
     const std::string what = std::to_string(world) + " ranks, " + to_string(options.strategy()) + ", fraction " +
                              std::to_string(options.grad_worker_fraction());  // ranks are threads: no SCOPED_TRACE
-    const auto got = run_distributed(world, options);
+    // After the last step (an inverse step) its update is in flight: the state besides it is what the plan predicts,
+    // and what the update holds (a second state of each layer the rank computes) is within the plan's most.
+    std::vector<std::array<int64_t, 4>> memory(world);  // held, in flight, predicted held, predicted in flight
+    const auto got = run_distributed(world, options, [&](int rank, Preconditioner& kfac, comm::Communicator&) {
+      const auto cost = predict(kfac.plan(), /*element_bytes=*/8, /*batch_size=*/1).at(static_cast<size_t>(rank));
+      memory[rank] = {kfac.memory_bytes(), kfac.second_order_in_flight_bytes(), cost.memory_bytes,
+                      cost.in_flight_bytes};
+    });
+    for (int rank = 0; rank < world; ++rank) {
+      const auto [held, in_flight, predicted, predicted_in_flight] = memory[rank];
+      EXPECT_EQ(held - in_flight, predicted - predicted_in_flight) << what << " rank " << rank;
+      EXPECT_LE(in_flight, predicted_in_flight) << what << " rank " << rank;
+      EXPECT_EQ(in_flight > 0, predicted_in_flight > 0) << what << " rank " << rank;
+    }
+    EXPECT_GT(memory[0][1], 0) << what << ": rank 0 computes an update in flight";
     const bool dp = options.strategy() == Strategy::kDp;
     const auto owners = assign::assign_dp(model_shapes(), world);
     const auto expected = dp ? dp_reference(world, options, owners) : reference(world, options);

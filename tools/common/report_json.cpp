@@ -126,6 +126,7 @@ void to_json(nlohmann::json& json, const RankCost& c) {
           {"second_order_bytes", c.second_order_bytes},
           {"gradient_bytes", c.gradient_bytes},
           {"memory_bytes", c.memory_bytes},
+          {"in_flight_bytes", c.in_flight_bytes},
           {"factor_flops", c.factor_flops},
           {"decomposition_flops", c.decomposition_flops},
           {"precondition_flops", c.precondition_flops}};
