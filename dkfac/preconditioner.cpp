@@ -850,9 +850,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
 }
 
 LayerGroups& Preconditioner::layer_groups() {
-  const bool applies = options_.stack_layers() && options_.second_order_lag() == 0 && !options_.eigen_adam() &&
-                       (executor_->plan().method == ComputeMethod::kInverse ||
-                        options_.compute_eigenvalue_outer_product());
+  const bool applies = executor_->plan().stack_layers;
   std::vector<bool> held(layers_.size(), false);
   for (size_t i = 0; applies && i < layers_.size(); ++i) {
     held[i] = executor_->preconditions(i) && (layers_[i].has_factors() || layers_[i].second_order().defined());
@@ -888,7 +886,7 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
         group.share * (g * a + (group.share > 1 ? a * a : 0)) *
         static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType()));
     const int64_t units = static_cast<int64_t>(group.units.size());
-    const int64_t per_batch = std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
+    const int64_t per_batch = std::max<int64_t>(1, strategy::kStackedBatchBytes / unit_bytes);
     for (int64_t u = 0; u < units; u += per_batch) {
       const int64_t count = std::min(per_batch, units - u);
       const int64_t first_member = u * group.share;

@@ -361,7 +361,7 @@ class Preconditioner {
   /// every member then absorbed); none where the option is off or does not apply.
   LayerGroups& layer_groups();
   /// precondition() of the groups whose every member is preconditioned this step, with batched products (in chunks
-  /// of at most kStackedBatchBytes of gradients), and each member's guard row (guard_rows_) with its batch; marks
+  /// of at most strategy::kStackedBatchBytes of gradients), and each member's guard row (guard_rows_) with its batch; marks
   /// the layers done.
   void precondition_groups(const std::vector<LayerFate>& fates, double kl_clip,
                            std::vector<torch::Tensor>& preconditioned, std::vector<torch::Tensor>& vg,
@@ -404,9 +404,6 @@ class Preconditioner {
   /// getters), or the oldest ones while more than kMaxPendingGuards wait.
   void settle_pending_guards(bool wait);
   static constexpr size_t kMaxPendingGuards = 4;
-  /// Options::stack_layers: the most gradient bytes one batch of a group's products takes (its intermediates are as
-  /// large), so that a group of many large layers does not hold several copies of all their gradients at once.
-  static constexpr int64_t kStackedBatchBytes = int64_t{64} << 20;
   /// Writes the gradients: from the settled fates and scale, or, with a report still on the device, each
   /// candidate layer's where(usable, V * nu, grad), without a host synchronisation.
   void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,

@@ -44,6 +44,11 @@ StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes,
   return plan;
 }
 
+bool stacks_layers(const Options& options) {
+  return options.stack_layers() && options.second_order_lag() == 0 && !options.eigen_adam() &&
+         (options.compute_method() == ComputeMethod::kInverse || options.compute_eigenvalue_outer_product());
+}
+
 StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,
                         int64_t measured_redundant_dim, int replicated_shard_ranks) {
   options.validate();
@@ -56,6 +61,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     plan.eigen_adam = options.eigen_adam();
     plan.eigh_interval = options.eigh_interval();
     plan.second_order_lag = options.second_order_lag();
+    plan.stack_layers = stacks_layers(options);
     return plan;
   }
   StepPlan plan;
@@ -65,6 +71,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   plan.method = options.compute_method();
   plan.eigh_interval = options.eigh_interval();
   plan.second_order_lag = options.second_order_lag();
+  plan.stack_layers = stacks_layers(options);
   plan.shapes = shapes;
   switch (plan.strategy) {
     case Strategy::kKaisa:

@@ -47,6 +47,9 @@ struct StepPlan {
   /// Options::second_order_lag: each update after the first is computed beside the steps and installed this many
   /// steps later (0: at once), holding a second state of the layers it computes meanwhile (strategy::predict)
   int64_t second_order_lag = 0;
+  /// stacks_layers(options): the layers of one shape a rank preconditions are preconditioned together, a batch of at
+  /// most kStackedBatchBytes of gradients at a time (LayerGroups; the time model prices a batch's fixed cost once)
+  bool stack_layers = false;
   /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
   /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
   std::vector<assign::LayerShape> shapes;
@@ -91,6 +94,15 @@ struct StepPlan {
   /// The plan in words: job-wide choices, then (with `per_layer`) one line per layer.
   std::string describe(bool per_layer = true) const;
 };
+
+/// Options::stack_layers where it applies: not with second_order_lag or eigen_adam (they precondition layer by layer),
+/// and with the eigen method only where the denominator is the eigenvalues' outer product
+/// (compute_eigenvalue_outer_product).
+bool stacks_layers(const Options& options);
+
+/// Options::stack_layers: the most gradient bytes one batch of a group's products takes (its intermediates are as
+/// large), so that a group of many large layers does not hold several copies of all their gradients at once.
+inline constexpr int64_t kStackedBatchBytes = int64_t{64} << 20;
 
 /// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs
 /// its redundancy threshold decided: options.spd().redundant_dim, or `measured_redundant_dim` when that is

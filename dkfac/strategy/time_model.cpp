@@ -4,6 +4,7 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -153,6 +154,47 @@ PhaseSeconds TimePrediction::slowest_phases() const {
 
 namespace {
 
+/// Rank `r`'s preconditioning products: each layer's at the rate's per-FLOP cost, and its fixed cost (launches,
+/// allocations) once per layer, or with StepPlan::stack_layers once per batch of a group, as LayerGroups forms them:
+/// the layers of one shape (a shared-input unit whole, where its members share a g too; diagonal factors apart), in
+/// batches of at most kStackedBatchBytes of gradients (in the K-FAC tensors' dtype here).
+double precondition_seconds(const StepPlan& plan, const Rates& rates, int r) {
+  const auto& rate = rates.precondition;
+  const auto& shapes = plan.shapes;
+  double total = 0.0;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> units;  // (g, a, members per unit) -> units
+  std::vector<bool> grouped(shapes.size(), false);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    if (!plan.preconditions(i, r)) continue;
+    total += rate.seconds_for(shapes[i].g_dim, shapes[i].a_dim, plan.method) - rate.seconds;
+    if (!plan.stack_layers || shapes[i].a_shared_with >= 0 || shapes[i].a_diagonal || shapes[i].g_diagonal) continue;
+    std::vector<size_t> unit{i};
+    bool whole = true;
+    for (size_t j = 0; j < shapes.size(); ++j) {
+      if (shapes[j].a_shared_with != static_cast<int>(i)) continue;
+      unit.push_back(j);
+      whole = whole && plan.preconditions(j, r) && !shapes[j].g_diagonal && shapes[j].g_dim == shapes[i].g_dim;
+    }
+    if (!whole) continue;
+    for (const auto j : unit) grouped[j] = true;
+    ++units[{shapes[i].g_dim, shapes[i].a_dim, static_cast<int64_t>(unit.size())}];
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    if (plan.preconditions(i, r) && !grouped[i]) total += rate.seconds;
+  }
+  for (const auto& [key, count] : units) {
+    const auto [g, a, share] = key;
+    if (count * share < 2) {  // a group of one layer is preconditioned alone
+      total += rate.seconds;
+      continue;
+    }
+    const int64_t unit_bytes = share * (g * a + (share > 1 ? a * a : 0)) * rates.element_bytes();
+    const int64_t per_batch = std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
+    total += rate.seconds * static_cast<double>((count + per_batch - 1) / per_batch);
+  }
+  return total;
+}
+
 /// One plan's work per rank and its collectives on `rates`, from which predict_time and predict_step_seconds
 /// simulate steps.
 class StepSimulation {
@@ -201,9 +243,9 @@ class StepSimulation {
         if (plan.computes_g(i, r) && !s.g_diagonal) decompose(s.g_dim);
         if (flow.broadcast_a) second_order_[r] += share(s.a_dim, s.a_diagonal);
         if (flow.broadcast_g) second_order_[r] += share(s.g_dim, s.g_diagonal);
-        precondition_[r] += rates.precondition.seconds_for(s.g_dim, s.a_dim, plan.method);
       }
     }
+    for (int r = 0; r < p_; ++r) precondition_[r] = precondition_seconds(plan, rates, r);
     factor_comm_ = factor_comm_seconds(plan, rates, slot_build);
     if (plan.broadcast_gradients) {
       const int row = p_ / plan.grad_workers();

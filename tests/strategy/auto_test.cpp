@@ -125,6 +125,39 @@ TEST(TimeModel, EighIntervalAveragesFullDecompositionsAndRefreshes) {
   EXPECT_THROW(r.validate(), c10::Error) << "a refresh table of 2 dims and 1 time";
 }
 
+// Options::stack_layers: the layers of one shape a rank preconditions pay the products' fixed cost once per batch of
+// kStackedBatchBytes of gradients (LayerGroups' groups: a shared-input unit whole), the others once each; the FLOPs
+// are the same. make_step_plan sets the flag where stacking applies.
+TEST(TimeModel, StackedLayersPayTheFixedCostOncePerBatch) {
+  Rates r = rates(1e-12, 0, 0, 1);
+  r.precondition.seconds = 1e-3;
+  // Three 64 x 65 layers, two 64 x 129 layers of a shared-input unit (a follower of the first), one 10 x 65 layer.
+  std::vector<assign::LayerShape> layers = {{"a0", 65, 64, 1}, {"a1", 65, 64, 1}, {"a2", 65, 64, 1},
+                                            {"q", 129, 64, 1},  {"k", 129, 64, 1}, {"b", 65, 10, 1}};
+  layers[4].a_shared_with = 3;
+  const auto options = Options().compute_method(ComputeMethod::kInverse);
+  auto plan = make_step_plan(layers, 1, options);
+  ASSERT_TRUE(plan.stack_layers);
+  double flops = 0;
+  for (const auto& s : layers) flops += 2.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim);
+  const auto precondition = [&](const StepPlan& p) { return predict_time(p, r, 32, {1, 1}).ranks[0].precondition; };
+  // a0-a2: one batch; q and k: one unit, one batch; b: alone.
+  EXPECT_NEAR(precondition(plan), 3e-3 + 1e-12 * flops, 1e-12);
+  plan.stack_layers = false;
+  EXPECT_NEAR(precondition(plan), 6e-3 + 1e-12 * flops, 1e-12);
+  EXPECT_FALSE(make_step_plan(layers, 1, Options(options).stack_layers(false)).stack_layers);
+  EXPECT_FALSE(make_step_plan(layers, 1, Options(options).second_order_lag(1)).stack_layers);
+  EXPECT_FALSE(make_step_plan(layers, 1, Options().eigen_adam(true).kl_clip(0)).stack_layers);
+  EXPECT_FALSE(make_step_plan(layers, 2, Options(options).stack_layers(false)).stack_layers);
+  EXPECT_TRUE(make_step_plan(layers, 2, options).stack_layers);
+  // Layers whose gradients pass kStackedBatchBytes in one batch: a batch per kStackedBatchBytes (float32 here).
+  const int64_t d = 2048;
+  ASSERT_EQ(kStackedBatchBytes / (d * d * 4), 4);
+  plan = make_step_plan(std::vector<assign::LayerShape>(9, {"big", d, d, 1}), 1, options);
+  const double per_layer_flops = 1e-12 * 2.0 * d * d * (2.0 * d);
+  EXPECT_NEAR(precondition(plan), 3e-3 + 9 * per_layer_flops, 1e-9) << "batches of 4, 4 and 1";
+}
+
 TEST(TimeModel, FactorsArePricedByTheKernelThatBuildsThemAndFoldedPerLayer) {
   // Each kernel's rate differs; every factor must be priced at its own kernel's (shapes(): an unfold and a
   // patches convolution, two Linear layers), and each layer built pays one fold.
