@@ -23,6 +23,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <set>
 #include <thread>
 #include <sstream>
 
@@ -1138,9 +1139,11 @@ int64_t Preconditioner::memory_bytes() const {
 int64_t Preconditioner::second_order_in_flight_bytes() const {
   // The states computed beside the steps (as large as the ones they replace) wait beside the ones in use until
   // installed, and the factors they are computed from stay until then where newer ones replaced them (read here, not
-  // the job's results, which its thread may be writing). A shared-input group's follower holds its leader's A.
+  // the job's results, which its thread may be writing). A shared-input group's follower holds its leader's A: each
+  // factor is counted once, whichever copies keep it.
   int64_t total = 0;
   if (!job_) return total;
+  std::set<const void*> counted;
   for (size_t k = 0; k < job_->layers.size(); ++k) {
     const auto& now = layers_[job_->layers[k]];
     const auto& from = job_->sources[k];
@@ -1150,10 +1153,12 @@ int64_t Preconditioner::second_order_in_flight_bytes() const {
       const bool a_side = p == 0 || p == 1 || p == 5;
       if ((own_a || !a_side) && parts[p]->defined()) total += static_cast<int64_t>(parts[p]->nbytes());
     }
-    const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {
-        {own_a ? &from.a_factor() : nullptr, &now.a_factor()}, {&from.g_factor(), &now.g_factor()}};
+    const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},
+                                                                           {&from.g_factor(), &now.g_factor()}};
     for (const auto& [was, is] : sides) {
-      if (was != nullptr && was->defined() && !was->is_same(*is)) total += static_cast<int64_t>(was->nbytes());
+      if (was->defined() && !was->is_same(*is) && counted.insert(was->data_ptr()).second) {
+        total += static_cast<int64_t>(was->nbytes());
+      }
     }
   }
   return total;

@@ -1,6 +1,7 @@
 // Preconditioner's factor phase: the captured batches taken, averaged over ranks and folded into the running
 // factors at step(), or folded in each layer's backward hook where nothing is averaged (Options::fold_in_hooks,
 // docs/MATH.md section 1.8).
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -71,6 +72,19 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     }
     if (steady[i]) arm_hook_fold(i);
   }
+  // A shared-input group is armed whole or not at all: a member that stayed unarmed (its first update was not
+  // finite) leaves the others to fold at step() too, so that all of them are steady again at a later update.
+  std::vector<bool> group_armed(layers_.size(), true);  // by leader
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (group_of(i) >= 0 && steady[i] && hook_fold_[i] != HookFold::kArmed) {
+      group_armed[static_cast<size_t>(group_of(i))] = false;
+    }
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (group_of(i) < 0 || !steady[i] || group_armed[static_cast<size_t>(group_of(i))]) continue;
+    if (hook_fold_[i] == HookFold::kArmed) hook_fold_[i] = HookFold::kAtStep;
+    layers_[i].capture().set_fold(nullptr, 0);
+  }
 }
 
 bool Preconditioner::may_fold_in_hooks(size_t index) const {
@@ -118,6 +132,10 @@ bool Preconditioner::fold_group_in_hook(size_t leader) {
   // In the hook of whichever member's passes come in last, once every member's have, each given the one input
   // (check_shared_inputs refuses the step otherwise: nothing is taken); else a member's hook that comes later does
   // it, or step(), which then sees exactly these batches. The same folds as update_factors', in its order.
+  // Members' hooks run on the thread of their device's backward pass, so one at a time; held anyway, so that two
+  // hooks never both find the group complete.
+  static std::mutex group_fold;
+  const std::lock_guard<std::mutex> lock(group_fold);
   std::vector<size_t> members;
   for (size_t j = leader; j < layers_.size(); ++j) {
     if (group_of(j) == static_cast<int>(leader)) members.push_back(j);

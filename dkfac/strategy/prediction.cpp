@@ -1,6 +1,7 @@
 #include "dkfac/strategy/prediction.h"
 
 #include <algorithm>
+#include <set>
 
 #include "dkfac/comm/packing.h"
 
@@ -27,6 +28,7 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
   std::vector<RankCost> out(plan.world_size());
   for (int rank = 0; rank < plan.world_size(); ++rank) {
     auto& r = out[rank];
+    std::set<size_t> in_flight_a;  // the A factors counted in in_flight_bytes, by the layer that holds each
     for (size_t i = 0; i < plan.shapes.size(); ++i) {
       const auto& shape = plan.shapes[i];
       const auto& flow = plan.flows[i];
@@ -53,7 +55,12 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         const int64_t state = e * (eigen ? a_state + held(g, dg) + (dg ? 0 : g) + denominator : a_state + held(g, dg));
         r.memory_bytes += state;
         if (plan.second_order_lag > 0 && (plan.computes_a(i, rank) || plan.computes_g(i, rank))) {
-          r.in_flight_bytes += state + (plan.keeps_factors(i, rank) ? e * (a_held + held(g, dg)) : 0);
+          r.in_flight_bytes += state;
+          if (plan.keeps_factors(i, rank)) {
+            // Its A once per group: a follower whose leader this rank does not update keeps the leader's A too.
+            const auto a_holder = static_cast<size_t>(own_a ? static_cast<int>(i) : shape.a_shared_with);
+            r.in_flight_bytes += e * (held(g, dg) + (in_flight_a.insert(a_holder).second ? held(a, da) : 0));
+          }
         }
         if (plan.eigen_adam) r.memory_bytes += 2 * e * g * a + 4;  // Adam's m and v, and its float32 step count
         const double per_decomposition = eigen ? 9.0 : 1.0;

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "dkfac/dkfac.h"
+#include "dkfac/strategy/prediction.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
@@ -15,7 +16,8 @@ namespace dkfac {
 namespace {
 
 // A convolution, two Linear layers, and two heads given one input (head and side): `reuse` runs `mid` twice in
-// one forward; `side_first` runs side before head, `skip_side` leaves it out, `side_copy` gives it a copy of the input.
+// one forward; `side_first` runs side before head, `skip_side` leaves it out, `side_copy` gives it a copy of the input,
+// `side_inf` makes side's output gradient NaN (its output enters the loss as sqrt(0 x), whose derivative is inf x 0).
 struct Net : torch::nn::Module {
   Net() {
     conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)));
@@ -29,6 +31,7 @@ struct Net : torch::nn::Module {
     h = torch::tanh(mid->forward(torch::tanh(fc->forward(h))));
     if (reuse) h = torch::tanh(mid->forward(h));
     if (skip_side) return head->forward(h);
+    if (side_inf) return head->forward(h) + torch::sqrt(side->forward(h) * 0.0);
     if (side_first) {
       const auto s = torch::tanh(side->forward(side_copy ? h.clone() : h));
       return head->forward(h) + s;
@@ -37,7 +40,7 @@ struct Net : torch::nn::Module {
   }
   nn::Conv2d conv{nullptr};
   nn::Linear fc{nullptr}, mid{nullptr}, head{nullptr}, side{nullptr};
-  bool reuse = false, side_first = false, skip_side = false, side_copy = false;
+  bool reuse = false, side_first = false, skip_side = false, side_copy = false, side_inf = false;
 };
 
 std::shared_ptr<Net> make_net() { return testing::seeded_float64<Net>(21); }
@@ -70,8 +73,9 @@ void expect_same(const std::vector<torch::Tensor>& got, const std::vector<torch:
 std::vector<torch::Tensor> factors_of(const Preconditioner& kfac) {
   std::vector<torch::Tensor> factors;
   for (const auto& layer : kfac.layers()) {
-    factors.push_back(layer.a_factor().clone());
-    factors.push_back(layer.g_factor().clone());
+    for (const auto* factor : {&layer.a_factor(), &layer.g_factor()}) {
+      factors.push_back(factor->defined() ? factor->clone() : torch::Tensor());
+    }
   }
   return factors;
 }
@@ -313,6 +317,45 @@ TEST(FoldInHooksSharedInput, MemberLeftOutFoldsNothing) {
   }
   EXPECT_EQ(runs.hooked.events().skipped_unused, runs.plain.events().skipped_unused);
   EXPECT_GT(runs.hooked.events().skipped_unused, 0);
+}
+
+// A member whose first G batch is not finite (side, step 0) has no factors after the first update, so it is not armed
+// while its leader would be: the group is armed whole or not at all, so both are armed at the next update and fold in
+// their hooks from step 2 on, equal bit for bit to folding at step().
+TEST(FoldInHooksSharedInput, MemberWithoutFactorsLeavesTheGroupUnarmed) {
+  testing::CapturedWarnings warnings;
+  Lockstep runs(Options().shared_input_layers({"(head|side)$"}));
+  for (int64_t step = 0; step < 5; ++step) {
+    for (auto* net : runs.nets()) {
+      net->side_inf = step == 0;
+      net->zero_grad();
+      pass(*net, step, 0, 1);
+    }
+    if (step == 0) {
+      EXPECT_FALSE(runs.hooked.layers()[kSide].has_factors());
+    } else if (step >= 2) {
+      EXPECT_EQ(pending_bytes(runs.hooked), 0) << "step " << step;
+    }
+    runs.step("step " + std::to_string(step));
+  }
+}
+
+// second_order_lag with a shared-input group: the update in flight holds the group's old A once (its leader's copy
+// and its follower's alias it), as strategy::predict's in_flight_bytes counts it.
+TEST(FoldInHooksSharedInput, LaggedUpdateHoldsTheGroupsOldAOnce) {
+  auto net = make_net();
+  Preconditioner kfac(net, Options().shared_input_layers({"(head|side)$"}).inv_update_steps(3).second_order_lag(2));
+  for (int64_t step = 0; step < 5; ++step) {
+    net->zero_grad();
+    pass(*net, step, 0, 1);
+    kfac.step();
+    const auto predicted = strategy::predict(kfac.plan(), /*element_bytes=*/8, /*batch_size=*/1).at(0);
+    if (step == 4) {  // step 3's update in flight, after step 4's factor update
+      EXPECT_EQ(kfac.second_order_in_flight_bytes(), predicted.in_flight_bytes);
+    } else if (step < 3) {
+      EXPECT_EQ(kfac.second_order_in_flight_bytes(), 0) << "step " << step;
+    }
+  }
 }
 
 // A member given a copy of the group's input after the group was armed: its hook folds nothing, and the step is
