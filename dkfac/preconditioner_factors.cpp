@@ -24,16 +24,11 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   mark("factor update");
   // Layers whose passes this step were what a fold in their hooks waits for: armed for the next factor steps.
   std::vector<bool> steady(layers_.size(), false);
-  std::vector<bool> group_steady(layers_.size(), true);  // by leader: every member of the shared-input group is
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& capture = layers_[i].capture();
     const auto k = options_.accumulation_steps();
     steady[i] = hook_fold_[i] == HookFold::kAtStep && may_fold_in_hooks(i) && !capture.interleaved() &&
                 capture.folded_passes() == 0 && capture.a_count() == k && capture.g_count() == k;
-    if (group_of(i) >= 0 && !steady[i]) group_steady[static_cast<size_t>(group_of(i))] = false;
-  }
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (group_of(i) >= 0 && !group_steady[static_cast<size_t>(group_of(i))]) steady[i] = false;  // armed as one
   }
   auto batches = take_factor_batches(fates);
   // Averaged before the NaN check, so that every rank takes the same decision.
@@ -72,17 +67,15 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     }
     if (steady[i]) arm_hook_fold(i);
   }
-  // A shared-input group is armed whole or not at all: a member that stayed unarmed (its first update was not
-  // finite) leaves the others to fold at step() too, so that all of them are steady again at a later update.
+  // A shared-input group is armed whole or not at all: a member left unarmed (its passes did not match, or its first
+  // update was not finite) leaves the others to fold at step() too, so that all are steady again at a later update.
   std::vector<bool> group_armed(layers_.size(), true);  // by leader
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (group_of(i) >= 0 && steady[i] && hook_fold_[i] != HookFold::kArmed) {
-      group_armed[static_cast<size_t>(group_of(i))] = false;
-    }
+    if (group_of(i) >= 0 && hook_fold_[i] != HookFold::kArmed) group_armed[static_cast<size_t>(group_of(i))] = false;
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (group_of(i) < 0 || !steady[i] || group_armed[static_cast<size_t>(group_of(i))]) continue;
-    if (hook_fold_[i] == HookFold::kArmed) hook_fold_[i] = HookFold::kAtStep;
+    if (group_of(i) < 0 || group_armed[static_cast<size_t>(group_of(i))] || hook_fold_[i] != HookFold::kArmed) continue;
+    hook_fold_[i] = HookFold::kAtStep;
     layers_[i].capture().set_fold(nullptr, 0);
   }
 }

@@ -164,14 +164,17 @@ double precondition_seconds(const StepPlan& plan, const Rates& rates, int r) {
   double total = 0.0;
   std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> units;  // (g, a, members per unit) -> units
   std::vector<bool> grouped(shapes.size(), false);
+  std::vector<std::vector<size_t>> followers(shapes.size());  // by the layer whose A they share
+  for (size_t j = 0; j < shapes.size(); ++j) {
+    if (shapes[j].a_shared_with >= 0) followers[static_cast<size_t>(shapes[j].a_shared_with)].push_back(j);
+  }
   for (size_t i = 0; i < shapes.size(); ++i) {
     if (!plan.preconditions(i, r)) continue;
     total += rate.seconds_for(shapes[i].g_dim, shapes[i].a_dim, plan.method) - rate.seconds;
     if (!plan.stack_layers || shapes[i].a_shared_with >= 0 || shapes[i].a_diagonal || shapes[i].g_diagonal) continue;
     std::vector<size_t> unit{i};
     bool whole = true;
-    for (size_t j = 0; j < shapes.size(); ++j) {
-      if (shapes[j].a_shared_with != static_cast<int>(i)) continue;
+    for (const auto j : followers[i]) {
       unit.push_back(j);
       whole = whole && plan.preconditions(j, r) && !shapes[j].g_diagonal && shapes[j].g_dim == shapes[i].g_dim;
     }

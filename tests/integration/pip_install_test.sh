@@ -15,9 +15,9 @@
 #     the Python suite (tests/python, DKFAC_TEST_INSTALLED: the build tree is off sys.path and conftest.py stops
 #     unless dkfac comes from the venv): everything but the multi-process files (test_distributed.py,
 #     test_tensor_parallel.py, test_pipeline.py, test_example.py), plus one case of each kind from them;
-#     DKFAC_PIP_INSTALL_FULL_SUITE=1 runs all of tests/python (docs/STATUS.md has a run). Its `dkfac` command runs `plan` and a two-step `train` with no LD_LIBRARY_PATH, refuses --nproc 2
-#     naming the gloo headers it was built without, and still starts once the venv is moved (its run path to torch
-#     is relative).
+#     DKFAC_PIP_INSTALL_FULL_SUITE=1 runs all of tests/python (docs/STATUS.md has a run). Its `dkfac` command
+#     runs `plan` and a two-step `train` with no LD_LIBRARY_PATH, refuses --nproc 2 naming the gloo headers it
+#     was built without, and still starts once the venv is moved (its run path to torch is relative).
 # The test dependencies (pytest, torchvision, transformers, accelerate, pytorch-lightning, with what they need)
 # are not installed into the venv: they are linked from this environment into a directory of their own that only
 # the pytest run has on PYTHONPATH, as torch is linked into the venvs (no download, no second copy).
