@@ -882,12 +882,9 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
     const auto grad_options = first.weight().options();
     const int64_t g = first.g_dim();
     const int64_t a = first.a_dim();
-    // A unit's gradients, and where shared its A side repeated for each of its layers (math::precondition_*_stacked).
-    const int64_t unit_bytes =
-        group.share * (g * a + (group.share > 1 ? a * a : 0)) *
-        static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType()));
     const int64_t units = static_cast<int64_t>(group.units.size());
-    const int64_t per_batch = std::max<int64_t>(1, strategy::kStackedBatchBytes / unit_bytes);
+    const int64_t per_batch = strategy::stacked_batch_units(
+        g, a, group.share, static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType())));
     for (int64_t u = 0; u < units; u += per_batch) {
       const int64_t count = std::min(per_batch, units - u);
       const int64_t first_member = u * group.share;
@@ -1147,12 +1144,7 @@ int64_t Preconditioner::second_order_in_flight_bytes() const {
   for (size_t k = 0; k < job_->layers.size(); ++k) {
     const auto& now = layers_[job_->layers[k]];
     const auto& from = job_->sources[k];
-    const bool own_a = !now.follows_a();
-    const auto parts = now.second_order().parts();  // Q_A, d_A, Q_G, d_G, the denominator, the A and G inverses
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const bool a_side = p == 0 || p == 1 || p == 5;
-      if ((own_a || !a_side) && parts[p]->defined()) total += static_cast<int64_t>(parts[p]->nbytes());
-    }
+    total += now.second_order().memory_bytes(/*with_a_side=*/!now.follows_a());
     const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},
                                                                            {&from.g_factor(), &now.g_factor()}};
     for (const auto& [was, is] : sides) {

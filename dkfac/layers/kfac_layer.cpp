@@ -62,9 +62,12 @@ torch::Tensor SecondOrderState::precondition(const torch::Tensor& grad) const {
   return v.scalar_type() == grad.scalar_type() ? v : v.to(grad.scalar_type());
 }
 
-int64_t SecondOrderState::memory_bytes() const {
+int64_t SecondOrderState::memory_bytes(bool with_a_side) const {
   int64_t total = 0;
-  for (const auto* part : parts()) total += bytes_of(*part);
+  const auto all = parts();
+  for (size_t p = 0; p < all.size(); ++p) {
+    if (with_a_side || !a_side(p)) total += bytes_of(*all[p]);
+  }
   return total;
 }
 

@@ -40,10 +40,13 @@ struct SecondOrderState {
     auto all = const_cast<SecondOrderState*>(this)->parts();
     return {all[0], all[1], all[2], all[3], all[4], all[5], all[6]};
   }
+  /// Whether part `p` of parts() belongs to the A side (Q_A, d_A, the A inverse): the parts a shared-input group's
+  /// followers hold of their leader (Options::shared_input_layers).
+  static bool a_side(size_t p) { return p == 0 || p == 1 || p == 5; }
   /// V for `grad` [g, a], computed in the state's dtype and returned in the gradient's.
   torch::Tensor precondition(const torch::Tensor& grad) const;
-  /// Bytes held.
-  int64_t memory_bytes() const;
+  /// Bytes held; without the A side's where `with_a_side` is false.
+  int64_t memory_bytes(bool with_a_side = true) const;
 };
 
 /// A second-order state computed but not yet checked: `ok` (0-dim bool, on the device) is true when every

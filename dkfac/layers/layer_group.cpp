@@ -1,8 +1,8 @@
 #include "dkfac/layers/layer_group.h"
 
-#include <map>
 #include <string>
-#include <tuple>
+
+#include "dkfac/strategy/step_plan.h"
 
 namespace dkfac {
 
@@ -19,40 +19,23 @@ void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function
                        ComputeMethod method) {
   TORCH_INTERNAL_ASSERT(groups_.empty(), "LayerGroups::plan over groups that were not cleared");
   seats_.assign(layers.size(), Seat{});
-  // (g, a, share, second-order dtype, gradient dtype, device) -> group
-  std::map<std::tuple<int64_t, int64_t, int64_t, int, int, std::string>, size_t> index;
+  std::vector<strategy::StackCandidate> candidates(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
-    if (layer.follows_a() || !held(i) || layer.a_diagonal() || layer.g_diagonal()) continue;
-    std::vector<size_t> unit{i};
-    bool whole = true;
-    for (size_t j = 0; j < layers.size(); ++j) {
-      if (layers[j].a_leader() != static_cast<int>(i)) continue;
-      unit.push_back(j);
-      whole = whole && held(j) && !layers[j].g_diagonal() && layers[j].g_dim() == layer.g_dim() &&
-              layers[j].second_order_dtype() == layer.second_order_dtype() &&
-              layers[j].weight().scalar_type() == layer.weight().scalar_type();
-    }
-    if (!whole) continue;
-    const auto key = std::make_tuple(layer.g_dim(), layer.a_dim(), static_cast<int64_t>(unit.size()),
-                                     static_cast<int>(layer.second_order_dtype()),
-                                     static_cast<int>(layer.weight().scalar_type()), layer.weight().device().str());
-    auto [at, added] = index.emplace(key, groups_.size());
-    if (added) {
-      groups_.emplace_back();
-      groups_.back().method = method;
-      groups_.back().share = static_cast<int64_t>(unit.size());
-    }
-    auto& group = groups_[at->second];
-    group.units.push_back(i);
-    group.members.insert(group.members.end(), unit.begin(), unit.end());
+    // What else a group's layers must have alike: the second-order dtype, the gradient's dtype, the device.
+    const std::string kind = std::string(c10::toString(layer.second_order_dtype())) + "," +
+                             c10::toString(layer.weight().scalar_type()) + "," + layer.weight().device().str();
+    candidates[i] = {held(i), layer.g_dim(), layer.a_dim(), layer.a_diagonal() || layer.g_diagonal(),
+                     layer.a_leader(), kind};
   }
-  // A group of one layer gains nothing from batched products.
-  std::vector<Group> kept;
-  for (auto& group : groups_) {
-    if (group.members.size() >= 2) kept.push_back(std::move(group));
+  for (auto& stacked : strategy::stack_groups(candidates)) {
+    groups_.emplace_back();
+    auto& group = groups_.back();
+    group.method = method;
+    group.share = stacked.share;
+    group.units = std::move(stacked.units);
+    group.members = std::move(stacked.members);
   }
-  groups_ = std::move(kept);
   for (size_t k = 0; k < groups_.size(); ++k) {
     const auto& group = groups_[k];
     for (size_t m = 0; m < group.members.size(); ++m) {

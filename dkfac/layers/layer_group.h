@@ -38,10 +38,10 @@ class LayerGroups {
   };
 
   /// Groups the layers `held(i)` says this rank preconditions with `method` (and has state or factors for: a layer
-  /// that never runs takes no slot). A layer joins where neither of its factors is diagonal and, where its A side is
-  /// shared, where every layer sharing it is held here with the same shape and dtypes; the layers of one (g, a,
-  /// share, second-order dtype, gradient dtype, device) form a group, kept where it has two layers or more. Layers
-  /// keep their tensors until absorbed. Call clear() first where groups exist.
+  /// that never runs takes no slot), by strategy::stack_groups, the rule the time model prices: the layers of one
+  /// (g, a, share, second-order dtype, gradient dtype, device), neither factor diagonal, a shared A side's layers all
+  /// held here alike, groups of two layers or more. Layers keep their tensors until absorbed. Call clear() first
+  /// where groups exist.
   void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method);
   /// No groups: every part that is a slot's view is copied out, part by part, so that no stack outlives its group
   /// and no more than one part's stack and its copies are alive at once.

@@ -1,6 +1,9 @@
 #include "dkfac/strategy/step_plan.h"
 
+#include <algorithm>
+#include <map>
 #include <sstream>
+#include <tuple>
 
 #include <c10/util/Exception.h>
 
@@ -47,6 +50,44 @@ StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes,
 bool stacks_layers(const Options& options) {
   return options.stack_layers() && options.second_order_lag() == 0 && !options.eigen_adam() &&
          (options.compute_method() == ComputeMethod::kInverse || options.compute_eigenvalue_outer_product());
+}
+
+std::vector<StackGroup> stack_groups(const std::vector<StackCandidate>& layers) {
+  std::vector<std::vector<size_t>> followers(layers.size());  // by the layer whose A side they share
+  for (size_t j = 0; j < layers.size(); ++j) {
+    if (layers[j].a_leader >= 0) followers[static_cast<size_t>(layers[j].a_leader)].push_back(j);
+  }
+  std::vector<StackGroup> groups;
+  std::map<std::tuple<int64_t, int64_t, size_t, std::string>, size_t> index;  // (g, a, share, kind) -> group
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    if (layer.a_leader >= 0 || !layer.held || layer.diagonal) continue;
+    std::vector<size_t> unit{i};
+    bool whole = true;
+    for (const auto j : followers[i]) {
+      unit.push_back(j);
+      const auto& follower = layers[j];
+      whole = whole && follower.held && !follower.diagonal && follower.g_dim == layer.g_dim &&
+              follower.kind == layer.kind;
+    }
+    if (!whole) continue;
+    auto [at, added] = index.emplace(std::make_tuple(layer.g_dim, layer.a_dim, unit.size(), layer.kind),
+                                     groups.size());
+    if (added) groups.push_back(StackGroup{static_cast<int64_t>(unit.size()), {}, {}});
+    auto& group = groups[at->second];
+    group.units.push_back(i);
+    group.members.insert(group.members.end(), unit.begin(), unit.end());
+  }
+  std::vector<StackGroup> kept;
+  for (auto& group : groups) {
+    if (group.members.size() >= 2) kept.push_back(std::move(group));
+  }
+  return kept;
+}
+
+int64_t stacked_batch_units(int64_t g_dim, int64_t a_dim, int64_t share, int64_t element_bytes) {
+  const int64_t unit_bytes = share * (g_dim * a_dim + (share > 1 ? a_dim * a_dim : 0)) * element_bytes;
+  return std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
 }
 
 StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world_size, const Options& options,

@@ -104,6 +104,33 @@ bool stacks_layers(const Options& options);
 /// large), so that a group of many large layers does not hold several copies of all their gradients at once.
 inline constexpr int64_t kStackedBatchBytes = int64_t{64} << 20;
 
+/// One layer as Options::stack_layers groups it (docs/MATH.md section 2.9): LayerGroups describes the layers a rank
+/// holds, the time model a plan's shapes, and both group them with stack_groups.
+struct StackCandidate {
+  bool held = false;     ///< preconditioned on this rank (with state or factors to do it with)
+  int64_t g_dim = 0;
+  int64_t a_dim = 0;
+  bool diagonal = false;  ///< either of its factors is diagonal: never stacked
+  int a_leader = -1;      ///< the layer whose A side it shares (Options::shared_input_layers), or -1
+  std::string kind;       ///< what else a group's members must have alike (dtypes, device; empty for a plan's shapes)
+};
+
+/// One group: the layers of one (g, a, layers per unit, kind), preconditioned a batch at a time.
+struct StackGroup {
+  int64_t share = 1;            ///< layers per unit (per A side)
+  std::vector<size_t> units;    ///< each unit's layer holding its A side
+  std::vector<size_t> members;  ///< every layer, unit by unit: the unit's layer, then its followers
+};
+
+/// The groups `layers` form, in the order their first units appear. A unit is a layer holding its A side with every
+/// layer that shares it; it joins where all of them are held, not diagonal, and of its layer's g and kind. A group of
+/// one layer is left out (batched products gain nothing there).
+std::vector<StackGroup> stack_groups(const std::vector<StackCandidate>& layers);
+
+/// The units of a group of [g, a] layers, `share` per unit, that one batch takes: as many as fit kStackedBatchBytes of
+/// gradients (with a shared A side repeated for each of a unit's layers), at least one.
+int64_t stacked_batch_units(int64_t g_dim, int64_t a_dim, int64_t share, int64_t element_bytes);
+
 /// The plan for `shapes` on `world_size` ranks under `options` (options.validate() first). SPD-KFAC needs
 /// its redundancy threshold decided: options.spd().redundant_dim, or `measured_redundant_dim` when that is
 /// -1 (strategy::StepExecutor measures it; `dkfac plan` takes it as a flag). World size 1 gives

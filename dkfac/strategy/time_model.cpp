@@ -4,7 +4,6 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
-#include <map>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -155,45 +154,26 @@ PhaseSeconds TimePrediction::slowest_phases() const {
 namespace {
 
 /// Rank `r`'s preconditioning products: each layer's at the rate's per-FLOP cost, and its fixed cost (launches,
-/// allocations) once per layer, or with StepPlan::stack_layers once per batch of a group, as LayerGroups forms them:
-/// the layers of one shape (a shared-input unit whole, where its members share a g too; diagonal factors apart), in
-/// batches of at most kStackedBatchBytes of gradients (in the K-FAC tensors' dtype here).
+/// allocations) once per layer, or with StepPlan::stack_layers once per batch of a group, the groups and batches as
+/// LayerGroups and the Preconditioner form them (stack_groups, stacked_batch_units; gradients in the K-FAC tensors'
+/// dtype here).
 double precondition_seconds(const StepPlan& plan, const Rates& rates, int r) {
   const auto& rate = rates.precondition;
   const auto& shapes = plan.shapes;
   double total = 0.0;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> units;  // (g, a, members per unit) -> units
-  std::vector<bool> grouped(shapes.size(), false);
-  std::vector<std::vector<size_t>> followers(shapes.size());  // by the layer whose A they share
-  for (size_t j = 0; j < shapes.size(); ++j) {
-    if (shapes[j].a_shared_with >= 0) followers[static_cast<size_t>(shapes[j].a_shared_with)].push_back(j);
-  }
+  std::vector<StackCandidate> candidates(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
-    if (!plan.preconditions(i, r)) continue;
-    total += rate.seconds_for(shapes[i].g_dim, shapes[i].a_dim, plan.method) - rate.seconds;
-    if (!plan.stack_layers || shapes[i].a_shared_with >= 0 || shapes[i].a_diagonal || shapes[i].g_diagonal) continue;
-    std::vector<size_t> unit{i};
-    bool whole = true;
-    for (const auto j : followers[i]) {
-      unit.push_back(j);
-      whole = whole && plan.preconditions(j, r) && !shapes[j].g_diagonal && shapes[j].g_dim == shapes[i].g_dim;
-    }
-    if (!whole) continue;
-    for (const auto j : unit) grouped[j] = true;
-    ++units[{shapes[i].g_dim, shapes[i].a_dim, static_cast<int64_t>(unit.size())}];
+    const auto& s = shapes[i];
+    candidates[i] = {plan.preconditions(i, r), s.g_dim, s.a_dim, s.a_diagonal || s.g_diagonal, s.a_shared_with, {}};
+    if (candidates[i].held) total += rate.seconds_for(s.g_dim, s.a_dim, plan.method);  // its fixed cost included
   }
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    if (plan.preconditions(i, r) && !grouped[i]) total += rate.seconds;
-  }
-  for (const auto& [key, count] : units) {
-    const auto [g, a, share] = key;
-    if (count * share < 2) {  // a group of one layer is preconditioned alone
-      total += rate.seconds;
-      continue;
-    }
-    const int64_t unit_bytes = share * (g * a + (share > 1 ? a * a : 0)) * rates.element_bytes();
-    const int64_t per_batch = std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
-    total += rate.seconds * static_cast<double>((count + per_batch - 1) / per_batch);
+  if (!plan.stack_layers) return total;
+  for (const auto& group : stack_groups(candidates)) {  // a batch's fixed cost in place of its layers'
+    const auto& s = shapes[group.units.front()];
+    const auto units = static_cast<int64_t>(group.units.size());
+    const int64_t per_batch = stacked_batch_units(s.g_dim, s.a_dim, group.share, rates.element_bytes());
+    total += rate.seconds * (static_cast<double>((units + per_batch - 1) / per_batch) -
+                             static_cast<double>(group.members.size()));
   }
   return total;
 }

@@ -189,3 +189,49 @@ TEST(StepPlan, RejectsBadOptions) {
 
 }  // namespace
 }  // namespace dkfac::strategy
+
+namespace dkfac::strategy {
+namespace {
+
+// Options::stack_layers' grouping, the one rule LayerGroups and the time model both use: units whole (a shared A
+// side's layers all held, not diagonal, of the leader's g and kind), one group per (g, a, share, kind) in the order
+// its first unit appears, groups of one layer left out; and the units one batch takes.
+TEST(StackGroups, WholeUnitsOfOneShapeAndKindInOrder) {
+  std::vector<StackCandidate> layers(12);
+  const auto set = [&](size_t i, bool held, int64_t g, int64_t a, bool diagonal = false, int leader = -1,
+                       std::string kind = {}) { layers[i] = {held, g, a, diagonal, leader, std::move(kind)}; };
+  set(0, true, 64, 65);
+  set(1, true, 64, 65);
+  set(2, false, 64, 65);                   // not held here
+  set(3, true, 64, 129);                   // a unit: 3 and 4
+  set(4, true, 64, 129, false, 3);
+  set(5, true, 64, 129);                   // its follower has another g: not whole, neither stacked
+  set(6, true, 32, 129, false, 5);
+  set(7, true, 64, 65, true);              // diagonal
+  set(8, true, 64, 65, false, -1, "x");    // another kind, alone in its group: left out
+  set(9, true, 64, 129);                   // a second unit of share 2: 9 and 10
+  set(10, true, 64, 129, false, 9);
+  set(11, true, 10, 65);                   // alone
+  const auto groups = stack_groups(layers);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].share, 1);
+  EXPECT_EQ(groups[0].units, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(groups[0].members, (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(groups[1].share, 2);
+  EXPECT_EQ(groups[1].units, (std::vector<size_t>{3, 9}));
+  EXPECT_EQ(groups[1].members, (std::vector<size_t>{3, 4, 9, 10}));
+  set(10, false, 64, 129, false, 9);       // a follower not held: its unit leaves; 3's unit (two layers) stays
+  const auto fewer = stack_groups(layers);
+  ASSERT_EQ(fewer.size(), 2u);
+  EXPECT_EQ(fewer[1].units, (std::vector<size_t>{3}));
+  EXPECT_EQ(fewer[1].members, (std::vector<size_t>{3, 4}));
+  set(0, false, 64, 65);                   // one layer of (64, 65) left: no group of it
+  EXPECT_EQ(stack_groups(layers).size(), 1u);
+
+  EXPECT_EQ(stacked_batch_units(2048, 2048, 1, 4), 4);  // 16 MiB a layer in 64 MiB
+  EXPECT_EQ(stacked_batch_units(1024, 1024, 2, 4), 4);  // two gradients and the A side repeated: 16 MiB a unit
+  EXPECT_EQ(stacked_batch_units(8192, 4096, 1, 4), 1);  // 128 MiB: one layer a batch all the same
+}
+
+}  // namespace
+}  // namespace dkfac::strategy
