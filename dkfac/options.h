@@ -157,7 +157,7 @@ inline OptionRange any_value() { return {}; }
   X(Value, bool, stack_layers, true, any_value(), "--stack-layers", "", "",                                          \
     "precondition the layers of one shape together: their eigenbases (or inverses) and denominators held as slices "  \
     "of one stacked tensor per shape, four batched products per group of layers in place of four per layer (exact: "  \
-    "equal to one at a time to rounding; docs/MATH.md section 2.9); off, or with second_order_lag, eigen_adam or "    \
+    "equal to one at a time to rounding; docs/MATH.md section 2.9); off, or with eigen_adam or "                    \
     "compute_eigenvalue_outer_product off: layer by layer")                                                            \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \

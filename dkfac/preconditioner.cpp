@@ -564,7 +564,8 @@ size_t Preconditioner::second_order_chunk() const {
 
 void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
   // Computed by another thread from copies of the layers as they are now (their tensors are replaced, never
-  // written in place, so the copies keep this step's factors and state).
+  // written in place, so the copies keep this step's factors and state; a state in a group's slots, LayerGroups, is
+  // written in place only where an update is installed, shared or loaded, after this job has ended).
   auto job = std::make_unique<SecondOrderJob>();
   job->started = step;
   job->install_at = step + options_.second_order_lag();

@@ -23,8 +23,8 @@ namespace dkfac {
 /// no longer its slot's view: `absorb` copies it into its slot and the layer keeps the view (the replaced tensor is
 /// freed), and `ready` says whether every member preconditions from its slots, else the preconditioner takes the
 /// layer-by-layer path. So a layer's parts are written in place (copies into slots, and the broadcasts into the parts
-/// that were already there): Options::second_order_lag, whose thread reads copies of the layers while the steps go on,
-/// takes no groups.
+/// that were already there), and only where an update is installed, shared or loaded: Options::second_order_lag's
+/// thread, which reads copies of the layers (views of the slots) while the steps go on, has ended by then.
 class LayerGroups {
  public:
   struct Group {

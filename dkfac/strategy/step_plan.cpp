@@ -48,7 +48,7 @@ StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes,
 }
 
 bool stacks_layers(const Options& options) {
-  return options.stack_layers() && options.second_order_lag() == 0 && !options.eigen_adam() &&
+  return options.stack_layers() && !options.eigen_adam() &&
          (options.compute_method() == ComputeMethod::kInverse || options.compute_eigenvalue_outer_product());
 }
 

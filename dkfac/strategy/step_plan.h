@@ -95,9 +95,8 @@ struct StepPlan {
   std::string describe(bool per_layer = true) const;
 };
 
-/// Options::stack_layers where it applies: not with second_order_lag or eigen_adam (they precondition layer by layer),
-/// and with the eigen method only where the denominator is the eigenvalues' outer product
-/// (compute_eigenvalue_outer_product).
+/// Options::stack_layers where it applies: not with eigen_adam (its moments are per layer), and with the eigen method
+/// only where the denominator is the eigenvalues' outer product (compute_eigenvalue_outer_product).
 bool stacks_layers(const Options& options);
 
 /// Options::stack_layers: the most gradient bytes one batch of a group's products takes (its intermediates are as

@@ -218,7 +218,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``stack_layers`` (on by default, exact) preconditions the layers of one shape together: their eigenbases (or
     inverses) and denominators are held as slices of one stacked tensor per shape, and each group of them takes four
     batched products in place of four per layer (equal to one at a time to rounding; docs/MATH.md section 2.9).
-    Off, and with ``second_order_lag``, ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
+    Off, and with ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
     ``fold_in_hooks`` (on by default, exact) folds each layer's factor batches into its running factors in its
     backward hook, once its ``accumulation_steps`` passes are in, where no factor is averaged across ranks (one
     process, DP-KFAC), so that no batch is held until ``step()`` (docs/MATH.md section 1.8). A layer's first factor

@@ -200,18 +200,26 @@ INSTANTIATE_TEST_SUITE_P(
                            Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared)},
                       // a refresh reads the basis from its slots; several layers' updates installed per chunk
                       Case{"eighInterval", Options().eigh_interval(2).shared_input_layers(kShared)},
-                      Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)}),
+                      Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)},
+                      // computed beside the steps from the slots' views, installed into the slots 1 or 2 steps later
+                      Case{"lag", Options().second_order_lag(2).shared_input_layers(kShared)},
+                      Case{"lagInverse", Options().second_order_lag(1).compute_method(ComputeMethod::kInverse)},
+                      Case{"lagRefresh", Options().second_order_lag(1).eigh_interval(2).shared_input_layers(kShared)}),
     [](const auto& info) { return info.param.name; });
 
 // A member that does not run (unused_layer_policy skip, the last block's mix at steps 4-6) leaves its group to be
-// preconditioned layer by layer while it is skipped; every step equals the layer-by-layer run.
+// preconditioned layer by layer while it is skipped; every step equals the layer-by-layer run. Under
+// second_order_lag too, with updates computed from views of the stacks in flight meanwhile (steps 4-5 and 6-7).
 TEST(StackedLayersFallback, UnusedMember) {
-  run_both(
-      Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip), 8,
-      [](Tower& net, int64_t step) { net.skip_last_mix = step >= 3 && step < 6; },  // for the next step's pass
-      [](const Runs& r, int64_t step) {
-        EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
-      });
+  for (const int64_t lag : {0, 1}) {
+    SCOPED_TRACE("second_order_lag " + std::to_string(lag));
+    run_both(
+        Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip).second_order_lag(lag), 8,
+        [](Tower& net, int64_t step) { net.skip_last_mix = step >= 3 && step < 6; },  // for the next step's pass
+        [](const Runs& r, int64_t step) {
+          EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
+        });
+  }
 }
 
 // A layer that never runs (skipped from the first step) holds no slot in its group's stacks.
@@ -242,20 +250,24 @@ TEST(StackedLayersFallback, WeightDtypesAreNotMixed) {
 }
 
 // A second-order update whose check fails (a damped A factor exactly singular: Cholesky and the general inverse
-// both fail) keeps the member's previous state in its slot, as layer by layer.
+// both fail) keeps the member's previous state in its slot, as layer by layer; also where the update was computed
+// beside the steps (second_order_lag 1: installed, and refused, at step 3).
 TEST(StackedLayersFallback, FailedUpdateOfOneMember) {
-  const auto runs = run_both(
-      // add_a after the backward pass: a batch for step() to fold (fold_in_hooks off)
-      Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0)
-          .fold_in_hooks(false), 4,
-      [](Tower& net, int64_t step) {
-        if (step == 2) {
-          net.blocks[1]->mix->factor_capture().add_a(
-              torch::full({7, 7}, std::numeric_limits<double>::max(), torch::kFloat64), 0.0);
-        }
-      });
-  EXPECT_EQ(runs.stacked->events().second_order_failures, 1);
-  EXPECT_EQ(runs.plain->events().second_order_failures, 1);
+  for (const int64_t lag : {0, 1}) {
+    SCOPED_TRACE("second_order_lag " + std::to_string(lag));
+    const auto runs = run_both(
+        // add_a after the backward pass: a batch for step() to fold (fold_in_hooks off)
+        Options().kl_clip(0).compute_method(ComputeMethod::kInverse).inv_update_steps(2).factor_decay(0.0)
+            .fold_in_hooks(false).second_order_lag(lag), 4 + lag,
+        [](Tower& net, int64_t step) {
+          if (step == 2) {
+            net.blocks[1]->mix->factor_capture().add_a(
+                torch::full({7, 7}, std::numeric_limits<double>::max(), torch::kFloat64), 0.0);
+          }
+        });
+    EXPECT_EQ(runs.stacked->events().second_order_failures, 1);
+    EXPECT_EQ(runs.plain->events().second_order_failures, 1);
+  }
 }
 
 // Under every strategy, at 2 and 4 ranks, the stacked run equals the layer-by-layer run on every rank (broadcasts
@@ -267,7 +279,8 @@ TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
       {4, Options(base).grad_worker_fraction(0.0)},
       {4, Options(base).grad_worker_fraction(0.5).compute_method(ComputeMethod::kInverse)},
       {2, Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(0).profile_steps(1))},
-      {4, Options(base).strategy(Strategy::kDp).shared_input_layers(kShared)}};
+      {4, Options(base).strategy(Strategy::kDp).shared_input_layers(kShared)},
+      {2, Options(base).grad_worker_fraction(0.5).second_order_lag(1).shared_input_layers(kShared)}};
   for (const auto& [world, options] : cases) {
     const std::string what = std::to_string(world) + " ranks, " + to_string(options.strategy()) + ", fraction " +
                              std::to_string(options.grad_worker_fraction());

@@ -63,8 +63,8 @@ SHARED = dict(shared_input_layers=['(query|key|value)$'])
 
 
 @pytest.mark.parametrize('kwargs', [dict(), dict(compute_method='inverse'), SHARED,
-                                    dict(compute_method='inverse', **SHARED)],
-                         ids=['eigen', 'inverse', 'eigen-shared', 'inverse-shared'])
+                                    dict(compute_method='inverse', **SHARED), dict(second_order_lag=2, **SHARED)],
+                         ids=['eigen', 'inverse', 'eigen-shared', 'inverse-shared', 'eigen-shared-lag'])
 def test_stacked_equals_layer_by_layer(kwargs):
     kwargs = dict(kl_clip=1e-4, **kwargs)  # KL clipping's scale below 1 at every step here: its sums are exercised
     stacked, _, p_stacked = train('cpu', torch.float64, 8, **kwargs)

@@ -146,7 +146,7 @@ TEST(TimeModel, StackedLayersPayTheFixedCostOncePerBatch) {
   plan.stack_layers = false;
   EXPECT_NEAR(precondition(plan), 6e-3 + 1e-12 * flops, 1e-12);
   EXPECT_FALSE(make_step_plan(layers, 1, Options(options).stack_layers(false)).stack_layers);
-  EXPECT_FALSE(make_step_plan(layers, 1, Options(options).second_order_lag(1)).stack_layers);
+  EXPECT_TRUE(make_step_plan(layers, 1, Options(options).second_order_lag(1)).stack_layers);
   EXPECT_FALSE(make_step_plan(layers, 1, Options().eigen_adam(true).kl_clip(0)).stack_layers);
   EXPECT_FALSE(make_step_plan(layers, 2, Options(options).stack_layers(false)).stack_layers);
   EXPECT_TRUE(make_step_plan(layers, 2, options).stack_layers);
