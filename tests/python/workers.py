@@ -4,12 +4,17 @@ loopback (MASTER_ADDR/PORT, RANK, WORLD_SIZE, one thread) and writes its result 
 Each rank is forked from one server process per pytest run that has imported torch, torch.distributed and dkfac
 once (multiprocessing's forkserver), so a rank starts in a fraction of a second instead of the 2.5-4 s a fresh
 interpreter's imports take on this project's 2-core machine. The rank then runs its script as `__main__` with its
-own environment, arguments and output file, as a fresh interpreter would; its exit status is the script's. A rank
+own environment, arguments and output file, as a fresh interpreter would, and at its end its garbage is collected
+and its atexit functions run (weakref finalizers included), as an interpreter's shutdown would; its exit status is the
+script's. The server is given the test process's sys.path, and each rank checks that the dkfac it runs is the test
+process's. A rank
 given 'device': 'cuda' starts as a fresh interpreter, so that nothing imported before a fork can have touched CUDA;
 DKFAC_TEST_FRESH_WORKERS=1 starts every rank so.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -27,7 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # What every worker script imports at its top: imported once, in the server the ranks are forked from.
 PRELOAD = ['torch', 'torch.distributed', 'torch.distributed.fsdp', 'torch.distributed.checkpoint',
            'torch.distributed.tensor.parallel', 'torch.distributed.pipelining', 'dkfac', 'scenarios']
-# The server's own environment, fixed before it imports torch: one thread, as each rank's.
+# The server's own environment, fixed before it imports torch: one thread, as each rank's (and, at its start, the
+# test process's sys.path as its PYTHONPATH, which multiprocessing's forkserver does not apply by itself).
 SERVER_ENV = {'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
 
 
@@ -37,12 +43,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+def _run_script(script: str, argv: list[str], env: dict[str, str], log: str, dkfac_file: str) -> None:
     """In the forked rank: the script as `__main__`, with `env` as its environment and its output into `log`."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    import dkfac  # the server's
+    if os.path.realpath(dkfac.__file__) != os.path.realpath(dkfac_file):
+        raise RuntimeError(f'the worker server imported dkfac from {dkfac.__file__}, the test process from '
+                           f'{dkfac_file}: set PYTHONPATH as conftest.py does, or DKFAC_TEST_FRESH_WORKERS=1')
     os.environ.clear()
     os.environ.update(env)
     if env.get('PYTHONWARNINGS') == 'ignore':
@@ -50,7 +60,11 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> 
     torch.set_num_threads(int(env.get('OMP_NUM_THREADS', '1')))
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))
-    runpy.run_path(script, run_name='__main__')
+    try:
+        runpy.run_path(script, run_name='__main__')
+    finally:  # what an interpreter's shutdown runs (os._exit follows in multiprocessing's child)
+        gc.collect()
+        atexit._run_exitfuncs()
 
 
 class _Rank:
@@ -58,7 +72,12 @@ class _Rank:
 
     def __init__(self, context, script: str, argv: list[str], env: dict[str, str], log: str):
         self._log = log
-        self._process = context.Process(target=_run_script, args=(script, argv, env, log), daemon=False)
+        open(log, 'w').close()  # there even where the rank fails before it writes (its status says it failed)
+        import dkfac  # the test process's, which each rank checks its own against
+
+        dkfac_file = dkfac.__file__
+        # Daemonic: a test that fails before it waits for its ranks leaves none running past pytest's end.
+        self._process = context.Process(target=_run_script, args=(script, argv, env, log, dkfac_file), daemon=True)
         self._process.start()
 
     @property
@@ -86,8 +105,9 @@ def _forkserver():
     if _context is None:
         context = multiprocessing.get_context('forkserver')
         context.set_forkserver_preload(PRELOAD)
-        saved = {k: os.environ.get(k) for k in SERVER_ENV}
-        os.environ.update(SERVER_ENV)
+        server_env = dict(SERVER_ENV, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
+        saved = {k: os.environ.get(k) for k in server_env}
+        os.environ.update(server_env)
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
