@@ -24,7 +24,8 @@ namespace dkfac {
 /// freed), and `ready` says whether every member preconditions from its slots, else the preconditioner takes the
 /// layer-by-layer path. So a layer's parts are written in place (copies into slots, and the broadcasts into the parts
 /// that were already there), and only where an update is installed, shared or loaded: Options::second_order_lag's
-/// thread, which reads copies of the layers (views of the slots) while the steps go on, has ended by then.
+/// thread, which reads copies of the layers (views of the slots) while the steps go on, has ended by then, or (an
+/// update resumed after a load) reads the loaded tensors that are copied into the slots, not the slots.
 class LayerGroups {
  public:
   struct Group {
