@@ -416,6 +416,8 @@ class Preconditioner {
   void arm_hook_fold(size_t index);
   /// Every capture folds at step() again (the executor changes; the destructor).
   void disarm_hook_folds();
+  /// One layer's: an armed layer folds at step() again, and its capture calls no fold.
+  void disarm_hook_fold(size_t index);
   /// The fold of layer `index` in its backward hook: its batches taken and folded into its factors with this step's
   /// decay, the result kept in hook_folded_ for update_factors. False (nothing taken) where step() decides: a frozen
   /// weight or bias, a layer without factors (may_fold_now). A shared-input group's member: fold_group_in_hook.

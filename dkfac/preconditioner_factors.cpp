@@ -74,9 +74,8 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     if (group_of(i) >= 0 && hook_fold_[i] != HookFold::kArmed) group_armed[static_cast<size_t>(group_of(i))] = false;
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (group_of(i) < 0 || group_armed[static_cast<size_t>(group_of(i))] || hook_fold_[i] != HookFold::kArmed) continue;
-    hook_fold_[i] = HookFold::kAtStep;
-    layers_[i].capture().set_fold(nullptr, 0);
+    const bool left = group_of(i) >= 0 && !group_armed[static_cast<size_t>(group_of(i))];
+    if (left && hook_fold_[i] == HookFold::kArmed) disarm_hook_fold(i);
   }
 }
 
@@ -95,10 +94,12 @@ void Preconditioner::arm_hook_fold(size_t index) {
 }
 
 void Preconditioner::disarm_hook_folds() {
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (hook_fold_[i] == HookFold::kArmed) hook_fold_[i] = HookFold::kAtStep;
-    layers_[i].capture().set_fold(nullptr, 0);
-  }
+  for (size_t i = 0; i < layers_.size(); ++i) disarm_hook_fold(i);
+}
+
+void Preconditioner::disarm_hook_fold(size_t index) {
+  if (hook_fold_[index] == HookFold::kArmed) hook_fold_[index] = HookFold::kAtStep;
+  layers_[index].capture().set_fold(nullptr, 0);
 }
 
 bool Preconditioner::may_fold_now(size_t index) const {
