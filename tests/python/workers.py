@@ -4,12 +4,11 @@ loopback (MASTER_ADDR/PORT, RANK, WORLD_SIZE, one thread) and writes its result 
 Each rank is forked from one server process per pytest run that has imported torch, torch.distributed and dkfac
 once (multiprocessing's forkserver), so a rank starts in a fraction of a second instead of the 2.5-4 s a fresh
 interpreter's imports take on this project's 2-core machine. The rank then runs its script as `__main__` with its
-own environment, arguments and output file, as a fresh interpreter would, and at its end its garbage is collected
-and its atexit functions run (weakref finalizers included), as an interpreter's shutdown would; its exit status is the
+own environment, arguments and output file, as a fresh interpreter would, and at its end its garbage is collected and
+its atexit functions run (weakref finalizers included), as an interpreter's shutdown would; its exit status is the
 script's. The server is given the test process's sys.path, and each rank checks that the dkfac it runs is the test
-process's. A rank
-given 'device': 'cuda' starts as a fresh interpreter, so that nothing imported before a fork can have touched CUDA;
-DKFAC_TEST_FRESH_WORKERS=1 starts every rank so.
+process's. A rank given 'device': 'cuda' starts as a fresh interpreter, so that nothing imported before a fork can
+have touched CUDA; DKFAC_TEST_FRESH_WORKERS=1 starts every rank so.
 """
 from __future__ import annotations
 
@@ -23,10 +22,13 @@ import runpy
 import socket
 import subprocess
 import sys
+from unittest import mock
 import warnings
 
 import pytest
 import torch
+
+import dkfac  # the test process's, which each forked rank checks its own against
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What every worker script imports at its top: imported once, in the server the ranks are forked from.
@@ -35,6 +37,11 @@ PRELOAD = ['torch', 'torch.distributed', 'torch.distributed.fsdp', 'torch.distri
 # The server's own environment, fixed before it imports torch: one thread, as each rank's (and, at its start, the
 # test process's sys.path as its PYTHONPATH, which multiprocessing's forkserver does not apply by itself).
 SERVER_ENV = {'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
+
+
+def _pythonpath() -> str:
+    """This directory and the test process's sys.path, as a rank's (and the server's) PYTHONPATH."""
+    return os.pathsep.join([HERE] + [p for p in sys.path if p])
 
 
 def free_port() -> int:
@@ -49,7 +56,7 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], log: str, dkf
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    import dkfac  # the server's
+    # In the rank, this module's dkfac is the one its server imported (or, where the server could not, the rank's own).
     if os.path.realpath(dkfac.__file__) != os.path.realpath(dkfac_file):
         raise RuntimeError(f'the worker server imported dkfac from {dkfac.__file__}, the test process from '
                            f'{dkfac_file}: set PYTHONPATH as conftest.py does, or DKFAC_TEST_FRESH_WORKERS=1')
@@ -70,12 +77,9 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], log: str, dkf
 class _Rank:
     """One forked rank, read as `subprocess.Popen` is: communicate(timeout), kill(), returncode."""
 
-    def __init__(self, context, script: str, argv: list[str], env: dict[str, str], log: str):
+    def __init__(self, context, script: str, argv: list[str], env: dict[str, str], log: str, dkfac_file: str):
         self._log = log
         open(log, 'w').close()  # there even where the rank fails before it writes (its status says it failed)
-        import dkfac  # the test process's, which each rank checks its own against
-
-        dkfac_file = dkfac.__file__
         # Daemonic: a test that fails before it waits for its ranks leaves none running past pytest's end.
         self._process = context.Process(target=_run_script, args=(script, argv, env, log, dkfac_file), daemon=True)
         self._process.start()
@@ -105,17 +109,8 @@ def _forkserver():
     if _context is None:
         context = multiprocessing.get_context('forkserver')
         context.set_forkserver_preload(PRELOAD)
-        server_env = dict(SERVER_ENV, PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]))
-        saved = {k: os.environ.get(k) for k in server_env}
-        os.environ.update(server_env)
-        try:
+        with mock.patch.dict(os.environ, SERVER_ENV, PYTHONPATH=_pythonpath()):  # the server's only
             multiprocessing.forkserver.ensure_running()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         _context = context
     return _context
 
@@ -124,17 +119,17 @@ def start_workers(script: str, size: int, kwargs: dict, tmp_path) -> list:
     """`size` ranks of tests/python/`script`, each writing tmp_path/rank{r}.pt (its output in rank{r}.log)."""
     port = free_port()
     fresh = os.environ.get('DKFAC_TEST_FRESH_WORKERS') == '1' or kwargs.get('device') == 'cuda'
+    path = os.path.join(HERE, script)
     procs = []
     for rank in range(size):
         env = dict(os.environ, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                   PYTHONPATH=os.pathsep.join([HERE] + [p for p in sys.path if p]), **SERVER_ENV)
-        path = os.path.join(HERE, script)
+                   PYTHONPATH=_pythonpath(), **SERVER_ENV)
         argv = [str(tmp_path / f'rank{rank}.pt'), json.dumps(kwargs)]
         if fresh:
             procs.append(subprocess.Popen([sys.executable, path, *argv], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         else:
-            procs.append(_Rank(_forkserver(), path, argv, env, str(tmp_path / f'rank{rank}.log')))
+            procs.append(_Rank(_forkserver(), path, argv, env, str(tmp_path / f'rank{rank}.log'), dkfac.__file__))
     return procs
 
 
