@@ -1139,8 +1139,25 @@ int64_t Preconditioner::second_order_in_flight_bytes() const {
   // installed, and the factors they are computed from stay until then where newer ones replaced them (read here, not
   // the job's results, which its thread may be writing). A shared-input group's follower holds its leader's A: each
   // factor is counted once, whichever copies keep it.
+  //
+  // Where the groups were planned again while the job runs (Options::stack_layers: a layer's first factors), the
+  // copies it reads hold views of the old stacks, which no layer holds any more: each such storage is alive whole
+  // until the job is installed, and counted once.
   int64_t total = 0;
   if (!job_) return total;
+  std::set<const void*> held;  // storages: the layers' second-order parts', then the old ones counted
+  for (const auto& layer : layers_) {
+    for (const auto* part : layer.second_order().parts()) {
+      if (part->defined()) held.insert(part->storage().unsafeGetStorageImpl());
+    }
+  }
+  for (const auto& from : job_->sources) {
+    for (const auto* part : from.second_order().parts()) {
+      if (!part->defined()) continue;
+      const void* storage = part->storage().unsafeGetStorageImpl();
+      if (held.insert(storage).second) total += static_cast<int64_t>(part->storage().nbytes());
+    }
+  }
   std::set<const void*> counted;
   for (size_t k = 0; k < job_->layers.size(); ++k) {
     const auto& now = layers_[job_->layers[k]];

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -234,6 +235,51 @@ TEST(StackedLayersFallback, NeverUsedMemberHoldsNoSlot) {
   const auto& mix = stacked.layers()[index_of(stacked, "block0.mix")].second_order().g_eigen.eigenvectors;
   // One group of the 11 layers of (g, a) = (6, 7) that run (the blocks' query, key and value, two mixes), not 12.
   EXPECT_EQ(mix.storage().nbytes(), 11u * static_cast<size_t>(mix.nbytes()));
+}
+
+// A member that first runs at step 4, under second_order_lag 2 with updates every 3 steps: its first factors re-plan
+// the groups at step 4, while step 3's update runs beside the steps from views of the old stacks, so the old stacks
+// stay alive until step 5 installs it. memory_bytes counts them then, and only then: at every other step it equals
+// the layer-by-layer run's, which holds no stacks. (Where an update is installed first, the groups are planned
+// again there, before the next update starts: nothing stays behind.)
+TEST(StackedLayersFallback, ReplanWhileAnUpdateRunsCountsTheOldStacks) {
+  std::map<const void*, size_t> stacks_before;  // storages that hold two or more layers' parts after step 3
+  const auto storages_of = [](const Preconditioner& kfac) {
+    std::map<const void*, std::pair<size_t, int>> held;  // storage -> (bytes, parts viewing it)
+    for (const auto& layer : kfac.layers()) {
+      for (const auto* part : layer.second_order().parts()) {
+        if (!part->defined()) continue;
+        auto& [bytes, parts] = held[part->storage().unsafeGetStorageImpl()];
+        bytes = part->storage().nbytes();
+        ++parts;
+      }
+    }
+    return held;
+  };
+  run_both(
+      Options().second_order_lag(2).inv_update_steps(3).unused_layer_policy(UnusedLayerPolicy::kSkip), 7,
+      [](Tower& net, int64_t step) { net.skip_last_mix = step < 3; },  // for the next step's pass: runs from step 4
+      [&](const Runs& r, int64_t step) {
+        int64_t old_stacks = 0;
+        if (step == 3) {
+          for (const auto& [storage, held] : storages_of(*r.stacked)) {
+            if (held.second > 1) stacks_before[storage] = held.first;
+          }
+          ASSERT_FALSE(stacks_before.empty()) << "no stacks at step 3";
+        } else if (step == 4) {
+          const auto now = storages_of(*r.stacked);
+          for (const auto& [storage, bytes] : stacks_before) {
+            EXPECT_EQ(now.count(storage), 0u) << "an old stack is still a layer's at step 4: no re-plan";
+            old_stacks += static_cast<int64_t>(bytes);
+          }
+        }
+        EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes() + old_stacks) << "step " << step;
+      },
+      [] {
+        auto net = make_tower();
+        net->skip_last_mix = true;
+        return net;
+      });
 }
 
 // Layers of one shape in other dtypes (float32 and float64 weights, float64 factors: one second-order dtype) are
