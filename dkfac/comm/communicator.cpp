@@ -14,6 +14,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
+#include <csignal>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
@@ -159,6 +161,21 @@ void without_flight_recorder_unless_asked() {
   }
 }
 
+// A write to a peer that has died (a TCP socket whose other end is closed: Gloo's or the store's) raises SIGPIPE,
+// whose default action ends the process before any error can name the lost rank (seen: `dkfac train` under
+// torchrun, exit -13, when its peer's node was killed). Python ignores SIGPIPE at start-up; a C++ program gets the
+// same here, so that the write fails with EPIPE, which Gloo and the store raise as errors. A disposition the
+// program chose is left as it is.
+void ignore_broken_pipes() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  }
+}
+
 std::vector<int> all_ranks(int size) {
   std::vector<int> all(size);
   std::iota(all.begin(), all.end(), 0);
@@ -169,6 +186,7 @@ std::vector<int> all_ranks(int size) {
 
 Communicator::Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog)
     : impl_(std::move(impl)), rank_(rank), size_(size) {
+  ignore_broken_pipes();
   if (impl_->groups.empty()) impl_->groups.push_back({all_ranks(size), impl_->make_group("world/", rank, size)});
   if (watchdog) start_heartbeat();
 }

@@ -1,7 +1,13 @@
 // The Communicator's failure reporting on real Gloo process groups (ranks as threads of this process).
 #include "dkfac/comm/communicator.h"
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -36,6 +42,44 @@ TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {
   silent.join();
   EXPECT_NE(message.find("allreduce of 4 elements (factors) over 2 ranks failed"), std::string::npos) << message;
   EXPECT_LT(seconds, 10.0);
+}
+
+// Writes one byte into a socket whose other end is closed, as a rank does to a peer that has died; exits 0 where
+// the write fails with EPIPE (the process lives on to say what happened).
+[[noreturn]] void write_to_a_closed_socket() {
+  int ends[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, ends) != 0) std::_Exit(2);
+  ::close(ends[1]);
+  const char byte = 0;
+  const bool epipe = ::write(ends[0], &byte, 1) < 0 && errno == EPIPE;
+  std::_Exit(epipe ? 0 : 3);
+}
+
+// Once a communicator exists, a write to a dead peer's socket is an error (EPIPE), not SIGPIPE's end of the process
+// (which left a torchrun worker's error unsaid). Without one, the same write ends the process: the check can fail.
+// A SIGPIPE handler the program installed is kept.
+TEST(CommunicatorDeathTest, ABrokenPipeIsAnErrorNotTheEndOfTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        std::signal(SIGPIPE, SIG_DFL);
+        write_to_a_closed_socket();
+      },
+      ::testing::KilledBySignal(SIGPIPE), "");
+  EXPECT_EXIT(
+      {
+        std::signal(SIGPIPE, SIG_DFL);
+        auto c = Communicator::connect_in_process(std::make_shared<InProcessStore>(), 0, 1, std::chrono::seconds(2));
+        write_to_a_closed_socket();
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        std::signal(SIGPIPE, [](int) { std::_Exit(7); });
+        auto c = Communicator::connect_in_process(std::make_shared<InProcessStore>(), 0, 1, std::chrono::seconds(2));
+        write_to_a_closed_socket();
+      },
+      ::testing::ExitedWithCode(7), "");
 }
 
 // A rank that goes away is named: in the error of the collective it fails, and to the lost-rank callback
