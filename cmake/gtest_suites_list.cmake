@@ -1,8 +1,9 @@
 # Script mode (cmake -P), after each build of a googletest executable: writes OUTPUT, CTest's tests for its suites
 # (cmake/GTestSuites.cmake). Inputs: EXECUTABLE, OUTPUT, EXCLUDE (a regular expression on suite names, or empty),
-# LABELS (a list), WORKING_DIRECTORY.
-execute_process(COMMAND "${EXECUTABLE}" --gtest_list_tests OUTPUT_VARIABLE listed ERROR_VARIABLE errors
-                RESULT_VARIABLE rc TIMEOUT 60)
+# FILTER_OUT (a googletest pattern, or empty), TIMEOUT (seconds, or empty), LABELS (a list), WORKING_DIRECTORY.
+file(REMOVE "${OUTPUT}")  # a listing that fails leaves no stale list behind (ctest then runs <target>_NOT_BUILT)
+execute_process(COMMAND "${EXECUTABLE}" --gtest_list_tests --gtest_filter=*  # whatever GTEST_FILTER says
+                OUTPUT_VARIABLE listed ERROR_VARIABLE errors RESULT_VARIABLE rc TIMEOUT 60)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "listing the tests of ${EXECUTABLE} failed (${rc}):\n${listed}\n${errors}")
 endif()
@@ -12,18 +13,27 @@ set(suites "")
 foreach(line IN LISTS lines)
   if(line MATCHES "^([A-Za-z_][A-Za-z0-9_/]*)\\.( |$)")  # "Suite." or "Prefix/Suite." (then "  # TypeParam = ...")
     set(suite "${CMAKE_MATCH_1}")
-    if(EXCLUDE STREQUAL "" OR NOT suite MATCHES "${EXCLUDE}")
+    if(NOT suite MATCHES "(^|/)DISABLED_" AND (EXCLUDE STREQUAL "" OR NOT suite MATCHES "${EXCLUDE}"))
       list(APPEND suites "${suite}")
     endif()
   endif()
 endforeach()
-if(NOT suites)
+list(LENGTH suites count)
+if(count EQUAL 0)
   message(FATAL_ERROR "no googletest suites listed by ${EXECUTABLE}:\n${listed}")
 endif()
 set(script "# Written by cmake/gtest_suites_list.cmake from ${EXECUTABLE} --gtest_list_tests\n")
+set(negative "")
+if(NOT FILTER_OUT STREQUAL "")
+  set(negative "-${FILTER_OUT}")
+endif()
+set(timeout "")
+if(NOT TIMEOUT STREQUAL "")
+  set(timeout " TIMEOUT ${TIMEOUT}")
+endif()
 foreach(suite IN LISTS suites)
-  string(APPEND script "add_test([==[${suite}]==] [==[${EXECUTABLE}]==] [==[--gtest_filter=${suite}.*]==])\n"
+  string(APPEND script "add_test([==[${suite}]==] [==[${EXECUTABLE}]==] [==[--gtest_filter=${suite}.*${negative}]==])\n"
          "set_tests_properties([==[${suite}]==] PROPERTIES LABELS [==[${LABELS}]==] "
-         "WORKING_DIRECTORY [==[${WORKING_DIRECTORY}]==])\n")
+         "WORKING_DIRECTORY [==[${WORKING_DIRECTORY}]==]${timeout})\n")
 endforeach()
 file(WRITE "${OUTPUT}" "${script}")

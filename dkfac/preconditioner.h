@@ -255,9 +255,10 @@ class Preconditioner {
   /// Bytes of K-FAC state (factors and second-order state) held now, second_order_in_flight_bytes included.
   int64_t memory_bytes() const;
   /// Options::second_order_lag: bytes the update in flight holds beside the state in use: a second state of each
-  /// layer it computes (as large as the one it replaces; counted from its start, while its thread computes it), and
-  /// the factors it is computed from where a factor update has replaced them since. 0 with none in flight.
-  /// strategy::predict's RankCost::in_flight_bytes is its most.
+  /// layer it computes (as large as the one it replaces; counted from its start, while its thread computes it),
+  /// the factors it is computed from where a factor update has replaced them since, and the old stacks its copies
+  /// keep alive where the groups were planned again meanwhile (Options::stack_layers). 0 with none in flight.
+  /// strategy::predict's RankCost::in_flight_bytes is its most in the steady state (without old stacks).
   int64_t second_order_in_flight_bytes() const;
 
   /// Every layer's whole state (KfacLayer::state(): factors and second-order state), the same on every rank

@@ -161,11 +161,12 @@ void without_flight_recorder_unless_asked() {
   }
 }
 
-// A write to a peer that has died (a TCP socket whose other end is closed: Gloo's or the store's) raises SIGPIPE,
-// whose default action ends the process before any error can name the lost rank (seen: `dkfac train` under
-// torchrun, exit -13, when its peer's node was killed). Python ignores SIGPIPE at start-up; a C++ program gets the
-// same here, so that the write fails with EPIPE, which Gloo and the store raise as errors. A disposition the
-// program chose is left as it is.
+// A write to a peer that has died (a Gloo TCP socket whose other end is closed; the store's client sends with
+// MSG_NOSIGNAL) raises SIGPIPE, whose default action ends the process before any error can name the lost rank
+// (seen: `dkfac train` under torchrun, exit -13, when its peer's node was killed). Python ignores SIGPIPE at
+// start-up; a C++ program gets the same here, so that the write fails with EPIPE, which Gloo raises as an error. It
+// is process-wide, and inherited by programs the process starts (docs/RELIABILITY.md); a handler the program
+// installed is left as it is.
 void ignore_broken_pipes() {
   struct sigaction current {};
   if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {

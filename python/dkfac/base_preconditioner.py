@@ -974,8 +974,8 @@ class BaseKFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
         and step counts, once held; ``second_order_in_flight``: with ``second_order_lag``, while an update is
-        computed beside the steps, a second state of the layers it computes and the factors it reads where newer
-        ones replaced them)."""
+        computed beside the steps, a second state of the layers it computes, the factors it reads where newer
+        ones replaced them, and the old stacks of ``stack_layers`` where the groups were planned again meanwhile)."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
         kinds = {key: 'adam_moments' if moment else f"{side}_{'factors' if factor else 'inverses'}"
                  for key, factor, side, moment in _STATE_ENTRIES}
