@@ -4,8 +4,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <exception>
 #include <sstream>
+#include <thread>
 
+#include <ATen/Context.h>
 #include <torch/torch.h>
 
 #include "dkfac/device.h"
@@ -135,6 +138,79 @@ double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device) {
   const auto basis = math::eigen_decompose(before);
   const auto after = (0.95 * before + 0.05 * torch::eye(d, before.options())).contiguous();
   return time_median(device, d >= 640 ? 2 : 3, [&] { (void)math::refresh_eigenbasis(after, basis); });
+}
+
+SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device) {
+  torch::NoGradGuard no_grad;
+  const int64_t d = kSideWorkDim;
+  const auto spd = probe_factor(d, dtype, device);
+  const bool eigen = method == ComputeMethod::kEigen;
+  const auto decompose = [&] {
+    if (eigen) {
+      (void)math::eigen_decompose(spd);
+    } else {
+      (void)math::damped_inverse(spd, 1e-3);
+    }
+  };
+  // The products a step runs: a [d, d] gradient preconditioned by d x d factors' second-order state.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(19);
+  const auto grad = torch::randn({d, d}, gen, torch::TensorOptions().dtype(torch::kFloat32)).to(spd.options());
+  const auto basis = eigen ? math::eigen_decompose(spd) : math::EigenFactor{};
+  const auto denominator = eigen ? math::eigen_denominator(basis, basis, 1e-3) : torch::Tensor();
+  const auto inverse = eigen ? torch::Tensor() : math::damped_inverse(spd, 1e-3);
+  const auto product = [&] {
+    if (eigen) {
+      (void)math::precondition_eigen(basis, basis, denominator, grad);
+    } else {
+      (void)math::precondition_inverse(inverse, inverse, grad);
+    }
+  };
+  constexpr int kRepeats = 3;
+  SideWorkTimes t;
+  t.side = time_median(device, kRepeats, decompose);
+  const double one = time_median(device, kRepeats, product);
+  const int64_t products = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(3.0 * t.side / std::max(one, 1e-9))), 1,
+                                               100000);
+  const auto loop = [&] {
+    for (int64_t k = 0; k < products; ++k) product();
+  };
+  t.main = time_median(device, kRepeats, loop);
+  t.together = time_median(device, kRepeats, [&] {
+    // As Preconditioner::start_second_order_job hands an update over: the side work follows what this thread
+    // enqueued so far, runs without autograd or TF32, and this thread's stream waits for it at the end.
+    device::SideWork side(device);
+    std::exception_ptr failed;
+    std::thread worker([&] {
+      try {
+        side.run([&] {
+          torch::NoGradGuard off;
+          at::NoTF32Guard no_tf32;
+          decompose();
+        });
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    try {
+      loop();
+    } catch (...) {
+      worker.join();
+      throw;
+    }
+    worker.join();
+    if (failed) std::rethrow_exception(failed);
+    side.join({});
+  });
+  return t;
+}
+
+double side_work_cost_from(const SideWorkTimes& times) {
+  TORCH_CHECK(std::isfinite(times.main) && std::isfinite(times.side) && std::isfinite(times.together) &&
+                  times.main >= 0 && times.side >= 0 && times.together >= 0,
+              "side work times must be finite and >= 0, got main ", times.main, " s, side ", times.side,
+              " s, together ", times.together, " s");
+  if (times.side <= 0) return 1.0;  // nothing measured beside: priced as if run on the step
+  return std::clamp((times.together - times.main) / times.side, 0.0, 1.0);
 }
 
 int64_t spd_redundant_dim(double probe_seconds, const assign::AlphaBeta& link, c10::ScalarType dtype,

@@ -61,6 +61,29 @@ double time_decomposition(int64_t d, ComputeMethod method, c10::ScalarType dtype
 /// as time_decomposition.
 double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device);
 
+/// What second-order work beside the steps (Options::second_order_lag) costs them, from one timing of each:
+/// `main`, a loop of preconditioning products on this thread; `side`, one decomposition; `together`, both started
+/// at once, the decomposition on another host thread through device::SideWork (on CUDA a low-priority side stream),
+/// until both have ended. Each the median of 3 runs after a warm-up.
+struct SideWorkTimes {
+  double main = 0;
+  double side = 0;
+  double together = 0;
+};
+
+/// Times SideWorkTimes on `device` for `method` in `dtype`: the decomposition of a kSideWorkDim x kSideWorkDim
+/// factor, and as many products of a [kSideWorkDim, kSideWorkDim] gradient as take about three times as long, so
+/// that the decomposition ends within the loop wherever it runs at more than a third of its speed. In this
+/// process only.
+SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device);
+constexpr int64_t kSideWorkDim = 384;
+
+/// The share of the side work's seconds that the main work loses beside it, (together - main) / side, within
+/// [0, 1]: 0 where the side work hides entirely behind the main work (another engine's time), 1 where the two
+/// take turns on one engine (as on a CPU whose cores the main work already fills). Rates::side_work_cost; the time
+/// model prices a lagged update of D seconds as max(cost D, D - the steps it runs beside) (time_model.h). Pure.
+double side_work_cost_from(const SideWorkTimes& times);
+
 /// SPD-KFAC's redundancy threshold (assign::redundant_dim_threshold): the largest d for which decomposing a
 /// d x d factor on every rank (seconds_per_cubed_dim d^3, from the probe's time / kSpdProbeDim^3) costs no
 /// more than broadcasting its result over `link`. A broadcast carries per d^2 the eigenvectors (eigen: one

@@ -258,6 +258,15 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
         const auto [seconds, per_flop] = fit_affine(flops, {figures, figures + flops.size()});
         rates.precondition = PreconditionRate{seconds, per_flop};
       }});
+  // Options::second_order_lag: what a decomposition beside the steps costs them (three figures).
+  probes.push_back(KernelProbe{3,
+                               [method, dtype, device](std::vector<double>& figures) {
+                                 const auto t = time_side_work(method, dtype, device);
+                                 figures.insert(figures.end(), {t.main, t.side, t.together});
+                               },
+                               [](const double* figures, Rates& rates) {
+                                 rates.side_work_cost = side_work_cost_from({figures[0], figures[1], figures[2]});
+                               }});
   return probes;
 }
 
@@ -408,6 +417,8 @@ void Rates::validate() const {
   check_factor("conv_unfold_factor", conv_unfold_factor);
   check("fold.seconds", fold.seconds);
   check("fold.per_entry", fold.per_entry);
+  TORCH_CHECK(std::isfinite(side_work_cost) && side_work_cost >= 0 && side_work_cost <= 1,
+              "rates: side_work_cost must be in [0, 1], got ", side_work_cost);
   check("precondition.seconds", precondition.seconds);
   check("precondition.per_flop", precondition.per_flop);
   const auto check_table = [&](const std::string& name, const DecompositionRate& rate) {

@@ -108,6 +108,11 @@ struct Rates {
   /// inverse method, or rates given by hand): a refresh is priced as a full decomposition.
   DecompositionRate refresh;
   PreconditionRate precondition;
+  /// Options::second_order_lag: the share of a decomposition's seconds that the steps it runs beside lose, in [0, 1]
+  /// (measure.h's side_work_cost_from: one decomposition on another host thread, on CUDA a side stream, beside a
+  /// loop of preconditioning products). 1, the default where it was not measured (rates given by hand), prices a
+  /// lagged update as if it ran on the step.
+  double side_work_cost = 1;
 
   /// Seconds of one refresh of a d x d factor's eigenbasis: `refresh`'s, or a full decomposition's where it is not
   /// measured.

@@ -153,6 +153,13 @@ PhaseSeconds TimePrediction::slowest_phases() const {
 
 namespace {
 
+/// What the steps pay for `decompose` seconds of second-order work computed beside them (Options::second_order_lag),
+/// where the steps it runs beside compute `beside` seconds of their own: the share `cost` of it that they lose
+/// (Rates::side_work_cost), or where it outlasts them, the wait at its installation, whichever is more.
+double lagged_seconds(double decompose, double beside, double cost) {
+  return std::max(cost * decompose, decompose - beside);
+}
+
 /// Rank `r`'s preconditioning products: each layer's at the rate's per-FLOP cost, and its fixed cost (launches,
 /// allocations) once per layer, or with StepPlan::stack_layers once per batch of a group, the groups and batches as
 /// LayerGroups and the Preconditioner form them (stack_groups, stacked_batch_units; gradients in the K-FAC tensors'
@@ -179,10 +186,11 @@ double precondition_seconds(const StepPlan& plan, const Rates& rates, int r) {
 }
 
 /// One plan's work per rank and its collectives on `rates`, from which predict_time and predict_step_seconds
-/// simulate steps.
+/// simulate steps. `lag_steps` > 0 (StepPlan::second_order_lag): each update runs beside that many steps, and its
+/// inverse step pays what the steps lose to it (lagged_seconds).
 class StepSimulation {
  public:
-  StepSimulation(const StepPlan& plan, const Rates& rates, int64_t batch_size)
+  StepSimulation(const StepPlan& plan, const Rates& rates, int64_t batch_size, int64_t lag_steps)
       : plan_(plan), rates_(rates), p_(plan.world_size()) {
     TORCH_CHECK(batch_size >= 1, "batch_size must be >= 1, got ", batch_size);
     const size_t layers = plan.shapes.size();
@@ -238,6 +246,13 @@ class StepSimulation {
     }
     columns_ = plan.placement.columns();
     rows_ = plan.placement.rows();
+    if (lag_steps <= 0) return;
+    for (int r = 0; r < p_; ++r) {
+      const double beside = static_cast<double>(lag_steps) * (precondition_[r] + gradient_comm_);
+      for (auto* seconds : {&decompose_, &full_, &refreshed_}) {
+        (*seconds)[r] = lagged_seconds((*seconds)[r], beside, rates.side_work_cost);
+      }
+    }
   }
 
   /// One step of the given kind: ranks add their work and meet at the plan's collectives; the end of the
@@ -318,7 +333,9 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
   TORCH_CHECK(intervals.factor_update_steps >= 1 && intervals.inv_update_steps >= 1,
               "intervals must be >= 1, got factor_update_steps ", intervals.factor_update_steps,
               " and inv_update_steps ", intervals.inv_update_steps);
-  const StepSimulation simulation(plan, rates, batch_size);
+  // An update in flight is installed at the next inverse step if that comes before its lag's end.
+  const StepSimulation simulation(plan, rates, batch_size,
+                                  std::min(plan.second_order_lag, intervals.inv_update_steps));
   const double f = static_cast<double>(intervals.factor_update_steps);
   const double v = static_cast<double>(intervals.inv_update_steps);
   const double both = 1.0 / static_cast<double>(std::lcm(intervals.factor_update_steps, intervals.inv_update_steps));
@@ -334,7 +351,7 @@ TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t ba
 }
 
 double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind) {
-  return StepSimulation(plan, rates, batch_size).step(kind);
+  return StepSimulation(plan, rates, batch_size, plan.second_order_lag).step(kind);
 }
 
 Rates scaled(const Rates& rates, const RateScales& scales) {
@@ -393,7 +410,7 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
     RateScales scales;
     for (const auto phase : kCalibratedPhases) scales[phase] = phase == only ? 1.0 : 0.0;
     const Rates r = scaled(rates, scales);
-    const StepSimulation simulation(plan, r, batch_size);
+    const StepSimulation simulation(plan, r, batch_size, plan.second_order_lag);
     double seconds = 0;
     for (const auto& kind : measured.kinds) seconds += simulation.step(kind);
     return seconds;
@@ -403,6 +420,9 @@ RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_siz
   RateScales out;
   for (const auto phase : kCalibratedPhases) {
     const double seconds = measured.seconds[phase];
+    // Under second_order_lag a step's second-order time is an installation's wait, not the decompositions, whose
+    // cost lands in the phases they run beside: the decomposition rates keep their scale.
+    if (phase == KfacPhase::kSecondOrder && plan.second_order_lag > 0) continue;
     const bool enough = seconds > 0 && seconds >= kLeastCalibratedShare * whole;
     const double expected = enough ? predicted(phase) : 0.0;
     out[phase] = expected > 0 ? seconds / expected : 1.0;

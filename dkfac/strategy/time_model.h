@@ -28,7 +28,9 @@ struct Intervals {
 struct PhaseSeconds {
   double factor_build = 0;       ///< building and folding the factors this rank builds (factor steps)
   double factor_comm = 0;        ///< factor allreduces, as the plan groups them (factor steps)
-  double decomposition = 0;      ///< this rank's eigendecompositions / inverses (second-order steps)
+  /// this rank's eigendecompositions / inverses (second-order steps); with StepPlan::second_order_lag, what the
+  /// steps pay for them (predict_time)
+  double decomposition = 0;
   double second_order_comm = 0;  ///< broadcasts inside this rank's column (second-order steps)
   double precondition = 0;       ///< this rank's preconditioning products (every step)
   double gradient_comm = 0;      ///< V broadcasts along this rank's row (every step)
@@ -58,6 +60,15 @@ struct TimePrediction {
 /// comm::bucket_groups groups them, SPD-KFAC's as its fusion says (or, left to profiling, by
 /// assign::fuse_groups with the factors' build times as their ready times and the allreduce link). `rates.method` should be the plan's method
 /// (decomposition and preconditioning times are for it).
+///
+/// StepPlan::second_order_lag = k > 0 (each update after the first computed beside the steps, docs/MATH.md section
+/// 2.8): a rank's decompositions of D seconds run beside the next w = min(k, inv_update_steps) steps (the next
+/// inverse step installs an update still in flight), in which the rank computes W = w x its non-update step's own
+/// work (preconditioning and V broadcasts). The inverse step pays max(Rates::side_work_cost x D, D - W): the share
+/// of D the steps lose beside it, or, where D outlasts W, the wait at installation. Forward and backward, which the
+/// model does not know, lengthen the window too: the wait is an upper bound. The broadcasts of the update stay
+/// priced on its inverse step (they run at installation, once per update all the same); the first update, which
+/// runs at once, is not in the average.
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals);
 
 /// A step's kind: whether it updates the factors, the second-order state, both or neither.
@@ -118,7 +129,8 @@ constexpr double kLeastCalibratedShare = 0.1;
 /// Measured over predicted per group of rates, for `plan` with `batch_size` samples per rank: each group's
 /// prediction is the plan's steps of `measured.kinds` simulated with that group's rates alone (sharing and
 /// waiting as predict_time has them). A group predicted at 0, or measured under kLeastCalibratedShare of the
-/// calibrated phases' sum, keeps scale 1. Pure.
+/// calibrated phases' sum, keeps scale 1; so do the decompositions under StepPlan::second_order_lag, where a step
+/// measures an installation's wait rather than them (a profiled step is simulated with the plan's whole lag). Pure.
 RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured);
 
 /// No limit for choose_strategy's memory budget.

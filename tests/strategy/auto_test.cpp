@@ -125,6 +125,53 @@ TEST(TimeModel, EighIntervalAveragesFullDecompositionsAndRefreshes) {
   EXPECT_THROW(r.validate(), c10::Error) << "a refresh table of 2 dims and 1 time";
 }
 
+// Options::second_order_lag k: each update's decompositions (D seconds) run beside the next w = min(k, inverse
+// interval) steps, whose own work is W = w x the non-update step's: the inverse step pays max(side_work_cost x D,
+// D - W). Unmeasured (cost 1), that is the exact mode's price.
+TEST(TimeModel, SecondOrderLagPaysTheSideWorksShareOrTheWaitAtInstallation) {
+  Rates r = rates(1e-9, 0, 0, 1);
+  auto plan = StepPlan::single_process(shapes(), ComputeMethod::kEigen);
+  plan.stack_layers = false;
+  const auto exact = predict_time(plan, r, 32, {1, 10});
+  const double decompose = 10 * exact.ranks[0].decomposition;  // one update's seconds
+  ASSERT_GT(decompose, 0.0);
+  plan.second_order_lag = 3;
+  const auto unmeasured = predict_time(plan, r, 32, {1, 10});
+  EXPECT_DOUBLE_EQ(unmeasured.step_seconds, exact.step_seconds) << "side_work_cost 1: priced as the exact mode";
+  r.side_work_cost = 0.25;
+  // Each of the 4 layers' products costs `fixed`: the window is 3 steps x 4 x fixed.
+  const auto with_products = [&](double fixed) {
+    r.precondition = {fixed, 0};
+    return predict_time(plan, r, 32, {1, 10});
+  };
+  auto t = with_products(decompose / 24);  // W = D / 2: the update outlasts its window, the step waits D / 2
+  EXPECT_NEAR(t.ranks[0].decomposition, 0.5 * decompose / 10, 1e-15);
+  t = with_products(decompose);  // W = 12 D: it hides, but for the share the steps lose beside it
+  EXPECT_NEAR(t.ranks[0].decomposition, 0.25 * decompose / 10, 1e-15);
+  EXPECT_NEAR(t.step_seconds, t.ranks[0].total(), 1e-12);
+  r.side_work_cost = 0;
+  EXPECT_EQ(with_products(decompose).ranks[0].decomposition, 0.0) << "beside free compute, an update costs nothing";
+  // The next inverse step installs an update still in flight: at an interval of 2, the window is 2 steps.
+  r.side_work_cost = 0.25;
+  r.precondition = {decompose / 24, 0};
+  EXPECT_NEAR(predict_time(plan, r, 32, {1, 2}).ranks[0].decomposition, (decompose - decompose / 3) / 2, 1e-15);
+  // A profiled inverse step is priced with the plan's whole lag, its kind alone.
+  const double inverse_step = predict_step_seconds(plan, r, 32, {false, true});
+  const double plain_step = predict_step_seconds(plan, r, 32, {false, false});
+  EXPECT_NEAR(inverse_step - plain_step, 0.5 * decompose, 1e-12);
+  // strategy auto's candidates carry the option: with the lag, every candidate that decomposes is cheaper.
+  r.precondition = {decompose, 0};
+  r.side_work_cost = 0;
+  const Options base = Options().second_order_lag(3);
+  const auto lagged = choose_strategy(shapes(), 1, base, r, kNoMemoryBudget, 32, {1, 10});
+  const auto at_once = choose_strategy(shapes(), 1, Options(), r, kNoMemoryBudget, 32, {1, 10});
+  ASSERT_EQ(lagged.candidates.size(), at_once.candidates.size());
+  for (size_t k = 0; k < lagged.candidates.size(); ++k) {
+    EXPECT_LT(lagged.candidates[k].time.step_seconds, at_once.candidates[k].time.step_seconds)
+        << lagged.candidates[k].name;
+  }
+}
+
 // Options::stack_layers: the layers of one shape a rank preconditions pay the products' fixed cost once per batch of
 // kStackedBatchBytes of gradients (LayerGroups' groups: a shared-input unit whole), the others once each; the FLOPs
 // are the same. make_step_plan sets the flag where stacking applies.
@@ -240,6 +287,36 @@ TEST(TimeModel, CalibrateFindsEachGroupsScaleFromMeasuredPhases) {
   EXPECT_TRUE(RateScales{}.within(kRecheckTolerance));
   EXPECT_TRUE(RateScales::of({{kF, 1.19}, {kS, 0.81}}).within(kRecheckTolerance));
   EXPECT_FALSE(RateScales::of({{kC, 0.79}}).within(kRecheckTolerance));
+}
+
+// Under Options::second_order_lag a profiled step's second-order time is an installation's wait: the decomposition
+// rates keep their scale, and the other groups are calibrated as before.
+TEST(TimeModel, CalibrateUnderSecondOrderLagLeavesTheDecompositionsScale) {
+  Rates r = rates(1e-9, 6e-3, 1e-9, 4);
+  r.side_work_cost = 0.5;
+  auto plan = make_step_plan(shapes(), 4, Options().compute_method(ComputeMethod::kInverse).grad_worker_fraction(0.5)
+                                              .second_order_lag(2));
+  ASSERT_EQ(plan.second_order_lag, 2);
+  constexpr auto kF = KfacPhase::kFactors, kS = KfacPhase::kSecondOrder, kP = KfacPhase::kPrecondition,
+                 kC = KfacPhase::kCommunication;
+  const auto truth = RateScales::of({{kF, 1.5}, {kS, 0.8}, {kP, 2.0}, {kC, 3.0}});
+  ProfiledSteps measured;
+  measured.kinds = {{true, true}, {true, false}, {false, false}, {false, true}};
+  for (const auto& kind : measured.kinds) {
+    for (const auto phase : kCalibratedPhases) {
+      auto only = RateScales::of({{kF, 0}, {kS, 0}, {kP, 0}, {kC, 0}});
+      only[phase] = truth[phase];
+      measured.seconds[phase] += predict_step_seconds(plan, scaled(r, only), 32, kind);
+    }
+  }
+  ASSERT_GT(measured.seconds[kS], 0.0);
+  const auto got = calibrate(plan, r, 32, measured);
+  EXPECT_EQ(got[kS], 1.0);
+  EXPECT_NEAR(got[kF], 1.5, 1e-9);
+  EXPECT_NEAR(got[kP], 2.0, 1e-9);
+  EXPECT_NEAR(got[kC], 3.0, 1e-9);
+  plan.second_order_lag = 0;
+  EXPECT_NEAR(calibrate(plan, r, 32, measured)[kS], 0.8, 1e-9) << "without the lag, the same figures scale it";
 }
 
 TEST(TimeModel, ChoosingWithCalibratedRatesFollowsTheMeasuredMachine) {
@@ -558,6 +635,38 @@ TEST(Rates, EigenRatesTimeTheRefreshToo) {
   EXPECT_EQ(r.refresh.dims, r.decomposition.dims);
   for (double seconds : r.refresh.seconds) EXPECT_GT(seconds, 0.0);
   EXPECT_GT(r.refresh.seconds_for(640), r.refresh.seconds_for(16));
+}
+
+// A decomposition beside the steps costs them the share of its time they lose: none where it hides behind them, all
+// of it where the two take turns, never outside [0, 1].
+TEST(Rates, SideWorkCostIsTheShareOfTheSideWorkTheMainWorkLoses) {
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 1.0, 3.0}), 0.0) << "beside the loop at no cost";
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 1.0, 4.0}), 1.0) << "taking turns: the sum";
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 1.0, 3.25}), 0.25);
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 1.0, 2.9}), 0.0) << "faster together is noise: 0";
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 1.0, 5.0}), 1.0) << "slower than one after the other: 1";
+  EXPECT_DOUBLE_EQ(side_work_cost_from({3.0, 0.0, 3.0}), 1.0) << "nothing measured beside: as on the step";
+  EXPECT_THROW(side_work_cost_from({3.0, std::nan(""), 3.0}), c10::Error);
+  Rates r = rates(1e-9, 0, 0, 1);
+  r.side_work_cost = 1.5;
+  EXPECT_THROW(r.validate(), c10::Error);
+  r.side_work_cost = -0.1;
+  EXPECT_THROW(r.validate(), c10::Error);
+}
+
+// On this CPU: both ran (neither finished faster together than alone, within noise), the loop outlasts the
+// decomposition, and the measured rates hold the share.
+TEST(Rates, SideWorkIsTimedAloneAndTogether) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const auto t = time_side_work(ComputeMethod::kEigen, c10::kFloat, c10::Device(c10::kCPU));
+  at::set_num_threads(threads);
+  EXPECT_GT(t.side, 0.0);
+  EXPECT_GT(t.main, t.side) << "the loop is sized to about 3 decompositions";
+  EXPECT_GE(t.together, 0.8 * t.main) << "the loop ran in full beside it";
+  const auto r = measured_on_one_thread(ComputeMethod::kInverse);
+  EXPECT_GE(r.side_work_cost, 0.0);
+  EXPECT_LE(r.side_work_cost, 1.0);
 }
 
 // How many ranks compute at full speed together follows the probe's slowdown when all run it at once, within

@@ -330,7 +330,8 @@ strategy::Rates given_rates(ComputeMethod method) {
 }
 
 TEST(PlanAuto, RatesRoundTripThroughJson) {
-  const auto r = given_rates(ComputeMethod::kEigen);
+  auto r = given_rates(ComputeMethod::kEigen);
+  r.side_work_cost = 0.375;
   const auto back = nlohmann::json(r).get<strategy::Rates>();
   EXPECT_EQ(back.world_size, 4);
   EXPECT_EQ(back.method, ComputeMethod::kEigen);
@@ -351,6 +352,7 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_EQ(back.refresh.dims, r.refresh.dims);
   EXPECT_EQ(back.refresh.seconds, r.refresh.seconds);
   EXPECT_EQ(back.precondition.per_flop, r.precondition.per_flop);
+  EXPECT_EQ(back.side_work_cost, r.side_work_cost);
   EXPECT_EQ(back.conditions, "test");
   auto broken = nlohmann::json(r);
   broken["factor"].erase("per_flop_s");
@@ -365,7 +367,8 @@ TEST(PlanAuto, RatesRoundTripThroughJson) {
   EXPECT_THROW(broken.get<strategy::Rates>(), c10::Error);
   // One format: a file without a part that to_json writes is refused naming it, not read with a stand-in.
   for (const char* part :
-       {"allreduce_busy", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold", "refresh"}) {
+       {"allreduce_busy", "conv_g_factor", "conv_patches_factor", "conv_unfold_factor", "fold", "refresh",
+        "side_work_cost"}) {
     auto older = nlohmann::json(r);
     older.erase(part);
     try {

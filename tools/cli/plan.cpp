@@ -27,6 +27,7 @@ struct PlanConfig {
   // Rates given as flags (override --rates); negative: not given.
   double allreduce_alpha_us = -1, allreduce_beta_ns = -1, broadcast_alpha_us = -1, broadcast_beta_ns = -1;
   double gflops = -1;
+  double side_work_cost = -1;
   int rates_world_size = 0;
   std::vector<double> rate_scales;  // --rate-scales: factors, second order, preconditioning, communication
   bool fsdp = false;      // --fsdp
@@ -80,6 +81,10 @@ int run_auto(const PlanConfig& c, plan::PlanRequest request) {
   if (!have || c.allreduce_alpha_us >= 0 || c.allreduce_beta_ns >= 0) rates.allreduce_busy = rates.allreduce;
   if (c.broadcast_alpha_us >= 0) rates.broadcast.alpha = c.broadcast_alpha_us * 1e-6;
   if (c.broadcast_beta_ns >= 0) rates.broadcast.beta = c.broadcast_beta_ns * 1e-9;
+  if (c.side_work_cost >= 0) {
+    rates.side_work_cost = c.side_work_cost;
+    rates.conditions += (rates.conditions.empty() ? "" : "; ") + std::string("--side-work-cost given");
+  }
   if (c.gflops > 0) {
     const double per_flop = 1e-9 / c.gflops;
     for (const auto kernel : math::kFactorKernels) rates.for_kernel(kernel) = {0, 0, per_flop};
@@ -174,6 +179,10 @@ Command add_plan_command(CLI::App& app) {
       ->group(kAuto);
   plan->add_option("--factor-update-steps", r.factor_update_steps, "strategy auto: steps between factor updates")
       ->capture_default_str()->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--second-order-lag", r.second_order_lag,
+                   "steps between starting a second-order update and installing it (docs/MATH.md section 2.8): "
+                   "memory holds the update in flight; strategy auto prices its decompositions beside the steps")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   plan->add_option("--inv-update-steps", r.inv_update_steps, "strategy auto: steps between second-order updates")
       ->capture_default_str()->check(CLI::PositiveNumber)->group(kAuto);
   plan->add_option("--memory-budget-mb", config->memory_budget_mb,
@@ -191,6 +200,10 @@ Command add_plan_command(CLI::App& app) {
                    "rate: one FLOP rate for factors, decompositions (d^3 per inverse, 9 d^3 per eigh) and "
                    "preconditioning, replacing those of --rates")
       ->check(CLI::PositiveNumber)->group(kAuto);
+  plan->add_option("--side-work-cost", config->side_work_cost,
+                   "rate: the share of a decomposition's time that the steps it runs beside lose, 0 to 1 "
+                   "(--second-order-lag; measured by --measure-rates; 1 where not given: priced as on the step)")
+      ->check(CLI::Range(0.0, 1.0))->group(kAuto);
   plan->add_option("--rates-world-size", config->rates_world_size,
                    "rate flags: ranks the link rates hold for (default --nproc)")
       ->check(CLI::PositiveNumber)->group(kAuto);

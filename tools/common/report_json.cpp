@@ -80,7 +80,8 @@ void to_json(nlohmann::json& json, const Rates& r) {
           {"fold", {{"seconds", r.fold.seconds}, {"per_entry_s", r.fold.per_entry}}},
           {"decomposition", decomposition_rate_json(r.decomposition)},
           {"refresh", decomposition_rate_json(r.refresh)},
-          {"precondition", {{"seconds", r.precondition.seconds}, {"per_flop_s", r.precondition.per_flop}}}};
+          {"precondition", {{"seconds", r.precondition.seconds}, {"per_flop_s", r.precondition.per_flop}}},
+          {"side_work_cost", r.side_work_cost}};
 }
 
 void from_json(const nlohmann::json& j, Rates& rates) {
@@ -117,6 +118,7 @@ void from_json(const nlohmann::json& j, Rates& rates) {
   r.decomposition = decomposition_rate_from_json(j, "decomposition");
   r.refresh = decomposition_rate_from_json(j, "refresh");  // empty for the inverse method
   r.precondition = {field<double>(j, "precondition", "seconds"), field<double>(j, "precondition", "per_flop_s")};
+  r.side_work_cost = field<double>(j, nullptr, "side_work_cost");
   r.validate();
   rates = std::move(r);
 }

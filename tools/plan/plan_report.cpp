@@ -208,6 +208,7 @@ PlanReport plan_report(const PlanRequest& r) {
   const Options base = Options()
                            .compute_method(r.compute_method)
                            .symmetric_comm(r.symmetric_comm)
+                           .second_order_lag(r.second_order_lag)
                            .spd(SpdOptions().redundant_dim(r.spd_redundant_dim));
   // KAISA as the papers compare it: f = 1 (SC20's D-KFAC, comm-opt), 1/2 (hybrid-opt), 1/P (mem-opt), and the
   // fractions asked for.
@@ -464,7 +465,10 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
               to_string(r.compute_method), ")");
   rates.validate();
   const ModelTable t = model_table(r);
-  const Options base = Options().compute_method(r.compute_method).spd(SpdOptions().redundant_dim(-1));
+  const Options base = Options()
+                           .compute_method(r.compute_method)
+                           .second_order_lag(r.second_order_lag)
+                           .spd(SpdOptions().redundant_dim(-1));
   const auto choice = strategy::choose_strategy(t.layers, r.nproc, base, rates, r.memory_budget_bytes, r.batch_size,
                                                 {r.factor_update_steps, r.inv_update_steps});
   AutoReport report;
@@ -476,6 +480,7 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
                  {"compute_method", to_string(r.compute_method)},
                  {"factor_update_steps", r.factor_update_steps},
                  {"inv_update_steps", r.inv_update_steps},
+                 {"second_order_lag", r.second_order_lag},
                  {"memory_budget_bytes", r.memory_budget_bytes},
                  {"rates", rates},
                  {"candidates", choice.candidates},
@@ -489,7 +494,8 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
   text << "  rates: measured on " << rates.world_size << (rates.world_size == 1 ? " rank" : " ranks") << ", "
        << rates.device << ", " << storage_dtype_name(rates.dtype) << ", " << to_string(rates.method) << ", " << rates.threads
        << " intra-op thread(s) per rank; nodes of " << rates.ranks_per_node << " ranks computing at "
-       << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once"
+       << std::setprecision(3) << rates.parallel_ranks << " ranks' full speed at once; a decomposition beside the "
+       << "steps costs them " << rates.side_work_cost << " of its time"
        << (rates.conditions.empty() ? "" : "; " + rates.conditions) << "\n";
   text << "    allreduce " << us(rates.allreduce.alpha) << " + " << std::setprecision(3) << rates.allreduce.beta * 1e9
        << " ns/B (" << us(rates.allreduce_busy.alpha) << " + " << rates.allreduce_busy.beta * 1e9

@@ -33,6 +33,9 @@ struct PlanRequest {
   int64_t factor_update_steps = 10;
   int64_t inv_update_steps = 100;
   int64_t memory_budget_bytes = 0;
+  /// Options::second_order_lag: every plan's memory holds the update in flight (strategy::RankCost::in_flight_bytes),
+  /// and strategy auto prices its decompositions beside the steps (Rates::side_work_cost).
+  int64_t second_order_lag = 0;
   /// Sharded models (docs/STRATEGIES.md, "Sharded models"): 0 plans DDP; `shard_ranks` > 0 plans every layer
   /// sharded by rows over groups of that many ranks (FSDP: nproc; HSDP: nproc / replicas), each strategy in the
   /// replicated placement plus the owner placements (kaisa with one grad worker per replica; dp on a 1-D mesh).
