@@ -258,15 +258,6 @@ std::vector<KernelProbe> kernel_probes(const KernelPlan& k, c10::Device device, 
         const auto [seconds, per_flop] = fit_affine(flops, {figures, figures + flops.size()});
         rates.precondition = PreconditionRate{seconds, per_flop};
       }});
-  // Options::second_order_lag: what a decomposition beside the steps costs them (three figures).
-  probes.push_back(KernelProbe{3,
-                               [method, dtype, device](std::vector<double>& figures) {
-                                 const auto t = time_side_work(method, dtype, device);
-                                 figures.insert(figures.end(), {t.main, t.side, t.together});
-                               },
-                               [](const double* figures, Rates& rates) {
-                                 rates.side_work_cost = side_work_cost_from({figures[0], figures[1], figures[2]});
-                               }});
   return probes;
 }
 
@@ -491,6 +482,12 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
     const double most = device.is_cpu() ? cores / std::max(1, rates.threads) : world;
     rates.parallel_ranks = parallel_ranks_from(world, kernels.back(), together[0], most);
   }
+  // Options::second_order_lag: a decomposition beside the steps, timed by every rank at once as a job's ranks run
+  // theirs (where ranks fill a machine's cores, the side thread takes another rank's), averaged over the ranks.
+  const auto side = time_side_work(method, dtype, device);
+  std::vector<double> side_figures = {side.main, side.side, side.together};
+  if (world > 1) comm::average_over(communicator, comm::kWorld, side_figures);
+  rates.side_work_cost = side_work_cost_from({side_figures[0], side_figures[1], side_figures[2]});
   figures.insert(figures.end(), kernels.begin(), kernels.end() - 1);
   if (world > 1) {
     const auto n = static_cast<std::ptrdiff_t>(link_sizes().size());
@@ -522,6 +519,7 @@ Rates measure_local_rates(c10::Device device, c10::ScalarType dtype, ComputeMeth
   std::vector<double> figures;
   time_kernels(probes, figures);
   fit_kernels(probes, figures, 0, rates);
+  rates.side_work_cost = side_work_cost_from(time_side_work(method, dtype, device));
   return rates;
 }
 

@@ -110,8 +110,8 @@ struct Rates {
   PreconditionRate precondition;
   /// Options::second_order_lag: the share of a decomposition's seconds that the steps it runs beside lose, in [0, 1]
   /// (measure.h's side_work_cost_from: one decomposition on another host thread, on CUDA a side stream, beside a
-  /// loop of preconditioning products). 1, the default where it was not measured (rates given by hand), prices a
-  /// lagged update as if it ran on the step.
+  /// loop of preconditioning products, timed by every rank at once). 1, the default where it was not measured (rates
+  /// given by hand), prices a lagged update as if it ran on the step.
   double side_work_cost = 1;
 
   /// Seconds of one refresh of a d x d factor's eigenbasis: `refresh`'s, or a full decomposition's where it is not
@@ -147,7 +147,8 @@ struct Rates {
 /// factors, folds, decompositions (`method`, measure.h's time_decomposition) of d = 16 .. 1536 (eigen: .. 640, both
 /// with kSpdProbeDim), and preconditioning products; each median of a few runs after a warm-up, timed with device::Mark, by rank 0
 /// alone while the others wait (a phase where one rank works, as a large decomposition, runs at that speed);
-/// then one covariance by every rank at once, which gives parallel_ranks. Collective figures are averaged
+/// then one covariance by every rank at once, which gives parallel_ranks, and the side work (time_side_work) by every
+/// rank at once, which gives side_work_cost. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
 /// same Rates (its duration: docs/STRATEGIES.md, "Choosing automatically", Rates). A communicator of one rank
 /// measures the kernels only (collectives cost 0).

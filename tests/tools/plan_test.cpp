@@ -410,6 +410,39 @@ TEST(PlanAuto, ResNet50At64RanksListsEveryCandidateAndThePick) {
   EXPECT_NE(tight.text.find("no candidate fits"), std::string::npos);
 }
 
+// --second-order-lag: every plan's memory holds the update in flight, and strategy auto prices the decompositions
+// beside the steps at the rates' side_work_cost (0 here, with preconditioning long enough to hide them).
+TEST(PlanAuto, SecondOrderLagHoldsTheUpdateInFlightAndIsPricedBesideTheSteps) {
+  PlanRequest request;
+  request.model = "resnet50";
+  request.nproc = 4;
+  request.batch_size = 32;
+  const auto at_once = plan_report(request).json;
+  request.second_order_lag = 5;
+  const auto lagged = plan_report(request).json;
+  ASSERT_EQ(at_once["strategies"].size(), lagged["strategies"].size());
+  for (size_t k = 0; k < lagged["strategies"].size(); ++k) {
+    const auto& s = lagged["strategies"][k];
+    EXPECT_GT(sum_over_ranks(s, "in_flight_bytes"), 0) << s["strategy"];
+    EXPECT_EQ(sum_over_ranks(at_once["strategies"][k], "in_flight_bytes"), 0);
+    EXPECT_EQ(sum_over_ranks(s, "memory_bytes"),
+              sum_over_ranks(at_once["strategies"][k], "memory_bytes") + sum_over_ranks(s, "in_flight_bytes"));
+  }
+  auto rates = given_rates(ComputeMethod::kInverse);
+  rates.side_work_cost = 0;
+  rates.precondition.seconds = 1.0;  // a second per layer's products: every update hides behind 5 steps
+  const auto beside = auto_report(request, rates);
+  EXPECT_EQ(beside.json["second_order_lag"].get<int64_t>(), 5);
+  EXPECT_NE(beside.text.find("costs them 0 of its time"), std::string::npos) << beside.text;
+  request.second_order_lag = 0;
+  const auto exact = auto_report(request, rates);
+  ASSERT_EQ(beside.json["candidates"].size(), exact.json["candidates"].size());
+  for (size_t k = 0; k < exact.json["candidates"].size(); ++k) {
+    EXPECT_GT(exact.json["candidates"][k]["max_over_ranks_seconds"]["decomposition"].get<double>(), 0.0);
+    EXPECT_EQ(beside.json["candidates"][k]["max_over_ranks_seconds"]["decomposition"].get<double>(), 0.0);
+  }
+}
+
 TEST(PlanAuto, RatesOfAnotherMethodAreRefused) {
   PlanRequest request;
   request.model = "cnn";
