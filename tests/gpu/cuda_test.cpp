@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <iostream>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "dkfac/dkfac.h"
+#include "dkfac/strategy/measure.h"
 #include "tests/test_util.h"
 
 namespace dkfac {
@@ -238,6 +240,23 @@ TEST(OnCudaTiming, StepsReuseTheirEvents) {
   steps(6);
   EXPECT_EQ(device::events_created(), created) << "steps after the first ones created new CUDA events";
   EXPECT_GT(kfac.total_times()[KfacPhase::kFactors], 0.0);
+}
+
+// Rates::side_work_cost on CUDA (Options::second_order_lag): the decomposition on a low-priority side stream beside a
+// loop of products on the current one. Both ran (the loop took at least most of its time alone, the join waited for
+// the side stream), and the share is printed for docs/GPU.md.
+TEST(OnCudaRates, SideWorkRunsOnASideStream) {
+  DKFAC_REQUIRE_CUDA();
+  const auto t = strategy::time_side_work(ComputeMethod::kEigen, c10::kFloat, c10::Device(c10::kCUDA, 0));
+  EXPECT_GT(t.side, 0.0);
+  EXPECT_GT(t.main, t.side) << "the loop is sized to about 3 decompositions";
+  EXPECT_GE(t.together, 0.8 * t.main);
+  const double cost = strategy::side_work_cost_from(t);
+  EXPECT_GE(cost, 0.0);
+  EXPECT_LE(cost, 1.0);
+  std::cout << "side work on cuda (eigen, d " << strategy::kSideWorkDim << "): loop " << t.main * 1e3
+            << " ms, decomposition " << t.side * 1e3 << " ms, together " << t.together * 1e3 << " ms, cost " << cost
+            << "\n";
 }
 
 TEST(OnCudaMemory, AllocatorStatisticsSeeTheState) {
