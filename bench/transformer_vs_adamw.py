@@ -190,7 +190,8 @@ class Run:
                 self.optimizer = dkfac.optim.KFAC(
                     self.model, base, factor_update_steps=spec['factor_steps'], inv_update_steps=spec['inv_steps'],
                     damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False),
-                    eigen_adam=spec.get('eigen_adam', False), start_preconditioning_step=spec.get('start', 0))
+                    eigen_adam=spec.get('eigen_adam', False), start_preconditioning_step=spec.get('start', 0),
+                    **({'factor_decay': spec['factor_decay']} if 'factor_decay' in spec else {}))
             self.warnings += [str(w.message) for w in caught]
             self.preconditioner = self.optimizer.preconditioner
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, schedule(self.steps, args.warmup_steps))
@@ -334,15 +335,18 @@ def tuning_specs(args) -> list[dict]:
             spec['label'] += f'-kl{kl_clip:g}'
         specs.append(spec)
     for text in args.kfac_eigen_adam_configs:
-        # lr:factor_steps:inv_steps[:start_preconditioning_step] (damping and KL clipping do not enter Adam's step in
-        # the eigenbasis)
+        # lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay]] (damping and KL clipping do not enter
+        # Adam's step in the eigenbasis)
         parts = text.split(':')
         lr, factor_steps, inv_steps = parts[:3]
-        start = int(parts[3]) if len(parts) > 3 else 0
-        specs.append({'label': f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}'
-                               + (f'-s{start}' if start else ''), 'kind': 'kfac_adamw',
-                      'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
-                      'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True, 'start': start})
+        start = int(parts[3]) if len(parts) > 3 and parts[3] else 0
+        spec = {'label': f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}' + (f'-s{start}' if start else ''),
+                'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
+                'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True, 'start': start}
+        if len(parts) > 4:
+            spec['factor_decay'] = float(parts[4])
+            spec['label'] += f'-d{float(parts[4]):g}'
+        specs.append(spec)
     for text in args.kfac_sgd_configs:
         lr, damping, factor_steps, inv_steps = text.split(':')
         specs.append({'label': f'kfac-sgd-lr{float(lr):g}-d{float(damping):g}-f{factor_steps}-i{inv_steps}',
@@ -516,7 +520,8 @@ def main() -> int:
                              'direction, AdamW\'s step length per layer), in --kfac-configs\' format')
     parser.add_argument('--kfac-eigen-adam-configs', nargs='*', default=[],
                         help='Adam in the K-FAC eigenbasis (dkfac.optim.KFAC(eigen_adam=True), AdamW\'s betas and '
-                             'eps) candidates, lr:factor_steps:inv_steps[:start_preconditioning_step]')
+                             'eps) candidates, lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay]] '
+                             '(factor_decay: the running factors\' decay, default the preconditioner\'s 0.95)')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
     parser.add_argument('--headline-from', default='kfac-',
