@@ -335,17 +335,20 @@ def tuning_specs(args) -> list[dict]:
             spec['label'] += f'-kl{kl_clip:g}'
         specs.append(spec)
     for text in args.kfac_eigen_adam_configs:
-        # lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay]] (damping and KL clipping do not enter
-        # Adam's step in the eigenbasis)
+        # lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay[:steps_fraction]]] (damping and KL
+        # clipping do not enter Adam's step in the eigenbasis; an empty field keeps its default)
         parts = text.split(':')
         lr, factor_steps, inv_steps = parts[:3]
         start = int(parts[3]) if len(parts) > 3 and parts[3] else 0
         spec = {'label': f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}' + (f'-s{start}' if start else ''),
                 'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
                 'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True, 'start': start}
-        if len(parts) > 4:
+        if len(parts) > 4 and parts[4]:
             spec['factor_decay'] = float(parts[4])
             spec['label'] += f'-d{float(parts[4]):g}'
+        if len(parts) > 5 and float(parts[5]) != 1.0:  # a schedule of its own, this fraction of AdamW's length
+            spec['steps'] = round(float(parts[5]) * args.steps)
+            spec['label'] += f'-len{float(parts[5]):g}'
         specs.append(spec)
     for text in args.kfac_sgd_configs:
         lr, damping, factor_steps, inv_steps = text.split(':')
@@ -520,8 +523,10 @@ def main() -> int:
                              'direction, AdamW\'s step length per layer), in --kfac-configs\' format')
     parser.add_argument('--kfac-eigen-adam-configs', nargs='*', default=[],
                         help='Adam in the K-FAC eigenbasis (dkfac.optim.KFAC(eigen_adam=True), AdamW\'s betas and '
-                             'eps) candidates, lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay]] '
-                             '(factor_decay: the running factors\' decay, default the preconditioner\'s 0.95)')
+                             'eps) candidates, lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay'
+                             '[:steps_fraction]]] (factor_decay: the running factors\' decay, default the '
+                             'preconditioner\'s 0.95; steps_fraction: a schedule of its own, that fraction of --steps '
+                             'long; an empty field keeps its default)')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
     parser.add_argument('--headline-from', default='kfac-',

@@ -479,9 +479,11 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
 
 namespace {
 
-// Runs `work` as a thread of its own should run second-order work: without autograd, and in exact float32 (no TF32:
-// precondition_dtype tf32 switches the process-wide flag around the step's products, which must not reach it).
+// Runs `work` as a thread of its own should run second-order work: on the process's intra-op threads, without
+// autograd, and in exact float32 (no TF32: precondition_dtype tf32 switches the process-wide flag around the step's
+// products, which must not reach it).
 void side_thread_work(const std::function<void()>& work) {
+  at::init_num_threads();  // a new thread's OpenMP team is the default's, not the process's intra-op threads
   torch::NoGradGuard no_grad;
   at::NoTF32Guard no_tf32;
   work();

@@ -2,13 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <numeric>
-#include <exception>
 #include <sstream>
 #include <thread>
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include "dkfac/device.h"
@@ -140,7 +141,8 @@ double time_refresh(int64_t d, c10::ScalarType dtype, c10::Device device) {
   return time_median(device, d >= 640 ? 2 : 3, [&] { (void)math::refresh_eigenbasis(after, basis); });
 }
 
-SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device) {
+SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device,
+                             const std::function<void()>& meet) {
   torch::NoGradGuard no_grad;
   const int64_t d = kSideWorkDim;
   const auto spd = probe_factor(d, dtype, device);
@@ -166,7 +168,11 @@ SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::D
     }
   };
   constexpr int kRepeats = 3;
+  const auto in_step = [&] {
+    if (meet) meet();
+  };
   SideWorkTimes t;
+  in_step();
   t.side = time_median(device, kRepeats, decompose);
   const double one = time_median(device, kRepeats, product);
   const int64_t products = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(3.0 * t.side / std::max(one, 1e-9))), 1,
@@ -174,15 +180,19 @@ SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::D
   const auto loop = [&] {
     for (int64_t k = 0; k < products; ++k) product();
   };
+  in_step();
   t.main = time_median(device, kRepeats, loop);
+  in_step();
   t.together = time_median(device, kRepeats, [&] {
     // As Preconditioner::start_second_order_job hands an update over: the side work follows what this thread
-    // enqueued so far, runs without autograd or TF32, and this thread's stream waits for it at the end.
+    // enqueued so far, runs on this process's intra-op threads without autograd or TF32, and this thread's stream
+    // waits for it at the end, whether it failed or not (its kernels may still read `spd`).
     device::SideWork side(device);
     std::exception_ptr failed;
     std::thread worker([&] {
       try {
         side.run([&] {
+          at::init_num_threads();
           torch::NoGradGuard off;
           at::NoTF32Guard no_tf32;
           decompose();
@@ -191,15 +201,16 @@ SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::D
         failed = std::current_exception();
       }
     });
+    std::exception_ptr looping;
     try {
       loop();
     } catch (...) {
-      worker.join();
-      throw;
+      looping = std::current_exception();
     }
     worker.join();
-    if (failed) std::rethrow_exception(failed);
     side.join({});
+    if (looping) std::rethrow_exception(looping);
+    if (failed) std::rethrow_exception(failed);
   });
   return t;
 }

@@ -73,9 +73,12 @@ struct SideWorkTimes {
 
 /// Times SideWorkTimes on `device` for `method` in `dtype`: the decomposition of a kSideWorkDim x kSideWorkDim
 /// factor, and as many products of a [kSideWorkDim, kSideWorkDim] gradient as take about three times as long, so
-/// that the decomposition ends within the loop wherever it runs at more than a third of its speed. In this
-/// process only.
-SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device);
+/// that the decomposition ends within the loop wherever it runs at more than a third of its speed. `meet`, where
+/// given, runs before each of the three timings (measure_rates: a collective, so that every rank times the same one
+/// at once). The other thread runs on this process's intra-op threads (at::init_num_threads), as an update beside
+/// the steps does.
+SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::Device device,
+                             const std::function<void()>& meet = {});
 constexpr int64_t kSideWorkDim = 384;
 
 /// The share of the side work's seconds that the main work loses beside it, (together - main) / side, within

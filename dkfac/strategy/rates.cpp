@@ -484,7 +484,10 @@ Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::S
   }
   // Options::second_order_lag: a decomposition beside the steps, timed by every rank at once as a job's ranks run
   // theirs (where ranks fill a machine's cores, the side thread takes another rank's), averaged over the ranks.
-  const auto side = time_side_work(method, dtype, device);
+  const auto side = time_side_work(method, dtype, device, [&] {
+    std::vector<double> nothing = {0.0};
+    if (world > 1) comm::average_over(communicator, comm::kWorld, nothing);  // every rank at the same timing
+  });
   std::vector<double> side_figures = {side.main, side.side, side.together};
   if (world > 1) comm::average_over(communicator, comm::kWorld, side_figures);
   rates.side_work_cost = side_work_cost_from({side_figures[0], side_figures[1], side_figures[2]});

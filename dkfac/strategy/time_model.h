@@ -65,10 +65,12 @@ struct TimePrediction {
 /// 2.8): a rank's decompositions of D seconds run beside the next w = min(k, inv_update_steps) steps (the next
 /// inverse step installs an update still in flight), in which the rank computes W = w x its non-update step's own
 /// work (preconditioning and V broadcasts). The inverse step pays max(Rates::side_work_cost x D, D - W): the share
-/// of D the steps lose beside it, or, where D outlasts W, the wait at installation. Forward and backward, which the
-/// model does not know, lengthen the window too: the wait is an upper bound. The broadcasts of the update stay
-/// priced on its inverse step (they run at installation, once per update all the same); the first update, which
-/// runs at once, is not in the average.
+/// of D the steps lose beside it, or, where D outlasts W, the wait at installation (booked on the inverse step,
+/// though it falls k steps later). With eigh_interval, full decompositions and refreshes are priced so each, then
+/// averaged. Forward and backward, which the model does not know, lengthen the window too, so D - W is an upper
+/// bound on the wait, where the side work runs at its own speed beside the steps (a low-priority stream behind
+/// kernels that fill the device runs slower). The broadcasts of the update stay priced on its inverse step (they
+/// run at installation, once per update all the same); the first update, which runs at once, is not in the average.
 TimePrediction predict_time(const StepPlan& plan, const Rates& rates, int64_t batch_size, Intervals intervals);
 
 /// A step's kind: whether it updates the factors, the second-order state, both or neither.
@@ -80,7 +82,9 @@ struct StepKind {
   bool refresh = false;
 };
 
-/// The seconds of one step of `kind`, as predict_time simulates each step (its step_seconds averages them).
+/// The seconds of one step of `kind`, as predict_time simulates each step (its step_seconds averages them); under
+/// StepPlan::second_order_lag the window of an inverse step is the plan's whole lag (predict_time's is at most the
+/// inverse interval).
 double predict_step_seconds(const StepPlan& plan, const Rates& rates, int64_t batch_size, StepKind kind);
 
 /// The phases the time model prices, each by its own group of rates (scaled): factors (the factor kernels and the
@@ -130,7 +134,9 @@ constexpr double kLeastCalibratedShare = 0.1;
 /// prediction is the plan's steps of `measured.kinds` simulated with that group's rates alone (sharing and
 /// waiting as predict_time has them). A group predicted at 0, or measured under kLeastCalibratedShare of the
 /// calibrated phases' sum, keeps scale 1; so do the decompositions under StepPlan::second_order_lag, where a step
-/// measures an installation's wait rather than them (a profiled step is simulated with the plan's whole lag). Pure.
+/// measures an installation's wait rather than them. Under the lag the time the side work takes from the steps is
+/// measured in the phases it runs beside, whose scales then count it once more beside predict_time's share of D, and
+/// a wait longer than predicted is not seen: both are left as they are (docs/MATH.md section 2.8). Pure.
 RateScales calibrate(const StepPlan& plan, const Rates& rates, int64_t batch_size, const ProfiledSteps& measured);
 
 /// No limit for choose_strategy's memory budget.
