@@ -340,8 +340,8 @@ def tuning_specs(args) -> list[dict]:
         parts = text.split(':')
         lr, factor_steps, inv_steps = parts[:3]
         start = int(parts[3]) if len(parts) > 3 and parts[3] else 0
-        spec = {'label': f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}' + (f'-s{start}' if start else ''),
-                'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
+        label = f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}' + (f'-s{start}' if start else '')
+        spec = {'label': label, 'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
                 'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True, 'start': start}
         if len(parts) > 4 and parts[4]:
             spec['factor_decay'] = float(parts[4])

@@ -151,7 +151,7 @@ struct Rates {
 /// rank at once, which gives side_work_cost. Collective figures are averaged
 /// over the ranks (comm::average_over) and rank 0's kernel figures broadcast, so every rank returns the
 /// same Rates (its duration: docs/STRATEGIES.md, "Choosing automatically", Rates). A communicator of one rank
-/// measures the kernels only (collectives cost 0).
+/// measures the kernels and the side work only (collectives cost 0).
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
                     ComputeMethod method);
 

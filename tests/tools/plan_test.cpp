@@ -420,6 +420,7 @@ TEST(PlanAuto, SecondOrderLagHoldsTheUpdateInFlightAndIsPricedBesideTheSteps) {
   const auto at_once = plan_report(request).json;
   request.second_order_lag = 5;
   const auto lagged = plan_report(request).json;
+  EXPECT_EQ(lagged["second_order_lag"].get<int64_t>(), 5);
   ASSERT_EQ(at_once["strategies"].size(), lagged["strategies"].size());
   for (size_t k = 0; k < lagged["strategies"].size(); ++k) {
     const auto& s = lagged["strategies"][k];

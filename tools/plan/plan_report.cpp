@@ -249,6 +249,7 @@ PlanReport plan_report(const PlanRequest& r) {
                         {"batch_size", r.batch_size},
                         {"compute_method", to_string(r.compute_method)},
                         {"symmetric_comm", r.symmetric_comm},
+                        {"second_order_lag", r.second_order_lag},
                         {"element_bytes", element_bytes},
                         {"parameters", t.parameters},
                         {"kfac_parameters", t.kfac_parameters},

@@ -61,8 +61,8 @@ struct PlanReport {
   std::vector<std::string> placements;  ///< one per json["strategies"] entry
 };
 
-/// The plan: JSON with model, dataset, nproc, batch_size, compute_method, data_parallel_bytes_per_step,
-/// parameters, kfac_parameters, model_state_bytes, layers[], strategies[] (strategy, system, grad_workers,
+/// The plan: JSON with model, dataset, nproc, batch_size, compute_method, second_order_lag,
+/// data_parallel_bytes_per_step, parameters, kfac_parameters, model_state_bytes, layers[], strategies[] (strategy, system, grad_workers,
 /// factor_reduction, factor_triangles, broadcast_gradients, ranks[] with the strategy::RankCost fields plus update_bytes / update_flops, summary{min, median, max,
 /// sum} per field, update_ring_bytes). Throws c10::Error naming the flag (--model, --dataset, --seq-len)
 /// for a bad request.
