@@ -7,7 +7,19 @@
 namespace dkfac::models {
 namespace {
 
-class Models : public ::testing::TestWithParam<std::tuple<std::string, int64_t>> {};
+// One intra-op thread: the step is small, and two OpenMP threads beside another test on a 2-core machine spun
+// against it (all 8 models took over 300 s in a suite run beside a benchmark, 16 s alone).
+class Models : public ::testing::TestWithParam<std::tuple<std::string, int64_t>> {
+ protected:
+  void SetUp() override {
+    threads_ = at::get_num_threads();
+    at::set_num_threads(1);
+  }
+  void TearDown() override { at::set_num_threads(threads_); }
+
+ private:
+  int threads_ = 1;
+};
 
 TEST_P(Models, TrainStepWithKfac) {
   const auto [name, channels] = GetParam();
