@@ -707,7 +707,8 @@ TEST(Rates, SideWorkIsTimedAloneAndTogether) {
   EXPECT_GT(t.side, 0.0);
   EXPECT_GT(t.main, t.side) << "the loop is sized to about 3 decompositions";
   EXPECT_GE(t.together, 0.8 * t.main) << "the loop ran in full beside it";
-  EXPECT_LE(t.together, 1.5 * (t.main + t.side)) << "each ran once";
+  // Each ran once: even with both at half speed beside another test (ctest --parallel 2 on 2 cores), well under 3x.
+  EXPECT_LE(t.together, 3.0 * (t.main + t.side));
 }
 
 // How many ranks compute at full speed together follows the probe's slowdown when all run it at once, within
@@ -751,6 +752,7 @@ TEST(Rates, MeasuredOnTwoRanksAreTheSameOnBothAndRankZerosChoiceWins) {
   EXPECT_EQ(out[0].allreduce_busy.beta, out[1].allreduce_busy.beta);
   EXPECT_EQ(out[0].broadcast.beta, out[1].broadcast.beta);
   EXPECT_EQ(out[0].parallel_ranks, out[1].parallel_ranks);
+  EXPECT_EQ(out[0].side_work_cost, out[1].side_work_cost) << "averaged over the ranks";
   EXPECT_EQ(out[0].factor.per_flop, out[1].factor.per_flop);
   EXPECT_EQ(out[0].decomposition.seconds, out[1].decomposition.seconds);
   EXPECT_EQ(out[0].precondition.per_flop, out[1].precondition.per_flop);
