@@ -1,6 +1,8 @@
 #include "dkfac/device.h"
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -105,6 +107,9 @@ SideWork::SideWork(c10::Device device, size_t lane) : device_(device) {
 }
 
 void SideWork::run(const std::function<void()>& work) {
+  at::init_num_threads();
+  at::NoGradGuard no_grad;
+  at::NoTF32Guard no_tf32;
   if (!side_) {
     work();
     return;

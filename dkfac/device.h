@@ -51,7 +51,10 @@ class SideWork {
   /// `lane` picks the stream: the same one for the same device and lane every time (the caching allocator keeps
   /// freed memory per stream, so a new stream each time would strand it).
   explicit SideWork(c10::Device device, size_t lane = 0);
-  /// On the other thread: runs `work` on `device` and the side stream, after the point above.
+  /// On the other thread: runs `work` on `device` and the side stream, after the point above, as second-order work
+  /// beside the steps runs: on the process's intra-op threads (a new thread's OpenMP team is otherwise the
+  /// default's), without autograd, and in exact float32 (no TF32: precondition_dtype tf32 switches the process-wide
+  /// flag around the step's products, which must not reach it).
   void run(const std::function<void()>& work);
   /// On the first thread, once the other has returned: its current stream waits for the side work, and the
   /// storages the side work made (`made`), which this thread's stream will read and free, are marked as in use

@@ -479,16 +479,6 @@ void Preconditioner::agree_on_unused_layers(std::vector<LayerFate>& fates) {
 
 namespace {
 
-// Runs `work` as a thread of its own should run second-order work: on the process's intra-op threads, without
-// autograd, and in exact float32 (no TF32: precondition_dtype tf32 switches the process-wide flag around the step's
-// products, which must not reach it).
-void side_thread_work(const std::function<void()>& work) {
-  at::init_num_threads();  // a new thread's OpenMP team is the default's, not the process's intra-op threads
-  torch::NoGradGuard no_grad;
-  at::NoTF32Guard no_tf32;
-  work();
-}
-
 // The storages of a computed state (its check included), which its computing stream made.
 std::vector<c10::Storage> storages(const std::optional<PendingSecondOrder>& pending) {
   std::vector<c10::Storage> made;
@@ -535,7 +525,7 @@ void compute_states(const std::vector<const KfacLayer*>& sources, const std::vec
     for (size_t k = 0; k < count; ++k) {
       threads.emplace_back([&, k] {
         try {
-          sides[k].run([&] { side_thread_work([&] { compute(first + k); }); });
+          sides[k].run([&] { compute(first + k); });
         } catch (...) {  // the stream could not be set up
           if (!failed[first + k]) failed[first + k] = std::current_exception();
         }
@@ -583,14 +573,12 @@ void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
                              pi_damping = options_.pi_damping(), refresh] {
     try {
       work->side->run([&] {
-        side_thread_work([&] {
-          std::vector<const KfacLayer*> sources;
-          for (const auto& layer : work->sources) sources.push_back(&layer);
-          for (size_t first = 0; first < sources.size(); first += chunk) {
-            compute_states(sources, parts, first, std::min(chunk, sources.size() - first), work->method,
-                           work->damping, pi_damping, refresh, work->pending, work->failed);
-          }
-        });
+        std::vector<const KfacLayer*> sources;
+        for (const auto& layer : work->sources) sources.push_back(&layer);
+        for (size_t first = 0; first < sources.size(); first += chunk) {
+          compute_states(sources, parts, first, std::min(chunk, sources.size() - first), work->method,
+                         work->damping, pi_damping, refresh, work->pending, work->failed);
+        }
       });
     } catch (...) {  // the side stream could not be set up: every layer reports it
       for (auto& failed : work->failed) {

@@ -8,8 +8,6 @@
 #include <sstream>
 #include <thread>
 
-#include <ATen/Context.h>
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include "dkfac/device.h"
@@ -184,19 +182,14 @@ SideWorkTimes time_side_work(ComputeMethod method, c10::ScalarType dtype, c10::D
   t.main = time_median(device, kRepeats, loop);
   in_step();
   t.together = time_median(device, kRepeats, [&] {
-    // As Preconditioner::start_second_order_job hands an update over: the side work follows what this thread
-    // enqueued so far, runs on this process's intra-op threads without autograd or TF32, and this thread's stream
-    // waits for it at the end, whether it failed or not (its kernels may still read `spd`).
+    // As Preconditioner::start_second_order_job hands an update over (device::SideWork::run: the process's
+    // intra-op threads, no autograd, no TF32), and this thread's stream waits for it at the end, whether it failed
+    // or not (its kernels may still read `spd`).
     device::SideWork side(device);
     std::exception_ptr failed;
     std::thread worker([&] {
       try {
-        side.run([&] {
-          at::init_num_threads();
-          torch::NoGradGuard off;
-          at::NoTF32Guard no_tf32;
-          decompose();
-        });
+        side.run(decompose);
       } catch (...) {
         failed = std::current_exception();
       }

@@ -431,11 +431,15 @@ double Rates::refresh_seconds(int64_t d) const {
   return refresh.measured() ? refresh.seconds_for(d) : decomposition.seconds_for(d);
 }
 
-double Rates::second_order_seconds(int64_t d, int64_t eigh_interval) const {
-  const double full = decomposition.seconds_for(d);
+double averaged_update_seconds(double full, double refresh, int64_t eigh_interval) {
   if (eigh_interval <= 1) return full;
   const double k = static_cast<double>(eigh_interval);
-  return (full + (k - 1) * refresh_seconds(d)) / k;
+  return (full + (k - 1) * refresh) / k;
+}
+
+double Rates::second_order_seconds(int64_t d, int64_t eigh_interval) const {
+  const double full = decomposition.seconds_for(d);
+  return eigh_interval <= 1 ? full : averaged_update_seconds(full, refresh_seconds(d), eigh_interval);
 }
 
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,

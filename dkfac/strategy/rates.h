@@ -139,6 +139,10 @@ struct Rates {
   void validate() const;
 };
 
+/// Seconds of one second-order update averaged over `eigh_interval` updates: one full decomposition of `full` seconds
+/// and eigh_interval - 1 refreshes of `refresh` seconds (`full` where eigh_interval <= 1).
+double averaged_update_seconds(double full, double refresh, int64_t eigh_interval);
+
 /// Measures this machine's rates, collectively: every rank of `communicator`'s world calls it at the same
 /// time, on one machine. Collectives (measure.h's time_link and fit_link, as SPD-KFAC's link): allreduces and
 /// broadcasts of 4 B to 4 MiB on the world (median of kLinkRepeats each), and the allreduces again while every

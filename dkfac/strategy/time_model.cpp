@@ -248,12 +248,11 @@ class StepSimulation {
     rows_ = plan.placement.rows();
     if (lag_steps <= 0) return;
     // Each kind of update is lagged on its own, then averaged as above: the price is not linear in D.
-    const double k = static_cast<double>(eigen ? std::max<int64_t>(1, plan.eigh_interval) : 1);
     for (int r = 0; r < p_; ++r) {
       const double beside = static_cast<double>(lag_steps) * (precondition_[r] + gradient_comm_);
       full_[r] = lagged_seconds(full_[r], beside, rates.side_work_cost);
       refreshed_[r] = lagged_seconds(refreshed_[r], beside, rates.side_work_cost);
-      decompose_[r] = (full_[r] + (k - 1) * refreshed_[r]) / k;
+      decompose_[r] = averaged_update_seconds(full_[r], refreshed_[r], eigen ? plan.eigh_interval : 1);
     }
   }
 
