@@ -849,7 +849,9 @@ LayerGroups& Preconditioner::layer_groups() {
   }
   if (grouped_for_.lock() != executor_ || held != grouped_layers_) {
     groups_.clear(layers_);
-    if (applies) groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method);
+    if (applies) {
+      groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method, executor_->plan().pad_widths);
+    }
     groups_.absorb_all(layers_);
     grouped_for_ = executor_;
     grouped_layers_ = std::move(held);
@@ -871,18 +873,21 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
     const auto& first = layers_[group.members.front()];
     mark("preconditioning", static_cast<int64_t>(group.members.front()));
     const auto grad_options = first.weight().options();
-    const int64_t g = first.g_dim();
-    const int64_t a = first.a_dim();
+    const int64_t g = group.g_dim, a = group.a_dim;
+    const int64_t pg = group.padded_g, pa = group.padded_a;  // Options::pad_widths: the stacks' widths
     const int64_t units = static_cast<int64_t>(group.units.size());
     const int64_t per_batch = strategy::stacked_batch_units(
-        g, a, group.share, static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType())));
+        pg, pa, group.share, static_cast<int64_t>(c10::elementSize(grad_options.dtype().toScalarType())));
     for (int64_t u = 0; u < units; u += per_batch) {
       const int64_t count = std::min(per_batch, units - u);
       const int64_t first_member = u * group.share;
       const int64_t members = count * group.share;
-      auto grads = torch::empty({members, g, a}, grad_options);  // the gradients, gathered once
+      // The gradients, gathered once; padded with zeros, which the products keep out of each layer's [g, a].
+      auto grads = group.padded() ? torch::zeros({members, pg, pa}, grad_options)
+                                  : torch::empty({members, g, a}, grad_options);
       for (int64_t m = 0; m < members; ++m) {
-        layers_[group.members[static_cast<size_t>(first_member + m)]].copy_gradient_to(grads[m]);
+        layers_[group.members[static_cast<size_t>(first_member + m)]].copy_gradient_to(
+            grads[m].narrow(0, 0, g).narrow(1, 0, a));
       }
       const auto state_dtype = group.g.scalar_type();
       const auto x = grads.scalar_type() == state_dtype ? grads : grads.to(state_dtype);
@@ -896,7 +901,7 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
       bool any_folded = false;
       for (int64_t m = 0; m < members; ++m) {
         const size_t i = group.members[static_cast<size_t>(first_member + m)];
-        preconditioned[i] = v[m];
+        preconditioned[i] = v[m].narrow(0, 0, g).narrow(1, 0, a);
         // A layer whose factors were not finite this step sends NaN, so that its whole row falls back.
         if (factor_ok_[i].defined()) {
           preconditioned[i].masked_fill_(factor_ok_[i].logical_not(), nan);
@@ -1119,7 +1124,7 @@ void Preconditioner::warn_once(size_t index, const std::string& kind, const std:
 }
 
 int64_t Preconditioner::memory_bytes() const {
-  int64_t total = second_order_in_flight_bytes();
+  int64_t total = second_order_in_flight_bytes() + groups_.padding_bytes();
   for (const auto& layer : layers_) total += layer.memory_bytes();
   return total;
 }

@@ -252,8 +252,12 @@ class Preconditioner {
     settle_pending_guards(/*wait=*/true);
     return last_kl_scale_;
   }
-  /// Bytes of K-FAC state (factors and second-order state) held now, second_order_in_flight_bytes included.
+  /// Bytes of K-FAC state (factors and second-order state) held now, second_order_in_flight_bytes and
+  /// stack_padding_bytes included.
   int64_t memory_bytes() const;
+  /// Options::pad_widths: bytes of the stacks of layers of one shape that are their pads, no layer's state
+  /// (strategy::predict's RankCost::stack_padding_bytes). 0 unpadded.
+  int64_t stack_padding_bytes() const { return groups_.padding_bytes(); }
   /// Options::second_order_lag: bytes the update in flight holds beside the state in use: a second state of each
   /// layer it computes (as large as the one it replaces; counted from its start, while its thread computes it),
   /// the factors it is computed from where a factor update has replaced them since, and the old stacks its copies

@@ -6,17 +6,13 @@
 
 namespace dkfac {
 
-namespace {
-
-// Whether `part` is the view `slot` of its stack.
-bool is_view_of(const torch::Tensor& part, const torch::Tensor& stack, int64_t slot) {
-  return part.defined() && stack.defined() && same_memory(part, stack.select(0, slot));
+bool LayerGroups::Binding::in_place() const {
+  return part->defined() && stack->defined() && same_memory(*part, view());
 }
 
-}  // namespace
-
 void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held,
-                       ComputeMethod method) {
+                       ComputeMethod method, int64_t pad_widths) {
+  TORCH_CHECK(pad_widths >= 1, "pad_widths must be >= 1, got ", pad_widths);
   TORCH_INTERNAL_ASSERT(groups_.empty(), "LayerGroups::plan over groups that were not cleared");
   seats_.assign(layers.size(), Seat{});
   std::vector<strategy::StackCandidate> candidates(layers.size());
@@ -35,6 +31,11 @@ void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function
     group.share = stacked.share;
     group.units = std::move(stacked.units);
     group.members = std::move(stacked.members);
+    const auto& first = layers[group.units.front()];
+    group.g_dim = first.g_dim();
+    group.a_dim = first.a_dim();
+    group.padded_g = strategy::padded_width(group.g_dim, pad_widths);
+    group.padded_a = strategy::padded_width(group.a_dim, pad_widths);
   }
   for (size_t k = 0; k < groups_.size(); ++k) {
     const auto& group = groups_[k];
@@ -49,12 +50,14 @@ std::vector<LayerGroups::Binding> LayerGroups::bindings(Group& group, const Seat
   const auto units = static_cast<int64_t>(group.units.size());
   const auto members = static_cast<int64_t>(group.members.size());
   const int64_t unit = seat.member / group.share;
+  const int64_t a = group.a_dim, g = group.g_dim, pa = group.padded_a, pg = group.padded_g;
   if (group.method == ComputeMethod::kEigen) {
-    return {{&group.a, units, unit, &state.a_eigen.eigenvectors},
-            {&group.g, members, seat.member, &state.g_eigen.eigenvectors},
-            {&group.denominator, members, seat.member, &state.denominator}};
+    return {{&group.a, units, unit, &state.a_eigen.eigenvectors, a, a, pa, pa},
+            {&group.g, members, seat.member, &state.g_eigen.eigenvectors, g, g, pg, pg},
+            {&group.denominator, members, seat.member, &state.denominator, g, a, pg, pa}};
   }
-  return {{&group.a, units, unit, &state.a_inverse}, {&group.g, members, seat.member, &state.g_inverse}};
+  return {{&group.a, units, unit, &state.a_inverse, a, a, pa, pa},
+          {&group.g, members, seat.member, &state.g_inverse, g, g, pg, pg}};
 }
 
 void LayerGroups::absorb(std::vector<KfacLayer>& layers, size_t i) {
@@ -68,17 +71,20 @@ void LayerGroups::absorb(std::vector<KfacLayer>& layers, size_t i) {
   for (const auto& b : bindings(group, seat, state)) {
     auto& part = *b.part;
     if (b.stack == &group.a && !seat.holds_a) continue;  // a follower's A side is its unit's
-    if (!part.defined() || is_view_of(part, *b.stack, b.slot)) continue;
+    if (!part.defined() || b.in_place()) continue;
+    torch::NoGradGuard no_grad;
     if (!b.stack->defined()) {
-      std::vector<int64_t> shape{b.count};
-      shape.insert(shape.end(), part.sizes().begin(), part.sizes().end());
-      *b.stack = torch::empty(shape, part.options().memory_format(at::MemoryFormat::Contiguous));
+      const auto options = part.options().memory_format(at::MemoryFormat::Contiguous);
+      const bool padded = b.padded_rows != b.rows || b.padded_cols != b.cols;
+      *b.stack = padded ? torch::zeros({b.count, b.padded_rows, b.padded_cols}, options)
+                        : torch::empty({b.count, b.rows, b.cols}, options);
+      // A square part's pad is the identity's (a denominator's stays 0): a padded product is the unpadded one.
+      if (padded && b.rows == b.cols) b.stack->diagonal(0, 1, 2).narrow(1, b.rows, b.padded_rows - b.rows).fill_(1);
     }
-    auto slot = b.stack->select(0, b.slot);
+    auto slot = b.view();
     if (slot.sizes() != part.sizes() || slot.scalar_type() != part.scalar_type() || slot.device() != part.device()) {
       continue;  // not the group's shape: this layer keeps its own tensor (and the group its layer-by-layer path)
     }
-    torch::NoGradGuard no_grad;
     slot.copy_(part);
     part = slot;
     moved = true;
@@ -108,9 +114,24 @@ bool LayerGroups::in_slots(std::vector<KfacLayer>& layers, size_t i) {
   SecondOrderState state = layers[i].second_order();
   if (state.method != group.method || !state.defined()) return false;
   for (const auto& b : bindings(group, seat, state)) {
-    if (!is_view_of(*b.part, *b.stack, b.slot)) return false;
+    if (!b.in_place()) return false;
   }
   return true;
+}
+
+int64_t LayerGroups::padding_bytes() const {
+  int64_t total = 0;
+  for (const auto& group : groups_) {
+    const auto units = static_cast<int64_t>(group.units.size());
+    const auto members = static_cast<int64_t>(group.members.size());
+    const int64_t a = group.a_dim, g = group.g_dim;
+    const std::pair<const torch::Tensor*, int64_t> unpadded[] = {
+        {&group.a, units * a * a}, {&group.g, members * g * g}, {&group.denominator, members * g * a}};
+    for (const auto& [stack, entries] : unpadded) {
+      if (stack->defined()) total += static_cast<int64_t>(stack->nbytes()) - entries * stack->element_size();
+    }
+  }
+  return total;
 }
 
 bool LayerGroups::ready(std::vector<KfacLayer>& layers, size_t k) {
@@ -135,8 +156,8 @@ void LayerGroups::clear(std::vector<KfacLayer>& layers) {
         bool copied = false;
         for (const auto& b : bindings(group, seat, state)) {
           if (b.stack != stack || (stack == &group.a && !seat.holds_a)) continue;
-          if (!is_view_of(*b.part, *stack, b.slot)) continue;
-          *b.part = b.part->clone();
+          if (!b.in_place()) continue;
+          *b.part = b.part->clone(at::MemoryFormat::Contiguous);
           copied = true;
         }
         if (!copied) continue;

@@ -19,6 +19,12 @@ namespace dkfac {
 /// copy. Its units are the layers that hold an A side, each followed by the layers that share it
 /// (Options::shared_input_layers), so that the A side has one slot per unit.
 ///
+/// With Options::pad_widths > 1 a group's stacks hold its widths padded up to a multiple of it: each square part
+/// [a', a'] or [g', g'] with the identity in its pad (zeros off the diagonal), each denominator [g', a'] with zeros,
+/// and a layer's part is the view of its slot's leading [a, a], [g, g] or [g, a] block. The products take the padded
+/// gradients (zeros in the pad), and the pad stays out of every layer's result: rotating [grad 0; 0 0] by
+/// diag(Q_G, I) and diag(Q_A, I) gives [Q_G^T grad Q_A 0; 0 0]. The pad is written once, where a stack is allocated.
+///
 /// Nothing here is taken on trust. A part replaced since it was placed (a second-order update, a broadcast, a load) is
 /// no longer its slot's view: `absorb` copies it into its slot and the layer keeps the view (the replaced tensor is
 /// freed), and `ready` says whether every member preconditions from its slots, else the preconditioner takes the
@@ -33,17 +39,21 @@ class LayerGroups {
     int64_t share = 1;            ///< layers per unit (per A side)
     std::vector<size_t> units;    ///< each unit's layer holding its A side
     std::vector<size_t> members;  ///< every layer, unit by unit: the unit's layer, then its followers
-    torch::Tensor a;              ///< [units, a, a]: Q_A, or the A inverse; undefined until a member is absorbed
-    torch::Tensor g;              ///< [members, g, g]: Q_G, or the G inverse
-    torch::Tensor denominator;    ///< [members, g, a] (eigen)
+    int64_t g_dim = 0, a_dim = 0;        ///< the members' widths
+    int64_t padded_g = 0, padded_a = 0;  ///< the stacks' (strategy::padded_width; the members' unpadded)
+    torch::Tensor a;              ///< [units, a', a']: Q_A, or the A inverse; undefined until a member is absorbed
+    torch::Tensor g;              ///< [members, g', g']: Q_G, or the G inverse
+    torch::Tensor denominator;    ///< [members, g', a'] (eigen)
+    bool padded() const { return padded_g != g_dim || padded_a != a_dim; }
   };
 
   /// Groups the layers `held(i)` says this rank preconditions with `method` (and has state or factors for: a layer
   /// that never runs takes no slot), by strategy::stack_groups, the rule the time model prices: the layers of one
   /// (g, a, share, second-order dtype, gradient dtype, device), neither factor diagonal, a shared A side's layers all
-  /// held here alike, groups of two layers or more. Layers keep their tensors until absorbed. Call clear() first
-  /// where groups exist.
-  void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method);
+  /// held here alike, groups of two layers or more, their stacks padded to a multiple of `pad_widths`. Layers keep
+  /// their tensors until absorbed. Call clear() first where groups exist.
+  void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method,
+            int64_t pad_widths = 1);
   /// No groups: every part that is a slot's view is copied out, part by part, so that no stack outlives its group
   /// and no more than one part's stack and its copies are alive at once.
   void clear(std::vector<KfacLayer>& layers);
@@ -57,6 +67,8 @@ class LayerGroups {
   void absorb_all(std::vector<KfacLayer>& layers);
   /// Whether every member of group `k` preconditions from its slots, after absorbing the ones that do not.
   bool ready(std::vector<KfacLayer>& layers, size_t k);
+  /// Bytes of the stacks allocated that no layer's part is a view of: their pads (Options::pad_widths).
+  int64_t padding_bytes() const;
 
  private:
   /// Where layer i sits: its group, its slot among the members, and whether it holds its unit's A side.
@@ -65,12 +77,18 @@ class LayerGroups {
     int64_t member = 0;
     bool holds_a = false;
   };
-  /// One part of a layer's state and its slot: `stack` (count slots), its slot `slot`.
+  /// One part of a layer's state and its slot: `stack` (count slots of [rows', cols']), its slot `slot`, whose
+  /// leading [rows, cols] block the part is.
   struct Binding {
     torch::Tensor* stack;
     int64_t count;
     int64_t slot;
     torch::Tensor* part;
+    int64_t rows, cols, padded_rows, padded_cols;
+    /// The part's place in its allocated stack.
+    torch::Tensor view() const { return stack->select(0, slot).narrow(0, 0, rows).narrow(1, 0, cols); }
+    /// Whether the part is its place's view.
+    bool in_place() const;
   };
   /// The parts `state` places in its group's stacks; a follower's A side (its unit's) included.
   std::vector<Binding> bindings(Group& group, const Seat& seat, SecondOrderState& state);

@@ -25,6 +25,12 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
     return eigen && !diagonal ? n * n + n : comm::packed_length(n, plan.inverse_triangles, diagonal);
   };
   const auto held = [](int64_t n, bool diagonal) { return diagonal ? n : n * n; };
+  // Two products per dense side (one with the inverse method); a diagonal side scales in place (g a).
+  const auto precondition_flops = [&](int64_t g, int64_t a, bool da, bool dg) {
+    const double ga = static_cast<double>(g) * a;
+    const double sides = static_cast<double>((dg ? 0 : g) + (da ? 0 : a));
+    return (eigen ? 4.0 : 2.0) * ga * sides + (da || dg ? ga : 0.0);
+  };
   std::vector<RankCost> out(plan.world_size());
   for (int rank = 0; rank < plan.world_size(); ++rank) {
     auto& r = out[rank];
@@ -68,10 +74,7 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         if (plan.computes_g(i, rank) && !dg) r.decomposition_flops += per_decomposition * cube(g);
         if (flow.broadcast_a) r.second_order_bytes += e * second_order_entries(a, da);
         if (flow.broadcast_g) r.second_order_bytes += e * second_order_entries(g, dg);
-        // Two products per dense side (one with the inverse method); a diagonal side scales in place (g a).
-        const double ga = static_cast<double>(g) * a;
-        const double sides = static_cast<double>((dg ? 0 : g) + (da ? 0 : a));
-        r.precondition_flops += (eigen ? 4.0 : 2.0) * ga * sides + (da || dg ? ga : 0.0);
+        r.precondition_flops += precondition_flops(g, a, da, dg);
       }
       // A sharded layer's gradient, by ShardedPlacement, over a row of S ranks holding g a / S values each:
       // owner: the owner receives S - 1 shards and sends them back preconditioned, every other rank sends and
@@ -86,6 +89,21 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         r.gradient_bytes += e * g * a * (s - 1) / s;
       }
       if (plan.broadcast_gradients) r.gradient_bytes += e * g * a;
+    }
+    if (plan.stack_layers && plan.pad_widths > 1) {
+      // Options::pad_widths: each group's stacks at its padded widths (LayerGroups), and its products on them.
+      for (const auto& group : stack_groups(plan, rank)) {
+        const auto& shape = plan.shapes[group.units.front()];
+        const int64_t a = shape.a_dim, g = shape.g_dim;
+        const int64_t pa = padded_width(a, plan.pad_widths), pg = padded_width(g, plan.pad_widths);
+        const auto units = static_cast<int64_t>(group.units.size());
+        const auto members = static_cast<int64_t>(group.members.size());
+        r.stack_padding_bytes +=
+            e * (units * (pa * pa - a * a) + members * ((pg * pg - g * g) + (eigen ? pg * pa - g * a : 0)));
+        r.precondition_flops += static_cast<double>(members) *
+                                (precondition_flops(pg, pa, false, false) - precondition_flops(g, a, false, false));
+      }
+      r.memory_bytes += r.stack_padding_bytes;
     }
     r.memory_bytes += r.in_flight_bytes;
   }

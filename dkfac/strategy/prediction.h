@@ -22,9 +22,14 @@ struct RankCost {
   /// Preconditioner's second_order_in_flight_bytes): a second state of each layer this rank computes a part of,
   /// and that layer's factors as they were when it started (where a factor update comes before it is installed)
   int64_t in_flight_bytes = 0;
+  /// StepPlan::pad_widths > 1: the pad of this rank's stacks (LayerGroups), beside the layers' own state in
+  /// memory_bytes: per group, units x (a'^2 - a^2) and members x (g'^2 - g^2), and for eigen members x (g' a' - g a),
+  /// where a' and g' are the padded widths
+  int64_t stack_padding_bytes = 0;
   double factor_flops = 0;         ///< per factor step: 2 rows d^2 per factor built here
   double decomposition_flops = 0;  ///< per second-order step: 9 d^3 per eigh, d^3 per inverse
-  double precondition_flops = 0;   ///< per step: 2 g a (g + a), twice for eigen (rotate in and out)
+  /// per step: 2 g a (g + a), twice for eigen (rotate in and out); a stacked group's at its padded widths
+  double precondition_flops = 0;
 };
 
 /// Per-rank figures of `plan` with K-FAC tensors of `element_bytes` and `batch_size` samples per rank per step.

@@ -85,6 +85,15 @@ std::vector<StackGroup> stack_groups(const std::vector<StackCandidate>& layers) 
   return kept;
 }
 
+std::vector<StackGroup> stack_groups(const StepPlan& plan, int rank) {
+  std::vector<StackCandidate> candidates(plan.shapes.size());
+  for (size_t i = 0; i < plan.shapes.size(); ++i) {
+    const auto& s = plan.shapes[i];
+    candidates[i] = {plan.preconditions(i, rank), s.g_dim, s.a_dim, s.a_diagonal || s.g_diagonal, s.a_shared_with, {}};
+  }
+  return stack_groups(candidates);
+}
+
 int64_t stacked_batch_units(int64_t g_dim, int64_t a_dim, int64_t share, int64_t element_bytes) {
   const int64_t unit_bytes = share * (g_dim * a_dim + (share > 1 ? a_dim * a_dim : 0)) * element_bytes;
   return std::max<int64_t>(1, kStackedBatchBytes / unit_bytes);
@@ -103,6 +112,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
     plan.eigh_interval = options.eigh_interval();
     plan.second_order_lag = options.second_order_lag();
     plan.stack_layers = stacks_layers(options);
+    plan.pad_widths = plan.stack_layers ? options.pad_widths() : 1;
     return plan;
   }
   StepPlan plan;
@@ -113,6 +123,7 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
   plan.eigh_interval = options.eigh_interval();
   plan.second_order_lag = options.second_order_lag();
   plan.stack_layers = stacks_layers(options);
+  plan.pad_widths = plan.stack_layers ? options.pad_widths() : 1;
   plan.shapes = shapes;
   switch (plan.strategy) {
     case Strategy::kKaisa:

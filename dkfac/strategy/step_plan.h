@@ -50,6 +50,9 @@ struct StepPlan {
   /// stacks_layers(options): the layers of one shape a rank preconditions are preconditioned together, a batch of at
   /// most kStackedBatchBytes of gradients at a time (LayerGroups; the time model prices a batch's fixed cost once)
   bool stack_layers = false;
+  /// Options::pad_widths where stack_layers applies (else 1): a group's stacks hold its widths padded up to a multiple
+  /// of this (padded_width), the pad's bytes held (strategy::predict) and its FLOPs computed (the time model)
+  int64_t pad_widths = 1;
   /// The layers, in model order. In a job's plan, rows_per_sample is what each layer knew when the plan was
   /// made (1 for a conv layer that has not run yet); only strategy::predict's factor FLOPs read it.
   std::vector<assign::LayerShape> shapes;
@@ -125,6 +128,13 @@ struct StackGroup {
 /// layer that shares it; it joins where all of them are held, not diagonal, and of its layer's g and kind. A group of
 /// one layer is left out (batched products gain nothing there).
 std::vector<StackGroup> stack_groups(const std::vector<StackCandidate>& layers);
+
+/// The groups Options::stack_layers forms of the layers `plan` has `rank` precondition (its shapes as
+/// StackCandidates: a plan knows no dtypes or devices).
+std::vector<StackGroup> stack_groups(const StepPlan& plan, int rank);
+
+/// Options::pad_widths: `n` rounded up to a multiple of `multiple` (n itself for 1).
+inline int64_t padded_width(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 /// The units of a group of [g, a] layers, `share` per unit, that one batch takes: as many as fit kStackedBatchBytes of
 /// gradients (with a shared A side repeated for each of a unit's layers), at least one.

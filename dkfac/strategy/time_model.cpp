@@ -163,24 +163,25 @@ double lagged_seconds(double decompose, double beside, double cost) {
 /// Rank `r`'s preconditioning products: each layer's at the rate's per-FLOP cost, and its fixed cost (launches,
 /// allocations) once per layer, or with StepPlan::stack_layers once per batch of a group, the groups and batches as
 /// LayerGroups and the Preconditioner form them (stack_groups, stacked_batch_units; gradients in the K-FAC tensors'
-/// dtype here).
+/// dtype here), a group's products at its padded widths (StepPlan::pad_widths).
 double precondition_seconds(const StepPlan& plan, const Rates& rates, int r) {
   const auto& rate = rates.precondition;
   const auto& shapes = plan.shapes;
   double total = 0.0;
-  std::vector<StackCandidate> candidates(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
     const auto& s = shapes[i];
-    candidates[i] = {plan.preconditions(i, r), s.g_dim, s.a_dim, s.a_diagonal || s.g_diagonal, s.a_shared_with, {}};
-    if (candidates[i].held) total += rate.seconds_for(s.g_dim, s.a_dim, plan.method);  // its fixed cost included
+    if (plan.preconditions(i, r)) total += rate.seconds_for(s.g_dim, s.a_dim, plan.method);  // its fixed cost included
   }
   if (!plan.stack_layers) return total;
-  for (const auto& group : stack_groups(candidates)) {  // a batch's fixed cost in place of its layers'
+  for (const auto& group : stack_groups(plan, r)) {  // a batch's fixed cost in place of its layers'
     const auto& s = shapes[group.units.front()];
     const auto units = static_cast<int64_t>(group.units.size());
-    const int64_t per_batch = stacked_batch_units(s.g_dim, s.a_dim, group.share, rates.element_bytes());
-    total += rate.seconds * (static_cast<double>((units + per_batch - 1) / per_batch) -
-                             static_cast<double>(group.members.size()));
+    const auto members = static_cast<double>(group.members.size());
+    const int64_t g = padded_width(s.g_dim, plan.pad_widths);
+    const int64_t a = padded_width(s.a_dim, plan.pad_widths);
+    const int64_t per_batch = stacked_batch_units(g, a, group.share, rates.element_bytes());
+    total += rate.seconds * (static_cast<double>((units + per_batch - 1) / per_batch) - members) +
+             members * (rate.seconds_for(g, a, plan.method) - rate.seconds_for(s.g_dim, s.a_dim, plan.method));
   }
   return total;
 }

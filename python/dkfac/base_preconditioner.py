@@ -975,7 +975,8 @@ class BaseKFACPreconditioner:
         """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
         and step counts, once held; ``second_order_in_flight``: with ``second_order_lag``, while an update is
         computed beside the steps, a second state of the layers it computes, the factors it reads where newer
-        ones replaced them, and the old stacks of ``stack_layers`` where the groups were planned again meanwhile)."""
+        ones replaced them, and the old stacks of ``stack_layers`` where the groups were planned again meanwhile;
+        ``stack_padding``: with ``pad_widths`` > 1, the pads of the stacks of layers of one shape)."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
         kinds = {key: 'adam_moments' if moment else f"{side}_{'factors' if factor else 'inverses'}"
                  for key, factor, side, moment in _STATE_ENTRIES}
@@ -989,6 +990,9 @@ class BaseKFACPreconditioner:
         in_flight = self._core.second_order_in_flight_bytes()
         if in_flight:  # as 'adam_moments': only where held, so that kfac_pytorch's keys stay the rest
             sizes['second_order_in_flight'] = in_flight
+        padding = self._core.stack_padding_bytes()
+        if padding:
+            sizes['stack_padding'] = padding
         sizes['total'] = sum(sizes.values())
         return sizes
 

@@ -402,6 +402,7 @@ PYBIND11_MODULE(_C, m) {
       .def("is_factor_step", &Preconditioner::is_factor_step)
       .def("memory_bytes", &Preconditioner::memory_bytes)
       .def("second_order_in_flight_bytes", &Preconditioner::second_order_in_flight_bytes)
+      .def("stack_padding_bytes", &Preconditioner::stack_padding_bytes)
       .def("layer_dims",
            [](const Preconditioner& p) {
              // (a, g, A diagonal, G diagonal) per layer, as the core sized them

@@ -14,6 +14,8 @@
 #include "dkfac/dkfac.h"
 #include "dkfac/layers/layer_group.h"
 #include "dkfac/math/second_order.h"
+#include "dkfac/strategy/prediction.h"
+#include "dkfac/strategy/step_executor.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
@@ -140,6 +142,12 @@ size_t index_of(const Preconditioner& kfac, const std::string& name) {
 struct Case {
   std::string name;
   Options options;
+  /// Options::pad_widths' bytes (LayerGroups::padding_bytes): the tower's groups of [6, 7] layers padded to [8, 8],
+  /// per unit (a^2: 64 - 49) and per member (g^2: 64 - 36, and eigen's denominator: 64 - 42), in float64. Without
+  /// shared inputs one group of 12 layers: 12 (15 + 28 + 22) = 780 entries; with them, query, key and value share
+  /// an A side (3 units of 3, and the 3 mix layers): 6 x 15 + 12 (28 + 22) = 690 entries, or 6 x 15 + 12 x 28 = 426
+  /// with the inverse method (no denominator).
+  int64_t padding = 0;
 };
 
 const std::vector<std::string> kShared = {"(query|key|value)$"};
@@ -182,11 +190,18 @@ class StackedLayers : public ::testing::TestWithParam<Case> {};
 // Factors every step, second order every 3 steps, KL clipping on: every step's gradients equal the layer-by-layer
 // run's, the memory held is the same, and the state is stacked (query and key of one block; two blocks' mix).
 TEST_P(StackedLayers, EqualLayerByLayer) {
+  const int64_t padding = GetParam().padding;
   const auto runs = run_both(Options(GetParam().options).inv_update_steps(3).kl_clip(1e-6), 8, nullptr,
-                             [](const Runs& r, int64_t step) {
-                               EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
+                             [padding](const Runs& r, int64_t step) {
+                               EXPECT_EQ(r.stacked->stack_padding_bytes(), padding) << "step " << step;
+                               EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes() + padding)
+                                   << "step " << step;
                              });
   const auto& stacked = *runs.stacked;
+  // Padded, a layer's part is its slot's leading block: rows 8 apart.
+  const auto& q = stacked.layers()[index_of(stacked, "block1.mix")].second_order();
+  const auto& g_part = q.method == ComputeMethod::kEigen ? q.g_eigen.eigenvectors : q.g_inverse;
+  EXPECT_EQ(g_part.stride(0), padding > 0 ? 8 : 6);
   EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.query"), index_of(stacked, "block0.key")));
   EXPECT_TRUE(stacked_together(stacked, index_of(stacked, "block0.mix"), index_of(stacked, "block2.mix")));
   EXPECT_FALSE(stacked_together(*runs.plain, index_of(stacked, "block0.mix"), index_of(stacked, "block2.mix")));
@@ -205,7 +220,15 @@ INSTANTIATE_TEST_SUITE_P(
                       // computed beside the steps from the slots' views, installed into the slots 1 or 2 steps later
                       Case{"lag", Options().second_order_lag(2).shared_input_layers(kShared)},
                       Case{"lagInverse", Options().second_order_lag(1).compute_method(ComputeMethod::kInverse)},
-                      Case{"lagRefresh", Options().second_order_lag(1).eigh_interval(2).shared_input_layers(kShared)}),
+                      Case{"lagRefresh", Options().second_order_lag(1).eigh_interval(2).shared_input_layers(kShared)},
+                      // Options::pad_widths: stacks of [8, 8] for the [6, 7] layers (Case::padding)
+                      Case{"eigenPadded", Options().pad_widths(8), 780 * 8},
+                      Case{"inverseSharedPadded",
+                           Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared).pad_widths(8),
+                           426 * 8},
+                      Case{"eighIntervalPadded", Options().eigh_interval(2).pad_widths(8), 780 * 8},
+                      Case{"lagPadded", Options().second_order_lag(2).shared_input_layers(kShared).pad_widths(8),
+                           690 * 8}),
     [](const auto& info) { return info.param.name; });
 
 // A member that does not run (unused_layer_policy skip, the last block's mix at steps 4-6) leaves its group to be
@@ -326,10 +349,15 @@ TEST(StackedLayersDistributed, EveryStrategyEqualsLayerByLayer) {
       {4, Options(base).grad_worker_fraction(0.5).compute_method(ComputeMethod::kInverse)},
       {2, Options(base).strategy(Strategy::kSpd).spd(SpdOptions().redundant_dim(0).profile_steps(1))},
       {4, Options(base).strategy(Strategy::kDp).shared_input_layers(kShared)},
-      {2, Options(base).grad_worker_fraction(0.5).second_order_lag(1).shared_input_layers(kShared)}};
+      {2, Options(base).grad_worker_fraction(0.5).second_order_lag(1).shared_input_layers(kShared)},
+      // padded stacks (Options::pad_widths): parts broadcast from and into their slots' leading blocks
+      {4, Options(base).grad_worker_fraction(0.5).shared_input_layers(kShared).pad_widths(8)},
+      {2, Options(base).grad_worker_fraction(0.5).compute_method(ComputeMethod::kInverse).second_order_lag(1)
+              .pad_widths(8)}};
   for (const auto& [world, options] : cases) {
     const std::string what = std::to_string(world) + " ranks, " + to_string(options.strategy()) + ", fraction " +
-                             std::to_string(options.grad_worker_fraction());
+                             std::to_string(options.grad_worker_fraction()) + ", pad " +
+                             std::to_string(options.pad_widths());
     const auto run = [&, world = world](const Options& o) {
       std::vector<std::vector<std::vector<torch::Tensor>>> got(world);
       testing::run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
@@ -394,9 +422,69 @@ TEST(StackedLayersFallback, NonFiniteGradientOfOneMember) {
 
 // The C++ archive writes each slot alone (not the stack's whole storage), and it loads into a layer-by-layer
 // preconditioner, whose next steps equal the stacked one's.
+void save_and_load(const Options& options);
+
 TEST(StackedLayersCheckpoint, WritesSlotsAndLoadsLayerByLayer) {
+  for (const int64_t pad : {1, 8}) {
+    SCOPED_TRACE("pad_widths " + std::to_string(pad));
+    save_and_load(Options().inv_update_steps(2).pad_widths(pad));
+  }
+}
+
+// Options::pad_widths: strategy::predict counts each rank's pads as the run holds them (RankCost::stack_padding_bytes,
+// in memory_bytes), and the products at the padded widths: in one process and on 2 ranks (KAISA f = 1/2, where
+// each rank preconditions half the layers).
+TEST(StackedLayersPadded, PredictCountsThePadsAsTheRunHoldsThem) {
+  for (const int world : {1, 2}) {
+    Options base = Options().inv_update_steps(2).shared_input_layers(kShared);
+    if (world > 1) base.grad_worker_fraction(0.5);
+    std::vector<int64_t> held(world), padding(world), unpadded(world);
+    std::vector<strategy::StepPlan> plans(world);
+    testing::run_ranks(world, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+      for (const int64_t pad : {1, 8}) {
+        auto net = make_tower();
+        Preconditioner kfac(net, Options(base).pad_widths(pad), world > 1 ? communicator : nullptr);
+        for (int64_t step = 0; step < 3; ++step) {
+          backward(*net, step, rank);
+          if (world > 1) testing::average_gradients(*communicator, *net);
+          kfac.step();
+        }
+        (pad == 1 ? unpadded : held)[rank] = kfac.memory_bytes();
+        if (pad == 1) continue;
+        padding[rank] = kfac.stack_padding_bytes();
+        plans[rank] = kfac.plan();
+        plans[rank].shapes = strategy::layer_shapes(kfac.layers());
+      }
+    });
+    auto unpadded_plan = plans[0];
+    unpadded_plan.pad_widths = 1;
+    const auto cost = strategy::predict(plans[0], /*element_bytes=*/8, /*batch_size=*/15);
+    const auto unpadded_cost = strategy::predict(unpadded_plan, 8, 15);
+    int64_t total = 0;
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_EQ(plans[rank].pad_widths, 8);
+      EXPECT_EQ(cost[rank].stack_padding_bytes, padding[rank]) << world << " ranks, rank " << rank;
+      EXPECT_EQ(held[rank] - unpadded[rank], padding[rank]) << world << " ranks, rank " << rank;
+      EXPECT_EQ(cost[rank].memory_bytes - unpadded_cost[rank].memory_bytes, padding[rank]);
+      total += padding[rank];
+      // The products: 4 g a (g + a) per layer at [8, 8] in place of [6, 7], for each layer the rank preconditions.
+      int64_t layers = 0;
+      for (const auto& group : strategy::stack_groups(plans[0], rank)) {
+        layers += static_cast<int64_t>(group.members.size());
+      }
+      EXPECT_DOUBLE_EQ(cost[rank].precondition_flops - unpadded_cost[rank].precondition_flops,
+                       static_cast<double>(layers) * 4.0 * (8 * 8 * 16 - 6 * 7 * 13));
+    }
+    // One process holds the 690 entries of Case::padding; 2 ranks hold each group's pads where they precondition it.
+    if (world == 1) EXPECT_EQ(total, 690 * 8);
+    if (world == 2) EXPECT_GT(total, 0);
+  }
+}
+
+// A stacked run's checkpoint, saved and loaded into a layer-by-layer preconditioner and into a stacked one: the
+// saved slots are written alone (not with their stacks, nor their pads), and the next steps are the saved run's.
+void save_and_load(const Options& options) {
   auto net = make_tower();
-  const auto options = Options().inv_update_steps(2);
   Preconditioner stacked(net, options);
   for (int64_t step = 0; step < 3; ++step) {
     backward(*net, step);

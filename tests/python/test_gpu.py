@@ -117,9 +117,11 @@ def test_concurrent_second_order_on_streams_matches_cpu_float64(kwargs):
 
 
 # stack_layers (docs/MATH.md section 2.9, on by default): layers of one shape preconditioned with batched products
-# from stacked state, with shared A sides and KL clipping; against the CPU float64 reference layer by layer.
-@pytest.mark.parametrize('kwargs', [dict(), dict(compute_method='inverse', shared_input_layers=['(query|key|value)$'])],
-                         ids=['eigen', 'inverse-shared'])
+# from stacked state, with shared A sides and KL clipping, and with the stacks' widths padded to a multiple of 8
+# (pad_widths: the [16, 17] layers held at [16, 24]); against the CPU float64 reference layer by layer.
+@pytest.mark.parametrize('kwargs', [dict(), dict(compute_method='inverse', shared_input_layers=['(query|key|value)$']),
+                                    dict(pad_widths=8, shared_input_layers=['(query|key|value)$'])],
+                         ids=['eigen', 'inverse-shared', 'eigen-shared-padded'])
 def test_stacked_layers_match_cpu_float64_layer_by_layer(kwargs):
     import test_stack_layers as stack
     expected, _, _ = stack.train('cpu', torch.float64, 7, stack_layers=False, kl_clip=1e-4, **kwargs)

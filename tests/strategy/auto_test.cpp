@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "dkfac/comm/communicator.h"
@@ -698,17 +699,30 @@ TEST(Rates, SideWorkCostIsTheShareOfTheSideWorkTheMainWorkLoses) {
 }
 
 // On this CPU: both ran (neither finished faster together than alone, within noise), the loop outlasts the
-// decomposition, and the measured rates hold the share.
+// decomposition, and the measured rates hold the share. The three timings are taken one after another, and another
+// test's threads (ctest --parallel 2 on 2 cores) can slow one of them alone: up to three measurements, the first
+// that holds the bounds counts (a wrong sizing or a timing that skips the loop fails all three).
 TEST(Rates, SideWorkIsTimedAloneAndTogether) {
   const int threads = at::get_num_threads();
   at::set_num_threads(1);
-  const auto t = time_side_work(ComputeMethod::kEigen, c10::kFloat, c10::Device(c10::kCPU));
+  std::string failures;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const auto t = time_side_work(ComputeMethod::kEigen, c10::kFloat, c10::Device(c10::kCPU));
+    std::ostringstream why;
+    if (!(t.side > 0.0)) why << " the side work took no time;";
+    if (!(t.main > t.side)) why << " the loop (sized to about 3 decompositions) was shorter than the side work;";
+    if (!(t.together >= 0.8 * t.main)) why << " together was shorter than the loop alone;";
+    // Each ran once: even with both at half speed beside another test, well under 3x.
+    if (!(t.together <= 3.0 * (t.main + t.side))) why << " together took over 3x both alone;";
+    if (why.str().empty()) {
+      failures.clear();
+      break;
+    }
+    failures += "attempt " + std::to_string(attempt) + " (side " + std::to_string(t.side) + " s, loop " +
+                std::to_string(t.main) + " s, together " + std::to_string(t.together) + " s):" + why.str() + "\n";
+  }
   at::set_num_threads(threads);
-  EXPECT_GT(t.side, 0.0);
-  EXPECT_GT(t.main, t.side) << "the loop is sized to about 3 decompositions";
-  EXPECT_GE(t.together, 0.8 * t.main) << "the loop ran in full beside it";
-  // Each ran once: even with both at half speed beside another test (ctest --parallel 2 on 2 cores), well under 3x.
-  EXPECT_LE(t.together, 3.0 * (t.main + t.side));
+  EXPECT_TRUE(failures.empty()) << failures;
 }
 
 // How many ranks compute at full speed together follows the probe's slowdown when all run it at once, within

@@ -183,6 +183,10 @@ Command add_plan_command(CLI::App& app) {
                    "steps between starting a second-order update and installing it (docs/MATH.md section 2.8): "
                    "memory holds the update in flight; strategy auto prices its decompositions beside the steps")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
+  plan->add_option("--pad-widths", r.pad_widths,
+                   "the stacks of layers of one shape held padded to a multiple of this (docs/MATH.md section 2.9): "
+                   "memory holds the pad, the products are priced at the padded widths")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   plan->add_option("--inv-update-steps", r.inv_update_steps, "strategy auto: steps between second-order updates")
       ->capture_default_str()->check(CLI::PositiveNumber)->group(kAuto);
   plan->add_option("--memory-budget-mb", config->memory_budget_mb,

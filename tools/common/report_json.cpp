@@ -129,6 +129,7 @@ void to_json(nlohmann::json& json, const RankCost& c) {
           {"gradient_bytes", c.gradient_bytes},
           {"memory_bytes", c.memory_bytes},
           {"in_flight_bytes", c.in_flight_bytes},
+          {"stack_padding_bytes", c.stack_padding_bytes},
           {"factor_flops", c.factor_flops},
           {"decomposition_flops", c.decomposition_flops},
           {"precondition_flops", c.precondition_flops}};

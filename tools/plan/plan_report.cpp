@@ -209,6 +209,7 @@ PlanReport plan_report(const PlanRequest& r) {
                            .compute_method(r.compute_method)
                            .symmetric_comm(r.symmetric_comm)
                            .second_order_lag(r.second_order_lag)
+                           .pad_widths(r.pad_widths)
                            .spd(SpdOptions().redundant_dim(r.spd_redundant_dim));
   // KAISA as the papers compare it: f = 1 (SC20's D-KFAC, comm-opt), 1/2 (hybrid-opt), 1/P (mem-opt), and the
   // fractions asked for.
@@ -250,6 +251,7 @@ PlanReport plan_report(const PlanRequest& r) {
                         {"compute_method", to_string(r.compute_method)},
                         {"symmetric_comm", r.symmetric_comm},
                         {"second_order_lag", r.second_order_lag},
+                        {"pad_widths", r.pad_widths},
                         {"element_bytes", element_bytes},
                         {"parameters", t.parameters},
                         {"kfac_parameters", t.kfac_parameters},
@@ -469,6 +471,7 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
   const Options base = Options()
                            .compute_method(r.compute_method)
                            .second_order_lag(r.second_order_lag)
+                           .pad_widths(r.pad_widths)
                            .spd(SpdOptions().redundant_dim(-1));
   const auto choice = strategy::choose_strategy(t.layers, r.nproc, base, rates, r.memory_budget_bytes, r.batch_size,
                                                 {r.factor_update_steps, r.inv_update_steps});
@@ -482,6 +485,7 @@ AutoReport auto_report(const PlanRequest& r, const strategy::Rates& rates) {
                  {"factor_update_steps", r.factor_update_steps},
                  {"inv_update_steps", r.inv_update_steps},
                  {"second_order_lag", r.second_order_lag},
+                 {"pad_widths", r.pad_widths},
                  {"memory_budget_bytes", r.memory_budget_bytes},
                  {"rates", rates},
                  {"candidates", choice.candidates},
