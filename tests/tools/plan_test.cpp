@@ -444,6 +444,27 @@ TEST(PlanAuto, SecondOrderLagHoldsTheUpdateInFlightAndIsPricedBesideTheSteps) {
   }
 }
 
+// --pad-widths: every strategy's memory holds the pads of its ranks' stacks (BERT-Large's (1024, 1025) and
+// (1024, 4097) layers padded to (1024, 1032) and (1024, 4104)), beside the unpadded plan's memory; the JSON says so.
+TEST(Plan, PadWidthsHoldThePadsBesideTheState) {
+  PlanRequest request;
+  request.model = "bert-large";
+  request.nproc = 4;
+  const auto unpadded = plan_report(request).json;
+  request.pad_widths = 8;
+  const auto padded = plan_report(request).json;
+  EXPECT_EQ(padded["pad_widths"].get<int64_t>(), 8);
+  ASSERT_EQ(unpadded["strategies"].size(), padded["strategies"].size());
+  for (size_t k = 0; k < padded["strategies"].size(); ++k) {
+    const auto& s = padded["strategies"][k];
+    EXPECT_GT(sum_over_ranks(s, "stack_padding_bytes"), 0) << s["strategy"];
+    EXPECT_EQ(sum_over_ranks(unpadded["strategies"][k], "stack_padding_bytes"), 0);
+    EXPECT_EQ(sum_over_ranks(s, "memory_bytes"),
+              sum_over_ranks(unpadded["strategies"][k], "memory_bytes") + sum_over_ranks(s, "stack_padding_bytes"))
+        << s["strategy"];
+  }
+}
+
 TEST(PlanAuto, RatesOfAnotherMethodAreRefused) {
   PlanRequest request;
   request.model = "cnn";
