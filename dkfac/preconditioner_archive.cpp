@@ -99,7 +99,7 @@ void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   for (size_t i = 0; i < layers_.size(); ++i) {
     torch::serialize::OutputArchive nested;
     nested.write("name", c10::IValue(layers_[i].name()));
-    for (const auto& [key, tensor] : states[i]) nested.write(key, tensor, /*is_buffer=*/true);
+    for (const auto& [key, tensor] : states[i]) nested.write(key, written_alone(tensor), /*is_buffer=*/true);
     archive.write("layer" + std::to_string(i), nested);
   }
 }

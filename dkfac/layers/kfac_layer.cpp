@@ -197,6 +197,12 @@ bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
                           a.strides() == b.strides() && a.scalar_type() == b.scalar_type() && a.device() == b.device());
 }
 
+torch::Tensor written_alone(const torch::Tensor& t) {
+  if (!t.defined()) return t;
+  const bool whole = t.storage_offset() == 0 && static_cast<size_t>(t.nbytes()) == t.storage().nbytes();
+  return whole ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 std::optional<SecondOrderState> KfacLayer::install_second_order(SecondOrderState next, const torch::Tensor& ok) {
   auto& now = second_order_;
   const auto old_parts = now.parts();
@@ -268,12 +274,12 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
   return pending;
 }
 
-SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
+SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method, bool a_side, bool g_side) {
   auto& s = second_order_;
   if (s.method != method) s = SecondOrderState();
   s.method = method;
   const auto options = binding_.weight.options().dtype(second_order_dtype());
-  auto ensure = [&](torch::Tensor& t, const char* key) {
+  auto ensure = [&](torch::Tensor& t, const char* key, bool sent) {
     const auto shape = state_shape(*layer_state_entry(key));
     if (shape.empty()) {  // never held (the identity eigenvectors of a diagonal factor)
       t = torch::Tensor();
@@ -283,7 +289,7 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
     if (!t.defined() || t.sizes() != at::IntArrayRef(shape)) {
       t = torch::full(shape, std::numeric_limits<double>::quiet_NaN(), options);
     }
-    t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
+    if (sent) t = t.contiguous();  // LAPACK results are column-major; collectives need contiguous buffers
   };
   if (method == ComputeMethod::kEigen) {
     if (eigen_adam_) {  // broadcast into copies: the basis the moments are in (adam_basis_) keeps the old tensors
@@ -292,13 +298,13 @@ SecondOrderState& KfacLayer::prepare_second_order(ComputeMethod method) {
         if (q->defined() && !leaders) *q = q->clone(at::MemoryFormat::Contiguous);
       }
     }
-    ensure(s.a_eigen.eigenvectors, "a_eigenvectors");
-    ensure(s.a_eigen.eigenvalues, "a_eigenvalues");
-    ensure(s.g_eigen.eigenvectors, "g_eigenvectors");
-    ensure(s.g_eigen.eigenvalues, "g_eigenvalues");
+    ensure(s.a_eigen.eigenvectors, "a_eigenvectors", a_side);
+    ensure(s.a_eigen.eigenvalues, "a_eigenvalues", a_side);
+    ensure(s.g_eigen.eigenvectors, "g_eigenvectors", g_side);
+    ensure(s.g_eigen.eigenvalues, "g_eigenvalues", g_side);
   } else {
-    ensure(s.a_inverse, "a_inverse");
-    ensure(s.g_inverse, "g_inverse");
+    ensure(s.a_inverse, "a_inverse", a_side);
+    ensure(s.g_inverse, "g_inverse", g_side);
   }
   return s;
 }
@@ -483,12 +489,7 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
 void KfacLayer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("name", c10::IValue(name()));
   archive.write("method", c10::IValue(static_cast<int64_t>(second_order_.method)));
-  for (const auto& [key, tensor] : state()) {
-    // A slot of a group's stack (Options::stack_layers) is written alone: an archive writes a view's whole storage.
-    const bool whole =
-        tensor.storage_offset() == 0 && static_cast<size_t>(tensor.nbytes()) == tensor.storage().nbytes();
-    archive.write(key, whole ? tensor : tensor.clone(), /*is_buffer=*/true);
-  }
+  for (const auto& [key, tensor] : state()) archive.write(key, written_alone(tensor), /*is_buffer=*/true);
 }
 
 void KfacLayer::load(torch::serialize::InputArchive& archive) {

@@ -61,6 +61,9 @@ struct PendingSecondOrder {
 /// Whether `a` and `b` are one tensor's memory: the same handle, or two handles of one view (a slot of a group's
 /// stack, LayerGroups, handed out again since): the same data, shape, strides, dtype and device.
 bool same_memory(const torch::Tensor& a, const torch::Tensor& b);
+/// `t` as an archive should write it: itself where it is its whole storage, else a contiguous copy (an archive writes
+/// a view's whole storage: a stack's slot would bring its stack, and a padded slot its pad; Options::stack_layers).
+torch::Tensor written_alone(const torch::Tensor& t);
 
 /// One layer as the core sees it, whichever front end registered it: the C++ API binds each
 /// dkfac::nn module of a model, the Python package each torch.nn.Linear / Conv2d it hooks.
@@ -199,9 +202,11 @@ class KfacLayer {
   /// Installs a state: a checked one, or the one install_second_order returned.
   void set_second_order(SecondOrderState state) { second_order_ = std::move(state); }
   const SecondOrderState& second_order() const { return second_order_; }
-  /// For strategies that receive parts by broadcast: shapes them for `method` (NaN-filled where missing,
-  /// contiguous), then, after the broadcast, `finish_second_order` rebuilds the denominator.
-  SecondOrderState& prepare_second_order(ComputeMethod method);
+  /// For strategies that receive parts by broadcast: shapes them for `method` (NaN-filled where missing), the
+  /// parts of the sides broadcast (`a_side`, `g_side`) contiguous, then, after the broadcast, `finish_second_order`
+  /// rebuilds the denominator. A part that is a padded stack's view (Options::pad_widths) is not contiguous: it is
+  /// broadcast through a contiguous copy, which LayerGroups::absorb copies back into its slot.
+  SecondOrderState& prepare_second_order(ComputeMethod method, bool a_side = true, bool g_side = true);
   void finish_second_order(double damping);
 
   /// Adam in the eigenbasis (Options::eigen_adam), set before any step: the layer keeps Adam's moments, and

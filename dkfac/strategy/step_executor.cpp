@@ -125,7 +125,7 @@ void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double dam
     const bool send_a = plan_.flows[i].broadcast_a;
     const bool send_g = plan_.flows[i].broadcast_g;
     if (!send_a && !send_g) continue;
-    auto& state = layers[i].prepare_second_order(method);
+    auto& state = layers[i].prepare_second_order(method, send_a, send_g);
     if (method == ComputeMethod::kEigen) {
       // A diagonal factor has no eigenvectors to send (the identity): its eigenvalues alone.
       if (send_a && !layers[i].a_diagonal()) {

@@ -422,13 +422,15 @@ TEST(StackedLayersFallback, NonFiniteGradientOfOneMember) {
 
 // The C++ archive writes each slot alone (not the stack's whole storage), and it loads into a layer-by-layer
 // preconditioner, whose next steps equal the stacked one's.
-void save_and_load(const Options& options);
+size_t save_and_load(const Options& options);
 
 TEST(StackedLayersCheckpoint, WritesSlotsAndLoadsLayerByLayer) {
+  std::vector<size_t> bytes;
   for (const int64_t pad : {1, 8}) {
     SCOPED_TRACE("pad_widths " + std::to_string(pad));
-    save_and_load(Options().inv_update_steps(2).pad_widths(pad));
+    bytes.push_back(save_and_load(Options().inv_update_steps(2).pad_widths(pad)));
   }
+  EXPECT_EQ(bytes[1], bytes[0]) << "the padded run's archive holds its pads";
 }
 
 // Options::pad_widths: strategy::predict counts each rank's pads as the run holds them (RankCost::stack_padding_bytes,
@@ -483,7 +485,8 @@ TEST(StackedLayersPadded, PredictCountsThePadsAsTheRunHoldsThem) {
 
 // A stacked run's checkpoint, saved and loaded into a layer-by-layer preconditioner and into a stacked one: the
 // saved slots are written alone (not with their stacks, nor their pads), and the next steps are the saved run's.
-void save_and_load(const Options& options) {
+// Returns the archive's size.
+size_t save_and_load(const Options& options) {
   auto net = make_tower();
   Preconditioner stacked(net, options);
   for (int64_t step = 0; step < 3; ++step) {
@@ -538,6 +541,7 @@ void save_and_load(const Options& options) {
     EXPECT_LT(largest_difference(grads_of(*net), grads_of(*other_net)), 1e-12) << "into stacked, step " << step;
   }
   EXPECT_EQ(into_stacked.memory_bytes(), stacked.memory_bytes());
+  return saved.size();
 }
 
 }  // namespace

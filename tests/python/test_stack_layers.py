@@ -94,10 +94,10 @@ def test_stacked_equals_layer_by_layer(kwargs):
         assert (len(storages) == 1) == stacked_state, storages
 
 
-@pytest.mark.parametrize('pad_widths', [1, 8], ids=['unpadded', 'padded'])
+@pytest.mark.parametrize('padding', [{}, PADDED], ids=['unpadded', 'padded'])
 @pytest.mark.parametrize('into_stacked', [False, True], ids=['into-layer-by-layer', 'into-stacked'])
-def test_state_dict_of_stacked_layers_loads(into_stacked, pad_widths):
-    _, model, stacked = train('cpu', torch.float64, 4, pad_widths=pad_widths)
+def test_state_dict_of_stacked_layers_loads(into_stacked, padding):
+    _, model, stacked = train('cpu', torch.float64, 4, **padding)
     state = stacked.state_dict()
     # Copies, each its own: a slot of a stack is not handed out with its whole storage.
     for name, entries in state['dkfac']['second_order'].items():
@@ -107,7 +107,7 @@ def test_state_dict_of_stacked_layers_loads(into_stacked, pad_widths):
     restored_model = Stack().to(torch.float64)
     restored_model.load_state_dict(model.state_dict())
     restored = dkfac.KFACPreconditioner(restored_model, damping=0.01, inv_update_steps=3, stack_layers=into_stacked,
-                                        pad_widths=pad_widths)
+                                        **padding)
     if into_stacked:  # a preconditioner that holds stacks of its own already (two steps of its own)
         train('cpu', torch.float64, 2, restored_model, restored, first=100)
         restored_model.load_state_dict(model.state_dict())

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include <c10/util/Exception.h>
 
@@ -463,6 +464,24 @@ TEST(Plan, PadWidthsHoldThePadsBesideTheState) {
               sum_over_ranks(unpadded["strategies"][k], "memory_bytes") + sum_over_ranks(s, "stack_padding_bytes"))
         << s["strategy"];
   }
+  // By hand, from the plan's layers: KAISA f = 1 has every rank precondition every layer, so each rank holds every
+  // group's pads: per layer (the inverse method, no shared inputs) a'^2 - a^2 + g'^2 - g^2 float32 entries.
+  std::map<std::pair<int64_t, int64_t>, int64_t> shapes;
+  for (const auto& layer : padded["layers"]) {
+    if (!layer["a_diagonal"].get<bool>() && !layer["g_diagonal"].get<bool>()) {
+      ++shapes[{layer["g_dim"].get<int64_t>(), layer["a_dim"].get<int64_t>()}];
+    }
+  }
+  const auto pad = [](int64_t n) { return (n + 7) / 8 * 8; };
+  int64_t by_hand = 0;
+  for (const auto& [shape, count] : shapes) {
+    const auto [g, a] = shape;
+    if (count >= 2) by_hand += 4 * count * (pad(a) * pad(a) - a * a + pad(g) * pad(g) - g * g);
+  }
+  EXPECT_EQ(by_hand, 12480188) << "97 of (1024, 1025), 24 of (4096, 1025) and 24 of (1024, 4097)";
+  const auto& kaisa = padded["strategies"][0];
+  ASSERT_EQ(kaisa["strategy"].get<std::string>(), "kaisa f=1 (W=4)");
+  for (const auto& rank : kaisa["ranks"]) EXPECT_EQ(rank["stack_padding_bytes"].get<int64_t>(), by_hand);
 }
 
 TEST(PlanAuto, RatesOfAnotherMethodAreRefused) {
