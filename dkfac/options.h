@@ -159,11 +159,12 @@ inline OptionRange any_value() { return {}; }
     "of one stacked tensor per shape, four batched products per group of layers in place of four per layer (exact: "  \
     "equal to one at a time to rounding; docs/MATH.md section 2.9); off, or with eigen_adam or "                    \
     "compute_eigenvalue_outer_product off: layer by layer")                                                            \
-  X(Value, int64_t, pad_widths, 1, at_least(1), "--pad-widths", "", "",                                                \
+  X(Value, int64_t, pad_widths, 8, at_least(1), "--pad-widths", "", "",                                                \
     "stack_layers: each group's widths (a and g) held padded up to a multiple of this, the eigenbases (or inverses) "  \
-    "with the identity in the pad, the gradients with zeros, so that the batched products are aligned (exact: equal "  \
-    "to unpadded to rounding; docs/MATH.md section 2.9), for the pad's bytes (memory_usage()['stack_padding']); "      \
-    "1 (the default): unpadded")                                                                                       \
+    "with the identity in the pad, the gradients with zeros, so that the batched products run on aligned widths "      \
+    "(exact: equal to unpadded to rounding; docs/MATH.md section 2.9; on a 2-core CPU 0.91-0.94x the preconditioning " \
+    "phase of a BERT-shaped stack, docs/PERFORMANCE.md), for the pads' bytes (memory_usage()['stack_padding']); "      \
+    "1: unpadded")                                                                                                     \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
     "eigen: Adam in the K-FAC eigenbasis: each layer's step is Q_G [m-hat / (sqrt(v-hat) + eps)] Q_A^T, Adam's "     \
     "moments of Q_G^T grad Q_A kept per layer (docs/MATH.md section 8; kl_clip 0; apply it with plain SGD at "       \

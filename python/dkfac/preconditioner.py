@@ -219,10 +219,10 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     inverses) and denominators are held as slices of one stacked tensor per shape, and each group of them takes four
     batched products in place of four per layer (equal to one at a time to rounding; docs/MATH.md section 2.9).
     Off, and with ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
-    ``pad_widths`` k > 1 holds those stacks with their widths padded up to a multiple of k (the eigenbases or
-    inverses with the identity in the pad, the gradients with zeros), so that the batched products are aligned on
-    a GPU (exact: equal to unpadded to rounding; the pads' bytes are ``memory_usage()['stack_padding']``); 1, the
-    default, unpadded.
+    ``pad_widths`` (8 by default, exact) holds those stacks with their widths padded up to a multiple of it (the
+    eigenbases or inverses with the identity in the pad, the gradients with zeros), so that the batched products
+    run on aligned widths (equal to unpadded to rounding; the pads' bytes are ``memory_usage()['stack_padding']``);
+    1 leaves them unpadded.
     ``fold_in_hooks`` (on by default, exact) folds each layer's factor batches into its running factors in its
     backward hook, once its ``accumulation_steps`` passes are in, where no factor is averaged across ranks (one
     process, DP-KFAC), so that no batch is held until ``step()`` (docs/MATH.md section 1.8). A layer's first factor

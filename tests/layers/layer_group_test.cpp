@@ -210,19 +210,26 @@ TEST_P(StackedLayers, EqualLayerByLayer) {
 
 INSTANTIATE_TEST_SUITE_P(
     MethodsAndSharing, StackedLayers,
-    ::testing::Values(Case{"eigen", Options()}, Case{"eigenShared", Options().shared_input_layers(kShared)},
-                      Case{"inverse", Options().compute_method(ComputeMethod::kInverse)},
-                      Case{"inverseShared",
-                           Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared)},
+    // Unpadded (pad_widths 1), where a batched GEMM computes each matrix as mm does: bit for bit here.
+    ::testing::Values(Case{"eigen", Options().pad_widths(1)},
+                      Case{"eigenShared", Options().shared_input_layers(kShared).pad_widths(1)},
+                      Case{"inverse", Options().compute_method(ComputeMethod::kInverse).pad_widths(1)},
+                      Case{"inverseShared", Options()
+                                                .compute_method(ComputeMethod::kInverse)
+                                                .shared_input_layers(kShared)
+                                                .pad_widths(1)},
                       // a refresh reads the basis from its slots; several layers' updates installed per chunk
-                      Case{"eighInterval", Options().eigh_interval(2).shared_input_layers(kShared)},
-                      Case{"concurrent", Options().second_order_concurrency(4).shared_input_layers(kShared)},
+                      Case{"eighInterval", Options().eigh_interval(2).shared_input_layers(kShared).pad_widths(1)},
+                      Case{"concurrent",
+                           Options().second_order_concurrency(4).shared_input_layers(kShared).pad_widths(1)},
                       // computed beside the steps from the slots' views, installed into the slots 1 or 2 steps later
-                      Case{"lag", Options().second_order_lag(2).shared_input_layers(kShared)},
-                      Case{"lagInverse", Options().second_order_lag(1).compute_method(ComputeMethod::kInverse)},
-                      Case{"lagRefresh", Options().second_order_lag(1).eigh_interval(2).shared_input_layers(kShared)},
-                      // Options::pad_widths: stacks of [8, 8] for the [6, 7] layers (Case::padding)
-                      Case{"eigenPadded", Options().pad_widths(8), 780 * 8},
+                      Case{"lag", Options().second_order_lag(2).shared_input_layers(kShared).pad_widths(1)},
+                      Case{"lagInverse",
+                           Options().second_order_lag(1).compute_method(ComputeMethod::kInverse).pad_widths(1)},
+                      Case{"lagRefresh",
+                           Options().second_order_lag(1).eigh_interval(2).shared_input_layers(kShared).pad_widths(1)},
+                      // Options::pad_widths (8 by default): stacks of [8, 8] for the [6, 7] layers (Case::padding)
+                      Case{"eigenPadded", Options(), 780 * 8},
                       Case{"inverseSharedPadded",
                            Options().compute_method(ComputeMethod::kInverse).shared_input_layers(kShared).pad_widths(8),
                            426 * 8},
@@ -240,15 +247,18 @@ TEST(StackedLayersFallback, UnusedMember) {
     run_both(
         Options().inv_update_steps(2).unused_layer_policy(UnusedLayerPolicy::kSkip).second_order_lag(lag), 8,
         [](Tower& net, int64_t step) { net.skip_last_mix = step >= 3 && step < 6; },  // for the next step's pass
-        [](const Runs& r, int64_t step) {
-          EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes()) << "step " << step;
+        [](const Runs& r, int64_t step) {  // padded (the default): the pads beside the same state
+          EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes() + r.stacked->stack_padding_bytes())
+              << "step " << step;
         });
   }
 }
 
 // A layer that never runs (skipped from the first step) holds no slot in its group's stacks.
 TEST(StackedLayersFallback, NeverUsedMemberHoldsNoSlot) {
-  const auto runs = run_both(Options().unused_layer_policy(UnusedLayerPolicy::kSkip), 3, nullptr, nullptr, [] {
+  // Unpadded, so that a slot is its part's bytes.
+  const auto options = Options().unused_layer_policy(UnusedLayerPolicy::kSkip).pad_widths(1);
+  const auto runs = run_both(options, 3, nullptr, nullptr, [] {
     auto net = make_tower();
     net->skip_last_mix = true;
     return net;
@@ -280,7 +290,8 @@ TEST(StackedLayersFallback, ReplanWhileAnUpdateRunsCountsTheOldStacks) {
     return held;
   };
   run_both(
-      Options().second_order_lag(2).inv_update_steps(3).unused_layer_policy(UnusedLayerPolicy::kSkip), 7,
+      // unpadded: the old stacks' bytes are the layers' parts', counted here from their storages
+      Options().second_order_lag(2).inv_update_steps(3).unused_layer_policy(UnusedLayerPolicy::kSkip).pad_widths(1), 7,
       [](Tower& net, int64_t step) { net.skip_last_mix = step < 3; },  // for the next step's pass: runs from step 4
       [&](const Runs& r, int64_t step) {
         int64_t old_stacks = 0;

@@ -226,7 +226,7 @@ TEST(TimeModel, StackedLayersPayTheFixedCostOncePerBatch) {
   std::vector<assign::LayerShape> layers = {{"a0", 65, 64, 1}, {"a1", 65, 64, 1}, {"a2", 65, 64, 1},
                                             {"q", 129, 64, 1},  {"k", 129, 64, 1}, {"b", 65, 10, 1}};
   layers[4].a_shared_with = 3;
-  const auto options = Options().compute_method(ComputeMethod::kInverse);
+  const auto options = Options().compute_method(ComputeMethod::kInverse).pad_widths(1);  // padded: below
   auto plan = make_step_plan(layers, 1, options);
   ASSERT_TRUE(plan.stack_layers);
   double flops = 0;
@@ -234,6 +234,17 @@ TEST(TimeModel, StackedLayersPayTheFixedCostOncePerBatch) {
   const auto precondition = [&](const StepPlan& p) { return predict_time(p, r, 32, {1, 1}).ranks[0].precondition; };
   // a0-a2: one batch; q and k: one unit, one batch; b: alone.
   EXPECT_NEAR(precondition(plan), 3e-3 + 1e-12 * flops, 1e-12);
+  // Padded (pad_widths 8, the default): the stacked layers' products at their padded widths (64 x 72, 64 x 136); b,
+  // alone, unpadded; the same batches.
+  double padded_flops = 0;
+  for (const auto& s : layers) {
+    const bool stacked = s.name != "b";
+    const double g = stacked ? padded_width(s.g_dim, 8) : s.g_dim;
+    const double a = stacked ? padded_width(s.a_dim, 8) : s.a_dim;
+    padded_flops += 2.0 * g * a * (g + a);
+  }
+  EXPECT_NEAR(precondition(make_step_plan(layers, 1, Options(options).pad_widths(8))), 3e-3 + 1e-12 * padded_flops,
+              1e-12);
   plan.stack_layers = false;
   EXPECT_NEAR(precondition(plan), 6e-3 + 1e-12 * flops, 1e-12);
   EXPECT_FALSE(make_step_plan(layers, 1, Options(options).stack_layers(false)).stack_layers);

@@ -182,6 +182,7 @@ TEST(Plan, TensorAndPipelineParallelSplitTheLayers) {
   request.nproc = 16;
   request.batch_size = 1;
   request.compute_method = ComputeMethod::kInverse;
+  request.pad_widths = 1;  // the sums below are the layers' own state (Plan.PadWidthsHoldThePadsBesideTheState: pads)
   const int64_t wpe = inverse_held(2048, true, 2048, false);  // replicated over tp: A diagonal, G whole
   // Without tensor parallelism: mlp.c_proj's A (8193) is wider than diagonal_factor_dim, so diagonal.
   const int64_t whole = inverse_held(2049, false, 6144, false) + inverse_held(2049, false, 2048, false) +
@@ -445,15 +446,16 @@ TEST(PlanAuto, SecondOrderLagHoldsTheUpdateInFlightAndIsPricedBesideTheSteps) {
   }
 }
 
-// --pad-widths: every strategy's memory holds the pads of its ranks' stacks (BERT-Large's (1024, 1025) and
+// --pad-widths (8 by default, as a job's): every strategy's memory holds the pads of its ranks' stacks (BERT-Large's (1024, 1025) and
 // (1024, 4097) layers padded to (1024, 1032) and (1024, 4104)), beside the unpadded plan's memory; the JSON says so.
 TEST(Plan, PadWidthsHoldThePadsBesideTheState) {
   PlanRequest request;
   request.model = "bert-large";
   request.nproc = 4;
-  const auto unpadded = plan_report(request).json;
-  request.pad_widths = 8;
+  EXPECT_EQ(request.pad_widths, 8) << "a job's default";
   const auto padded = plan_report(request).json;
+  request.pad_widths = 1;
+  const auto unpadded = plan_report(request).json;
   EXPECT_EQ(padded["pad_widths"].get<int64_t>(), 8);
   ASSERT_EQ(unpadded["strategies"].size(), padded["strategies"].size());
   for (size_t k = 0; k < padded["strategies"].size(); ++k) {

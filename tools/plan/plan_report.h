@@ -36,9 +36,10 @@ struct PlanRequest {
   /// Options::second_order_lag: every plan's memory holds the update in flight (strategy::RankCost::in_flight_bytes),
   /// and strategy auto prices its decompositions beside the steps (Rates::side_work_cost).
   int64_t second_order_lag = 0;
-  /// Options::pad_widths: the stacks of each strategy's layers of one shape held padded to a multiple of this
-  /// (strategy::RankCost::stack_padding_bytes), their products priced at the padded widths.
-  int64_t pad_widths = 1;
+  /// Options::pad_widths (its default, as a job has it): the stacks of each strategy's layers of one shape held
+  /// padded to a multiple of this (strategy::RankCost::stack_padding_bytes), their products priced at the padded
+  /// widths; 1: unpadded.
+  int64_t pad_widths = Options().pad_widths();
   /// Sharded models (docs/STRATEGIES.md, "Sharded models"): 0 plans DDP; `shard_ranks` > 0 plans every layer
   /// sharded by rows over groups of that many ranks (FSDP: nproc; HSDP: nproc / replicas), each strategy in the
   /// replicated placement plus the owner placements (kaisa with one grad worker per replica; dp on a 1-D mesh).
