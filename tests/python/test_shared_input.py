@@ -63,7 +63,12 @@ def test_bert_shares_query_key_value_inputs_bit_for_bit(options):
         if name.endswith(('key', 'value')):
             a_bytes += sum(t.numel() * t.element_size() for k, t in state.items() if k.startswith('a_'))
     assert a_bytes > 0
-    assert shared.memory_usage()['total'] == separate.memory_usage()['total'] - a_bytes
+    # The layers' own state (the stacks' pads, pad_widths, differ: one group of 3-layer units against one of 6 layers).
+    def held(p):
+        usage = p.memory_usage()
+        return usage['total'] - usage.get('stack_padding', 0)
+
+    assert held(shared) == held(separate) - a_bytes
     assert '4 layer(s) share the A factor' in shared.plan
 
 

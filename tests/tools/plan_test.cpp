@@ -446,8 +446,9 @@ TEST(PlanAuto, SecondOrderLagHoldsTheUpdateInFlightAndIsPricedBesideTheSteps) {
   }
 }
 
-// --pad-widths (8 by default, as a job's): every strategy's memory holds the pads of its ranks' stacks (BERT-Large's (1024, 1025) and
-// (1024, 4097) layers padded to (1024, 1032) and (1024, 4104)), beside the unpadded plan's memory; the JSON says so.
+// --pad-widths (8 by default, as a job's): every strategy's memory holds the pads of its ranks' stacks
+// (BERT-Large's (1024, 1025) and (1024, 4097) layers padded to (1024, 1032) and (1024, 4104)), beside the unpadded
+// plan's memory; the JSON says so.
 TEST(Plan, PadWidthsHoldThePadsBesideTheState) {
   PlanRequest request;
   request.model = "bert-large";
