@@ -564,12 +564,13 @@ void Preconditioner::start_second_order_job(int64_t step, bool refresh) {
   job->method = executor_->plan().method;
   job->damping = options_.damping_at(step);
   job->layers = second_order_layers();
+  job->parts = second_order_parts(job->layers);
   for (size_t i : job->layers) job->sources.push_back(layers_[i]);
   job->pending.resize(job->layers.size());
   job->failed.resize(job->layers.size());
   job->side.emplace(device_);
   auto* work = job.get();
-  job->worker = std::thread([work, parts = second_order_parts(job->layers), chunk = second_order_chunk(),
+  job->worker = std::thread([work, parts = job->parts, chunk = second_order_chunk(),
                              pi_damping = options_.pi_damping(), refresh] {
     try {
       work->side->run([&] {
@@ -1157,7 +1158,17 @@ int64_t Preconditioner::second_order_in_flight_bytes() const {
   for (size_t k = 0; k < job_->layers.size(); ++k) {
     const auto& now = layers_[job_->layers[k]];
     const auto& from = job_->sources[k];
-    total += now.second_order().memory_bytes(/*with_a_side=*/!now.follows_a());
+    // The sides this rank computes are new (KfacLayer::start_second_order: the others are the state's own tensors),
+    // and the denominator where it computes both; the layer's state in use stands in for their sizes. A follower
+    // computes no A (its leader's).
+    const auto [a, g] = job_->parts[k];
+    const auto state = now.second_order();
+    const auto all = state.parts();
+    for (size_t p = 0; p < all.size(); ++p) {
+      const bool denominator = all[p] == &state.denominator;
+      const bool computed = denominator ? a && g : SecondOrderState::a_side(p) ? a && !now.follows_a() : g;
+      if (computed && all[p]->defined()) total += static_cast<int64_t>(all[p]->nbytes());
+    }
     const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},
                                                                            {&from.g_factor(), &now.g_factor()}};
     for (const auto& [was, is] : sides) {

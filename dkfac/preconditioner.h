@@ -258,8 +258,9 @@ class Preconditioner {
   /// Options::pad_widths: bytes of the stacks of layers of one shape that are their pads, no layer's state
   /// (strategy::predict's RankCost::stack_padding_bytes). 0 unpadded.
   int64_t stack_padding_bytes() const { return groups_.padding_bytes(); }
-  /// Options::second_order_lag: bytes the update in flight holds beside the state in use: a second state of each
-  /// layer it computes (as large as the one it replaces; counted from its start, while its thread computes it),
+  /// Options::second_order_lag: bytes the update in flight holds beside the state in use: of each layer it computes,
+  /// a second copy of the sides this rank computes, and of the denominator where it computes both (as large as the
+  /// ones they replace; counted from its start, while its thread computes them),
   /// the factors it is computed from where a factor update has replaced them since, and the old stacks its copies
   /// keep alive where the groups were planned again meanwhile (Options::stack_layers). 0 with none in flight.
   /// strategy::predict's RankCost::in_flight_bytes is its most in the steady state (without old stacks).
@@ -315,6 +316,7 @@ class Preconditioner {
     ComputeMethod method = ComputeMethod::kEigen;
     double damping = 0.0;
     std::vector<size_t> layers;      ///< the layers it computes (second_order_layers)
+    std::vector<std::pair<bool, bool>> parts;  ///< each one's sides (A, G) this rank computes (second_order_parts)
     std::vector<KfacLayer> sources;  ///< each one's copy at the start: the factors and state it is computed from
     std::vector<std::optional<PendingSecondOrder>> pending;
     std::vector<std::exception_ptr> failed;

@@ -19,8 +19,9 @@ struct RankCost {
   /// states and the factors they are computed from included (in_flight_bytes)
   int64_t memory_bytes = 0;
   /// StepPlan::second_order_lag > 0: what the update in flight holds beside the state in use, at most (the
-  /// Preconditioner's second_order_in_flight_bytes): a second state of each layer this rank computes a part of,
-  /// and that layer's factors as they were when it started (where a factor update comes before it is installed)
+  /// Preconditioner's second_order_in_flight_bytes): of each layer this rank computes a part of, a second copy of the
+  /// sides it computes (and of the denominator where it computes both), and that layer's factors as they were when
+  /// it started (where a factor update comes before it is installed)
   int64_t in_flight_bytes = 0;
   /// StepPlan::pad_widths > 1: the pad of this rank's stacks (LayerGroups), beside the layers' own state in
   /// memory_bytes: per group, units x (a'^2 - a^2) and members x (g'^2 - g^2), and for eigen members x (g' a' - g a),

@@ -974,9 +974,9 @@ class BaseKFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
         and step counts, once held; ``second_order_in_flight``: with ``second_order_lag``, while an update is
-        computed beside the steps, a second state of the layers it computes, the factors it reads where newer
-        ones replaced them, and the old stacks of ``stack_layers`` where the groups were planned again meanwhile;
-        ``stack_padding``: with ``pad_widths`` > 1, the pads of the stacks of layers of one shape)."""
+        computed beside the steps, a second copy of the sides of layers this rank computes, the factors it reads
+        where newer ones replaced them, and the old stacks of ``stack_layers`` where the groups were planned again
+        meanwhile; ``stack_padding``: with ``pad_widths`` > 1, the pads of the stacks of layers of one shape)."""
         sizes = dict.fromkeys(('a_factors', 'g_factors', 'a_batch', 'g_batch', 'a_inverses', 'g_inverses'), 0)
         kinds = {key: 'adam_moments' if moment else f"{side}_{'factors' if factor else 'inverses'}"
                  for key, factor, side, moment in _STATE_ENTRIES}

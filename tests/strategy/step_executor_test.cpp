@@ -587,6 +587,8 @@ TEST(SecondOrderLag, EveryStrategyEqualsOneProcess) {
   };
   const std::pair<int, Options> cases[] = {
       {2, Options(lagged(ComputeMethod::kEigen)).grad_worker_fraction(0.5)},
+      // A and G decomposed on different ranks: each computes one side of a layer, and holds only that one anew
+      {2, Options(lagged(ComputeMethod::kEigen)).grad_worker_fraction(0.5).colocate_factors(false)},
       {4, Options(lagged(ComputeMethod::kEigen)).grad_worker_fraction(0.0)},
       {4, Options(lagged(ComputeMethod::kInverse)).grad_worker_fraction(1.0).symmetric_comm(true)},
       {2, Options(lagged(ComputeMethod::kEigen)).eigen_adam(true).kl_clip(0).grad_worker_fraction(0.5)},
@@ -600,15 +602,29 @@ TEST(SecondOrderLag, EveryStrategyEqualsOneProcess) {
     // After the last step (an inverse step) its update is in flight: the state besides it is what the plan predicts,
     // and what the update holds (a second state of each layer the rank computes) is within the plan's most.
     std::vector<std::array<int64_t, 4>> memory(world);  // held, in flight, predicted held, predicted in flight
+    std::vector<int64_t> kept_factors(world);  // the factors predict's in-flight figure holds for a later factor update
     const auto got = run_distributed(world, options, [&](int rank, Preconditioner& kfac, comm::Communicator&) {
-      const auto cost = predict(kfac.plan(), /*element_bytes=*/8, /*batch_size=*/1).at(static_cast<size_t>(rank));
+      const auto& plan = kfac.plan();
+      const auto cost = predict(plan, /*element_bytes=*/8, /*batch_size=*/1).at(static_cast<size_t>(rank));
       memory[rank] = {kfac.memory_bytes(), kfac.second_order_in_flight_bytes(), cost.memory_bytes,
                       cost.in_flight_bytes};
+      std::set<size_t> a_counted;
+      for (size_t i = 0; i < plan.shapes.size(); ++i) {
+        const auto& s = plan.shapes[i];
+        if (!(plan.computes_a(i, rank) || plan.computes_g(i, rank)) || !plan.keeps_factors(i, rank)) continue;
+        const auto a_holder = s.a_shared_with >= 0 ? static_cast<size_t>(s.a_shared_with) : i;
+        const int64_t g_entries = s.g_diagonal ? s.g_dim : s.g_dim * s.g_dim;
+        const int64_t a_entries = s.a_diagonal ? s.a_dim : s.a_dim * s.a_dim;
+        kept_factors[rank] += 8 * (g_entries + (a_counted.insert(a_holder).second ? a_entries : 0));
+      }
     });
     for (int rank = 0; rank < world; ++rank) {
       const auto [held, in_flight, predicted, predicted_in_flight] = memory[rank];
       EXPECT_EQ(held - in_flight, predicted - predicted_in_flight) << what << " rank " << rank;
       EXPECT_LE(in_flight, predicted_in_flight) << what << " rank " << rank;
+      // The update started at the last step, after its factor update: no factor was replaced since, so it holds the
+      // sides this rank computes (and the denominator where it computes both), as predicted without the factors.
+      EXPECT_EQ(in_flight, predicted_in_flight - kept_factors[rank]) << what << " rank " << rank;
       EXPECT_EQ(in_flight > 0, predicted_in_flight > 0) << what << " rank " << rank;
     }
     EXPECT_GT(memory[0][1], 0) << what << ": rank 0 computes an update in flight";
