@@ -45,7 +45,7 @@ struct StepPlan {
   /// eigenbases (the time model prices the average, Rates::second_order_seconds)
   int64_t eigh_interval = 1;
   /// Options::second_order_lag: each update after the first is computed beside the steps and installed this many
-  /// steps later (0: at once), holding a second state of the layers it computes meanwhile (strategy::predict)
+  /// steps later (0: at once), holding a second copy of the sides it computes meanwhile (strategy::predict)
   int64_t second_order_lag = 0;
   /// stacks_layers(options): the layers of one shape a rank preconditions are preconditioned together, a batch of at
   /// most kStackedBatchBytes of gradients at a time (LayerGroups; the time model prices a batch's fixed cost once)
