@@ -162,7 +162,7 @@ inline OptionRange any_value() { return {}; }
   X(Value, int64_t, pad_widths, 8, at_least(1), "--pad-widths", "", "",                                                \
     "stack_layers: each group's widths (a and g) held padded up to a multiple of this, the eigenbases (or inverses) "  \
     "with the identity in the pad, the gradients with zeros, so that the batched products run on aligned widths "      \
-    "(exact: equal to unpadded to rounding; docs/MATH.md section 2.9; on a 2-core CPU 0.91-0.94x the preconditioning " \
+    "(exact: equal to unpadded to rounding; docs/MATH.md section 2.9; on a 2-core CPU 0.91-0.98x the preconditioning " \
     "phase of a BERT-shaped stack, docs/PERFORMANCE.md), for the pads' bytes (memory_usage()['stack_padding']); "      \
     "1: unpadded")                                                                                                     \
   X(Value, bool, eigen_adam, false, any_value(), "", "", "",                                             \
