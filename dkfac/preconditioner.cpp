@@ -1159,14 +1159,14 @@ int64_t Preconditioner::second_order_in_flight_bytes() const {
     const auto& now = layers_[job_->layers[k]];
     const auto& from = job_->sources[k];
     // The sides this rank computes are new (KfacLayer::start_second_order: the others are the state's own tensors),
-    // and the denominator where it computes both; the layer's state in use stands in for their sizes. A follower
-    // computes no A (its leader's).
+    // and the denominator where it computes both; the layer's state in use stands in for their sizes (a follower
+    // computes no A: StepPlan::computes_a, its leader's).
     const auto [a, g] = job_->parts[k];
     const auto state = now.second_order();
     const auto all = state.parts();
     for (size_t p = 0; p < all.size(); ++p) {
       const bool denominator = all[p] == &state.denominator;
-      const bool computed = denominator ? a && g : SecondOrderState::a_side(p) ? a && !now.follows_a() : g;
+      const bool computed = denominator ? a && g : SecondOrderState::a_side(p) ? a : g;
       if (computed && all[p]->defined()) total += static_cast<int64_t>(all[p]->nbytes());
     }
     const std::pair<const torch::Tensor*, const torch::Tensor*> sides[] = {{&from.a_factor(), &now.a_factor()},

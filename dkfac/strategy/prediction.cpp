@@ -58,13 +58,12 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         // The eigen denominator [g, a] is not held with eigen_adam (Adam's step does not use the eigenvalues).
         const int64_t denominator = plan.eigen_adam ? 0 : g * a;
         const int64_t a_state = !own_a ? 0 : eigen ? held(a, da) + (da ? 0 : a) : held(a, da);
-        const int64_t state = e * (eigen ? a_state + held(g, dg) + (dg ? 0 : g) + denominator : a_state + held(g, dg));
-        r.memory_bytes += state;
+        const int64_t g_state = eigen ? held(g, dg) + (dg ? 0 : g) : held(g, dg);
+        r.memory_bytes += e * (a_state + g_state + (eigen ? denominator : 0));
         if (plan.second_order_lag > 0 && (plan.computes_a(i, rank) || plan.computes_g(i, rank))) {
           // New: the sides this rank computes (a follower computes no A), and the denominator where it computes
           // both; a side it receives is broadcast into the state at installation, not held beside it.
           const bool new_a = plan.computes_a(i, rank), new_g = plan.computes_g(i, rank);
-          const int64_t g_state = eigen ? held(g, dg) + (dg ? 0 : g) : held(g, dg);
           r.in_flight_bytes += e * ((new_a ? a_state : 0) + (new_g ? g_state : 0) +
                                     (eigen && new_a && new_g ? denominator : 0));
           if (plan.keeps_factors(i, rank)) {

@@ -438,8 +438,7 @@ double averaged_update_seconds(double full, double refresh, int64_t eigh_interva
 }
 
 double Rates::second_order_seconds(int64_t d, int64_t eigh_interval) const {
-  const double full = decomposition.seconds_for(d);
-  return eigh_interval <= 1 ? full : averaged_update_seconds(full, refresh_seconds(d), eigh_interval);
+  return averaged_update_seconds(decomposition.seconds_for(d), refresh_seconds(d), eigh_interval);
 }
 
 Rates measure_rates(comm::Communicator& communicator, c10::Device device, c10::ScalarType dtype,
