@@ -11,6 +11,7 @@ K-FAC adds: the preconditioning products (4 g a (g + a) FLOPs a layer, eigen met
 
     PYTHONPATH=build/python .venv/bin/python bench/small_model_step.py                      # the 0.17M GPT-2
     PYTHONPATH=build/python .venv/bin/python bench/small_model_step.py --n-embd 128 --n-layer 4   # 0.84M
+    ... --n-embd 128 --n-layer 6 --eigen-adam-diagonal-factor-dim 256   # 1.2M, eigen_adam one side unrotated
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def main() -> None:
     parser.add_argument('--inv-update-steps', type=int, default=100)
     parser.add_argument('--lr', type=float, default=4e-3)
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--eigen-adam-diagonal-factor-dim', type=int, default=None,
+                        help="eigen_adam's diagonal_factor_dim: factors wider than this are kept diagonal, so Adam "
+                             "runs unrotated on that side (default: the preconditioner's)")
     parser.add_argument('--profile', type=int, default=0,
                         help="then profile this many non-update preconditioner.step() calls of K-FAC + AdamW "
                              "(torch.profiler's operators by self time)")
@@ -92,7 +96,9 @@ def main() -> None:
         methods[name] = (model, dkfac.optim.KFAC(
             model, adamw(model, args), factor_update_steps=args.factor_update_steps,
             inv_update_steps=args.inv_update_steps, damping=0.003, kl_clip=0.0 if eigen else 0.001,
-            eigen_adam=eigen))
+            eigen_adam=eigen,
+            **({'diagonal_factor_dim': args.eigen_adam_diagonal_factor_dim}
+               if eigen and args.eigen_adam_diagonal_factor_dim is not None else {})))
     optimizers = {name: opt if opt is not None else adamw(model, args) for name, (model, opt) in methods.items()}
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(256, (args.batch, args.context + 1), generator=generator) for _ in range(16)]
@@ -126,6 +132,8 @@ def main() -> None:
     print(f'model: GPT-2 n_embd {args.n_embd}, n_layer {args.n_layer}, n_head {args.n_head}, {params:,} parameters; '
           f'batch {args.batch} x {args.context} tokens; '
           f'K-FAC at ({args.factor_update_steps}, {args.inv_update_steps}); '
+          + (f'eigen_adam with diagonal_factor_dim {args.eigen_adam_diagonal_factor_dim}; '
+             if args.eigen_adam_diagonal_factor_dim is not None else '') +
           f'{args.steps} timed steps of each method in lockstep after {args.warmup}')
     every = args.inv_update_steps
     share = {'inverse': 1, 'factor': every // args.factor_update_steps - 1}
@@ -163,10 +171,12 @@ def main() -> None:
             if not diagonal:
                 factor += 2.0 * rows * n * n
                 factor_s += 2.0 * rows * n * n / sgemm_rate(n, rows, n)
-    print(f'\nfloor, {len(dims)} K-FAC layers, {rows} rows a pass: preconditioning {precondition / 1e6:.1f} MFLOP a '
-          f'step, {1e3 * precondition_s:.2f} ms at the sgemm rates of its shapes here; factor grams '
-          f'{factor / 1e6:.1f} MFLOP a factor step as full products ({1e3 * factor_s:.2f} ms; a triangle does half), '
-          f'{1e3 * factor_s / args.factor_update_steps:.2f} ms a step amortised')
+    diagonal = (f' (diagonal_factor_dim {args.eigen_adam_diagonal_factor_dim})'
+                if args.eigen_adam_diagonal_factor_dim is not None else '')
+    print(f'\nfloor, eigen_adam\'s {len(dims)} K-FAC layers{diagonal}, {rows} rows a pass: preconditioning '
+          f'{precondition / 1e6:.1f} MFLOP a step, {1e3 * precondition_s:.2f} ms at the sgemm rates of its shapes '
+          f'here; factor grams {factor / 1e6:.1f} MFLOP a factor step as full products ({1e3 * factor_s:.2f} ms; a '
+          f'triangle does half), {1e3 * factor_s / args.factor_update_steps:.2f} ms a step amortised')
     floor = (precondition_s + factor_s / 2 / args.factor_update_steps) / base
     print(f'  so K-FAC adds at least {floor:.3f} of an AdamW step here, amortised (preconditioning every step, '
           'triangle grams on factor steps): the least ratio exact K-FAC can reach is '

@@ -191,7 +191,8 @@ class Run:
                     self.model, base, factor_update_steps=spec['factor_steps'], inv_update_steps=spec['inv_steps'],
                     damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False),
                     eigen_adam=spec.get('eigen_adam', False), start_preconditioning_step=spec.get('start', 0),
-                    **({'factor_decay': spec['factor_decay']} if 'factor_decay' in spec else {}))
+                    **({'factor_decay': spec['factor_decay']} if 'factor_decay' in spec else {}),
+                    **({'diagonal_factor_dim': spec['diagonal_factor_dim']} if 'diagonal_factor_dim' in spec else {}))
             self.warnings += [str(w.message) for w in caught]
             self.preconditioner = self.optimizer.preconditioner
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, schedule(self.steps, args.warmup_steps))
@@ -335,20 +336,24 @@ def tuning_specs(args) -> list[dict]:
             spec['label'] += f'-kl{kl_clip:g}'
         specs.append(spec)
     for text in args.kfac_eigen_adam_configs:
-        # lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay[:steps_fraction]]] (damping and KL
-        # clipping do not enter Adam's step in the eigenbasis; an empty field keeps its default)
+        # lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay[:steps_fraction[:diagonal_factor_dim]]]]
+        # (damping and KL clipping do not enter Adam's step in the eigenbasis; an empty field keeps its default)
         parts = text.split(':')
         lr, factor_steps, inv_steps = parts[:3]
         start = int(parts[3]) if len(parts) > 3 and parts[3] else 0
         label = f'kfac-eigenadam-lr{float(lr):g}-f{factor_steps}-i{inv_steps}' + (f'-s{start}' if start else '')
-        spec = {'label': label, 'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001, 'factor_steps': int(factor_steps),
-                'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True, 'start': start}
+        spec = {'label': label, 'kind': 'kfac_adamw', 'lr': float(lr), 'damping': 0.001,
+                'factor_steps': int(factor_steps), 'inv_steps': int(inv_steps), 'kl_clip': None, 'eigen_adam': True,
+                'start': start}
         if len(parts) > 4 and parts[4]:
             spec['factor_decay'] = float(parts[4])
             spec['label'] += f'-d{float(parts[4]):g}'
-        if len(parts) > 5 and float(parts[5]) != 1.0:  # a schedule of its own, this fraction of AdamW's length
+        if len(parts) > 5 and parts[5] and float(parts[5]) != 1.0:  # a schedule of its own, this fraction of AdamW's
             spec['steps'] = round(float(parts[5]) * args.steps)
             spec['label'] += f'-len{float(parts[5]):g}'
+        if len(parts) > 6 and parts[6]:  # factors wider than this kept diagonal: a side Adam runs on unrotated
+            spec['diagonal_factor_dim'] = int(parts[6])
+            spec['label'] += f'-diag{int(parts[6])}'
         specs.append(spec)
     for text in args.kfac_sgd_configs:
         lr, damping, factor_steps, inv_steps = text.split(':')
@@ -524,9 +529,10 @@ def main() -> int:
     parser.add_argument('--kfac-eigen-adam-configs', nargs='*', default=[],
                         help='Adam in the K-FAC eigenbasis (dkfac.optim.KFAC(eigen_adam=True), AdamW\'s betas and '
                              'eps) candidates, lr:factor_steps:inv_steps[:start_preconditioning_step[:factor_decay'
-                             '[:steps_fraction]]] (factor_decay: the running factors\' decay, default the '
-                             'preconditioner\'s 0.95; steps_fraction: a schedule of its own, that fraction of --steps '
-                             'long; an empty field keeps its default)')
+                             '[:steps_fraction[:diagonal_factor_dim]]]] (factor_decay: the running factors\' decay, '
+                             'default the preconditioner\'s 0.95; steps_fraction: a schedule of its own, that '
+                             'fraction of --steps long; diagonal_factor_dim: factors wider than this are kept '
+                             'diagonal, so Adam runs unrotated on that side; an empty field keeps its default)')
     parser.add_argument('--kl-clip', type=float, default=0.001)
     parser.add_argument('--seeds', type=int, default=None, help='headline seeds besides the tuning seed 0')
     parser.add_argument('--headline-from', default='kfac-',
