@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """K-FAC + AdamW against tuned AdamW on a small Hugging Face GPT-2, trained on the Python standard library's sources.
 
-Issue 36 item 4: does K-FAC reach AdamW's best validation loss in at most 0.8x AdamW's wall time?
+Issues 36 and 45: does K-FAC reach AdamW's best validation loss in at most 0.75x AdamW's wall time?
 
 Run it (from the repository root; dkfac from a built tree, transformers in the environment)::
 
@@ -51,10 +51,12 @@ hit harder than AdamW's: docs/perf/transformer-vs-adamw-2026-11-26/earlier/); on
 gracefully. ``--threads 2`` is the better setting on an otherwise idle machine.
 
 Timing: host ``time.perf_counter()`` around each whole training step (batch, forward, loss, backward,
-optimizer step, scheduler step, zero_grad); a run's wall time is the sum of its step times, so evaluation and
-the other runs' steps are excluded. Time to target: the wall time at the first evaluation whose validation loss
-is <= the target (the resolution is one evaluation interval, the same for every optimizer). Target of a seed:
-the best validation loss of that seed's tuned AdamW run; AdamW's own time is the time of its best evaluation.
+optimizer step, scheduler step, zero_grad; with ``--device cuda`` the device is synchronised after the backward
+pass and at the step's end, so each time is the device's too); a run's wall time is the sum of its step times, so
+evaluation and the other runs' steps are excluded. Time to target: the wall time at the first evaluation whose
+validation loss is <= the target (the resolution is one evaluation interval, the same for every optimizer). Target
+of a seed: the best validation loss of that seed's tuned AdamW run; AdamW's own time is the time of its best
+evaluation. The goal (issue 45): a median ratio of at most GOAL_RATIO (0.75) of AdamW's time.
 
 Writes to ``--out`` (default docs/perf/transformer-vs-adamw-<date>): results.json (everything, including each
 run's curve, step-time statistics, dkfac phase times and warnings), curves.csv (one row per evaluation),
@@ -97,6 +99,7 @@ import dkfac.optim  # noqa: E402
 import transformers  # noqa: E402
 
 SKIP_DIRS = {'test', 'tests', 'idle_test', 'site-packages', '__pycache__'}
+GOAL_RATIO = 0.75  # issue 45: K-FAC's time to AdamW's best, as a fraction of AdamW's (issue 36 asked for 0.8)
 
 
 # --- corpus ---------------------------------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class Run:
         self.args, self.spec, self.seed, self.phase = args, spec, seed, phase
         self.name = f"{spec['label']}/s{seed}"
         self.steps = spec.get('steps', args.steps)
-        self.model = build_model(args, seed)
+        self.model = build_model(args, seed).to(args.device)  # initialised on the CPU: the same on every device
         self.tokens = corpus['train_tokens']
         self.val_x = val_x
         self.generator = torch.Generator().manual_seed(1000 + seed)  # the same batches for every run of a seed
@@ -219,13 +222,16 @@ class Run:
             starts = torch.randint(0, self.tokens.numel() - args.context - 1, (args.batch,),
                                    generator=self.generator)
             batch = torch.stack([self.tokens[s:s + args.context + 1] for s in starts.tolist()]).long()
+            batch = batch.to(args.device)
             logits = self.model(input_ids=batch[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             loss.backward()
+            synchronize(args.device)
             t1 = time.perf_counter()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            synchronize(args.device)
             t2 = time.perf_counter()
         for w in caught:
             text = str(w.message)
@@ -286,6 +292,12 @@ class Run:
             out['kfac_phase_times_total_s'] = {k: float(v) for k, v in totals.items()}
             out['kfac_layers'] = [name for name, _ in self.preconditioner.layers]
         return out
+
+
+def synchronize(device: str) -> None:
+    """Waits for the device's queued work, so that host timers around a step measure it (nothing on a CPU)."""
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
 
 
 def stats(values: list[float]) -> dict:
@@ -364,7 +376,7 @@ def tuning_specs(args) -> list[dict]:
 
 
 # --- machine --------------------------------------------------------------------------------------------------
-def machine() -> dict:
+def machine(device: str = 'cpu') -> dict:
     cpu = platform.processor()
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
@@ -373,7 +385,9 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    info = {'cpu': cpu, 'cores': os.cpu_count(), 'device': 'cpu', 'threads': torch.get_num_threads(),
+    if torch.device(device).type == 'cuda':
+        device = f'{device} ({torch.cuda.get_device_name(torch.device(device))})'
+    info = {'cpu': cpu, 'cores': os.cpu_count(), 'device': device, 'threads': torch.get_num_threads(),
             'python': platform.python_version(), 'torch': torch.__version__, 'transformers': transformers.__version__,
             'dkfac': dkfac.__version__, 'dkfac_path': str(Path(dkfac.__file__).parent)}
     try:
@@ -503,6 +517,8 @@ def main() -> int:
                         ', or /tmp/transformer-vs-adamw-quick with --quick)')
     parser.add_argument('--threads', type=int, default=1,
                         help='torch.set_num_threads (default 1: see the module docstring)')
+    parser.add_argument('--device', default='cpu',
+                        help='where the models train (cpu, or cuda: each step timed to the device\'s end of it)')
     parser.add_argument('--steps', type=int, default=None, help='training steps of a full-length schedule')
     parser.add_argument('--batch', type=int, default=16)
     parser.add_argument('--context', type=int, default=128)
@@ -563,11 +579,11 @@ def main() -> int:
         print(text, flush=True)
         lines.append(text)
 
-    info = machine()
+    info = machine(args.device)
     corpus = load_corpus(args.max_bytes)
-    val_x = val_windows(corpus['val_tokens'], args.val_windows, args.context)
+    val_x = val_windows(corpus['val_tokens'], args.val_windows, args.context).to(args.device)
     n_params = sum(p.numel() for p in build_model(args, 0).parameters())
-    log(f"machine: {info['cpu']}, {info['cores']} cores; device cpu; torch threads {info['threads']}; "
+    log(f"machine: {info['cpu']}, {info['cores']} cores; device {info['device']}; torch threads {info['threads']}; "
         f"python {info['python']}; torch {info['torch']}; transformers {info['transformers']}; "
         f"dkfac {info['dkfac']} ({info['dkfac_path']})")
     log(f"corpus: {corpus['files_used']} of {corpus['files_found']} stdlib .py files under {corpus['root']} "
@@ -673,19 +689,20 @@ def main() -> int:
         'step_cost_ratio_median': median_of('step_cost_ratio_mean'),
         'adamw_step_ms_median_of_medians': median_of('adamw_step_ms_median'),
         'kfac_step_ms_median_of_medians': median_of('kfac_step_ms_median'),
-        'goal_ratio': 0.8,
+        'goal_ratio': GOAL_RATIO,
     }
     if summary['ratio_median'] is not None and summary['kfac_steps_median'] and summary['adamw_steps_median']:
         summary['steps_ratio_median'] = statistics.median(r['kfac_steps'] / r['adamw_steps'] for r in rows)
     ratio = summary['ratio_median']
-    summary['goal_met'] = ratio is not None and ratio <= 0.8
+    summary['goal_met'] = ratio is not None and ratio <= GOAL_RATIO
     fresh = [r['ratio'] for r in rows if not r['from_tuning']]
     summary['ratio_median_fresh_seeds'] = (statistics.median(fresh) if fresh and None not in fresh else None)
     summary['ratios'] = [r['ratio'] for r in rows]
     log(f"\nmedian over {len(rows)} seeds: AdamW {summary['adamw_time_s_median']:.1f} s "
         f"({summary['adamw_steps_median']:g} steps) to its best; {best_kfac['spec']['label']} "
         + (f"{summary['kfac_time_s_median']:.1f} s ({summary['kfac_steps_median']:g} steps) to the same loss: "
-           f"ratio {ratio:.2f} (goal <= 0.8: {'met' if summary['goal_met'] else 'missed'})" if ratio is not None else
+           f"ratio {ratio:.2f} (goal <= {GOAL_RATIO}: {'met' if summary['goal_met'] else 'missed'})"
+           if ratio is not None else
            f"reached the target on {summary['kfac_reached_target_in']} of {len(rows)} seeds: goal missed")
         + f"; K-FAC step cost {summary['step_cost_ratio_median']:.2f}x AdamW's (mean step time, median over seeds)")
     if summary['ratio_median_fresh_seeds'] is not None:

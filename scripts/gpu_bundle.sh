@@ -3,7 +3,7 @@
 # that has python3 with torch, cmake, ninja and the CUDA toolkit but none of the Debian packages and no network.
 # Run it here, on the Debian 12 machine scripts/setup.sh prepared; the folder then travels with the working tree.
 #
-#   ./scripts/gpu_bundle.sh                      (re)makes .gpu-bundle (about 33 MiB)
+#   ./scripts/gpu_bundle.sh                      (re)makes .gpu-bundle (about 51 MiB)
 #   ./scripts/gpu_bundle.sh --verify [BUILD_DIR] builds with the system's copies hidden (see below)
 #
 # What goes in, from which package:
@@ -18,6 +18,12 @@
 #   fashion-mnist                                   dataset-fashion-mnist (the four .gz files)
 #   kfac-pytorch                                    kfac_pytorch v0.4.2's `kfac` package (bench/python_step.py's
 #                                                   reference), from a mirror of gpauloski/kfac-pytorch
+#   wheels                                          transformers (this machine's version) and the modules it
+#                                                   imports, for the GPU machine's Python (DKFAC_GPU_PYTHON_VERSION,
+#                                                   3.12), from PyPI: bench/transformer_vs_adamw.py's models (issue
+#                                                   45); not numpy (torch's machine has it) nor what only
+#                                                   transformers' command line, tokenizers and the Hub's transfer
+#                                                   client need. gpu_check.sh's transformer stage unpacks them
 #   MANIFEST.txt                                    package versions, the kfac_pytorch commit, sizes
 # spdlog and fmt are not bundled: nothing in dkfac includes them.
 #
@@ -36,6 +42,11 @@ bundle=${DKFAC_GPU_BUNDLE:-.gpu-bundle}
 max_mib=${DKFAC_GPU_BUNDLE_MAX_MIB:-60}
 kfac_git=${KFAC_PYTORCH_GIT:-/work/.mirror/gpauloski+kfac-pytorch/repo}
 kfac_tag=v0.4.2
+gpu_python_version=${DKFAC_GPU_PYTHON_VERSION:-3.12}
+# transformers' requirements left out of the wheels: numpy is torch's machine's own; the others serve its command
+# line (typer, rich), tokenizers and the Hub's downloads, none of which a model built from a config imports.
+wheels_left_out='numpy|hf_xet|tokenizers|typer|rich|pygments|markdown_it_py|mdurl|shellingham|pydantic|pydantic_core'
+wheels_left_out+='|annotated_types|annotated_doc|typing_inspection'
 multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
 libdir=/usr/lib/$multiarch
 
@@ -88,6 +99,24 @@ make_bundle() {
     echo "gpu_bundle: no kfac_pytorch $kfac_tag in $kfac_git (KFAC_PYTORCH_GIT); the benchmark will run without it" >&2
   fi
 
+  local transformers_version wheels_note="not bundled"
+  transformers_version=$(.venv/bin/python -c "import transformers; print(transformers.__version__)" 2>/dev/null || true)
+  if [[ -n $transformers_version ]] &&
+    .venv/bin/python -m pip download --quiet --disable-pip-version-check -d "$bundle/wheels" \
+      --python-version "$gpu_python_version" --only-binary=:all: --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 "transformers==$transformers_version"; then
+    local wheel
+    for wheel in "$bundle"/wheels/*.whl; do
+      if [[ $(basename "$wheel") =~ ^($wheels_left_out)- ]]; then rm -f "$wheel"; fi
+    done
+    wheels_note="transformers $transformers_version for Python $gpu_python_version"
+    wheels_note+=", $(ls "$bundle/wheels" | wc -l) wheels"
+  else
+    rm -rf "$bundle/wheels"
+    echo "gpu_bundle: no wheels of transformers (none in .venv, or PyPI out of reach); gpu_check.sh's transformer" \
+      "stage will need it on the GPU machine" >&2
+  fi
+
   {
     echo "# .gpu-bundle: made by scripts/gpu_bundle.sh on $(date -u +%Y-%m-%dT%H:%MZ) from" \
       "$(sed -n 's/^PRETTY_NAME=//p' /etc/os-release | tr -d '"')"
@@ -95,6 +124,8 @@ make_bundle() {
     dpkg-query -W -f '${Package} ${Version}\n' libcli11-dev nlohmann-json3-dev libgloo-dev zlib1g-dev googletest \
       dataset-fashion-mnist 2>/dev/null || true
     echo "kfac_pytorch $kfac_tag $kfac_commit"
+    echo "wheels: $wheels_note"
+    [[ -d $bundle/wheels ]] && ls "$bundle/wheels" | sed 's/^/  /'
     echo
     du -sk "$bundle"/* | sort -k2 | awk '{printf "%8.1f MiB  %s\n", $1 / 1024, $2}'
   } >"$bundle/MANIFEST.txt"

@@ -15,7 +15,7 @@
 #                   (DKFAC_GPU_TARGETS), pytest -m gpu (DKFAC_GPU_PYTEST_ARGS narrows it), bench-kinds
 #                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants), then compile-step,
 #                   fast-error (DKFAC_GPU_FAST_ARGS) and lag-step (DKFAC_GPU_LAG_ARGS), each if at least
-#                   DKFAC_GPU_FAST_MIN_S (60) seconds remain
+#                   DKFAC_GPU_FAST_MIN_S (60) seconds remain, then transformer if DKFAC_GPU_TRANSFORMER_MIN_S (150) do
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
 # bounds every step: each step's timeout is what is left of it, less DKFAC_GPU_EXPORT_RESERVE_S (15) for the
 # last export. After every step, summary.md and OUT_DIR packed as gpu-results.tar.gz are copied to
@@ -31,6 +31,9 @@
 #   fast-error      bench/fast_mode_error.py: each fast mode's preconditioned gradient and trained loss against exact
 #   compile-step    bench/compile_step.py: torch.compile against eager, with and without dkfac (DKFAC_GPU_COMPILE_ARGS)
 #   lag-step        bench/second_order_lag.py: training steps with second_order_lag against exact, in lockstep
+#   transformer     bench/transformer_vs_adamw.py --device cuda: eigen_adam against AdamW on a GPT-2 trained on the
+#                   standard library's sources (issue 45), DKFAC_GPU_TRANSFORMER_ARGS; transformers from the
+#                   bundle's wheels where the machine's python3 lacks it
 #   bench-resnet50  bench/python_step.py --device cuda --models resnet50 (SGD, dkfac, kfac_pytorch)
 #   bench-bert      the same for the BERT-Large-shaped encoder
 #   bench           both benchmarks
@@ -65,6 +68,9 @@
 #                           --seq-len 128 --batch 16 --factor-update-steps 10 --inv-update-steps 100 --steps 30")
 #   DKFAC_GPU_LAG_ARGS      bench/second_order_lag.py's arguments ("--models bert --bert-layers 8 --intervals 10,100
 #                           --lag 1 --lag 10 --cycles 3 --warmup-cycles 1")
+#   DKFAC_GPU_TRANSFORMER_ARGS  bench/transformer_vs_adamw.py's arguments for transformer (a 4.8M-parameter GPT-2,
+#                           n_embd 256, 6 layers, 1200 steps: AdamW at 2 lrs and eigen_adam on seed 0, then 2 seeds)
+#   DKFAC_GPU_TRANSFORMER_MIN_S seconds that must remain for transformer to start (150)
 #   DKFAC_GPU_EXPORT        a folder that gets summary.md and gpu-results.tar.gz after every step
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
@@ -86,6 +92,10 @@ read -r -a fast_args <<<"${DKFAC_GPU_FAST_ARGS:---models bert --bert-layers 4 --
 fast_min=${DKFAC_GPU_FAST_MIN_S:-60}
 read -r -a lag_args <<<"${DKFAC_GPU_LAG_ARGS:---models bert --bert-layers 8 --intervals 10,100 --lag 1 --lag 10 --cycles 3 --warmup-cycles 1}"
 read -r -a compile_args <<<"${DKFAC_GPU_COMPILE_ARGS:---layers 4 --hidden 1024 --heads 16 --ffn 4096 --seq-len 128 --batch 16 --factor-update-steps 10 --inv-update-steps 100 --steps 30}"
+transformer_default="--n-embd 256 --n-layer 6 --n-head 8 --steps 1200 --adamw-lrs 2e-3 4e-3 --kfac-configs"
+transformer_default+=" --kfac-eigen-adam-configs 4e-3:10:50::0.8 --headline-from kfac-eigenadam --seeds 2 --threads 4"
+read -r -a transformer_args <<<"${DKFAC_GPU_TRANSFORMER_ARGS:-$transformer_default}"
+transformer_min=${DKFAC_GPU_TRANSFORMER_MIN_S:-150}
 kinds_models=${DKFAC_GPU_KINDS_MODELS:-resnet50,bert}
 kinds_min=${DKFAC_GPU_KINDS_MIN_S:-120}
 probe_min=${DKFAC_GPU_PROBE_MIN_S:-60}
@@ -100,7 +110,7 @@ read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
 
 # The steps, in the order the summary lists them.
 steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds kernel-probe compile-step fast-error lag-step
-  bench-resnet50 bench-bert)
+  transformer bench-resnet50 bench-bert)
 
 mkdir -p "$out/status" "$build"
 out=$(realpath "$out")
@@ -503,6 +513,43 @@ step_lag() { run_bench_script lag-step second_order_lag.py "${lag_args[@]}"; }
 # --- compile-step: bench/compile_step.py, torch.compile against eager, with and without dkfac ------------------
 step_compile() { run_bench_script compile-step compile_step.py "${compile_args[@]}"; }
 
+# --- transformer: bench/transformer_vs_adamw.py on the GPU, eigen_adam against AdamW (issue 45) ---------------
+# The GPU machine's python3 has torch and numpy; transformers and the modules it imports come as wheels in the
+# bundle (scripts/gpu_bundle.sh), unpacked here into the build directory where python3 cannot import it.
+step_transformer() {
+  local ready=0
+  bench_ready transformer "$transformer_min" extension || ready=$?
+  ((ready == 0)) || return $((ready == 1))
+  local site=$build/bundle-site
+  if "$python" -c "import transformers" 2>/dev/null; then
+    site=
+  elif compgen -G "$bundle/wheels/*.whl" >/dev/null; then
+    "$python" - "$site" "$bundle"/wheels/*.whl <<'EOF' >>"$out/transformer.log" 2>&1
+import sys, zipfile
+for wheel in sys.argv[2:]:  # a wheel is a zip of its files as installed: unpacked, its folder is importable
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+EOF
+    if ! PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 "$python" -c "import transformers" \
+      >>"$out/transformer.log" 2>&1; then
+      record transformer FAIL "transformers from $bundle/wheels does not import: transformer.log"
+      return 1
+    fi
+  else
+    record transformer SKIP "$python has no transformers and $bundle has no wheels (scripts/gpu_bundle.sh)"
+    return 0
+  fi
+  local rc=0 limit
+  limit=$(budget)
+  echo "+ [timeout $limit s] bench/transformer_vs_adamw.py --device $bench_device ${transformer_args[*]}" \
+    >>"$out/transformer.log"
+  PYTHONPATH="$build/python${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 \
+    timeout --kill-after=10 "$limit" "$python" bench/transformer_vs_adamw.py --device "$bench_device" \
+    "${transformer_args[@]}" --out "$out/transformer" >"$out/transformer.txt" 2>>"$out/transformer.log" || rc=$?
+  record transformer "$(result_of $rc)" \
+    "$(grep -c . "$out/transformer.txt") lines; report transformer.txt, folder transformer/"
+  return $rc
+}
+
 # --- summary -------------------------------------------------------------------------------------------
 write_summary() {
   local file=$out/summary.md
@@ -556,10 +603,11 @@ run_test() {
 run_bench() { step_bench resnet50 "$@"; step_bench bert "$@"; }
 
 case $stage in
-  build | ctest | pytest | test | bench-kinds | kernel-probe | compile-step | fast-error | lag-step | bench-resnet50 | \
-    bench-bert | bench | all | call1 | call2) step_env ;;
+  build | ctest | pytest | test | bench-kinds | kernel-probe | compile-step | fast-error | lag-step | transformer | \
+    bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
   summary) ;;
   *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|kernel-probe|compile-step|fast-error|lag-step|" \
+       "transformer|" \
        "bench-resnet50|bench-bert|bench|all|summary]" \
        "[OUT_DIR]" >&2
      exit 2 ;;
@@ -575,12 +623,13 @@ case $stage in
   fast-error) step_fast ;;
   compile-step) step_compile ;;
   lag-step) step_lag ;;
+  transformer) step_transformer ;;
   bench-resnet50) step_bench resnet50 ;;
   bench-bert) step_bench bert ;;
   bench) run_bench ;;
   all) run_build && run_test; step_kinds; run_bench ;;
   call1) run_build && { run_test; step_kinds; step_probe; } ;;
-  call2) run_build && { step_pytest; step_kinds; step_compile; step_fast; step_lag; } ;;
+  call2) run_build && { step_pytest; step_kinds; step_compile; step_fast; step_lag; step_transformer; } ;;
 esac
 write_summary
 export_results
