@@ -85,8 +85,9 @@ def main() -> None:
                         help="eigen_adam's diagonal_factor_dim: factors wider than this are kept diagonal, so Adam "
                              "runs unrotated on that side (default: the preconditioner's)")
     parser.add_argument('--profile', type=int, default=0,
-                        help="then profile this many non-update preconditioner.step() calls of K-FAC + AdamW "
+                        help="then profile this many non-update preconditioner.step() calls of --profile-method "
                              "(torch.profiler's operators by self time)")
+    parser.add_argument('--profile-method', choices=('kfac_adamw', 'eigen_adam'), default='kfac_adamw')
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -184,7 +185,8 @@ def main() -> None:
 
 
     if args.profile:
-        profile_non_update_steps(methods['kfac_adamw'][0], optimizers['kfac_adamw'], batches[0], args)
+        name = args.profile_method
+        profile_non_update_steps(methods[name][0], optimizers[name], batches[0], args)
 
 
 def profile_non_update_steps(model: torch.nn.Module, optimizer, tokens: torch.Tensor, args) -> None:
@@ -206,7 +208,7 @@ def profile_non_update_steps(model: torch.nn.Module, optimizer, tokens: torch.Te
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(1.0)  # a new version of each gradient
-    print(f'\nK-FAC + AdamW, {args.profile} non-update preconditioner.step() calls:')
+    print(f'\n{args.profile_method}, {args.profile} non-update preconditioner.step() calls:')
     print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=12))
 
 
