@@ -921,7 +921,7 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
       // KL clipping's sums in one reduction (in the gradient's dtype, as layer by layer).
       const auto options64 = torch::TensorOptions().dtype(torch::kFloat64).device(v.device());
       const auto ones = torch::ones({members}, options64);
-      const auto finite = torch::isfinite(v.sum({1, 2}, /*keepdim=*/false, torch::kFloat64)).to(torch::kFloat64);
+      const auto finite = math::finite_by_sum(v, {{1, 2}}).to(torch::kFloat64);
       const auto sums = kl_clip > 0.0 ? (v * grads).sum({1, 2}).to(torch::kFloat64) : ones;
       const auto folded_column = any_folded ? torch::stack(folded).to(torch::kFloat64) : ones;
       const auto rows = torch::stack({ones, finite, folded_column, sums}, 1);
@@ -977,10 +977,7 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
                (kl_clip <= 0.0 || i >= model.counted_elsewhere.size() || !model.counted_elsewhere[i])) {
       rows.push_back(guard_rows_[i]);  // computed with its group's batch (precondition_groups), the same columns
     } else {
-      // Finite iff its float64 sum is: a NaN or an infinity makes the sum one, and finite float32 (or narrower)
-      // entries cannot (only float64 entries near 1e308 could, a V no layer can use). One reduction, where
-      // isfinite().all() takes four passes.
-      auto finite = torch::isfinite(v.sum(torch::kFloat64)).to(torch::kFloat64);
+      auto finite = math::finite_by_sum(v).to(torch::kFloat64);
       auto folded = factor_ok_[i].defined() ? factor_ok_[i].to(torch::kFloat64) : one;
       const bool counted = i >= model.counted_elsewhere.size() || !model.counted_elsewhere[i];
       auto vg_i = kl_clip <= 0.0    ? one

@@ -32,10 +32,7 @@ torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenA
   // Contiguous, as the moments are: CUDA's fused kernel wants one layout across P, m, v and the result (a layer
   // whose two factors are diagonal would pass its gradient's own, transposed, layout through).
   const auto p = to_eigenbasis(a, g, grad.scalar_type() == dtype ? grad : grad.to(dtype)).contiguous();
-  // P is finite iff its float64 sum is: one reduction, where isfinite().all() takes four passes (a NaN or an
-  // infinity makes the sum one; finite float32 entries cannot overflow it, and float64 entries only near 1e308,
-  // which no gradient of a trainable model reaches: the preconditioner's guard takes the same sum).
-  const auto finite = torch::isfinite(p.sum(torch::kFloat64));
+  const auto finite = finite_by_sum(p);
   // The kernel steps a "parameter" by -lr times Adam's update: a parameter of zeros and lr -1 leave the update in it.
   // P * 0 is 0 where P is finite and NaN elsewhere: the direction of a step the kernel skips (found_inf) is NaN.
   auto scaled = p * 0.0;

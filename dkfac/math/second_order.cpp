@@ -86,6 +86,10 @@ EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& p
   return {basis.index_select(1, index), ascending};
 }
 
+torch::Tensor finite_by_sum(const torch::Tensor& t, at::OptionalIntArrayRef dims) {
+  return torch::isfinite(dims ? t.sum(*dims, /*keepdim=*/false, torch::kFloat64) : t.sum(torch::kFloat64));
+}
+
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping) {
   return torch::outer(g.eigenvalues, a.eigenvalues).add_(damping).reciprocal_();
 }

@@ -36,6 +36,12 @@ EigenFactor eigen_decompose_unchecked(const torch::Tensor& factor);
 /// A diagonal factor is returned as eigen_decompose_unchecked returns it.
 EigenFactor refresh_eigenbasis(const torch::Tensor& factor, const EigenFactor& previous);
 
+/// Whether `t` holds no NaN or infinity, decided on its device without a host read: a 0-dim bool, or with `dims`
+/// one per slice over them. One float64 reduction, where isfinite().all() takes four passes: a NaN or an infinity
+/// makes the sum one, finite float32 (or narrower) entries cannot overflow it, and float64 entries only near 1e308,
+/// which no gradient or preconditioned gradient of a trainable model reaches.
+torch::Tensor finite_by_sum(const torch::Tensor& t, at::OptionalIntArrayRef dims = std::nullopt);
+
 /// 1 / (d_G d_A^T + damping), [g, a]: the element-wise scaling of the eigen method.
 torch::Tensor eigen_denominator(const EigenFactor& a, const EigenFactor& g, double damping);
 
