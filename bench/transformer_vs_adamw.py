@@ -194,8 +194,7 @@ class Run:
                     self.model, base, factor_update_steps=spec['factor_steps'], inv_update_steps=spec['inv_steps'],
                     damping=spec['damping'], kl_clip=spec['kl_clip'], graft=spec.get('graft', False),
                     eigen_adam=spec.get('eigen_adam', False), start_preconditioning_step=spec.get('start', 0),
-                    **({'factor_decay': spec['factor_decay']} if 'factor_decay' in spec else {}),
-                    **({'diagonal_factor_dim': spec['diagonal_factor_dim']} if 'diagonal_factor_dim' in spec else {}))
+                    **{key: spec[key] for key in ('factor_decay', 'diagonal_factor_dim') if key in spec})
             self.warnings += [str(w.message) for w in caught]
             self.preconditioner = self.optimizer.preconditioner
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, schedule(self.steps, args.warmup_steps))
