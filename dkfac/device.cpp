@@ -145,6 +145,10 @@ double Mark::seconds_between(const Mark& start, const Mark& end) {
 
 bool Mark::reached() const { return !event_ || event_->query(); }
 
+void Mark::wait() const {
+  if (event_) event_->synchronize();
+}
+
 namespace {
 
 /// The device's caching allocator, set up first: before anything touched the device in this process (a fresh

@@ -32,6 +32,8 @@ class Mark {
   static double seconds_between(const Mark& start, const Mark& end);
   /// True when the work before this mark has finished (always for the CPU): seconds_between will not wait.
   bool reached() const;
+  /// Waits until the work before this mark has finished (returns at once for the CPU).
+  void wait() const;
 
  private:
   std::chrono::steady_clock::time_point host_;
@@ -66,6 +68,34 @@ class SideWork {
   std::optional<c10::Stream> side_;  // nullopt on the CPU
   std::optional<c10::Event> started_, done_;
 };
+
+/// The kernels of one region of host code, captured once as a CUDA graph and replayed (Options::cuda_graphs). A
+/// capture runs the host code once and launches nothing: its kernels are recorded, with the addresses of every
+/// tensor they read and write, and each replay runs them again on the device's current stream at those addresses.
+/// The tensors the region makes come from the graph's own memory pool and keep their addresses from replay to
+/// replay; the caller keeps the ones it reads afterwards. What a replay reads from outside the region must be at
+/// the addresses it had at the capture (the caller's to check), and the region must not wait for the device.
+class Graph {
+ public:
+  /// Captures `region` on `device` (a CUDA device) on a side stream of its own, with cudaStreamCaptureModeThreadLocal
+  /// (other host threads' work, a second-order update beside the steps, goes on meanwhile). Throws where this
+  /// LibTorch has no CUDA graphs or the region does what a capture cannot (a host synchronisation); the capture is
+  /// then abandoned, nothing was launched, and the region's host effects are the caller's to undo.
+  Graph(c10::Device device, const std::function<void()>& region);
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  /// Runs the captured kernels on the device's current stream.
+  void replay();
+
+ private:
+  struct Captured;
+  std::unique_ptr<Captured> captured_;
+};
+
+/// Whether this build of dkfac can capture CUDA graphs on `device` (a CUDA device, LibTorch built with CUDA);
+/// when not, why not ("" when it can).
+std::string graphs_unavailable(c10::Device device);
 
 /// Allocator statistics of a device, in bytes.
 struct MemoryStats {

@@ -184,6 +184,14 @@ inline OptionRange any_value() { return {}; }
     "", "", "float32: preconditioning products in IEEE float32 (exact); tf32: in TF32 on CUDA (a fast mode: inputs " \
     "rounded to 10 mantissa bits, its error in docs/PERFORMANCE.md; no effect on a CPU); bfloat16 products: "         \
     "inv_dtype bfloat16")                                                                                          \
+  X(Value, bool, cuda_graphs, false, any_value(), "--cuda-graphs", "", "",                                          \
+    "on CUDA: a step that updates neither factors nor second-order state and moves nothing between ranks replays "  \
+    "one captured CUDA graph of its preconditioning, NaN guard, KL clipping and gradient writes, in place of a few "   \
+    "kernel launches per layer: exact (the same kernels), captured at the second such step in a row whose "          \
+    "gradients and state are where the first's were, replayed while they stay there; the graph holds the memory of " \
+    "what the step makes and frees; off by default until measured on a GPU; a CPU, eigen_adam, "                       \
+    "compute_eigenvalue_outer_product off, a gradient broadcast or owner placement run every step eagerly "            \
+    "(cuda_graph_report says why)")                                                                                   \
   X(Value, bool, pi_damping, false, any_value(), "--pi-damping", "", "",                                             \
     "inverse method: split damping between A and G with the pi heuristic (DP-KFAC)")                                \
   X(Value, std::vector<std::string>, skip_layers, {}, any_value(), "--skip-layers", "", "",                          \

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstddef>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,28 @@ class PhaseClock {
     device::Mark start_;
   };
 
+  /// While it lives, the clock's marks are the host's and what it records is dropped at its end: a CUDA graph's
+  /// capture (device::Graph), in which nothing runs and no event can be timed.
+  class Paused {
+   public:
+    explicit Paused(PhaseClock& clock)
+        : clock_(clock), device_(clock.device_), spans_(clock.spans_.size()), seconds_(clock.seconds_) {
+      clock.device_ = c10::Device(c10::kCPU);
+    }
+    ~Paused() {
+      clock_.device_ = device_;
+      clock_.spans_.erase(clock_.spans_.begin() + static_cast<std::ptrdiff_t>(spans_), clock_.spans_.end());
+      clock_.seconds_ = seconds_;
+    }
+    Paused(const Paused&) = delete;
+    Paused& operator=(const Paused&) = delete;
+
+   private:
+    PhaseClock& clock_;
+    c10::Device device_;
+    size_t spans_;
+    PhaseTimes seconds_;
+  };
   /// Runs `collective` inside `phase`, counting its time as communication and not as `phase`.
   template <typename F>
   void collective(KfacPhase phase, F&& run) {

@@ -135,16 +135,15 @@ bool Preconditioner::run_step(const Distributor& model) {
     if (warming_up) {
       std::fill(fates.begin(), fates.end(), LayerFate::kPlainGradient);
     } else {
-      if (job_ && steps_ >= job_->install_at) {  // Options::second_order_lag
+      const bool installs = job_ && steps_ >= job_->install_at;  // Options::second_order_lag
+      if (installs) {
         PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
         install_second_order_job(&fates);
       }
-      if (is_inverse_step(steps_)) compute_second_order(fates, !is_full_decomposition_step(steps_));
-      const double kl_clip = options_.kl_clip_at(steps_);
-      std::vector<torch::Tensor> vg;
-      auto preconditioned = precondition(fates, kl_clip, vg);
-      const auto report = guard_and_clip(fates, preconditioned, vg, kl_clip, model);
-      apply(fates, preconditioned, report);
+      const bool inverse_step = is_inverse_step(steps_);
+      if (inverse_step) compute_second_order(fates, !is_full_decomposition_step(steps_));
+      const bool updated = factor_step || inverse_step || installs;
+      precondition_and_write(fates, options_.kl_clip_at(steps_), model, updated);
     }
     remember_written_gradients(fates);
   } catch (const c10::OutOfMemoryError& e) {
@@ -941,13 +940,25 @@ Preconditioner::GuardVerdict Preconditioner::guard_verdict(const double* row) {
   return GuardVerdict::kPrecondition;
 }
 
-torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip, double lr) {
+torch::Tensor Preconditioner::kl_scale(const GuardReport& report, double kl_clip) const {
   const auto one = torch::ones({}, report.rows.options());
   if (kl_clip <= 0.0) return one;
   // math::kl_clip_scale on the device: 1 where the sum is 0. An unusable row's sum may be NaN: selected out, not
-  // multiplied by 0 (NaN * 0 is NaN).
-  const auto vg = report.vg_sum * (lr * lr);
-  return torch::where(vg == 0, one, torch::clamp_max(torch::sqrt(kl_clip / vg.abs()), 1.0));
+  // multiplied by 0 (NaN * 0 is NaN). Both divisions and the square root are IEEE's, as the host's.
+  const auto vg = report.vg_sum * step_scalars_[0];
+  return torch::where(vg == 0, one, torch::clamp_max(torch::sqrt(step_scalars_[1] / vg.abs()), 1.0));
+}
+
+void Preconditioner::set_step_scalars(double kl_clip) {
+  const double lr = options_.lr_at(steps_);
+  const auto host = torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(device_.is_cuda());
+  auto values = torch::empty({2}, host);
+  values[0] = lr * lr;
+  values[1] = kl_clip;
+  if (!step_scalars_.defined() || step_scalars_.device() != device_) {
+    step_scalars_ = torch::empty({2}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+  }
+  step_scalars_.copy_(values, /*non_blocking=*/true);  // pinned: queued, the host goes on
 }
 
 Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate>& fates,
@@ -1005,13 +1016,14 @@ Preconditioner::GuardReport Preconditioner::guard_and_clip(std::vector<LayerFate
       report.model_summed = true;
     }
   }
-  report.scale = kl_scale(report, kl_clip, report.lr);
+  report.scale = kl_scale(report, kl_clip);
   for (const size_t i : report.layers) {
     // An owner-placed layer is written by its owners alone; the front end scatters their rows.
     const bool writes = !executor_->owner_rows(i) || executor_->preconditions(i);
     if (!writes) fates[i] = LayerFate::kPlainGradient;
   }
-  if (read_guard_at_once_.value_or(device_.is_cpu())) settle_guard(report, &fates);  // the fates final before apply()
+  // The fates final before write_gradients().
+  if (read_guard_at_once_.value_or(device_.is_cpu())) settle_guard(report, &fates);
   return report;
 }
 
@@ -1038,7 +1050,7 @@ void Preconditioner::settle_guard(GuardReport& report, std::vector<LayerFate>* f
   }
   if (report.model_summed) vg_sum = report.vg_sum.item<double>();  // this part's and the others'
   last_kl_scale_ = report.kl_clip > 0.0 ? math::kl_clip_scale(vg_sum * report.lr * report.lr, report.kl_clip) : 1.0;
-  report.scale = torch::Tensor();  // settled: apply() uses the fates and last_kl_scale_
+  report.scale = torch::Tensor();  // settled: write_gradients() uses the fates and last_kl_scale_
 }
 
 void Preconditioner::settle_pending_guards(bool wait) {
@@ -1046,14 +1058,16 @@ void Preconditioner::settle_pending_guards(bool wait) {
     auto& report = pending_guards_.front();
     const bool done = !report.copied || report.copied->reached();
     if (!done && !wait && pending_guards_.size() <= kMaxPendingGuards) return;
-    if (!done) report.host_rows = report.host_scale = torch::Tensor();  // read them waiting, from the device
+    // The copies, waited for: the device's rows may be a later step's by now (Options::cuda_graphs: a graph's
+    // replays write the same tensors).
+    if (!done) report.copied->wait();
     settle_guard(report, nullptr);
     pending_guards_.pop_front();
   }
 }
 
-void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
-                           const GuardReport& report) {
+void Preconditioner::write_gradients(const std::vector<LayerFate>& fates,
+                                     const std::vector<torch::Tensor>& preconditioned, const GuardReport& report) {
   PhaseClock::Span span(clock_, KfacPhase::kApply);
   mark("writing gradients");
   torch::NoGradGuard no_grad;
@@ -1074,7 +1088,10 @@ void Preconditioner::apply(const std::vector<LayerFate>& fates, const std::vecto
     const auto scaled = v * report.scale.to(v.scalar_type());
     layers_[i].set_gradient_where(report.usable[static_cast<int64_t>(k)], scaled);
   }
-  auto pending = report;
+}
+
+void Preconditioner::defer_guard_read(GuardReport report) {
+  auto& pending = report;
   if (pending.rows.is_cuda()) {  // copies the host reads later without waiting, once the mark is reached
     const auto pinned = torch::TensorOptions().dtype(torch::kFloat64).pinned_memory(true);
     pending.host_rows = torch::empty(pending.rows.sizes(), pinned);

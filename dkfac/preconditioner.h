@@ -38,6 +38,15 @@ struct LayerEvents {
   int64_t second_order_failures = 0;  ///< decompositions/inverses that failed (previous state kept)
 };
 
+/// What Options::cuda_graphs did so far (Preconditioner::cuda_graph_report).
+struct CudaGraphReport {
+  int64_t captures = 0;     ///< graphs captured (each replayed at once, by the step that captured it)
+  int64_t replays = 0;      ///< steps whose preconditioning, guard and writes were one graph's replay
+  int64_t eager_steps = 0;  ///< preconditioning steps without one, the option on
+  std::string off;          ///< why no graph is captured for good ("" while they may be): no CUDA, a failed capture
+  std::string last_eager;   ///< why the last step without one had none
+};
+
 /// What Preconditioner::load() restored, for a training loop's resume line.
 struct StateRestore {
   int64_t format_version = 0;     ///< the archive's (2: every layer's whole state, world-size independent)
@@ -252,6 +261,8 @@ class Preconditioner {
     settle_pending_guards(/*wait=*/true);
     return last_kl_scale_;
   }
+  /// Options::cuda_graphs: captures, replays and the steps without one, with why.
+  const CudaGraphReport& cuda_graph_report() const { return graph_report_; }
   /// Bytes of K-FAC state (factors and second-order state) held now, second_order_in_flight_bytes and
   /// stack_padding_bytes included.
   int64_t memory_bytes() const;
@@ -386,26 +397,29 @@ class Preconditioner {
     torch::Tensor vg_sum;        // 0-dim float64: sum(V * grad) of the usable rows (Distributor::sum_over_model's)
     bool model_summed = false;   // vg_sum summed over the model's parts
     torch::Tensor scale;         // 0-dim float64: the KL-clip scale nu (1 without KL clipping)
-    // After a device apply(): rows and scale copied to the host without waiting (pinned memory), and the mark
-    // past which the copies are done.
+    // After a device write_gradients(): rows and scale copied to the host without waiting (pinned memory), and
+    // the mark past which the copies are done (defer_guard_read).
     torch::Tensor host_rows, host_scale;
     std::optional<device::Mark> copied;
   };
   /// What the guard does with one layer, from its row.
   enum class GuardVerdict { kPrecondition, kNotPreconditioned, kFactorsNotFinite, kGradientNotFinite };
   static GuardVerdict guard_verdict(const double* row);
-  /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 report.vg_sum|)), on the device.
-  static torch::Tensor kl_scale(const GuardReport& report, double kl_clip, double lr);
+  /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 report.vg_sum|)), on the device, lr^2 and kl_clip read
+  /// from step_scalars_ (a CUDA graph's replay reads this step's, not the capture's).
+  torch::Tensor kl_scale(const GuardReport& report, double kl_clip) const;
+  /// This step's [lr^2, kl_clip] into step_scalars_ (float64, on the device, at one address), without waiting.
+  void set_step_scalars(double kl_clip);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
   /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale, its sum(V * grad) summed over the model's
   /// parts by `model.sum_over_model` where given (without the layers `model.counted_elsewhere`); `vg` as
   /// precondition() left it. Nothing waits for the device.
   GuardReport guard_and_clip(std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
                              const std::vector<torch::Tensor>& vg, double kl_clip, const Distributor& model);
-  /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before apply()
-  /// (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host in row order as
-  /// math::kl_clip_scale; after a device apply() (on a GPU: at the next step() or when asked, events(),
-  /// last_kl_scale()), it keeps the scale the device applied.
+  /// Reads a report on the host: warns, counts fallbacks and keeps the scale (last_kl_scale). Before
+  /// write_gradients() (on a CPU, where reading is free), it also settles `fates` and the scale, summed on the host
+  /// in row order as math::kl_clip_scale; after a device write_gradients() (on a GPU: at the next step() or when
+  /// asked, events(), last_kl_scale()), it keeps the scale the device applied.
   void settle_guard(GuardReport& report, std::vector<LayerFate>* fates);
   /// Settles the device steps' reports in order: every one whose copies are done, or all of them (`wait`: the
   /// getters), or the oldest ones while more than kMaxPendingGuards wait.
@@ -413,8 +427,42 @@ class Preconditioner {
   static constexpr size_t kMaxPendingGuards = 4;
   /// Writes the gradients: from the settled fates and scale, or, with a report still on the device, each
   /// candidate layer's where(usable, V * nu, grad), without a host synchronisation.
-  void apply(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
-             const GuardReport& report);
+  void write_gradients(const std::vector<LayerFate>& fates, const std::vector<torch::Tensor>& preconditioned,
+                       const GuardReport& report);
+  /// A report left on the device (write_gradients'): its rows and scale copied to the host without waiting, and
+  /// queued for settle_pending_guards.
+  void defer_guard_read(GuardReport report);
+  /// precondition(), guard_and_clip() and write_gradients(), eagerly or as a CUDA graph's replay
+  /// (Options::cuda_graphs; `updated`: this step updated factors or second-order state, and runs eagerly).
+  void precondition_and_write(std::vector<LayerFate>& fates, double kl_clip, const Distributor& model, bool updated);
+  /// Options::cuda_graphs: what a graph's replay would not redo, in the order it is checked: a factor or
+  /// second-order update this step, what needs the host or another rank inside the region; "" where a graph may
+  /// serve.
+  std::string graph_ineligible(bool updated, const Distributor& model) const;
+  /// What a captured region reads and decides on: the setup (executor, fates, KL clipping on, TF32), each
+  /// gradient's and each second-order tensor's address and layout. A graph is replayed only where it is the same.
+  struct GraphKey {
+    std::vector<int64_t> setup, gradients, state;
+    bool operator==(const GraphKey& other) const {
+      return setup == other.setup && gradients == other.gradients && state == other.state;
+    }
+    bool operator!=(const GraphKey& other) const { return !(*this == other); }
+    /// In words, what differs from `before` ("the gradients' memory", ...).
+    std::string changed_from(const GraphKey& before) const;
+  };
+  GraphKey graph_key(const std::vector<LayerFate>& fates, double kl_clip, const Distributor& model) const;
+  /// The region replayed as a captured graph (captured now where the last eligible step's key is this one's):
+  /// true, with `fates` and `report` as the capture left them; false where this step runs it eagerly.
+  bool replay_graph(std::vector<LayerFate>& fates, double kl_clip, const Distributor& model, bool updated,
+                    const std::function<GuardReport(std::vector<LayerFate>&)>& region, GuardReport& report);
+  /// A captured region: its graph, the key it was captured under, and its host results (the report's tensors are
+  /// the graph's outputs, rewritten by each replay).
+  struct StepGraph {
+    GraphKey key;
+    std::unique_ptr<device::Graph> graph;
+    std::vector<LayerFate> fates;
+    GuardReport report;
+  };
   void arm_capture();
   /// Options::fold_in_hooks: whether layer `index` may fold in its backward hook (step() would fold exactly what
   /// the hook has: one process or DP-KFAC's own batches, no grad scaler, no agreement on unused layers to wait for).
@@ -455,7 +503,7 @@ class Preconditioner {
   void forget_failed_step();
   /// Refuses a step() whose gradients are all the ones the last step() wrote, untouched since.
   void refuse_repeated_step() const;
-  /// Remembers each gradient apply() wrote (weakly: a gradient set to None may go) and its version.
+  /// Remembers each gradient write_gradients() wrote (weakly: a gradient set to None may go) and its version.
   void remember_written_gradients(const std::vector<LayerFate>& fates);
   /// unused_layer_policy skip on several ranks: the ranks agree at every step which layers all can use.
   bool agrees_on_unused_layers() const;
@@ -550,6 +598,11 @@ class Preconditioner {
   LayerEvents events_;
   double last_kl_scale_ = 1.0;
   std::deque<GuardReport> pending_guards_;     // device steps' reports, read on the host when done or needed
+  torch::Tensor step_scalars_;                 // [lr^2, kl_clip] of this step (set_step_scalars)
+  std::unique_ptr<StepGraph> step_graph_;      // Options::cuda_graphs: the graph replayed while its key holds
+  std::optional<GraphKey> eager_key_;          // the last eligible step's, run eagerly: captured if the next's match
+  int64_t eager_in_a_row_ = 0;                 // eligible steps run eagerly since the last replay
+  CudaGraphReport graph_report_;
   std::optional<bool> read_guard_at_once_;     // read_guard_at_once(); unset: on a CPU only
   using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   // remember_written_gradients: each layer's gradient and its version, where step() wrote one

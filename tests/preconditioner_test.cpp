@@ -536,6 +536,38 @@ TEST(Preconditioner, GuardReadOnTheDeviceEqualsTheHostRead) {
   EXPECT_EQ(gradient_warnings, 2) << warnings.all();
 }
 
+// Options::cuda_graphs on a CPU: no graph (a CUDA device's), every step eager and bit for bit the steps without
+// the option, with the guard read on the device as a GPU's, and the report says why. On CUDA:
+// tests/gpu/cuda_graph_test.cpp.
+TEST(Preconditioner, CudaGraphsOnACpuRunEveryStepEagerlySayingWhy) {
+  auto plain_net = make_net();
+  auto graphs_net = make_net();
+  const auto options = Options().kl_clip(1e-4).lr([](int64_t step) { return 0.1 + 0.01 * static_cast<double>(step); });
+  Preconditioner plain(plain_net, options);
+  Preconditioner graphs(graphs_net, Options(options).cuda_graphs(true));
+  plain.read_guard_at_once(false);
+  graphs.read_guard_at_once(false);
+  constexpr int64_t kSteps = 4;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    for (auto* net : {plain_net.get(), graphs_net.get()}) zero_grad_and_backward(*net, 900 + step);
+    plain.step();
+    graphs.step();
+    const auto want = gradients(*plain_net);
+    const auto got = gradients(*graphs_net);
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << "step " << step << " tensor " << i;
+    }
+    EXPECT_EQ(graphs.last_kl_scale(), plain.last_kl_scale()) << "step " << step;
+  }
+  const auto& report = graphs.cuda_graph_report();
+  EXPECT_EQ(report.captures, 0);
+  EXPECT_EQ(report.replays, 0);
+  EXPECT_EQ(report.eager_steps, kSteps);
+  EXPECT_NE(report.off.find("CUDA graphs need a CUDA device"), std::string::npos) << report.off;
+  EXPECT_EQ(report.last_eager, report.off);
+  EXPECT_EQ(plain.cuda_graph_report().eager_steps, 0) << "the option off: nothing counted";
+}
+
 struct NetWithUnused : TinyNet {
   NetWithUnused() { extra = register_module("extra", nn::Linear(3, 3)); }
   nn::Linear extra{nullptr};

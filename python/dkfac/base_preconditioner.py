@@ -971,6 +971,14 @@ class BaseKFACPreconditioner:
         the factors stays there)."""
         self._core.reset_batch()
 
+    def cuda_graph_report(self) -> dict[str, Any]:
+        """With ``cuda_graphs``: ``captures`` (CUDA graphs captured), ``replays`` (steps whose preconditioning,
+        guard and gradient writes were a graph's replay), ``eager_steps`` (preconditioning steps without one),
+        ``off`` (why none is captured for good: no CUDA device, a capture that failed; '' while they may be) and
+        ``last_eager`` (why the last step without one had none: a factor or second-order update, eigen_adam, a
+        gradient broadcast, gradients or state moved since the step before)."""
+        return self._core.cuda_graph_report()
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state held on this rank, by kind, and their total (``adam_moments``: eigen_adam's m, v
         and step counts, once held; ``second_order_in_flight``: with ``second_order_lag``, while an update is

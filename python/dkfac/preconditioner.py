@@ -223,6 +223,12 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     eigenbases or inverses with the identity in the pad, the gradients with zeros), so that the batched products
     run on aligned widths (equal to unpadded to rounding; the pads' bytes are ``memory_usage()['stack_padding']``);
     1 leaves them unpadded.
+    ``cuda_graphs`` (off by default until measured on a GPU) replays, on CUDA, one captured CUDA graph of a step's
+    preconditioning, NaN guard, KL clipping and gradient writes where the step updates neither factors nor
+    second-order state and moves nothing between ranks: exact (the same kernels), in place of a few kernel launches
+    per layer. A graph is captured at the second such step in a row whose gradients and state are where the
+    first's were, and replayed while they stay there; ``cuda_graph_report()`` says how many steps replayed one,
+    and why the others did not (a CPU, ``eigen_adam``, a gradient broadcast, gradients moved between steps).
     ``fold_in_hooks`` (on by default, exact) folds each layer's factor batches into its running factors in its
     backward hook, once its ``accumulation_steps`` passes are in, where no factor is averaged across ranks (one
     process, DP-KFAC), so that no batch is held until ``step()`` (docs/MATH.md section 1.8). A layer's first factor
@@ -286,6 +292,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         second_order_lag: int = _default('second_order_lag'),
         stack_layers: bool = _default('stack_layers'),
         pad_widths: int = _default('pad_widths'),
+        cuda_graphs: bool = _default('cuda_graphs'),
         fold_in_hooks: bool = _default('fold_in_hooks'),
         eigen_adam: bool = _default('eigen_adam'),
         adam_beta1: float = _default('adam_beta1'),

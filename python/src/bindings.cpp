@@ -491,6 +491,13 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def_property_readonly("compute_method",
                              [](const Preconditioner& p) { return to_string(p.options().compute_method()); })
+      .def("cuda_graph_report",
+           [](const Preconditioner& p) {
+             const auto& r = p.cuda_graph_report();
+             return py::dict(py::arg("captures") = r.captures, py::arg("replays") = r.replays,
+                             py::arg("eager_steps") = r.eager_steps, py::arg("off") = r.off,
+                             py::arg("last_eager") = r.last_eager);
+           })
       .def("events", [](Preconditioner& p) {
         const auto& e = p.events();
         return std::map<std::string, int64_t>{{"fallbacks", e.fallbacks},
