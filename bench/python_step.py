@@ -180,6 +180,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='SGD lr, also the lr K-FAC uses for KL clipping (default per model: cnn and resnet '
                              '0.1, resnet50 0.025, bert 0.01)')
     parser.add_argument('--kl-clip', type=float, default=0.001)
+    parser.add_argument('--keep-gradients', action='store_true',
+                        help='every method zeroes its gradients in place (zero_grad(set_to_none=False)), so that they '
+                             'keep their memory from step to step, as a cuda_graphs variant needs to replay its graph '
+                             '(default: set to None, zero_grad\'s default)')
     parser.add_argument('--factor-decay', type=float, default=0.95)
     parser.add_argument('--data', choices=['real', 'random'], default='real',
                         help='cnn and resnet: Fashion-MNIST batches (random when its files are absent) or random ones')
@@ -444,6 +448,7 @@ class Runner:
                  batches: list, backends: dict[str, Any], extra_options: dict[str, Any] | None = None) -> None:
         self.method, self.batches, self.index = method, batches, 0
         self.cuda = args.device == 'cuda'
+        self.set_to_none = not args.keep_gradients
         torch.manual_seed(args.seed)
         if model_name in SYNTHETIC_MODELS:
             with torch.device(args.device):  # initialised where they run (BERT-Large: 340M parameters)
@@ -477,7 +482,7 @@ class Runner:
         data, target = self.batches[self.index % len(self.batches)]
         self.index += 1
         t0 = time.perf_counter()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         loss = torch.nn.functional.cross_entropy(self.model(data).flatten(0, -2), target.flatten())
         loss.backward()
         t1 = time.perf_counter()
@@ -503,7 +508,7 @@ class Runner:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if record is not None else None
         if events:
             events[0].record()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
         loss = torch.nn.functional.cross_entropy(self.model(data).flatten(0, -2), target.flatten())
         loss.backward()
         if events:

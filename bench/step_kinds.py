@@ -247,6 +247,9 @@ def measure_method(method: str, model_name: str, args: argparse.Namespace, batch
         if runner.preconditioner is not None:
             entry['memory_usage_bytes'] = int(runner.preconditioner.memory_usage()['total'])
             entry['registered_layers'] = ps.registered_layers(runner.preconditioner)
+            if (extra or {}).get('cuda_graphs'):  # how many steps a graph served, and why the others ran eagerly
+                entry['cuda_graphs'] = runner.preconditioner.cuda_graph_report()
+                log(f'{label}: cuda_graphs {entry["cuda_graphs"]}')
         return entry
     except Exception as error:  # noqa: BLE001 -- one method failing (e.g. out of memory) is reported
         log(f'{label}: {type(error).__name__}: {error}')
@@ -415,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
         'kfac_pytorch': getattr(backends.get('kfac_pytorch'), '__version__', None),
         'models': args.models, 'models_desc': {m: ps.describe_model(m, args) for m in args.models},
         'blocks': args.blocks, 'block_steps': args.block_steps, 'warmup': args.warmup, 'seed': args.seed,
-        'tf32': args.tf32, 'kind_budget_s': args.kind_budget_s, 'load_average_start': ps.load_average(),
+        'tf32': args.tf32, 'keep_gradients': args.keep_gradients, 'kind_budget_s': args.kind_budget_s,
+        'load_average_start': ps.load_average(),
         'variants': {name: {k: str(v) for k, v in o.items()} for name, o in args.variants.items()},
     }
     if args.device == 'cuda':

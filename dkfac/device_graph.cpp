@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -38,16 +39,20 @@ class AbandonableGraph : public at::cuda::CUDAGraph {
   }
 };
 
-/// The stream captures run on, one per device, taken from the pool the first time (a capture needs a stream that
-/// is not the default one). cuBLAS makes its workspace for a stream at the first product there: made then, outside
-/// any capture, so that it is not taken from a graph's pool, which goes with the graph.
+/// The stream captures run on, one per device, made the first time and never destroyed (a capture needs a stream
+/// that is not the default one, and one of its own: torch's pool hands its streams out round-robin, and a capture
+/// would take in whatever another thread enqueued on its stream meanwhile). cuBLAS makes its workspace for a stream
+/// at the first product there: made then, outside any capture, so that it is not taken from a graph's pool, which
+/// goes with the graph.
 c10::cuda::CUDAStream capture_stream(c10::DeviceIndex index) {
   static std::mutex mutex;
   static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
   std::lock_guard<std::mutex> lock(mutex);
   auto found = streams.find(index);
   if (found != streams.end()) return found->second;
-  auto stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+  cudaStream_t raw = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  const auto stream = c10::cuda::getStreamFromExternal(raw, index);
   {
     const c10::cuda::CUDAStreamGuard on_stream(stream);
     const auto x = at::ones({8, 8}, at::TensorOptions().device(at::Device(at::kCUDA, index)));
@@ -74,7 +79,7 @@ Graph::Graph(c10::Device device, const std::function<void()>& region) {
   const auto why_not = graphs_unavailable(device);
   TORCH_CHECK(why_not.empty(), why_not);
   const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
-  const c10::cuda::CUDAGuard on_device(index);
+  const c10::cuda::CUDAGuard on_device(index);  // the stream below is made on it
   const auto stream = capture_stream(index);
   captured_ = std::make_unique<Captured>();
   const c10::cuda::CUDAStreamGuard on_stream(stream);

@@ -13,7 +13,8 @@
 #                   bench/kernel_probe.py if at least DKFAC_GPU_PROBE_MIN_S (60) remain
 #   call2           from a cold machine, if at least 4 minutes of device time remain: env, build
 #                   (DKFAC_GPU_TARGETS), pytest -m gpu (DKFAC_GPU_PYTEST_ARGS narrows it), bench-kinds
-#                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants), then compile-step,
+#                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants; unset, cuda_graphs against
+#                   eager: '--keep-gradients --variant graphs:cuda_graphs=true'), then compile-step,
 #                   fast-error (DKFAC_GPU_FAST_ARGS) and lag-step (DKFAC_GPU_LAG_ARGS), each if at least
 #                   DKFAC_GPU_FAST_MIN_S (60) seconds remain, then transformer if DKFAC_GPU_TRANSFORMER_MIN_S (150) do
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
@@ -104,7 +105,11 @@ case $stage in
   *) deadline=${DKFAC_GPU_DEADLINE_S:-} ;;
 esac
 bench_device=${DKFAC_GPU_BENCH_DEVICE:-cuda}
-read -r -a bench_args <<<"${DKFAC_GPU_BENCH_ARGS:-}"
+# call2's bench-kinds measures, by default, the step replayed from CUDA graphs against the eager one (cuda_graphs:
+# its gradients must keep their memory from step to step, so every method zeroes them in place).
+call2_bench_default='--keep-gradients --variant graphs:cuda_graphs=true'
+[[ $stage == call2 ]] || call2_bench_default=
+read -r -a bench_args <<<"${DKFAC_GPU_BENCH_ARGS-$call2_bench_default}"
 read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
 read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
 
