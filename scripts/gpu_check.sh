@@ -14,7 +14,7 @@
 #   call2           from a cold machine, if at least 4 minutes of device time remain: env, build
 #                   (DKFAC_GPU_TARGETS), pytest -m gpu (DKFAC_GPU_PYTEST_ARGS narrows it), bench-kinds
 #                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants; unset, cuda_graphs against
-#                   eager: '--keep-gradients --variant graphs:cuda_graphs=true'), then compile-step,
+#                   eager: '--keep-gradients --variant graphs:cuda_graphs=true'), then launches, compile-step,
 #                   fast-error (DKFAC_GPU_FAST_ARGS) and lag-step (DKFAC_GPU_LAG_ARGS), each if at least
 #                   DKFAC_GPU_FAST_MIN_S (60) seconds remain, then transformer if DKFAC_GPU_TRANSFORMER_MIN_S (150) do
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
@@ -32,6 +32,8 @@
 #   fast-error      bench/fast_mode_error.py: each fast mode's preconditioned gradient and trained loss against exact
 #   compile-step    bench/compile_step.py: torch.compile against eager, with and without dkfac (DKFAC_GPU_COMPILE_ARGS)
 #   lag-step        bench/second_order_lag.py: training steps with second_order_lag against exact, in lockstep
+#   launches        bench/step_launches.py: the ATen operations and CUDA kernels of a step without updates, eager
+#                   and with cuda_graphs, and its host and device time (DKFAC_GPU_LAUNCH_ARGS)
 #   transformer     bench/transformer_vs_adamw.py --device cuda: eigen_adam against AdamW on a GPT-2 trained on the
 #                   standard library's sources (issue 45), DKFAC_GPU_TRANSFORMER_ARGS; transformers from the
 #                   bundle's wheels where the machine's python3 lacks it
@@ -92,6 +94,7 @@ pytest_jobs=${DKFAC_GPU_PYTEST_JOBS:-4}
 read -r -a fast_args <<<"${DKFAC_GPU_FAST_ARGS:---models bert --bert-layers 4 --mode tf32:precondition_dtype=tf32 --mode bf16:inv_dtype=bfloat16}"
 fast_min=${DKFAC_GPU_FAST_MIN_S:-60}
 read -r -a lag_args <<<"${DKFAC_GPU_LAG_ARGS:---models bert --bert-layers 8 --intervals 10,100 --lag 1 --lag 10 --cycles 3 --warmup-cycles 1}"
+read -r -a launch_args <<<"${DKFAC_GPU_LAUNCH_ARGS:---models resnet50,bert --bert-layers 8}"
 read -r -a compile_args <<<"${DKFAC_GPU_COMPILE_ARGS:---layers 4 --hidden 1024 --heads 16 --ffn 4096 --seq-len 128 --batch 16 --factor-update-steps 10 --inv-update-steps 100 --steps 30}"
 transformer_default="--n-embd 256 --n-layer 6 --n-head 8 --steps 1200 --adamw-lrs 2e-3 4e-3 --kfac-configs"
 transformer_default+=" --kfac-eigen-adam-configs 4e-3:10:50::0.8 --headline-from kfac-eigenadam --seeds 2 --threads 4"
@@ -114,8 +117,8 @@ read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
 read -r -a pytest_args <<<"${DKFAC_GPU_PYTEST_ARGS:-}"
 
 # The steps, in the order the summary lists them.
-steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds kernel-probe compile-step fast-error lag-step
-  transformer bench-resnet50 bench-bert)
+steps=(env googletest configure build ctest-gpu pytest-gpu bench-kinds launches kernel-probe compile-step fast-error
+  lag-step transformer bench-resnet50 bench-bert)
 
 mkdir -p "$out/status" "$build"
 out=$(realpath "$out")
@@ -515,6 +518,9 @@ step_fast() { run_bench_script fast-error fast_mode_error.py "${fast_args[@]}"; 
 # --- lag-step: bench/second_order_lag.py, training steps with second_order_lag against exact ------------------
 step_lag() { run_bench_script lag-step second_order_lag.py "${lag_args[@]}"; }
 
+# --- launches: bench/step_launches.py, what a step without updates launches, eager and with cuda_graphs ---------
+step_launches() { run_bench_script launches step_launches.py "${launch_args[@]}"; }
+
 # --- compile-step: bench/compile_step.py, torch.compile against eager, with and without dkfac ------------------
 step_compile() { run_bench_script compile-step compile_step.py "${compile_args[@]}"; }
 
@@ -608,10 +614,12 @@ run_test() {
 run_bench() { step_bench resnet50 "$@"; step_bench bert "$@"; }
 
 case $stage in
-  build | ctest | pytest | test | bench-kinds | kernel-probe | compile-step | fast-error | lag-step | transformer | \
+  build | ctest | pytest | test | bench-kinds | launches | kernel-probe | compile-step | fast-error | lag-step | \
+    transformer | \
     bench-resnet50 | bench-bert | bench | all | call1 | call2) step_env ;;
   summary) ;;
-  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|kernel-probe|compile-step|fast-error|lag-step|" \
+  *) echo "usage: $0 [call1|call2|build|ctest|pytest|test|bench-kinds|launches|kernel-probe|compile-step|" \
+       "fast-error|lag-step|" \
        "transformer|" \
        "bench-resnet50|bench-bert|bench|all|summary]" \
        "[OUT_DIR]" >&2
@@ -628,13 +636,15 @@ case $stage in
   fast-error) step_fast ;;
   compile-step) step_compile ;;
   lag-step) step_lag ;;
+  launches) step_launches ;;
   transformer) step_transformer ;;
   bench-resnet50) step_bench resnet50 ;;
   bench-bert) step_bench bert ;;
   bench) run_bench ;;
   all) run_build && run_test; step_kinds; run_bench ;;
   call1) run_build && { run_test; step_kinds; step_probe; } ;;
-  call2) run_build && { step_pytest; step_kinds; step_compile; step_fast; step_lag; step_transformer; } ;;
+  call2)
+    run_build && { step_pytest; step_kinds; step_launches; step_compile; step_fast; step_lag; step_transformer; } ;;
 esac
 write_summary
 export_results
