@@ -145,6 +145,12 @@ double Mark::seconds_between(const Mark& start, const Mark& end) {
 
 bool Mark::reached() const { return !event_ || event_->query(); }
 
+c10::Stream current_stream(c10::Device device) {
+  if (device.is_cpu()) return c10::Stream(c10::Stream::DEFAULT, device);
+  const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
+  return guard->getStream(device.has_index() ? device : c10::Device(device.type(), guard->getDevice().index()));
+}
+
 void Mark::wait() const {
   if (event_) event_->synchronize();
 }

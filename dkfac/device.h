@@ -93,6 +93,9 @@ class Graph {
   std::unique_ptr<Captured> captured_;
 };
 
+/// The current stream of `device` (of its current index where it names none); the CPU's default stream.
+c10::Stream current_stream(c10::Device device);
+
 /// Whether this build of dkfac can capture CUDA graphs on `device` (a CUDA device, LibTorch built with CUDA);
 /// when not, why not ("" when it can).
 std::string graphs_unavailable(c10::Device device);

@@ -209,6 +209,7 @@ void Preconditioner::discard_step() {
 }
 
 void Preconditioner::update_second_order() {
+  forget_graphs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   compute_second_order(fates, /*refresh=*/false, /*lag=*/false);
 }
@@ -231,6 +232,7 @@ void Preconditioner::load_layer_states(int64_t steps,
               layers_.size());
   auto staged = staged_layer_states(states);  // a bad entry leaves this preconditioner unchanged
   job_.reset();
+  forget_graphs();
   layers_ = std::move(staged);
   layer_groups();  // the loaded state into the stacks (or the stacks freed), not beside them
   steps_ = steps;
@@ -955,8 +957,10 @@ void Preconditioner::set_step_scalars(double kl_clip) {
   auto values = torch::empty({2}, host);
   values[0] = lr * lr;
   values[1] = kl_clip;
-  if (!step_scalars_.defined() || step_scalars_.device() != device_) {
+  const auto stream = device::current_stream(device_);
+  if (!step_scalars_.defined() || step_scalars_.device() != device_ || scalars_stream_ != stream) {
     step_scalars_ = torch::empty({2}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
+    scalars_stream_ = stream;
   }
   step_scalars_.copy_(values, /*non_blocking=*/true);  // pinned: queued, the host goes on
 }

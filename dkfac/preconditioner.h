@@ -408,7 +408,9 @@ class Preconditioner {
   /// The KL-clip scale nu = min(1, sqrt(kl_clip / |lr^2 report.vg_sum|)), on the device, lr^2 and kl_clip read
   /// from step_scalars_ (a CUDA graph's replay reads this step's, not the capture's).
   torch::Tensor kl_scale(const GuardReport& report, double kl_clip) const;
-  /// This step's [lr^2, kl_clip] into step_scalars_ (float64, on the device, at one address), without waiting.
+  /// This step's [lr^2, kl_clip] into step_scalars_ (float64, on the device), without waiting: at one address while
+  /// step() runs on one stream (a CUDA graph reads it there), a new tensor where the stream changed (the last one's
+  /// readers may not have run yet).
   void set_step_scalars(double kl_clip);
   /// The guard's rows for every layer step() may write (fates: kPlainGradient for those it will not), with the
   /// owners' rows agreed (StepExecutor::agree_on_reports), and the scale, its sum(V * grad) summed over the model's
@@ -442,9 +444,12 @@ class Preconditioner {
   /// What a captured region reads and decides on: the setup (executor, fates, KL clipping on, TF32), each
   /// gradient's and each second-order tensor's address and layout. A graph is replayed only where it is the same.
   struct GraphKey {
+    std::weak_ptr<const strategy::StepExecutor> executor;  // the same one, not one made at its address since
     std::vector<int64_t> setup, gradients, state;
     bool operator==(const GraphKey& other) const {
-      return setup == other.setup && gradients == other.gradients && state == other.state;
+      const auto mine = executor.lock();
+      return mine && mine == other.executor.lock() && setup == other.setup && gradients == other.gradients &&
+             state == other.state;
     }
     bool operator!=(const GraphKey& other) const { return !(*this == other); }
     /// In words, what differs from `before` ("the gradients' memory", ...).
@@ -599,6 +604,13 @@ class Preconditioner {
   double last_kl_scale_ = 1.0;
   std::deque<GuardReport> pending_guards_;     // device steps' reports, read on the host when done or needed
   torch::Tensor step_scalars_;                 // [lr^2, kl_clip] of this step (set_step_scalars)
+  std::optional<c10::Stream> scalars_stream_;  // the stream step_scalars_ was made on
+  /// Options::cuda_graphs: no graph, and no key a capture would match (a load, a rebinding: what a graph read may
+  /// be elsewhere now, or back at an address it had).
+  void forget_graphs() {
+    step_graph_.reset();
+    eager_key_.reset();
+  }
   std::unique_ptr<StepGraph> step_graph_;      // Options::cuda_graphs: the graph replayed while its key holds
   std::optional<GraphKey> eager_key_;          // the last eligible step's, run eagerly: captured if the next's match
   int64_t eager_in_a_row_ = 0;                 // eligible steps run eagerly since the last replay

@@ -236,6 +236,7 @@ StateRestore Preconditioner::restore(SavedState saved) {
   TORCH_CHECK_VALUE(refusal.empty(), refusal);
   TORCH_CHECK(unfit.empty(), unfit);
   job_.reset();  // Options::second_order_lag: the state it would install is replaced
+  forget_graphs();
   layers_ = std::move(staged);
   layer_groups();  // Options::stack_layers: the loaded state into the stacks (or the stacks freed), not beside them
   steps_ = saved.steps;

@@ -47,8 +47,8 @@ constexpr int64_t kReplaysBeforeReport = 8;  // eligible steps in a row without 
 
 std::string Preconditioner::GraphKey::changed_from(const GraphKey& before) const {
   std::vector<std::string> parts;
-  if (setup != before.setup) {
-    parts.emplace_back("the step's setup (strategy, layers preconditioned, KL clipping, TF32)");
+  if (setup != before.setup || executor.lock() != before.executor.lock()) {
+    parts.emplace_back("the step's setup (strategy, layers preconditioned, KL clipping, TF32, stream)");
   }
   if (gradients != before.gradients) {
     parts.emplace_back("the gradients' memory (a gradient set to None, by zero_grad(set_to_none=True), the default, "
@@ -84,7 +84,12 @@ std::string Preconditioner::graph_ineligible(bool updated, const Distributor& mo
 Preconditioner::GraphKey Preconditioner::graph_key(const std::vector<LayerFate>& fates, double kl_clip,
                                                    const Distributor& model) const {
   GraphKey key;
-  key.setup.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(executor_.get())));
+  key.executor = executor_;
+  // The stream it runs on: a replay on another would overwrite the report tensors that the last step's host
+  // copies, queued on the stream before, have not read yet.
+  const auto stream = device::current_stream(device_);
+  key.setup.push_back(static_cast<int64_t>(stream.device_index()));
+  key.setup.push_back(stream.id());
   key.setup.push_back(kl_clip > 0.0);
   // How cuBLAS runs float32 and reduced-precision products, read where a capture fixes it (the new getters: the
   // old allowTF32CuBLAS raises where the precision was set through the new API).
@@ -141,7 +146,10 @@ bool Preconditioner::replay_graph(std::vector<LayerFate>& fates, double kl_clip,
   if (!r.off.empty()) return eager(r.off);
   const auto why_not = graph_ineligible(updated, model);
   if (!why_not.empty()) return eager(why_not);
-  layer_groups();  // planned (and the stacks filled) now, outside any capture
+  // The groups planned, and every member's state copied into its slots (LayerGroups::ready), now: in a capture the
+  // copies would be recorded from tensors that are then freed, and replayed from freed memory.
+  auto& groups = layer_groups();
+  for (size_t k = 0; k < groups.groups().size(); ++k) groups.ready(layers_, k);
   auto key = graph_key(fates, kl_clip, model);
   if (!step_graph_ || step_graph_->key != key) {
     if (!eager_key_ || *eager_key_ != key) {  // a new key: eager now, captured where the next step's is the same

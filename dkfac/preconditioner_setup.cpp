@@ -311,6 +311,7 @@ void Preconditioner::check_ranks_agree() {
 void Preconditioner::rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias) {
   TORCH_CHECK(index < layers_.size(), "rebind_layer: no layer ", index, " (", layers_.size(), " are registered)");
   layers_[index].rebind(std::move(weight), std::move(bias));
+  forget_graphs();
 }
 
 std::string Preconditioner::take_plan_change() {
