@@ -60,6 +60,13 @@ inline void exact_cuda_math() {
                     "see scripts/gpu_check.sh";                                                              \
   if (::dkfac::testing::test_device().is_cuda()) ::dkfac::testing::exact_cuda_math()
 
+/// Skips the current CUDA-only test (tests/gpu/), with the reason, without a CUDA device; with one, makes its math
+/// exact (exact_cuda_math).
+#define DKFAC_REQUIRE_CUDA()                                                                                    \
+  if (!torch::cuda::is_available())                                                                            \
+    GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)";      \
+  ::dkfac::testing::exact_cuda_math()
+
 /// The lock seeded_float64 holds: one for every Net type, since torch::manual_seed is the process's.
 inline std::mutex& seeding_mutex() {
   static std::mutex mutex;

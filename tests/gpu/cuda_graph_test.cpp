@@ -14,11 +14,6 @@
 namespace dkfac {
 namespace {
 
-#define DKFAC_REQUIRE_CUDA()                                                                                    \
-  if (!torch::cuda::is_available())                                                                            \
-    GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)";      \
-  testing::exact_cuda_math()
-
 // A convolution, a Linear, two Linears of one shape (one stacked group) and a head without bias.
 struct Net : torch::nn::Module {
   Net() {

@@ -16,12 +16,6 @@
 namespace dkfac {
 namespace {
 
-// Skips without a CUDA device; with one, compares exactly: TF32 and reduced-precision reductions off.
-#define DKFAC_REQUIRE_CUDA()                                                                                    \
-  if (!torch::cuda::is_available())                                                                            \
-    GTEST_SKIP() << "no CUDA device visible: this GPU test runs on a GPU machine (scripts/gpu_check.sh)";      \
-  testing::exact_cuda_math()
-
 struct Net : torch::nn::Module {
   Net() {
     conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1).stride(2)));
