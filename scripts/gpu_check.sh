@@ -14,7 +14,8 @@
 #   call2           from a cold machine, if at least 4 minutes of device time remain: env, build
 #                   (DKFAC_GPU_TARGETS), pytest -m gpu (DKFAC_GPU_PYTEST_ARGS narrows it), bench-kinds
 #                   (DKFAC_GPU_KINDS_MODELS, DKFAC_GPU_BENCH_ARGS: e.g. variants; unset, cuda_graphs against
-#                   eager: '--keep-gradients --variant graphs:cuda_graphs=true'), then launches, compile-step,
+#                   eager, one block per kind, kfac_pytorch left to call1: '--keep-gradients --variant
+#                   graphs:cuda_graphs=true --blocks 1 --no-kfac-pytorch-run'), then launches, compile-step,
 #                   fast-error (DKFAC_GPU_FAST_ARGS) and lag-step (DKFAC_GPU_LAG_ARGS), each if at least
 #                   DKFAC_GPU_FAST_MIN_S (60) seconds remain, then transformer if DKFAC_GPU_TRANSFORMER_MIN_S (150) do
 # One deadline (DKFAC_GPU_DEADLINE_S seconds from the script's start; 540 for call1 and call2, none otherwise)
@@ -110,7 +111,7 @@ esac
 bench_device=${DKFAC_GPU_BENCH_DEVICE:-cuda}
 # call2's bench-kinds measures, by default, the step replayed from CUDA graphs against the eager one (cuda_graphs:
 # its gradients must keep their memory from step to step, so every method zeroes them in place).
-call2_bench_default='--keep-gradients --variant graphs:cuda_graphs=true'
+call2_bench_default='--keep-gradients --variant graphs:cuda_graphs=true --blocks 1 --no-kfac-pytorch-run'
 [[ $stage == call2 ]] || call2_bench_default=
 read -r -a bench_args <<<"${DKFAC_GPU_BENCH_ARGS-$call2_bench_default}"
 read -r -a ctest_args <<<"${DKFAC_GPU_CTEST_ARGS:-}"
