@@ -17,8 +17,8 @@ namespace {
 // A convolution, a Linear, two Linears of one shape (one stacked group) and a head without bias.
 struct Net : torch::nn::Module {
   Net() {
-    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1).stride(2)));
-    fc1 = register_module("fc1", nn::Linear(8 * 4 * 4, 32));
+    conv = register_module("conv", nn::Conv2d(torch::nn::Conv2dOptions(3, 6, 3).padding(1).stride(2)));
+    fc1 = register_module("fc1", nn::Linear(6 * 4 * 4, 32));
     fc2 = register_module("fc2", nn::Linear(32, 32));
     fc3 = register_module("fc3", nn::Linear(32, 32));
     head = register_module("head", nn::Linear(torch::nn::LinearOptions(32, 10).bias(false)));
