@@ -70,10 +70,9 @@ Mark Mark::now(c10::Device device) {
     mark.host_ = std::chrono::steady_clock::now();
     return mark;
   }
-  const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
-  const c10::Device on = device.has_index() ? device : c10::Device(device.type(), guard->getDevice().index());
-  mark.event_ = event_pool().take(on);
-  mark.event_->record(guard->getStream(on));
+  const auto stream = current_stream(device);
+  mark.event_ = event_pool().take(stream.device());
+  mark.event_->record(stream);
   return mark;
 }
 
@@ -98,12 +97,12 @@ c10::Stream lane_stream(const c10::impl::DeviceGuardImplInterface& guard, c10::D
 
 SideWork::SideWork(c10::Device device, size_t lane) : device_(device) {
   if (device.is_cpu()) return;
-  const auto* guard = c10::impl::getDeviceGuardImpl(device.type());
-  if (!device_.has_index()) device_ = c10::Device(device.type(), guard->getDevice().index());
-  side_ = lane_stream(*guard, device_, lane);
+  const auto current = current_stream(device);
+  device_ = current.device();
+  side_ = lane_stream(*c10::impl::getDeviceGuardImpl(device.type()), device_, lane);
   started_.emplace(device.type());
   done_.emplace(device.type());
-  started_->record(guard->getStream(device_));
+  started_->record(current);
 }
 
 void SideWork::run(const std::function<void()>& work) {
