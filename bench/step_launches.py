@@ -10,7 +10,7 @@ place (``zero_grad(set_to_none=False)``, so that a graph can be replayed), and:
   not views (each a kernel or a few on a GPU; on a CPU the guard is read on the host before the writes, so the
   writes differ from a GPU's: KL clipping's scale applied by a host number, no ``where``), and on CUDA the kernels that ran and the host's launch calls (``cudaLaunchKernel`` and the
   like, ``cudaGraphLaunch``, ``cudaMemcpyAsync``);
-* ``--repeats`` more steps, unprofiled: the host's time in ``step()`` (median and p90; on CUDA nothing in it waits
+* ``--step-repeats`` more steps, unprofiled: the host's time in ``step()`` (median and p90; on CUDA nothing in it waits
   for the device, so this is the time to launch the step's work) and, on CUDA, the device's time between events
   around it.
 
@@ -23,6 +23,7 @@ that mode is the eager one (its report says why).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -123,21 +124,16 @@ def measure(model_name: str, mode: str, args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    out = None
-    if '--json' in argv:
-        i = argv.index('--json')
-        out = argv[i + 1]
-        del argv[i:i + 2]
-    repeats = 10
-    if '--step-repeats' in argv:
-        i = argv.index('--step-repeats')
-        repeats = int(argv[i + 1])
-        del argv[i:i + 2]
-    args = ps.parse_args(argv)
-    args.repeats = repeats
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--step-repeats', type=int, default=10, help='unprofiled steps timed per model and mode')
+    parser.add_argument('--json', default=None, help='also write the results to this JSON file')
+    ours, rest = parser.parse_known_args(argv)
+    # The models, their shapes, the device and the settings are bench/python_step.py's, with its flags.
+    args = ps.parse_args(rest)
+    args.repeats = ours.step_repeats
+    out = ours.json
     env = {'device': args.device, 'cpu': ps.cpu_model(), 'cores': os.cpu_count(), 'torch': torch.__version__,
-           'torch_threads': torch.get_num_threads(), 'load_average_start': ps.load_average(), 'repeats': repeats,
+           'torch_threads': torch.get_num_threads(), 'load_average_start': ps.load_average(), 'repeats': args.repeats,
            'models': {m: ps.describe_model(m, args) for m in args.models}}
     if args.device == 'cuda':
         env['gpu'] = ps.cuda_environment()

@@ -468,6 +468,12 @@ class Preconditioner {
     std::vector<LayerFate> fates;
     GuardReport report;
   };
+  /// Options::cuda_graphs: no graph, and no key a capture would match (a load, a rebinding: what a graph read may
+  /// be elsewhere now, or back at an address it had).
+  void forget_graphs() {
+    step_graph_.reset();
+    eager_key_.reset();
+  }
   void arm_capture();
   /// Options::fold_in_hooks: whether layer `index` may fold in its backward hook (step() would fold exactly what
   /// the hook has: one process or DP-KFAC's own batches, no grad scaler, no agreement on unused layers to wait for).
@@ -605,12 +611,6 @@ class Preconditioner {
   std::deque<GuardReport> pending_guards_;     // device steps' reports, read on the host when done or needed
   torch::Tensor step_scalars_;                 // [lr^2, kl_clip] of this step (set_step_scalars)
   std::optional<c10::Stream> scalars_stream_;  // the stream step_scalars_ was made on
-  /// Options::cuda_graphs: no graph, and no key a capture would match (a load, a rebinding: what a graph read may
-  /// be elsewhere now, or back at an address it had).
-  void forget_graphs() {
-    step_graph_.reset();
-    eager_key_.reset();
-  }
   std::unique_ptr<StepGraph> step_graph_;      // Options::cuda_graphs: the graph replayed while its key holds
   std::optional<GraphKey> eager_key_;          // the last eligible step's, run eagerly: captured if the next's match
   int64_t eager_in_a_row_ = 0;                 // eligible steps run eagerly since the last replay
