@@ -820,7 +820,7 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
       auto& v = preconditioned[i];
       const auto grad = layer.gradient();  // [g, a]: a copy where the bias gradient joins as a column
       if (options_.eigen_adam()) {
-        v = layer.precondition_adam(grad, {options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()});
+        v = layer.precondition_adam(grad, adam_constants());
       } else {
         if (!options_.compute_eigenvalue_outer_product() && layer.second_order().method == ComputeMethod::kEigen) {
           layer.finish_second_order(options_.damping_at(steps_));  // this step's damping, not the last update's
@@ -852,7 +852,8 @@ LayerGroups& Preconditioner::layer_groups() {
   if (grouped_for_.lock() != executor_ || held != grouped_layers_) {
     groups_.clear(layers_);
     if (applies) {
-      groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method, executor_->plan().pad_widths);
+      groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method, executor_->plan().pad_widths,
+                   options_.eigen_adam());
     }
     groups_.absorb_all(layers_);
     grouped_for_ = executor_;
@@ -895,9 +896,18 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
       const auto x = grads.scalar_type() == state_dtype ? grads : grads.to(state_dtype);
       const auto a_side = group.a.narrow(0, u, count);
       const auto g_side = group.g.narrow(0, first_member, members);
-      auto v = group.method == ComputeMethod::kEigen
-                   ? math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x)
-                   : math::precondition_inverse_stacked(a_side, g_side, x);
+      torch::Tensor v;
+      if (group.adam) {  // Options::eigen_adam: each layer's moments, in its current basis, stepped with the batch
+        std::vector<math::EigenAdamMoments*> moments;
+        for (int64_t m = 0; m < members; ++m) {
+          moments.push_back(&layers_[group.members[static_cast<size_t>(first_member + m)]].adam_moments_for_step());
+        }
+        v = math::eigen_adam_step_stacked(a_side, g_side, moments, x, adam_constants());
+      } else if (group.method == ComputeMethod::kEigen) {
+        v = math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x);
+      } else {
+        v = math::precondition_inverse_stacked(a_side, g_side, x);
+      }
       if (v.scalar_type() != grads.scalar_type()) v = v.to(grads.scalar_type());
       std::vector<torch::Tensor> folded(static_cast<size_t>(members));  // factor_ok_, where factors folded
       bool any_folded = false;

@@ -402,6 +402,10 @@ class Preconditioner {
     torch::Tensor host_rows, host_scale;
     std::optional<device::Mark> copied;
   };
+  /// Adam's constants of Options::eigen_adam.
+  math::AdamConstants adam_constants() const {
+    return {options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()};
+  }
   /// What the guard does with one layer, from its row.
   enum class GuardVerdict { kPrecondition, kNotPreconditioned, kFactorsNotFinite, kGradientNotFinite };
   static GuardVerdict guard_verdict(const double* row);

@@ -382,18 +382,40 @@ int64_t KfacLayer::memory_bytes() const {
   return total;
 }
 
-torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants) {
+math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
   const auto& s = second_order_;
   TORCH_INTERNAL_ASSERT(s.method == ComputeMethod::kEigen && s.defined(), "layer '", name(),
-                        "': precondition_adam before the eigen method's state was computed");
+                        "': an eigen_adam step before the eigen method's state was computed");
+  // By memory, not handle: a stack's slot is handed out in new views (LayerGroups), and a slot about to be
+  // overwritten in place keeps the moments' basis apart first (keep_adam_basis_from).
   if (!adam_.defined()) {
     adam_ = math::zero_moments(g_dim(), a_dim(), binding_.weight.options().dtype(second_order_dtype()));
-  } else if (adam_basis_ && (!adam_basis_->first.eigenvectors.is_same(s.a_eigen.eigenvectors) ||
-                             !adam_basis_->second.eigenvectors.is_same(s.g_eigen.eigenvectors))) {
+  } else if (adam_basis_ && (!same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) ||
+                             !same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors))) {
     adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
   }
   adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
-  return math::eigen_adam_step(s.a_eigen, s.g_eigen, adam_, grad, constants);
+  return adam_;
+}
+
+torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants) {
+  auto& moments = adam_moments_for_step();
+  const auto& s = second_order_;
+  return math::eigen_adam_step(s.a_eigen, s.g_eigen, moments, grad, constants);
+}
+
+void KfacLayer::adam_basis_moved(const torch::Tensor& from, const torch::Tensor& to) {
+  if (!adam_basis_ || !from.defined()) return;
+  for (auto* q : {&adam_basis_->first.eigenvectors, &adam_basis_->second.eigenvectors}) {
+    if (same_memory(*q, from)) *q = to;
+  }
+}
+
+void KfacLayer::keep_adam_basis_from(const torch::Tensor& memory) {
+  if (!adam_basis_ || !memory.defined()) return;
+  for (auto* q : {&adam_basis_->first.eigenvectors, &adam_basis_->second.eigenvectors}) {
+    if (q->defined() && q->data_ptr() == memory.data_ptr()) *q = q->clone(at::MemoryFormat::Contiguous);
+  }
 }
 
 std::map<std::string, torch::Tensor> KfacLayer::state() const {

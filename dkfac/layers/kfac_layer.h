@@ -219,6 +219,17 @@ class KfacLayer {
   /// re-expressed in the current basis where it was refreshed since they were last updated (math::rotate_moments),
   /// and start at zero. Needs the eigen method's state; nothing waits for the device.
   torch::Tensor precondition_adam(const torch::Tensor& grad, const math::AdamConstants& constants);
+  /// The moments precondition_adam steps, made ready for a step in the current basis (zero, or rotated into it),
+  /// which they are then taken to be in: for a step taken elsewhere (math::eigen_adam_step_stacked, Options::
+  /// stack_layers). The same conditions as precondition_adam.
+  math::EigenAdamMoments& adam_moments_for_step();
+  /// Options::stack_layers: `from`, a part of this layer's eigenbasis, now lives in `to`, which holds its values (a
+  /// copy into a stack's slot, or out of it): where the moments are expressed in `from`, they are in `to`, and need
+  /// no rotation. Nothing without eigen_adam.
+  void adam_basis_moved(const torch::Tensor& from, const torch::Tensor& to);
+  /// Options::stack_layers: `memory` (a stack's slot) is about to be overwritten in place: where the moments are
+  /// expressed in a basis held there, that basis is kept as a copy, so that the next step rotates them out of it.
+  void keep_adam_basis_from(const torch::Tensor& memory);
   /// Adam's moments (undefined before the first precondition_adam).
   const math::EigenAdamMoments& adam_moments() const { return adam_; }
 

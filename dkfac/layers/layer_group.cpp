@@ -11,7 +11,7 @@ bool LayerGroups::Binding::in_place() const {
 }
 
 void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held,
-                       ComputeMethod method, int64_t pad_widths) {
+                       ComputeMethod method, int64_t pad_widths, bool eigen_adam) {
   TORCH_CHECK(pad_widths >= 1, "pad_widths must be >= 1, got ", pad_widths);
   TORCH_INTERNAL_ASSERT(groups_.empty(), "LayerGroups::plan over groups that were not cleared");
   seats_.assign(layers.size(), Seat{});
@@ -28,6 +28,7 @@ void LayerGroups::plan(const std::vector<KfacLayer>& layers, const std::function
     groups_.emplace_back();
     auto& group = groups_.back();
     group.method = method;
+    group.adam = eigen_adam && method == ComputeMethod::kEigen;
     group.share = stacked.share;
     group.units = std::move(stacked.units);
     group.members = std::move(stacked.members);
@@ -52,9 +53,10 @@ std::vector<LayerGroups::Binding> LayerGroups::bindings(Group& group, const Seat
   const int64_t unit = seat.member / group.share;
   const int64_t a = group.a_dim, g = group.g_dim, pa = group.padded_a, pg = group.padded_g;
   if (group.method == ComputeMethod::kEigen) {
-    return {{&group.a, units, unit, &state.a_eigen.eigenvectors, a, a, pa, pa},
-            {&group.g, members, seat.member, &state.g_eigen.eigenvectors, g, g, pg, pg},
-            {&group.denominator, members, seat.member, &state.denominator, g, a, pg, pa}};
+    std::vector<Binding> parts = {{&group.a, units, unit, &state.a_eigen.eigenvectors, a, a, pa, pa},
+                                  {&group.g, members, seat.member, &state.g_eigen.eigenvectors, g, g, pg, pg}};
+    if (!group.adam) parts.push_back({&group.denominator, members, seat.member, &state.denominator, g, a, pg, pa});
+    return parts;
   }
   return {{&group.a, units, unit, &state.a_inverse, a, a, pa, pa},
           {&group.g, members, seat.member, &state.g_inverse, g, g, pg, pg}};
@@ -85,7 +87,10 @@ void LayerGroups::absorb(std::vector<KfacLayer>& layers, size_t i) {
     if (slot.sizes() != part.sizes() || slot.scalar_type() != part.scalar_type() || slot.device() != part.device()) {
       continue;  // not the group's shape: this layer keeps its own tensor (and the group its layer-by-layer path)
     }
+    const auto sharing = holders(group, seat, b, i);
+    for (size_t j : sharing) layers[j].keep_adam_basis_from(slot);  // Options::eigen_adam: the moments' basis
     slot.copy_(part);
+    for (size_t j : sharing) layers[j].adam_basis_moved(part, slot);
     part = slot;
     moved = true;
   }
@@ -100,6 +105,13 @@ void LayerGroups::relink_followers(std::vector<KfacLayer>& layers, const Group& 
     auto& follower = layers[group.members[static_cast<size_t>(m)]];
     if (follower.second_order().method == group.method) follower.link_a(leader);
   }
+}
+
+std::vector<size_t> LayerGroups::holders(const Group& group, const Seat& seat, const Binding& b, size_t i) {
+  if (b.stack != &group.a) return {i};
+  std::vector<size_t> unit;
+  for (int64_t m = seat.member; m < seat.member + group.share; ++m) unit.push_back(group.members[static_cast<size_t>(m)]);
+  return unit;
 }
 
 void LayerGroups::absorb_all(std::vector<KfacLayer>& layers) {
@@ -157,7 +169,9 @@ void LayerGroups::clear(std::vector<KfacLayer>& layers) {
         for (const auto& b : bindings(group, seat, state)) {
           if (b.stack != stack || (stack == &group.a && !seat.holds_a)) continue;
           if (!b.in_place()) continue;
+          const auto slot = *b.part;
           *b.part = b.part->clone(at::MemoryFormat::Contiguous);
+          for (size_t j : holders(group, seat, b, i)) layers[j].adam_basis_moved(slot, *b.part);
           copied = true;
         }
         if (!copied) continue;

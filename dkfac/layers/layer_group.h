@@ -43,7 +43,8 @@ class LayerGroups {
     int64_t padded_g = 0, padded_a = 0;  ///< the stacks' (strategy::padded_width; the members' unpadded)
     torch::Tensor a;              ///< [units, a', a']: Q_A, or the A inverse; undefined until a member is absorbed
     torch::Tensor g;              ///< [members, g', g']: Q_G, or the G inverse
-    torch::Tensor denominator;    ///< [members, g', a'] (eigen)
+    torch::Tensor denominator;    ///< [members, g', a'] (eigen, not with Options::eigen_adam)
+    bool adam = false;            ///< Options::eigen_adam: Adam's moments, per layer, take the denominator's place
     bool padded() const { return padded_g != g_dim || padded_a != a_dim; }
   };
 
@@ -52,8 +53,11 @@ class LayerGroups {
   /// (g, a, share, second-order dtype, gradient dtype, device), neither factor diagonal, a shared A side's layers all
   /// held here alike, groups of two layers or more, their stacks padded to a multiple of `pad_widths`. Layers keep
   /// their tensors until absorbed. Call clear() first where groups exist.
+  /// With `eigen_adam` (Options::eigen_adam, the eigen method) the stacks hold the eigenbases alone: each layer's
+  /// Adam moments stay its own, and a slot overwritten with a new basis keeps the one they are in apart first
+  /// (KfacLayer::keep_adam_basis_from), so that the next step rotates them as layer by layer.
   void plan(const std::vector<KfacLayer>& layers, const std::function<bool(size_t)>& held, ComputeMethod method,
-            int64_t pad_widths = 1);
+            int64_t pad_widths = 1, bool eigen_adam = false);
   /// No groups: every part that is a slot's view is copied out, part by part, so that no stack outlives its group
   /// and no more than one part's stack and its copies are alive at once.
   void clear(std::vector<KfacLayer>& layers);
@@ -94,6 +98,8 @@ class LayerGroups {
   std::vector<Binding> bindings(Group& group, const Seat& seat, SecondOrderState& state);
   /// The followers of the unit whose A side the layer at `seat` holds, linked to it again (KfacLayer::link_a).
   static void relink_followers(std::vector<KfacLayer>& layers, const Group& group, const Seat& seat);
+  /// The layers whose state holds binding `b` of layer i at `seat`: its unit's for the A side, else layer i alone.
+  static std::vector<size_t> holders(const Group& group, const Seat& seat, const Binding& b, size_t i);
   /// Whether each of layer i's parts is its slot's view.
   bool in_slots(std::vector<KfacLayer>& layers, size_t i);
 

@@ -13,6 +13,33 @@ torch::Tensor rotation(const torch::Tensor& from, const torch::Tensor& to) {
   return torch::mm(to.t(), from);
 }
 
+// Moments Adam can step for a [g, a] gradient of `shape`.
+void check_moments(const EigenAdamMoments& moments, at::IntArrayRef shape) {
+  TORCH_CHECK(moments.defined() && moments.exp_avg.sizes() == shape, "eigen_adam_step: moments of shape ",
+              moments.exp_avg.defined() ? moments.exp_avg.sizes() : at::IntArrayRef{}, " for a gradient of shape ",
+              shape);
+  TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32,
+              "eigen_adam_step: the step count must be float32 (torch's fused Adam reads it so), got ",
+              moments.steps.scalar_type());
+}
+
+// Adam's element-wise step on `p` (a layer's gradient in its eigenbasis, [g, a], contiguous, the moments' dtype),
+// the moments updated in place, and the update m-hat / (sqrt(v-hat) + eps) written into `update` (contiguous, as p):
+// torch's fused Adam kernel, one pass over P, m and v. Where P is not finite the moments are left as they were and the
+// update is NaN, decided on the device.
+void adam_in_eigenbasis(EigenAdamMoments& moments, const torch::Tensor& p, const AdamConstants& constants,
+                        torch::Tensor update) {
+  const auto finite = finite_by_sum(p);
+  // The kernel steps a "parameter" by -lr times Adam's update: a parameter of zeros and lr -1 leave the update in it.
+  // P * 0 is 0 where P is finite and NaN elsewhere: the direction of a step the kernel skips (found_inf) is NaN.
+  torch::mul_out(update, p, 0.0);
+  moments.steps.add_(finite);  // before the kernel, which reads t; a skipped step does not count
+  const auto found_inf = finite.logical_not().to(torch::kFloat32);
+  at::_fused_adam_({update}, {p}, {moments.exp_avg}, {moments.exp_avg_sq}, {}, {moments.steps}, /*lr=*/-1.0,
+                   constants.beta1, constants.beta2, /*weight_decay=*/0.0, constants.eps, /*amsgrad=*/false,
+                   /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
+}
+
 }  // namespace
 
 EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& options) {
@@ -22,27 +49,44 @@ EigenAdamMoments zero_moments(int64_t g, int64_t a, const torch::TensorOptions& 
 
 torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenAdamMoments& moments,
                               const torch::Tensor& grad, const AdamConstants& constants) {
-  TORCH_CHECK(moments.defined() && moments.exp_avg.sizes() == grad.sizes(), "eigen_adam_step: moments of shape ",
-              moments.exp_avg.defined() ? moments.exp_avg.sizes() : at::IntArrayRef{}, " for a gradient of shape ",
-              grad.sizes());
-  TORCH_CHECK(moments.steps.scalar_type() == torch::kFloat32,
-              "eigen_adam_step: the step count must be float32 (torch's fused Adam reads it so), got ",
-              moments.steps.scalar_type());
+  check_moments(moments, grad.sizes());
   const auto dtype = moments.exp_avg.scalar_type();
   // Contiguous, as the moments are: CUDA's fused kernel wants one layout across P, m, v and the result (a layer
   // whose two factors are diagonal would pass its gradient's own, transposed, layout through).
   const auto p = to_eigenbasis(a, g, grad.scalar_type() == dtype ? grad : grad.to(dtype)).contiguous();
-  const auto finite = finite_by_sum(p);
-  // The kernel steps a "parameter" by -lr times Adam's update: a parameter of zeros and lr -1 leave the update in it.
-  // P * 0 is 0 where P is finite and NaN elsewhere: the direction of a step the kernel skips (found_inf) is NaN.
-  auto scaled = p * 0.0;
-  moments.steps.add_(finite);  // before the kernel, which reads t; a skipped step does not count
-  const auto found_inf = finite.logical_not().to(torch::kFloat32);
-  at::_fused_adam_({scaled}, {p}, {moments.exp_avg}, {moments.exp_avg_sq}, {}, {moments.steps}, /*lr=*/-1.0,
-                   constants.beta1, constants.beta2, /*weight_decay=*/0.0, constants.eps, /*amsgrad=*/false,
-                   /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
-  auto direction = from_eigenbasis(a, g, scaled);
+  auto update = torch::empty_like(p);
+  adam_in_eigenbasis(moments, p, constants, update);
+  auto direction = from_eigenbasis(a, g, update);
   return direction.scalar_type() == grad.scalar_type() ? direction : direction.to(grad.scalar_type());
+}
+
+torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
+                                      const std::vector<EigenAdamMoments*>& moments, const torch::Tensor& grads,
+                                      const AdamConstants& constants) {
+  TORCH_CHECK(static_cast<int64_t>(moments.size()) == grads.size(0), "eigen_adam_step_stacked: ", moments.size(),
+              " layers' moments for ", grads.size(0), " gradients");
+  const auto each = per_layer_side(qa, grads.size(0));  // repeated once, for both products
+  const auto dtype = qg.scalar_type();
+  const auto p = to_eigenbasis_stacked(each, qg, grads.scalar_type() == dtype ? grads : grads.to(dtype));
+  auto update = torch::zeros_like(p);  // a padded layer's update is zero outside its [g, a]
+  for (size_t k = 0; k < moments.size(); ++k) {
+    TORCH_CHECK(moments[k] != nullptr && moments[k]->defined(), "eigen_adam_step_stacked: layer ", k, " has no moments");
+    const auto rows = moments[k]->exp_avg.size(0), cols = moments[k]->exp_avg.size(1);
+    TORCH_CHECK(rows <= p.size(1) && cols <= p.size(2), "eigen_adam_step_stacked: layer ", k, "'s moments ",
+                moments[k]->exp_avg.sizes(), " are wider than its gradient's slot [", p.size(1), ", ", p.size(2), "]");
+    check_moments(*moments[k], {rows, cols});
+    const auto index = static_cast<int64_t>(k);
+    const bool whole = rows == p.size(1) && cols == p.size(2);
+    if (whole) {  // a slice of the contiguous stack: contiguous, as the kernel wants it
+      adam_in_eigenbasis(*moments[k], p[index], constants, update[index]);
+    } else {
+      auto block = torch::empty({rows, cols}, p.options());
+      adam_in_eigenbasis(*moments[k], p[index].narrow(0, 0, rows).narrow(1, 0, cols).contiguous(), constants, block);
+      update[index].narrow(0, 0, rows).narrow(1, 0, cols).copy_(block);
+    }
+  }
+  auto direction = from_eigenbasis_stacked(each, qg, update);
+  return direction.scalar_type() == grads.scalar_type() ? direction : direction.to(grads.scalar_type());
 }
 
 EigenAdamMoments rotate_moments(const EigenAdamMoments& moments, const EigenFactor& from_a, const EigenFactor& from_g,

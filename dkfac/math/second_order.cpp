@@ -132,26 +132,39 @@ int64_t stacked_units(const char* what, const torch::Tensor& a_side, const torch
   return grads.size(0) / a_side.size(0);
 }
 
-// `layers` [m c, g, a] times each unit's `right` [m, a, a] (or its transpose), layer by layer: a unit's side is
-// repeated for each of its c layers (a copy, where c > 1), so that every layer's product is the GEMM it has alone
-// (one [c g, a] product per unit would round differently, and sharing an A factor is exact: section 2.7).
+// `layers` [m c, g, a] times each unit's `right` [m, a, a], layer by layer (per_layer_side).
 torch::Tensor times_unit_side(const torch::Tensor& layers, const torch::Tensor& right) {
-  const int64_t c = layers.size(0) / right.size(0);
-  return torch::bmm(layers, c == 1 ? right : right.repeat_interleave(c, 0));
+  return torch::bmm(layers, per_layer_side(right, layers.size(0)));
 }
 
 }  // namespace
+
+torch::Tensor per_layer_side(const torch::Tensor& unit_sides, int64_t layers) {
+  TORCH_CHECK(unit_sides.dim() == 3 && unit_sides.size(0) > 0 && layers % unit_sides.size(0) == 0, "per_layer_side: ",
+              layers, " layers in units of ", unit_sides.sizes());
+  const int64_t c = layers / unit_sides.size(0);
+  return c == 1 ? unit_sides : unit_sides.repeat_interleave(c, 0);
+}
+
+torch::Tensor to_eigenbasis_stacked(const torch::Tensor& qa, const torch::Tensor& qg, const torch::Tensor& matrices) {
+  stacked_units("to_eigenbasis_stacked", qa, qg, matrices);
+  return torch::bmm(torch::bmm(qg.transpose(1, 2), matrices), per_layer_side(qa, matrices.size(0)));
+}
+
+torch::Tensor from_eigenbasis_stacked(const torch::Tensor& qa, const torch::Tensor& qg, const torch::Tensor& rotated) {
+  stacked_units("from_eigenbasis_stacked", qa, qg, rotated);
+  return torch::bmm(torch::bmm(qg, rotated), per_layer_side(qa, rotated.size(0)).transpose(1, 2));
+}
 
 torch::Tensor precondition_eigen_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
                                          const torch::Tensor& denominator, const torch::Tensor& grads) {
   stacked_units("precondition_eigen_stacked", qa, qg, grads);
   TORCH_CHECK(denominator.sizes() == grads.sizes(), "precondition_eigen_stacked: denominators ", denominator.sizes(),
               " do not match gradients ", grads.sizes());
-  const int64_t c = grads.size(0) / qa.size(0);
-  const auto per_layer = c == 1 ? qa : qa.repeat_interleave(c, 0);  // each layer's Q_A (copies where shared)
-  auto rotated = torch::bmm(torch::bmm(qg.transpose(1, 2), grads), per_layer);  // to_eigenbasis's order
+  const auto each = per_layer_side(qa, grads.size(0));  // repeated once, for both products
+  auto rotated = to_eigenbasis_stacked(each, qg, grads);
   rotated.mul_(denominator);
-  return torch::bmm(torch::bmm(qg, rotated), per_layer.transpose(1, 2));
+  return from_eigenbasis_stacked(each, qg, rotated);
 }
 
 torch::Tensor precondition_inverse_stacked(const torch::Tensor& a_inverse, const torch::Tensor& g_inverse,

@@ -64,6 +64,18 @@ torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, con
 torch::Tensor precondition_eigen_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
                                          const torch::Tensor& denominator, const torch::Tensor& grads);
 
+/// Each unit's side of `unit_sides` [m, a, a] for each of `layers` layers, m units of c: a unit's side repeated for
+/// each of its c layers (a copy, where c > 1; `unit_sides` itself where c = 1), so that every layer's product is the
+/// GEMM it has alone (one [c g, a] product per unit would round differently, and sharing an A factor is exact:
+/// docs/MATH.md section 2.7). The stacked kernels take either form of their A side.
+torch::Tensor per_layer_side(const torch::Tensor& unit_sides, int64_t layers);
+
+/// to_eigenbasis and from_eigenbasis for several layers at once, the products as precondition_eigen_stacked takes
+/// them: `matrices` [m c, g, a] of m units of c layers, `qa` [m, a, a] each unit's Q_A, `qg` [m c, g, g] each layer's
+/// Q_G. Q_G^T X Q_A, and Q_G Y Q_A^T, for every layer (Options::eigen_adam under Options::stack_layers).
+torch::Tensor to_eigenbasis_stacked(const torch::Tensor& qa, const torch::Tensor& qg, const torch::Tensor& matrices);
+torch::Tensor from_eigenbasis_stacked(const torch::Tensor& qa, const torch::Tensor& qg, const torch::Tensor& rotated);
+
 /// Convenience form that builds the denominator for `damping`.
 torch::Tensor precondition_eigen(const EigenFactor& a, const EigenFactor& g, const torch::Tensor& grad,
                                  double damping);

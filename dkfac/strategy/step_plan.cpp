@@ -48,8 +48,8 @@ StepPlan StepPlan::single_process(const std::vector<assign::LayerShape>& shapes,
 }
 
 bool stacks_layers(const Options& options) {
-  return options.stack_layers() && !options.eigen_adam() &&
-         (options.compute_method() == ComputeMethod::kInverse || options.compute_eigenvalue_outer_product());
+  return options.stack_layers() && (options.compute_method() == ComputeMethod::kInverse || options.eigen_adam() ||
+                                    options.compute_eigenvalue_outer_product());
 }
 
 std::vector<StackGroup> stack_groups(const std::vector<StackCandidate>& layers) {

@@ -98,8 +98,8 @@ struct StepPlan {
   std::string describe(bool per_layer = true) const;
 };
 
-/// Options::stack_layers where it applies: not with eigen_adam (its moments are per layer), and with the eigen method
-/// only where the denominator is the eigenvalues' outer product (compute_eigenvalue_outer_product).
+/// Options::stack_layers where it applies: with the eigen method, where the denominator is the eigenvalues' outer
+/// product (compute_eigenvalue_outer_product) or not used (eigen_adam: the bases stacked, the moments per layer).
 bool stacks_layers(const Options& options);
 
 /// Options::stack_layers: the most gradient bytes one batch of a group's products takes (its intermediates are as

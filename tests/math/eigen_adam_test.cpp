@@ -162,6 +162,75 @@ TEST(EigenAdam, RotationIsExactForTheFirstMomentAndEntryWiseForTheSecond) {
   EXPECT_TENSOR_NEAR(same.exp_avg_sq, in_old.exp_avg_sq, 1e-12);
 }
 
+// Several layers at once (Options::stack_layers): m units of c layers, a unit's Q_A shared by its c layers, held at
+// widths padded with the identity (bases) and zeros (gradients) as LayerGroups holds them. Over three steps each
+// layer's direction, moments and step count equal its own eigen_adam_step's (and the dense reference's), and the
+// pad of every direction is zero; a layer whose gradient is not finite is NaN alone and keeps its moments.
+TEST(EigenAdamStacked, EachLayerEqualsItsOwnStep) {
+  torch::manual_seed(6);
+  const int64_t g = 3, a = 5;
+  for (const int64_t c : {1, 3}) {
+    for (const int64_t pad : {0, 3}) {
+      const int64_t units = 2, n = units * c, pg = g + pad, pa = a + pad;
+      std::vector<EigenFactor> ea, eg;
+      for (int64_t u = 0; u < units; ++u) ea.push_back(eigen_decompose(random_spd(a, 9, torch::kFloat64)));
+      for (int64_t k = 0; k < n; ++k) eg.push_back(eigen_decompose(random_spd(g, 9, torch::kFloat64)));
+      auto qa = torch::eye(pa, torch::kFloat64).repeat({units, 1, 1});
+      auto qg = torch::eye(pg, torch::kFloat64).repeat({n, 1, 1});
+      for (int64_t u = 0; u < units; ++u) qa[u].narrow(0, 0, a).narrow(1, 0, a).copy_(ea[u].eigenvectors);
+      for (int64_t k = 0; k < n; ++k) qg[k].narrow(0, 0, g).narrow(1, 0, g).copy_(eg[k].eigenvectors);
+      const AdamConstants constants{0.8, 0.95, 1e-6};
+      std::vector<EigenAdamMoments> stacked, alone;
+      std::vector<DenseEigenAdam> dense;
+      for (int64_t k = 0; k < n; ++k) {
+        stacked.push_back(zero_moments(g, a, torch::kFloat64));
+        alone.push_back(zero_moments(g, a, torch::kFloat64));
+        dense.emplace_back(ea[k / c].eigenvectors, eg[k].eigenvectors, constants);
+      }
+      std::vector<EigenAdamMoments*> pointers;
+      for (auto& m : stacked) pointers.push_back(&m);
+      for (int step = 0; step < 3; ++step) {
+        auto grads = torch::zeros({n, pg, pa}, torch::kFloat64);
+        grads.narrow(1, 0, g).narrow(2, 0, a).copy_(torch::randn({n, g, a}, torch::kFloat64));
+        const int64_t broken = step == 2 ? n - 1 : -1;  // the last layer's gradient is not finite at step 2
+        if (broken >= 0) grads[broken][1][2] = kNan;
+        const auto before = stacked[static_cast<size_t>(n - 1)].exp_avg.clone();
+        const auto got = eigen_adam_step_stacked(qa, qg, pointers, grads, constants);
+        ASSERT_EQ(got.sizes(), grads.sizes());
+        const std::string where = "c " + std::to_string(c) + " pad " + std::to_string(pad) + " step " +
+                                  std::to_string(step);
+        for (int64_t k = 0; k < n; ++k) {
+          const auto grad = grads[k].narrow(0, 0, g).narrow(1, 0, a);
+          const auto own = eigen_adam_step(ea[k / c], eg[k], alone[static_cast<size_t>(k)], grad, constants);
+          const auto layer = got[k].narrow(0, 0, g).narrow(1, 0, a);
+          if (k == broken) {
+            EXPECT_TRUE(torch::isnan(layer).all().item<bool>()) << where;
+            EXPECT_TRUE(torch::equal(stacked[static_cast<size_t>(k)].exp_avg, before)) << where;
+            continue;
+          }
+          EXPECT_TENSOR_NEAR(layer, own, 1e-13) << where << " layer " << k;
+          EXPECT_TENSOR_NEAR(layer, dense[static_cast<size_t>(k)].step(grad), 1e-10) << where << " layer " << k;
+          EXPECT_TENSOR_NEAR(stacked[static_cast<size_t>(k)].exp_avg_sq, alone[static_cast<size_t>(k)].exp_avg_sq,
+                             1e-13) << where;
+          EXPECT_EQ(stacked[static_cast<size_t>(k)].steps.item<double>(), alone[static_cast<size_t>(k)].steps.item<double>())
+              << where;
+          if (pad > 0) {
+            EXPECT_EQ(got[k].narrow(0, g, pad).abs().max().item<double>(), 0.0) << where;
+            EXPECT_EQ(got[k].narrow(1, a, pad).abs().max().item<double>(), 0.0) << where;
+          }
+        }
+      }
+    }
+  }
+  std::vector<EigenAdamMoments*> none;
+  try {
+    eigen_adam_step_stacked(torch::zeros({1, 2, 2}), torch::zeros({1, 2, 2}), none, torch::zeros({1, 2, 2}), {});
+    FAIL() << "a gradient without moments was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("0 layers' moments for 1 gradients"), std::string::npos) << e.what();
+  }
+}
+
 TEST(EigenAdam, RotationOutOfABasisThatHeldNaNRestartsFromZero) {
   const auto [ea, eg, moments] = after_one_step(5);
   EigenFactor broken{torch::full({3, 3}, kNan, torch::kFloat64), torch::ones({3}, torch::kFloat64)};

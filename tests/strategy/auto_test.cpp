@@ -249,7 +249,11 @@ TEST(TimeModel, StackedLayersPayTheFixedCostOncePerBatch) {
   EXPECT_NEAR(precondition(plan), 6e-3 + 1e-12 * flops, 1e-12);
   EXPECT_FALSE(make_step_plan(layers, 1, Options(options).stack_layers(false)).stack_layers);
   EXPECT_TRUE(make_step_plan(layers, 1, Options(options).second_order_lag(1)).stack_layers);
-  EXPECT_FALSE(make_step_plan(layers, 1, Options().eigen_adam(true).kl_clip(0)).stack_layers);
+  // eigen_adam stacks the bases (its moments stay per layer); the eigen method without the outer product does not.
+  EXPECT_TRUE(make_step_plan(layers, 1, Options().eigen_adam(true).kl_clip(0)).stack_layers);
+  EXPECT_TRUE(make_step_plan(layers, 1, Options().eigen_adam(true).kl_clip(0).compute_eigenvalue_outer_product(false))
+                  .stack_layers);
+  EXPECT_FALSE(make_step_plan(layers, 1, Options().compute_eigenvalue_outer_product(false)).stack_layers);
   EXPECT_FALSE(make_step_plan(layers, 2, Options(options).stack_layers(false)).stack_layers);
   EXPECT_TRUE(make_step_plan(layers, 2, options).stack_layers);
   // Layers whose gradients pass kStackedBatchBytes in one batch: a batch per kStackedBatchBytes (float32 here).
