@@ -246,6 +246,7 @@ std::vector<KfacLayer> Preconditioner::staged_layer_states(
   std::vector<KfacLayer> staged = layers_;
   for (size_t i = 0; i < staged.size(); ++i) staged[i].load_state(placed_here(i, states[i]), options_.compute_method());
   link_shared_inputs(staged);
+  for (auto& layer : staged) layer.adam_moments_in_current_basis();  // Options::eigen_adam
   return staged;
 }
 

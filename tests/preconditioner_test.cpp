@@ -1084,6 +1084,18 @@ TEST(Preconditioner, EigenAdamCheckpointRoundTripKeepsTheMoments) {
   expect_checkpoint_round_trip(Options().factor_update_steps(2).inv_update_steps(3).kl_clip(0).eigen_adam(true));
 }
 
+// The same with an update in flight, installed at the first step after the load (saved after step 3, whose update
+// installs at step 4 with lag 1; lag 2 installs it at step 5, after a step in the loaded basis): the loaded moments
+// are in the loaded basis, and the resumed update's install rotates them out of it, as the uninterrupted run does.
+// (They were taken to be in whichever basis came next, and went unrotated.)
+TEST(Preconditioner, EigenAdamLaggedCheckpointRotatesTheMomentsAtTheResumedInstall) {
+  for (const int64_t lag : {1, 2}) {
+    SCOPED_TRACE("second_order_lag " + std::to_string(lag));
+    expect_checkpoint_round_trip(
+        Options().factor_update_steps(2).inv_update_steps(3).second_order_lag(lag).kl_clip(0).eigen_adam(true));
+  }
+}
+
 TEST(Preconditioner, LoadRejectsAnotherModelAndLeavesStateUnchanged) {
   auto net = make_net();
   Preconditioner kfac(net, Options());

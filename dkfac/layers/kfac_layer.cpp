@@ -393,6 +393,7 @@ math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
   } else if (adam_basis_ && (!same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) ||
                              !same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors))) {
     adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
+    ++adam_rotations_;
   }
   adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
   return adam_;
@@ -505,7 +506,16 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   g_factor_ = g_factor;
   second_order_ = std::move(next);
   adam_ = std::move(adam);
-  adam_basis_.reset();  // loaded moments are in the loaded (or next computed) basis
+  adam_basis_.reset();  // until the layers are linked: adam_moments_in_current_basis
+}
+
+void KfacLayer::adam_moments_in_current_basis() {
+  const auto& s = second_order_;
+  if (adam_.defined() && s.method == ComputeMethod::kEigen && s.defined()) {
+    adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
+  } else {
+    adam_basis_.reset();  // no basis was saved with them: the next one computed is theirs
+  }
 }
 
 void KfacLayer::save(torch::serialize::OutputArchive& archive) const {

@@ -223,6 +223,10 @@ class KfacLayer {
   /// which they are then taken to be in: for a step taken elsewhere (math::eigen_adam_step_stacked, Options::
   /// stack_layers). The same conditions as precondition_adam.
   math::EigenAdamMoments& adam_moments_for_step();
+  /// After a load (and the layers' linking, Options::shared_input_layers): the loaded moments are in the loaded
+  /// basis, so that an update installed next (one in flight when the state was saved, Options::second_order_lag, or a
+  /// recomputation) rotates them out of it; where no basis was loaded, the next one computed is theirs.
+  void adam_moments_in_current_basis();
   /// Options::stack_layers: `from`, a part of this layer's eigenbasis, now lives in `to`, which holds its values (a
   /// copy into a stack's slot, or out of it): where the moments are expressed in `from`, they are in `to`, and need
   /// no rotation. Nothing without eigen_adam.
@@ -232,6 +236,9 @@ class KfacLayer {
   void keep_adam_basis_from(const torch::Tensor& memory);
   /// Adam's moments (undefined before the first precondition_adam).
   const math::EigenAdamMoments& adam_moments() const { return adam_; }
+  /// How many times the moments were rotated into a new eigenbasis: once per basis they were stepped in after the
+  /// first, none for a basis that only moved (into a stack's slot or out of it).
+  int64_t adam_rotations() const { return adam_rotations_; }
 
   /// True when the weight (and bias) have gradients.
   bool has_gradient() const;
@@ -277,6 +284,7 @@ class KfacLayer {
   bool eigen_adam_ = false;
   int a_leader_ = -1;  // Options::shared_input_layers: the layer whose A side this one aliases
   math::EigenAdamMoments adam_;
+  int64_t adam_rotations_ = 0;
   /// The eigenbasis adam_ is expressed in ({Q_A, Q_G}: the tensors of the state it was last updated with; a
   /// refresh installs new ones); nullopt: whichever is current (new or loaded moments).
   std::optional<std::pair<math::EigenFactor, math::EigenFactor>> adam_basis_;
