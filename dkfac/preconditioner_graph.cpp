@@ -15,6 +15,9 @@
 //    (set to None and allocated again elsewhere) cost no captures, only eager steps;
 //  - steps that update factors or second-order state, or that need another rank or the host inside the region
 //    (graph_ineligible), run eagerly and leave the graph for the next step that can use it;
+//  - eigen_adam's moments are state it steps in place: their addresses are in the key, a rotation into a new basis
+//    writes them in place, and a step that makes or rotates them (a host decision, KfacLayer::adam_moments_current)
+//    runs eagerly; a replayed step's Adam step count is a device tensor, which the fused kernel reads there;
 //  - the region's own tensors (its report's rows and scale among them) live in the graph's memory pool at fixed
 //    addresses: the report kept with the graph is the one each replay rewrites, and its host copies are taken
 //    after each replay (defer_guard_read), so no step's report is read from a later replay's tensors.
@@ -63,7 +66,14 @@ std::string Preconditioner::GraphKey::changed_from(const GraphKey& before) const
 
 std::string Preconditioner::graph_ineligible(bool updated, const Distributor& model) const {
   if (updated) return "this step updated factors or second-order state";
-  if (options_.eigen_adam()) return "eigen_adam counts Adam's steps on the host";
+  if (options_.eigen_adam()) {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const auto& layer = layers_[i];
+      if (executor_->preconditions(i) && layer.second_order().defined() && !layer.adam_moments_current()) {
+        return "eigen_adam makes a layer's moments, or rotates them into its new eigenbasis, this step";
+      }
+    }
+  }
   if (options_.compute_method() == ComputeMethod::kEigen && !options_.compute_eigenvalue_outer_product()) {
     return "compute_eigenvalue_outer_product off builds the denominators from each step's damping";
   }
@@ -106,6 +116,8 @@ Preconditioner::GraphKey Preconditioner::graph_key(const std::vector<LayerFate>&
     push_tensor(key.gradients, layer.weight().grad());
     if (layer.bias().defined()) push_tensor(key.gradients, layer.bias().grad());
     for (const auto* part : layer.second_order().parts()) push_tensor(key.state, *part);
+    const auto& adam = layer.adam_moments();  // Options::eigen_adam: stepped in place, rotated in place
+    for (const auto* moment : {&adam.exp_avg, &adam.exp_avg_sq, &adam.steps}) push_tensor(key.state, *moment);
   }
   for (const auto& group : groups_.groups()) {
     key.state.push_back(static_cast<int64_t>(group.members.size()));

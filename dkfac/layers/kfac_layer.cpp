@@ -392,7 +392,11 @@ math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
     adam_ = math::zero_moments(g_dim(), a_dim(), binding_.weight.options().dtype(second_order_dtype()));
   } else if (adam_basis_ && (!same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) ||
                              !same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors))) {
-    adam_ = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
+    // Into the moments' own memory: a CUDA graph that steps them (Options::cuda_graphs) keeps reading them there.
+    const auto rotated = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
+    adam_.exp_avg.copy_(rotated.exp_avg);
+    adam_.exp_avg_sq.copy_(rotated.exp_avg_sq);
+    adam_.steps.copy_(rotated.steps);
     ++adam_rotations_;
   }
   adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
@@ -403,6 +407,12 @@ torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math
   auto& moments = adam_moments_for_step();
   const auto& s = second_order_;
   return math::eigen_adam_step(s.a_eigen, s.g_eigen, moments, grad, constants);
+}
+
+bool KfacLayer::adam_moments_current() const {
+  const auto& s = second_order_;
+  return adam_.defined() && adam_basis_ && same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) &&
+         same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors);
 }
 
 void KfacLayer::adam_basis_moved(const torch::Tensor& from, const torch::Tensor& to) {

@@ -236,6 +236,9 @@ class KfacLayer {
   void keep_adam_basis_from(const torch::Tensor& memory);
   /// Adam's moments (undefined before the first precondition_adam).
   const math::EigenAdamMoments& adam_moments() const { return adam_; }
+  /// Whether the moments exist and are in the current eigenbasis, so that a step needs no host decision about them
+  /// (a CUDA graph's replay takes none: Options::cuda_graphs).
+  bool adam_moments_current() const;
   /// How many times the moments were rotated into a new eigenbasis: once per basis they were stepped in after the
   /// first, none for a basis that only moved (into a stack's slot or out of it).
   int64_t adam_rotations() const { return adam_rotations_; }

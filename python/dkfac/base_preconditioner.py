@@ -975,8 +975,9 @@ class BaseKFACPreconditioner:
         """With ``cuda_graphs``: ``captures`` (CUDA graphs captured), ``replays`` (steps whose preconditioning,
         guard and gradient writes were a graph's replay), ``eager_steps`` (preconditioning steps without one),
         ``off`` (why none is captured for good: no CUDA device, a capture that failed; '' while they may be) and
-        ``last_eager`` (why the last step without one had none: a factor or second-order update, eigen_adam, a
-        gradient broadcast, gradients or state moved since the step before)."""
+        ``last_eager`` (why the last step without one had none: a factor or second-order update, eigen_adam's
+        moments made or rotated into a new eigenbasis, a gradient broadcast, gradients or state moved since the step
+        before)."""
         return self._core.cuda_graph_report()
 
     def memory_usage(self) -> dict[str, int]:

@@ -218,7 +218,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     ``stack_layers`` (on by default, exact) preconditions the layers of one shape together: their eigenbases (or
     inverses) and denominators are held as slices of one stacked tensor per shape, and each group of them takes four
     batched products in place of four per layer (equal to one at a time to rounding; docs/MATH.md section 2.9).
-    Off, and with ``eigen_adam`` or ``compute_eigenvalue_outer_product=False``, layer by layer.
+    With ``eigen_adam`` the eigenbases are stacked and each layer's Adam moments stay its own. Off, and with
+    ``compute_eigenvalue_outer_product=False`` (not ``eigen_adam``), layer by layer.
     ``pad_widths`` (8 by default, exact) holds those stacks with their widths padded up to a multiple of it (the
     eigenbases or inverses with the identity in the pad, the gradients with zeros), so that the batched products
     run on aligned widths (equal to unpadded to rounding; the pads' bytes are ``memory_usage()['stack_padding']``);

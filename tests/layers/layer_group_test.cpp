@@ -251,6 +251,10 @@ void expect_same_moments(const Runs& r, int64_t step) {
     EXPECT_EQ(got.adam_rotations(), want.adam_rotations()) << got.name() << " step " << step;
     ASSERT_EQ(got.adam_moments().defined(), want.adam_moments().defined()) << got.name() << " step " << step;
     if (!want.adam_moments().defined()) continue;
+    // After a step the moments are in the basis in use: the next step needs no host decision about them (what a
+    // CUDA graph's replay needs, Options::cuda_graphs), unless an update installs another basis.
+    EXPECT_TRUE(got.adam_moments_current()) << got.name() << " step " << step;
+    EXPECT_TRUE(want.adam_moments_current()) << got.name() << " step " << step;
     EXPECT_TENSOR_NEAR(got.adam_moments().exp_avg, want.adam_moments().exp_avg, 1e-12) << got.name() << " step " << step;
     EXPECT_TENSOR_NEAR(got.adam_moments().exp_avg_sq, want.adam_moments().exp_avg_sq, 1e-12)
         << got.name() << " step " << step;

@@ -429,16 +429,19 @@ def test_a_compiled_model_on_cuda_matches_the_eager_one():
 # steps without updates that follow, the first runs eagerly and the second captures and replays. With the gradients
 # kept (zero_grad(set_to_none=False)) that is 4 replays in 16 steps; set to None (zero_grad's default), a step
 # replays where the backward pass gave the gradients their memory back, and is eager where it did not: the report
-# says which, and the results are the same either way.
+# says which, and the results are the same either way. eigen_adam (KL clipping off) the same: its moments, stepped and
+# rotated in place, are rotated at the inverse steps, which are update steps.
 @pytest.mark.parametrize('kind', ['cnn', 'lm'])
 @pytest.mark.parametrize('set_to_none', [False, True], ids=['kept', 'none'])
-def test_cuda_graphs_equal_eager_steps_bit_for_bit(kind, set_to_none):
+@pytest.mark.parametrize('eigen_adam', [False, True], ids=['kfac', 'eigen-adam'])
+def test_cuda_graphs_equal_eager_steps_bit_for_bit(kind, set_to_none, eigen_adam):
     def run(cuda_graphs: bool):
         torch.manual_seed(0)
         model = scenarios.make_model(kind).cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, factor_update_steps=2, inv_update_steps=4,
-                                                  kl_clip=1e-3, lr=lambda step: 0.1 * (1 + 0.05 * step),
+                                                  kl_clip=0.0 if eigen_adam else 1e-3, eigen_adam=eigen_adam,
+                                                  lr=lambda step: 0.1 * (1 + 0.05 * step),
                                                   diagonal_factor_dim=16, cuda_graphs=cuda_graphs)
         grads = []
         for step in range(16):
@@ -460,4 +463,4 @@ def test_cuda_graphs_equal_eager_steps_bit_for_bit(kind, set_to_none):
     assert report['replays'] + report['eager_steps'] == 16, report
     if not set_to_none:  # steps 3, 7, 11 and 15
         assert report['captures'] == 4 and report['replays'] == 4, report
-    print(f'{kind}, set_to_none={set_to_none}: {report}')
+    print(f'{kind}, set_to_none={set_to_none}, eigen_adam={eigen_adam}: {report}')
