@@ -245,9 +245,13 @@ std::vector<KfacLayer> Preconditioner::staged_layer_states(
     const std::vector<std::map<std::string, torch::Tensor>>& states) const {
   std::vector<KfacLayer> staged = layers_;
   for (size_t i = 0; i < staged.size(); ++i) staged[i].load_state(placed_here(i, states[i]), options_.compute_method());
-  link_shared_inputs(staged);
-  for (auto& layer : staged) layer.adam_moments_in_current_basis();  // Options::eigen_adam
+  settle_loaded_layers(staged);
   return staged;
+}
+
+void Preconditioner::settle_loaded_layers(std::vector<KfacLayer>& layers) {
+  link_shared_inputs(layers);
+  for (auto& layer : layers) layer.adam_moments_in_current_basis();
 }
 
 void Preconditioner::link_shared_inputs(std::vector<KfacLayer>& layers) {
@@ -903,7 +907,7 @@ void Preconditioner::precondition_groups(const std::vector<LayerFate>& fates, do
         for (int64_t m = 0; m < members; ++m) {
           moments.push_back(&layers_[group.members[static_cast<size_t>(first_member + m)]].adam_moments_for_step());
         }
-        v = math::eigen_adam_step_stacked(a_side, g_side, moments, x, adam_constants());
+        v = math::eigen_adam_step_stacked(a_side, g_side, moments, x, g, a, adam_constants());
       } else if (group.method == ComputeMethod::kEigen) {
         v = math::precondition_eigen_stacked(a_side, g_side, group.denominator.narrow(0, first_member, members), x);
       } else {

@@ -443,8 +443,8 @@ class Preconditioner {
   void precondition_and_write(std::vector<LayerFate>& fates, double kl_clip, const Distributor& model, bool updated);
   /// Options::cuda_graphs: what a graph's replay would not redo, in the order it is checked: a factor or
   /// second-order update this step, what needs the host or another rank inside the region; "" where a graph may
-  /// serve.
-  std::string graph_ineligible(bool updated, const Distributor& model) const;
+  /// serve (eigen_adam: a layer preconditioned this step, per `fates`, whose moments are made or rotated).
+  std::string graph_ineligible(bool updated, const std::vector<LayerFate>& fates, const Distributor& model) const;
   /// What a captured region reads and decides on: the setup (executor, fates, KL clipping on, TF32), each
   /// gradient's and each second-order tensor's address and layout. A graph is replayed only where it is the same.
   struct GraphKey {
@@ -556,6 +556,9 @@ class Preconditioner {
   /// Aliases every follower's A side (running factor and decomposition) to its leader's, in `layers` (the live ones,
   /// or staged ones).
   static void link_shared_inputs(std::vector<KfacLayer>& layers);
+  /// After every layer of `layers` took a loaded (or gathered) state: link_shared_inputs, then each layer's Adam
+  /// moments (Options::eigen_adam) are in the loaded basis, so that the next basis installed rotates them.
+  static void settle_loaded_layers(std::vector<KfacLayer>& layers);
   /// After a second-order update: link_shared_inputs, then each follower's denominator from its G and the leader's
   /// new A.
   void relink_followers(double damping);

@@ -64,17 +64,20 @@ std::string Preconditioner::GraphKey::changed_from(const GraphKey& before) const
   return out.str();
 }
 
-std::string Preconditioner::graph_ineligible(bool updated, const Distributor& model) const {
+std::string Preconditioner::graph_ineligible(bool updated, const std::vector<LayerFate>& fates,
+                                             const Distributor& model) const {
   if (updated) return "this step updated factors or second-order state";
   if (options_.eigen_adam()) {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const auto& layer = layers_[i];
-      if (executor_->preconditions(i) && layer.second_order().defined() && !layer.adam_moments_current()) {
+      if (fates[i] == LayerFate::kPreconditioned && executor_->preconditions(i) && layer.second_order().defined() &&
+          !layer.adam_moments_current()) {
         return "eigen_adam makes a layer's moments, or rotates them into its new eigenbasis, this step";
       }
     }
   }
-  if (options_.compute_method() == ComputeMethod::kEigen && !options_.compute_eigenvalue_outer_product()) {
+  if (options_.compute_method() == ComputeMethod::kEigen && !options_.compute_eigenvalue_outer_product() &&
+      !options_.eigen_adam()) {  // eigen_adam holds no denominator
     return "compute_eigenvalue_outer_product off builds the denominators from each step's damping";
   }
   if (read_guard_at_once_.value_or(device_.is_cpu())) {
@@ -156,12 +159,13 @@ bool Preconditioner::replay_graph(std::vector<LayerFate>& fates, double kl_clip,
     return false;
   };
   if (!r.off.empty()) return eager(r.off);
-  const auto why_not = graph_ineligible(updated, model);
-  if (!why_not.empty()) return eager(why_not);
   // The groups planned, and every member's state copied into its slots (LayerGroups::ready), now: in a capture the
-  // copies would be recorded from tensors that are then freed, and replayed from freed memory.
+  // copies would be recorded from tensors that are then freed, and replayed from freed memory. (Before the checks:
+  // a copy into a slot can keep eigen_adam's basis apart, which makes its moments' rotation due.)
   auto& groups = layer_groups();
   for (size_t k = 0; k < groups.groups().size(); ++k) groups.ready(layers_, k);
+  const auto why_not = graph_ineligible(updated, fates, model);
+  if (!why_not.empty()) return eager(why_not);
   auto key = graph_key(fates, kl_clip, model);
   if (!step_graph_ || step_graph_->key != key) {
     if (!eager_key_ || *eager_key_ != key) {  // a new key: eager now, captured where the next step's is the same

@@ -353,6 +353,13 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
     PhaseClock::Span span(clock_, KfacPhase::kSecondOrder);
     install_second_order_job(nullptr);
   }
+  // Options::eigen_adam: moments rotated now into a basis installed since their last step (the update just
+  // installed), as their next step would: they are gathered with that basis and loaded as in it.
+  for (auto& layer : layers_) {
+    if (layer.adam_moments().defined() && layer.second_order().defined() && !layer.adam_moments_current()) {
+      layer.adam_moments_for_step();
+    }
+  }
   std::vector<std::map<std::string, torch::Tensor>> states;
   if (has_state) states = executor_->gather_states(layers_);
   disarm_hook_folds();  // armed by the old plan's reductions
@@ -360,7 +367,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   options_ = chosen;
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
-  link_shared_inputs(layers_);
+  settle_loaded_layers(layers_);
   layer_groups();  // Options::stack_layers: groups for the new plan now, the old stacks freed
 }
 

@@ -62,7 +62,9 @@ torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenA
 
 torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
                                       const std::vector<EigenAdamMoments*>& moments, const torch::Tensor& grads,
-                                      const AdamConstants& constants) {
+                                      int64_t g, int64_t a, const AdamConstants& constants) {
+  TORCH_CHECK(g >= 1 && a >= 1 && g <= grads.size(1) && a <= grads.size(2), "eigen_adam_step_stacked: layers of [", g,
+              ", ", a, "] in gradients of ", grads.sizes());
   TORCH_CHECK(static_cast<int64_t>(moments.size()) == grads.size(0), "eigen_adam_step_stacked: ", moments.size(),
               " layers' moments for ", grads.size(0), " gradients");
   const auto each = per_layer_side(qa, grads.size(0));  // repeated once, for both products
@@ -71,10 +73,10 @@ torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tens
   auto update = torch::zeros_like(p);  // a padded layer's update is zero outside its [g, a]
   for (size_t k = 0; k < moments.size(); ++k) {
     TORCH_CHECK(moments[k] != nullptr && moments[k]->defined(), "eigen_adam_step_stacked: layer ", k, " has no moments");
-    const auto rows = moments[k]->exp_avg.size(0), cols = moments[k]->exp_avg.size(1);
-    TORCH_CHECK(rows <= p.size(1) && cols <= p.size(2), "eigen_adam_step_stacked: layer ", k, "'s moments ",
-                moments[k]->exp_avg.sizes(), " are wider than its gradient's slot [", p.size(1), ", ", p.size(2), "]");
-    check_moments(*moments[k], {rows, cols});
+    const int64_t rows = g, cols = a;
+    check_moments(*moments[k], {g, a});
+    TORCH_CHECK(moments[k]->exp_avg.scalar_type() == dtype, "eigen_adam_step_stacked: layer ", k, "'s moments are ",
+                moments[k]->exp_avg.scalar_type(), ", its eigenbasis ", dtype);
     const auto index = static_cast<int64_t>(k);
     const bool whole = rows == p.size(1) && cols == p.size(2);
     if (whole) {  // a slice of the contiguous stack: contiguous, as the kernel wants it

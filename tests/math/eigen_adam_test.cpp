@@ -195,7 +195,7 @@ TEST(EigenAdamStacked, EachLayerEqualsItsOwnStep) {
         const int64_t broken = step == 2 ? n - 1 : -1;  // the last layer's gradient is not finite at step 2
         if (broken >= 0) grads[broken][1][2] = kNan;
         const auto before = stacked[static_cast<size_t>(n - 1)].exp_avg.clone();
-        const auto got = eigen_adam_step_stacked(qa, qg, pointers, grads, constants);
+        const auto got = eigen_adam_step_stacked(qa, qg, pointers, grads, g, a, constants);
         ASSERT_EQ(got.sizes(), grads.sizes());
         const std::string where = "c " + std::to_string(c) + " pad " + std::to_string(pad) + " step " +
                                   std::to_string(step);
@@ -224,10 +224,20 @@ TEST(EigenAdamStacked, EachLayerEqualsItsOwnStep) {
   }
   std::vector<EigenAdamMoments*> none;
   try {
-    eigen_adam_step_stacked(torch::zeros({1, 2, 2}), torch::zeros({1, 2, 2}), none, torch::zeros({1, 2, 2}), {});
+    eigen_adam_step_stacked(torch::zeros({1, 2, 2}), torch::zeros({1, 2, 2}), none, torch::zeros({1, 2, 2}), 2, 2, {});
     FAIL() << "a gradient without moments was accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("0 layers' moments for 1 gradients"), std::string::npos) << e.what();
+  }
+  auto narrow = zero_moments(2, 1, torch::kFloat64);  // a [2, 1] layer's moments where the layers are [2, 2]
+  std::vector<EigenAdamMoments*> one{&narrow};
+  const auto eye = torch::eye(2, torch::kFloat64).unsqueeze(0);
+  try {
+    eigen_adam_step_stacked(eye, eye, one, torch::ones({1, 2, 2}, torch::kFloat64), 2, 2, {});
+    FAIL() << "moments of another width were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moments of shape [2, 1] for a gradient of shape [2, 2]"), std::string::npos)
+        << e.what();
   }
 }
 

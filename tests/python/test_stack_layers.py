@@ -123,13 +123,13 @@ def test_state_dict_of_stacked_layers_loads(into_stacked, padding):
 
 
 def in_lockstep(first: tuple[Stack, dkfac.KFACPreconditioner], second: tuple[Stack, dkfac.KFACPreconditioner],
-                steps: int, start: int = 0) -> list[float]:
+                steps: int, start: int = 0, device: str = 'cpu', dtype: torch.dtype = torch.float64) -> list[float]:
     """Each step's largest difference between two runs whose parameters are made the first's after every step, so
     that each step compares the two preconditioners from one state, and rounding is not carried from step to step."""
     differences = []
     for step in range(start, start + steps):
-        got = train('cpu', torch.float64, 1, *first, first=step)[0]
-        expected = train('cpu', torch.float64, 1, *second, first=step)[0]
+        got = train(device, dtype, 1, *first, first=step)[0]
+        expected = train(device, dtype, 1, *second, first=step)[0]
         differences.append(largest_difference(got, expected))
         with torch.no_grad():
             for a, b in zip(first[0].parameters(), second[0].parameters()):
@@ -137,9 +137,10 @@ def in_lockstep(first: tuple[Stack, dkfac.KFACPreconditioner], second: tuple[Sta
     return differences
 
 
-def stack_model(**kwargs) -> tuple[Stack, dkfac.KFACPreconditioner]:
+def stack_model(device: str = 'cpu', dtype: torch.dtype = torch.float64, **kwargs) -> tuple[Stack,
+                                                                                           dkfac.KFACPreconditioner]:
     torch.manual_seed(0)
-    model = Stack().to(torch.float64)
+    model = Stack().to(device, dtype)
     return model, dkfac.KFACPreconditioner(model, damping=0.01, inv_update_steps=3, **kwargs)
 
 

@@ -760,12 +760,10 @@ TEST(Restore, RanksTakeTheSameBranch) {
   for (size_t i = 0; i < eigenvalues[0].size(); ++i) EXPECT_TRUE(torch::equal(eigenvalues[0][i], eigenvalues[1][i]));
 }
 
-// A checkpoint resumed under strategy auto: the state is placed as the chosen plan says, and training goes
-// on as a job of that strategy that loaded the same checkpoint.
-TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
-  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
-  const auto method = ComputeMethod::kEigen;
-  const Options base = base_options(method, false, 1.0);
+// A checkpoint of `base` saved after 3 steps, resumed under strategy auto: the state is placed as the chosen plan
+// says, and training goes on as a job of that strategy that loaded the same checkpoint.
+void expect_resumed_as_the_chosen_strategy(const Options& base) {
+  const auto method = base.compute_method();
   const auto r = auto_rates(1e-12, 1e-2, 1e-6, method);  // a slow link: not KAISA f = 1 without triangles
   const Options chosen = choose_strategy(kObservedShapes, 2, base, r, kNoMemoryBudget, kBatch, {1, 2}).apply(base);
   ASSERT_FALSE(chosen.strategy() == Strategy::kKaisa && chosen.grad_worker_fraction() == 1.0);
@@ -811,6 +809,20 @@ TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
       EXPECT_TENSOR_NEAR(got[rank][p], expected[rank][p], 1e-12) << "rank " << rank << " param " << p;
     }
   }
+}
+
+TEST(StrategyAuto, ResumesACheckpointAsTheChosenStrategy) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  expect_resumed_as_the_chosen_strategy(base_options(ComputeMethod::kEigen, false, 1.0));
+}
+
+// The same with eigen_adam and step 2's update in flight at the save (lag 1): the chosen strategy's state is
+// gathered and placed again after that update is installed, and the moments, placed with it, are in the loaded
+// basis, so the update rotates them at step 3 as the directly resumed job does (they went unrotated).
+TEST(StrategyAuto, ResumesEigenAdamWithAnUpdateInFlightAsTheChosenStrategy) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  expect_resumed_as_the_chosen_strategy(
+      base_options(ComputeMethod::kEigen, false, 1.0).kl_clip(0.0).eigen_adam(true).second_order_lag(1));
 }
 
 // Two equal wide layers and many rows per rank: building the factors is most of K-FAC's work, and DP-KFAC,
