@@ -288,8 +288,9 @@ class KfacLayer {
   int a_leader_ = -1;  // Options::shared_input_layers: the layer whose A side this one aliases
   math::EigenAdamMoments adam_;
   int64_t adam_rotations_ = 0;
-  /// The eigenbasis adam_ is expressed in ({Q_A, Q_G}: the tensors of the state it was last updated with; a
-  /// refresh installs new ones); nullopt: whichever is current (new or loaded moments).
+  /// The eigenbasis adam_ is expressed in ({Q_A, Q_G}: the tensors of the state it was last updated with, compared
+  /// with the current ones by memory; an update installs new ones, or new values into a stack's slot after
+  /// keep_adam_basis_from); nullopt: whichever is current (new moments, or moments loaded without a basis).
   std::optional<std::pair<math::EigenFactor, math::EigenFactor>> adam_basis_;
 };
 

@@ -73,18 +73,16 @@ torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tens
   auto update = torch::zeros_like(p);  // a padded layer's update is zero outside its [g, a]
   for (size_t k = 0; k < moments.size(); ++k) {
     TORCH_CHECK(moments[k] != nullptr && moments[k]->defined(), "eigen_adam_step_stacked: layer ", k, " has no moments");
-    const int64_t rows = g, cols = a;
     check_moments(*moments[k], {g, a});
     TORCH_CHECK(moments[k]->exp_avg.scalar_type() == dtype, "eigen_adam_step_stacked: layer ", k, "'s moments are ",
                 moments[k]->exp_avg.scalar_type(), ", its eigenbasis ", dtype);
     const auto index = static_cast<int64_t>(k);
-    const bool whole = rows == p.size(1) && cols == p.size(2);
-    if (whole) {  // a slice of the contiguous stack: contiguous, as the kernel wants it
+    if (g == p.size(1) && a == p.size(2)) {  // a slice of the contiguous stack: contiguous, as the kernel wants it
       adam_in_eigenbasis(*moments[k], p[index], constants, update[index]);
-    } else {
-      auto block = torch::empty({rows, cols}, p.options());
-      adam_in_eigenbasis(*moments[k], p[index].narrow(0, 0, rows).narrow(1, 0, cols).contiguous(), constants, block);
-      update[index].narrow(0, 0, rows).narrow(1, 0, cols).copy_(block);
+    } else {  // padded: the layer's block, copied out and back
+      auto block = torch::empty({g, a}, p.options());
+      adam_in_eigenbasis(*moments[k], p[index].narrow(0, 0, g).narrow(1, 0, a).contiguous(), constants, block);
+      update[index].narrow(0, 0, g).narrow(1, 0, a).copy_(block);
     }
   }
   auto direction = from_eigenbasis_stacked(each, qg, update);

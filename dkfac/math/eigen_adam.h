@@ -44,11 +44,12 @@ torch::Tensor eigen_adam_step(const EigenFactor& a, const EigenFactor& g, EigenA
 /// eigen_adam_step for several layers at once (Options::stack_layers, docs/MATH.md section 2.9), with the batched
 /// products of to_eigenbasis_stacked and from_eigenbasis_stacked: `grads` [m c, g', a'] of m units of c layers, `qa`
 /// [m, a', a'] (or each layer's, [m c, a', a']: math::per_layer_side) and `qg` [m c, g', g'] their eigenbases, and
-/// `moments[k]` layer k's, [g, a] (the layers' widths, g <= g' and a <= a'; in the bases' dtype). Each layer's P is the leading [g, a] block of its
-/// Q_G^T X Q_A: where the widths are padded (bases with the identity in the pad, gradients with zeros, as LayerGroups
-/// holds them) the rest is zero, and so is the rest of the layer's [g', a'] direction returned. Each layer's moments
-/// and step count are updated (or, where its P is not finite, left) as eigen_adam_step updates them, and its direction
-/// equals eigen_adam_step's to rounding. Computed in the bases' dtype (the moments'), returned in grads'.
+/// `moments[k]` layer k's, [g, a] (the layers' widths, g <= g' and a <= a'), in the bases' dtype. Each layer's P is
+/// the leading [g, a] block of its Q_G^T X Q_A: where the widths are padded (bases with the identity in the pad,
+/// gradients with zeros, as LayerGroups holds them) the rest is zero, and so is the rest of the layer's [g', a']
+/// direction returned. Each layer's moments and step count are updated (or, where its P is not finite, left) as
+/// eigen_adam_step updates them, and its direction equals eigen_adam_step's to rounding. Computed in the bases'
+/// dtype, returned in grads'.
 torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tensor& qg,
                                       const std::vector<EigenAdamMoments*>& moments, const torch::Tensor& grads,
                                       int64_t g, int64_t a, const AdamConstants& constants);
