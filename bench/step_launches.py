@@ -15,7 +15,9 @@ place (``zero_grad(set_to_none=False)``, so that a graph can be replayed), and:
   around it.
 
 The graphs mode's report (``cuda_graph_report()``) says how many steps replayed; on a CPU there is no graph, and
-that mode is the eager one (its report says why).
+that mode is the eager one (its report says why). Each ``--variant NAME:KEY=VALUE[,...]`` (bench/python_step.py's
+flag: on CUDA with ``--schedule interleaved``, which this script ignores) is measured the same way, dkfac with those
+options (e.g. ``eigen_adam:eigen_adam=true,kl_clip=0``).
 
     PYTHONPATH=build/python python bench/step_launches.py --device cpu --models resnet50,bert --bert-layers 4
     PYTHONPATH=build/python python bench/step_launches.py --device cuda --json launches.json
@@ -66,7 +68,8 @@ def count_events(prof: Any, cuda: bool) -> dict[str, Any]:
     return counts
 
 
-def measure(model_name: str, mode: str, args: Any) -> dict[str, Any]:
+def measure(model_name: str, mode: str, args: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """One model, one mode, dkfac with `options` (a --variant's) over the settings."""
     import dkfac
     cuda = args.device == 'cuda'
     torch.manual_seed(args.seed)
@@ -75,9 +78,9 @@ def measure(model_name: str, mode: str, args: Any) -> dict[str, Any]:
     model.train()
     batches, _ = ps.make_batches(args, model_name)
     lr = ps.lr_for(args, model_name)
-    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=10**6, inv_update_steps=10**6,
-                                              damping=args.damping, kl_clip=args.kl_clip, lr=lr,
-                                              skip_layers=['Embedding'], cuda_graphs=mode == 'graphs')
+    settings = {**dict(factor_update_steps=10**6, inv_update_steps=10**6, damping=args.damping, kl_clip=args.kl_clip,
+                       lr=lr, skip_layers=['Embedding']), **options}
+    preconditioner = dkfac.KFACPreconditioner(model, cuda_graphs=mode == 'graphs', **settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
     def backward(step: int) -> None:
@@ -140,14 +143,15 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     print(f"step_launches: {env['device']}, torch {env['torch']}, {env['torch_threads']} threads, "
           f"load {env['load_average_start']}")
+    configurations = [('dkfac', {})] + list(args.variants.items())  # each --variant too (python_step's flag)
     for model_name in args.models:
-        for mode in ('eager', 'graphs'):
-            r = {'model': model_name, 'mode': mode, **measure(model_name, mode, args)}
+        for (method, options), mode in ((c, m) for c in configurations for m in ('eager', 'graphs')):
+            r = {'model': model_name, 'method': method, 'mode': mode, **measure(model_name, mode, args, options)}
             results.append(r)
             launches = ', '.join(f'{k} {r[k]}' for k in ('kernels',) + LAUNCH_CALLS if k in r)
             device = f", device {r['device_ms']['median']:.2f} ms" if 'device_ms' in r else ''
             report = r['cuda_graph_report']
-            print(f"  {model_name:<9}{mode:<7}{r['layers']} layers: {r['aten_ops']} top-level ATen ops, "
+            print(f"  {model_name:<9}{method + ' ' if method != 'dkfac' else ''}{mode:<7}{r['layers']} layers: {r['aten_ops']} top-level ATen ops, "
                   f"{r['aten_ops_not_views']} not views ({r['commonest']})"
                   f"{', ' + launches if launches else ''}; host {r['host_ms']['median']:.2f} ms "
                   f"(p90 {r['host_ms']['p90']:.2f}){device}; graphs: {report['replays']} replays, "
