@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             launches = ', '.join(f'{k} {r[k]}' for k in ('kernels',) + LAUNCH_CALLS if k in r)
             device = f", device {r['device_ms']['median']:.2f} ms" if 'device_ms' in r else ''
             report = r['cuda_graph_report']
-            print(f"  {model_name:<9}{method + ' ' if method != 'dkfac' else ''}{mode:<7}{r['layers']} layers: {r['aten_ops']} top-level ATen ops, "
+            name = f"{model_name} {method}" if method != 'dkfac' else model_name
+            print(f"  {name:<9} {mode:<7}{r['layers']} layers: {r['aten_ops']} top-level ATen ops, "
                   f"{r['aten_ops_not_views']} not views ({r['commonest']})"
                   f"{', ' + launches if launches else ''}; host {r['host_ms']['median']:.2f} ms "
                   f"(p90 {r['host_ms']['p90']:.2f}){device}; graphs: {report['replays']} replays, "

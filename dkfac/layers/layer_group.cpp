@@ -110,7 +110,9 @@ void LayerGroups::relink_followers(std::vector<KfacLayer>& layers, const Group& 
 std::vector<size_t> LayerGroups::holders(const Group& group, const Seat& seat, const Binding& b, size_t i) {
   if (b.stack != &group.a) return {i};
   std::vector<size_t> unit;
-  for (int64_t m = seat.member; m < seat.member + group.share; ++m) unit.push_back(group.members[static_cast<size_t>(m)]);
+  for (int64_t m = seat.member; m < seat.member + group.share; ++m) {
+    unit.push_back(group.members[static_cast<size_t>(m)]);
+  }
   return unit;
 }
 

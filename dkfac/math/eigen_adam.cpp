@@ -72,7 +72,8 @@ torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tens
   const auto p = to_eigenbasis_stacked(each, qg, grads.scalar_type() == dtype ? grads : grads.to(dtype));
   auto update = torch::zeros_like(p);  // a padded layer's update is zero outside its [g, a]
   for (size_t k = 0; k < moments.size(); ++k) {
-    TORCH_CHECK(moments[k] != nullptr && moments[k]->defined(), "eigen_adam_step_stacked: layer ", k, " has no moments");
+    TORCH_CHECK(moments[k] != nullptr && moments[k]->defined(), "eigen_adam_step_stacked: layer ", k,
+                " has no moments");
     check_moments(*moments[k], {g, a});
     TORCH_CHECK(moments[k]->exp_avg.scalar_type() == dtype, "eigen_adam_step_stacked: layer ", k, "'s moments are ",
                 moments[k]->exp_avg.scalar_type(), ", its eigenbasis ", dtype);

@@ -103,7 +103,8 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         const auto units = static_cast<int64_t>(group.units.size());
         const auto members = static_cast<int64_t>(group.members.size());
         r.stack_padding_bytes +=
-            e * (units * (pa * pa - a * a) + members * ((pg * pg - g * g) + (eigen && !plan.eigen_adam ? pg * pa - g * a : 0)));
+            e * (units * (pa * pa - a * a) +
+                 members * ((pg * pg - g * g) + (eigen && !plan.eigen_adam ? pg * pa - g * a : 0)));  // no denominator
         r.precondition_flops += static_cast<double>(members) *
                                 (precondition_flops(pg, pa, false, false) - precondition_flops(g, a, false, false));
       }
