@@ -78,8 +78,8 @@ def measure(model_name: str, mode: str, args: Any, options: dict[str, Any]) -> d
     model.train()
     batches, _ = ps.make_batches(args, model_name)
     lr = ps.lr_for(args, model_name)
-    settings = {**dict(factor_update_steps=10**6, inv_update_steps=10**6, damping=args.damping, kl_clip=args.kl_clip,
-                       lr=lr, skip_layers=['Embedding']), **options}
+    settings = dict(factor_update_steps=10**6, inv_update_steps=10**6, damping=args.damping, kl_clip=args.kl_clip,
+                    lr=lr, skip_layers=['Embedding']) | options
     preconditioner = dkfac.KFACPreconditioner(model, cuda_graphs=mode == 'graphs', **settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 

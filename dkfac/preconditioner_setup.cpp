@@ -355,11 +355,7 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   }
   // Options::eigen_adam: moments rotated now into a basis installed since their last step (the update just
   // installed), as their next step would: they are gathered with that basis and loaded as in it.
-  for (auto& layer : layers_) {
-    if (layer.adam_moments().defined() && layer.second_order().defined() && !layer.adam_moments_current()) {
-      layer.adam_moments_for_step();
-    }
-  }
+  for (auto& layer : layers_) layer.rotate_adam_moments_if_due();
   std::vector<std::map<std::string, torch::Tensor>> states;
   if (has_state) states = executor_->gather_states(layers_);
   disarm_hook_folds();  // armed by the old plan's reductions

@@ -382,16 +382,23 @@ int64_t KfacLayer::memory_bytes() const {
   return total;
 }
 
-math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
-  const auto& s = second_order_;
-  TORCH_INTERNAL_ASSERT(s.method == ComputeMethod::kEigen && s.defined(), "layer '", name(),
-                        "': an eigen_adam step before the eigen method's state was computed");
+bool KfacLayer::adam_basis_is_current() const {
   // By memory, not handle: a stack's slot is handed out in new views (LayerGroups), and a slot about to be
   // overwritten in place keeps the moments' basis apart first (keep_adam_basis_from).
-  if (!adam_.defined()) {
-    adam_ = math::zero_moments(g_dim(), a_dim(), binding_.weight.options().dtype(second_order_dtype()));
-  } else if (adam_basis_ && (!same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) ||
-                             !same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors))) {
+  const auto& s = second_order_;
+  return adam_basis_ && same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) &&
+         same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors);
+}
+
+void KfacLayer::take_current_basis_for_adam() {
+  const auto& s = second_order_;
+  adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
+}
+
+void KfacLayer::rotate_adam_moments_if_due() {
+  const auto& s = second_order_;
+  if (!adam_.defined() || s.method != ComputeMethod::kEigen || !s.defined()) return;
+  if (adam_basis_ && !adam_basis_is_current()) {
     // Into the moments' own memory: a CUDA graph that steps them (Options::cuda_graphs) keeps reading them there.
     const auto rotated = math::rotate_moments(adam_, adam_basis_->first, adam_basis_->second, s.a_eigen, s.g_eigen);
     adam_.exp_avg.copy_(rotated.exp_avg);
@@ -399,7 +406,17 @@ math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
     adam_.steps.copy_(rotated.steps);
     ++adam_rotations_;
   }
-  adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
+  take_current_basis_for_adam();
+}
+
+math::EigenAdamMoments& KfacLayer::adam_moments_for_step() {
+  const auto& s = second_order_;
+  TORCH_INTERNAL_ASSERT(s.method == ComputeMethod::kEigen && s.defined(), "layer '", name(),
+                        "': an eigen_adam step before the eigen method's state was computed");
+  if (!adam_.defined()) {
+    adam_ = math::zero_moments(g_dim(), a_dim(), binding_.weight.options().dtype(second_order_dtype()));
+  }
+  rotate_adam_moments_if_due();
   return adam_;
 }
 
@@ -409,11 +426,7 @@ torch::Tensor KfacLayer::precondition_adam(const torch::Tensor& grad, const math
   return math::eigen_adam_step(s.a_eigen, s.g_eigen, moments, grad, constants);
 }
 
-bool KfacLayer::adam_moments_current() const {
-  const auto& s = second_order_;
-  return adam_.defined() && adam_basis_ && same_memory(adam_basis_->first.eigenvectors, s.a_eigen.eigenvectors) &&
-         same_memory(adam_basis_->second.eigenvectors, s.g_eigen.eigenvectors);
-}
+bool KfacLayer::adam_moments_current() const { return adam_.defined() && adam_basis_is_current(); }
 
 void KfacLayer::adam_basis_moved(const torch::Tensor& from, const torch::Tensor& to) {
   if (!adam_basis_ || !from.defined()) return;
@@ -522,7 +535,7 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
 void KfacLayer::adam_moments_in_current_basis() {
   const auto& s = second_order_;
   if (adam_.defined() && s.method == ComputeMethod::kEigen && s.defined()) {
-    adam_basis_.emplace(math::EigenFactor{s.a_eigen.eigenvectors, {}}, math::EigenFactor{s.g_eigen.eigenvectors, {}});
+    take_current_basis_for_adam();
   } else {
     adam_basis_.reset();  // no basis was saved with them: the next one computed is theirs
   }

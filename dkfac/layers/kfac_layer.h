@@ -223,6 +223,10 @@ class KfacLayer {
   /// which they are then taken to be in: for a step taken elsewhere (math::eigen_adam_step_stacked, Options::
   /// stack_layers). The same conditions as precondition_adam.
   math::EigenAdamMoments& adam_moments_for_step();
+  /// Where the moments and the eigen method's state exist: the moments rotated now into the current basis if it
+  /// changed since their last step, as their next step would, and taken to be in it (before they are gathered with
+  /// that basis: strategy auto's re-placement). Nothing otherwise.
+  void rotate_adam_moments_if_due();
   /// After a load (and the layers' linking, Options::shared_input_layers): the loaded moments are in the loaded
   /// basis, so that an update installed next (one in flight when the state was saved, Options::second_order_lag, or a
   /// recomputation) rotates them out of it; where no basis was loaded, the next one computed is theirs.
@@ -271,6 +275,10 @@ class KfacLayer {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  /// Whether adam_basis_ is the current eigenbasis (by memory).
+  bool adam_basis_is_current() const;
+  /// adam_basis_ := the current eigenbasis.
+  void take_current_basis_for_adam();
   /// The weight's gradient as a matrix [g, a - 1 with a bias] (a view where the weight's layout allows).
   torch::Tensor weight_gradient_matrix() const;
   /// Inverses through damped_inverse (Cholesky, else a general inverse; checked): where Cholesky failed.
