@@ -427,4 +427,14 @@ CaptureTiming FactorCapture::take_timing() {
   return std::exchange(timing_, {});
 }
 
+void capture_module_pass(const std::shared_ptr<FactorCapture>& capture, const torch::Tensor& input,
+                         const torch::Tensor& output, bool training) {
+  capture->observe_output(output);
+  if (!capture->active(training)) return;
+  capture->capture_input(input);
+  if (output.requires_grad()) {
+    output.register_hook([capture](const torch::Tensor& grad) { capture->capture_output_grad(grad); });
+  }
+}
+
 }  // namespace dkfac

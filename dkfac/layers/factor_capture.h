@@ -259,4 +259,10 @@ class FactorCapture {
   Listener listener_;
 };
 
+/// One training forward of a C++ dkfac::nn module (Linear, Conv2d, Embedding): records the output's shape, and,
+/// where `capture` is active, captures `input` and hooks `output` for its gradient. The hook holds the capture,
+/// not the module: it stays valid if the module goes first.
+void capture_module_pass(const std::shared_ptr<FactorCapture>& capture, const torch::Tensor& input,
+                         const torch::Tensor& output, bool training);
+
 }  // namespace dkfac

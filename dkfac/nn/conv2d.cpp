@@ -53,13 +53,7 @@ math::Conv2dGeometry Conv2dImpl::geometry() const {
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::Conv2dImpl::forward(input);
-  capture_->observe_output(output);
-  if (!capture_->active(is_training())) return output;
-
-  capture_->capture_input(input);
-  if (output.requires_grad()) {
-    output.register_hook([capture = capture_](const torch::Tensor& grad) { capture->capture_output_grad(grad); });
-  }
+  capture_module_pass(capture_, input, output, is_training());
   return output;
 }
 

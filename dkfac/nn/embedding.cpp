@@ -11,14 +11,7 @@ EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options) : torch
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
   auto output = torch::nn::EmbeddingImpl::forward(tokens);
-  capture_->observe_output(output);
-  if (!capture_->active(is_training())) return output;
-
-  capture_->capture_input(tokens);
-  if (output.requires_grad()) {
-    // The hook holds the capture, not the module: it stays valid if the module goes first.
-    output.register_hook([capture = capture_](const torch::Tensor& grad) { capture->capture_output_grad(grad); });
-  }
+  capture_module_pass(capture_, tokens, output, is_training());
   return output;
 }
 

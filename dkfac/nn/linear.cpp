@@ -8,14 +8,7 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& options) : torch::nn::Lin
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   auto output = torch::nn::LinearImpl::forward(input);
-  capture_->observe_output(output);
-  if (!capture_->active(is_training())) return output;
-
-  capture_->capture_input(input);
-  if (output.requires_grad()) {
-    // The hook holds the capture, not the module: it stays valid if the module goes first.
-    output.register_hook([capture = capture_](const torch::Tensor& grad) { capture->capture_output_grad(grad); });
-  }
+  capture_module_pass(capture_, input, output, is_training());
   return output;
 }
 
