@@ -127,7 +127,7 @@ bool Preconditioner::run_step(const Distributor& model) {
   check_schedules_agree();
   const bool warming_up = steps_ < options_.start_preconditioning_step();  // factors only, gradients left plain
   if (auto_ && auto_->choice_pending() && !warming_up) choose_strategy();
-  const bool factor_step = is_factor_step(steps_);
+  const bool factor_step = factor_step_as_armed();
   std::fill(factor_ok_.begin(), factor_ok_.end(), torch::Tensor());
   try {
     auto fates = check_layers(factor_step);
@@ -197,7 +197,7 @@ void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fa
 
 void Preconditioner::discard_step() {
   if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step()) choose_strategy();
-  const bool factor_step = is_factor_step(steps_);
+  const bool factor_step = factor_step_as_armed();
   auto fates = check_layers(factor_step);
   if (factor_step) {
     auto batches = take_factor_batches(fates);
@@ -316,8 +316,9 @@ void Preconditioner::check_shared_inputs() const {
 
 void Preconditioner::suggest_shared_inputs() {
   suggest_shared_inputs_ = false;
-  // Layers whose first input this step was one tensor (its data, view and version; the storage itself is freed by
-  // now) and whose A factors are built alike.
+  // Layers whose first input this step was one tensor (its storage, data, view and version) and whose A factors are
+  // built alike. The storage's memory is freed by now and may hold another tensor since (the next layer's input, at
+  // the same address): its StorageImpl, held weakly by the pass, is not reused while held, so it tells them apart.
   std::map<std::string, std::vector<size_t>> alike;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& layer = layers_[i];
@@ -325,7 +326,8 @@ void Preconditioner::suggest_shared_inputs() {
     if (!pass || layer.sharded()) continue;
     const auto& g = layer.capture().geometry();
     std::ostringstream key;
-    key << pass->data << c10::IntArrayRef(pass->sizes) << c10::IntArrayRef(pass->strides) << pass->dtype
+    key << (pass->storage ? pass->storage->_unsafe_get_target() : nullptr) << pass->data
+        << c10::IntArrayRef(pass->sizes) << c10::IntArrayRef(pass->strides) << pass->dtype
         << pass->device << pass->version << to_string(g.kind) << layer.a_dim() << g.has_bias << g.a_diagonal
         << c10::IntArrayRef(g.conv.kernel_size) << c10::IntArrayRef(g.conv.stride) << c10::IntArrayRef(g.conv.padding)
         << c10::IntArrayRef(g.conv.dilation) << g.conv.padding_mode.index() << layer.factor_dtype();
@@ -419,23 +421,48 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   if (factor_step && suggest_shared_inputs_) suggest_shared_inputs();
   if (factor_step) check_shared_inputs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
+  if (factor_step) warn_of_broadcast_embeddings();
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
+    const bool builds = factor_step && executor_->builds_factors(i);
+    int64_t captured = builds ? layer.captured_batches() : -1;
     const auto late = captured > 0 ? check_hook_fold(i) : std::string();
     if (!late.empty()) warn_once(i, "hook fold", late);
-    if (captured != 0 && layer.has_gradient()) {
-      if (late.empty() && captured > 0 && captured != options_.accumulation_steps()) {
+    if (late.empty() && builds) {
+      if (const auto dropped = layer.capture().drop_inputs_after_last_backward(); dropped > 0) {
+        warn_once(i, "late forward",
+                  "ran " + std::to_string(dropped) + " forward pass(es) in training mode after its last backward "
+                  "pass of this step (an evaluation without torch.no_grad() or model.eval(), say): they are "
+                  "dropped from its factors");
+        captured = layer.captured_batches();
+      }
+    }
+    const int64_t empty = captured >= 0 ? layer.capture().empty_passes() : 0;  // not captured: no rows
+    // A weight frozen with its gradient zeroed in place (zero_grad(set_to_none=False)) still has one: frozen all the
+    // same, or its preconditioned gradient (which mixes in the bias's) would move it.
+    if (captured != 0 && layer.has_gradient() && layer.weight().requires_grad()) {
+      if (late.empty() && captured > 0 && captured + empty != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
                   "ran forward and backward " + std::to_string(captured) + " times since the last factor update "
                   "but accumulation_steps is " + std::to_string(options_.accumulation_steps()) +
                       " (a layer called several times in one forward, or micro-batches not declared); its factors "
                       "average the " + std::to_string(captured) + " passes");
       }
+      const auto orphans = captured > 0 && late.empty() ? layer.capture().a_count() - layer.capture().g_count() : 0;
+      if (orphans > 0) {
+        warn_once(i, "orphan forward",
+                  "ran " + std::to_string(orphans) + " forward pass(es) in training mode whose backward pass never "
+                  "reached it, before the passes that did (an evaluation without torch.no_grad() or model.eval(), "
+                  "say): its A factor averages their inputs too, its G factor only the passes that had a backward "
+                  "pass");
+      }
       continue;
     }
     const std::string what =
         !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+        : captured == 0 && empty > 0 && layer.has_gradient()
+            ? "ran only on empty batches (0 rows) since the last factor update (a mixture-of-experts expert that "
+              "received no tokens, say): there is nothing to build its factors from"
         : captured == 0 && layer.has_gradient()
             ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
               "update: its weight was used without calling the module (a functional use, as "
@@ -458,6 +485,26 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   if (agrees_on_unused_layers()) agree_on_unused_layers(fates);
   spread_group_fates(fates);
   return fates;
+}
+
+void Preconditioner::warn_of_broadcast_embeddings() {
+  // An Embedding given one row of ids for the whole batch (transformers' position ids, [1, T]) whose output is added
+  // to every example's: its output gradient is the batch's sum, so its G factor is the outer product of sums, not
+  // the mean of the examples' products, and depends on how the batch is split. Told apart by the samples its
+  // passes had (1) where other layers had more.
+  int64_t most = 0;
+  for (const auto& layer : layers_) most = std::max(most, layer.capture().samples_per_pass());
+  if (most <= 1) return;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& capture = layers_[i].capture();
+    if (capture.geometry().kind != LayerKind::kEmbedding || capture.samples_per_pass() != 1) continue;
+    warn_once(i, "broadcast embedding",
+              "was given one example's ids (its output had batch size 1) where other layers had " +
+                  std::to_string(most) + " examples: ids shared by the batch (transformers' position ids, [1, T]), "
+                  "whose output is broadcast over it. Its output gradient then sums the examples', so its G factor "
+                  "is not the examples' mean and depends on the batch size; pass the ids per example (position_ids="
+                  "ids.expand(batch, -1)) or leave the layer out (skip_layers)");
+  }
 }
 
 bool Preconditioner::agrees_on_unused_layers() const {
@@ -851,10 +898,15 @@ std::vector<torch::Tensor> Preconditioner::precondition(const std::vector<LayerF
 LayerGroups& Preconditioner::layer_groups() {
   const bool applies = executor_->plan().stack_layers;
   std::vector<bool> held(layers_.size(), false);
+  // A weight moved to another dtype or device in place (module.float(), .to(...): the same Parameter) leaves its
+  // group of layers alike: planned again.
+  std::vector<std::pair<c10::ScalarType, c10::Device>> kinds(applies ? layers_.size() : 0,
+                                                             {c10::ScalarType::Undefined, c10::kCPU});
   for (size_t i = 0; applies && i < layers_.size(); ++i) {
     held[i] = executor_->preconditions(i) && (layers_[i].has_factors() || layers_[i].second_order().defined());
+    kinds[i] = {layers_[i].weight().scalar_type(), layers_[i].weight().device()};
   }
-  if (grouped_for_.lock() != executor_ || held != grouped_layers_) {
+  if (grouped_for_.lock() != executor_ || held != grouped_layers_ || kinds != grouped_kinds_) {
     groups_.clear(layers_);
     if (applies) {
       groups_.plan(layers_, [&](size_t i) { return held[i]; }, executor_->plan().method, executor_->plan().pad_widths,
@@ -863,6 +915,7 @@ LayerGroups& Preconditioner::layer_groups() {
     groups_.absorb_all(layers_);
     grouped_for_ = executor_;
     grouped_layers_ = std::move(held);
+    grouped_kinds_ = std::move(kinds);
   }
   return groups_;
 }
@@ -1129,6 +1182,32 @@ void Preconditioner::arm_capture() {
     layers_[i].set_capture(capture && executor_->builds_factors(i));
   }
   if (capture) executor_->arm_factor_step(options_.accumulation_steps());
+  armed_step_ = steps_;
+  armed_factor_step_ = capture;
+}
+
+bool Preconditioner::rearm_capture() {
+  const bool captured = std::any_of(layers_.begin(), layers_.end(), [](KfacLayer& layer) {
+    auto& c = layer.capture();
+    return c.a_count() > 0 || c.g_count() > 0 || c.folded_passes() > 0 || c.empty_passes() > 0;
+  });
+  if (captured) return false;
+  arm_capture();
+  return true;
+}
+
+bool Preconditioner::factor_step_as_armed() {
+  if (armed_step_ != steps_) return is_factor_step(steps_);
+  if (armed_factor_step_ != is_factor_step(steps_) && !warned_schedule_change_) {
+    warned_schedule_change_ = true;
+    TORCH_WARN("dkfac: step ", steps_, " is ", armed_factor_step_ ? "" : "not ", "a factor step, as the end of the "
+               "last step() armed the captures by factor_update_steps then; the schedule now says the opposite: it "
+               "changed after that, once this step's passes were ", armed_factor_step_ ? "captured" : "left out",
+               ". The change applies from the next step (a change made before this step's forward pass applies to "
+               "it: dkfac.LambdaParamScheduler.step() and an assignment of preconditioner._factor_update_steps "
+               "re-arm the captures; C++: Preconditioner::rearm_capture) (warned once)");
+  }
+  return armed_factor_step_;
 }
 
 void Preconditioner::close_step_timing() {

@@ -178,6 +178,14 @@ class Preconditioner {
   /// into the factors stays there).
   void reset_batch();
 
+  /// Reads the factor schedule again for the coming step and arms the captures by it, where nothing was captured
+  /// since the end of the last step() armed them (else changes nothing, and returns false). The end of each step()
+  /// arms them by Options::factor_update_steps at the next step, and that decision stands for the step (factor_step
+  /// _as_armed); a schedule changed after it (kfac_pytorch's LambdaParamScheduler.step() after step(), an
+  /// assignment of preconditioner._factor_update_steps) takes effect through this call, which the Python front end
+  /// makes for both.
+  bool rearm_capture();
+
   /// Restores the step count and each layer's KfacLayer::state() (a missing second-order state is
   /// left undefined), keeping of each the part this rank's plan gives it: factors where it builds them,
   /// second-order state where it preconditions or decomposes the layer. `states` may be this rank's own
@@ -479,6 +487,15 @@ class Preconditioner {
     eager_key_.reset();
   }
   void arm_capture();
+  /// Whether the current step updates factors: as the captures were armed for it (arm_capture), which is
+  /// is_factor_step(steps_) unless the schedule changed since; then it warns once, and the change applies from the
+  /// next step.
+  bool factor_step_as_armed();
+  /// Warns of each Embedding whose ids were shared by the batch (check_layers, factor steps).
+  void warn_of_broadcast_embeddings();
+  int64_t armed_step_ = -1;         // the step arm_capture last armed for,
+  bool armed_factor_step_ = false;  // and whether it armed the captures
+  bool warned_schedule_change_ = false;
   /// Options::fold_in_hooks: whether layer `index` may fold in its backward hook (step() would fold exactly what
   /// the hook has: one process or DP-KFAC's own batches, no grad scaler, no agreement on unused layers to wait for).
   bool may_fold_in_hooks(size_t index) const;
@@ -603,6 +620,7 @@ class Preconditioner {
   LayerGroups groups_;                   // Options::stack_layers
   std::weak_ptr<const strategy::StepExecutor> grouped_for_;  // the executor groups_ was planned for
   std::vector<bool> grouped_layers_;     // the layers it was planned over (layer_groups())
+  std::vector<std::pair<c10::ScalarType, c10::Device>> grouped_kinds_;  // their weights' dtypes and devices then
   bool suggest_shared_inputs_ = false;  // no shared_input_layers: suggest_shared_inputs at the first factor step
   std::vector<torch::Tensor> factor_ok_;   // this step's fold results (0-dim bool) per layer, or undefined
   /// Options::fold_in_hooks, per layer: folded at step() (its first update, or passes that did not match

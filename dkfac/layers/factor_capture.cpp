@@ -1,6 +1,7 @@
 #include "dkfac/layers/factor_capture.h"
 
 #include <ATen/SavedTensorHooks.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -148,8 +149,16 @@ std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
 void FactorCapture::capture_input(const torch::Tensor& input) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (input.numel() == 0) {  // no rows: nothing to capture (empty_passes)
+      ++empty_passes_;
+      return;
+    }
     const auto forwards = follower_ ? static_cast<int64_t>(passes_.size())
                                     : a_count_ + static_cast<int64_t>(waiting_inputs_.size());
+    // A forward run by a backward pass while a captured one waits for its output gradient: activation
+    // checkpointing's recomputation of it (torch.utils.checkpoint without reentrance; the reentrant one runs the
+    // first forward without gradients, which is not captured). The same input again: not captured twice.
+    if (forwards > g_count_ && torch::autograd::get_current_graph_task_id() != -1) return;
     if (forwards > g_count_) interleaved_ = true;  // before the last forward's backward
   }
   const bool autocast = autocast_on(input);
@@ -229,7 +238,7 @@ void FactorCapture::build_a(const torch::Tensor& input, bool autocast) {
 void FactorCapture::observe_output(const torch::Tensor& output) {
   const bool conv = geometry_.kind == LayerKind::kConv2d;  // Embedding outputs are laid out like Linear's
   const int64_t unbatched_dims = conv ? 3 : 1;
-  if (output.dim() < unbatched_dims) return;
+  if (output.dim() < unbatched_dims || output.numel() == 0) return;  // an empty pass says nothing of the shapes
   const bool batched = output.dim() > unbatched_dims;
   samples_per_pass_ = batched ? output.size(0) : 1;
   if (conv) {
@@ -243,6 +252,7 @@ void FactorCapture::observe_output(const torch::Tensor& output) {
 }
 
 void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
+  if (grad_output.numel() == 0) return;  // an empty pass's (its input was not captured either: empty_passes)
   build_waiting_inputs();
   observe_output(grad_output);
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -384,6 +394,20 @@ int64_t FactorCapture::a_count() const {
   return a_count_ + static_cast<int64_t>(waiting_inputs_.size());
 }
 
+int64_t FactorCapture::empty_passes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return empty_passes_;
+}
+
+int64_t FactorCapture::drop_inputs_after_last_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (g_count_ == 0 || follower_) return 0;  // a follower's inputs are its leader's
+  // capture_output_grad builds every waiting input: those still waiting came after the last one.
+  const auto dropped = static_cast<int64_t>(waiting_inputs_.size());
+  waiting_inputs_.clear();
+  return dropped;
+}
+
 int64_t FactorCapture::g_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return g_count_;
@@ -393,6 +417,7 @@ torch::Tensor FactorCapture::take_a() {
   build_waiting_inputs();
   std::lock_guard<std::mutex> lock(mutex_);
   forget_passes();
+  empty_passes_ = 0;
   interleaved_ = false;
   return take(a_sum_, a_count_);
 }
@@ -410,6 +435,7 @@ void FactorCapture::clear() {
   g_sum_ = torch::Tensor();
   a_count_ = 0;
   g_count_ = 0;
+  empty_passes_ = 0;
   folded_passes_ = 0;
   interleaved_ = false;
 }

@@ -164,6 +164,14 @@ class FactorCapture {
   /// Micro-batches captured since the last take (an input whose factor is not built yet counts).
   int64_t a_count() const;
   int64_t g_count() const;
+  /// Forward passes on an empty batch (0 rows: a mixture-of-experts expert that received no tokens) since the last
+  /// take_a or clear. They are not captured: a batch without rows has no covariance, so it neither adds to the
+  /// factors nor counts as a micro-batch (its output gradient, empty too, is skipped alike).
+  int64_t empty_passes() const;
+  /// Drops the inputs of forward passes after the last output gradient (a forward in training mode whose backward
+  /// never ran, e.g. an evaluation without torch.no_grad()), where they still wait to be built (capture_input), and
+  /// returns how many: as a hook's fold would never see them. Only once an output gradient came (g_count() > 0).
+  int64_t drop_inputs_after_last_backward();
 
   /// Mean of the captured factors (sum / count), or an undefined tensor if none; resets the sum.
   torch::Tensor take_a();
@@ -254,6 +262,7 @@ class FactorCapture {
   torch::Tensor a_sum_;  // [a, a], or [a] diagonal
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;
+  int64_t empty_passes_ = 0;  // empty_passes()
   int64_t g_count_ = 0;
   CaptureTiming timing_;
   Listener listener_;

@@ -241,7 +241,11 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
   auto finite = [&](const torch::Tensor& t) { checks.push_back(torch::isfinite(t).all()); };
   if (method == ComputeMethod::kEigen) {
     auto stored = [&](const math::EigenFactor& e) {  // a diagonal factor has no eigenvectors (the identity)
-      math::EigenFactor kept{e.eigenvectors.defined() ? out(e.eigenvectors) : torch::Tensor(), out(e.eigenvalues)};
+      // Row-major, as every other source of an eigenbasis (a stack's slot, a collective's buffer, a loaded
+      // checkpoint) holds it: LAPACK's column-major results would make the products round otherwise, and a
+      // resumed run differ from the uninterrupted one.
+      math::EigenFactor kept{e.eigenvectors.defined() ? out(e.eigenvectors).contiguous() : torch::Tensor(),
+                             out(e.eigenvalues)};
       if (kept.eigenvectors.defined()) finite(kept.eigenvectors);
       finite(kept.eigenvalues);
       return kept;
@@ -507,7 +511,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   }
   // Adam's moments: all three or none; a layer without eigen_adam has no use for them (another run's).
   math::EigenAdamMoments adam;
-  // Contiguous: the fused Adam kernel steps P, m and v in one layout (a checkpoint's tensors may have any).
+  // Contiguous (a checkpoint's tensors may have any layout): the fused Adam kernel steps P, m and v in one, and
+  // the eigenbases are row-major as computed, so that the products round as in the uninterrupted run.
   auto dense = [&](const char* key) {
     auto t = get(key);
     return t.defined() ? t.contiguous() : t;
@@ -520,8 +525,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   torch::Tensor g_factor = get("g_factor");
   SecondOrderState next;
   next.method = method;
-  next.a_eigen = {get("a_eigenvectors"), get("a_eigenvalues")};
-  next.g_eigen = {get("g_eigenvectors"), get("g_eigenvalues")};
+  next.a_eigen = {dense("a_eigenvectors"), get("a_eigenvalues")};  // row-major, as computed (start_second_order)
+  next.g_eigen = {dense("g_eigenvectors"), get("g_eigenvalues")};
   next.denominator = get("denominator");
   next.a_inverse = get("a_inverse");
   next.g_inverse = get("g_inverse");

@@ -830,18 +830,41 @@ class BaseKFACPreconditioner:
 
 
     # --- hyper-parameters, as kfac_pytorch exposes them -------------------------------------------------
+    @property
+    def _factor_update_steps(self) -> Callable[[int], int] | int:
+        return self.__dict__['_factor_update_steps_value']
+
+    @_factor_update_steps.setter
+    def _factor_update_steps(self, value: Callable[[int], int] | int) -> None:
+        # The end of each step() arms the hooks by the next step's factor interval; a new one (kfac_pytorch's
+        # LambdaParamScheduler.step() after step()) arms them again, before the forward pass they decide.
+        self.__dict__['_factor_update_steps_value'] = value
+        core = self.__dict__.get('_core')
+        if core is not None:
+            core.rearm_capture()
+
     def _value(self, name: str) -> Any:
         value = getattr(self, '_' + name)
         return value(self.steps) if callable(value) else value
 
-    damping = property(lambda self: self._value('damping'), doc='Damping at the current step.')
-    factor_decay = property(lambda self: self._value('factor_decay'), doc='Factor decay at the current step.')
-    kl_clip = property(lambda self: self._value('kl_clip'), doc='KL-clip bound at the current step (0: off).')
-    lr = property(lambda self: self._value('lr'), doc='Learning rate KL clipping uses at the current step.')
-    factor_update_steps = property(lambda self: self._value('factor_update_steps'),
-                                   doc='Steps between factor updates, at the current step.')
-    inv_update_steps = property(lambda self: self._value('inv_update_steps'),
-                                doc='Steps between second-order updates, at the current step.')
+    def _set(self, name: str, value: Any) -> None:
+        if name == 'kl_clip' and value is None:
+            value = 0.0  # None or 0 turns KL clipping off
+        _C.option_values({name: value})  # checked as at construction, naming the option
+        setattr(self, '_' + name, value)
+
+    @staticmethod
+    def _hyper(name: str, doc: str) -> property:
+        # kfac_pytorch's are read-only (its schedulers assign the private attribute); here an assignment sets a
+        # number or a callable of the step from the next step() on (factor_update_steps: from the next forward).
+        return property(lambda self: self._value(name), lambda self, value: self._set(name, value), doc=doc)
+
+    damping = _hyper('damping', 'Damping at the current step.')
+    factor_decay = _hyper('factor_decay', 'Factor decay at the current step.')
+    kl_clip = _hyper('kl_clip', 'KL-clip bound at the current step (0: off).')
+    lr = _hyper('lr', 'Learning rate KL clipping uses at the current step.')
+    factor_update_steps = _hyper('factor_update_steps', 'Steps between factor updates, at the current step.')
+    inv_update_steps = _hyper('inv_update_steps', 'Steps between second-order updates, at the current step.')
 
     @property
     def steps(self) -> int:

@@ -394,6 +394,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("counted_elsewhere") = std::vector<bool>{})
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
+      .def("rearm_capture", &Preconditioner::rearm_capture)
       .def("rebind_layer",  // bias None for a layer without one
            [](Preconditioner& p, size_t index, torch::Tensor weight, std::optional<torch::Tensor> bias) {
              p.rebind_layer(index, std::move(weight), bias.value_or(torch::Tensor()));

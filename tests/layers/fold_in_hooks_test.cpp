@@ -249,28 +249,60 @@ TEST(FoldInHooksAtStep, TwoBackwardPassesOfOneForwardFoldAtStep) {
   }
 }
 
-// A factor interval changed after the captures were armed for a factor step (as an LR-style scheduler does after
-// step()): the hooks fold that step's batch although the step turns out not to be a factor step; the fold stays in
-// the factors, nothing of it is carried on, and the next factor step folds its own pass alone, without a warning.
-TEST(FoldInHooksAtStep, IntervalChangedAfterArming) {
-  testing::CapturedWarnings warnings;
+// A factor interval changed after the captures were armed for a factor step (a callable whose value changes by
+// itself after step()): the step stays the factor step it was armed as, with the option on or off alike (it used to
+// keep the hooks' fold while step() skipped the update, and the option off to carry the batch to the next factor
+// step), and says so once. Preconditioner::rearm_capture (what an assignment of the interval calls in Python) arms
+// the captures again before the forward pass: then the change applies to that step, without a warning.
+TEST(FoldInHooksAtStep, IntervalChangedAfterArmingStandsAsArmed) {
+  for (const bool rearm : {false, true}) {
+    testing::CapturedWarnings warnings;
+    std::vector<std::vector<torch::Tensor>> runs[2];
+    for (const bool fold : {true, false}) {
+      int64_t interval = 1;
+      auto net = make_net();
+      Preconditioner kfac(net, Options().fold_in_hooks(fold).factor_update_steps([&interval](int64_t) {
+        return interval;
+      }));
+      for (int64_t step = 0; step < 6; ++step) {
+        net->zero_grad();
+        pass(*net, step, 0, 1);
+        kfac.step();
+        runs[fold].push_back(factors_of(kfac));
+        if (step == 2) {
+          interval = 2;  // step 3 was armed as a factor step
+          if (rearm) EXPECT_TRUE(kfac.rearm_capture());
+        }
+      }
+      EXPECT_EQ(pending_bytes(kfac), 0);
+      const bool updated_at_3 = !torch::equal(runs[fold][2][0], runs[fold][3][0]);
+      EXPECT_EQ(updated_at_3, !rearm) << (fold ? "fold" : "at step()");
+    }
+    for (size_t step = 0; step < runs[0].size(); ++step) {
+      expect_same(runs[1][step], runs[0][step], "step " + std::to_string(step) + (rearm ? ", re-armed" : ""));
+    }
+    size_t changed = 0;  // besides the suggestion to share head's and side's input
+    for (const auto& m : warnings.messages) {
+      const bool ours = m.find("step 3 is a factor step, as the end of the last step() armed the captures") !=
+                        std::string::npos;
+      changed += ours;
+      EXPECT_TRUE(ours || m.find("shared_input_layers") != std::string::npos) << m;
+    }
+    EXPECT_EQ(changed, rearm ? 0u : 2u) << warnings.all();  // once per preconditioner
+  }
+}
+
+// rearm_capture changes nothing once a pass was captured for the step.
+TEST(FoldInHooksAtStep, RearmAfterAPassChangesNothing) {
   int64_t interval = 1;
   auto net = make_net();
   Preconditioner kfac(net, Options().factor_update_steps([&interval](int64_t) { return interval; }));
-  for (int64_t step = 0; step < 6; ++step) {
-    const auto before = step == 3 ? factors_of(kfac) : std::vector<torch::Tensor>{};
-    net->zero_grad();
-    pass(*net, step, 0, 1);
-    kfac.step();
-    if (step == 0) warnings.messages.clear();  // the suggestion to share head's and side's input
-    if (step == 2) interval = 2;  // step 3 was armed as a factor step
-    if (step == 3) {
-      EXPECT_FALSE(torch::equal(before[0], kfac.layers()[0].a_factor())) << "step 3's fold stays";
-      EXPECT_EQ(pending_bytes(kfac), 0);
-      EXPECT_EQ(kfac.layers()[0].capture().folded_passes(), 0) << "nothing carried to step 4";
-    }
-  }
-  EXPECT_EQ(warnings.all(), "");
+  net->zero_grad();
+  pass(*net, 0, 0, 1);
+  interval = 2;
+  EXPECT_FALSE(kfac.rearm_capture());
+  kfac.step();
+  EXPECT_TRUE(kfac.layers()[0].a_factor().defined()) << "step 0 stays a factor step";
 }
 
 // A shared-input group (head and side) folds as one, in the hook of whichever member's backward comes last, with

@@ -299,3 +299,64 @@ def test_factors_that_cannot_fit_in_memory_are_refused_before_any_allocation():
     with pytest.raises(RuntimeError, match=r"more than this machine's .* the widest is '0' \(Linear\)'s G factor "
                                            r"300000 x 300000 .*diagonal_factor_dim=8192"):
         dkfac.KFACPreconditioner(torch.nn.Sequential(torch.nn.Linear(2, 300_000)), diagonal_factor_dim=0)
+
+
+def tiny_gpt2(**kwargs):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, **kwargs)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def dkfac_warnings(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        run()
+    return [str(w.message) for w in caught if 'dkfac' in str(w.message)]
+
+
+@needs_transformers
+def test_position_ids_shared_by_the_batch_are_named():
+    """GPT-2 gives its position Embedding (wpe) one row of ids, [1, T], for the whole batch and adds the output to
+    every example's: the output gradient it sees is the batch's sum, so its G factor is the outer product of sums
+    (27.9x the examples' mean at batch 32) and depends on the batch size. Said at the first factor step, naming the
+    layer and the fix; ids given per example are not."""
+    tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    for per_example in (False, True):
+        model = tiny_gpt2()
+        kfac = dkfac.KFACPreconditioner(model)
+        position_ids = torch.arange(16).expand(8, -1) if per_example else None
+
+        def step() -> None:
+            model(input_ids=tokens, labels=tokens, position_ids=position_ids).loss.backward()
+            kfac.step()
+
+        named = [m for m in dkfac_warnings(step) if 'examples: ids shared by the batch' in m]
+        if per_example:
+            assert named == []
+        else:
+            assert len(named) == 1 and "'transformer.wpe'" in named[0] and 'where other layers had 8' in named[0]
+
+
+@needs_transformers
+@pytest.mark.parametrize('setting', ['bf16-autocast', 'checkpointing'])
+def test_freed_inputs_are_not_taken_for_one_tensor(setting):
+    """Under CPU bf16 autocast and non-reentrant activation checkpointing the inputs of GPT-2's Conv1D layers are
+    freed in the forward pass, and a later layer's input can take the same address: the first factor step suggested
+    shared_input_layers for c_attn and c_fc, which read different LayerNorm outputs (and following it was refused).
+    Each pass now keeps its storage's identity. The recomputation is not taken for a forward without backward."""
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    model = tiny_gpt2()
+    if setting == 'checkpointing':
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    kfac = dkfac.KFACPreconditioner(model, skip_layers=['wpe'])
+
+    def steps() -> None:
+        for _ in range(2):
+            with torch.autocast('cpu', dtype=torch.bfloat16, enabled=setting == 'bf16-autocast'):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            kfac.step()
+
+    assert dkfac_warnings(steps) == []
