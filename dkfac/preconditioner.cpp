@@ -1196,6 +1196,13 @@ bool Preconditioner::rearm_capture() {
   return true;
 }
 
+void Preconditioner::set_adam_constants(double beta1, double beta2, double eps) {
+  auto next = options_;
+  next.set("adam_beta1", beta1).set("adam_beta2", beta2).set("adam_eps", eps);
+  next.validate();
+  options_ = std::move(next);
+}
+
 bool Preconditioner::factor_step_as_armed() {
   if (armed_step_ != steps_) return is_factor_step(steps_);
   if (armed_factor_step_ != is_factor_step(steps_) && !warned_schedule_change_) {

@@ -186,6 +186,11 @@ class Preconditioner {
   /// makes for both.
   bool rearm_capture();
 
+  /// Options::eigen_adam's constants from the next step on, checked as at construction (adam_beta1, adam_beta2 in
+  /// [0, 1), adam_eps > 0): the Python optimizer follows its base AdamW's betas and eps with it (a scheduler that
+  /// cycles the momentum, OneCycleLR's cycle_momentum). The moments stay; their next updates use these.
+  void set_adam_constants(double beta1, double beta2, double eps);
+
   /// Restores the step count and each layer's KfacLayer::state() (a missing second-order state is
   /// left undefined), keeping of each the part this rank's plan gives it: factors where it builds them,
   /// second-order state where it preconditions or decomposes the layer. `states` may be this rank's own

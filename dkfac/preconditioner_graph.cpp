@@ -22,11 +22,14 @@
 //    addresses: the report kept with the graph is the one each replay rewrites, and its host copies are taken
 //    after each replay (defer_guard_read), so no step's report is read from a later replay's tensors.
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 
 #include <ATen/Context.h>
 
 #include "dkfac/preconditioner.h"
+
+#include <cstring>
 
 namespace dkfac {
 namespace {
@@ -113,6 +116,13 @@ Preconditioner::GraphKey Preconditioner::graph_key(const std::vector<LayerFate>&
   key.setup.push_back(static_cast<int64_t>(context.allowBF16ReductionCuBLAS()));
   key.setup.push_back(static_cast<int64_t>(options_.precondition_dtype()));
   push_tensor(key.setup, step_scalars_);
+  if (options_.eigen_adam()) {  // the fused Adam kernel takes them as numbers: set_adam_constants changes them
+    for (const double c : {options_.adam_beta1(), options_.adam_beta2(), options_.adam_eps()}) {
+      int64_t bits = 0;
+      std::memcpy(&bits, &c, sizeof bits);
+      key.setup.push_back(bits);
+    }
+  }
   for (const auto fate : fates) key.setup.push_back(fate == LayerFate::kPreconditioned);
   for (const bool counted : model.counted_elsewhere) key.setup.push_back(counted);
   for (const auto& layer : layers_) {

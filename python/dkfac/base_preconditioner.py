@@ -164,6 +164,9 @@ class _CaptureHook:
         self.sliced = sliced
         self._part = _whole if whole else _local
         self._capture = capture
+        # Its weight's shape then: a weight resized in place since (transformers' resize_token_embeddings assigns
+        # a larger .data to the same Parameter) is refused here, before its capture meets ids past the old size.
+        self._shape = tuple(module.weight.shape) if module is not None else None
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
         if capture is not None:
@@ -183,6 +186,8 @@ class _CaptureHook:
             return
         if not capture.enabled:
             return
+        if tuple(module.weight.shape) != self._shape:
+            raise ValueError(_resized(self._name, module, self._shape))
         if self.sliced:  # a tensor-parallel layer: this rank's part of the input and of the output gradient, or all
             part = self._part
             capture.capture_input(part(inputs[0]))
@@ -230,6 +235,17 @@ class _CoreWarnings:
             else:
                 with contextlib.suppress(Warning):
                     warnings.warn(message, category, stacklevel=level)
+
+
+def _resized(name: str, module: torch.nn.Module, shape: tuple[int, ...]) -> str:
+    return (f'layer {name!r} ({type(module).__name__}): its weight is {list(module.weight.shape)} now, '
+            f'{list(shape)} when the preconditioner was built (resized in place: resize_token_embeddings, or a new '
+            '.data); its K-FAC factors have the old shape. Build the preconditioner (and the optimizer) after '
+            'resizing')
+
+
+def _shown(value: Any) -> str:
+    return 'a callable' if callable(value) else repr(value)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -697,6 +713,7 @@ class BaseKFACPreconditioner:
         core_options.update(options, accumulation_steps=accumulation_steps,
                             update_factors_in_hook=bool(update_factors_in_hook))
         self._bound = [(module.weight, getattr(module, 'bias', None)) for module in self._modules]
+        self._shapes = [tuple(module.weight.shape) for module in self._modules]  # a resize in place is refused
         # How each layer's gradient reaches the core's step (_distributor): the Parameters themselves, for a layer
         # sharded by FSDP2 (DTensors) full-shaped stand-ins whose gradients step() gathers and scatters back, for a
         # tensor-parallel one its local slice.
@@ -963,6 +980,8 @@ class BaseKFACPreconditioner:
             weight, bias = module.weight, getattr(module, 'bias', None)
             bound_weight, bound_bias = self._bound[index]
             if weight is bound_weight and bias is bound_bias:
+                if tuple(weight.shape) != self._shapes[index]:
+                    raise ValueError(_resized(self._names[index], module, self._shapes[index]))
                 continue
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.
@@ -1177,6 +1196,12 @@ class BaseKFACPreconditioner:
                 self._core.restore(steps, states, method, per_rank_writer, compute_inverses, unheld)
             else:  # no layer state to restore: the step count only, each layer keeping its own
                 self._core.load_layer_states(steps, self._core.layer_states())
+        changed = [f'{name} {_shown(getattr(self, "_" + name))} -> {value}' for name, value in hyper.items()
+                   if callable(getattr(self, '_' + name)) or getattr(self, '_' + name) != value]
+        if changed:  # kfac_pytorch's load_state_dict takes them too, without a word
+            warnings.warn('dkfac: state_dict: its hyper-parameters replace this preconditioner\'s: ' + ', '.join(changed) +
+                          '. To keep this run\'s, assign them after the load (preconditioner.damping = ...)',
+                          stacklevel=2)
         for name, value in hyper.items():
             setattr(self, '_' + name, value)
 

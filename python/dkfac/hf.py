@@ -9,7 +9,8 @@ all of them as it would, and wraps the optimizer it made in ``dkfac.optim.KFAC``
     trainer = KFACTrainer(model=model, args=transformers.TrainingArguments(..., learning_rate=3e-4),
                           train_dataset=dataset, kfac=dict(factor_update_steps=10, inv_update_steps=100))
 
-``kfac``: the keywords of ``dkfac.optim.KFAC`` (those of ``dkfac.KFACPreconditioner``, ``graft``, ...). Importing
+``kfac``: the keywords of ``dkfac.optim.KFAC`` (those of ``dkfac.KFACPreconditioner``, ``graft``, ...);
+``accumulation_steps`` defaults to the arguments' ``gradient_accumulation_steps``. Importing
 this module imports ``transformers``; ``import dkfac`` does not.
 """
 
@@ -35,5 +36,8 @@ class KFACTrainer(transformers.Trainer):
         made_here = self.optimizer is None  # not given through optimizers=
         optimizer = super().create_optimizer(*args, **kwargs)
         if made_here and optimizer is not None and not isinstance(optimizer, KFAC):
-            self.optimizer = KFAC(self.model, optimizer, **self.kfac_keywords)
+            # The Trainer's micro-batches per step are the preconditioner's (unless given): each factor update
+            # averages them, without a warning, and folds them in the hooks.
+            keywords = {'accumulation_steps': self.args.gradient_accumulation_steps} | self.kfac_keywords
+            self.optimizer = KFAC(self.model, optimizer, **keywords)
         return self.optimizer

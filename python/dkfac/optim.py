@@ -134,8 +134,9 @@ class KFAC(torch.optim.Optimizer):
       in Distributed Shampoo's grafting); the other parameters take the base's step. Not with FSDP2-sharded layers.
     - ``eigen_adam=True`` (a preconditioner keyword, Options::eigen_adam): Adam in the K-FAC eigenbasis. The
       base must be ``torch.optim.AdamW`` (or ``Adam`` without weight decay): its ``betas`` and ``eps`` become the
-      preconditioner's ``adam_beta1``, ``adam_beta2`` and ``adam_eps`` unless given, and ``kl_clip`` defaults to
-      None. Each preconditioned layer's parameter p of a group with ``lr`` and ``weight_decay`` becomes
+      preconditioner's ``adam_beta1``, ``adam_beta2`` and ``adam_eps`` unless given, read at every step (a
+      scheduler that cycles the momentum is followed; the groups holding preconditioned layers must agree on
+      them), and ``kl_clip`` defaults to None. Each preconditioned layer's parameter p of a group with ``lr`` and ``weight_decay`` becomes
       ``p (1 - lr weight_decay) - lr d``, d the core's step in the eigenbasis (docs/MATH.md section 8): AdamW's
       update with K-FAC's basis. The other parameters take the base's own step, so AdamW's tuned lr, its
       decay/no-decay groups and its LR schedule carry over. A layer the core leaves its plain gradient that step
@@ -193,6 +194,9 @@ class KFAC(torch.optim.Optimizer):
             raise TypeError(f'graft must be True or False, got {graft!r}')
         if kfac_lr_follows is not None and not isinstance(kfac_lr_follows, bool):
             raise TypeError(f'kfac_lr_follows must be True, False or None, got {kfac_lr_follows!r}')
+        # eigen_adam: Adam's constants follow the base's groups unless given here (not for a built preconditioner).
+        adam_follows = (isinstance(model_or_preconditioner, torch.nn.Module) and
+                        not any(k in preconditioner_keywords for k in ('adam_beta1', 'adam_beta2', 'adam_eps')))
         if preconditioner_keywords.get('eigen_adam'):
             preconditioner_keywords = _eigen_adam_keywords(optimizer, preconditioner_keywords)
         if isinstance(model_or_preconditioner, BaseKFACPreconditioner):
@@ -228,8 +232,11 @@ class KFAC(torch.optim.Optimizer):
         self._cost = _EveryStepCost()
         self._graft = graft
         self._eigen_adam = bool(getattr(preconditioner, 'eigen_adam', False))
+        self._adam_follows = self._eigen_adam and adam_follows
+        self._adam_constants: tuple[float, float, float] | None = None
         if self._eigen_adam:
             _check_eigen_adam_base(optimizer)
+            self._follow_adam_constants()
             if graft:
                 raise ValueError('dkfac.optim.KFAC: graft=True takes the length of the base optimizer\'s step; '
                                  "eigen_adam's step is Adam's own, with its own length: use one of them")
@@ -348,6 +355,7 @@ class KFAC(torch.optim.Optimizer):
         becomes p (1 - lr weight_decay) - lr d (AdamW's update, weight decay decoupled); the base optimizer steps
         the other parameters as it would without K-FAC: the preconditioned ones have no ``.grad`` during its step,
         so it skips them (and keeps no state for them). The gradients left are the steps d."""
+        self._follow_adam_constants()
         self._preconditioner.step()
         self._cost.check(self._preconditioner)
         taken = {id(p) for _, module in self._preconditioner.layers for p in _layer_parameters(module)
@@ -374,6 +382,33 @@ class KFAC(torch.optim.Optimizer):
                 if decay != 0.0:
                     torch._foreach_mul_(stepped, 1.0 - lr * decay)
                 torch._foreach_add_(stepped, [p.grad for p in stepped], alpha=-lr)
+
+    def _follow_adam_constants(self) -> None:
+        """eigen_adam runs one Adam over every preconditioned layer, in the core, with the betas and eps of the base's
+        groups that hold those layers (AdamW's own for the rest): read at each step, so that a scheduler that cycles
+        the momentum (OneCycleLR's cycle_momentum) or a group changed by hand is followed as AdamW follows it.
+        Groups of preconditioned layers with other betas or eps are refused: the core has one set. A preconditioner
+        given adam_beta1, adam_beta2 or adam_eps (or built beforehand) keeps its own."""
+        known = self._preconditioned_parameters()
+        seen: dict[tuple[float, float, float], int] = {}
+        for i, group in enumerate(self._base.param_groups):
+            if not any(id(p) in known for p in group['params']):
+                continue
+            betas = group.get('betas', (0.9, 0.999))
+            seen.setdefault((float(betas[0]), float(betas[1]), float(group.get('eps', 1e-8))), i)
+        if len(seen) > 1:
+            (first, i), (other, j) = list(seen.items())[:2]
+            raise ValueError(f'eigen_adam runs one Adam over every preconditioned layer: param groups {i} and {j} '
+                             f'hold preconditioned layers with (beta1, beta2, eps) {first} and {other}; give those '
+                             'layers one group (or the same betas and eps)')
+        if not seen or not self._adam_follows:
+            return
+        constants = next(iter(seen))
+        if constants != self._adam_constants:
+            self._preconditioner._core.set_adam_constants(*constants)
+            for name, value in zip(('adam_beta1', 'adam_beta2', 'adam_eps'), constants):
+                setattr(self._preconditioner, name, value)  # its attributes, as given at construction
+            self._adam_constants = constants
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The base optimizer's ``zero_grad``."""

@@ -395,6 +395,8 @@ PYBIND11_MODULE(_C, m) {
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
       .def("rearm_capture", &Preconditioner::rearm_capture)
+      .def("set_adam_constants", &Preconditioner::set_adam_constants, py::arg("beta1"), py::arg("beta2"),
+           py::arg("eps"))
       .def("rebind_layer",  // bias None for a layer without one
            [](Preconditioner& p, size_t index, torch::Tensor weight, std::optional<torch::Tensor> bias) {
              p.rebind_layer(index, std::move(weight), bias.value_or(torch::Tensor()));

@@ -854,3 +854,26 @@ def test_kfac_trainer_leaves_an_optimizer_given_through_optimizers_alone(tmp_pat
                                                                            use_cpu=True, max_steps=1),
                           train_dataset=_Sequence(make_batches(1)), optimizers=(given, None), kfac=dict())
     assert trainer.create_optimizer() is given
+
+
+@NEEDS_TRAINER
+def test_kfac_trainer_declares_the_trainers_gradient_accumulation(tmp_path: object) -> None:
+    """gradient_accumulation_steps=2: the preconditioner's accumulation_steps (it was left at 1: every layer warned
+    of 2 passes where 1 was declared, and no layer folded its factors in the hooks). A kfac= keyword wins."""
+    import transformers
+
+    from dkfac.hf import KFACTrainer
+
+    for kfac, declared in ((dict(), 2), (dict(accumulation_steps=1), 1)):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[],
+                                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=2,
+                                              use_cpu=True, save_strategy='no', disable_tqdm=True, seed=0)
+        trainer = KFACTrainer(model=make_model(), args=args, train_dataset=_Sequence(make_batches(4)),
+                              kfac=dict(factor_update_steps=1, inv_update_steps=2, skip_layers=['wpe'], **kfac))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            trainer.train()
+        p = trainer.optimizer.optimizer.preconditioner
+        assert p._accumulation_steps == declared and p.steps == 2
+        accumulation = [w for w in caught if 'accumulation_steps is' in str(w.message)]
+        assert bool(accumulation) == (declared == 1), [str(w.message) for w in accumulation]

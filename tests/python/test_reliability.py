@@ -640,3 +640,21 @@ def test_activation_checkpointing_equals_the_plain_model_without_a_word(reentran
         usages.append(preconditioner.memory_usage()['a_batch'])
     assert_equal_grads(*runs)
     assert usages == [0, 0]
+
+
+def test_a_loaded_state_dict_that_replaces_this_runs_hyper_parameters_says_so():
+    """A resume with new arguments (damping=0.05 where the checkpoint has 0.003) silently ran on with the
+    checkpoint's values, as kfac_pytorch does: they are still taken, and named, old and new."""
+    _, saved = trained()
+    state = saved.state_dict()
+    _, same = trained()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        same.load_state_dict(state)
+    assert not [w for w in caught if 'hyper-parameters replace' in str(w.message)]
+    model = mlp()
+    other = dkfac.KFACPreconditioner(model, damping=0.05, kl_clip=lambda step: 0.01)
+    with pytest.warns(UserWarning, match=r"hyper-parameters replace this preconditioner's: damping 0\.05 -> 0\.003, "
+                                         r"kl_clip a callable -> 0\.001"):
+        other.load_state_dict(state)
+    assert (other.damping, other.kl_clip) == (0.003, 0.001)

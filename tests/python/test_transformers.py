@@ -360,3 +360,22 @@ def test_freed_inputs_are_not_taken_for_one_tensor(setting):
             kfac.step()
 
     assert dkfac_warnings(steps) == []
+
+
+@needs_transformers
+@pytest.mark.parametrize('factor_step', [True, False], ids=['factor-step', 'other-step'])
+def test_an_embedding_resized_in_place_is_refused_naming_it(factor_step):
+    """resize_token_embeddings keeps the Embedding and its Parameter and assigns a larger .data: the hook's capture
+    then failed on the new ids with a bare IndexError, or step() on a shape mismatch naming no layer."""
+    model = tiny_gpt2(tie_word_embeddings=False)
+    kfac = dkfac.KFACPreconditioner(model, factor_update_steps=1 if factor_step else 5, skip_layers=['wpe'])
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    kfac.step()
+    model.resize_token_embeddings(72)
+    model.zero_grad()
+    tokens = torch.randint(0, 72, (2, 8), generator=torch.Generator().manual_seed(2))
+    message = r"'transformer.wte' \(Embedding\): its weight is \[72, 32\] now, \[64, 32\] when the preconditioner"
+    with pytest.raises(ValueError, match=message):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        kfac.step()
