@@ -1199,8 +1199,9 @@ class BaseKFACPreconditioner:
         changed = [f'{name} {_shown(getattr(self, "_" + name))} -> {value}' for name, value in hyper.items()
                    if callable(getattr(self, '_' + name)) or getattr(self, '_' + name) != value]
         if changed:  # kfac_pytorch's load_state_dict takes them too, without a word
-            warnings.warn('dkfac: state_dict: its hyper-parameters replace this preconditioner\'s: ' + ', '.join(changed) +
-                          '. To keep this run\'s, assign them after the load (preconditioner.damping = ...)',
+            warnings.warn('dkfac: state_dict: its hyper-parameters replace this preconditioner\'s: ' +
+                          ', '.join(changed) + '. To keep this run\'s, assign them after the load '
+                          '(preconditioner.damping = ...)',
                           stacklevel=2)
         for name, value in hyper.items():
             setattr(self, '_' + name, value)
