@@ -139,8 +139,9 @@ class KFAC(torch.optim.Optimizer):
       them), and ``kl_clip`` defaults to None. Each preconditioned layer's parameter p of a group with ``lr``
       and ``weight_decay`` becomes ``p (1 - lr weight_decay) - lr d``, d the core's step in the eigenbasis
       (docs/MATH.md section 8): AdamW's update with K-FAC's basis. The other parameters take the base's own step,
-      so AdamW's tuned lr, its decay/no-decay groups and its LR schedule carry over. A layer the core leaves its plain gradient that step
-      (its guard, ``unused_layer_policy='skip'``) moves by ``lr`` times that gradient. Not with ``graft``.
+      so AdamW's tuned lr, its decay/no-decay groups and its LR schedule carry over. A layer the core leaves its
+      plain gradient that step (its guard, ``unused_layer_policy='skip'``) moves by ``lr`` times that gradient.
+      Not with ``graft``.
     - ``param_groups``, ``state`` and ``defaults`` are the base optimizer's own objects, so LR schedulers,
       ``GradScaler.unscale_``, ``clip_grad_norm_`` over them and ``add_param_group`` act on the base.
     - ``zero_grad(set_to_none=True)`` is the base's.
