@@ -917,12 +917,36 @@ class BaseKFACPreconditioner:
         self._follow_parameters()
         # The distributors' gather and scatter run inside the core's step, which times and counts them.
         moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
-        with torch.no_grad(), _CoreWarnings():
-            self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None,
-                            counted_elsewhere=self._counted_elsewhere)
+        try:
+            with torch.no_grad(), _CoreWarnings():
+                self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None,
+                                counted_elsewhere=self._counted_elsewhere)
+        except RuntimeError as error:
+            replaced = self._replaced_modules()
+            if replaced:
+                raise ValueError(f'{replaced}: the preconditioner hooked the module that was there when it was built; '
+                                 'build it (and the optimizer) after replacing modules') from error
+            raise
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    def _replaced_modules(self) -> str:
+        """The registered layers whose name in the model now holds another module (an untied lm_head made anew by
+        resize_token_embeddings, a layer assigned by hand), in words; '' if none or the model is gone."""
+        model = self._model_ref() if getattr(self, '_model_ref', None) is not None else None
+        if model is None:
+            return ''
+        replaced = []
+        for name, module in zip(self._names, self._modules):
+            try:
+                now = model.get_submodule(name)
+            except AttributeError:
+                now = None
+            if now is not module:
+                replaced.append(f'layer {name!r} ({type(module).__name__}) is not the model\'s {name!r} any more ('
+                                + (f'a new {type(now).__name__}' if now is not None else 'gone') + ')')
+        return '; '.join(replaced)
 
     def _sum_over_model(self, tensor: torch.Tensor) -> None:
         """Sums `tensor` in place over the ranks holding the model's other parts (the core's KL-clip sum)."""

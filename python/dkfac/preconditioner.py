@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
@@ -364,6 +365,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         self.grad_scaler = grad_scaler
 
         layers = self._register(model, loglevel, tensor_parallel_factors)
+        self._model_ref = weakref.ref(model)  # to name a registered module the model no longer holds (step())
         if process_group is None and size > 1:
             # The default group is the tensor-parallel group itself: no data parallelism, nothing to reduce.
             splits = [s for s in (_tensor_parallel(name, m) for m, (name, _) in layers.items()) if s is not None]

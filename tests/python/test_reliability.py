@@ -658,3 +658,14 @@ def test_a_loaded_state_dict_that_replaces_this_runs_hyper_parameters_says_so():
                                          r"kl_clip a callable -> 0\.001"):
         other.load_state_dict(state)
     assert (other.damping, other.kl_clip) == (0.003, 0.001)
+
+
+def test_a_module_replaced_after_the_build_is_named():
+    """A registered module replaced by a new one (model[2] = Linear(...); an untied lm_head that
+    resize_token_embeddings makes anew) is never called again: step() said it 'did not run forward/backward',
+    whose stated causes do not include this one. It names the replacement now."""
+    model, preconditioner = trained()
+    model[2] = torch.nn.Linear(6, 3)
+    with pytest.raises(ValueError, match=r"layer '2' \(Linear\) is not the model's '2' any more \(a new Linear\): the "
+                                         r"preconditioner hooked the module that was there when it was built"):
+        train(model, preconditioner, 1, start=3)
