@@ -153,6 +153,15 @@ double number_in(const OptionValue& value, const OptionRange& range, const std::
   return v;
 }
 
+// A whole number `v` (checked) as int64_t: refused outside int64's range (9.2e18), where the cast is undefined (it
+// gave INT64_MIN).
+int64_t as_int64(double v, const std::string& shown, const std::string& at = "") {
+  constexpr double kLimit = 9223372036854775808.0;  // 2^63
+  TORCH_CHECK(std::isfinite(v) && v >= -kLimit && v < kLimit, shown, " must be an integer of at most 2^63 - 1 in "
+              "size, got ", v, at);
+  return static_cast<int64_t>(v);
+}
+
 // `value` converted to the option's C++ type `T`, checked against its declaration.
 template <typename T>
 T convert(const OptionValue& value, const OptionRange& range, const std::string& shown) {
@@ -162,7 +171,9 @@ T convert(const OptionValue& value, const OptionRange& range, const std::string&
     return *b;
   } else if constexpr (std::is_same_v<T, int64_t>) {
     TORCH_CHECK(!std::holds_alternative<bool>(value), shown, " must be an integer, got ", given(value));
-    return static_cast<int64_t>(number_in(value, range, shown, true));
+    const double v = number_in(value, range, shown, true);
+    if (const auto* exact = std::get_if<int64_t>(&value)) return *exact;  // as given: past 2^53 a double rounds
+    return as_int64(v, shown);
   } else if constexpr (std::is_same_v<T, double>) {
     TORCH_CHECK(!std::holds_alternative<bool>(value), shown, " must be a number, got ", given(value));
     return number_in(value, range, shown, false);
@@ -229,7 +240,7 @@ Schedule<T> schedule_from(const OptionValue& value, const OptionRange& range, co
       return Schedule<T>(std::function<int64_t(int64_t)>([fn = *fn, shown](int64_t step) {
         const double v = fn(step);
         TORCH_CHECK(v == std::floor(v), shown, " must be an integer, got ", v, " at step ", step);
-        return static_cast<int64_t>(v);
+        return as_int64(v, shown, " at step " + std::to_string(step));
       }));
     } else {
       return Schedule<T>(*fn);

@@ -83,6 +83,12 @@ void Preconditioner::check_schedules_agree() const {
 }
 
 void Preconditioner::step(const Distributor& distributor) {
+  TORCH_CHECK(!stepping_.exchange(true), "step() is already running on another thread: a Preconditioner takes one "
+              "step() at a time (call it from the thread that trains)");
+  struct Done {
+    std::atomic<bool>& stepping;
+    ~Done() { stepping = false; }
+  } done{stepping_};
   settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
   front_end_seconds_ = 0.0;
   move_gradients(distributor.gather);
@@ -125,6 +131,9 @@ bool Preconditioner::run_step(const Distributor& model) {
   follow_parameters();
   refuse_repeated_step();
   check_schedules_agree();
+  // The end of this step arms the captures by the next step's factor interval (arm_capture): a schedule that fails
+  // (throws, or gives a value out of range) fails this step now, before anything changed, not after it is done.
+  (void)is_factor_step(steps_ + 1);
   const bool warming_up = steps_ < options_.start_preconditioning_step();  // factors only, gradients left plain
   if (auto_ && auto_->choice_pending() && !warming_up) choose_strategy();
   const bool factor_step = factor_step_as_armed();

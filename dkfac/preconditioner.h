@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -614,6 +615,20 @@ class Preconditioner {
 
   std::shared_ptr<torch::nn::Module> model_;
   std::vector<const nn::KfacModule*> modules_;  // layers_' modules, kept alive by model_; empty without a model
+  /// The captures this preconditioner registered (FactorCapture::claim), released when it goes, or when its
+  /// construction fails after claiming them.
+  struct CaptureClaims {
+    const void* owner = nullptr;
+    std::vector<std::shared_ptr<FactorCapture>> held;
+    CaptureClaims() = default;
+    CaptureClaims(const CaptureClaims&) = delete;
+    CaptureClaims& operator=(const CaptureClaims&) = delete;
+    ~CaptureClaims() {
+      for (auto& capture : held) capture->release(owner);
+    }
+  };
+  CaptureClaims claims_;
+  std::atomic<bool> stepping_{false};  // step() runs (on some thread)
   Options options_;
   MessageNames names_;
   std::vector<KfacLayer> layers_;

@@ -185,6 +185,13 @@ Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options
   TORCH_CHECK(names_.layer_classes.empty() || names_.layer_classes.size() == layers.size(),
               "MessageNames::layer_classes names ", names_.layer_classes.size(), " layers, but ", layers.size(),
               " are registered: give one class per layer or none");
+  claims_.owner = this;
+  for (const auto& binding : layers) {
+    TORCH_CHECK(binding.capture->claim(this), "layer '", binding.name, "' is already registered with another "
+                "Preconditioner: both would precondition its gradient and feed its factors. Build one per model "
+                "(destroy the other first)");
+    claims_.held.push_back(binding.capture);
+  }
   for (auto& binding : layers) {
     binding.capture->set_factor_dtype(options_.factor_dtype());
     binding.capture->set_grad_scale(options_.grad_scaler());

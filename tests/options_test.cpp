@@ -3,6 +3,7 @@
 #include "dkfac/options.h"
 
 #include <fstream>
+#include <limits>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -51,6 +52,34 @@ TEST(OptionTable, EveryOptionIsReachableByNameWithItsDefaultAndRefusesOutOfRange
   EXPECT_EQ(info("inv_dtype").kfac_pytorch_default, "float32");
   EXPECT_EQ(info("large_factor_dim").default_text, "4096");
   EXPECT_EQ(info("lr").flag, "") << "the training loop sets it";
+}
+
+// The builder's setters take any value; validate() (the Preconditioner's construction, make_step_plan) checks every
+// number against its declaration. pad_widths, second_order_concurrency and auto_recheck_steps were left out: pad
+// widths 0 failed at the first step (a division by zero in the time model's padded_width: SIGFPE).
+TEST(OptionTable, ValidateChecksEveryNumbersRange) {
+  using testing::expect_error;
+  expect_error<c10::Error>([] { Options().pad_widths(0).validate(); }, {"pad_widths must be >= 1, got 0"});
+  expect_error<c10::Error>([] { Options().second_order_concurrency(-4).validate(); },
+                           {"second_order_concurrency must be >= 0, got -4"});
+  expect_error<c10::Error>([] { Options().auto_recheck_steps(-5).validate(); },
+                           {"auto_recheck_steps must be >= 0, got -5"});
+  EXPECT_NO_THROW(Options().validate());
+}
+
+// Integers past int64's range (9.2e18) were cast to INT64_MIN, and a double past 2^53 rounded: an integer given as
+// one is kept as it is, and a number (or a schedule's value) outside the range is refused naming the option.
+TEST(OptionTable, IntegersKeepTheirValueAndRefuseWhatInt64CannotHold) {
+  using testing::expect_error;
+  const int64_t most = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(std::get<int64_t>(Options().set("factor_update_steps", most).get("factor_update_steps")), most);
+  const int64_t odd = (int64_t{1} << 53) + 1;
+  EXPECT_EQ(std::get<int64_t>(Options().set("large_factor_dim", odd).get("large_factor_dim")), odd);
+  expect_error<c10::Error>([] { Options().set("large_factor_dim", 1e300); },
+                           {"large_factor_dim must be an integer of at most 2^63 - 1 in size, got 1e+300"});
+  const auto huge = Options().set("factor_update_steps", std::function<double(int64_t)>([](int64_t) { return 1e30; }));
+  expect_error<c10::Error>([&] { huge.factor_update_steps_at(3); },
+                           {"factor_update_steps must be an integer of at most 2^63 - 1 in size, got 1e+30 at step 3"});
 }
 
 TEST(OptionTable, KfacPytorchNamesAreAliases) {

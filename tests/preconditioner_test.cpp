@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <atomic>
 #include <thread>
 
 #include "dkfac/dkfac.h"
@@ -290,27 +291,31 @@ TEST(Preconditioner, SkipLayersPatternThatMatchesNothingIsWarned) {
 
 TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
   // A Linear(8 * 28 * 28, 10) as in the README's former snippet: A is 6273 x 6273.
+  // One preconditioner on the model at a time (each block's goes at its end).
   auto model = std::make_shared<torch::nn::Sequential>(nn::Linear(8 * 28 * 28, 10), nn::Linear(10, 5));
-  CapturedWarnings warnings;
-  Preconditioner kfac(model->ptr(), Options());
-  ASSERT_EQ(warnings.messages.size(), 1u) << warnings.all();
-  const auto& message = warnings.messages[0];
-  for (const char* needle : {"layer '0' (Linear)", "Options::large_factor_dim 4096", "A factor 6273 x 6273",
-                             "150.11 MiB (Float)", "eigendecomposition 150.13 MiB", "2.22 TFLOP per second-order update (9 d^3)"}) {
-    EXPECT_NE(message.find(needle), std::string::npos) << needle << " not in: " << message;
+  {
+    CapturedWarnings warnings;
+    Preconditioner kfac(model->ptr(), Options());
+    ASSERT_EQ(warnings.messages.size(), 1u) << warnings.all();
+    const auto& message = warnings.messages[0];
+    for (const char* needle : {"layer '0' (Linear)", "Options::large_factor_dim 4096", "A factor 6273 x 6273",
+                               "150.11 MiB (Float)", "eigendecomposition 150.13 MiB",
+                               "2.22 TFLOP per second-order update (9 d^3)"}) {
+      EXPECT_NE(message.find(needle), std::string::npos) << needle << " not in: " << message;
+    }
+    EXPECT_EQ(message.find("G factor"), std::string::npos) << "G is 10 wide: not reported";
   }
-  EXPECT_EQ(message.find("G factor"), std::string::npos) << "G is 10 wide: not reported";
-
-  CapturedWarnings inverse;
-  Preconditioner by_inverse(model->ptr(), Options().compute_method(ComputeMethod::kInverse).large_factor_dim(6000));
-  ASSERT_EQ(inverse.messages.size(), 1u) << inverse.all();
-  EXPECT_NE(inverse.messages[0].find("inverse 150.11 MiB, 246.85 GFLOP per second-order update (d^3)"),
-            std::string::npos)
-      << inverse.messages[0];
-
+  {
+    CapturedWarnings inverse;
+    Preconditioner by_inverse(model->ptr(), Options().compute_method(ComputeMethod::kInverse).large_factor_dim(6000));
+    ASSERT_EQ(inverse.messages.size(), 1u) << inverse.all();
+    EXPECT_NE(inverse.messages[0].find("inverse 150.11 MiB, 246.85 GFLOP per second-order update (d^3)"),
+              std::string::npos)
+        << inverse.messages[0];
+  }
   CapturedWarnings quiet;
-  Preconditioner high(model->ptr(), Options().large_factor_dim(6273));
-  Preconditioner off(model->ptr(), Options().large_factor_dim(0));
+  { Preconditioner high(model->ptr(), Options().large_factor_dim(6273)); }
+  { Preconditioner off(model->ptr(), Options().large_factor_dim(0)); }
   EXPECT_TRUE(quiet.messages.empty()) << quiet.all();
   EXPECT_THROW(Preconditioner(model->ptr(), Options().large_factor_dim(-1)), c10::Error);
 }
@@ -319,13 +324,45 @@ TEST(Preconditioner, LargeFactorsAreReportedAtConstruction) {
 // need 335 GiB per copy, and construction refuses, before allocating anything, naming the layer and the option.
 TEST(Preconditioner, FactorsBeyondTheMachinesMemoryAreRefusedAtConstruction) {
   auto model = std::make_shared<torch::nn::Sequential>(nn::Linear(2, 300000));
-  Preconditioner diagonal(model->ptr(), Options());
-  EXPECT_TRUE(diagonal.layers()[0].g_diagonal());
-  EXPECT_FALSE(diagonal.layers()[0].a_diagonal());
+  {
+    Preconditioner diagonal(model->ptr(), Options());
+    EXPECT_TRUE(diagonal.layers()[0].g_diagonal());
+    EXPECT_FALSE(diagonal.layers()[0].a_diagonal());
+  }
   testing::expect_error<c10::Error>([&] { Preconditioner dense(model->ptr(), Options().diagonal_factor_dim(0)); },
                                     {"the K-FAC factors of these layers need about", "more than this machine's",
                                      "the widest is '0' (Linear)'s G factor 300000 x 300000 (335.28 GiB)",
                                      "Options::diagonal_factor_dim 8192"});
+}
+
+// A second Preconditioner on a model that one still hooks (its captures are the modules' own) was accepted, and its
+// step() then failed with an unrelated cause; refused at construction now, and accepted once the first is gone.
+// One step() at a time: a second thread's is refused, naming why.
+TEST(Preconditioner, OnePreconditionerPerModelAndOneStepAtATime) {
+  auto net = make_net();
+  {
+    Preconditioner first(net, Options());
+    testing::expect_error<c10::Error>([&] { Preconditioner second(net, Options()); },
+                                      {"is already registered with another Preconditioner",
+                                       "destroy the other first"});
+  }
+  Preconditioner again(net, Options());
+  zero_grad_and_backward(*net, 5);
+  std::atomic<bool> inside{false}, release{false};
+  auto slow = make_net();
+  Preconditioner paused(slow, Options().damping([&](int64_t) {
+    inside = true;
+    while (!release) std::this_thread::yield();
+    return 0.01;
+  }));
+  zero_grad_and_backward(*slow, 6);
+  std::thread stepping([&] { paused.step(); });
+  while (!inside) std::this_thread::yield();
+  testing::expect_error<c10::Error>([&] { paused.step(); }, {"step() is already running on another thread"});
+  release = true;
+  stepping.join();
+  EXPECT_EQ(paused.steps(), 1);
+  again.step();
 }
 
 TEST(Preconditioner, FrozenLayersAreNotPreconditioned) {
@@ -821,6 +858,31 @@ TEST(Preconditioner, BadOptionsCarryTheValue) {
   };
   run();
   testing::expect_error(run, {"damping must be finite and > 0, got 0 at step 1"});
+
+  // The next step's factor interval, which the end of a step arms the captures by, fails the step that reads it
+  // before it changes anything (it used to fail after the step was done: the step count advanced, the gradients
+  // written, and a retry refused as a second step() on them).
+  auto other = make_net();
+  bool fail = false;  // once, when set
+  Preconditioner flaky(other, Options().factor_update_steps([&fail](int64_t step) -> int64_t {
+    if (step == 3 && fail) {
+      fail = false;
+      throw std::runtime_error("a schedule that failed once");
+    }
+    return 1;
+  }));
+  for (int64_t step = 0; step < 2; ++step) {
+    zero_grad_and_backward(*other, 30 + step);
+    flaky.step();
+  }
+  fail = true;
+  zero_grad_and_backward(*other, 32);
+  const auto before = gradients(*other);
+  testing::expect_error<std::runtime_error>([&] { flaky.step(); }, {"a schedule that failed once"});
+  EXPECT_EQ(flaky.steps(), 2);
+  for (size_t p = 0; p < before.size(); ++p) EXPECT_TRUE(torch::equal(gradients(*other)[p], before[p]));
+  flaky.step();  // the retry runs
+  EXPECT_EQ(flaky.steps(), 3);
 }
 
 // Saves after 4 steps, loads into a new net and preconditioner, and checks that the next 3 steps (an inverse step

@@ -107,6 +107,17 @@ class FactorCapture {
   /// this capture's input and the other's, for the preconditioner's refusal; `other` is set to that member.
   std::string input_mismatch(const FactorCapture** other) const;
 
+  /// The preconditioner that registered this capture, one at a time: Preconditioner's construction claims each of
+  /// its layers' captures (false where another holds it) and its destruction releases them.
+  bool claim(const void* owner) {
+    const void* free = nullptr;
+    return owner_.compare_exchange_strong(free, owner) || free == owner;
+  }
+  void release(const void* owner) {
+    const void* mine = owner;
+    owner_.compare_exchange_strong(mine, nullptr);
+  }
+
   /// True when the next forward should capture: enabled, module in training mode, grad mode on.
   bool active(bool training) const { return enabled_ && training && torch::GradMode::is_enabled(); }
   /// Turned on by the preconditioner before each factor step, off after it.
@@ -263,6 +274,7 @@ class FactorCapture {
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;
   int64_t empty_passes_ = 0;  // empty_passes()
+  std::atomic<const void*> owner_{nullptr};  // claim()
   int64_t g_count_ = 0;
   CaptureTiming timing_;
   Listener listener_;

@@ -57,6 +57,18 @@ torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   return output;
 }
 
+std::shared_ptr<torch::nn::Module> Conv2dImpl::clone(const std::optional<torch::Device>& device) const {
+  // torch keeps the options as ConvNdOptions<2>; the constructor takes Conv2dOptions.
+  const auto given = torch::nn::Conv2dOptions(options.in_channels(), options.out_channels(), options.kernel_size())
+                         .stride(options.stride())
+                         .padding(options.padding())
+                         .dilation(options.dilation())
+                         .groups(options.groups())
+                         .bias(options.bias())
+                         .padding_mode(options.padding_mode());
+  return clone_kfac_module<Conv2dImpl>(*this, given, device);
+}
+
 void Conv2dImpl::pretty_print(std::ostream& stream) const {
   stream << "dkfac::nn::";
   torch::nn::Conv2dImpl::pretty_print(stream);

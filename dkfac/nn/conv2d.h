@@ -22,6 +22,8 @@ class Conv2dImpl : public torch::nn::Conv2dImpl, public KfacModule {
   torch::Tensor forward(const torch::Tensor& input);
 
   void pretty_print(std::ostream& stream) const override;
+  /// A deep copy of the same dkfac class, with a capture of its own (clone_kfac_module).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override;
 
   /// The patch layout this layer's forward uses (kernel, stride, dilation, explicit padding).
   math::Conv2dGeometry geometry() const;

@@ -21,6 +21,10 @@ class EmbeddingImpl : public torch::nn::EmbeddingImpl, public KfacModule {
   torch::Tensor forward(const torch::Tensor& tokens);
 
   void pretty_print(std::ostream& stream) const override;
+  /// A deep copy of the same dkfac class, with a capture of its own (clone_kfac_module).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override {
+    return clone_kfac_module<EmbeddingImpl>(*this, options, device);
+  }
 
   torch::Tensor kfac_weight() const override { return weight; }
   torch::Tensor kfac_bias() const override { return {}; }

@@ -43,4 +43,29 @@ class KfacModule {
   std::shared_ptr<FactorCapture> capture_;
 };
 
+/// clone() of a dkfac module (`Impl`, built from `options`): a module of the same dkfac class with its own, fresh
+/// capture (registered with no preconditioner, so the copy trains with its plain gradients until one registers it),
+/// and copies of `from`'s parameters and buffers (on `device` if given) and training mode. torch's Cloneable would
+/// copy the torch base class alone: a Sequential's clone then held null children (a segfault at its forward), a
+/// lone module's clone a torch module.
+template <typename Impl, typename Options>
+std::shared_ptr<torch::nn::Module> clone_kfac_module(const torch::nn::Module& from, const Options& options,
+                                                    const std::optional<torch::Device>& device) {
+  torch::NoGradGuard no_grad;
+  auto copy = std::make_shared<Impl>(options);
+  auto copy_all = [&](const auto& source, auto target) {
+    for (const auto& item : source) {
+      const auto& tensor = item.value();
+      auto* into = target.find(item.key());
+      TORCH_CHECK(into != nullptr, "clone of ", from.name(), ": its copy has no '", item.key(), "'");
+      into->set_data(device && tensor.device() != *device ? tensor.to(*device) : tensor.clone());
+      into->set_requires_grad(tensor.requires_grad());
+    }
+  };
+  copy_all(from.named_parameters(/*recurse=*/false), copy->named_parameters(/*recurse=*/false));
+  copy_all(from.named_buffers(/*recurse=*/false), copy->named_buffers(/*recurse=*/false));
+  copy->train(from.is_training());
+  return copy;
+}
+
 }  // namespace dkfac::nn

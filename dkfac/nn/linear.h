@@ -20,6 +20,10 @@ class LinearImpl : public torch::nn::LinearImpl, public KfacModule {
   torch::Tensor forward(const torch::Tensor& input);
 
   void pretty_print(std::ostream& stream) const override;
+  /// A deep copy of the same dkfac class, with a capture of its own (clone_kfac_module).
+  std::shared_ptr<torch::nn::Module> clone(const std::optional<torch::Device>& device = std::nullopt) const override {
+    return clone_kfac_module<LinearImpl>(*this, options, device);
+  }
 
   torch::Tensor kfac_weight() const override { return weight; }
   torch::Tensor kfac_bias() const override { return bias; }

@@ -103,6 +103,11 @@ StepPlan make_step_plan(const std::vector<assign::LayerShape>& shapes, int world
                         int64_t measured_redundant_dim, int replicated_shard_ranks) {
   options.validate();
   TORCH_CHECK(world_size >= 1, "world size must be >= 1, got ", world_size);
+  for (const auto& shape : shapes) {
+    TORCH_CHECK(shape.a_dim >= 1 && shape.g_dim >= 1 && shape.rows_per_sample >= 1, "layer '", shape.name,
+                "': its factor widths and rows per sample must be >= 1, got a ", shape.a_dim, ", g ", shape.g_dim,
+                ", rows per sample ", shape.rows_per_sample);
+  }
   TORCH_CHECK(options.strategy(), "strategy auto has no plan of its own: choose_strategy "
               "(strategy/time_model.h) picks kaisa, spd or dp first, as the Preconditioner does at its first step");
   if (world_size == 1) {

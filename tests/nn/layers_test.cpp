@@ -113,6 +113,45 @@ TEST(Layers, WorksInsideSequential) {
   EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 3}));
 }
 
+// clone() (torch::nn::Sequential's, torch::nn::parallel's): torch's Cloneable copied the torch base class alone, so
+// a Sequential's clone held null children and its forward segfaulted, and a lone module's clone was a torch module
+// (K-FAC silently off). A clone is now of its dkfac class, with equal but separate parameters, a capture of its own
+// (feeding no preconditioner), and a forward equal to the original's.
+TEST(Layers, CloneIsADkfacModuleWithItsOwnCapture) {
+  torch::manual_seed(11);
+  torch::nn::Sequential seq(Conv2d(torch::nn::Conv2dOptions(1, 2, 3).stride(2).padding(1).bias(false)),
+                            torch::nn::Flatten(), Linear(2 * 3 * 3, 5), Embedding(torch::nn::EmbeddingOptions(7, 3)));
+  seq->eval();
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
+  ASSERT_NE(copy, nullptr);
+  ASSERT_NE(copy->ptr<Conv2dImpl>(0), nullptr);
+  ASSERT_NE(copy->ptr<LinearImpl>(2), nullptr);
+  ASSERT_NE(copy->ptr<EmbeddingImpl>(3), nullptr);
+  EXPECT_FALSE(copy->ptr<LinearImpl>(2)->is_training());  // its own mode (torch copies no container's)
+  const auto original = seq->named_parameters(), cloned = copy->named_parameters();
+  ASSERT_EQ(original.size(), cloned.size());
+  for (const auto& item : original) {
+    const auto& twin = cloned[item.key()];
+    EXPECT_TRUE(torch::equal(item.value(), twin)) << item.key();
+    EXPECT_NE(item.value().data_ptr(), twin.data_ptr()) << item.key();
+  }
+  const auto x = torch::randn({2, 1, 6, 6});
+  const auto head = [](torch::nn::Sequential& s, const torch::Tensor& in) {
+    return s[2]->as<LinearImpl>()->forward(s[1]->as<torch::nn::FlattenImpl>()->forward(s[0]->as<Conv2dImpl>()->forward(in)));
+  };
+  torch::nn::Sequential back(copy);
+  EXPECT_TRUE(torch::equal(head(seq, x), head(back, x)));
+  EXPECT_NE(&copy->ptr<LinearImpl>(2)->factor_capture(), &seq->ptr<LinearImpl>(2)->factor_capture());
+  // A lone module's clone too.
+  Linear fc(4, 2);
+  auto twin = std::dynamic_pointer_cast<LinearImpl>(fc->clone());
+  ASSERT_NE(twin, nullptr);
+  twin->factor_capture().set_enabled(true);
+  twin->forward(torch::randn({3, 4})).sum().backward();
+  EXPECT_EQ(twin->factor_capture().a_count(), 1);
+  EXPECT_EQ(fc->factor_capture().a_count(), 0);
+}
+
 TEST(Layers, EmbeddingIsDropInReplacementAndRefusesSparse) {
   torch::manual_seed(9);
   torch::nn::Embedding reference(torch::nn::EmbeddingOptions(7, 3).padding_idx(0));
