@@ -69,9 +69,22 @@ void Preconditioner::check_schedules_agree() const {
 #undef DKFAC_SCHEDULE_AT_Schedule
   std::vector<double> mine;
   for (const auto& v : values) mine.push_back(v.value);
+  const size_t compared = mine.size();
+  // And the first layer this rank's step() would refuse (unused_layer_policy error), or -1: a refusal on some ranks
+  // only would leave the others waiting in the step's collectives, so every rank stops at this step with it.
+  mine.push_back(static_cast<double>(first_refused_layer()));
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
+  const int me = communicator_->rank();
+  for (size_t rank = 0; rank < table.size() && table[static_cast<size_t>(me)].back() < 0; ++rank) {
+    const auto layer = static_cast<int64_t>(table[rank].back());
+    TORCH_CHECK(layer < 0, "rank ", rank, " cannot use K-FAC layer ", names_.layer(layers_[static_cast<size_t>(layer)],
+                static_cast<size_t>(layer)), " at step ", s, " (its own error says why) and unused_layer_policy is "
+                "error: every rank stops here rather than wait for it in the step's collectives. Where layers run on "
+                "some ranks only (a mixture of experts' routing, stochastic depth), set unused_layer_policy='skip' "
+                "(C++: UnusedLayerPolicy::kSkip): the ranks then agree to keep such a layer's plain gradient");
+  }
   for (size_t rank = 1; rank < table.size(); ++rank) {
-    for (size_t k = 0; k < mine.size(); ++k) {
+    for (size_t k = 0; k < compared; ++k) {
       if (table[rank][k] == table[0][k]) continue;
       const auto& v = values[k];
       const std::string name = v.step == s ? v.name : c10::str(v.name, " at step ", v.step);
@@ -426,6 +439,17 @@ void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
   }
 }
 
+int64_t Preconditioner::first_refused_layer() const {
+  if (options_.unused_layer_policy() != UnusedLayerPolicy::kError) return -1;
+  const bool factor_step = armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_);
+  for (size_t i = 0; i < layers_.size(); ++i) {  // check_layers' refusals, without its warnings and changes
+    const auto& layer = layers_[i];
+    const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
+    if (captured == 0 || !layer.has_gradient() || !layer.weight().requires_grad()) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step) {
   if (factor_step && suggest_shared_inputs_) suggest_shared_inputs();
   if (factor_step) check_shared_inputs();
@@ -474,7 +498,8 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
               "received no tokens, say): there is nothing to build its factors from"
         : captured == 0 && layer.has_gradient()
             ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
-              "update: its weight was used without calling the module (a functional use, as "
+              "update: it did not run on this rank and its gradient is the other ranks' (DDP's "
+              "find_unused_parameters), its weight was used without calling the module (a functional use, as "
               "torch.nn.MultiheadAttention does with its out_proj), the module ran outside training mode or "
               "gradient recording, or a torch.compile graph traced before the hooks were added ran it (Dynamo does "
               "not guard on module hooks by default: build the preconditioner before the first compiled call)"

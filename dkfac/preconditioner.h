@@ -499,6 +499,9 @@ class Preconditioner {
   bool factor_step_as_armed();
   /// Warns of each Embedding whose ids were shared by the batch (check_layers, factor steps).
   void warn_of_broadcast_embeddings();
+  /// The first layer check_layers would refuse this step (unused_layer_policy error), or -1; read by
+  /// check_schedules_agree, so that every rank stops where one would.
+  int64_t first_refused_layer() const;
   int64_t armed_step_ = -1;         // the step arm_capture last armed for,
   bool armed_factor_step_ = false;  // and whether it armed the captures
   bool warned_schedule_change_ = false;

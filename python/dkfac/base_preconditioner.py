@@ -11,6 +11,7 @@ this class hands it the layers and options and re-raises its warnings through Py
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import logging
 import sys
@@ -237,6 +238,20 @@ class _CoreWarnings:
                     warnings.warn(message, category, stacklevel=level)
 
 
+def _group_timeout(group: Any) -> float:
+    """The timeout `group` was made with (init_process_group's or new_group's `timeout`), in seconds: the default of
+    the preconditioner's own `timeout`, so that dkfac's collectives give up when the job's do (it was torch's
+    default of 30 minutes whatever the group said). torch's default where the group does not tell."""
+    for device in ('cpu', 'cuda'):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    return dist.default_pg_timeout.total_seconds()
+
+
 def _resized(name: str, module: torch.nn.Module, shape: tuple[int, ...]) -> str:
     return (f'layer {name!r} ({type(module).__name__}): its weight is {list(module.weight.shape)} now, '
             f'{list(shape)} when the preconditioner was built (resized in place: resize_token_embeddings, or a new '
@@ -405,6 +420,14 @@ class _StandIns(_Distributor):
 
     def core_tensors(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return tuple(self.stand_ins)
+
+    def follow_requires_grad(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """A parameter frozen (or unfrozen) since the stand-ins were made: theirs follows, at each step(), so that
+        the core sees the layer frozen as for an unsharded one (it used to keep the stand-in's first value, and a
+        weight frozen with its gradient zeroed in place was preconditioned and moved)."""
+        for parameter, stand_in in zip((weight, bias), self.stand_ins):
+            if stand_in is not None and parameter is not None and stand_in.requires_grad != parameter.requires_grad:
+                stand_in.requires_grad_(parameter.requires_grad)
 
 
 class _ReplicatedShards(_StandIns):
@@ -842,7 +865,7 @@ class BaseKFACPreconditioner:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(group)
         prefix = f'dkfac/py{next(_communicators)}/{ranks[0]}-{ranks[-1]}-{len(ranks)}/'
-        seconds = timeout if timeout is not None else dist.default_pg_timeout.total_seconds()
+        seconds = timeout if timeout is not None else _group_timeout(group)
         return _C.communicator(group, store, prefix, float(seconds))  # group.WORLD is the default group
 
 
@@ -1006,6 +1029,9 @@ class BaseKFACPreconditioner:
             if weight is bound_weight and bias is bound_bias:
                 if tuple(weight.shape) != self._shapes[index]:
                     raise ValueError(_resized(self._names[index], module, self._shapes[index]))
+                follow = getattr(self._distributors[index], 'follow_requires_grad', None)
+                if follow is not None:
+                    follow(weight, bias)
                 continue
             # fully_shard after the preconditioner was built turns a layer's Parameters into DTensors: the core
             # then preconditions full-shaped stand-ins (same shape, dtype and device), as for a model sharded first.

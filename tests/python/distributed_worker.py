@@ -90,6 +90,9 @@ def main() -> None:
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
     rank, size = dist.get_rank(), dist.get_world_size()
     skip_at = kwargs.pop('skip_at', None)
+    # {'step': k, 'layer': i}: the i-th Linear's weight frozen from step k on (its bias trained), gradients zeroed in
+    # place (zero_grad(set_to_none=False)) at every step
+    freeze = kwargs.pop('freeze_weight_at', None)
     sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh) or 'hsdp' (2-D: replicate x shard): FSDP2, not DDP
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
@@ -161,7 +164,9 @@ def main() -> None:
             block.skip = step in skipping
         params.append([full(p) for p in model.parameters()])
         x, y = (t.to(device) for t in scenarios.batch(kind, step, size=GLOBAL_BATCH))
-        optimizer.zero_grad()
+        if freeze is not None and step == freeze['step']:
+            [m for m in model.modules() if isinstance(m, torch.nn.Linear)][freeze['layer']].weight.requires_grad_(False)
+        optimizer.zero_grad(set_to_none=freeze is None)
         mine = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
         for j, (mx, my) in enumerate(zip(*(t.chunk(accumulate) for t in mine))):
             last = j == accumulate - 1  # gradients are reduced after the last micro-batch only
@@ -174,7 +179,8 @@ def main() -> None:
         try:
             preconditioner.step()
         except RuntimeError as error:
-            if 'the ranks\' hyper-parameters differ' not in str(error):
+            if not any(m in str(error) for m in ('the ranks\' hyper-parameters differ', 'before step() at step',
+                                                 'every rank stops here')):
                 raise
             print(f'refused at step {step}: {error}', flush=True)
             sys.exit(4)

@@ -193,6 +193,24 @@ SHARDED_CASES = [
 ]
 
 
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_a_sharded_weight_frozen_mid_training_stays_frozen(placement, tmp_path):
+    """requires_grad_(False) on an FSDP2 layer's weight at step 2, its bias trained, gradients zeroed in place: the
+    core sees the layer through stand-ins, whose requires_grad was copied once, so the frozen weight was
+    preconditioned with its bias and moved (7e-4 over 3 steps); the stand-ins follow it now, and the layer keeps its
+    plain gradients (unused_layer_policy='skip'), as in one process."""
+    kwargs = {**COMMON, 'shard': 'fsdp', 'strategy': 'kaisa', 'sharded_placement': placement,
+              'unused_layer_policy': 'skip', 'freeze_weight_at': {'step': 2, 'layer': 0}, 'steps': 5}
+    if placement == 'replicated':
+        kwargs['grad_worker_fraction'] = 1.0
+    results = run_workers(2, kwargs, tmp_path)
+    for result in results:
+        frozen = [torch.as_tensor(p) for p in (result['params'][2][3], result['params'][-1][3])]  # the Linear's
+        assert torch.equal(*frozen), (frozen[0] - frozen[1]).abs().max()
+        bias = [torch.as_tensor(p) for p in (result['params'][2][4], result['params'][-1][4])]
+        assert not torch.equal(*bias)  # it trained on
+
+
 @pytest.mark.parametrize('size,kwargs', SHARDED_CASES,
                          ids=[f'{s}-{"-".join(map(str, k.values()))}' for s, k in SHARDED_CASES])
 def test_sharded_models_equal_the_single_process_reference(size, kwargs, tmp_path):
@@ -581,6 +599,22 @@ def test_ranks_that_differ_refuse_within_seconds_naming_the_difference(tmp_path,
         assert ('the ranks built their preconditioners differently' if refused == 3
                 else "the ranks' hyper-parameters differ at K-FAC step 0") in out, out
     assert elapsed < 30, f'took {elapsed:.1f} s'
+
+
+def test_a_layer_one_rank_cannot_use_stops_every_rank_at_that_step(tmp_path):
+    """Under the default unused_layer_policy a layer that one rank did not run (a mixture of experts' expert without
+    tokens there, a block it skipped) was refused on that rank alone, and the others waited in the step's factor
+    allreduce until its process went (90 s measured, the preconditioner's timeout at most): every rank stops at
+    that step now, the others naming the rank and the layer."""
+    start = time.monotonic()
+    procs = start_workers(2, dict(COMMON, skip_at={'0': [2]}), tmp_path)
+    outputs = outputs_of(procs, 60)
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 4, f'rank {rank} exit {proc.returncode}:\n{out}'
+        assert 'refused at step 2' in out, out
+    assert "it did not run on this rank and its gradient is the other ranks'" in outputs[0], outputs[0]
+    assert "rank 0 cannot use K-FAC layer 'module.2.conv' (Conv2d) at step 2" in outputs[1], outputs[1]
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize('per_rank,named', [

@@ -669,3 +669,24 @@ def test_a_module_replaced_after_the_build_is_named():
     with pytest.raises(ValueError, match=r"layer '2' \(Linear\) is not the model's '2' any more \(a new Linear\): the "
                                          r"preconditioner hooked the module that was there when it was built"):
         train(model, preconditioner, 1, start=3)
+
+
+def test_the_preconditioners_timeout_defaults_to_the_process_groups(tmp_path):
+    """dkfac's own collectives waited torch's default 30 minutes whatever timeout the job's process group was made
+    with (a rank that stopped kept the other waiting 90 s where init_process_group said 20): the preconditioner's
+    `timeout` now defaults to the group's own."""
+    import subprocess
+    import sys
+
+    code = f'''
+import datetime, torch.distributed as dist
+from dkfac.base_preconditioner import _group_timeout
+dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=20))
+sub = dist.new_group([0], timeout=datetime.timedelta(seconds=7))
+print(_group_timeout(dist.group.WORLD), _group_timeout(sub))
+dist.destroy_process_group()
+'''
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ['20.0', '7.0'], done.stdout
