@@ -164,11 +164,13 @@ class Preconditioner {
   /// collectives around the step (Distributor).
   void step(const Distributor& distributor = {});
 
-  /// Drops the current step without touching gradients, factors or the step counter, for a training loop
-  /// that skips a step (e.g. a non-finite loss). Factors captured in forward/backward are discarded; on a
-  /// factor step of a distributed preconditioner the factor collectives still run, so every rank must call
-  /// it for the same step. Capture stays armed for the step that replaces it. With Options::fold_in_hooks, what
-  /// the layers' hooks already folded stays in the factors (off: the factors are untouched).
+  /// Drops the current step without touching gradients or the step counter, for a training loop that skips a
+  /// step (e.g. a non-finite loss). What forward/backward captured and has not been folded is discarded; with
+  /// Options::fold_in_hooks (on by default) the layers' hooks may have folded the batch into the factors already,
+  /// and that stays (a finite batch: a non-finite one is kept out by the fold's guard). A loop that discards finite
+  /// batches (loss spikes) and wants the factors untouched turns fold_in_hooks off (`dkfac train --on-nan-loss
+  /// skip` does). On a factor step of a distributed preconditioner the factor collectives still run, so every rank
+  /// must call it for the same step. Capture stays armed for the step that replaces it.
   void discard_step();
 
   /// Recomputes the second-order state from the current factors now, outside step() (collective: every
@@ -502,6 +504,9 @@ class Preconditioner {
   /// The first layer check_layers would refuse this step (unused_layer_policy error), or -1; read by
   /// check_schedules_agree, so that every rank stops where one would.
   int64_t first_refused_layer() const;
+  /// load()'s reading and checking of an archive (its header, every layer's tensors, the checksum), before anything
+  /// changes.
+  void read_archive(torch::serialize::InputArchive& archive, StateRestore& restore, SavedState& saved);
   int64_t armed_step_ = -1;         // the step arm_capture last armed for,
   bool armed_factor_step_ = false;  // and whether it armed the captures
   bool warned_schedule_change_ = false;

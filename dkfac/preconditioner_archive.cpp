@@ -1,5 +1,6 @@
 // Preconditioner's archive: save and load (format 2, every layer's whole state, world-size independent),
 // the state a checkpoint reader fills in place (state_template) and what the plan places on this rank.
+#include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
@@ -32,6 +33,58 @@ std::string read_string(torch::serialize::InputArchive& archive, const std::stri
   TORCH_CHECK(archive.try_read(key, value) && value.isString(), "dkfac preconditioner checkpoint", where,
               " has no '", key, "' entry: the archive is damaged");
   return value.toStringRef();
+}
+
+// FNV-1a over 8-byte words of the archive's header values and of every layer's name and tensors (key, dtype, shape,
+// bytes): torch's zip reader does not check its records, so a changed byte in a tensor used to load as a changed
+// value. Written as the archive's "checksum"; an archive without one (written before 2026-11-30) is not checked.
+class Checksum {
+ public:
+  void add(const void* data, size_t size) {
+    const auto* bytes = static_cast<const unsigned char*>(data);
+    size_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, bytes + i, 8);
+      mix(word);
+    }
+    uint64_t tail = 0;
+    if (size > i) std::memcpy(&tail, bytes + i, size - i);
+    mix(tail ^ (static_cast<uint64_t>(size) << 56));
+  }
+  void add(int64_t v) { add(&v, sizeof v); }
+  void add(const std::string& text) { add(text.data(), text.size()); }
+  void add(const torch::Tensor& t) {
+    const auto bytes = t.detach().to(torch::kCPU).contiguous();
+    add(static_cast<int64_t>(bytes.scalar_type()));
+    for (const auto size : bytes.sizes()) add(size);
+    add(bytes.data_ptr(), bytes.nbytes());
+  }
+  int64_t value() const { return static_cast<int64_t>(hash_); }
+
+ private:
+  void mix(uint64_t word) {
+    hash_ ^= word;
+    hash_ *= 1099511628211ULL;
+  }
+  uint64_t hash_ = 1469598103934665603ULL;
+};
+
+// The checksum of what an archive holds (save writes it, load compares).
+int64_t archive_checksum(int64_t steps, int64_t world_size, const std::string& plan, int64_t method,
+                         const std::vector<std::string>& names,
+                         const std::vector<std::map<std::string, torch::Tensor>>& layers) {
+  Checksum sum;
+  for (const int64_t v : {steps, static_cast<int64_t>(layers.size()), world_size, method}) sum.add(v);
+  sum.add(plan);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    sum.add(names[i]);
+    for (const auto& [key, tensor] : layers[i]) {
+      sum.add(key);
+      sum.add(tensor);
+    }
+  }
+  return sum.value();
 }
 
 }  // namespace
@@ -90,25 +143,34 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template
 void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
   const auto& plan = executor_->plan();
+  const auto described = plan.describe(/*per_layer=*/true);
   archive.write("format_version", c10::IValue(kFormatVersion));
   archive.write("steps", c10::IValue(steps_));
   archive.write("num_layers", c10::IValue(static_cast<int64_t>(layers_.size())));
   archive.write("world_size", c10::IValue(static_cast<int64_t>(plan.world_size())));
-  archive.write("plan", c10::IValue(plan.describe(/*per_layer=*/true)));
+  archive.write("plan", c10::IValue(described));
   archive.write("method", c10::IValue(static_cast<int64_t>(plan.method)));
+  std::vector<std::string> names;
+  std::vector<std::map<std::string, torch::Tensor>> written(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     torch::serialize::OutputArchive nested;
+    names.push_back(layers_[i].name());
     nested.write("name", c10::IValue(layers_[i].name()));
-    for (const auto& [key, tensor] : states[i]) nested.write(key, written_alone(tensor), /*is_buffer=*/true);
+    for (const auto& [key, tensor] : states[i]) {
+      written[i][key] = written_alone(tensor);
+      nested.write(key, written[i][key], /*is_buffer=*/true);
+    }
     archive.write("layer" + std::to_string(i), nested);
   }
+  archive.write("checksum", c10::IValue(archive_checksum(steps_, plan.world_size(), described,
+                                                         static_cast<int64_t>(plan.method), names, written)));
 }
 
-StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
+void Preconditioner::read_archive(torch::serialize::InputArchive& archive, StateRestore& restore,
+                                  SavedState& saved) {
   c10::IValue version;
   TORCH_CHECK(archive.try_read("format_version", version) && version.isInt(),
               "not a dkfac preconditioner checkpoint (no format_version)");
-  StateRestore restore;
   restore.format_version = version.toInt();
   TORCH_CHECK(restore.format_version == kFormatVersion, "dkfac preconditioner checkpoint has format version ",
               restore.format_version, "; this build reads version ", kFormatVersion, " only");
@@ -121,13 +183,13 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
   restore.world_size = static_cast<int>(read_int(archive, "world_size", ""));
   TORCH_CHECK(restore.world_size >= 1, "dkfac preconditioner checkpoint has world_size ", restore.world_size,
               ": the archive is damaged");
+  const auto saved_plan = read_string(archive, "plan", "");
   restore.same_plan = !(auto_ && auto_->choice_pending()) && restore.world_size == plan.world_size() &&
-                      read_string(archive, "plan", "") == plan.describe(/*per_layer=*/true);
+                      saved_plan == plan.describe(/*per_layer=*/true);
   const int64_t method = read_int(archive, "method", "");
   TORCH_CHECK(method == static_cast<int64_t>(ComputeMethod::kEigen) ||
                   method == static_cast<int64_t>(ComputeMethod::kInverse),
               "dkfac preconditioner checkpoint has compute method ", method, ": the archive is damaged");
-  SavedState saved;
   saved.steps = steps;
   saved.method = static_cast<ComputeMethod>(method);
   saved.layers.resize(layers_.size());
@@ -146,6 +208,30 @@ StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
                   ": entry '", key, "' is not a tensor: the archive is damaged");
       saved.layers[i][key] = tensor;
     }
+  }
+  c10::IValue checksum;
+  if (archive.try_read("checksum", checksum)) {
+    std::vector<std::string> names;
+    for (const auto& layer : layers_) names.push_back(layer.name());
+    TORCH_CHECK(checksum.isInt() && checksum.toInt() == archive_checksum(steps, restore.world_size, saved_plan, method,
+                                                                         names, saved.layers),
+                "dkfac preconditioner checkpoint: its contents do not match the checksum written with them: the "
+                "archive is damaged (a changed byte); nothing was loaded");
+  }
+}
+
+StateRestore Preconditioner::load(torch::serialize::InputArchive& archive) {
+  StateRestore restore;
+  SavedState saved;
+  // What torch's reader throws on a damaged archive other than its own errors (std::out_of_range from a map, ...)
+  // is refused as damage, before anything changed.
+  try {
+    read_archive(archive, restore, saved);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "dkfac preconditioner checkpoint could not be read (", e.what(), "): the archive is damaged; "
+                "nothing was loaded");
   }
   const auto restored = this->restore(std::move(saved));
   restore.placed_layers = restored.placed_layers;

@@ -70,4 +70,22 @@ header=$(grep '^K-FAC layers' "$tmp/out" | tr ',' '\n' | wc -l)
 lacks "step plan"
 "$dkfac" train --model mlp --dataset synthetic --epochs 1 --max-steps 1 --no-kfac --print-plan > "$tmp/out" 2>&1
 has "step plan: none (--no-kfac"
+echo "== dkfac bench checks every argument before it runs anything"
+bench_refused() {
+  local rc=0
+  "$dkfac" bench --no-steps "$@" > "$tmp/out" 2>&1 || rc=$?
+  if [[ $rc == 0 ]]; then cat "$tmp/out"; fail "dkfac bench $* succeeded"; fi
+  lacks "bench: {"  # refused before the benchmark's first line
+}
+bench_refused --kernel-repeats 0
+has "--kernel-repeats must be >= 1, got 0"
+bench_refused --kernel-dims 64 -4
+has "--kernel-dims must be >= 1, got -4"
+bench_refused --kernel-rows 0
+has "--kernel-rows must be >= 1, got 0"
+bench_refused --methods eigen foo
+has "--methods takes eigen, inverse, got 'foo'"
+bench_refused --json "$tmp/no/such/dir/out.json"
+has "cannot write --json file"
+
 echo "PASS"

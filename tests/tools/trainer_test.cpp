@@ -497,6 +497,17 @@ TEST(TrainConfigTest, BadOptionsNameFlagAndValue) {
   c = TrainConfig();
   c.resume = true;
   expect(c, "--resume needs --checkpoint-dir");
+  // A metrics file where the checkpoints go (their atomic rename replaced it, their rotation moved it to .prev).
+  for (const char* name : {"ck/checkpoint.pt", "ck/./checkpoint-rank1.pt.prev"}) {
+    c = TrainConfig();
+    c.checkpoint_dir = "ck";
+    c.metrics = name;
+    expect(c, "is in --checkpoint-dir under a checkpoint's name: the checkpoints would replace it");
+  }
+  c = TrainConfig();
+  c.checkpoint_dir = "ck";
+  c.metrics = "ck/metrics.jsonl";  // beside them: fine
+  EXPECT_NO_THROW(c.validate());
   c = TrainConfig();
   c.kfac_options.strategy(Strategy::kDp).grad_worker_fraction(0.5);
   expect(c, "grad_worker_fraction applies to strategy kaisa only (dp places its own work), got 0.5");

@@ -40,6 +40,21 @@ int run_bench(BenchCli cli) {
   for (const auto& m : c.models) {
     TORCH_CHECK(m == "mlp" || m == "cnn" || m == "resnet20", "--models takes mlp, cnn, resnet20, got '", m, "'");
   }
+  // Every argument is checked before anything runs (a bad --methods used to stop the run after SGD's benchmark, an
+  // unwritable --json after the whole run, and --kernel-repeats 0 printed inf and nan).
+  for (const auto& m : c.methods) {
+    TORCH_CHECK(m == "eigen" || m == "inverse", "--methods takes eigen, inverse, got '", m, "'");
+  }
+  TORCH_CHECK(c.batch_size >= 1, "--batch-size must be >= 1, got ", c.batch_size);
+  TORCH_CHECK(c.cycles >= 1, "--cycles must be >= 1, got ", c.cycles);
+  TORCH_CHECK(c.warmup_steps >= 0, "--warmup must be >= 0, got ", c.warmup_steps);
+  TORCH_CHECK(c.kernel_repeats >= 1, "--kernel-repeats must be >= 1, got ", c.kernel_repeats);
+  for (const auto d : c.kernel_dims) TORCH_CHECK(d >= 1, "--kernel-dims must be >= 1, got ", d);
+  for (const auto r : c.kernel_rows) TORCH_CHECK(r >= 1, "--kernel-rows must be >= 1, got ", r);
+  if (!cli.json.empty()) {
+    std::ofstream probe(cli.json, std::ios::app);  // opened now, written at the end
+    TORCH_CHECK(probe, "cannot write --json file '", cli.json, "'");
+  }
   c.steps = !cli.no_steps;
   c.kernels = !cli.no_kernels;
   const auto threads = dkfac::tools::configure_threads(c.threads);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include <c10/util/Exception.h>
 
@@ -143,6 +144,16 @@ void TrainConfig::validate() const {
               "auto, but --strategy is ", to_string(kfac_options.strategy()));
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
   TORCH_CHECK(!resume || !checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  if (!metrics.empty() && !checkpoint_dir.empty()) {
+    // The checkpoint's atomic rename would replace such a file, and its rotation move it to .prev.
+    namespace fs = std::filesystem;
+    std::error_code error;
+    const auto file = fs::weakly_canonical(fs::absolute(metrics), error);
+    const auto dir = fs::weakly_canonical(fs::absolute(checkpoint_dir), error);
+    TORCH_CHECK(file.parent_path() != dir || file.filename().string().rfind("checkpoint", 0) != 0, "--metrics '",
+                metrics, "' is in --checkpoint-dir under a checkpoint's name: the checkpoints would replace it; "
+                "write the metrics to another file");
+  }
   TORCH_CHECK(!(resume && overwrite), "--resume continues the run in --checkpoint-dir and --overwrite replaces it: "
               "pass one of them");
   TORCH_CHECK(checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0, got ", checkpoint_every_steps);
