@@ -195,8 +195,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     parallel" in docs/PYTHON.md), ``tensor_parallel_factors`` (layers split by torch.distributed.tensor.parallel:
     'block_diagonal', each rank's slice with the factors it builds alone, or 'exact', gathered over the
     tensor-parallel ranks; "Tensor parallel" in docs/PYTHON.md), ``spd_redundant_dim``, ``timeout`` (seconds for
-    dkfac's own subgroups; default: the process group's own timeout) and ``large_factor_dim`` (a layer with a factor wider than this is warned about when the
-    preconditioner is built, with the factor's memory and the cost of its second-order updates; 0: never).
+    dkfac's own subgroups; default: the process group's own timeout) and ``large_factor_dim`` (a layer with a
+    factor wider than this is warned about when the preconditioner is built, with the factor's memory and the cost
+    of its second-order updates; 0: never).
     ``symmetric_comm`` and ``balance`` are dkfac's names for ``symmetry_aware`` and ``assignment_strategy`` (give
     one of each pair).
     ``sharded_placement`` says where the K-FAC work of layers sharded by FSDP2's ``fully_shard`` (or HSDP) runs:

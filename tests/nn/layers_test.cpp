@@ -137,7 +137,8 @@ TEST(Layers, CloneIsADkfacModuleWithItsOwnCapture) {
   }
   const auto x = torch::randn({2, 1, 6, 6});
   const auto head = [](torch::nn::Sequential& s, const torch::Tensor& in) {
-    return s[2]->as<LinearImpl>()->forward(s[1]->as<torch::nn::FlattenImpl>()->forward(s[0]->as<Conv2dImpl>()->forward(in)));
+    const auto patches = s[0]->as<Conv2dImpl>()->forward(in);
+    return s[2]->as<LinearImpl>()->forward(s[1]->as<torch::nn::FlattenImpl>()->forward(patches));
   };
   torch::nn::Sequential back(copy);
   EXPECT_TRUE(torch::equal(head(seq, x), head(back, x)));
