@@ -398,18 +398,20 @@ std::string plan_text(const PlanReport& plan, bool per_rank) {
       text << "  (" << placed << " layers placed; --per-rank lists each layer's placement and every rank)\n";
     }
     text << "  " << std::setw(6) << (detail ? "rank" : "ranks");
-    for (const auto& f : fields()) text << std::setw(kWidth) << f.header;
+    for (const auto& f : fields()) text << " " << std::setw(kWidth - 1) << f.header;
     text << "\n";
     if (detail) {
       for (const auto& x : s["ranks"]) {
         text << "  " << std::setw(6) << x["rank"].get<int>();
-        for (const auto& f : fields()) text << std::setw(kWidth) << cell(x[f.key], f.bytes);
+        for (const auto& f : fields()) text << " " << std::setw(kWidth - 1) << cell(x[f.key], f.bytes);
         text << "\n";
       }
     } else {
       for (const char* stat : {"min", "median", "max"}) {
         text << "  " << std::setw(6) << stat;
-        for (const auto& f : fields()) text << std::setw(kWidth) << cell(s["summary"][f.key][stat], f.bytes);
+        for (const auto& f : fields()) {
+          text << " " << std::setw(kWidth - 1) << cell(s["summary"][f.key][stat], f.bytes);  // spaced when wider
+        }
         text << "\n";
       }
     }
