@@ -75,7 +75,15 @@ void Preconditioner::check_schedules_agree() const {
   mine.push_back(static_cast<double>(first_refused_layer()));
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
   const int me = communicator_->rank();
-  for (size_t rank = 0; rank < table.size() && table[static_cast<size_t>(me)].back() < 0; ++rank) {
+  if (const auto mine_refused = static_cast<int64_t>(table[static_cast<size_t>(me)].back()); mine_refused >= 0) {
+    // Here, not in check_layers: strategy auto's choice, which comes between, may leave this rank's layer to another.
+    const auto i = static_cast<size_t>(mine_refused);
+    const bool factor_step = armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_);
+    const int64_t captured = factor_step && executor_->builds_factors(i) ? layers_[i].captured_batches() : -1;
+    const int64_t empty = captured >= 0 ? layers_[i].capture().empty_passes() : 0;
+    TORCH_CHECK(false, refusal_of(i, unusable_reason(i, captured, empty)));
+  }
+  for (size_t rank = 0; rank < table.size(); ++rank) {
     const auto layer = static_cast<int64_t>(table[rank].back());
     TORCH_CHECK(layer < 0, "rank ", rank, " cannot use K-FAC layer ", names_.layer(layers_[static_cast<size_t>(layer)],
                 static_cast<size_t>(layer)), " at step ", s, " (its own error says why) and unused_layer_policy is "
@@ -439,6 +447,32 @@ void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
   }
 }
 
+std::string Preconditioner::unusable_reason(size_t i, int64_t captured, int64_t empty) const {
+  const auto& layer = layers_[i];
+  return !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+         : captured == 0 && empty > 0 && layer.has_gradient()
+             ? "ran only on empty batches (0 rows) since the last factor update (a mixture-of-experts expert that "
+               "received no tokens, say): there is nothing to build its factors from"
+         : captured == 0 && layer.has_gradient()
+             ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
+               "update: it did not run on this rank and its gradient is the other ranks' (DDP's "
+               "find_unused_parameters), its weight was used without calling the module (a functional use, as "
+               "torch.nn.MultiheadAttention does with its out_proj), the module ran outside training mode or "
+               "gradient recording, or a torch.compile graph traced before the hooks were added ran it (Dynamo "
+               "does not guard on module hooks by default: build the preconditioner before the first compiled call)"
+         : captured == 0 ? "did not run forward/backward in training mode"
+         : hook_folded_[i].defined()
+             ? "has no gradient (its backward hook had folded this step's passes into its factors: "
+               "Options::fold_in_hooks)"
+             : "has no gradient";
+}
+
+std::string Preconditioner::refusal_of(size_t i, const std::string& reason) const {
+  return c10::str("K-FAC layer ", names_.layer(layers_[i], i), " ", reason, " before step() at step ", steps_,
+                  "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to skip "
+                  "(UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
+}
+
 int64_t Preconditioner::first_refused_layer() const {
   if (options_.unused_layer_policy() != UnusedLayerPolicy::kError) return -1;
   const bool factor_step = armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_);
@@ -481,7 +515,9 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
                       " (a layer called several times in one forward, or micro-batches not declared); its factors "
                       "average the " + std::to_string(captured) + " passes");
       }
-      const auto orphans = captured > 0 && late.empty() ? layer.capture().a_count() - layer.capture().g_count() : 0;
+      // A shared-input follower's passes are its leader's inputs: the leader warns (and dropped the late ones).
+      const auto orphans = captured > 0 && late.empty() && !layer.follows_a()
+                               ? layer.capture().a_count() - layer.capture().g_count() : 0;
       if (orphans > 0) {
         warn_once(i, "orphan forward",
                   "ran " + std::to_string(orphans) + " forward pass(es) in training mode whose backward pass never "
@@ -491,26 +527,8 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       }
       continue;
     }
-    const std::string what =
-        !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
-        : captured == 0 && empty > 0 && layer.has_gradient()
-            ? "ran only on empty batches (0 rows) since the last factor update (a mixture-of-experts expert that "
-              "received no tokens, say): there is nothing to build its factors from"
-        : captured == 0 && layer.has_gradient()
-            ? "has a gradient, but its module's hooks saw no forward and backward pass since the last factor "
-              "update: it did not run on this rank and its gradient is the other ranks' (DDP's "
-              "find_unused_parameters), its weight was used without calling the module (a functional use, as "
-              "torch.nn.MultiheadAttention does with its out_proj), the module ran outside training mode or "
-              "gradient recording, or a torch.compile graph traced before the hooks were added ran it (Dynamo does "
-              "not guard on module hooks by default: build the preconditioner before the first compiled call)"
-        : captured == 0 ? "did not run forward/backward in training mode"
-        : hook_folded_[i].defined()
-            ? "has no gradient (its backward hook had folded this step's passes into its factors: Options::fold_in_hooks)"
-            : "has no gradient";
-    TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, "K-FAC layer ", names_.layer(layer, i), " ",
-                what, " before step() at step ", steps_,
-                "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to "
-                "skip (UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
+    const std::string what = unusable_reason(i, captured, empty);
+    TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, refusal_of(i, what));
     warn_once(i, "unused", what + "; it keeps its plain gradient meanwhile");
     layer.capture().clear();
     fates[i] = LayerFate::kPlainGradient;

@@ -504,6 +504,10 @@ class Preconditioner {
   /// The first layer check_layers would refuse this step (unused_layer_policy error), or -1; read by
   /// check_schedules_agree, so that every rank stops where one would.
   int64_t first_refused_layer() const;
+  /// Why layer `i` cannot be used this step (check_layers' words), from its captured passes (-1: not a factor step
+  /// or not built here) and its empty ones; and the refusal that says so, with what to do.
+  std::string unusable_reason(size_t i, int64_t captured, int64_t empty) const;
+  std::string refusal_of(size_t i, const std::string& reason) const;
   /// load()'s reading and checking of an archive (its header, every layer's tensors, the checksum), before anything
   /// changes.
   void read_archive(torch::serialize::InputArchive& archive, StateRestore& restore, SavedState& saved);

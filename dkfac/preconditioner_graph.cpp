@@ -29,7 +29,6 @@
 
 #include "dkfac/preconditioner.h"
 
-#include <cstring>
 
 namespace dkfac {
 namespace {

@@ -369,7 +369,11 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
   if (has_state) states = executor_->gather_states(layers_);
   disarm_hook_folds();  // armed by the old plan's reductions
   executor_ = std::make_shared<strategy::StepExecutor>(communicator_, layers_, chosen);
+  // `chosen` is made from the options of the first choice: eigen_adam's constants as set since
+  // (set_adam_constants, the base optimizer's betas followed) stay.
+  const auto adam = adam_constants();
   options_ = chosen;
+  options_.adam_beta1(adam.beta1).adam_beta2(adam.beta2).adam_eps(adam.eps);
   if (!has_state) return;
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i].load_state(placed_here(i, states[i]), executor_->plan().method);
   settle_loaded_layers(layers_);

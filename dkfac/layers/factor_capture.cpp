@@ -155,10 +155,16 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
     }
     const auto forwards = follower_ ? static_cast<int64_t>(passes_.size())
                                     : a_count_ + static_cast<int64_t>(waiting_inputs_.size());
-    // A forward run by a backward pass while a captured one waits for its output gradient: activation
-    // checkpointing's recomputation of it (torch.utils.checkpoint without reentrance; the reentrant one runs the
-    // first forward without gradients, which is not captured). The same input again: not captured twice.
-    if (forwards > g_count_ && torch::autograd::get_current_graph_task_id() != -1) return;
+    // Activation checkpointing without reentrance runs the forward with saved-tensor hooks (captured), then again in
+    // the backward pass: that recomputation is the same input, not captured twice. Each forward captured under
+    // such hooks outside a backward pass allows one such skip (recomputable_). The reentrant kind runs its first
+    // forward without gradients (not captured): its recomputation is the pass, and is captured.
+    const bool in_backward = torch::autograd::get_current_graph_task_id() != -1;
+    if (in_backward && recomputable_ > 0) {
+      --recomputable_;
+      return;
+    }
+    if (!in_backward && !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) ++recomputable_;
     if (forwards > g_count_) interleaved_ = true;  // before the last forward's backward
   }
   const bool autocast = autocast_on(input);
@@ -418,6 +424,7 @@ torch::Tensor FactorCapture::take_a() {
   std::lock_guard<std::mutex> lock(mutex_);
   forget_passes();
   empty_passes_ = 0;
+  recomputable_ = 0;
   interleaved_ = false;
   return take(a_sum_, a_count_);
 }
@@ -436,6 +443,7 @@ void FactorCapture::clear() {
   a_count_ = 0;
   g_count_ = 0;
   empty_passes_ = 0;
+  recomputable_ = 0;
   folded_passes_ = 0;
   interleaved_ = false;
 }

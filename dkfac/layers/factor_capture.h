@@ -274,6 +274,7 @@ class FactorCapture {
   torch::Tensor g_sum_;  // [g, g], or [g] diagonal
   int64_t a_count_ = 0;
   int64_t empty_passes_ = 0;  // empty_passes()
+  int64_t recomputable_ = 0;  // forwards under saved-tensor hooks whose recomputation in backward is not captured
   std::atomic<const void*> owner_{nullptr};  // claim()
   int64_t g_count_ = 0;
   CaptureTiming timing_;

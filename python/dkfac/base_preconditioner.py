@@ -170,6 +170,7 @@ class _CaptureHook:
         self._shape = tuple(module.weight.shape) if module is not None else None
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
+        self.seen = [False]  # the preconditioner's flag of a forward pass since its last step()
         if capture is not None:
             _CAPTURES[self.key] = capture
 
@@ -185,6 +186,7 @@ class _CaptureHook:
             if output.requires_grad:
                 output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(part(grad), key))
             return
+        self.seen[0] = True
         if not capture.enabled:
             return
         if tuple(module.weight.shape) != self._shape:
@@ -779,11 +781,15 @@ class BaseKFACPreconditioner:
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
         hooks, capture_hooks = [], []
+        # Set by any hooked forward pass (eager) since the last step(): an interval assigned after it does not arm the
+        # captures again (the step's passes ran as armed).
+        self._forward_seen = [False]
         for (module, (name, capture)), split in zip(self._layers.items(), self._splits):
             # Once the core accepted them: a failure leaves no hooks. A tensor-parallel layer's runs before
             # distribute_module's output hook, which would hand on a whole output or a sequence shard of it.
             capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
                                               whole=split is not None and split.exact))
+            capture_hooks[-1].seen = self._forward_seen
             hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=split is not None))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
@@ -880,7 +886,7 @@ class BaseKFACPreconditioner:
         # LambdaParamScheduler.step() after step()) arms them again, before the forward pass they decide.
         self.__dict__['_factor_update_steps_value'] = value
         core = self.__dict__.get('_core')
-        if core is not None:
+        if core is not None and not self.__dict__.get('_forward_seen', [False])[0]:
             core.rearm_capture()
 
     def _value(self, name: str) -> Any:
@@ -946,10 +952,11 @@ class BaseKFACPreconditioner:
                                 counted_elsewhere=self._counted_elsewhere)
         except RuntimeError as error:
             replaced = self._replaced_modules()
-            if replaced:
+            if replaced and 'K-FAC layer' in str(error):  # a refusal of a layer, not a lost rank or out of memory
                 raise ValueError(f'{replaced}: the preconditioner hooked the module that was there when it was built; '
                                  'build it (and the optimizer) after replacing modules') from error
             raise
+        self._forward_seen[0] = False
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())

@@ -135,8 +135,8 @@ class KFAC(torch.optim.Optimizer):
     - ``eigen_adam=True`` (a preconditioner keyword, Options::eigen_adam): Adam in the K-FAC eigenbasis. The
       base must be ``torch.optim.AdamW`` (or ``Adam`` without weight decay): its ``betas`` and ``eps`` become the
       preconditioner's ``adam_beta1``, ``adam_beta2`` and ``adam_eps`` unless given, read at every step (a
-      scheduler that cycles the momentum is followed; the groups holding preconditioned layers must agree on
-      them), and ``kl_clip`` defaults to None. Each preconditioned layer's parameter p of a group with ``lr``
+      scheduler that cycles the momentum is followed; the groups holding preconditioned layers must then agree
+      on them), and ``kl_clip`` defaults to None. Each preconditioned layer's parameter p of a group with ``lr``
       and ``weight_decay`` becomes ``p (1 - lr weight_decay) - lr d``, d the core's step in the eigenbasis
       (docs/MATH.md section 8): AdamW's update with K-FAC's basis. The other parameters take the base's own step,
       so AdamW's tuned lr, its decay/no-decay groups and its LR schedule carry over. A layer the core leaves its
@@ -397,7 +397,7 @@ class KFAC(torch.optim.Optimizer):
                 continue
             betas = group.get('betas', (0.9, 0.999))
             seen.setdefault((float(betas[0]), float(betas[1]), float(group.get('eps', 1e-8))), i)
-        if len(seen) > 1:
+        if len(seen) > 1 and self._adam_follows:
             (first, i), (other, j) = list(seen.items())[:2]
             raise ValueError(f'eigen_adam runs one Adam over every preconditioned layer: param groups {i} and {j} '
                              f'hold preconditioned layers with (beta1, beta2, eps) {first} and {other}; give those '

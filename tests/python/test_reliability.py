@@ -690,3 +690,55 @@ dist.destroy_process_group()
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ['20.0', '7.0'], done.stdout
+
+
+class SharedInACheckpoint(torch.nn.Module):
+    """One Linear called twice in one checkpointed segment (weight sharing), between an input and a head."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.inp, self.shared, self.out = torch.nn.Linear(4, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.double()
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.shared(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = (self.block(h) if self.reentrant is None
+             else torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant))
+        return self.out(h)
+
+
+@pytest.mark.parametrize('reentrant', [False, True], ids=['non-reentrant', 'reentrant'])
+def test_a_layer_called_twice_inside_a_checkpoint_is_captured_twice(reentrant):
+    """The reentrant kind runs the segment's first forward without gradients (not captured): its recomputation is
+    the pass. The skip of recomputations once took the second call of a shared layer there for one (1 input, 2
+    gradients: 1.8e-3 apart); only a forward captured under the non-reentrant kind's hooks is recomputed now."""
+    runs = []
+    for mode in (None, reentrant):
+        model, preconditioner = blocks(SharedInACheckpoint(mode), accumulation_steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            runs.append(loop(model, preconditioner, range(4)))
+        runs[-1].append(sorted(str(w.message) for w in caught if 'dkfac' in str(w.message)))
+    assert runs[0][-1] == runs[1][-1]  # the same warnings (the head and input layers ran once of the 2 declared)
+    assert_equal_grads(runs[0][:-1], runs[1][:-1])
+
+
+def test_an_interval_assigned_after_the_backward_pass_leaves_the_step_as_armed():
+    """An assignment after the step's forward pass (here after its backward) cannot arm the step's captures
+    again: it used to, and the step, armed as no factor step, became one with nothing captured (refused). The step
+    stands as armed now (warned), and the interval applies from the next one."""
+    model, preconditioner = blocks(factor_update_steps=2)
+    loop(model, preconditioner, range(1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(batch(1).double()).pow(2).mean().backward()
+    preconditioner.factor_update_steps = 1
+    with pytest.warns(UserWarning, match=r'step 1 is not a factor step, as the end of the last step\(\) armed'):
+        preconditioner.step()
+    optimizer.step()
+    loop(model, preconditioner, range(2, 4))
+    assert preconditioner.steps == 4
