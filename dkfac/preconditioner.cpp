@@ -78,10 +78,7 @@ void Preconditioner::check_schedules_agree() const {
   if (const auto mine_refused = static_cast<int64_t>(table[static_cast<size_t>(me)].back()); mine_refused >= 0) {
     // Here, not in check_layers: strategy auto's choice, which comes between, may leave this rank's layer to another.
     const auto i = static_cast<size_t>(mine_refused);
-    const bool factor_step = armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_);
-    const int64_t captured = factor_step && executor_->builds_factors(i) ? layers_[i].captured_batches() : -1;
-    const int64_t empty = captured >= 0 ? layers_[i].capture().empty_passes() : 0;
-    TORCH_CHECK(false, refusal_of(i, unusable_reason(i, captured, empty)));
+    TORCH_CHECK(false, refusal_of(i, unusable_reason(i, captured_for_check(i, armed_factor_step()))));
   }
   for (size_t rank = 0; rank < table.size(); ++rank) {
     const auto layer = static_cast<int64_t>(table[rank].back());
@@ -447,8 +444,9 @@ void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
   }
 }
 
-std::string Preconditioner::unusable_reason(size_t i, int64_t captured, int64_t empty) const {
+std::string Preconditioner::unusable_reason(size_t i, int64_t captured) const {
   const auto& layer = layers_[i];
+  const int64_t empty = captured >= 0 ? layer.capture().empty_passes() : 0;  // not captured: no rows
   return !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
          : captured == 0 && empty > 0 && layer.has_gradient()
              ? "ran only on empty batches (0 rows) since the last factor update (a mixture-of-experts expert that "
@@ -475,10 +473,10 @@ std::string Preconditioner::refusal_of(size_t i, const std::string& reason) cons
 
 int64_t Preconditioner::first_refused_layer() const {
   if (options_.unused_layer_policy() != UnusedLayerPolicy::kError) return -1;
-  const bool factor_step = armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_);
+  const bool factor_step = armed_factor_step();
   for (size_t i = 0; i < layers_.size(); ++i) {  // check_layers' refusals, without its warnings and changes
     const auto& layer = layers_[i];
-    const int64_t captured = factor_step && executor_->builds_factors(i) ? layer.captured_batches() : -1;
+    const int64_t captured = captured_for_check(i, factor_step);
     if (captured == 0 || !layer.has_gradient() || !layer.weight().requires_grad()) return static_cast<int64_t>(i);
   }
   return -1;
@@ -491,11 +489,10 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   if (factor_step) warn_of_broadcast_embeddings();
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
-    const bool builds = factor_step && executor_->builds_factors(i);
-    int64_t captured = builds ? layer.captured_batches() : -1;
+    int64_t captured = captured_for_check(i, factor_step);
     const auto late = captured > 0 ? check_hook_fold(i) : std::string();
     if (!late.empty()) warn_once(i, "hook fold", late);
-    if (late.empty() && builds) {
+    if (late.empty() && captured >= 0) {
       if (const auto dropped = layer.capture().drop_inputs_after_last_backward(); dropped > 0) {
         warn_once(i, "late forward",
                   "ran " + std::to_string(dropped) + " forward pass(es) in training mode after its last backward "
@@ -527,7 +524,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       }
       continue;
     }
-    const std::string what = unusable_reason(i, captured, empty);
+    const std::string what = unusable_reason(i, captured);
     TORCH_CHECK(options_.unused_layer_policy() == UnusedLayerPolicy::kSkip, refusal_of(i, what));
     warn_once(i, "unused", what + "; it keeps its plain gradient meanwhile");
     layer.capture().clear();
@@ -1257,7 +1254,7 @@ void Preconditioner::set_adam_constants(double beta1, double beta2, double eps) 
 
 bool Preconditioner::factor_step_as_armed() {
   if (armed_step_ != steps_) return is_factor_step(steps_);
-  if (armed_factor_step_ != is_factor_step(steps_) && !warned_schedule_change_) {
+  if (armed_factor_step_ != is_factor_step(steps_) && !warned_schedule_change_) {  // armed_factor_step(), warned
     warned_schedule_change_ = true;
     TORCH_WARN("dkfac: step ", steps_, " is ", armed_factor_step_ ? "" : "not ", "a factor step, as the end of the "
                "last step() armed the captures by factor_update_steps then; the schedule now says the opposite: it "

@@ -496,17 +496,23 @@ class Preconditioner {
   }
   void arm_capture();
   /// Whether the current step updates factors: as the captures were armed for it (arm_capture), which is
-  /// is_factor_step(steps_) unless the schedule changed since; then it warns once, and the change applies from the
-  /// next step.
+  /// is_factor_step(steps_) unless the schedule changed since; factor_step_as_armed also warns once of such a
+  /// change, which applies from the next step.
+  bool armed_factor_step() const { return armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_); }
   bool factor_step_as_armed();
+  /// Layer `i`'s passes captured since the last factor update where this is a factor step on which it builds
+  /// factors, else -1 (check_layers reads no count then).
+  int64_t captured_for_check(size_t i, bool factor_step) const {
+    return factor_step && executor_->builds_factors(i) ? layers_[i].captured_batches() : -1;
+  }
   /// Warns of each Embedding whose ids were shared by the batch (check_layers, factor steps).
   void warn_of_broadcast_embeddings();
   /// The first layer check_layers would refuse this step (unused_layer_policy error), or -1; read by
   /// check_schedules_agree, so that every rank stops where one would.
   int64_t first_refused_layer() const;
-  /// Why layer `i` cannot be used this step (check_layers' words), from its captured passes (-1: not a factor step
-  /// or not built here) and its empty ones; and the refusal that says so, with what to do.
-  std::string unusable_reason(size_t i, int64_t captured, int64_t empty) const;
+  /// Why layer `i` cannot be used this step (check_layers' words), from its captured passes (captured_for_check);
+  /// and the refusal that says so, with what to do.
+  std::string unusable_reason(size_t i, int64_t captured) const;
   std::string refusal_of(size_t i, const std::string& reason) const;
   /// load()'s reading and checking of an archive (its header, every layer's tensors, the checksum), before anything
   /// changes.

@@ -71,14 +71,15 @@ class Checksum {
 };
 
 // The checksum of what an archive holds (save writes it, load compares).
+// `named`: the model's layers, whose names the archive holds (load checks them equal before).
 int64_t archive_checksum(int64_t steps, int64_t world_size, const std::string& plan, int64_t method,
-                         const std::vector<std::string>& names,
+                         const std::vector<KfacLayer>& named,
                          const std::vector<std::map<std::string, torch::Tensor>>& layers) {
   Checksum sum;
   for (const int64_t v : {steps, static_cast<int64_t>(layers.size()), world_size, method}) sum.add(v);
   sum.add(plan);
   for (size_t i = 0; i < layers.size(); ++i) {
-    sum.add(names[i]);
+    sum.add(named[i].name());
     for (const auto& [key, tensor] : layers[i]) {
       sum.add(key);
       sum.add(tensor);
@@ -150,11 +151,9 @@ void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   archive.write("world_size", c10::IValue(static_cast<int64_t>(plan.world_size())));
   archive.write("plan", c10::IValue(described));
   archive.write("method", c10::IValue(static_cast<int64_t>(plan.method)));
-  std::vector<std::string> names;
   std::vector<std::map<std::string, torch::Tensor>> written(layers_.size());
   for (size_t i = 0; i < layers_.size(); ++i) {
     torch::serialize::OutputArchive nested;
-    names.push_back(layers_[i].name());
     nested.write("name", c10::IValue(layers_[i].name()));
     for (const auto& [key, tensor] : states[i]) {
       written[i][key] = written_alone(tensor);
@@ -163,7 +162,7 @@ void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
     archive.write("layer" + std::to_string(i), nested);
   }
   archive.write("checksum", c10::IValue(archive_checksum(steps_, plan.world_size(), described,
-                                                         static_cast<int64_t>(plan.method), names, written)));
+                                                         static_cast<int64_t>(plan.method), layers_, written)));
 }
 
 void Preconditioner::read_archive(torch::serialize::InputArchive& archive, StateRestore& restore,
@@ -211,10 +210,8 @@ void Preconditioner::read_archive(torch::serialize::InputArchive& archive, State
   }
   c10::IValue checksum;
   if (archive.try_read("checksum", checksum)) {
-    std::vector<std::string> names;
-    for (const auto& layer : layers_) names.push_back(layer.name());
     TORCH_CHECK(checksum.isInt() && checksum.toInt() == archive_checksum(steps, restore.world_size, saved_plan, method,
-                                                                         names, saved.layers),
+                                                                         layers_, saved.layers),
                 "dkfac preconditioner checkpoint: its contents do not match the checksum written with them: the "
                 "archive is damaged (a changed byte); nothing was loaded");
   }

@@ -29,7 +29,6 @@
 
 #include "dkfac/preconditioner.h"
 
-
 namespace dkfac {
 namespace {
 

@@ -351,9 +351,7 @@ void Preconditioner::choose_strategy() {
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (!executor_->builds_factors(i)) layers_[i].capture().clear();  // captured under the provisional plan
   }
-  if (armed_step_ == steps_ ? armed_factor_step_ : is_factor_step(steps_)) {
-    executor_->arm_factor_step(options_.accumulation_steps());
-  }
+  if (armed_factor_step()) executor_->arm_factor_step(options_.accumulation_steps());
   choice_to_report_ = auto_->description() + "\n" + executor_->describe(/*per_layer=*/false);
 }
 

@@ -1,9 +1,9 @@
 #include "dkfac/layers/factor_capture.h"
 
 #include <ATen/SavedTensorHooks.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <sstream>
 

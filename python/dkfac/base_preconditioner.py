@@ -159,7 +159,7 @@ class _CaptureHook:
     both whole, gathered over the tensor-parallel ranks."""
 
     def __init__(self, module: torch.nn.Module | None, capture: Any, name: str = '', sliced: bool = False,
-                 whole: bool = False) -> None:
+                 whole: bool = False, seen: list[bool] | None = None) -> None:
         self._module = weakref.ref(module) if module is not None else None
         self._name = name
         self.sliced = sliced
@@ -170,7 +170,7 @@ class _CaptureHook:
         self._shape = tuple(module.weight.shape) if module is not None else None
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
-        self.seen = [False]  # the preconditioner's flag of a forward pass since its last step()
+        self.seen = seen if seen is not None else [False]  # the preconditioner's: a forward pass since its step()
         if capture is not None:
             _CAPTURES[self.key] = capture
 
@@ -788,8 +788,7 @@ class BaseKFACPreconditioner:
             # Once the core accepted them: a failure leaves no hooks. A tensor-parallel layer's runs before
             # distribute_module's output hook, which would hand on a whole output or a sequence shard of it.
             capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
-                                              whole=split is not None and split.exact))
-            capture_hooks[-1].seen = self._forward_seen
+                                              whole=split is not None and split.exact, seen=self._forward_seen))
             hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=split is not None))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
