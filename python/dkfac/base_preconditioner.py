@@ -261,6 +261,22 @@ def _resized(name: str, module: torch.nn.Module, shape: tuple[int, ...]) -> str:
             'resizing')
 
 
+def _fsdp1(where: str) -> str:
+    return (f'dkfac: {where} wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1), whose flat '
+            "parameters hide each layer's weight from K-FAC: shard the model with FSDP2's fully_shard "
+            '(torch.distributed.fsdp.fully_shard, docs/PYTHON.md "Sharded models"), or replicate it with '
+            'DistributedDataParallel')
+
+
+def _fsdp1_flattened(t: Any) -> bool:
+    """Whether ``t`` is a layer's parameter as FSDP1 leaves it: flattened into a shard (``use_orig_params=True``),
+    or a view of the wrapper's FlatParameter (``use_orig_params=False``)."""
+    if getattr(t, '_fsdp_flattened', False):
+        return True
+    flat = getattr(sys.modules.get('torch.distributed.fsdp._flat_param'), 'FlatParameter', None)
+    return flat is not None and isinstance(getattr(t, '_base', None), flat)
+
+
 def _shown(value: Any) -> str:
     return 'a callable' if callable(value) else repr(value)
 
@@ -1031,6 +1047,8 @@ class BaseKFACPreconditioner:
         otherwise keep preconditioning the old ones, whose gradients no longer change: K-FAC silently off."""
         for index, module in enumerate(self._modules):
             weight, bias = module.weight, getattr(module, 'bias', None)
+            if _fsdp1_flattened(weight):  # wrapped after the build (before it, _register refuses the model)
+                raise ValueError(_fsdp1(f'layer {self._names[index]!r} ({type(module).__name__}) was'))
             bound_weight, bound_bias = self._bound[index]
             if weight is bound_weight and bias is bound_bias:
                 if tuple(weight.shape) != self._shapes[index]:

@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from dkfac.base_preconditioner import _ENUMS
 from dkfac.base_preconditioner import _KEYWORDS
 from dkfac.base_preconditioner import _OPTIONS
 from dkfac.base_preconditioner import _default
+from dkfac.base_preconditioner import _fsdp1
 from dkfac.base_preconditioner import _python_default
 from dkfac.base_preconditioner import _tensor_parallel
 from dkfac.base_preconditioner import logger
@@ -97,6 +99,20 @@ def _layer_kind(module: torch.nn.Module) -> str | None:
     if isinstance(module, torch.nn.Embedding):
         return 'Embedding'
     return None
+
+
+def _refuse_fsdp1(model: torch.nn.Module) -> None:
+    """FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) keeps a wrapped module's parameters as one flat
+    Parameter (``use_orig_params=False``) or as flat shards shaped ``[numel]`` (``use_orig_params=True``): no layer
+    holds a weight K-FAC can read. Refused naming the wrapper and what works, in place of errors about the layers'
+    shapes or the optimizer's parameters."""
+    # Not imported: no module can be one (imported here, it would cost every job torch's FSDP import).
+    fsdp1 = getattr(sys.modules.get('torch.distributed.fsdp'), 'FullyShardedDataParallel', None)
+    if fsdp1 is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, fsdp1):
+            raise ValueError(_fsdp1('the model is' if not name else f'its module {name!r} is'))
 
 
 def _never_called(model: torch.nn.Module) -> set[int]:
@@ -399,6 +415,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         (dkfac/layers/discovery.h: frozen, grouped, sparse, tied and skip_layers), the same ones the C++ front end
         applies, with the same warnings and errors. Every trainable parameter left to the optimizer is logged at
         ``loglevel`` with the reason."""
+        _refuse_fsdp1(model)
         owners: dict[int, list[str]] = {}  # id(parameter) -> the modules holding it (tied weights: several)
         for name, module in model.named_modules():
             for parameter in module._parameters.values():

@@ -742,3 +742,41 @@ def test_an_interval_assigned_after_the_backward_pass_leaves_the_step_as_armed()
     optimizer.step()
     loop(model, preconditioner, range(2, 4))
     assert preconditioner.steps == 4
+
+
+def test_a_model_wrapped_in_fsdp1_is_refused_naming_the_wrapper_and_what_works(tmp_path):
+    """FSDP1 (FullyShardedDataParallel) hides each layer's weight in a flat parameter: the build used to fail with
+    `weight has shape [35], expected 2 dimensions` or 'none of the preconditioned layers has its parameters in the
+    base optimizer', and a wrap after the build with 'has no gradient' or 'resized in place'. Both are now refused
+    naming FSDP1 and fully_shard, in either of its parameter modes (one rank, Gloo)."""
+    import subprocess
+    import sys
+
+    code = f'''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+import dkfac
+from dkfac import optim
+dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)
+for orig in (False, True):
+    for after in (False, True):
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        try:
+            if after:
+                preconditioner = dkfac.KFACPreconditioner(net)
+                model = FSDP(net, use_orig_params=orig, device_id=torch.device('cpu'))
+                model(torch.randn(4, 5)).sum().backward()
+                preconditioner.step()
+            else:
+                model = FSDP(net, use_orig_params=orig, device_id=torch.device('cpu'))
+                optim.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            print('accepted')
+        except ValueError as error:
+            print(str(error).split(' wrapped in ')[0], '|', 'fully_shard' in str(error))
+dist.destroy_process_group()
+'''
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "dkfac: the model is | True", "dkfac: layer '0' (Linear) was | True",
+    ] * 2, done.stdout
