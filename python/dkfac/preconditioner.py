@@ -125,12 +125,16 @@ def _never_called(model: torch.nn.Module) -> set[int]:
 
 def _plain_gradient_reason(module: torch.nn.Module, never_called: set[int] | frozenset[int] = frozenset()) -> str:
     """Why ``module`` cannot be preconditioned even though its kind can ('' when it can): a sparse Embedding, a
-    MultiheadAttention's out_proj (``_never_called``)."""
+    MultiheadAttention's out_proj (``_never_called``), a weight computed from other parameters."""
     if id(module) in never_called:
         return ("torch.nn.MultiheadAttention's out_proj: MultiheadAttention applies its weight inside "
                 'F.multi_head_attention_forward and never calls it as a module, so no hook can capture its input '
                 "(its in_proj_weight is no layer either); use a module of separate Linear projections to precondition "
                 'attention')
+    if module._parameters.get('weight') is None and isinstance(getattr(module, 'weight', None), torch.Tensor):
+        return ("its weight is no Parameter of the layer but computed from others before each forward pass "
+                "(torch.nn.utils.weight_norm's weight_g and weight_v), which take the gradient: K-FAC preconditions a "
+                'layer whose weight is its own Parameter')
     if isinstance(module, torch.nn.Embedding) and module.sparse:
         return ('a sparse Embedding (sparse=True): K-FAC preconditions dense gradients; build it with sparse=False '
                 'to precondition it')

@@ -780,3 +780,21 @@ dist.destroy_process_group()
     assert done.stdout.splitlines() == [
         "dkfac: the model is | True", "dkfac: layer '0' (Linear) was | True",
     ] * 2, done.stdout
+
+
+def test_a_layer_under_the_old_weight_norm_is_set_aside_with_its_reason_and_the_rest_trains():
+    """torch.nn.utils.weight_norm (still in wav2vec2-style models) makes a Linear's weight a tensor computed from
+    weight_g and weight_v before each forward pass: the layer was registered, and the first step failed saying it
+    "has no gradient before step()"."""
+    torch.manual_seed(0)
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)  # weight_norm's deprecation
+        torch.nn.utils.weight_norm(model[0])
+    with pytest.warns(UserWarning, match=r"'0'.*weight is no Parameter of the layer.*weight_g and weight_v"):
+        preconditioner = dkfac.KFACPreconditioner(model)
+    assert [name for name, _ in preconditioner.layers] == ['2']
+    model(batch(0)).pow(2).mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    preconditioner.step()
+    assert [torch.equal(before, p.grad) for before, p in zip(plain, model.parameters())] == [True] * 3 + [False] * 2
