@@ -277,6 +277,15 @@ def _fsdp1_flattened(t: Any) -> bool:
     return flat is not None and isinstance(getattr(t, '_base', None), flat)
 
 
+def _wrapper_free(name: str) -> str:
+    """A layer's name without what torch's wrappers put in its path: DistributedDataParallel's and DataParallel's
+    leading ``module``, torch.compile's ``_orig_mod`` and checkpoint_wrapper's ``_checkpoint_wrapped_module``."""
+    parts = [part for part in name.split('.') if part not in ('_orig_mod', '_checkpoint_wrapped_module')]
+    if len(parts) > 1 and parts[0] == 'module':
+        parts = parts[1:]
+    return '.'.join(parts)
+
+
 def _shown(value: Any) -> str:
     return 'a callable' if callable(value) else repr(value)
 
@@ -1211,7 +1220,8 @@ class BaseKFACPreconditioner:
         DCP checkpoint of any world size). Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with
         ``compute_inverses``, the second-order state is recomputed from them now (collective: every rank
         calls it). A dict that lacks factors this rank's plan builds (another rank's DP-KFAC state) is refused,
-        on every rank alike.
+        on every rank alike. Layers pair by name, or, for a dict saved from the model under other torch wrappers
+        (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), by name without their parts.
         """
         if 'steps' not in state_dict:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
@@ -1224,18 +1234,16 @@ class BaseKFACPreconditioner:
         held_flags = ours.get('held', {})
         if 'layers' in state_dict:
             layers = state_dict['layers']
-            unknown = sorted(set(layers) - set(self._state_names))
-            if unknown:
-                raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown}')
+            saved_as = self._saved_names(layers)
             states, unheld = [], []
             for name in self._state_names:
-                entry = layers.get(name)
+                entry = layers.get(saved_as.get(name, name))
                 if entry is None:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
                                      f'{len(layers)} layers, this model registers {len(self._names)})')
-                flags = held_flags.get(name, {})
+                flags = held_flags.get(saved_as.get(name, name), {})
                 found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
-                found.update(ours.get('second_order', {}).get(name, {}))
+                found.update(ours.get('second_order', {}).get(saved_as.get(name, name), {}))
                 # Present: written and computed (kfac_pytorch writes None for a factor not built yet); a blank the
                 # writer did not hold (a layer that never built its factors) is neither loaded nor missing.
                 states.append({k: t for k, t in found.items() if t is not None})
@@ -1279,6 +1287,26 @@ class BaseKFACPreconditioner:
                           stacklevel=2)
         for name, value in hyper.items():
             setattr(self, '_' + name, value)
+
+    def _saved_names(self, saved: Any) -> dict[str, str]:
+        """{this preconditioner's name of a layer: its key in a state dict's ``layers``}: the same name, or, where
+        the state dict was saved from the model under other torch wrappers (DistributedDataParallel's ``module.``,
+        torch.compile's ``_orig_mod.``, checkpoint_wrapper's ``_checkpoint_wrapped_module.``; kfac_pytorch saves
+        the names as dkfac does), the one that is the same without them, where that pairs the names one to one.
+        Refused naming the names it holds that this model does not register otherwise."""
+        saved = list(saved)
+        ours = set(self._state_names)
+        if set(saved) <= ours:
+            return {name: name for name in saved}
+        ours_bare = {_wrapper_free(name): name for name in self._state_names}
+        saved_bare = {_wrapper_free(name): name for name in saved}
+        if len(ours_bare) == len(ours) and len(saved_bare) == len(saved) and set(saved_bare) <= set(ours_bare):
+            return {ours_bare[bare]: name for bare, name in saved_bare.items()}
+        unknown = sorted(set(saved) - ours)
+        raise ValueError(f'state_dict holds K-FAC layers this model does not register: {unknown} (names are also '
+                         "matched without torch's wrappers: DistributedDataParallel's module., torch.compile's "
+                         f'_orig_mod.; this model registers {self._state_names[:4]}'
+                         f'{" ..." if len(self._state_names) > 4 else ""})')
 
     def __repr__(self) -> str:
         """kfac_pytorch's fields (and the subclass's ``defaults``), one per line, sorted by name."""

@@ -798,3 +798,31 @@ def test_a_layer_under_the_old_weight_norm_is_set_aside_with_its_reason_and_the_
     plain = [p.grad.clone() for p in model.parameters()]
     preconditioner.step()
     assert [torch.equal(before, p.grad) for before, p in zip(plain, model.parameters())] == [True] * 3 + [False] * 2
+
+
+def test_a_state_dict_loads_into_the_same_model_under_other_torch_wrappers():
+    """A state dict saved from a model names its layers as the model's modules (kfac_pytorch's layout): under
+    DataParallel or DistributedDataParallel `module.0`, under torch.compile `_orig_mod.0`. Loading it into the same
+    model wrapped otherwise was refused ('holds K-FAC layers this model does not register'); the names now pair
+    without the wrappers' parts, and every tensor loads bit for bit. Names that do not pair are still refused."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    _, preconditioner = trained(inv_update_steps=2)
+    saved = preconditioner.state_dict()
+    expected = live_state(preconditioner)
+    for wrap, names in ((torch.compile, ['_orig_mod.0', '_orig_mod.2']),
+                        (torch.nn.DataParallel, ['module.0', 'module.2']),
+                        (lambda m: torch.nn.Sequential(checkpoint_wrapper(m[0]), m[1], checkpoint_wrapper(m[2])),
+                         ['0._checkpoint_wrapped_module', '2._checkpoint_wrapped_module'])):
+        wrapped = dkfac.KFACPreconditioner(wrap(mlp()), damping=0.003, inv_update_steps=2)
+        wrapped.load_state_dict(saved)
+        assert [name for name, _ in wrapped.layers] == names
+        assert_same_state(expected, wrapped)
+        plain = dkfac.KFACPreconditioner(mlp(), damping=0.003, inv_update_steps=2)
+        plain.load_state_dict(wrapped.state_dict())  # and back
+        assert_same_state(expected, plain)
+    saved['layers']['1'] = saved['layers']['0']
+    before = live_state(plain)
+    with pytest.raises(ValueError, match=r"does not register: \['1'\] \(names are also matched without torch's"):
+        plain.load_state_dict(saved)
+    assert_same_state(before, plain)
