@@ -810,11 +810,13 @@ class BaseKFACPreconditioner:
         # captures again (the step's passes ran as armed).
         self._forward_seen = [False]
         for (module, (name, capture)), split in zip(self._layers.items(), self._splits):
-            # Once the core accepted them: a failure leaves no hooks. A tensor-parallel layer's runs before
-            # distribute_module's output hook, which would hand on a whole output or a sequence shard of it.
+            # Once the core accepted them: a failure leaves no hooks. Each runs before the module's other forward
+            # hooks, so that its output is the one the weight's gradient comes from: a hook registered before that
+            # returns another output (o * 2) would otherwise hand on its gradient (G 4x off), and a tensor-parallel
+            # layer's distribute_module output hook a whole output or a sequence shard of it.
             capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
                                               whole=split is not None and split.exact, seen=self._forward_seen))
-            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=split is not None))
+            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)

@@ -826,3 +826,34 @@ def test_a_state_dict_loads_into_the_same_model_under_other_torch_wrappers():
     with pytest.raises(ValueError, match=r"does not register: \['1'\] \(names are also matched without torch's"):
         plain.load_state_dict(saved)
     assert_same_state(before, plain)
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+@pytest.mark.parametrize('registered', ['before', 'after'])
+def test_a_forward_hook_that_replaces_a_layers_output_leaves_its_factors_alone(registered):
+    """G is built from the gradient of the output the layer's forward returned. A user's forward hook registered
+    before the preconditioner was built that returns another output (o * 2) used to hand the capture its own
+    output's gradient, so G came out 4x too small; the capture's hook now runs before the module's others. Equal, bit
+    for bit, to the same function with the scaling as a module of its own."""
+    hooked, explicit = mlp(), mlp()
+    explicit = torch.nn.Sequential(explicit[0], _Scale(), *explicit[1:])
+    if registered == 'before':
+        hooked[0].register_forward_hook(lambda module, inputs, output: output * 2)
+    preconditioners = [dkfac.KFACPreconditioner(m, factor_update_steps=1, inv_update_steps=1) for m in (hooked, explicit)]
+    if registered == 'after':
+        hooked[0].register_forward_hook(lambda module, inputs, output: output * 2)
+    for step in range(3):
+        grads = []
+        for model, preconditioner in zip((hooked, explicit), preconditioners):
+            model.zero_grad()
+            model(batch(step)).pow(2).mean().backward()
+            preconditioner.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), step
