@@ -188,8 +188,8 @@ void KfacLayer::invert_without_cholesky(SecondOrderState& state, double damping,
   double g_damping = damping;
   if (pi_damping) std::tie(a_damping, g_damping) = math::pi_damping(a_factor_, g_factor_, damping);
   // damped_inverse falls back to a general inverse and throws if the result is still not finite.
-  if (a_part) state.a_inverse = math::damped_inverse(a_factor_.to(work), a_damping).to(store);
-  if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store);
+  if (a_part) state.a_inverse = math::damped_inverse(a_factor_.to(work), a_damping).to(store).contiguous();
+  if (g_part) state.g_inverse = math::damped_inverse(g_factor_.to(work), g_damping).to(store).contiguous();
 }
 
 bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
@@ -243,7 +243,7 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
     auto stored = [&](const math::EigenFactor& e) {  // a diagonal factor has no eigenvectors (the identity)
       // Row-major, as every other source of an eigenbasis (a stack's slot, a collective's buffer, a loaded
       // checkpoint) holds it: LAPACK's column-major results would make the products round otherwise, and a
-      // resumed run differ from the uninterrupted one.
+      // resumed run differ from the uninterrupted one. The inverses below likewise.
       math::EigenFactor kept{e.eigenvectors.defined() ? out(e.eigenvectors).contiguous() : torch::Tensor(),
                              out(e.eigenvalues)};
       if (kept.eigenvectors.defined()) finite(kept.eigenvectors);
@@ -267,7 +267,7 @@ PendingSecondOrder KfacLayer::start_second_order(ComputeMethod method, double da
     auto inverse = [&](const torch::Tensor& factor, const torch::Tensor& d) {
       auto result = math::damped_inverse_unchecked(in(factor), d);
       checks.push_back(result.cholesky_ok);
-      auto kept = out(result.inverse);
+      auto kept = out(result.inverse).contiguous();  // row-major, as the eigenbases above
       finite(kept);
       return kept;
     };
@@ -512,7 +512,7 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   // Adam's moments: all three or none; a layer without eigen_adam has no use for them (another run's).
   math::EigenAdamMoments adam;
   // Contiguous (a checkpoint's tensors may have any layout): the fused Adam kernel steps P, m and v in one, and
-  // the eigenbases are row-major as computed, so that the products round as in the uninterrupted run.
+  // the eigenbases and inverses are row-major as computed, so that the products round as in the uninterrupted run.
   auto dense = [&](const char* key) {
     auto t = get(key);
     return t.defined() ? t.contiguous() : t;
@@ -528,8 +528,8 @@ void KfacLayer::load_state(const std::map<std::string, torch::Tensor>& state, Co
   next.a_eigen = {dense("a_eigenvectors"), get("a_eigenvalues")};  // row-major, as computed (start_second_order)
   next.g_eigen = {dense("g_eigenvectors"), get("g_eigenvalues")};
   next.denominator = get("denominator");
-  next.a_inverse = get("a_inverse");
-  next.g_inverse = get("g_inverse");
+  next.a_inverse = dense("a_inverse");  // row-major, as computed
+  next.g_inverse = dense("g_inverse");
   a_factor_ = a_factor;
   g_factor_ = g_factor;
   second_order_ = std::move(next);
