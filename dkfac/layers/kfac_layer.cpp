@@ -76,7 +76,11 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
   TORCH_CHECK(b.weight.defined() && b.capture != nullptr, "layer '", b.name, "' needs a weight and a factor capture");
   const auto& geometry = b.capture->geometry();
   const int64_t expected_dim = geometry.kind == LayerKind::kConv2d ? 4 : 2;
-  TORCH_CHECK(b.weight.dim() == expected_dim, "layer '", b.name, "' (", to_string(geometry.kind), "): weight has shape ",
+  // A Conv1d (the Python front end's) is the Conv2d of kernel height 1: its weight [C_out, C_in, k] is that one's
+  // without the height, laid out alike, and its capture sees its inputs and output gradients with a height of 1.
+  const bool conv1d = geometry.kind == LayerKind::kConv2d && geometry.conv.kernel_size[0] == 1 && b.weight.dim() == 3;
+  TORCH_CHECK(b.weight.dim() == expected_dim || conv1d, "layer '", b.name, "' (", to_string(geometry.kind),
+              "): weight has shape ",
               b.weight.sizes(), ", expected ", expected_dim, " dimensions");
   TORCH_CHECK(!geometry.transposed || geometry.kind != LayerKind::kConv2d, "layer '", b.name,
               "': a Conv2d weight is never stored transposed");

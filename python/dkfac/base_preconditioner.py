@@ -168,6 +168,8 @@ class _CaptureHook:
         # Its weight's shape then: a weight resized in place since (transformers' resize_token_embeddings assigns
         # a larger .data to the same Parameter) is refused here, before its capture meets ids past the old size.
         self._shape = tuple(module.weight.shape) if module is not None else None
+        # A Conv1d is captured as the Conv2d of kernel height 1 it is: its input and output gradient with a height.
+        self._seen = _with_height if isinstance(module, torch.nn.Conv1d) else _as_is
         self.key = next(_capture_keys)
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
         self.seen = seen if seen is not None else [False]  # the preconditioner's: a forward pass since its step()
@@ -181,7 +183,7 @@ class _CaptureHook:
         if not module.training or not torch.is_grad_enabled():
             return
         if torch.compiler.is_compiling():
-            key, part = self.key, (self._part if self.sliced else lambda t: t)
+            key, part = self.key, (self._part if self.sliced else self._seen)
             torch.ops.dkfac.capture_input(part(inputs[0]), self.passes, key)
             if output.requires_grad:
                 output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(part(grad), key))
@@ -201,9 +203,15 @@ class _CaptureHook:
             raise ValueError(f'layer {self._name!r} ({type(module).__name__}) takes a DTensor input '
                              f'({inputs[0].placements}): it was split by torch.distributed.tensor.parallel after the '
                              'preconditioner was built. Build the preconditioner after parallelize_module')
-        capture.capture_input(inputs[0])
+        if self._seen is _as_is:
+            capture.capture_input(inputs[0])
+            if output.requires_grad:
+                output.register_hook(capture.capture_output_grad)
+            return
+        seen = self._seen
+        capture.capture_input(seen(inputs[0]))
         if output.requires_grad:
-            output.register_hook(capture.capture_output_grad)
+            output.register_hook(lambda grad: capture.capture_output_grad(seen(grad)))
 
     def release(self) -> None:
         """Forgets the capture (the preconditioner went): a compiled graph that still calls it does nothing."""
@@ -259,6 +267,15 @@ def _resized(name: str, module: torch.nn.Module, shape: tuple[int, ...]) -> str:
             f'{list(shape)} when the preconditioner was built (resized in place: resize_token_embeddings, or a new '
             '.data); its K-FAC factors have the old shape. Build the preconditioner (and the optimizer) after '
             'resizing')
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _with_height(t: torch.Tensor) -> torch.Tensor:
+    """A Conv1d's input or output gradient ([N, C, L], or [C, L] unbatched) as the Conv2d's of height 1."""
+    return t.unsqueeze(-2)
 
 
 def _fsdp1(where: str) -> str:

@@ -94,11 +94,24 @@ def _layer_kind(module: torch.nn.Module) -> str | None:
         return None
     if isinstance(module, torch.nn.Linear) or _is_transformers_conv1d(module):
         return 'Linear'
-    if isinstance(module, torch.nn.Conv2d):
+    if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv1d)):  # a Conv1d: the Conv2d of kernel height 1
         return 'Conv2d'
     if isinstance(module, torch.nn.Embedding):
         return 'Embedding'
     return None
+
+
+def _conv2d_geometry(module: torch.nn.Module) -> tuple[Any, ...]:
+    """The kernel, stride, dilation, padding, padding mode and padding {left, right, top, bottom} of a Conv2d, or
+    of a Conv1d as the Conv2d of kernel height 1 it is (docs/MATH.md section 1.3; its capture sees its input and
+    output gradient with a height of 1: _CaptureHook)."""
+    padding = module.padding if isinstance(module.padding, str) else tuple(module.padding)
+    reversed_padding = tuple(module._reversed_padding_repeated_twice)
+    if isinstance(module, torch.nn.Conv1d):
+        return ((1, *module.kernel_size), (1, *module.stride), (1, *module.dilation),
+                padding if isinstance(padding, str) else (0, *padding), module.padding_mode, (*reversed_padding, 0, 0))
+    return (tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation), padding, module.padding_mode,
+            reversed_padding)
 
 
 def _refuse_fsdp1(model: torch.nn.Module) -> None:
@@ -448,10 +461,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 bias = module.bias is not None and (split is None or split.bias_here())
                 capture = _C.linear_capture(bias, transposed=not isinstance(module, torch.nn.Linear))
             else:
-                capture = _C.conv2d_capture(
-                    module.bias is not None, tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation),
-                    module.padding if isinstance(module.padding, str) else tuple(module.padding),
-                    module.padding_mode, tuple(module._reversed_padding_repeated_twice))
+                capture = _C.conv2d_capture(module.bias is not None, *_conv2d_geometry(module))
             layers[module] = (name, capture)
         _log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]},
                               loglevel)

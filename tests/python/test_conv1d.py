@@ -1,0 +1,126 @@
+"""torch.nn.Conv1d is preconditioned as the Conv2d of kernel height 1 it is (docs/MATH.md section 1.3): its capture
+sees its input and output gradient with a height of 1, and the core binds its weight [C_out, C_in, k] as that
+Conv2d's without the height. Each step equals, bit for bit, the same model written with such Conv2d layers, for every
+padding, padding mode, stride, dilation and bias; unbatched inputs, torch.compile, groups and skip_layers too. (It
+used to keep its plain gradient, logged at the preconditioner's loglevel only: a 1-D CNN trained with K-FAC on its
+head alone.)"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import dkfac
+
+
+class _Lift(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(-2)
+
+
+class _Drop(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.squeeze(-2)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 3, 17, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def _models(padding: int | str, mode: str, stride: int, dilation: int, bias: bool):
+    """A Conv1d model and the same function with Conv2d layers of kernel height 1, the same weights."""
+    torch.manual_seed(0)
+    second = 'same' if stride == 1 else 0
+    one = torch.nn.Sequential(
+        torch.nn.Conv1d(3, 5, 3, stride=stride, dilation=dilation, padding=padding, padding_mode=mode, bias=bias),
+        torch.nn.Tanh(), torch.nn.Conv1d(5, 4, 2, padding=second), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    two = torch.nn.Sequential(
+        _Lift(), torch.nn.Conv2d(3, 5, (1, 3), stride=(1, stride), dilation=(1, dilation),
+                                 padding=padding if isinstance(padding, str) else (0, padding), padding_mode=mode,
+                                 bias=bias),
+        torch.nn.Tanh(), torch.nn.Conv2d(5, 4, (1, 2), padding=second), _Drop(), torch.nn.Flatten(),
+        torch.nn.LazyLinear(2))
+    one.double()(_batch(0))
+    two.double()(_batch(0))
+    with torch.no_grad():
+        for a, b in zip(one.parameters(), two.parameters()):
+            b.copy_(a.view_as(b))
+    return one, two
+
+
+def _steps(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner, steps: int = 3, run=None,
+           plain: list | None = None):
+    """Each step's gradients after step() (and, into `plain`, before it)."""
+    grads = []
+    for step in range(steps):
+        model.zero_grad()
+        (run or model)(_batch(step)).pow(2).sum().backward()
+        if plain is not None:
+            plain.append([p.grad.reshape(-1).clone() for p in model.parameters()])
+        preconditioner.step()
+        grads.append([p.grad.reshape(-1).clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+    return grads
+
+
+@pytest.mark.parametrize('padding,mode,stride,dilation,bias', [
+    case for case in itertools.product([0, 2, 'same', 'valid'], ['zeros', 'reflect', 'circular'], [1, 2], [1, 2],
+                                       [True, False])
+    if not (case[0] == 'same' and case[2] != 1)])
+def test_a_conv1d_equals_the_conv2d_of_kernel_height_1(padding, mode, stride, dilation, bias):
+    one, two = _models(padding, mode, stride, dilation, bias)
+    options = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01)
+    first = dkfac.KFACPreconditioner(one, **options)
+    assert [name for name, _ in first.layers] == ['0', '2', '4']
+    expected = _steps(two, dkfac.KFACPreconditioner(two, **options))
+    plain = []
+    got = _steps(one, first, plain=plain)
+    assert all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert not torch.allclose(got[0][0], plain[0][0]), 'K-FAC changed nothing: the comparison could not fail'
+
+
+def test_an_unbatched_conv1d_input_is_a_batch_of_one():
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv1d(3, 5, 3), torch.nn.Tanh(), torch.nn.Conv1d(5, 2, 2)).double()
+
+    grads = []
+    for unbatched in (True, False):
+        model = make()
+        preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+        x = _batch(0)[0]
+        model(x if unbatched else x.unsqueeze(0)).pow(2).sum().backward()
+        preconditioner.step()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_compiled_conv1d_model_trains_to_the_eager_models_kfac_gradients():
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        model, _ = _models(1, 'zeros', 1, 1, True)
+        preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2, damping=0.01)
+        run = torch.compile(model, backend='aot_eager') if compiled else model
+        results.append(_steps(model, preconditioner, run=run))
+    for got, expected in zip(*results):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_a_grouped_conv1d_keeps_its_plain_gradient_and_skip_layers_takes_the_class_name():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3, groups=4), torch.nn.Conv1d(4, 6, 1), torch.nn.Flatten(),
+                                torch.nn.Linear(6 * 5, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        grouped = dkfac.KFACPreconditioner(model)
+    assert [name for name, _ in grouped.layers] == ['1', '3']
+    del grouped
+    skipped = dkfac.KFACPreconditioner(model, skip_layers=['Conv1d'])
+    assert [name for name, _ in skipped.layers] == ['3']
