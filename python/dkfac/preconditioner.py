@@ -15,6 +15,7 @@ import inspect
 import logging
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,16 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
     lines = [f'{", ".join(names)} ({reason})' for reason, names in by_reason.items()]
     logger.log(loglevel, 'dkfac: %d trainable parameters keep their plain gradient (the optimizer applies it '
                'as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
+    # Weight layers of kinds it has no factors for (Conv3d, ConvTranspose, Bilinear) are said aloud: a model made
+    # of them would otherwise train with K-FAC on its other layers alone, with a word at the loglevel only.
+    other_kinds = [f'{name!r} ({type(module).__name__})' for name, module in model.named_modules()
+                   if isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)) and module not in layers
+                   and module not in set_aside and any(p.requires_grad for p in module.parameters(recurse=False))]
+    if other_kinds:
+        warnings.warn(f'dkfac: {len(other_kinds)} layer(s) of kinds K-FAC does not precondition keep their plain '
+                      f'gradient: {", ".join(other_kinds[:6])}{" ..." if len(other_kinds) > 6 else ""} (K-FAC '
+                      'preconditions Linear, Conv2d, Conv1d, Embedding and transformers\' Conv1D layers)',
+                      stacklevel=5)
 
 
 _Init = TypeVar('_Init', bound=Callable[..., None])
@@ -210,8 +221,9 @@ def _names_its_keywords(init: _Init) -> _Init:
 class KFACPreconditioner(BaseKFACPreconditioner):
     """K-FAC gradient preconditioner, a drop-in for kfac_pytorch's ``kfac.preconditioner.KFACPreconditioner``.
 
-    Registers every ``torch.nn.Linear`` and ``torch.nn.Conv2d`` leaf of ``model`` whose parameters all
-    require grad (minus ``skip_layers``, matched against the ``named_modules()`` name and the class name),
+    Registers every ``torch.nn.Linear``, ``Conv2d``, ``Conv1d`` and ``Embedding`` and transformers' ``Conv1D`` leaf
+    of ``model`` whose parameters all require grad (minus ``skip_layers``, matched against the ``named_modules()``
+    name, the kind and the class name; layers of other kinds that hold weights are named in a warning),
     and at each ``step()`` replaces their gradients by the preconditioned, KL-clipped ones. Call it after
     ``loss.backward()`` (gradients already averaged, e.g. by ``DistributedDataParallel``) and before
     ``optimizer.step()``.

@@ -124,3 +124,17 @@ def test_a_grouped_conv1d_keeps_its_plain_gradient_and_skip_layers_takes_the_cla
     del grouped
     skipped = dkfac.KFACPreconditioner(model, skip_layers=['Conv1d'])
     assert [name for name, _ in skipped.layers] == ['3']
+
+
+def test_weight_layers_of_other_kinds_are_named_in_a_warning():
+    """A Conv3d, a transposed convolution or a Bilinear keeps its plain gradient: said in a warning naming them
+    (it was logged at the preconditioner's loglevel only, DEBUG by default); a frozen one is not named."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(54, 4),
+                                torch.nn.Unflatten(1, (1, 4)), torch.nn.ConvTranspose1d(1, 2, 3),
+                                torch.nn.ConvTranspose1d(2, 2, 1))
+    model[5].requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) of kinds K-FAC does not precondition keep their plain "
+                                         r"gradient: '0' \(Conv3d\), '4' \(ConvTranspose1d\) \(K-FAC preconditions"):
+        preconditioner = dkfac.KFACPreconditioner(model)
+    assert [name for name, _ in preconditioner.layers] == ['2']
