@@ -176,12 +176,18 @@ class _CaptureHook:
         if capture is not None:
             _CAPTURES[self.key] = capture
 
-    def __call__(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
         capture = self._capture
         if capture is None or self._module is None or self._module() is not module:
             return
         if not module.training or not torch.is_grad_enabled():
             return
+        # The input as forward takes it: first positional, or by keyword (`linear(input=x)`, transformers'
+        # Conv1D `x=`), which a hook without kwargs never sees.
+        inputs = args if args else tuple(kwargs[k] for k in ('input', 'x') if k in kwargs)[:1]
+        if not inputs:
+            raise ValueError(f'layer {self._name!r} ({type(module).__name__}) was called without an input dkfac '
+                             f'can read: positional arguments {len(args)}, keywords {sorted(kwargs)}')
         if torch.compiler.is_compiling():
             key, part = self.key, (self._part if self.sliced else self._seen)
             torch.ops.dkfac.capture_input(part(inputs[0]), self.passes, key)
@@ -833,7 +839,7 @@ class BaseKFACPreconditioner:
             # layer's distribute_module output hook a whole output or a sequence shard of it.
             capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
                                               whole=split is not None and split.exact, seen=self._forward_seen))
-            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True))
+            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True, with_kwargs=True))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)

@@ -893,3 +893,31 @@ def test_inverses_loaded_in_either_layout_resume_bit_for_bit(layout):
     loaded.load_state_dict(state)
     got = run(resumed, loaded, range(4, 8))
     assert all(torch.equal(a, b) for step_a, step_b in zip(got, expected) for a, b in zip(step_a, step_b))
+
+
+class _ByKeyword(torch.nn.Module):
+    """mlp()'s function, its layers called by keyword (`linear(input=x)`), or positionally."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.net, self.keyword = mlp(), keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, _, last = self.net
+        h = torch.tanh(first(input=x) if self.keyword else first(x))
+        return last(input=h) if self.keyword else last(h)
+
+
+def test_a_layer_called_with_its_input_by_keyword_is_captured_as_called_positionally():
+    """A forward hook registered without kwargs sees no keyword argument: `linear(input=x)` failed the forward
+    pass with a bare IndexError from dkfac's hook. The capture now reads the input either way; equal bit for bit."""
+    grads = []
+    for keyword in (True, False):
+        model = _ByKeyword(keyword)
+        preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1)
+        for step in range(2):
+            model.zero_grad()
+            model(batch(step)).pow(2).mean().backward()
+            preconditioner.step()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
