@@ -334,9 +334,11 @@ StateRestore Preconditioner::restore(SavedState saved) {
   resume_second_order_job();
   if (restore.recomputed_layers > 0 && job_ && job_->install_at > steps_) {
     // Options::second_order_lag >= 2: the saved run used the update before the one in flight until it installs it;
-    // this one has just computed the latter from the loaded factors, and uses it at once.
-    TORCH_WARN("dkfac: the state holds no second-order state, so it was recomputed from the loaded factors and is "
-               "used from step ", steps_, "; the saved run (second_order_lag = ", options_.second_order_lag(),
+    // this one has just computed the latter from the loaded factors (none saved, or another compute method's),
+    // and uses it at once.
+    TORCH_WARN("dkfac: the second-order state was recomputed from the loaded factors (the state holds none this "
+               "rank can use as saved) and is used from step ", steps_, "; the saved run (second_order_lag = ",
+               options_.second_order_lag(),
                ") used the update before it until step ", job_->install_at, ", so the resumed run differs from it "
                "until then. Save the whole state (state_dict(include_second_order=True)) for an exact resume");
   }

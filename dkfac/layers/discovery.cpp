@@ -33,9 +33,9 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
     }
     const std::string kind = to_string(c.kind);
     if (c.kind == LayerKind::kConv2d && c.groups != 1) {
-      TORCH_WARN("dkfac: layer '", c.name, "' is a grouped Conv2d (groups=", c.groups,
+      TORCH_WARN("dkfac: layer '", c.name, "' is a grouped ", c.class_name, " (groups=", c.groups,
                  "); it keeps its plain gradient");
-      set_aside("a grouped Conv2d (groups=" + std::to_string(c.groups) + ")");
+      set_aside("a grouped " + c.class_name + " (groups=" + std::to_string(c.groups) + ")");
       continue;
     }
     std::string reason = c.plain_gradient_reason;

@@ -176,10 +176,13 @@ class _CaptureHook:
         if capture is not None:
             _CAPTURES[self.key] = capture
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+        # (kwargs, output) as registered (with_kwargs=True); (output,) for an inert hook of a model pickled with a
+        # dkfac before 2026-11-30, which torch calls without the keywords.
         capture = self._capture
         if capture is None or self._module is None or self._module() is not module:
             return
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         if not module.training or not torch.is_grad_enabled():
             return
         # The input as forward takes it: first positional, or by keyword (`linear(input=x)`, transformers'
@@ -282,6 +285,20 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 def _with_height(t: torch.Tensor) -> torch.Tensor:
     """A Conv1d's input or output gradient ([N, C, L], or [C, L] unbatched) as the Conv2d's of height 1."""
     return t.unsqueeze(-2)
+
+
+def _kind_not_saved(module: torch.nn.Module) -> str:
+    """Why a state dict may lack a layer of this kind, and how to load it, for the kinds kfac_pytorch does not
+    register (and a torch.nn.Conv1d, which dkfac registers since 2026-11-30)."""
+    kind = type(module).__name__
+    if isinstance(module, torch.nn.Conv1d):
+        writers = 'kfac_pytorch and dkfac before 2026-11-30 do'
+    elif isinstance(module, torch.nn.Embedding) or kind == 'Conv1D':
+        writers = 'kfac_pytorch does'
+    else:
+        return ''
+    return (f': {writers} not register a {kind}; to load a state saved without it, build the preconditioner with '
+            f"skip_layers=[{kind!r}] (it then keeps its plain gradient)")
 
 
 def _fsdp1(where: str) -> str:
@@ -1265,7 +1282,8 @@ class BaseKFACPreconditioner:
                 entry = layers.get(saved_as.get(name, name))
                 if entry is None:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
-                                     f'{len(layers)} layers, this model registers {len(self._names)})')
+                                     f'{len(layers)} layers, this model registers {len(self._names)})'
+                                     f'{_kind_not_saved(self._modules[self._state_names.index(name)])}')
                 flags = held_flags.get(saved_as.get(name, name), {})
                 found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
                 found.update(ours.get('second_order', {}).get(saved_as.get(name, name), {}))

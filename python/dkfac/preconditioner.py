@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import math
+import re
 import sys
 import warnings
 import weakref
@@ -33,6 +34,7 @@ from dkfac.base_preconditioner import _OPTIONS
 from dkfac.base_preconditioner import _default
 from dkfac.base_preconditioner import _fsdp1
 from dkfac.base_preconditioner import _python_default
+from dkfac.base_preconditioner import _stacklevel_outside_dkfac
 from dkfac.base_preconditioner import _tensor_parallel
 from dkfac.base_preconditioner import logger
 from dkfac.enums import AllreduceMethod
@@ -90,8 +92,11 @@ def _is_transformers_conv1d(module: torch.nn.Module) -> bool:
 
 
 def _layer_kind(module: torch.nn.Module) -> str | None:
-    """The core's kind of a leaf module it can precondition ('Linear', 'Conv2d', 'Embedding'), else None."""
-    if any(True for _ in module.children()):
+    """The core's kind of a leaf module it can precondition ('Linear', 'Conv2d', 'Embedding'), else None. A
+    module under torch.nn.utils.parametrize (whose one child holds its parametrizations) is of its kind, set aside
+    with its reason (_plain_gradient_reason)."""
+    children = [name for name, _ in module.named_children()]
+    if children and not (children == ['parametrizations'] and _parametrized(module)):
         return None
     if isinstance(module, torch.nn.Linear) or _is_transformers_conv1d(module):
         return 'Linear'
@@ -100,6 +105,10 @@ def _layer_kind(module: torch.nn.Module) -> str | None:
     if isinstance(module, torch.nn.Embedding):
         return 'Embedding'
     return None
+
+
+def _parametrized(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, 'parametrizations', None)) and torch.nn.utils.parametrize.is_parametrized(module)
 
 
 def _conv2d_geometry(module: torch.nn.Module) -> tuple[Any, ...]:
@@ -145,9 +154,14 @@ def _plain_gradient_reason(module: torch.nn.Module, never_called: set[int] | fro
                 'F.multi_head_attention_forward and never calls it as a module, so no hook can capture its input '
                 "(its in_proj_weight is no layer either); use a module of separate Linear projections to precondition "
                 'attention')
+    if _parametrized(module):
+        return ('its parameters are computed by torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal, '
+                '...) from others, which take the gradient: K-FAC preconditions a layer whose weight is its own '
+                'Parameter')
     if module._parameters.get('weight') is None and isinstance(getattr(module, 'weight', None), torch.Tensor):
         return ("its weight is no Parameter of the layer but computed from others before each forward pass "
-                "(torch.nn.utils.weight_norm's weight_g and weight_v), which take the gradient: K-FAC preconditions a "
+                "(torch.nn.utils.weight_norm's weight_g and weight_v, spectral_norm's weight_orig, a pruning mask), "
+                'which take the gradient: K-FAC preconditions a '
                 'layer whose weight is its own Parameter')
     if isinstance(module, torch.nn.Embedding) and module.sparse:
         return ('a sparse Embedding (sparse=True): K-FAC preconditions dense gradients; build it with sparse=False '
@@ -165,8 +179,9 @@ def _tied_to(name: str, module: torch.nn.Module, owners: dict[int, list[str]]) -
 
 
 def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, Any],
-                          set_aside: dict[torch.nn.Module, str], loglevel: int) -> None:
-    """Logs, at ``loglevel``, every trainable parameter no registered layer holds, grouped by why."""
+                          set_aside: dict[torch.nn.Module, str], loglevel: int, skip_layers: list[str]) -> None:
+    """Logs, at ``loglevel``, every trainable parameter no registered layer holds, grouped by why; and warns of the
+    layers of kinds K-FAC has no factors for that ``skip_layers`` does not name."""
     by_reason: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if module in layers:
@@ -189,14 +204,18 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
                'as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
     # Weight layers of kinds it has no factors for (Conv3d, ConvTranspose, Bilinear) are said aloud: a model made
     # of them would otherwise train with K-FAC on its other layers alone, with a word at the loglevel only.
+    def skipped(name: str, module: torch.nn.Module) -> bool:
+        return any(re.search(p, name) or re.search(p, type(module).__name__) for p in skip_layers)
+
     other_kinds = [f'{name!r} ({type(module).__name__})' for name, module in model.named_modules()
                    if isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)) and module not in layers
-                   and module not in set_aside and any(p.requires_grad for p in module.parameters(recurse=False))]
+                   and module not in set_aside and any(p.requires_grad for p in module.parameters())
+                   and not skipped(name, module)]
     if other_kinds:
         warnings.warn(f'dkfac: {len(other_kinds)} layer(s) of kinds K-FAC does not precondition keep their plain '
                       f'gradient: {", ".join(other_kinds[:6])}{" ..." if len(other_kinds) > 6 else ""} (K-FAC '
                       'preconditions Linear, Conv2d, Conv1d, Embedding and transformers\' Conv1D layers)',
-                      stacklevel=5)
+                      stacklevel=_stacklevel_outside_dkfac())
 
 
 _Init = TypeVar('_Init', bound=Callable[..., None])
@@ -476,7 +495,7 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 capture = _C.conv2d_capture(module.bias is not None, *_conv2d_geometry(module))
             layers[module] = (name, capture)
         _log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]},
-                              loglevel)
+                              loglevel, self.skip_layers)
         return layers
 
     @staticmethod

@@ -138,3 +138,9 @@ def test_weight_layers_of_other_kinds_are_named_in_a_warning():
                                          r"gradient: '0' \(Conv3d\), '4' \(ConvTranspose1d\) \(K-FAC preconditions"):
         preconditioner = dkfac.KFACPreconditioner(model)
     assert [name for name, _ in preconditioner.layers] == ['2']
+    del preconditioner
+    with pytest.warns(UserWarning) as said:
+        dkfac.KFACPreconditioner(model, skip_layers=['Conv3d'])  # named by skip_layers: not in the warning
+    kinds = [str(w.message) for w in said if 'kinds K-FAC does not precondition' in str(w.message)]
+    assert len(kinds) == 1 and "'4' (ConvTranspose1d)" in kinds[0] and 'Conv3d' not in kinds[0], kinds
+    assert said[0].filename == __file__, 'the warning names the line that built the preconditioner'

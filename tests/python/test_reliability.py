@@ -782,16 +782,23 @@ dist.destroy_process_group()
     ] * 2, done.stdout
 
 
-def test_a_layer_under_the_old_weight_norm_is_set_aside_with_its_reason_and_the_rest_trains():
+@pytest.mark.parametrize('api', ['old', 'parametrize'])
+def test_a_layer_under_the_old_weight_norm_is_set_aside_with_its_reason_and_the_rest_trains(api):
     """torch.nn.utils.weight_norm (still in wav2vec2-style models) makes a Linear's weight a tensor computed from
     weight_g and weight_v before each forward pass: the layer was registered, and the first step failed saying it
-    "has no gradient before step()"."""
+    "has no gradient before step()". Under torch.nn.utils.parametrize (parametrizations.weight_norm) it was left
+    to the optimizer with a word at the loglevel only; both now warn, naming the reason."""
     torch.manual_seed(0)
     model = mlp()
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', FutureWarning)  # weight_norm's deprecation
-        torch.nn.utils.weight_norm(model[0])
-    with pytest.warns(UserWarning, match=r"'0'.*weight is no Parameter of the layer.*weight_g and weight_v"):
+        if api == 'old':
+            torch.nn.utils.weight_norm(model[0])
+        else:
+            torch.nn.utils.parametrizations.weight_norm(model[0])
+    said = (r"'0' \(Linear\).*weight is no Parameter of the layer.*weight_g and weight_v" if api == 'old' else
+            r"'0' \(ParametrizedLinear\).*computed by torch.nn.utils.parametrize")
+    with pytest.warns(UserWarning, match=said):
         preconditioner = dkfac.KFACPreconditioner(model)
     assert [name for name, _ in preconditioner.layers] == ['2']
     model(batch(0)).pow(2).mean().backward()
@@ -921,3 +928,13 @@ def test_a_layer_called_with_its_input_by_keyword_is_captured_as_called_position
             preconditioner.step()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_hook_copied_from_a_model_pickled_before_the_hooks_took_keywords_stays_inert():
+    """A model pickled with a hooked layer carries an inert copy of the capture hook, registered as it was then
+    (without keywords): torch calls it with three arguments, which must not fail the forward pass."""
+    from dkfac.base_preconditioner import _CaptureHook
+
+    model = mlp()
+    model[0].register_forward_hook(_CaptureHook(None, None))  # as unpickled from a model saved then
+    model(batch(0)).sum().backward()
