@@ -366,15 +366,15 @@ def blocks(model: torch.nn.Module | None = None, **kwargs) -> tuple[torch.nn.Mod
 
 def loop(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner, steps: range, before=None,
          forward=None, set_to_none: bool = True) -> list[list[torch.Tensor]]:
-    """SGD on batch(step) in float64; `before(step)` runs before each step's passes, `forward(model, x)` is the
-    loss (default: the model's squared output)."""
+    """SGD on batch(step) in the model's dtype; `before(step)` runs before each step's passes, `forward(model, x)`
+    is the loss (default: the model's squared output)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     for step in steps:
         if before is not None:
             before(step)
         optimizer.zero_grad(set_to_none=set_to_none)
-        x = batch(step).double()
+        x = batch(step).to(next(model.parameters()).dtype)
         (forward(model, x) if forward is not None else model(x).pow(2).mean()).backward()
         preconditioner.step()
         grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
@@ -854,17 +854,8 @@ def test_a_forward_hook_that_replaces_a_layers_output_leaves_its_factors_alone(r
                        for m in (hooked, explicit)]
     if registered == 'after':
         hooked[0].register_forward_hook(lambda module, inputs, output: output * 2)
-    for step in range(3):
-        grads = []
-        for model, preconditioner in zip((hooked, explicit), preconditioners):
-            model.zero_grad()
-            model(batch(step)).pow(2).mean().backward()
-            preconditioner.step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.1 * p.grad
-        assert all(torch.equal(a, b) for a, b in zip(*grads)), step
+    assert_equal_grads(*(loop(model, preconditioner, range(3))
+                         for model, preconditioner in zip((hooked, explicit), preconditioners)))
 
 
 @pytest.mark.parametrize('layout', ['row-major', 'column-major'])
@@ -873,33 +864,20 @@ def test_inverses_loaded_in_either_layout_resume_bit_for_bit(layout):
     hands row-major ones, so a DP-KFAC or KAISA job resumed from `state_dict(gathered=True)` multiplied by another
     layout and rounded otherwise (1.5e-16 at the first step, growing on an ill-conditioned model). Inverses are
     now row-major as computed and as loaded, whatever the layout of the tensors a state dict holds."""
-    def run(model, preconditioner, steps):
-        grads = []
-        for step in steps:
-            model.zero_grad()
-            model(batch(step)).pow(2).mean().backward()
-            preconditioner.step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.1 * p.grad
-        return grads
-
     options = dict(compute_method='inverse', factor_update_steps=1, inv_update_steps=3, damping=0.003)
     model = mlp()
     preconditioner = dkfac.KFACPreconditioner(model, **options)
-    run(model, preconditioner, range(4))
+    loop(model, preconditioner, range(4))
     state, weights = preconditioner.state_dict(), copy.deepcopy(model.state_dict())
     for entry in state['dkfac']['second_order'].values():
         for key, t in entry.items():
             entry[key] = t.contiguous() if layout == 'row-major' else t.t().contiguous().t()
-    expected = run(model, preconditioner, range(4, 8))
+    expected = loop(model, preconditioner, range(4, 8))
     resumed = mlp()
     resumed.load_state_dict(weights)
     loaded = dkfac.KFACPreconditioner(resumed, **options)
     loaded.load_state_dict(state)
-    got = run(resumed, loaded, range(4, 8))
-    assert all(torch.equal(a, b) for step_a, step_b in zip(got, expected) for a, b in zip(step_a, step_b))
+    assert_equal_grads(loop(resumed, loaded, range(4, 8)), expected)
 
 
 class _ByKeyword(torch.nn.Module):
