@@ -86,6 +86,9 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
               "': a Conv2d weight is never stored transposed");
   // A transposed weight is [in, out]: transformers' Conv1D, an Embedding's [vocabulary, dim].
   const int64_t outputs = geometry.transposed ? b.weight.size(1) : b.weight.size(0);
+  TORCH_CHECK(b.weight.numel() > 0, "layer '", b.name, "' (", to_string(geometry.kind), "): weight has shape ",
+              b.weight.sizes(), ", with no element: there is nothing to precondition (leave the layer out with "
+              "skip_layers)");
   TORCH_CHECK(geometry.kind != LayerKind::kEmbedding || b.weight.size(0) == geometry.vocabulary, "layer '", b.name,
               "' (Embedding): weight has shape ", b.weight.sizes(), ", expected ", geometry.vocabulary, " rows (num_embeddings)");
   TORCH_CHECK(b.bias.defined() == geometry.has_bias && (!b.bias.defined() || b.bias.numel() == outputs),

@@ -90,6 +90,9 @@ def _stacklevel_outside_dkfac() -> int:
 
 # Module -> the preconditioner that registered it (weakly): one model, one preconditioner.
 _PRECONDITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The preconditioners given a model_parallel_group, as (weak reference, group): two on one rank with one group are
+# warned about (an interleaved pipeline's stages each with its own: their KL sums pair the wrong stages).
+_MODEL_PARTS: list[tuple[weakref.ref, Any]] = []
 
 
 def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: weakref.ref) -> None:
@@ -369,6 +372,7 @@ class _TensorParallel(NamedTuple):
     gathered: tuple     # the weight's placements in what this rank preconditions: Replicate() over FSDP2's dims
     shard_ranks: int    # the data-parallel ranks FSDP2 (or HSDP) shards the layer over; 0: none
     exact: bool         # tensor_parallel_factors='exact': the whole layer on every rank, its factors exact
+    uneven: bool        # the ranks' slices differ in size (torch.chunk's split of a dimension tp does not divide)
 
     def bias_here(self) -> bool:
         """Whether this rank preconditions the layer's bias (a row layer's block-diagonal slice: place 0 only)."""
@@ -418,6 +422,15 @@ def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_d
                          "(ColwiseParallel)")
     exact = factors == 'exact'
     tp = mesh.ndim - 1
+    # Every rank's slice, as torch.chunk splits the sharded dimension (DTensor's Shard does): the same on each rank,
+    # so that each refuses the same split before any collective.
+    slices = [len(c) for c in torch.arange(weight.shape[placement.dim]).chunk(mesh.size(tp))]
+    slices += [0] * (mesh.size(tp) - len(slices))
+    if 0 in slices:
+        raise ValueError(f'{what}, is split into slices of {slices} {"output" if style == "column" else "input"} '
+                         f'features over {mesh.size(tp)} tensor-parallel ranks: an empty slice has nothing to '
+                         f'precondition. Give it a number of them that {mesh.size(tp)} divides, or leave it to the '
+                         'optimizer (skip_layers)')
     group = mesh.get_group(tp)
     shard_ranks = 1
     for d, p in enumerate(data_parallel):
@@ -425,7 +438,7 @@ def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_d
             shard_ranks *= mesh.size(d)
     gathered = (Replicate(),) * tp + (Replicate() if exact else placement,)
     return _TensorParallel(style, group, mesh.get_local_rank(tp), mesh.size(tp), dist.get_global_rank(group, 0),
-                           gathered, shard_ranks if shard_ranks > 1 else 0, exact)
+                           gathered, shard_ranks if shard_ranks > 1 else 0, exact, len(set(slices)) > 1)
 
 
 def _is_sharded(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -784,6 +797,15 @@ class BaseKFACPreconditioner:
                              f'{tensor_parallel_factors!r}')
         self._model_group = (model_parallel_group if model_parallel_group is not None
                              and dist.get_world_size(model_parallel_group) > 1 else None)
+        _MODEL_PARTS[:] = [(ref, group) for ref, group in _MODEL_PARTS if ref() is not None]
+        if self._model_group is not None:
+            if any(group is self._model_group for _, group in _MODEL_PARTS):
+                warnings.warn('dkfac: another preconditioner on this rank already sums KL clipping over this '
+                              'model_parallel_group. If both hold stages of one pipeline (an interleaved or looped '
+                              "schedule), build one preconditioner per rank over all of its stages' modules "
+                              '(torch.nn.ModuleList([...])): one per stage pairs the stages wrongly in the sum',
+                              stacklevel=_stacklevel_outside_dkfac())
+            _MODEL_PARTS.append((weakref.ref(self), self._model_group))
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
         self._communicator = self._make_communicator(process_group, timeout) if self._world_size > 1 else None
@@ -811,10 +833,25 @@ class BaseKFACPreconditioner:
                         for name, module in zip(self._names, self._modules)]
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
         exact = any(split is not None and split.exact for split in self._splits)
-        if exact and str(options.get('strategy')).lower() == 'auto':
+        strategy = str(options.get('strategy')).lower()
+        if exact and strategy == 'auto':
             raise ValueError("tensor_parallel_factors='exact' with strategy='auto': the tensor-parallel ranks gather "
                              'in the hooks of the layers their plans capture, and auto may choose differently on each '
                              "data-parallel group; choose the strategy ('kaisa', 'spd' or 'dp')")
+        if strategy == 'auto' and any(split is not None for split in self._splits):
+            raise ValueError("strategy='auto' with tensor parallelism: each tensor-parallel rank's data-parallel group "
+                             'would choose on its own measurements, and where they chose differently (DP-KFAC builds '
+                             "each layer's factors from its owner's batch alone) the layers every tensor-parallel rank "
+                             "holds whole would be preconditioned differently on each; choose the strategy ('kaisa', "
+                             "'spd' or 'dp')")
+        uneven = [name for name, split in zip(self._names, self._splits)
+                  if split is not None and split.uneven and not split.exact]
+        if strategy == 'dp' and uneven:
+            raise ValueError(f"strategy='dp' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): each "
+                             "tensor-parallel rank's data-parallel group places the layers by its own slices' costs, "
+                             "and DP-KFAC builds each layer's factors from its owner's batch alone, so the layers every "
+                             'tensor-parallel rank holds whole would get different owners and different gradients on '
+                             "each; use 'kaisa' or 'spd', or a split the tensor-parallel size divides")
         if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
             raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
                              '(each slice gathered over the data-parallel ranks that shard it)')
@@ -842,6 +879,8 @@ class BaseKFACPreconditioner:
                 raise RuntimeError(f'{error} (process_group\'s rank i is global rank {ranks}[i])') from error
         if owner_placed:
             self._place_owners(process_group)
+        # After process_group's own comparison (in the core), which names a difference between replicas first.
+        self._agree_across_model_parts(options, tensor_parallel_factors)
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
@@ -890,6 +929,52 @@ class BaseKFACPreconditioner:
                              'over every part of the model)')
         first = splits[0][1].rank == 0
         return [not first and (split is None or split.whole()) for split in self._splits]
+
+    def _agree_across_model_parts(self, options: dict[str, Any], tensor_parallel_factors: str) -> None:
+        """The model's parts (the tensor-parallel ranks, and the stages of ``model_parallel_group``) sum KL
+        clipping's terms together and precondition the layers they all hold alike: each part's preconditioner must
+        have the same options (process_group's ranks compare theirs in the core). One gather over that group at
+        construction; every rank raises, naming the first difference. Layer names and name patterns may differ.
+        A part without a tensor-parallel layer beside parts with one is refused too: it would count its layers once
+        per tensor-parallel rank in the sum."""
+        group = self._model_group
+        if group is None:
+            return
+        mine = {key: value for key, value in sorted(options.items())
+                if key not in ('skip_layers', 'shared_input_layers', 'spd_fusion', 'grad_scale')}
+        for name in _SCHEDULED:  # a schedule by its first value
+            value = getattr(self, '_' + name)
+            mine[name] = value(0) if callable(value) else value
+        mine['accumulation_steps'] = self._accumulation_steps
+        mine['tensor_parallel_factors'] = tensor_parallel_factors
+        mine['tensor-parallel layers'] = any(split is not None for split in self._splits)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group)
+        try:
+            dist.all_gather_object(everyone, {k: repr(v) for k, v in mine.items()}, group=group)
+        except RuntimeError as error:
+            raise RuntimeError(f"dkfac: comparing the options of the model's parts (ranks {ranks}) failed: another "
+                               f"part's preconditioner was not built (its error says why): {error}") from error
+        for key in mine:
+            values = [theirs.get(key) for theirs in everyone]
+            if len(set(values)) == 1:
+                continue
+            other = next(i for i, v in enumerate(values) if v != values[0])
+            if key == 'tensor-parallel layers':
+                if not mine['kl_clip']:  # no sum across the parts: nothing counted twice
+                    continue
+                holds = [ranks[i] for i, v in enumerate(values) if v == repr(True)]
+                raise ValueError(f'ranks {holds} of the model\'s parts (ranks {ranks}) hold tensor-parallel layers and '
+                                 f'the others none: KL clipping would count a part without them once per '
+                                 'tensor-parallel rank. Give every pipeline stage a tensor-parallel layer, or build the '
+                                 'preconditioners with kl_clip=None')
+            where = ('the tensor-parallel group' if any(split is not None and split.group is group
+                                                        for split in self._splits) else 'model_parallel_group')
+            raise ValueError(f"the model's parts (ranks {ranks}, {where}) built their preconditioners differently: "
+                             f'rank {ranks[other]} has '
+                             f'{key}={values[other]} where rank {ranks[0]} has {key}={values[0]}. They sum KL '
+                             'clipping together and precondition the layers they all hold alike: build each with the '
+                             'same options')
 
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard

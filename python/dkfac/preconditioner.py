@@ -429,7 +429,15 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                                  else AllreduceMethod.ALLREDUCE)
         self.grad_scaler = grad_scaler
 
-        layers = self._register(model, loglevel, tensor_parallel_factors)
+        try:
+            layers = self._register(model, loglevel, tensor_parallel_factors)
+        except ValueError as error:
+            if model_parallel_group is None or 'found no' not in str(error):
+                raise
+            raise ValueError(f'{error}. This part of the model (a pipeline stage) cannot build a preconditioner, '
+                             "and the other parts' KL clipping sums over model_parallel_group would wait for it: "
+                             'build theirs with kl_clip=None (no sum across the parts), or give it a layer K-FAC '
+                             'preconditions') from None
         self._model_ref = weakref.ref(model)  # to name a registered module the model no longer holds (step())
         if process_group is None and size > 1:
             # The default group is the tensor-parallel group itself: no data parallelism, nothing to reduce.

@@ -3,7 +3,8 @@ torch.distributed.pipelining, `dp` replicas (rank = replica * 2 + stage), each s
 KFACPreconditioner over its data-parallel group, KL clipping summed over its replica's stages
 (model_parallel_group). Writes each step's gradients of the stage (after K-FAC, before SGD) to `output`.
 
-    pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "model": "mlp" | "lm", "mismatch": false}'
+    pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "model": "mlp" | "lm", "mismatch": false,
+                                "stage_options": {"1": {"kl_clip": null}}}'
 
 The "lm" model is scenarios.TinyLanguageModel (an Embedding, a Conv1D, a LayerNorm and a Linear head: GPT-2's layer
 kinds), stage 0 its embedding and Conv1D, stage 1 its LayerNorm and head.
@@ -71,10 +72,11 @@ def main() -> None:
     kind = kwargs.get('model', 'mlp')
     part = stage_of(model(kind), stage)
     accumulation = MICRO + (1 if kwargs.get('mismatch') and rank == 2 else 0)
+    options = {**KFAC, **kwargs.get('stage_options', {}).get(str(stage), {})}
     try:
         preconditioner = dkfac.KFACPreconditioner(
             part, accumulation_steps=accumulation * dp, process_group=replicas[stage],
-            model_parallel_group=pipelines[replica], **KFAC)
+            model_parallel_group=pipelines[replica], **options)
     except (ValueError, RuntimeError) as error:
         torch.save({'error': str(error)}, output)
         dist.destroy_process_group()

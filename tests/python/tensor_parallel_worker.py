@@ -99,7 +99,8 @@ def refusals(output: str) -> None:
     """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
     first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement of slices, a
     model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact factors with
-    strategy auto, a replicated weight (SequenceParallel on a Linear)."""
+    strategy auto, a replicated weight (SequenceParallel on a Linear); strategy auto, strategy dp with slices of
+    different sizes, options that differ between the tensor-parallel ranks, an empty slice (each on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -123,6 +124,15 @@ def refusals(output: str) -> None:
                           ('exact auto', {'tensor_parallel_factors': 'exact', 'strategy': 'auto'})):
         try:
             dkfac.KFACPreconditioner(parallelize_module(model('mlp'), mesh, plan('mlp', False)), **options)
+        except ValueError as error:
+            errors[name] = str(error)
+    uneven = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))  # 3 = 2 + 1
+    for name, options, split in (('dp uneven', {'strategy': 'dp'}, uneven), ('auto', {'strategy': 'auto'}, None),
+                                 ('options', {'damping': 0.01 * (1 + dist.get_rank())}, None),
+                                 ('empty slice', {}, torch.nn.Sequential(torch.nn.Linear(4, 1)))):
+        parts = plan('mlp', False) if split is None else {'0': ColwiseParallel()}
+        try:
+            dkfac.KFACPreconditioner(parallelize_module(split or model('mlp'), mesh, parts), **options)
         except ValueError as error:
             errors[name] = str(error)
     try:  # a Linear under SequenceParallel: its weight replicated, its gradient a partial sum

@@ -65,5 +65,15 @@ def test_a_stage_whose_replicas_count_other_micro_batches_is_refused(tmp_path):
     for rank in (0, 2):  # stage 0's data-parallel group: rank 2 declares one more micro-batch
         assert 'accumulation_steps' in results[rank]['error'], results[rank]
         assert "process_group's rank i is global rank [0, 2][i]" in results[rank]['error'], results[rank]
-    assert results[1] == {'built': True} and results[3] == {'built': True}, (results[1], results[3])
+    for rank in (1, 3):  # stage 1's preconditioners compare their options with stage 0's, which was not built
+        assert "comparing the options of the model's parts (ranks [" in results[rank]['error'], results[rank]
+        assert "another part's preconditioner was not built" in results[rank]['error'], results[rank]
+
+
+def test_stages_built_with_other_options_are_refused_on_every_rank(tmp_path):
+    """The stages sum KL clipping together: stage 1 built with kl_clip=None left stage 0 waiting in the sum for
+    the process group's timeout, silently. Every rank now raises at construction, naming the option and ranks."""
+    for result in run(2, {'schedule': 'gpipe', 'dp': 1, 'stage_options': {'1': {'kl_clip': None}}}, tmp_path):
+        assert "the model's parts (ranks [0, 1], model_parallel_group) built their preconditioners differently: " \
+               'rank 1 has kl_clip=0.0 where rank 0 has kl_clip=0.001' in result['error'], result
 

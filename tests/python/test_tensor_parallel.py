@@ -171,6 +171,12 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "tensor_parallel_factors='exact' with strategy='auto'" in result['exact auto'], result
         assert "layer 'up' (Linear), split by torch.distributed.tensor.parallel, has its weight replicated" in \
             result['replicated'], result
+        assert "strategy='dp' with tensor-parallel slices of different sizes (layer '0')" in result['dp uneven'], result
+        assert "strategy='auto' with tensor parallelism" in result['auto'], result
+        assert ("the model's parts (ranks [0, 1], the tensor-parallel group) built their preconditioners differently: "
+                'rank 1 has damping=0.02 where rank 0 has damping=0.01') in result['options'], result
+        assert "layer '0' (Linear), split by torch.distributed.tensor.parallel, is split into slices of [1, 0] " \
+               'output features' in result['empty slice'], result
 
 
 def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_path):
