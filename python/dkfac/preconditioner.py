@@ -436,8 +436,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
                 raise
             raise ValueError(f'{error}. This part of the model (a pipeline stage) cannot build a preconditioner, '
                              "and the other parts' KL clipping sums over model_parallel_group would wait for it: "
-                             'build theirs with kl_clip=None (no sum across the parts), or give it a layer K-FAC '
-                             'preconditions') from None
+                             'build theirs with kl_clip=None and no model_parallel_group (no sum across the parts), '
+                             'or give it a layer K-FAC preconditions') from None
         self._model_ref = weakref.ref(model)  # to name a registered module the model no longer holds (step())
         if process_group is None and size > 1:
             # The default group is the tensor-parallel group itself: no data parallelism, nothing to reduce.
