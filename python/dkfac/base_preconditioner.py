@@ -950,11 +950,16 @@ class BaseKFACPreconditioner:
         mine['tensor-parallel layers'] = any(split is not None for split in self._splits)
         everyone: list[Any] = [None] * dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group)
+        split = next((split for split in self._splits if split is not None), None)
+        peers = sorted(dist.get_process_group_ranks(split.group)) if split is not None else [dist.get_rank()]
         try:
-            dist.all_gather_object(everyone, {k: repr(v) for k, v in mine.items()}, group=group)
+            dist.all_gather_object(everyone, ({k: repr(v) for k, v in mine.items()}, self._state_names, peers),
+                                   group=group)
         except RuntimeError as error:
             raise RuntimeError(f"dkfac: comparing the options of the model's parts (ranks {ranks}) failed: another "
                                f"part's preconditioner was not built (its error says why): {error}") from error
+        self._warn_of_names_in_two_parts(ranks, [(names, set(tp)) for _, names, tp in everyone])
+        everyone = [options for options, _, _ in everyone]
         for key in mine:
             values = [theirs.get(key) for theirs in everyone]
             if len(set(values)) == 1:
@@ -975,6 +980,25 @@ class BaseKFACPreconditioner:
                              f'{key}={values[other]} where rank {ranks[0]} has {key}={values[0]}. They sum KL '
                              'clipping together and precondition the layers they all hold alike: build each with the '
                              'same options')
+
+    @staticmethod
+    def _warn_of_names_in_two_parts(ranks: list[int], parts: list[tuple[list[str], set[int]]]) -> None:
+        """Warns (on every rank alike) where two parts of the model that are not tensor-parallel ranks of one stage
+        name a layer alike (pipeline stages each built as a new Sequential: both have a layer '0'): DCP keeps one
+        entry per key, taking equal keys for replicas, so a checkpoint would hold one stage's state for both."""
+        for a, (names, peers) in enumerate(parts):
+            for b in range(a + 1, len(parts)):
+                if ranks[b] in peers:
+                    continue
+                shared = sorted(set(names) & set(parts[b][0]))
+                if shared:
+                    warnings.warn(f"dkfac: the model's parts on ranks {ranks[a]} and {ranks[b]} both hold a K-FAC layer "
+                                  f'named {shared[0]!r}: torch.distributed.checkpoint keeps one entry per name (it '
+                                  'takes equal names for replicas), so a DCP checkpoint of their preconditioners would '
+                                  "hold one part's state for both. Give each stage's modules the whole model's names "
+                                  "(build a stage by deleting the other stages' layers from the whole model)",
+                                  stacklevel=_stacklevel_outside_dkfac())
+                    return
 
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard

@@ -11,6 +11,7 @@ kinds), stage 0 its embedding and Conv1D, stage 1 its LayerNorm and head.
 """
 import json
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -74,9 +75,11 @@ def main() -> None:
     accumulation = MICRO + (1 if kwargs.get('mismatch') and rank == 2 else 0)
     options = {**KFAC, **kwargs.get('stage_options', {}).get(str(stage), {})}
     try:
-        preconditioner = dkfac.KFACPreconditioner(
-            part, accumulation_steps=accumulation * dp, process_group=replicas[stage],
-            model_parallel_group=pipelines[replica], **options)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter('always')
+            preconditioner = dkfac.KFACPreconditioner(
+                part, accumulation_steps=accumulation * dp, process_group=replicas[stage],
+                model_parallel_group=pipelines[replica], **options)
     except (ValueError, RuntimeError) as error:
         torch.save({'error': str(error)}, output)
         dist.destroy_process_group()
@@ -104,7 +107,7 @@ def main() -> None:
         preconditioner.step()
         grads.append([p.grad.clone() for p in part.parameters()])
         optimizer.step()
-    torch.save({'grads': grads, 'stage': stage}, output)
+    torch.save({'grads': grads, 'stage': stage, 'warnings': [str(w.message) for w in said]}, output)
     dist.destroy_process_group()
 
 
