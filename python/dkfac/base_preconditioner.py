@@ -808,6 +808,10 @@ class BaseKFACPreconditioner:
             _MODEL_PARTS.append((weakref.ref(self), self._model_group))
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
+        # How errors that number process_group's ranks (a lost rank) map to global ranks, where they differ.
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else []
+        self._global_ranks = f" (process_group's rank i is global rank {ranks}[i])" if ranks != list(
+            range(len(ranks))) else ''
         self._communicator = self._make_communicator(process_group, timeout) if self._world_size > 1 else None
         if self._communicator is not None:
             # Its heartbeat watchdog (which names a lost rank in a failed collective's error) stops as a clean end
@@ -1130,6 +1134,8 @@ class BaseKFACPreconditioner:
             if replaced and 'K-FAC layer' in str(error):  # a refusal of a layer, not a lost rank or out of memory
                 raise ValueError(f'{replaced}: the preconditioner hooked the module that was there when it was built; '
                                  'build it (and the optimizer) after replacing modules') from error
+            if self._global_ranks and 'lost rank' in str(error) and self._global_ranks not in str(error):
+                raise RuntimeError(f'{error}{self._global_ranks}') from error
             raise
         self._forward_seen[0] = False
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
@@ -1198,7 +1204,7 @@ class BaseKFACPreconditioner:
             diagnosis = self._communicator.diagnose_failure() if self._communicator is not None else ''
             if not diagnosis:
                 raise
-            raise RuntimeError(f'dkfac step(): {what} failed (lost {diagnosis}): {error}') from error
+            raise RuntimeError(f'dkfac step(): {what} failed (lost {diagnosis}{self._global_ranks}): {error}') from error
 
     def _follow_parameters(self) -> None:
         """Re-binds the core to each module's current parameters where they were replaced since the last step:

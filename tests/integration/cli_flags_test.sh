@@ -87,5 +87,10 @@ bench_refused --methods eigen foo
 has "--methods takes eigen, inverse, got 'foo'"
 bench_refused --json "$tmp/no/such/dir/out.json"
 has "cannot write --json file"
+echo "== dkfac plan refuses a flag that needs another"
+rc=0
+"$dkfac" plan --model gpt-1.3b --nproc 2 --tp-exact-factors > "$tmp/out" 2>&1 || rc=$?
+[[ $rc != 0 ]] || { cat "$tmp/out"; fail "--tp-exact-factors without --tp succeeded"; }
+has "--tp-exact-factors goes with --tp T > 1"
 
 echo "PASS"
