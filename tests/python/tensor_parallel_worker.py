@@ -142,6 +142,26 @@ def refusals(output: str) -> None:
     torch.save(errors, output)
 
 
+def stage_without_tensor_parallel_layers(output: str) -> None:
+    """2 pipeline stages x TP 2 (4 ranks), KL clipping summed over the replica's 4 ranks: stage 0 splits its
+    Linear, stage 1 holds a Linear whole on both of its ranks, which would count it twice in the sum. Each rank
+    records what building its preconditioner raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'tp'))
+    alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    torch.manual_seed(0)
+    part = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh())
+    if mesh.get_local_rank('pp') == 0:
+        parallelize_module(part, mesh['tp'], {'0': ColwiseParallel()})
+    try:
+        dkfac.KFACPreconditioner(part, process_group=alone, model_parallel_group=dist.group.WORLD)
+        torch.save({'built': True}, output)
+    except ValueError as error:
+        torch.save({'error': str(error)}, output)
+
+
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -149,10 +169,11 @@ def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     device = torch.device(kwargs.get('device', 'cpu'))
     dist.init_process_group(kwargs.get('backend', 'gloo'))
-    if kwargs.get('refusals'):
-        refusals(output)
-        dist.destroy_process_group()
-        return
+    for mode, run in (('refusals', refusals), ('stage_without_tp', stage_without_tensor_parallel_layers)):
+        if kwargs.get(mode):
+            run(output)
+            dist.destroy_process_group()
+            return
     tp, dp, kind = kwargs['tp'], kwargs['dp'], kwargs.get('model', 'mlp')
     sequence_parallel = kwargs.get('sequence_parallel', False)
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))

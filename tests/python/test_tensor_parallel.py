@@ -179,6 +179,15 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
                'output features' in result['empty slice'], result
 
 
+def test_a_pipeline_stage_without_tensor_parallel_layers_beside_one_with_them_is_refused(tmp_path):
+    """Under KL clipping a stage that holds no tensor-parallel layer would count its layers once per
+    tensor-parallel rank in the sum over the model's parts (24-27% off the one-process reference): refused on every
+    rank at construction, naming the ranks that hold tensor-parallel layers."""
+    for result in run(4, {'stage_without_tp': True}, tmp_path):
+        assert "ranks [0, 1] of the model's parts (ranks [0, 1, 2, 3]) hold tensor-parallel layers and the others " \
+               'none' in result.get('error', ''), result
+
+
 def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_path):
     """Each slice's state is saved under its own name (the tensor-parallel ranks' factors differ), and a job with
     the same tensor-parallel split and another number of replicas reads each slice's exactly."""
