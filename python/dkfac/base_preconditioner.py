@@ -851,11 +851,12 @@ class BaseKFACPreconditioner:
         uneven = [name for name, split in zip(self._names, self._splits)
                   if split is not None and split.uneven and not split.exact]
         if strategy == 'dp' and uneven:
-            raise ValueError(f"strategy='dp' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): each "
-                             "tensor-parallel rank's data-parallel group places the layers by its own slices' costs, "
-                             "and DP-KFAC builds each layer's factors from its owner's batch alone, so the layers every "
-                             'tensor-parallel rank holds whole would get different owners and different gradients on '
-                             "each; use 'kaisa' or 'spd', or a split the tensor-parallel size divides")
+            raise ValueError(f"strategy='dp' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): "
+                             "each tensor-parallel rank's data-parallel group places the layers by its own "
+                             "slices' costs, and DP-KFAC builds each layer's factors from its owner's batch alone, "
+                             'so the layers every tensor-parallel rank holds whole would get different owners and '
+                             "different gradients on each; use 'kaisa' or 'spd', or a split the tensor-parallel size "
+                             'divides')
         if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
             raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
                              '(each slice gathered over the data-parallel ranks that shard it)')
@@ -973,10 +974,10 @@ class BaseKFACPreconditioner:
                 if not mine['kl_clip']:  # no sum across the parts: nothing counted twice
                     continue
                 holds = [ranks[i] for i, v in enumerate(values) if v == repr(True)]
-                raise ValueError(f'ranks {holds} of the model\'s parts (ranks {ranks}) hold tensor-parallel layers and '
-                                 f'the others none: KL clipping would count a part without them once per '
-                                 'tensor-parallel rank. Give every pipeline stage a tensor-parallel layer, or build the '
-                                 'preconditioners with kl_clip=None')
+                raise ValueError(f'ranks {holds} of the model\'s parts (ranks {ranks}) hold tensor-parallel layers '
+                                 'and the others none: KL clipping would count a part without them once per '
+                                 'tensor-parallel rank. Give every pipeline stage a tensor-parallel layer, or build '
+                                 'the preconditioners with kl_clip=None')
             where = ('the tensor-parallel group' if any(split is not None and split.group is group
                                                         for split in self._splits) else 'model_parallel_group')
             raise ValueError(f"the model's parts (ranks {ranks}, {where}) built their preconditioners differently: "
@@ -996,11 +997,11 @@ class BaseKFACPreconditioner:
                     continue
                 shared = sorted(set(names) & set(parts[b][0]))
                 if shared:
-                    warnings.warn(f"dkfac: the model's parts on ranks {ranks[a]} and {ranks[b]} both hold a K-FAC layer "
-                                  f'named {shared[0]!r}: torch.distributed.checkpoint keeps one entry per name (it '
-                                  'takes equal names for replicas), so a DCP checkpoint of their preconditioners would '
-                                  "hold one part's state for both. Give each stage's modules the whole model's names "
-                                  "(build a stage by deleting the other stages' layers from the whole model)",
+                    warnings.warn(f"dkfac: the model's parts on ranks {ranks[a]} and {ranks[b]} both hold a K-FAC "
+                                  f'layer named {shared[0]!r}: torch.distributed.checkpoint keeps one entry per name '
+                                  '(it takes equal names for replicas), so a DCP checkpoint of their preconditioners '
+                                  "would hold one part's state for both. Give each stage's modules the whole model's "
+                                  "names (build a stage by deleting the other stages' layers from the whole model)",
                                   stacklevel=_stacklevel_outside_dkfac())
                     return
 
@@ -1204,7 +1205,8 @@ class BaseKFACPreconditioner:
             diagnosis = self._communicator.diagnose_failure() if self._communicator is not None else ''
             if not diagnosis:
                 raise
-            raise RuntimeError(f'dkfac step(): {what} failed (lost {diagnosis}{self._global_ranks}): {error}') from error
+            lost = f'lost {diagnosis}{self._global_ranks}'
+            raise RuntimeError(f'dkfac step(): {what} failed ({lost}): {error}') from error
 
     def _follow_parameters(self) -> None:
         """Re-binds the core to each module's current parameters where they were replaced since the last step:

@@ -219,8 +219,8 @@ Command add_plan_command(CLI::App& app) {
   return {plan, [config, seq](const Invocation&) {
             plan::PlanRequest request = config->request;
             TORCH_CHECK(seq->count() == 0 || request.seq_len >= 1, "--seq-len must be >= 1, got ", request.seq_len);
-            TORCH_CHECK(!request.tp_exact || request.tp > 1, "--tp-exact-factors goes with --tp T > 1 (the split layers "
-                        "held whole on each tensor-parallel rank); without it there is no split to gather");
+            TORCH_CHECK(!request.tp_exact || request.tp > 1, "--tp-exact-factors goes with --tp T > 1 (the split "
+                        "layers held whole on each tensor-parallel rank); without it there is no split to gather");
             // FSDP and HSDP shard over the data-parallel ranks: all of them under --tp 1 --pp 1.
             const int dp = request.nproc / std::max(1, request.tp * request.pp);
             if (config->fsdp) request.shard_ranks = dp;
