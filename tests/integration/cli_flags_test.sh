@@ -92,5 +92,9 @@ rc=0
 "$dkfac" plan --model gpt-1.3b --nproc 2 --tp-exact-factors > "$tmp/out" 2>&1 || rc=$?
 [[ $rc != 0 ]] || { cat "$tmp/out"; fail "--tp-exact-factors without --tp succeeded"; }
 has "--tp-exact-factors goes with --tp T > 1"
+rc=0
+"$dkfac" plan --model gpt-1.3b --nproc 3 --tp 3 > "$tmp/out" 2>&1 || rc=$?
+[[ $rc != 0 ]] || { cat "$tmp/out"; fail "--tp 3 on gpt-1.3b's 2048-wide rows succeeded"; }
+has "inputs do not split evenly (torch's DTensor fails on an uneven row-parallel split)"
 
 echo "PASS"

@@ -88,11 +88,12 @@ std::vector<assign::LayerShape> stage_layers(const ModelTable& t, int stage, int
       tp_elements += others * static_cast<double>((samples + shape.g_dim) * (shape.a_dim - bias));
     } else if (where.split == models::TpSplit::kColumn) {
       TORCH_CHECK(shape.g_dim % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.g_dim,
-                  " outputs do not split evenly");
+                  " outputs do not split evenly (the plan models even splits; a job also runs torch.chunk's uneven "
+                  "column splits)");
       shape.g_dim /= tp;
     } else if (where.split == models::TpSplit::kRow) {
       TORCH_CHECK((shape.a_dim - bias) % tp == 0, "--tp ", tp, ": layer ", shape.name, "'s ", shape.a_dim - bias,
-                  " inputs do not split evenly");
+                  " inputs do not split evenly (torch's DTensor fails on an uneven row-parallel split)");
       shape.a_dim = (shape.a_dim - bias) / tp + bias;
       tp_elements += static_cast<double>((tp - 1) * bias * shape.g_dim);  // the bias gradient, to every other rank
     }
