@@ -538,6 +538,11 @@ class Preconditioner {
   /// The shared-input group led by `leader` folded as one (its A once, each member's G), in the hook of the member
   /// whose passes come in last: false (nothing taken) until every member's are in, each given the one input.
   bool fold_group_in_hook(size_t leader);
+  /// Options::shared_input_layers: folds a group's batches (`members` from its leader, each one's {A, G} batch; the
+  /// leader's A the group's) into its factors; each member's 0-dim bool says whether its factors were updated.
+  std::vector<torch::Tensor> fold_group(const std::vector<size_t>& members,
+                                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+                                        double decay);
   /// At a factor step's check_layers: "" unless layer `index` captured passes (forward or backward) after the ones its
   /// hook folded; then they are dropped, the layer folds at step() for good, and the warning is returned.
   std::string check_hook_fold(size_t index);

@@ -34,7 +34,6 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
   // Averaged before the NaN check, so that every rank takes the same decision.
   clock_.collective(KfacPhase::kFactors, [&] { executor_->reduce_factors(batches); });
   const double decay = options_.factor_decay_at(steps_);
-  std::vector<torch::Tensor> a_folded(layers_.size());  // a shared-input group's A, by leader
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (fates[i] == LayerFate::kPlainGradient || !executor_->keeps_factors(i)) continue;
     mark("factor update", static_cast<int64_t>(i));
@@ -49,15 +48,18 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
     if (group_of(i) < 0) {
       factor_ok_[i] = layer.fold_factors(batches[i].first, batches[i].second, decay);
     } else {
-      // A shared-input group (its members' fates are one: spread_group_fates): the leader folds the one A, each
-      // member its own G, each side where its batch is finite; a member is usable where both of its are.
+      // A shared-input group (its members' fates are one: spread_group_fates): fold_group, as the hooks do.
       const auto leader = static_cast<size_t>(group_of(i));
-      if (leader == i) a_folded[i] = layer.fold_factor(/*a=*/true, batches[i].first, decay);
-      if (layer.follows_a()) layer.link_a(layers_[leader]);
-      // No G before there is an A (a first A batch that was not finite): a layer never holds G alone.
-      const auto g_folded = layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[i].second, decay)
-                                                      : a_folded[leader];
-      factor_ok_[i] = a_folded[leader].logical_and(g_folded);
+      if (leader == i) {
+        std::vector<size_t> members;
+        for (size_t j = i; j < layers_.size(); ++j) {
+          if (group_of(j) == static_cast<int>(i)) members.push_back(j);
+        }
+        std::vector<std::pair<torch::Tensor, torch::Tensor>> held;
+        for (const auto j : members) held.push_back(batches[j]);
+        const auto ok = fold_group(members, held, decay);
+        for (size_t m = 0; m < members.size(); ++m) factor_ok_[members[m]] = ok[m];
+      }
     }
     if (!layer.has_factors()) {  // a first update that was not finite: known here already
       factor_ok_[i] = torch::Tensor();
@@ -145,15 +147,36 @@ bool Preconditioner::fold_group_in_hook(size_t leader) {
   const double decay = options_.factor_decay_at(steps_);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
   for (const auto j : members) batches.push_back(layers_[j].take_factor_batches());
-  torch::Tensor a_folded;
+  const auto ok = fold_group(members, batches, decay);
   for (size_t m = 0; m < members.size(); ++m) {
-    auto& layer = layers_[members[m]];
-    if (members[m] == leader) a_folded = layer.fold_factor(/*a=*/true, batches[m].first, decay);
-    if (layer.follows_a()) layer.link_a(layers_[leader]);
-    hook_folded_[members[m]] = a_folded.logical_and(layer.fold_factor(/*a=*/false, batches[m].second, decay));
-    layer.capture().mark_folded();
+    hook_folded_[members[m]] = ok[m];
+    layers_[members[m]].capture().mark_folded();
   }
   return true;
+}
+
+std::vector<torch::Tensor> Preconditioner::fold_group(
+    const std::vector<size_t>& members, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+    double decay) {
+  // The leader (members[0]) folds the one A where its batch and every member's G batch are finite: as each
+  // member's own A would fold with its G (fold_factors), whenever the members' batches are finite or not together
+  // (a loss scale's overflow reaches them all). Each member folds its G where its G and the A batch are finite, and
+  // is usable where both are. (A G that alone is not finite keeps the group's A, where separate factors would fold
+  // the others'.)
+  const auto a_finite = torch::isfinite(batches[0].first).all();
+  auto every_g = a_finite;
+  for (const auto& batch : batches) every_g = every_g.logical_and(torch::isfinite(batch.second).all());
+  const size_t leader = members[0];
+  layers_[leader].fold_factor(/*a=*/true, batches[0].first, decay, every_g);
+  std::vector<torch::Tensor> ok;
+  for (size_t m = 0; m < members.size(); ++m) {
+    auto& layer = layers_[members[m]];
+    if (layer.follows_a()) layer.link_a(layers_[leader]);
+    // No G before there is an A (a first update not folded): a layer never holds G alone.
+    ok.push_back(layer.a_factor().defined() ? layer.fold_factor(/*a=*/false, batches[m].second, decay, a_finite)
+                                            : every_g);
+  }
+  return ok;
 }
 
 void Preconditioner::drop_stale_hook_folds() {

@@ -164,10 +164,10 @@ torch::Tensor KfacLayer::fold_factors(const torch::Tensor& a_batch, const torch:
   return folded.finite;
 }
 
-torch::Tensor KfacLayer::fold_factor(bool a, const torch::Tensor& batch, double alpha) {
+torch::Tensor KfacLayer::fold_factor(bool a, const torch::Tensor& batch, double alpha, const torch::Tensor& also) {
   TORCH_INTERNAL_ASSERT(!a || !follows_a(), "layer '", name(), "' folds the A factor its group's first layer holds");
   auto& factor = a ? a_factor_ : g_factor_;
-  auto finite = torch::isfinite(batch).all();
+  auto finite = also.defined() ? torch::isfinite(batch).all().logical_and(also) : torch::isfinite(batch).all();
   if (!factor.defined()) {  // nothing to keep if the batch is not finite: decided here (the first update only)
     if (finite.item<bool>()) factor = math::running_average(factor, batch, alpha);
     return finite;

@@ -168,9 +168,10 @@ class KfacLayer {
   /// were left unchanged. Only the first update (no previous factor to keep) waits for the device.
   torch::Tensor fold_factors(const torch::Tensor& a_batch, const torch::Tensor& g_batch, double alpha);
   /// One factor's fold (a shared-input group's: A once for the group, each member's G): F = alpha F +
-  /// (1 - alpha) F_batch where the batch is finite, decided on the device; the 0-dim bool says whether it was.
-  /// A first update (no previous factor) that is not finite leaves the factor undefined.
-  torch::Tensor fold_factor(bool a, const torch::Tensor& batch, double alpha);
+  /// (1 - alpha) F_batch where the batch is finite and `also` (a 0-dim bool, where given) holds, decided on the
+  /// device; the 0-dim bool says whether it was. A first update (no previous factor) that is not folded leaves the
+  /// factor undefined.
+  torch::Tensor fold_factor(bool a, const torch::Tensor& batch, double alpha, const torch::Tensor& also = {});
   /// Both running factors exist (a first factor update succeeded).
   bool has_factors() const { return a_factor_.defined() && g_factor_.defined(); }
   /// Running factors: A [a, a] and G [g, g] ([a] / [g] where diagonal); undefined before the first update.

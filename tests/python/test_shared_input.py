@@ -7,6 +7,7 @@ they cannot."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -154,3 +155,49 @@ def test_a_bert_without_the_option_is_told_which_patterns_would_share():
                                          r"and others\).*shared_input_layers=\['\(query\|key\|value\)\$'\]") as record:
         train(model, preconditioner, range(2))
     assert sum('given one input tensor' in str(w.message) for w in record) == 1  # once
+
+
+class _TwoReaders(torch.nn.Module):
+    """Two Linears given one input (a shared-input group) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.q(x)) * self.k(x))
+
+
+@pytest.mark.parametrize('fold_in_hooks', [True, False], ids=['hooks', 'step'])
+def test_a_step_whose_gradients_are_not_finite_keeps_the_shared_factor_as_separate_ones(fold_in_hooks):
+    """A step whose G batches are not finite (a loss scale's overflow) keeps each layer's factors; a group's shared A
+    used to be folded anyway, from its finite A batch (28% off the run without the option, then the parameters 1e-2
+    apart). Equal bit for bit to separate factors, at the guarded step and after, in the hooks and at step()."""
+    runs = []
+    for shared in (False, True):
+        model = _TwoReaders()
+        preconditioner = dkfac.KFACPreconditioner(
+            model, factor_update_steps=1, inv_update_steps=2, damping=0.003, factor_decay=0.5,
+            fold_in_hooks=fold_in_hooks, shared_input_layers=['^(q|k)$'] if shared else [])
+        steps = []
+        for step in range(5):
+            model.zero_grad()
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            (model(x).pow(2).mean() * (float('inf') if step == 2 else 1.0)).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')  # the guard's warning at step 2
+                preconditioner.step()
+            grads = [p.grad.clone() for p in model.parameters()]
+            if all(torch.isfinite(g).all() for g in grads):  # as a scaler skips the step
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+            state = preconditioner.state_dict()['layers']  # the group's A is the leader's, q's
+            factors = [state['q']['A'].clone(), state['q']['G'].clone(), state['k']['G'].clone()]
+            steps.append((grads, factors))
+        runs.append(steps)
+    for step, (separate, shared) in enumerate(zip(*runs)):
+        for a, b in zip(separate[0] + separate[1], shared[0] + shared[1]):  # the guarded step's NaN and Inf alike
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f'step {step}')
