@@ -124,6 +124,20 @@ def _conv2d_geometry(module: torch.nn.Module) -> tuple[Any, ...]:
             reversed_padding)
 
 
+def _own_forward(module: torch.nn.Module) -> str:
+    """The stock class whose forward the module's class overrides ('' where it keeps it): a subclass of an
+    Embedding that looks up positions rather than its argument (Whisper's, BART's and OPT's learned positional
+    embeddings), or that scales its output (Gemma's and BART's scaled word embeddings), computes something else from
+    its input than the stock layer, which K-FAC's factors describe."""
+    for stock in (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d, torch.nn.Embedding):
+        if isinstance(module, stock):
+            return stock.__name__ if type(module).forward is not stock.forward else ''
+    if _is_transformers_conv1d(module):
+        base = next(c for c in type(module).__mro__ if c.__name__ == 'Conv1D')
+        return 'Conv1D' if type(module).forward is not base.forward else ''
+    return ''
+
+
 def _refuse_fsdp1(model: torch.nn.Module) -> None:
     """FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) keeps a wrapped module's parameters as one flat
     Parameter (``use_orig_params=False``) or as flat shards shaped ``[numel]`` (``use_orig_params=True``): no layer
@@ -148,12 +162,18 @@ def _never_called(model: torch.nn.Module) -> set[int]:
 
 def _plain_gradient_reason(module: torch.nn.Module, never_called: set[int] | frozenset[int] = frozenset()) -> str:
     """Why ``module`` cannot be preconditioned even though its kind can ('' when it can): a sparse Embedding, a
-    MultiheadAttention's out_proj (``_never_called``), a weight computed from other parameters."""
+    MultiheadAttention's out_proj (``_never_called``), a weight computed from other parameters, a class that
+    overrides the stock layer's forward."""
     if id(module) in never_called:
         return ("torch.nn.MultiheadAttention's out_proj: MultiheadAttention applies its weight inside "
                 'F.multi_head_attention_forward and never calls it as a module, so no hook can capture its input '
                 "(its in_proj_weight is no layer either); use a module of separate Linear projections to precondition "
                 'attention')
+    overridden = _own_forward(module)
+    if overridden:
+        return (f"its class overrides {overridden}.forward, so what it computes from its input may differ from the "
+                f"stock {overridden}'s (a learned positional embedding that looks up positions, not its argument; a "
+                "scaled output): K-FAC's factors would not describe it")
     if _parametrized(module):
         return ('its parameters are computed by torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal, '
                 '...) from others, which take the gradient: K-FAC preconditions a layer whose weight is its own '

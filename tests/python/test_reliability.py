@@ -916,3 +916,38 @@ def test_a_hook_copied_from_a_model_pickled_before_the_hooks_took_keywords_stays
     model = mlp()
     model[0].register_forward_hook(_CaptureHook(None, None))  # as unpickled from a model saved then
     model(batch(0)).sum().backward()
+
+
+class _LearnedPositions(torch.nn.Embedding):
+    """As transformers' learned positional embeddings: given the ids, it looks up their positions."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(ids.shape[-1]).expand_as(ids))
+
+
+class _PlainSubclass(torch.nn.Embedding):
+    pass
+
+
+def test_a_layer_whose_class_overrides_the_stock_forward_is_set_aside_naming_why():
+    """Whisper's, BART's and OPT's learned positional embeddings subclass Embedding and look up positions, not the
+    ids they are given: they were registered and captured as if they looked up their argument (an IndexError in the
+    hook where ids passed the positions' count, silently wrong A below it). A class that overrides the stock layer's
+    forward is now set aside with its reason; a subclass that keeps it is registered."""
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.positions = _PlainSubclass(50, 8), _LearnedPositions(6, 8)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.tokens(ids) + self.positions(ids))
+
+    model = Model()
+    with pytest.warns(UserWarning, match=r"'positions' \(_LearnedPositions\) keeps its plain gradient: its class "
+                                         r"overrides Embedding.forward"):
+        preconditioner = dkfac.KFACPreconditioner(model)
+    assert [name for name, _ in preconditioner.layers] == ['tokens', 'head']
+    ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(0))  # ids past the 6 positions
+    model(ids).pow(2).mean().backward()
+    preconditioner.step()
