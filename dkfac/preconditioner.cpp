@@ -540,9 +540,13 @@ void Preconditioner::warn_of_broadcast_embeddings() {
   // An Embedding given one row of ids for the whole batch (transformers' position ids, [1, T]) whose output is added
   // to every example's: its output gradient is the batch's sum, so its G factor is the outer product of sums, not
   // the mean of the examples' products, and depends on how the batch is split. Told apart by the samples its
-  // passes had (1) where other layers had more.
+  // passes had (1) where other layers of a batch of sequences had more. Only those count: a layer given the tokens
+  // flattened ([B*T, d], a mixture of experts' shared expert) has B*T rows of one row each, not B*T examples.
   int64_t most = 0;
-  for (const auto& layer : layers_) most = std::max(most, layer.capture().samples_per_pass());
+  for (const auto& layer : layers_) {
+    const auto& capture = layer.capture();
+    if (capture.rows_per_sample() > 1) most = std::max(most, capture.samples_per_pass());
+  }
   if (most <= 1) return;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& capture = layers_[i].capture();

@@ -339,6 +339,31 @@ def test_position_ids_shared_by_the_batch_are_named():
             assert len(named) == 1 and "'transformer.wpe'" in named[0] and 'where other layers had 8' in named[0]
 
 
+def test_a_batch_of_one_beside_flattened_tokens_is_not_taken_for_shared_ids():
+    """At batch size 1 a mixture of experts' shared expert sees the tokens flattened ([B*T, d]: T rows of one row
+    each), which counted as T examples beside the token Embedding's one: it was told its ids were shared by the
+    batch, and to leave itself out. Only layers given a batch of sequences count now."""
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(40, 8)
+            self.attention, self.expert = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.attention(self.embed(ids))  # [B, T, d]
+            return self.expert(h.reshape(-1, 8))  # [B*T, d]
+
+    model = Model()
+    kfac = dkfac.KFACPreconditioner(model)
+
+    def step() -> None:
+        model(torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(0))).pow(2).mean().backward()
+        kfac.step()
+
+    assert [m for m in dkfac_warnings(step) if 'examples: ids shared by the batch' in m] == []
+
+
 @needs_transformers
 @pytest.mark.parametrize('setting', ['bf16-autocast', 'checkpointing'])
 def test_freed_inputs_are_not_taken_for_one_tensor(setting):
