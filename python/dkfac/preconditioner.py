@@ -236,6 +236,27 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
                       f'gradient: {", ".join(other_kinds[:6])}{" ..." if len(other_kinds) > 6 else ""} (K-FAC '
                       'preconditions Linear, Conv2d, Conv1d, Embedding and transformers\' Conv1D layers)',
                       stacklevel=_stacklevel_outside_dkfac())
+    # Weights a module holds itself, outside any layer (a mixture of experts' fused experts: 3-D Parameters, 90% of
+    # a Mixtral's parameters), said aloud where they are a large share of what trains.
+    held = set()  # the layers and the set-aside or other-kind modules, and everything under them
+    for name, module in model.named_modules():
+        if module in layers or module in set_aside or _layer_kind(module) is not None or \
+                isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)):
+            held.update(id(p) for p in module.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    own = [(name, module, [(k, tuple(p.shape)) for k, p in module._parameters.items() if p is not None
+                           and p.requires_grad and p.dim() >= 2 and id(p) not in held])
+           for name, module in model.named_modules() if not skipped(name, module)]
+    own = [(name, module, weights) for name, module, weights in own if weights]
+    share = sum(math.prod(shape) for _, _, weights in own for _, shape in weights) / max(trainable, 1)
+    if share >= 0.1:
+        shown = '; '.join(f'{name!r} ({type(module).__name__}: '
+                          + ', '.join(f'{k} {list(shape)}' for k, shape in weights) + ')'
+                          for name, module, weights in own[:3])
+        warnings.warn(f'dkfac: {share:.0%} of the trainable parameters are weights that modules hold themselves, '
+                      f'outside any layer K-FAC preconditions, and keep their plain gradient: {shown}'
+                      f'{" ..." if len(own) > 3 else ""} (a mixture of experts\' fused experts, 3-D Parameters, are '
+                      'not preconditioned yet)', stacklevel=_stacklevel_outside_dkfac())
 
 
 _Init = TypeVar('_Init', bound=Callable[..., None])

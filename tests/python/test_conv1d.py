@@ -144,3 +144,34 @@ def test_weight_layers_of_other_kinds_are_named_in_a_warning():
     kinds = [str(w.message) for w in said if 'kinds K-FAC does not precondition' in str(w.message)]
     assert len(kinds) == 1 and "'4' (ConvTranspose1d)" in kinds[0] and 'Conv3d' not in kinds[0], kinds
     assert said[0].filename == __file__, 'the warning names the line that built the preconditioner'
+
+
+class _FusedExperts(torch.nn.Module):
+    """As transformers 5's mixtures of experts: every expert's weight in one 3-D Parameter, applied by einsum."""
+
+    def __init__(self, experts: int, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, width, width) / width)
+        self.position = torch.nn.Parameter(torch.zeros(1, width))  # small: not a share worth a word alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum('bd,edf->bf', x + self.position, self.weight)
+
+
+def test_a_large_share_of_weights_held_outside_any_layer_is_named_in_a_warning():
+    """A mixture of experts' fused experts (3-D Parameters) held 90% of a tiny Mixtral's parameters and kept their
+    plain gradient with a word at the loglevel only. Where such weights are 10% or more of what trains, a warning
+    names the share and the modules; a small one (a position Parameter) alone is not named."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _FusedExperts(4, 16), torch.nn.Linear(16, 2))
+    with pytest.warns(UserWarning, match=r"(\d+)% of the trainable parameters are weights that modules hold "
+                                         r"themselves.*'1' \(_FusedExperts: weight \[4, 16, 16\], position \[1, 16\]\)"):
+        dkfac.KFACPreconditioner(model)
+    small = torch.nn.Sequential(torch.nn.Linear(8, 160), _FusedExperts(1, 4), torch.nn.Linear(4, 2))
+    small[1] = torch.nn.Identity()
+    small.add_module('extra', torch.nn.Module())
+    small.extra.register_parameter('position', torch.nn.Parameter(torch.zeros(1, 4)))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        dkfac.KFACPreconditioner(small)
+    assert not [w for w in said if 'modules hold themselves' in str(w.message)], [str(w.message) for w in said]
