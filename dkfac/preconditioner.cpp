@@ -487,6 +487,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
   if (factor_step) check_shared_inputs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
   if (factor_step) warn_of_broadcast_embeddings();
+  std::vector<std::pair<size_t, int64_t>> late_forwards, orphan_forwards;  // warned once for all, after the loop
   for (size_t i = 0; i < layers_.size(); ++i) {
     auto& layer = layers_[i];
     int64_t captured = captured_for_check(i, factor_step);
@@ -494,10 +495,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     if (!late.empty()) warn_once(i, "hook fold", late);
     if (late.empty() && captured >= 0) {
       if (const auto dropped = layer.capture().drop_inputs_after_last_backward(); dropped > 0) {
-        warn_once(i, "late forward",
-                  "ran " + std::to_string(dropped) + " forward pass(es) in training mode after its last backward "
-                  "pass of this step (an evaluation without torch.no_grad() or model.eval(), say): they are "
-                  "dropped from its factors");
+        late_forwards.emplace_back(i, dropped);
         captured = layer.captured_batches();
       }
     }
@@ -515,13 +513,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       // A shared-input follower's passes are its leader's inputs: the leader warns (and dropped the late ones).
       const auto orphans = captured > 0 && late.empty() && !layer.follows_a()
                                ? layer.capture().a_count() - layer.capture().g_count() : 0;
-      if (orphans > 0) {
-        warn_once(i, "orphan forward",
-                  "ran " + std::to_string(orphans) + " forward pass(es) in training mode whose backward pass never "
-                  "reached it, before the passes that did (an evaluation without torch.no_grad() or model.eval(), "
-                  "say): its A factor averages their inputs too, its G factor only the passes that had a backward "
-                  "pass");
-      }
+      if (orphans > 0) orphan_forwards.emplace_back(i, orphans);
       continue;
     }
     const std::string what = unusable_reason(i, captured);
@@ -531,6 +523,13 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     fates[i] = LayerFate::kPlainGradient;
     ++events_.skipped_unused;
   }
+  warn_once_for_layers("late forward", late_forwards,
+                       "in training mode after their last backward pass of this step (an evaluation without "
+                       "torch.no_grad() or model.eval(), say): they are dropped from the factors");
+  warn_once_for_layers("orphan forward", orphan_forwards,
+                       "in training mode whose backward pass never reached them, before the passes that did (an "
+                       "evaluation without torch.no_grad() or model.eval(), say): their A factors average those "
+                       "inputs too, their G factors only the passes that had a backward pass");
   if (agrees_on_unused_layers()) agree_on_unused_layers(fates);
   spread_group_fates(fates);
   return fates;
@@ -1293,6 +1292,27 @@ void Preconditioner::warn_once(size_t index, const std::string& kind, const std:
   const auto& layer = layers_[index];
   if (!warned_.emplace(layer.name(), kind).second) return;
   TORCH_WARN("dkfac: layer ", names_.layer(layer, index), ", step ", step >= 0 ? step : steps_, ": ", message,
+             " (warned once per layer)");
+}
+
+void Preconditioner::warn_once_for_layers(const std::string& kind,
+                                         const std::vector<std::pair<size_t, int64_t>>& counts,
+                                         const std::string& message) {
+  std::vector<std::pair<std::string, int64_t>> named;
+  for (const auto& [index, passes] : counts) {
+    if (warned_.emplace(layers_[index].name(), kind).second) {
+      named.emplace_back(names_.layer(layers_[index], index), passes);
+    }
+  }
+  if (named.empty()) return;
+  const bool same = std::all_of(named.begin(), named.end(), [&](const auto& n) { return n.second == named[0].second; });
+  std::string list;
+  for (size_t k = 0; k < named.size() && k < 4; ++k) {
+    list += (k > 0 ? ", " : "") + named[k].first + (same ? "" : ": " + std::to_string(named[k].second));
+  }
+  if (named.size() > 4) list += " and " + std::to_string(named.size() - 4) + " more";
+  TORCH_WARN("dkfac: step ", steps_, ": ", named.size(), named.size() == 1 ? " layer (" : " layers (", list, ") ran ",
+             same ? std::to_string(named[0].second) : std::string("some"), " forward pass(es) ", message,
              " (warned once per layer)");
 }
 

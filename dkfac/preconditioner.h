@@ -630,6 +630,10 @@ class Preconditioner {
   void warn_factor_fallback(size_t index, int64_t step = -1);
   /// Warns about layer `index` once per `kind` of problem (at `step`: by default this one).
   void warn_once(size_t index, const std::string& kind, const std::string& message, int64_t step = -1);
+  /// One warning for the layers `counts` names (each with its count of passes) that were not warned of `kind` yet,
+  /// "<layers> <message>": a pass every layer saw (a forgotten torch.no_grad()) said once, not once per layer.
+  void warn_once_for_layers(const std::string& kind, const std::vector<std::pair<size_t, int64_t>>& counts,
+                            const std::string& message);
 
   /// Re-binds each layer whose module now holds another weight or bias tensor than the one preconditioned
   /// (`fc->weight = w`, which the module's forward then uses): otherwise step() would keep writing the old

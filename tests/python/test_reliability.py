@@ -501,7 +501,7 @@ def test_factor_update_steps_changed_between_steps_applies_to_the_next_forward(f
 def test_a_training_mode_forward_after_the_backward_pass_is_dropped_with_or_without_folding():
     """A forward in training mode between backward() and step() (a metric on another batch): folding in the hooks
     dropped its input, folding at step() averaged it into A silently (0.23 apart). Both drop it now, warned; one
-    before the real pass is averaged into A by both (as kfac_pytorch does), warned too."""
+    before the real pass is averaged into A by both (as kfac_pytorch does), warned too. Once for all layers."""
     for where in ('after', 'before'):
         runs = []
         for fold in (True, False):
@@ -514,8 +514,8 @@ def test_a_training_mode_forward_after_the_backward_pass_is_dropped_with_or_with
 
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             grads = []
-            with pytest.warns(UserWarning, match='after its last backward pass' if where == 'after'
-                              else 'whose backward pass never reached it'):
+            said = 'after their last backward pass' if where == 'after' else 'whose backward pass never reached them'
+            with pytest.warns(UserWarning, match=said) as warned:
                 for step in range(5):
                     optimizer.zero_grad()
                     forward(model, batch(step).double()).backward()
@@ -524,6 +524,10 @@ def test_a_training_mode_forward_after_the_backward_pass_is_dropped_with_or_with
                     preconditioner.step()
                     grads.append([p.grad.clone() for p in model.parameters()])
                     optimizer.step()
+            # One warning for every layer the pass reached (it was one per layer: hundreds in a large model).
+            ours = [str(w.message) for w in warned if said in str(w.message)]
+            assert len(ours) == 1 and f'{len(preconditioner.layers)} layers (' in ours[0], ours
+            assert ') ran 1 forward pass(es) in training mode' in ours[0] and len(preconditioner.layers) > 1, ours
             runs.append(grads)
         assert_equal_grads(*runs)
     # Dropped, it equals the run without that forward.
