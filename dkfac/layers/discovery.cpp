@@ -32,7 +32,8 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
       continue;
     }
     const std::string kind = to_string(c.kind);
-    if (c.kind == LayerKind::kConv2d && c.groups != 1) {
+    // A front end's own reason first (a weight-normed grouped Conv1d is named for its weight norm).
+    if (c.kind == LayerKind::kConv2d && c.groups != 1 && c.plain_gradient_reason.empty()) {
       TORCH_WARN("dkfac: layer '", c.name, "' is a grouped ", c.class_name, " (groups=", c.groups,
                  "); it keeps its plain gradient");
       set_aside("a grouped " + c.class_name + " (groups=" + std::to_string(c.groups) + ")");

@@ -175,3 +175,16 @@ def test_a_large_share_of_weights_held_outside_any_layer_is_named_in_a_warning()
         warnings.simplefilter('always')
         dkfac.KFACPreconditioner(small)
     assert not [w for w in said if 'modules hold themselves' in str(w.message)], [str(w.message) for w in said]
+
+
+def test_a_weight_normed_grouped_conv1d_is_named_for_its_weight_norm():
+    """Wav2Vec2's positional convolution (grouped, under weight_norm) was named 'a grouped ParametrizedConv1d';
+    the reason that sets it aside whatever its groups now comes first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3, groups=2), torch.nn.Flatten(), torch.nn.Linear(28, 2))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        dkfac.KFACPreconditioner(model)
+    named = [str(w.message) for w in said if "'0' (ParametrizedConv1d)" in str(w.message)]
+    assert len(named) == 1 and 'computed by torch.nn.utils.parametrize' in named[0], named
