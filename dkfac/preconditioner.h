@@ -612,6 +612,14 @@ class Preconditioner {
   int group_of(size_t index) const {
     return layers_[index].follows_a() ? layers_[index].a_leader() : leads_a_[index] ? static_cast<int>(index) : -1;
   }
+  /// The layers of the shared-input group `leader` leads, the leader first.
+  std::vector<size_t> group_members(size_t leader) const {
+    std::vector<size_t> members;
+    for (size_t j = leader; j < layers_.size(); ++j) {
+      if (group_of(j) == static_cast<int>(leader)) members.push_back(j);
+    }
+    return members;
+  }
   /// Of `state` (KfacLayer::state() entries), the part the plan gives this rank for layer `index`.
   std::map<std::string, torch::Tensor> placed_here(size_t index, std::map<std::string, torch::Tensor> state) const;
   /// The layers with `states` loaded (what placed_here keeps of each), checked; this preconditioner unchanged.

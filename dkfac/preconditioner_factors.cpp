@@ -51,10 +51,7 @@ void Preconditioner::update_factors(std::vector<LayerFate>& fates) {
       // A shared-input group (its members' fates are one: spread_group_fates): fold_group, as the hooks do.
       const auto leader = static_cast<size_t>(group_of(i));
       if (leader == i) {
-        std::vector<size_t> members;
-        for (size_t j = i; j < layers_.size(); ++j) {
-          if (group_of(j) == static_cast<int>(i)) members.push_back(j);
-        }
+        const auto members = group_members(i);
         std::vector<std::pair<torch::Tensor, torch::Tensor>> held;
         for (const auto j : members) held.push_back(batches[j]);
         const auto ok = fold_group(members, held, decay);
@@ -132,10 +129,7 @@ bool Preconditioner::fold_group_in_hook(size_t leader) {
   // hooks never both find the group complete.
   static std::mutex group_fold;
   const std::lock_guard<std::mutex> lock(group_fold);
-  std::vector<size_t> members;
-  for (size_t j = leader; j < layers_.size(); ++j) {
-    if (group_of(j) == static_cast<int>(leader)) members.push_back(j);
-  }
+  const auto members = group_members(leader);
   const auto passes = static_cast<size_t>(options_.accumulation_steps());
   for (const auto j : members) {
     const auto& capture = layers_[j].capture();

@@ -283,8 +283,8 @@ void Preconditioner::group_shared_inputs() {
     const int group = group_of(i);
     if (group < 0) continue;
     std::vector<std::shared_ptr<FactorCapture>> others;
-    for (size_t j = 0; j < layers_.size(); ++j) {
-      if (group_of(j) == group && j != i) others.push_back(layers_[j].shared_capture());
+    for (const auto j : group_members(static_cast<size_t>(group))) {
+      if (j != i) others.push_back(layers_[j].shared_capture());
     }
     layers_[i].capture().set_shared_input(/*member=*/true, /*follower=*/layers_[i].follows_a(), others);
   }

@@ -215,15 +215,11 @@ class _CaptureHook:
             raise ValueError(f'layer {self._name!r} ({type(module).__name__}) takes a DTensor input '
                              f'({inputs[0].placements}): it was split by torch.distributed.tensor.parallel after the '
                              'preconditioner was built. Build the preconditioner after parallelize_module')
-        if self._seen is _as_is:
-            capture.capture_input(inputs[0])
-            if output.requires_grad:
-                output.register_hook(capture.capture_output_grad)
-            return
         seen = self._seen
         capture.capture_input(seen(inputs[0]))
-        if output.requires_grad:
-            output.register_hook(lambda grad: capture.capture_output_grad(seen(grad)))
+        if output.requires_grad:  # no wrapper on the backward pass where the gradient is taken as it comes
+            output.register_hook(capture.capture_output_grad if seen is _as_is
+                                 else lambda grad: capture.capture_output_grad(seen(grad)))
 
     def release(self) -> None:
         """Forgets the capture (the preconditioner went): a compiled graph that still calls it does nothing."""
@@ -808,7 +804,8 @@ class BaseKFACPreconditioner:
             _MODEL_PARTS.append((weakref.ref(self), self._model_group))
         self._world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self._rank = dist.get_rank(process_group) if process_group is not None else 0
-        # How errors that number process_group's ranks (a lost rank) map to global ranks, where they differ.
+        # How errors that number process_group's ranks (a difference at construction, a lost rank) map to global
+        # ranks, where they differ.
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else []
         self._global_ranks = f" (process_group's rank i is global rank {ranks}[i])" if ranks != list(
             range(len(ranks))) else ''
@@ -877,11 +874,9 @@ class BaseKFACPreconditioner:
                 self._core = _C.Preconditioner(core_layers, core_options, self._communicator,
                                                shard_ranks=[d.shard_ranks for d in self._distributors])
             except RuntimeError as error:  # the core names a subgroup's ranks as the group numbers them
-                ranks = dist.get_process_group_ranks(process_group) if process_group is not None else []
-                if 'the ranks built their preconditioners differently' not in str(error) or ranks == sorted(ranks) == \
-                        list(range(len(ranks))):
+                if 'the ranks built their preconditioners differently' not in str(error) or not self._global_ranks:
                     raise
-                raise RuntimeError(f'{error} (process_group\'s rank i is global rank {ranks}[i])') from error
+                raise RuntimeError(f'{error}{self._global_ranks}') from error
         if owner_placed:
             self._place_owners(process_group)
         # After process_group's own comparison (in the core), which names a difference between replicas first.
@@ -1395,15 +1390,16 @@ class BaseKFACPreconditioner:
             layers = state_dict['layers']
             saved_as = self._saved_names(layers)
             states, unheld = [], []
-            for name in self._state_names:
-                entry = layers.get(saved_as.get(name, name))
+            for index, name in enumerate(self._state_names):
+                key = saved_as.get(name, name)  # its name in the state dict
+                entry = layers.get(key)
                 if entry is None:
                     raise ValueError(f'state_dict holds no entry for K-FAC layer {name!r} (it holds '
                                      f'{len(layers)} layers, this model registers {len(self._names)})'
-                                     f'{_kind_not_saved(self._modules[self._state_names.index(name)])}')
-                flags = held_flags.get(saved_as.get(name, name), {})
-                found = {key: entry[side] for key, side in _FACTOR_KEYS.items() if side in entry}
-                found.update(ours.get('second_order', {}).get(saved_as.get(name, name), {}))
+                                     f'{_kind_not_saved(self._modules[index])}')
+                flags = held_flags.get(key, {})
+                found = {k: entry[side] for k, side in _FACTOR_KEYS.items() if side in entry}
+                found.update(ours.get('second_order', {}).get(key, {}))
                 # Present: written and computed (kfac_pytorch writes None for a factor not built yet); a blank the
                 # writer did not hold (a layer that never built its factors) is neither loaded nor missing.
                 states.append({k: t for k, t in found.items() if t is not None})

@@ -107,6 +107,10 @@ def _layer_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
+# Layers that hold weights but have no K-FAC factors (named in a warning at construction).
+_OTHER_WEIGHT_KINDS = (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)
+
+
 def _parametrized(module: torch.nn.Module) -> bool:
     return bool(getattr(module, 'parametrizations', None)) and torch.nn.utils.parametrize.is_parametrized(module)
 
@@ -181,8 +185,7 @@ def _plain_gradient_reason(module: torch.nn.Module, never_called: set[int] | fro
     if module._parameters.get('weight') is None and isinstance(getattr(module, 'weight', None), torch.Tensor):
         return ("its weight is no Parameter of the layer but computed from others before each forward pass "
                 "(torch.nn.utils.weight_norm's weight_g and weight_v, spectral_norm's weight_orig, a pruning mask), "
-                'which take the gradient: K-FAC preconditions a '
-                'layer whose weight is its own Parameter')
+                'which take the gradient: K-FAC preconditions a layer whose weight is its own Parameter')
     if isinstance(module, torch.nn.Embedding) and module.sparse:
         return ('a sparse Embedding (sparse=True): K-FAC preconditions dense gradients; build it with sparse=False '
                 'to precondition it')
@@ -228,7 +231,7 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
         return any(re.search(p, name) or re.search(p, type(module).__name__) for p in skip_layers)
 
     other_kinds = [f'{name!r} ({type(module).__name__})' for name, module in model.named_modules()
-                   if isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)) and module not in layers
+                   if isinstance(module, _OTHER_WEIGHT_KINDS) and module not in layers
                    and module not in set_aside and any(p.requires_grad for p in module.parameters())
                    and not skipped(name, module)]
     if other_kinds:
@@ -238,10 +241,9 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
                       stacklevel=_stacklevel_outside_dkfac())
     # Weights a module holds itself, outside any layer (a mixture of experts' fused experts: 3-D Parameters, 90% of
     # a Mixtral's parameters), said aloud where they are a large share of what trains.
-    held = set()  # the layers and the set-aside or other-kind modules, and everything under them
-    for name, module in model.named_modules():
-        if module in layers or module in set_aside or _layer_kind(module) is not None or \
-                isinstance(module, (torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)):
+    held = set()  # the layers and the set-aside (every candidate not chosen) or other-kind modules, and under them
+    for module in model.modules():
+        if module in layers or module in set_aside or isinstance(module, _OTHER_WEIGHT_KINDS):
             held.update(id(p) for p in module.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     own = [(name, module, [(k, tuple(p.shape)) for k, p in module._parameters.items() if p is not None
