@@ -341,6 +341,18 @@ StateRestore Preconditioner::restore(SavedState saved) {
                options_.second_order_lag(),
                ") used the update before it until step ", job_->install_at, ", so the resumed run differs from it "
                "until then. Save the whole state (state_dict(include_second_order=True)) for an exact resume");
+  } else if (job_) {
+    // The update in flight is computed again from the loaded factors: the saved run's if no factor update came
+    // after its inverse step, else one from newer factors (the state holds no copy of the older ones).
+    int64_t moved = -1;
+    for (int64_t s = job_->started + 1; s < steps_ && moved < 0; ++s) moved = is_factor_step(s) ? s : -1;
+    if (moved >= 0) {
+      TORCH_WARN("dkfac: the second-order update in flight when this state was saved (step ", job_->started,
+                 "'s, second_order_lag = ", options_.second_order_lag(), ") is computed again from the loaded "
+                 "factors, which step ", moved, "'s factor update changed after it: the update installed at step ",
+                 job_->install_at, " differs from the saved run's, and so do the steps from then on. For an exact "
+                 "resume, save at the step right after an inverse step, or once its update is installed");
+    }
   }
   return restore;
 }

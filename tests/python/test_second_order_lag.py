@@ -103,6 +103,43 @@ def test_state_dict_saved_with_an_update_in_flight_resumes_it():
             assert torch.equal(a, b), f'step {step}'
 
 
+@pytest.mark.parametrize('saved_after', [4, 5])
+def test_state_dict_saved_after_a_factor_update_with_an_update_in_flight_says_the_resume_differs(saved_after):
+    """Inverse updates every 3 steps, factors every step, lag 2: step 3's update installs at step 5. Saved after
+    step 4 (steps = 5), the factors loaded are step 4's, not step 3's, so the update computed again differs: the
+    load says so, naming both steps, and the resumed run differs. Saved after step 5 (steps = 6: installed) it is
+    exact and says nothing."""
+    options = dict(factor_update_steps=1, inv_update_steps=3, damping=0.01, second_order_lag=2)
+    model = make_model()
+    preconditioner = dkfac.KFACPreconditioner(model, **options)
+
+    def run(model, preconditioner, steps):
+        grads = []
+        for step in steps:
+            backward(model, step)
+            preconditioner.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        return grads
+
+    run(model, preconditioner, range(saved_after + 1))
+    state = preconditioner.state_dict()
+    expected = run(model, preconditioner, range(saved_after + 1, saved_after + 4))
+    resumed_model = make_model()  # the weights are not stepped: each step's gradients from the same model
+    resumed = dkfac.KFACPreconditioner(resumed_model, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        resumed.load_state_dict(state)
+    said = [str(w.message) for w in caught if 'update in flight' in str(w.message)]
+    got = run(resumed_model, resumed, range(saved_after + 1, saved_after + 4))
+    exact = all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
+    if saved_after == 5:
+        assert exact and not said
+    else:
+        assert not exact
+        assert len(said) == 1 and "step 3's" in said[0] and "step 4's factor update" in said[0], said
+        assert 'installed at step 5' in said[0], said
+
+
 def test_bad_values_are_refused_naming_the_option():
     with pytest.raises(ValueError, match='second_order_lag must be >= 0, got -1'):
         dkfac.KFACPreconditioner(make_model(), second_order_lag=-1)
