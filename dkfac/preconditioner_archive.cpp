@@ -1,6 +1,8 @@
 // Preconditioner's archive: save and load (format 2, every layer's whole state, world-size independent),
 // the state a checkpoint reader fills in place (state_template) and what the plan places on this rank.
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -86,6 +88,82 @@ int64_t archive_checksum(int64_t steps, int64_t world_size, const std::string& p
     }
   }
   return sum.value();
+}
+
+// Each rank's own part of a state handed to another plan (a rank's own DP-KFAC state loaded under strategy auto's
+// provisional plan, or another strategy, on as many ranks): every part a rank keeps but was not handed is sent to
+// it by the lowest rank that was, so that the ranks' own states together resume as the whole one. Collective: one
+// small allreduce says who holds and who lacks what; nothing more is sent where every rank holds what it keeps.
+// A part held in another shape is not sent (its holder refuses it after). Refused, on every rank, where the ranks
+// that send were handed states of different steps.
+void take_parts_from_other_ranks(comm::Communicator& communicator, const std::vector<KfacLayer>& layers,
+                                 SavedState& saved, const std::vector<std::map<std::string, torch::Tensor>>& wanted,
+                                 const std::function<bool(size_t, const std::string&)>& blank) {
+  const auto& entries = layer_state_entries();
+  const auto count = static_cast<int64_t>(layers.size() * entries.size());
+  const int64_t ranks = communicator.size();
+  const int64_t rank = communicator.rank();
+  // Per (layer, entry): each rank's column holds the dtype + 1 of the part it was handed in the layer's shape (0:
+  // none), and the last column how many ranks keep it without it; then each rank's step count.
+  auto table = torch::zeros({count * (ranks + 1) + ranks}, torch::kFloat64);
+  auto cell = table.accessor<double, 1>();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    for (size_t e = 0; e < entries.size(); ++e) {
+      const int64_t at = (static_cast<int64_t>(i * entries.size() + e)) * (ranks + 1);
+      const std::string key = entries[e].key;
+      const auto it = saved.layers[i].find(key);
+      if (it != saved.layers[i].end()) {
+        const auto shape = layers[i].state_shape(entries[e]);
+        if (!shape.empty() && it->second.sizes().vec() == shape) {
+          cell[at + rank] = static_cast<double>(it->second.scalar_type()) + 1.0;
+        }
+      } else if (wanted[i].count(key) > 0 && !blank(i, key)) {
+        cell[at + ranks] = 1.0;
+      }
+    }
+  }
+  cell[count * (ranks + 1) + rank] = static_cast<double>(saved.steps);
+  auto summed = table.to(communicator.control_device());
+  communicator.allreduce_sum(summed, comm::kWorld, comm::Purpose::kSetup).wait();
+  table = summed.cpu();
+  cell = table.accessor<double, 1>();
+  std::vector<std::pair<size_t, size_t>> sent;  // (layer, entry) some rank lacks and another holds
+  std::vector<int64_t> roots;
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t at = k * (ranks + 1);
+    if (cell[at + ranks] == 0.0) continue;
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (cell[at + r] == 0.0) continue;
+      sent.emplace_back(static_cast<size_t>(k) / entries.size(), static_cast<size_t>(k) % entries.size());
+      roots.push_back(r);
+      break;
+    }
+  }
+  if (sent.empty()) return;
+  std::string steps;  // every rank's step count, said where they differ
+  bool one_step = true;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const double step = cell[count * (ranks + 1) + r];
+    one_step = one_step && step == cell[count * (ranks + 1)];
+    steps += c10::str(r == 0 ? "" : ", ", "rank ", r, ": ", static_cast<int64_t>(step));
+  }
+  TORCH_CHECK_VALUE(one_step, "the ranks were handed states of different steps (", steps, "), and each lacks parts "
+                    "another holds: they resume as one state only if saved at one step. Load each rank's "
+                    "state_dict() of one save on its own rank, or a state_dict(gathered=True)");
+  const auto device = communicator.control_device();
+  for (size_t k = 0; k < sent.size(); ++k) {
+    const auto [i, e] = sent[k];
+    const auto& entry = entries[e];
+    const int64_t root = roots[k];
+    const auto dtype = static_cast<c10::ScalarType>(
+        static_cast<int>(cell[(static_cast<int64_t>(i * entries.size() + e)) * (ranks + 1) + root]) - 1);
+    auto& mine = saved.layers[i];
+    torch::Tensor part = root == rank ? mine.at(entry.key).detach().to(device, dtype).contiguous().clone()
+                                      : torch::empty(layers[i].state_shape(entry),
+                                                     torch::TensorOptions().dtype(dtype).device(device));
+    communicator.broadcast(part, static_cast<int>(root), comm::kWorld, comm::Purpose::kSetup).wait();
+    if (root != rank && mine.count(entry.key) == 0) mine[entry.key] = part;
+  }
 }
 
 }  // namespace
@@ -251,6 +329,9 @@ StateRestore Preconditioner::restore(SavedState saved) {
     }
   }
   const auto wanted = state_template();
+  // Every rank takes the same branch: the recompute is collective, and a refusal must reach every rank.
+  const bool distributed = communicator_ && communicator_->size() > 1;
+  if (distributed) take_parts_from_other_ranks(*communicator_, layers_, saved, wanted, blank);
   bool exact = saved.method == executor_->plan().method;
   std::string refusal;
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -287,8 +368,6 @@ StateRestore Preconditioner::restore(SavedState saved) {
     }
 
   }
-  // Every rank takes the same branch: the recompute is collective, and a refusal must reach every rank.
-  const bool distributed = communicator_ && communicator_->size() > 1;
   if (distributed) exact = comm::all_true(*communicator_, exact);
   StateRestore restore;
   for (size_t i = 0; i < layers_.size(); ++i) {

@@ -85,6 +85,11 @@ def main() -> None:
     explicit_group = kwargs.pop('explicit_group', False)
     resume = kwargs.pop('resume', None)  # 'own' or 'rank0': reload a state dict after the run, one more step
     save_gathered = kwargs.pop('save_gathered', False)  # also save state_dict(gathered=True) and state_dict()
+    # Options of two twins built after the run: one loads each rank's own state_dict(), the other the gathered one;
+    # their states as loaded and their gradients at one more step are saved ('resumed_as')
+    # (with 'stale': rank 1's own state is one step older, and the error each rank raises is saved instead)
+    resume_as = kwargs.pop('resume_as', None)
+    stale = resume_as is not None and resume_as.pop('stale', False)
     device = torch.device(kwargs.pop('device', 'cpu'))
     kind = kwargs.pop('model', 'cnn')  # a scenarios.make_model kind
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
@@ -186,6 +191,8 @@ def main() -> None:
             sys.exit(4)
         grads.append([full(p.grad) for p in model.parameters()])
         optimizer.step()
+        if stale and step == steps - 2:
+            older = preconditioner.state_dict()
         if dcp_save and step == dcp_save['after']:
             from torch.distributed import checkpoint as dcp
             dcp.save({'model': model.state_dict(), 'optim': optimizer.state_dict(), 'kfac': preconditioner},
@@ -210,6 +217,26 @@ def main() -> None:
             p.step()
             after.append([q.grad.clone() for q in m.parameters()])
         extra = {**extra, 'continued': after[0], 'resumed': after[1], 'resumed_steps': twin_preconditioner.steps}
+    if resume_as is not None:
+        own, gathered = preconditioner.state_dict(), preconditioner.state_dict(gathered=True)
+        x, y = scenarios.batch('cnn', STEPS, size=GLOBAL_BATCH)
+        twins = {}
+        for name, state in (('own', older if stale and rank == 1 else own), ('gathered', gathered)):
+            twin = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model.module))
+            twin_preconditioner = dkfac.KFACPreconditioner(twin, **{**kwargs, **resume_as})
+            try:
+                twin_preconditioner.load_state_dict(state)
+            except ValueError as error:
+                twins[name] = {'refused': str(error)}
+                continue
+            loaded = copy.deepcopy(twin_preconditioner._core.layer_states())
+            twin.zero_grad()
+            torch.nn.functional.cross_entropy(twin(x[rank * shard:(rank + 1) * shard]),
+                                              y[rank * shard:(rank + 1) * shard]).backward()
+            twin_preconditioner.step()
+            twins[name] = {'loaded': loaded, 'grads': [q.grad.clone() for q in twin.parameters()],
+                           'plan': twin_preconditioner.plan}
+        extra['resumed_as'] = twins
     torch.save({**extra, 'grads': grads, 'params': params, 'layers': [name for name, _ in preconditioner.layers],
                 'state': preconditioner.state_dict(), 'plan': preconditioner.plan,
                 'memory': preconditioner.memory_usage(),

@@ -484,6 +484,42 @@ def test_gathered_state_dict_resumes_exactly_on_another_world_size(strategy, tmp
             assert 'a_inverse' in state and 'g_inverse' in state
 
 
+@pytest.mark.parametrize('resume_as', [dict(strategy='kaisa', grad_worker_fraction=0.5), dict(strategy='auto'),
+                                       dict(strategy='spd', compute_method='eigen')])
+def test_each_ranks_own_dp_kfac_state_resumes_under_another_plan_as_the_gathered_one(resume_as, tmp_path):
+    """A DP-KFAC rank's own state_dict() holds its own layers' factors only. Loaded on its own rank by a job of
+    another plan (another strategy, or strategy auto, whose first plan keeps every factor everywhere), each part a
+    rank keeps but was not handed comes from the rank that holds it: the ranks' own states together load as the
+    gathered state does, bit for bit, and train alike. (It was refused, naming state_dict(gathered=True).)"""
+    kwargs = {**COMMON, 'compute_method': 'inverse', 'strategy': 'dp', 'resume_as': resume_as}
+    results = run_workers(2, kwargs, tmp_path)
+    for rank, result in enumerate(results):
+        own, gathered = result['resumed_as']['own'], result['resumed_as']['gathered']
+        # auto and SPD-KFAC measure at their first steps (the pick, the decomposition threshold)
+        assert resume_as['strategy'] != 'kaisa' or own['plan'] == gathered['plan'], rank
+        assert len(own['loaded']) == len(gathered['loaded'])
+        for layer, (a, b) in enumerate(zip(own['loaded'], gathered['loaded'])):
+            assert sorted(a) == sorted(b), (rank, layer, sorted(a), sorted(b))
+            assert 'a_factor' in a and 'g_factor' in a, (rank, layer, sorted(a))
+            for key in a:
+                assert torch.equal(a[key], b[key]), (rank, layer, key)
+        if resume_as['strategy'] != 'auto':  # auto measures at that step, and may pick others for the twins
+            for a, b in zip(own['grads'], gathered['grads']):
+                assert torch.equal(a, b), rank
+
+
+def test_ranks_own_states_of_different_steps_are_refused_on_every_rank_naming_the_steps(tmp_path):
+    """Each rank's own DP-KFAC state resumes as one under another plan only if they are of one save: rank 1's one
+    step older is refused on both ranks, naming each rank's step count."""
+    kwargs = {**COMMON, 'compute_method': 'inverse', 'strategy': 'dp',
+              'resume_as': dict(strategy='kaisa', grad_worker_fraction=0.5, stale=True)}
+    results = run_workers(2, kwargs, tmp_path)
+    for result in results:
+        said = result['resumed_as']['own']['refused']
+        assert f'rank 0: {STEPS}, rank 1: {STEPS - 1}' in said and 'saved at one step' in said, said
+        assert 'grads' in result['resumed_as']['gathered']
+
+
 # Checkpoints through torch.distributed.checkpoint (DCP): saved after step 1 with the second-order state of step 0
 # (inverse steps 0 and 3), loaded into a fresh job of another world size or strategy that trains steps 2 and 3.
 # Recomputing the second-order state from step 1's factors would change step 2, so equality shows it was loaded.
