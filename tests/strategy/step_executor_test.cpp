@@ -723,14 +723,17 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
 }
 
 // The one restore on 2 ranks (KAISA f = 1: each builds every factor and holds every second-order state): a state
-// that one rank refuses is refused on both (the other names no layer), and where one rank's state lacks a
-// second-order part both recompute from the factors (collective: neither waits for the other), ending equal.
+// that one rank refuses is refused on both (the other names no layer); where one rank's state lacks a second-order
+// part of its compute method both recompute from the factors (collective: neither waits for the other), ending
+// equal; and a part one rank lacks that the other was handed is sent to it, so that both load the whole state as
+// given (the ranks' own states of one save, loaded under another plan), bit for bit.
 TEST(Restore, RanksTakeTheSameBranch) {
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const Options options = base_options(ComputeMethod::kEigen, false, 1.0);
   std::vector<std::string> errors(2);
   std::vector<std::vector<torch::Tensor>> eigenvalues(2);
   std::vector<int64_t> recomputed(2);
+  std::vector<std::vector<std::map<std::string, torch::Tensor>>> given(2), taken(2);
   run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
     auto net = make_net(testing::test_device());
     Preconditioner kfac(net, options, communicator);
@@ -740,22 +743,38 @@ TEST(Restore, RanksTakeTheSameBranch) {
       kfac.step();
     }
     const auto states = kfac.gathered_layer_states();
-    auto lacking = states;
-    if (rank == 0) lacking[1].erase("a_factor");  // another rank's share: neither factor
-    if (rank == 0) lacking[1].erase("g_factor");
+    auto unfit = states;  // another shape: not sent, refused by its rank
+    if (rank == 0) unfit[1]["a_factor"] = torch::zeros({3, 3}, unfit[1]["a_factor"].options());
     try {
-      kfac.restore({2, lacking, ComputeMethod::kEigen, "it is another rank's share", true});
+      kfac.restore({2, unfit, ComputeMethod::kEigen, "it is another rank's share", true});
     } catch (const c10::Error& e) {
       errors[rank] = e.what_without_backtrace();
     }
-    auto partial = states;
-    if (rank == 1) partial[0].erase("a_eigenvectors");
-    recomputed[rank] = kfac.restore({2, partial, ComputeMethod::kEigen, "", true}).recomputed_layers;
+    // Rank 0 was handed layer 1's factors and none of layer 2's second-order state; rank 1 the opposite.
+    auto own = states;
+    if (rank == 0) own[2].clear();
+    if (rank == 0) own[2]["a_factor"] = states[2].at("a_factor");
+    if (rank == 0) own[2]["g_factor"] = states[2].at("g_factor");
+    if (rank == 1) own[1].clear();
+    EXPECT_EQ(kfac.restore({2, own, ComputeMethod::kEigen, "it is another rank's share", true}).recomputed_layers, 0);
+    given[rank] = states;
+    taken[rank] = kfac.gathered_layer_states();
+    // Rank 1's state of another compute method: both recompute.
+    recomputed[rank] = kfac.restore({2, states, rank == 1 ? ComputeMethod::kInverse : ComputeMethod::kEigen, "",
+                                     true}).recomputed_layers;
     for (const auto& layer : kfac.layers()) eigenvalues[rank].push_back(layer.second_order().g_eigen.eigenvalues.cpu());
   });
-  EXPECT_NE(errors[0].find("state holds no A factor of layer 'fc1', which this rank builds"), std::string::npos)
-      << errors[0];
+  EXPECT_NE(errors[0].find("fc1"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("another rank refused this state"), std::string::npos) << errors[1];
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(taken[rank].size(), given[rank].size());
+    for (size_t i = 0; i < taken[rank].size(); ++i) {
+      ASSERT_EQ(taken[rank][i].size(), given[rank][i].size()) << "rank " << rank << " layer " << i;
+      for (const auto& [key, tensor] : given[rank][i]) {
+        EXPECT_TRUE(torch::equal(taken[rank][i].at(key).cpu(), tensor.cpu())) << rank << " " << i << " " << key;
+      }
+    }
+  }
   EXPECT_EQ(recomputed, (std::vector<int64_t>{3, 3}));
   for (size_t i = 0; i < eigenvalues[0].size(); ++i) EXPECT_TRUE(torch::equal(eigenvalues[0][i], eigenvalues[1][i]));
 }
