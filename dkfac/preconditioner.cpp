@@ -448,6 +448,8 @@ std::string Preconditioner::unusable_reason(size_t i, int64_t captured) const {
   const auto& layer = layers_[i];
   const int64_t empty = captured >= 0 ? layer.capture().empty_passes() : 0;  // not captured: no rows
   return !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+         : !layer.trainable() ? "is frozen in part (its bias has requires_grad=False, its weight trains): its "
+                                "preconditioned gradient mixes the two and would move the bias"
          : captured == 0 && empty > 0 && layer.has_gradient()
              ? "ran only on empty batches (0 rows) since the last factor update (a mixture-of-experts expert that "
                "received no tokens, say): there is nothing to build its factors from"
@@ -477,7 +479,7 @@ int64_t Preconditioner::first_refused_layer() const {
   for (size_t i = 0; i < layers_.size(); ++i) {  // check_layers' refusals, without its warnings and changes
     const auto& layer = layers_[i];
     const int64_t captured = captured_for_check(i, factor_step);
-    if (captured == 0 || !layer.has_gradient() || !layer.weight().requires_grad()) return static_cast<int64_t>(i);
+    if (captured == 0 || !layer.has_gradient() || !layer.trainable()) return static_cast<int64_t>(i);
   }
   return -1;
 }
@@ -500,9 +502,9 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       }
     }
     const int64_t empty = captured >= 0 ? layer.capture().empty_passes() : 0;  // not captured: no rows
-    // A weight frozen with its gradient zeroed in place (zero_grad(set_to_none=False)) still has one: frozen all the
-    // same, or its preconditioned gradient (which mixes in the bias's) would move it.
-    if (captured != 0 && layer.has_gradient() && layer.weight().requires_grad()) {
+    // A weight or bias frozen with its gradient zeroed in place (zero_grad(set_to_none=False)) still has one: frozen
+    // all the same, or its preconditioned gradient (which mixes the two) would move it.
+    if (captured != 0 && layer.has_gradient() && layer.trainable()) {
       if (late.empty() && captured > 0 && captured + empty != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
                   "ran forward and backward " + std::to_string(captured) + " times since the last factor update "

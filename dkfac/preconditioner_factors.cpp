@@ -105,9 +105,7 @@ bool Preconditioner::may_fold_now(size_t index) const {
   // Left to step() (nothing taken): a weight or bias frozen since, which check_layers names; a layer without factors
   // (loaded so), whose first update step() decides on the host.
   const auto& layer = layers_[index];
-  const auto& bias = layer.bias();
-  return hook_fold_[index] == HookFold::kArmed && layer.weight().requires_grad() &&
-         (!bias.defined() || bias.requires_grad()) && layer.has_factors();
+  return hook_fold_[index] == HookFold::kArmed && layer.trainable() && layer.has_factors();
 }
 
 bool Preconditioner::fold_in_hook(size_t index) {

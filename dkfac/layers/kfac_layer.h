@@ -111,6 +111,9 @@ class KfacLayer {
   LayerKind kind() const { return binding_.capture->geometry().kind; }
   const torch::Tensor& weight() const { return binding_.weight; }
   const torch::Tensor& bias() const { return binding_.bias; }
+  /// Neither its weight nor its bias is frozen (requires_grad=False): else its preconditioned gradient, which mixes
+  /// the two, would move the frozen one.
+  bool trainable() const { return weight().requires_grad() && (!bias().defined() || bias().requires_grad()); }
   /// Follows the module's parameters when they were replaced by others of the same shape, dtype and device (a
   /// Hugging Face or meta-device load: `load_state_dict(assign=True)`, or `layer.weight = Parameter(...)`);
   /// throws naming the layer and both tensors otherwise. Factors and second-order state are kept.
