@@ -1119,6 +1119,8 @@ class BaseKFACPreconditioner:
         gradients already averaged across ranks, and before the optimizer's step().
         """
         self._follow_parameters()
+        if getattr(self, '_frozen_aside', None):
+            self._warn_of_unfrozen_layers()
         # The distributors' gather and scatter run inside the core's step, which times and counts them.
         moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
         try:
@@ -1202,6 +1204,23 @@ class BaseKFACPreconditioner:
                 raise
             lost = f'lost {diagnosis}{self._global_ranks}'
             raise RuntimeError(f'dkfac step(): {what} failed ({lost}): {error}') from error
+
+    def _warn_of_unfrozen_layers(self) -> None:
+        """Layers set aside at construction because they were frozen, trained since (unfrozen: the usual fine-tuning
+        schedule): they keep their plain gradients, which is said once, naming them and the way to precondition
+        them."""
+        unfrozen = [(name, module) for name, module in self._frozen_aside
+                    if all(p.requires_grad for p in module.parameters()) and module.weight.grad is not None]
+        if not unfrozen:
+            return
+        self._frozen_aside = [entry for entry in self._frozen_aside if entry not in unfrozen]
+        names = ', '.join(repr(name) for name, _ in unfrozen[:4]) + (f' and {len(unfrozen) - 4} more'
+                                                                       if len(unfrozen) > 4 else '')
+        warnings.warn(f'dkfac: {len(unfrozen)} layer(s) frozen when the preconditioner was built now train ({names}) '
+                      'and keep their plain gradients: K-FAC preconditions the layers chosen then. To precondition '
+                      'them, build the preconditioner with them trainable, then freeze them: a layer frozen after '
+                      "the build keeps its plain gradient under unused_layer_policy='skip' and is preconditioned "
+                      'again once it trains', stacklevel=3)
 
     def _follow_parameters(self) -> None:
         """Re-binds the core to each module's current parameters where they were replaced since the last step:

@@ -300,6 +300,14 @@ class KFAC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if loss is None and not any(p.grad is not None for _, module in self._preconditioner.layers
+                                        for p in _layer_parameters(module)):
+                # A closure that ran no backward pass (Lightning's, when training_step returns None to skip the
+                # batch): no gradient to precondition, and the forward's captures are dropped. The base optimizer
+                # steps on whatever gradients there are, as it would without K-FAC.
+                self._preconditioner.reset_batch()
+                self._base.step()
+                return None
         if self._preconditioner.steps < self._preconditioner._core.start_preconditioning_step:
             # Before start_preconditioning_step the preconditioner builds its factors and leaves every gradient plain:
             # the base optimizer takes its own step on all of them (eigen_adam and graft start after).

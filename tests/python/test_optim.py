@@ -179,6 +179,27 @@ def test_closure_runs_before_preconditioning_and_its_loss_is_returned() -> None:
     torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
 
 
+def test_a_closure_that_runs_no_backward_skips_the_batch_as_if_never_seen() -> None:
+    """A closure that returns None without a backward pass (Lightning's, when training_step returns None to skip a
+    batch) makes step() drop the forward's captures and leave K-FAC out; the run equals one that never saw the
+    batch. It used to fail ('did not run forward/backward in training mode before step()')."""
+    batches = make_batches()
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    for index, ids in enumerate(batches):
+        def closure(ids: torch.Tensor = ids, skip: bool = index == 2) -> torch.Tensor | None:
+            opt.zero_grad()
+            loss = loss_of(model, ids)
+            if skip:
+                return None
+            loss.backward()
+            return loss
+        assert (opt.step(closure) is None) == (index == 2)
+    assert opt.preconditioner.steps == len(batches) - 1
+    _, expected_parameters = reference_run(batches[:2] + batches[3:])
+    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+
 def test_construction_checks_and_hooks() -> None:
     model = make_model()
     preconditioner = dkfac.KFACPreconditioner(model, lr=0.05)
@@ -577,7 +598,7 @@ NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING,
 
 
 def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None,
-                   callbacks: list | None = None, **kfac: object) -> tuple:
+                   callbacks: list | None = None, skip: set[int] = frozenset(), **kfac: object) -> tuple:
     """A Lightning fit of the tiny GPT-2 whose configure_optimizers returns dkfac.optim.KFAC and a per-step
     LambdaLR, clipping at 1.0: (trainer, module). With ``scaler``: precision 16-mixed through that scaler (the
     MixedPrecision plugin takes it; the preconditioner divides G by its scale)."""
@@ -594,10 +615,10 @@ def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | N
             self.model = make_model(dtype=torch.float32 if scaler is not None else torch.float64)
             self.losses: list[torch.Tensor] = []
 
-        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor | None:
             loss = loss_of(self.model, batch[0])
             self.losses.append(loss.detach())
-            return loss
+            return None if index in skip else loss  # None: Lightning skips the batch (`skip`)
 
         def configure_optimizers(self) -> dict:
             opt = optim.KFAC(self.model, adamw(self.model), grad_scaler=scaler, **kfac)
@@ -616,7 +637,7 @@ def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | N
         warnings.simplefilter('ignore')
         trainer.fit(module, loader)
     opt = trainer.optimizers[0]
-    assert isinstance(opt, optim.KFAC) and opt.preconditioner.steps == len(batches)
+    assert isinstance(opt, optim.KFAC) and opt.preconditioner.steps == len(batches) - len(skip)
     return trainer, module
 
 
@@ -629,6 +650,17 @@ def test_lightning_matches_the_hand_written_loop() -> None:
     expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True)
     torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
     torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
+
+
+@NEEDS_LIGHTNING
+def test_lightning_training_step_returning_none_skips_the_batch() -> None:
+    """Lightning's way to skip a batch (training_step returns None: its closure runs no backward pass) trains on,
+    K-FAC on for the other batches. It used to stop the fit at that batch."""
+    batches = make_batches()
+    _, module = _lightning_run(batches, skip={2})
+    opt = module.optimizers().optimizer
+    assert opt.preconditioner.steps == len(batches) - 1
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())
 
 
 @NEEDS_LIGHTNING

@@ -451,6 +451,29 @@ def test_a_weight_frozen_with_its_gradient_zeroed_in_place_is_frozen():
         loop(model, preconditioner, range(2, 3), set_to_none=False)
 
 
+def test_a_layer_frozen_at_the_build_and_unfrozen_later_is_named_once():
+    """Fine-tuning: the backbone frozen when the preconditioner is built (set aside), unfrozen at step 2. It trains
+    on plain gradients, as before, and step() now says so once, naming it and the way to precondition it (it said
+    nothing: K-FAC silently off for the layers the user meant to train with it). A layer named by skip_layers is not
+    named."""
+    for skip in ([], ['^0$']):
+        model = block_model()
+        model[0].requires_grad_(False)
+        preconditioner = dkfac.KFACPreconditioner(model, damping=0.01, skip_layers=skip)
+        assert '0' not in [name for name, _ in preconditioner.layers]
+
+        def unfreeze(step: int) -> None:
+            if step == 2:
+                model[0].requires_grad_(True)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            loop(model, preconditioner, range(5), before=unfreeze)
+        said = [str(w.message) for w in caught if 'frozen when the preconditioner was built' in str(w.message)]
+        assert len(said) == (0 if skip else 1), said
+        assert not said or "('0')" in said[0] and 'build the preconditioner with them trainable' in said[0], said
+
+
 @pytest.mark.parametrize('fold_in_hooks', [True, False], ids=['fold', 'no-fold'])
 def test_a_bias_frozen_while_its_weight_trains_is_never_moved(fold_in_hooks):
     """requires_grad_(False) on a bias whose weight trains: the layer was preconditioned as before and the frozen
