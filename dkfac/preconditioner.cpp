@@ -225,7 +225,7 @@ void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fa
 void Preconditioner::discard_step() {
   if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step()) choose_strategy();
   const bool factor_step = factor_step_as_armed();
-  auto fates = check_layers(factor_step);
+  auto fates = check_layers(factor_step, /*discarding=*/true);  // whatever ran: nothing, a forward without backward
   if (factor_step) {
     auto batches = take_factor_batches(fates);
     // The other ranks reduce this step's factors too (SPD has already started during backward).
@@ -447,7 +447,9 @@ void Preconditioner::spread_group_fates(std::vector<LayerFate>& fates) {
 std::string Preconditioner::unusable_reason(size_t i, int64_t captured) const {
   const auto& layer = layers_[i];
   const int64_t empty = captured >= 0 ? layer.capture().empty_passes() : 0;  // not captured: no rows
-  return !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
+  const auto replaced = captured == 0 ? replaced_module(i) : std::string();
+  return !replaced.empty() ? replaced
+         : !layer.weight().requires_grad() ? "is frozen (its weight has requires_grad=False)"
          : !layer.trainable() ? "is frozen in part (its bias has requires_grad=False, its weight trains): its "
                                 "preconditioned gradient mixes the two and would move the bias"
          : captured == 0 && empty > 0 && layer.has_gradient()
@@ -468,6 +470,9 @@ std::string Preconditioner::unusable_reason(size_t i, int64_t captured) const {
 }
 
 std::string Preconditioner::refusal_of(size_t i, const std::string& reason) const {
+  if (const auto replaced = replaced_module(i); !replaced.empty() && reason == replaced) {
+    return c10::str("K-FAC layer ", names_.layer(layers_[i], i), " ", reason, " (step() at step ", steps_, ")");
+  }
   return c10::str("K-FAC layer ", names_.layer(layers_[i], i), " ", reason, " before step() at step ", steps_,
                   "; run it in forward/backward, exclude it with skip_layers, or set the unused-layer policy to skip "
                   "(UnusedLayerPolicy::kSkip, Python unused_layer_policy='skip')");
@@ -484,7 +489,7 @@ int64_t Preconditioner::first_refused_layer() const {
   return -1;
 }
 
-std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step) {
+std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_step, bool discarding) {
   if (factor_step && suggest_shared_inputs_) suggest_shared_inputs();
   if (factor_step) check_shared_inputs();
   std::vector<LayerFate> fates(layers_.size(), LayerFate::kPreconditioned);
@@ -516,6 +521,11 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
       const auto orphans = captured > 0 && late.empty() && !layer.follows_a()
                                ? layer.capture().a_count() - layer.capture().g_count() : 0;
       if (orphans > 0) orphan_forwards.emplace_back(i, orphans);
+      continue;
+    }
+    if (discarding) {
+      layer.capture().clear();
+      fates[i] = LayerFate::kPlainGradient;
       continue;
     }
     const std::string what = unusable_reason(i, captured);

@@ -326,7 +326,9 @@ class Preconditioner {
   enum class LayerFate { kPreconditioned, kPlainGradient };
 
 
-  std::vector<LayerFate> check_layers(bool factor_step);
+  /// `discarding` (discard_step): a layer that cannot be used keeps its plain gradient quietly, whatever the
+  /// policy (the step is dropped: a loss found not finite before its backward pass, say).
+  std::vector<LayerFate> check_layers(bool factor_step, bool discarding = false);
   void update_factors(std::vector<LayerFate>& fates);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> take_factor_batches(const std::vector<LayerFate>& fates);
   /// `refresh`: refresh the eigenbases held (Options::eigh_interval) rather than decompose in full. `lag`: with
@@ -649,7 +651,11 @@ class Preconditioner {
   void follow_parameters();
 
   std::shared_ptr<torch::nn::Module> model_;
-  std::vector<const nn::KfacModule*> modules_;  // layers_' modules, kept alive by model_; empty without a model
+  std::vector<const nn::KfacModule*> modules_;  // layers_' modules (module_holders_'); empty without a model
+  /// layers_' modules, held: one replaced in the model (replace_module) stays alive, and is named as replaced.
+  std::vector<std::shared_ptr<torch::nn::Module>> module_holders_;
+  /// Why layer `index` did not run, where its module is no longer the model's module of that name; else "".
+  std::string replaced_module(size_t index) const;
   /// The captures this preconditioner registered (FactorCapture::claim), released when it goes, or when its
   /// construction fails after claiming them.
   struct CaptureClaims {

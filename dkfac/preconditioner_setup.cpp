@@ -18,6 +18,7 @@
 #include <limits>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 
 namespace dkfac {
@@ -137,20 +138,39 @@ std::vector<LayerBinding> bind_modules(const std::shared_ptr<torch::nn::Module>&
   std::vector<const nn::KfacModule*> modules;
   // Every module holding each parameter: a Parameter in two modules is a tied weight (a language model's head
   // and its token embedding).
+  // The tensors a module's forward uses: its registered parameters, and a dkfac::nn layer's kfac_weight() and
+  // kfac_bias(), which a member assignment (`head->weight = embedding->weight`, LibTorch's way to tie) replaces
+  // without touching the registered ones.
+  const auto used = [](const torch::nn::Module& module) {
+    auto tensors = module.parameters(/*recurse=*/false);
+    if (const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(&module)) {
+      for (const auto& t : {kfac_module->kfac_weight(), kfac_module->kfac_bias()}) {
+        const auto same = [&](const torch::Tensor& p) { return p.is_same(t); };
+        if (t.defined() && std::none_of(tensors.begin(), tensors.end(), same)) tensors.push_back(t);
+      }
+    }
+    return tensors;
+  };
   std::map<const c10::TensorImpl*, std::vector<std::string>> owners;
-  const auto named = model->named_modules(/*name_prefix=*/"", /*include_self=*/true);
-  for (const auto& item : named) {
-    for (const auto& p : item.value()->parameters(/*recurse=*/false)) owners[p.unsafeGetTensorImpl()].push_back(item.key());
+  // LibTorch's named_modules lists a module registered under two names twice (Python's lists it once): it is one
+  // layer, its first name.
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> named;
+  std::set<const torch::nn::Module*> seen;
+  for (const auto& item : model->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    if (seen.insert(item.value().get()).second) named.emplace_back(item.key(), item.value());
   }
-  for (const auto& item : named) {
-    const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(item.value().get());
+  for (const auto& [name, module] : named) {
+    for (const auto& p : used(*module)) owners[p.unsafeGetTensorImpl()].push_back(name);
+  }
+  for (const auto& [name, module] : named) {
+    const auto* kfac_module = dynamic_cast<const nn::KfacModule*>(module.get());
     if (kfac_module == nullptr) continue;
     const auto kind = kfac_module->shared_factor_capture()->geometry().kind;
-    ModuleCandidate candidate{item.key(), to_string(kind), kind, all_parameters_require_grad(*item.value()), 1, "", {}};
-    for (const auto& p : item.value()->parameters(/*recurse=*/false)) {
+    ModuleCandidate candidate{name, to_string(kind), kind, all_parameters_require_grad(*module), 1, "", {}};
+    for (const auto& p : used(*module)) {
       for (const auto& other : owners[p.unsafeGetTensorImpl()]) {
         const auto& tied = candidate.tied_to;
-        if (other != item.key() && std::find(tied.begin(), tied.end(), other) == tied.end()) {
+        if (other != name && std::find(tied.begin(), tied.end(), other) == tied.end()) {
           candidate.tied_to.push_back(other);
         }
       }
@@ -174,7 +194,21 @@ Preconditioner::Preconditioner(std::shared_ptr<torch::nn::Module> model, Options
   // `options` is copied, not moved: the arguments' evaluation order is unspecified.
   model_ = std::move(model);
   const auto named = model_->named_modules(/*name_prefix=*/"", /*include_self=*/true);
-  for (const auto& layer : layers_) modules_.push_back(dynamic_cast<const nn::KfacModule*>(named[layer.name()].get()));
+  for (const auto& layer : layers_) {
+    module_holders_.push_back(named[layer.name()]);
+    modules_.push_back(dynamic_cast<const nn::KfacModule*>(module_holders_.back().get()));
+  }
+}
+
+std::string Preconditioner::replaced_module(size_t index) const {
+  if (!model_ || index >= module_holders_.size()) return "";
+  const auto named = model_->named_modules(/*name_prefix=*/"", /*include_self=*/true);
+  const auto* now = named.find(layers_[index].name());
+  if (now != nullptr && now->get() == module_holders_[index].get()) return "";
+  return now == nullptr ? "is no longer in the model (its module was removed after the Preconditioner was built)"
+                        : "was replaced in the model after the Preconditioner was built (replace_module, or another "
+                          "module assigned in its place): the Preconditioner holds the module it was built with, "
+                          "which no longer runs. Build a new Preconditioner for the model as it is now";
 }
 
 Preconditioner::Preconditioner(std::vector<LayerBinding> layers, Options options,
@@ -317,6 +351,15 @@ void Preconditioner::check_ranks_agree() {
 
 void Preconditioner::rebind_layer(size_t index, torch::Tensor weight, torch::Tensor bias) {
   TORCH_CHECK(index < layers_.size(), "rebind_layer: no layer ", index, " (", layers_.size(), " are registered)");
+  for (size_t j = 0; j < layers_.size(); ++j) {
+    // Tied since the build: both layers would write the one gradient, and the last would win.
+    const auto& other = layers_[j];
+    TORCH_CHECK(j == index || (!weight.is_same(other.weight()) && !(bias.defined() && bias.is_same(other.bias()))),
+                "K-FAC layer ", names_.layer(layers_[index], index), " now uses the ", weight.is_same(other.weight())
+                ? "weight" : "bias", " of K-FAC layer ", names_.layer(other, j), " (tied after the Preconditioner was "
+                "built): each would precondition the one gradient with its own factors. Tie them before building "
+                "it (a tied weight keeps its plain gradient), or build a new one");
+  }
   layers_[index].rebind(std::move(weight), std::move(bias));
   forget_graphs();
 }

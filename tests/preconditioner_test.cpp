@@ -406,6 +406,68 @@ TEST(Preconditioner, ReplacedParametersKeepBeingPreconditioned) {
   EXPECT_TRUE(kfac_replaced.layers()[1].weight().is_same(replaced->fc1->weight));
 }
 
+// A module replaced in the model after the build (replace_module: a new head) is named at the next step; its old
+// module is held, never called through a freed pointer (the step ended in "pure virtual method called"), and a
+// new Preconditioner takes the new module.
+TEST(Preconditioner, AModuleReplacedAfterTheBuildIsNamedAtTheNextStep) {
+  auto net = make_net();
+  {
+    Preconditioner kfac(net, Options());
+    zero_grad_and_backward(*net, 1);
+    kfac.step();
+    net->fc2 = net->replace_module("fc2", nn::Linear(5, 2));
+    net->to(torch::kFloat64);
+    zero_grad_and_backward(*net, 2);
+    testing::expect_error<c10::Error>([&] { kfac.step(); },
+                                      {"K-FAC layer 'fc2' (Linear) was replaced in the model after the Preconditioner "
+                                       "was built", "Build a new Preconditioner"});
+  }
+  Preconditioner again(net, Options());
+  zero_grad_and_backward(*net, 3);
+  const auto plain = net->fc2->weight.grad().clone();
+  again.step();
+  EXPECT_FALSE(torch::allclose(plain, net->fc2->weight.grad()));
+}
+
+// discard_step() drops the step whatever ran since the last one: a forward whose loss was not finite (no backward),
+// nothing at all, or a second discard. It used to refuse ("has a gradient, but its module's hooks saw no forward and
+// backward pass", or "did not run forward/backward ... before step()", naming step()). The next full step is taken as
+// in a run that never had the discarded ones (before the first step; after it, with fold_in_hooks off: folded in
+// the hooks, a discarded batch stays in the factors, as documented).
+TEST(Preconditioner, DiscardStepDropsWhateverRanSinceTheLastStep) {
+  // p, q: forward and backward of batches 1 and 2; s: step(); d: discard_step(); f: a forward alone; z: zero_grad().
+  const auto run = [](const std::string& sequence, bool fold) {
+    auto net = make_net();
+    Preconditioner kfac(net, Options().fold_in_hooks(fold));
+    for (const char c : sequence) {
+      if (c == 'p' || c == 'q') zero_grad_and_backward(*net, c == 'p' ? 1 : 2);
+      if (c == 's') kfac.step();
+      if (c == 'd') kfac.discard_step();
+      if (c == 'f') net->forward_taps(make_batch(3).x);
+      if (c == 'z') net->zero_grad();
+    }
+    return std::make_pair(kfac.steps(), gradients(*net));
+  };
+  const auto expect_equal = [&](const std::string& sequence, const std::string& reference, bool fold) {
+    const auto [steps, got] = run(sequence, fold);
+    const auto want = run(reference, fold);
+    EXPECT_EQ(steps, want.first) << sequence;
+    ASSERT_EQ(got.size(), want.second.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i], want.second[i])) << sequence << " fold " << fold << " parameter " << i;
+    }
+  };
+  for (const bool fold : {true, false}) {
+    for (const std::string sequence : {"pfdqs", "pzfdqs", "pddqs", "pzdqs", "fdqs", "dqs"}) {
+      expect_equal(sequence, "qs", fold);
+    }
+    for (const std::string sequence : {"qsfdqs", "qszfdqs", "qsddqs", "qspfdqs"}) {
+      if (!fold || sequence != "qspfdqs") expect_equal(sequence, "qsqs", fold);
+      EXPECT_EQ(run(sequence, fold).first, 2) << sequence;
+    }
+  }
+}
+
 // A replacement of another shape is refused at the next step, naming the layer, not preconditioned wrongly.
 TEST(Preconditioner, ReplacedParameterOfAnotherShapeIsRefusedNamingTheLayer) {
   auto net = make_net();

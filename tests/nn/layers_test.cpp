@@ -225,5 +225,46 @@ TEST(Layers, EmbeddingIsPreconditionedAndTiedWeightsKeepTheirPlainGradient) {
   EXPECT_NE(warnings.find("layer 'head' (Linear) keeps its plain gradient: tied to 'wte'"), std::string::npos) << warnings;
 }
 
+// Tied LibTorch's usual way, by member assignment (`head->weight = wte->weight`: the head's registered parameter
+// stays its own, its forward uses the embedding's): the same as registered ties. Both layers used to be
+// preconditioned, each writing the one gradient with its own factors, the last winning, without a word. Tied after
+// the build: the next step is refused, naming both. One module registered under two names is one layer.
+TEST(Layers, WeightsTiedByMemberAssignmentOrAfterTheBuildAreNamed) {
+  TinyLanguageModel tied(false);
+  tied->head->weight = tied->wte->weight;
+  std::string warnings;
+  {
+    testing::CapturedWarnings captured;
+    Preconditioner kfac(tied.ptr(), Options());
+    warnings = captured.all();
+    ASSERT_EQ(kfac.layers().size(), 1u);
+    EXPECT_EQ(kfac.layers()[0].name(), "mix");
+  }
+  EXPECT_NE(warnings.find("layer 'head' (Linear) keeps its plain gradient: tied to 'wte'"), std::string::npos) << warnings;
+
+  TinyLanguageModel later(false);
+  Preconditioner kfac(later.ptr(), Options());
+  ASSERT_EQ(kfac.layers().size(), 3u);
+  later->head->weight = later->wte->weight;
+  const auto tokens = torch::tensor({{1, 0, 6, 3}, {2, 2, 0, 5}}, torch::kLong);
+  F::cross_entropy(later(tokens).flatten(0, 1), tokens.flatten()).backward();
+  testing::expect_error<c10::Error>([&] { kfac.step(); },
+                                    {"K-FAC layer 'head' (Linear) now uses the weight of K-FAC layer 'wte' (Embedding)",
+                                     "tied after the Preconditioner was built"});
+
+  struct Twice : torch::nn::Module {
+    Twice() {
+      layer = register_module("layer", Linear(3, 2));
+      register_module("again", layer);
+    }
+    Linear layer{nullptr};
+  };
+  auto twice = std::make_shared<Twice>();
+  ASSERT_EQ(twice->named_modules().size(), 3u);
+  Preconditioner once(twice, Options());
+  ASSERT_EQ(once.layers().size(), 1u);
+  EXPECT_EQ(once.layers()[0].name(), "layer");
+}
+
 }  // namespace
 }  // namespace dkfac::nn
