@@ -223,6 +223,7 @@ void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fa
 }
 
 void Preconditioner::discard_step() {
+  warn_of_kept_folds("discard_step()");
   if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step()) choose_strategy();
   const bool factor_step = factor_step_as_armed();
   auto fates = check_layers(factor_step, /*discarding=*/true);  // whatever ran: nothing, a forward without backward
@@ -243,13 +244,34 @@ void Preconditioner::update_second_order() {
 
 void Preconditioner::forget_failed_step() {
   // What the failed step's forward and backward captured must not be averaged into the next factors.
-  reset_batch();
+  drop_captures();
   arm_capture();
 }
 
-void Preconditioner::reset_batch() {
+void Preconditioner::drop_captures() {
   for (auto& layer : layers_) layer.capture().clear();
   std::fill(hook_folded_.begin(), hook_folded_.end(), torch::Tensor());
+}
+
+int64_t Preconditioner::layers_folded_since_step() const {
+  int64_t folded = 0;
+  for (const auto& layer : layers_) folded += layer.capture().folded_passes() > 0 ? 1 : 0;
+  return folded;
+}
+
+void Preconditioner::warn_of_kept_folds(const char* call) {
+  if (const auto folded = layers_folded_since_step(); folded > 0 && !warned_fold_kept_) {
+    warned_fold_kept_ = true;
+    TORCH_WARN("dkfac: ", call, ": the backward hooks of ", folded, " layer(s) had already folded this step's batch "
+               "into their factors (", names_.option("fold_in_hooks", true), ", the default), where it stays: only "
+               "what was not folded is dropped. To drop skipped batches from the factors, build the preconditioner "
+               "with ", names_.option("fold_in_hooks", false), " (warned once)");
+  }
+}
+
+void Preconditioner::reset_batch() {
+  warn_of_kept_folds("reset_batch()");
+  drop_captures();
 }
 
 void Preconditioner::load_layer_states(int64_t steps,
@@ -264,7 +286,7 @@ void Preconditioner::load_layer_states(int64_t steps,
   layer_groups();  // the loaded state into the stacks (or the stacks freed), not beside them
   steps_ = steps;
   resume_second_order_job();
-  reset_batch();
+  drop_captures();
   arm_capture();
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -93,11 +94,14 @@ struct MessageNames {
   /// "Options::large_factor_dim 4096" by default, "large_factor_dim=4096" for keyword arguments.
   std::string option_prefix = "Options::";
   std::string option_separator = " ";
+  /// How a bool option's values read: "true" and "false" in C++, "True" and "False" in Python.
+  std::array<std::string, 2> bool_values = {"false", "true"};
 
   /// Layer `index` as messages name it: "'fc1' (Linear)".
   std::string layer(const KfacLayer& layer, size_t index) const;
   /// Option `name` with `value`: "Options::large_factor_dim 4096".
   std::string option(const std::string& name, const std::string& value) const;
+  std::string option(const std::string& name, bool value) const { return option(name, bool_values[value ? 1 : 0]); }
 };
 
 /// A front end's collectives around the core's step, for layers whose gradients it holds in parts: Python's
@@ -180,6 +184,9 @@ class Preconditioner {
   /// Drops whatever the hooks captured since the last factor update (with Options::fold_in_hooks, what they folded
   /// into the factors stays there).
   void reset_batch();
+  /// Layers whose backward hooks folded a batch into their factors since the last step() (Options::fold_in_hooks):
+  /// a state saved now holds that batch, though the step count does not include it.
+  int64_t layers_folded_since_step() const;
 
   /// Reads the factor schedule again for the coming step and arms the captures by it, where nothing was captured
   /// since the end of the last step() armed them (else changes nothing, and returns false). The end of each step()
@@ -688,6 +695,12 @@ class Preconditioner {
   /// accumulation_steps, or not allowed), armed in its backward hook, or at step() for good (check_hook_fold).
   enum class HookFold : uint8_t { kAtStep, kArmed, kNever };
   std::vector<HookFold> hook_fold_;
+  bool warned_fold_kept_ = false;  // warn_of_kept_folds' warning, said once
+  /// Warns, once, where the hooks folded a batch since the last step() that `call` (reset_batch, discard_step)
+  /// cannot drop.
+  void warn_of_kept_folds(const char* call);
+  /// What the hooks captured since the last factor update dropped (reset_batch without its warning).
+  void drop_captures();
   std::vector<torch::Tensor> hook_folded_;  // this factor step's fold results where the hooks folded, or undefined
   std::vector<torch::Tensor> guard_rows_;  // stack_layers: a group member's guard row, made with its batch
   const char* phase_ = "";

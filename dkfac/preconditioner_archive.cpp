@@ -220,6 +220,12 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template
 }
 
 void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
+  if (const auto folded = layers_folded_since_step(); folded > 0) {
+    TORCH_WARN("dkfac: save: the factors of ", folded, " layer(s) already hold this step's batch, folded in their "
+               "backward hooks (", names_.option("fold_in_hooks", true), "), though step() has not run and the step "
+               "count does not include it: a resume that repeats this step counts that batch twice. Save after "
+               "step(), or build the preconditioner with ", names_.option("fold_in_hooks", false));
+  }
   const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
   const auto& plan = executor_->plan();
   const auto described = plan.describe(/*per_layer=*/true);
@@ -402,7 +408,7 @@ StateRestore Preconditioner::restore(SavedState saved) {
   layers_ = std::move(staged);
   layer_groups();  // Options::stack_layers: the loaded state into the stacks (or the stacks freed), not beside them
   steps_ = saved.steps;
-  reset_batch();
+  drop_captures();
   arm_capture();
   if (!exact && saved.recompute) {
     update_second_order();

@@ -1266,8 +1266,9 @@ class BaseKFACPreconditioner:
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update (with ``fold_in_hooks``, what they folded into
-        the factors stays there)."""
-        self._core.reset_batch()
+        the factors stays there, which it says once)."""
+        with _CoreWarnings():
+            self._core.reset_batch()
 
     def cuda_graph_report(self) -> dict[str, Any]:
         """With ``cuda_graphs``: ``captures`` (CUDA graphs captured), ``replays`` (steps whose preconditioning,
@@ -1354,6 +1355,12 @@ class BaseKFACPreconditioner:
                 state[name] = value
         if not include_factors:
             return state
+        folded = self._core.layers_folded_since_step()
+        if folded:
+            warnings.warn(f'dkfac: state_dict(): the factors of {folded} layer(s) already hold this step\'s batch, '
+                          'folded in their backward hooks (fold_in_hooks=True), though step() has not run and '
+                          "'steps' does not count it: a resume that repeats this step counts that batch twice. Save "
+                          'after step(), or build the preconditioner with fold_in_hooks=False', stacklevel=2)
         with _CoreWarnings():
             if gathered:
                 layer_states = self._core.gathered_layer_states()

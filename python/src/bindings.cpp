@@ -351,6 +351,7 @@ PYBIND11_MODULE(_C, m) {
              MessageNames names;  // messages name torch.nn classes and keyword arguments (large_factor_dim=4096)
              names.option_prefix = "";
              names.option_separator = "=";
+             names.bool_values = {"False", "True"};
              for (const auto& [name, class_name, weight, bias, capture] : layers) {
                const int ranks = shard_ranks.empty() ? 0 : shard_ranks[bindings.size()];
                bindings.push_back({name, weight, bias.value_or(torch::Tensor()), capture, ranks > 0, ranks});
@@ -394,6 +395,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("counted_elsewhere") = std::vector<bool>{})
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
+      .def("layers_folded_since_step", &Preconditioner::layers_folded_since_step)
       .def("rearm_capture", &Preconditioner::rearm_capture)
       .def("set_adam_constants", &Preconditioner::set_adam_constants, py::arg("beta1"), py::arg("beta2"),
            py::arg("eps"))

@@ -4,6 +4,8 @@ the backward pass to step(), with or without accumulation, for Linear, Conv2d an
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -144,3 +146,40 @@ def test_a_shared_input_group_folds_as_one_in_the_hooks(passes):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f'step {step}'
     assert held[0] > 0 and all(h == 0 for h in held[1:]), held
     assert all(h > 0 for h in held_plain), held_plain
+
+
+@pytest.mark.parametrize('fold_in_hooks', [True, False], ids=['fold', 'no-fold'])
+def test_a_batch_folded_in_the_hooks_that_a_skip_or_a_save_cannot_undo_is_said(fold_in_hooks):
+    """A loop that skips a step after its backward pass (a loss spike: reset_batch()) or saves between backward and
+    step() (a pre-emption handler): with fold_in_hooks the hooks have folded that batch into the factors already,
+    where it stays, and a resume that repeats the step counts it twice. Both are said (reset_batch once), and
+    neither without the option (which drops the batch and saves without it). They said nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, fold_in_hooks=fold_in_hooks)
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def backward():
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+
+    backward()
+    preconditioner.step()  # the first update folds at step(); the hooks fold from the next one on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(2):
+            backward()
+            preconditioner.reset_batch()
+        backward()
+        state = preconditioner.state_dict()
+        preconditioner.step()
+        preconditioner.state_dict()
+    said = [str(w.message) for w in caught if 'folded' in str(w.message)]
+    if not fold_in_hooks:
+        assert said == [], said
+        return
+    assert len(said) == 2, said
+    assert 'reset_batch(): the backward hooks of 2 layer(s) had already folded' in said[0], said
+    assert 'fold_in_hooks=False' in said[0] and '(warned once)' in said[0], said
+    assert "state_dict(): the factors of 2 layer(s) already hold this step's batch" in said[1], said
+    assert state['steps'] == 1
