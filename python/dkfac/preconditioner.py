@@ -345,7 +345,9 @@ class KFACPreconditioner(BaseKFACPreconditioner):
     update, a layer whose passes at a factor update did not match ``accumulation_steps``, shared-input groups and a
     ``grad_scaler`` fold at ``step()``; a layer whose hook folded and that runs more passes before ``step()`` warns,
     drops them and folds at ``step()`` from then on; a step that fails after its backward pass, or whose batch
-    ``reset_batch()`` drops, keeps what the hooks folded.
+    ``reset_batch()`` drops, keeps what the hooks folded (``reset_batch()`` says so once, and ``state_dict()``
+    between backward and ``step()`` says that it holds that batch): a loop that skips steps after their backward
+    pass (loss spikes) and wants them out of the factors passes ``fold_in_hooks=False``.
     ``shared_input_layers`` (regular expressions with one capture group, e.g. ``'(query|key|value)$'``) groups the
     layers that read one input tensor, such as an attention block's query, key and value: they share one A factor
     and its decomposition, which are built, reduced, decomposed and held once (exact: the same results as without
