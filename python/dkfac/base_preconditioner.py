@@ -73,6 +73,26 @@ _MOMENT_KEYS = {key for key, _, _, moment in _STATE_ENTRIES if moment}
 _communicators = itertools.count()  # a process-local id, the same on every rank that builds in the same order
 
 
+def _plain_scalar(name: str, value: Any) -> Any:
+    """An option's value with a one-element tensor or a numpy scalar taken as the Python number it holds (pybind read
+    them as bools: "lr must be a number, got true"); a tensor of several elements refused naming the option."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f'{name} must be a number, got a tensor of shape {list(value.shape)}')
+        return value.item()
+    if type(value).__module__ == 'numpy' and getattr(value, 'ndim', None) == 0:  # np.float32(0.01)
+        return value.item()
+    return value
+
+
+def _hyper_value(name: str, value: Any) -> Any:
+    """A hyper-parameter as given (a number, or a callable of the step; _plain_scalar's numbers); a string is refused
+    naming the option (some options parsed one, others did not, and one failed in pybind)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f'{name} must be a number or a callable of the step, got the string {value!r}')
+    return _plain_scalar(name, value)
+
+
 def _read(owner: weakref.ref, attribute: str, step: int) -> Any:
     value = getattr(owner(), attribute)
     return value(step) if callable(value) else value
@@ -762,10 +782,11 @@ class BaseKFACPreconditioner:
         defaults: dict[str, Any] | None = None,
         loglevel: int = logging.DEBUG,
     ) -> None:
-        hyper = dict(factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
-                     factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps,
-                     update_factors_in_hook=update_factors_in_hook)
-        _C.option_values(hyper)  # the core checks each against its declaration (dkfac/options.h), naming it
+        hyper = {name: _hyper_value(name, value) for name, value in dict(
+            factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps, damping=damping,
+            factor_decay=factor_decay, kl_clip=kl_clip, lr=lr, accumulation_steps=accumulation_steps).items()}
+        _C.option_values(dict(hyper, update_factors_in_hook=update_factors_in_hook))  # checked as declared, named
+        factor_update_steps, inv_update_steps, damping, factor_decay, kl_clip, lr, accumulation_steps = hyper.values()
         if kl_clip is None:
             kl_clip = 0.0  # dkfac: None or 0 turns KL clipping off
         if not isinstance(layers, dict) or not layers:
@@ -1069,6 +1090,7 @@ class BaseKFACPreconditioner:
         return value(self.steps) if callable(value) else value
 
     def _set(self, name: str, value: Any) -> None:
+        value = _hyper_value(name, value)
         if name == 'kl_clip' and value is None:
             value = 0.0  # None or 0 turns KL clipping off
         _C.option_values({name: value})  # checked as at construction, naming the option
@@ -1452,6 +1474,7 @@ class BaseKFACPreconditioner:
                           'eigen_adam, whose step KL clipping does not apply to (kl_clip stays 0)', stacklevel=2)
             del hyper['kl_clip']
         try:
+            hyper = {name: _hyper_value(name, value) for name, value in hyper.items()}
             _C.option_values(hyper)  # the constructor's checks (dkfac/options.h), naming the option
         except (TypeError, RuntimeError, ValueError) as error:
             raise ValueError(f'state_dict: {error}') from None

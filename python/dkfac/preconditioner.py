@@ -31,7 +31,10 @@ from dkfac.base_preconditioner import _CoreWarnings
 from dkfac.base_preconditioner import _ENUMS
 from dkfac.base_preconditioner import _KEYWORDS
 from dkfac.base_preconditioner import _OPTIONS
+from dkfac.base_preconditioner import _SCHEDULED
 from dkfac.base_preconditioner import _default
+from dkfac.base_preconditioner import _hyper_value
+from dkfac.base_preconditioner import _plain_scalar
 from dkfac.base_preconditioner import _fsdp1
 from dkfac.base_preconditioner import _python_default
 from dkfac.base_preconditioner import _stacklevel_outside_dkfac
@@ -435,6 +438,8 @@ class KFACPreconditioner(BaseKFACPreconditioner):
         # Each option's value by dkfac's name, as the user sees it (lists copied: the defaults are shared).
         values = {name: arguments[keyword] for name, keyword in typed.items()}
         values = {name: list(v) if isinstance(v, list) else v for name, v in values.items()}
+        values = {name: _hyper_value(typed[name], v) if name in _SCHEDULED else _plain_scalar(typed[name], v)
+                  for name, v in values.items()}
         for name, v in values.items():  # pybind would read a Python int beyond 64 bits as a bool ("got true")
             if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
                 raise ValueError(f'{typed[name]} must be an integer of at most 64 bits, got {v}')

@@ -42,7 +42,7 @@ def train(model, preconditioner, steps, *, scale=1.0, start=0, size=(8, 4)):
 
 @pytest.mark.parametrize('kwargs,message', [
     (dict(damping=0), 'damping must be finite and > 0, got 0'),
-    (dict(damping='x'), "damping must be a number, got 'x'"),
+    (dict(damping='x'), "damping must be a number or a callable of the step, got the string 'x'"),
     (dict(factor_decay=1.5), r'factor_decay must be finite and in \[0, 1\], got 1.5'),
     (dict(factor_update_steps=0), 'factor_update_steps must be >= 1, got 0'),
     (dict(accumulation_steps=0), 'accumulation_steps must be >= 1, got 0'),

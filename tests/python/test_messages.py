@@ -202,3 +202,24 @@ def test_layer_discovery_is_the_cores_and_says_what_the_cpp_front_end_says():
             "'head' (Linear)") in messages
     with pytest.raises(ValueError, match='found no Linear, Conv2d or Embedding layer to precondition in Net'):
         dkfac.KFACPreconditioner(Net(), skip_layers=['.'])
+
+
+def test_hyper_parameters_given_as_tensors_or_numpy_scalars_are_numbers_and_strings_are_refused():
+    """A one-element tensor or a numpy scalar is the number it holds, at construction and through the setters, as a
+    callable's result is (they were refused as 'must be a number, got true'); a string is refused naming the option
+    (damping='0.01' was parsed, factor_update_steps='10' failed inside pybind without naming it)."""
+    import numpy as np
+    model = torch.nn.Linear(3, 2)
+    given = dkfac.KFACPreconditioner(model, lr=torch.tensor(0.5), damping=np.float64(0.02),
+                                     factor_update_steps=np.int64(3), adam_eps=np.float32(0.5))
+    assert (given.lr, given.damping, given.factor_update_steps) == (0.5, 0.02, 3)
+    assert isinstance(given.factor_update_steps, int)
+    given.damping = torch.tensor(0.25, dtype=torch.float64)
+    assert given.damping == 0.25 and isinstance(given.damping, float)
+    for keyword in ('damping', 'factor_update_steps', 'kl_clip', 'lr'):
+        with pytest.raises(TypeError, match=f"{keyword} must be a number or a callable of the step, got the string '1'"):
+            dkfac.KFACPreconditioner(torch.nn.Linear(3, 2), **{keyword: '1'})
+    with pytest.raises(TypeError, match="damping must be a number or a callable of the step, got the string"):
+        given.damping = '0.1'
+    with pytest.raises(TypeError, match=r'damping must be a number, got a tensor of shape \[2\]'):
+        dkfac.KFACPreconditioner(torch.nn.Linear(3, 2), damping=torch.tensor([0.1, 0.2]))
