@@ -263,9 +263,9 @@ void Preconditioner::warn_of_kept_folds(const char* call) {
   if (const auto folded = layers_folded_since_step(); folded > 0 && !warned_fold_kept_) {
     warned_fold_kept_ = true;
     TORCH_WARN("dkfac: ", call, ": the backward hooks of ", folded, " layer(s) had already folded this step's batch "
-               "into their factors (", names_.option("fold_in_hooks", true), ", the default), where it stays: only "
-               "what was not folded is dropped. To drop skipped batches from the factors, build the preconditioner "
-               "with ", names_.option("fold_in_hooks", false), " (warned once)");
+               "into their factors (", names_.option_flag("fold_in_hooks", true), ", the default), where it stays: "
+               "only what was not folded is dropped. To drop skipped batches from the factors, build the "
+               "preconditioner with ", names_.option_flag("fold_in_hooks", false), " (warned once)");
   }
 }
 
@@ -564,7 +564,9 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
                        "in training mode whose backward pass never reached them, before the passes that did (an "
                        "evaluation without torch.no_grad() or model.eval(), say): their A factors average those "
                        "inputs too, their G factors only the passes that had a backward pass");
-  if (agrees_on_unused_layers()) agree_on_unused_layers(fates);
+  // A discarded step agrees whatever the policy: its factor collectives must reduce the same layers on every rank.
+  const bool distributed = communicator_ && communicator_->size() > 1;
+  if (agrees_on_unused_layers() || (discarding && distributed)) agree_on_unused_layers(fates);
   spread_group_fates(fates);
   return fates;
 }

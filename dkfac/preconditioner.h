@@ -101,7 +101,10 @@ struct MessageNames {
   std::string layer(const KfacLayer& layer, size_t index) const;
   /// Option `name` with `value`: "Options::large_factor_dim 4096".
   std::string option(const std::string& name, const std::string& value) const;
-  std::string option(const std::string& name, bool value) const { return option(name, bool_values[value ? 1 : 0]); }
+  /// Bool option `name` with `value`, spelled by bool_values: "Options::fold_in_hooks false", "fold_in_hooks=False".
+  std::string option_flag(const std::string& name, bool value) const {
+    return option(name, bool_values[value ? 1 : 0]);
+  }
 };
 
 /// A front end's collectives around the core's step, for layers whose gradients it holds in parts: Python's
@@ -209,9 +212,12 @@ class Preconditioner {
   void load_layer_states(int64_t steps, const std::vector<std::map<std::string, torch::Tensor>>& states);
 
   /// The one restore of a saved K-FAC state (every front end's load calls it; docs/RELIABILITY.md):
+  ///  - first, in a distributed job, each part a rank keeps but was not handed is sent by the lowest rank that was
+  ///    (the ranks' own states of one save, loaded under another plan); ranks handed states of different step
+  ///    counts are refused;
   ///  - refused, naming the layer, where `saved.per_rank_writer` is set, `saved.steps` > 0 and a factor this
-  ///    rank keeps is missing (not written, not a blank: another rank's DP-KFAC share); refused too where any
-  ///    layer's entries do not fit it (shape, NaN, another model: load_layer_states' checks);
+  ///    rank keeps is missing still (no rank was handed it: another rank's DP-KFAC share alone); refused too where
+  ///    any layer's entries do not fit it (shape, NaN, another model: load_layer_states' checks);
   ///  - exact where every rank finds, of the compute method this job runs, the whole second-order state of
   ///    each layer it holds that has factors (state_template(); a layer that never built factors has none to
   ///    restore): then factors, second-order state and Adam's moments are taken as saved;

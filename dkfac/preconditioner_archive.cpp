@@ -93,76 +93,78 @@ int64_t archive_checksum(int64_t steps, int64_t world_size, const std::string& p
 // Each rank's own part of a state handed to another plan (a rank's own DP-KFAC state loaded under strategy auto's
 // provisional plan, or another strategy, on as many ranks): every part a rank keeps but was not handed is sent to
 // it by the lowest rank that was, so that the ranks' own states together resume as the whole one. Collective: one
-// small allreduce says who holds and who lacks what; nothing more is sent where every rank holds what it keeps.
-// A part held in another shape is not sent (its holder refuses it after). Refused, on every rank, where the ranks
-// that send were handed states of different steps.
+// allreduce of how many ranks lack each part and of the ranks' step counts (layers x entries + ranks numbers);
+// where some part is lacking, one of who holds those parts, then their broadcasts. A part held in another shape is
+// not sent (its holder refuses it after). Ranks handed states of different steps are refused, on every rank.
 void take_parts_from_other_ranks(comm::Communicator& communicator, const std::vector<KfacLayer>& layers,
                                  SavedState& saved, const std::vector<std::map<std::string, torch::Tensor>>& wanted,
                                  const std::function<bool(size_t, const std::string&)>& blank) {
   const auto& entries = layer_state_entries();
-  const auto count = static_cast<int64_t>(layers.size() * entries.size());
+  const auto parts = static_cast<int64_t>(layers.size() * entries.size());
   const int64_t ranks = communicator.size();
   const int64_t rank = communicator.rank();
-  // Per (layer, entry): each rank's column holds the dtype + 1 of the part it was handed in the layer's shape (0:
-  // none), and the last column how many ranks keep it without it; then each rank's step count.
-  auto table = torch::zeros({count * (ranks + 1) + ranks}, torch::kFloat64);
+  const auto device = communicator.control_device();
+  const auto key_of = [&](int64_t k) { return std::string(entries[static_cast<size_t>(k) % entries.size()].key); };
+  const auto layer_of = [&](int64_t k) { return static_cast<size_t>(k) / entries.size(); };
+  // A part this rank holds in the layer's shape: sendable.
+  const auto holds = [&](int64_t k) {
+    const auto& mine = saved.layers[layer_of(k)];
+    const auto it = mine.find(key_of(k));
+    const auto shape = layers[layer_of(k)].state_shape(entries[static_cast<size_t>(k) % entries.size()]);
+    return it != mine.end() && !shape.empty() && it->second.sizes().vec() == shape;
+  };
+  const auto lacks = [&](int64_t k) {
+    const auto key = key_of(k);
+    return saved.layers[layer_of(k)].count(key) == 0 && wanted[layer_of(k)].count(key) > 0 && !blank(layer_of(k), key);
+  };
+  // How many ranks lack each part; then each rank's step count.
+  auto table = torch::zeros({parts + ranks}, torch::kFloat64);
   auto cell = table.accessor<double, 1>();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    for (size_t e = 0; e < entries.size(); ++e) {
-      const int64_t at = (static_cast<int64_t>(i * entries.size() + e)) * (ranks + 1);
-      const std::string key = entries[e].key;
-      const auto it = saved.layers[i].find(key);
-      if (it != saved.layers[i].end()) {
-        const auto shape = layers[i].state_shape(entries[e]);
-        if (!shape.empty() && it->second.sizes().vec() == shape) {
-          cell[at + rank] = static_cast<double>(it->second.scalar_type()) + 1.0;
-        }
-      } else if (wanted[i].count(key) > 0 && !blank(i, key)) {
-        cell[at + ranks] = 1.0;
-      }
-    }
-  }
-  cell[count * (ranks + 1) + rank] = static_cast<double>(saved.steps);
-  auto summed = table.to(communicator.control_device());
+  for (int64_t k = 0; k < parts; ++k) cell[k] = lacks(k) ? 1.0 : 0.0;
+  cell[parts + rank] = static_cast<double>(saved.steps);
+  auto summed = table.to(device);
   communicator.allreduce_sum(summed, comm::kWorld, comm::Purpose::kSetup).wait();
   table = summed.cpu();
   cell = table.accessor<double, 1>();
-  std::vector<std::pair<size_t, size_t>> sent;  // (layer, entry) some rank lacks and another holds
-  std::vector<int64_t> roots;
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t at = k * (ranks + 1);
-    if (cell[at + ranks] == 0.0) continue;
-    for (int64_t r = 0; r < ranks; ++r) {
-      if (cell[at + r] == 0.0) continue;
-      sent.emplace_back(static_cast<size_t>(k) / entries.size(), static_cast<size_t>(k) % entries.size());
-      roots.push_back(r);
-      break;
-    }
-  }
-  if (sent.empty()) return;
   std::string steps;  // every rank's step count, said where they differ
   bool one_step = true;
   for (int64_t r = 0; r < ranks; ++r) {
-    const double step = cell[count * (ranks + 1) + r];
-    one_step = one_step && step == cell[count * (ranks + 1)];
-    steps += c10::str(r == 0 ? "" : ", ", "rank ", r, ": ", static_cast<int64_t>(step));
+    one_step = one_step && cell[parts + r] == cell[parts];
+    steps += c10::str(r == 0 ? "" : ", ", "rank ", r, ": ", static_cast<int64_t>(cell[parts + r]));
   }
-  TORCH_CHECK_VALUE(one_step, "the ranks were handed states of different steps (", steps, "), and each lacks parts "
-                    "another holds: they resume as one state only if saved at one step. Load each rank's "
-                    "state_dict() of one save on its own rank, or a state_dict(gathered=True)");
-  const auto device = communicator.control_device();
-  for (size_t k = 0; k < sent.size(); ++k) {
-    const auto [i, e] = sent[k];
-    const auto& entry = entries[e];
-    const int64_t root = roots[k];
-    const auto dtype = static_cast<c10::ScalarType>(
-        static_cast<int>(cell[(static_cast<int64_t>(i * entries.size() + e)) * (ranks + 1) + root]) - 1);
-    auto& mine = saved.layers[i];
-    torch::Tensor part = root == rank ? mine.at(entry.key).detach().to(device, dtype).contiguous().clone()
-                                      : torch::empty(layers[i].state_shape(entry),
-                                                     torch::TensorOptions().dtype(dtype).device(device));
+  TORCH_CHECK_VALUE(one_step, "the ranks were handed states of different steps (", steps, "): they resume as one "
+                    "state only if saved at one step. Load each rank's state_dict() of one save on its own rank, or "
+                    "one state_dict(gathered=True) on every rank");
+  std::vector<int64_t> lacking;
+  for (int64_t k = 0; k < parts; ++k) {
+    if (cell[k] > 0.0) lacking.push_back(k);
+  }
+  if (lacking.empty()) return;
+  // Who holds each lacking part: per rank, the dtype + 1 of its part (0: none).
+  const auto count = static_cast<int64_t>(lacking.size());
+  auto held = torch::zeros({count * ranks}, torch::kFloat64);
+  auto at = held.accessor<double, 1>();
+  for (int64_t n = 0; n < count; ++n) {
+    const auto k = lacking[static_cast<size_t>(n)];
+    if (holds(k)) at[n * ranks + rank] = static_cast<double>(saved.layers[layer_of(k)].at(key_of(k)).scalar_type()) + 1;
+  }
+  auto gathered = held.to(device);
+  communicator.allreduce_sum(gathered, comm::kWorld, comm::Purpose::kSetup).wait();
+  held = gathered.cpu();
+  at = held.accessor<double, 1>();
+  // One at a time: a rank that does not keep a part holds its buffer only while it passes.
+  for (int64_t n = 0; n < count; ++n) {
+    int64_t root = 0;
+    while (root < ranks && at[n * ranks + root] == 0.0) ++root;
+    if (root == ranks) continue;  // no rank holds it: this rank's restore refuses it, naming the layer
+    const auto k = lacking[static_cast<size_t>(n)];
+    const auto dtype = static_cast<c10::ScalarType>(static_cast<int>(at[n * ranks + root]) - 1);
+    torch::Tensor part =
+        root == rank ? saved.layers[layer_of(k)].at(key_of(k)).detach().to(device, dtype).contiguous()
+                     : torch::empty(layers[layer_of(k)].state_shape(entries[static_cast<size_t>(k) % entries.size()]),
+                                    torch::TensorOptions().dtype(dtype).device(device));
     communicator.broadcast(part, static_cast<int>(root), comm::kWorld, comm::Purpose::kSetup).wait();
-    if (root != rank && mine.count(entry.key) == 0) mine[entry.key] = part;
+    if (root != rank && lacks(k)) saved.layers[layer_of(k)][key_of(k)] = std::move(part);
   }
 }
 
@@ -222,9 +224,9 @@ std::vector<std::map<std::string, torch::Tensor>> Preconditioner::state_template
 void Preconditioner::save(torch::serialize::OutputArchive& archive) const {
   if (const auto folded = layers_folded_since_step(); folded > 0) {
     TORCH_WARN("dkfac: save: the factors of ", folded, " layer(s) already hold this step's batch, folded in their "
-               "backward hooks (", names_.option("fold_in_hooks", true), "), though step() has not run and the step "
-               "count does not include it: a resume that repeats this step counts that batch twice. Save after "
-               "step(), or build the preconditioner with ", names_.option("fold_in_hooks", false));
+               "backward hooks (", names_.option_flag("fold_in_hooks", true), "), though step() has not run and the "
+               "step count does not include it: a resume that repeats this step counts that batch twice. Save after "
+               "step(), or build the preconditioner with ", names_.option_flag("fold_in_hooks", false));
   }
   const auto states = executor_->gather_states(layers_);  // collective; the whole state on every rank
   const auto& plan = executor_->plan();

@@ -436,6 +436,12 @@ Preconditioner::~Preconditioner() {
 
 void Preconditioner::follow_parameters() {
   for (size_t i = 0; i < modules_.size(); ++i) {
+    // Held by this Preconditioner alone: no longer in the model (replace_module), whatever step this is. (One still
+    // held elsewhere as well is found where its layer did not run: unusable_reason.)
+    if (module_holders_[i].use_count() == 1) {
+      const auto replaced = replaced_module(i);
+      TORCH_CHECK(replaced.empty(), refusal_of(i, replaced));
+    }
     auto weight = modules_[i]->kfac_weight();
     auto bias = modules_[i]->kfac_bias();
     const auto& layer = layers_[i];

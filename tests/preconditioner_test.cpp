@@ -406,13 +406,13 @@ TEST(Preconditioner, ReplacedParametersKeepBeingPreconditioned) {
   EXPECT_TRUE(kfac_replaced.layers()[1].weight().is_same(replaced->fc1->weight));
 }
 
-// A module replaced in the model after the build (replace_module: a new head) is named at the next step; its old
-// module is held, never called through a freed pointer (the step ended in "pure virtual method called"), and a
-// new Preconditioner takes the new module.
+// A module replaced in the model after the build (replace_module: a new head) is named at the next step, a factor
+// step or not; its old module is held, never called through a freed pointer (the step ended in "pure virtual method
+// called"), and a new Preconditioner takes the new module.
 TEST(Preconditioner, AModuleReplacedAfterTheBuildIsNamedAtTheNextStep) {
   auto net = make_net();
   {
-    Preconditioner kfac(net, Options());
+    Preconditioner kfac(net, Options().factor_update_steps(3));  // step 1 updates no factors
     zero_grad_and_backward(*net, 1);
     kfac.step();
     net->fc2 = net->replace_module("fc2", nn::Linear(5, 2));

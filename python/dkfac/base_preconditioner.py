@@ -1240,9 +1240,9 @@ class BaseKFACPreconditioner:
                                                                        if len(unfrozen) > 4 else '')
         warnings.warn(f'dkfac: {len(unfrozen)} layer(s) frozen when the preconditioner was built now train ({names}) '
                       'and keep their plain gradients: K-FAC preconditions the layers chosen then. To precondition '
-                      'them, build the preconditioner with them trainable, then freeze them: a layer frozen after '
-                      "the build keeps its plain gradient under unused_layer_policy='skip' and is preconditioned "
-                      'again once it trains', stacklevel=3)
+                      "them, build the preconditioner with them trainable and unused_layer_policy='skip', then "
+                      'freeze them: a layer frozen after the build keeps its plain gradient while frozen and is '
+                      'preconditioned once it trains', stacklevel=_stacklevel_outside_dkfac())
 
     def _follow_parameters(self) -> None:
         """Re-binds the core to each module's current parameters where they were replaced since the last step:
@@ -1421,8 +1421,10 @@ class BaseKFACPreconditioner:
         whole second-order state of each layer it preconditions (this rank's own dict, a gathered one, or a
         DCP checkpoint of any world size). Otherwise, e.g. kfac_pytorch's, the factors are loaded and, with
         ``compute_inverses``, the second-order state is recomputed from them now (collective: every rank
-        calls it). A dict that lacks factors this rank's plan builds (another rank's DP-KFAC state) is refused,
-        on every rank alike. Layers pair by name, or, for a dict saved from the model under other torch wrappers
+        calls it). Each rank's own dict of one save, each loaded on its own rank, resumes under another plan (a
+        part a rank keeps but was not handed comes from the rank that was); a dict that lacks factors this rank's
+        plan builds and no rank was handed (another rank's DP-KFAC state alone) is refused, on every rank alike.
+        Layers pair by name, or, for a dict saved from the model under other torch wrappers
         (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), by name without their parts.
         """
         if 'steps' not in state_dict:
@@ -1455,8 +1457,9 @@ class BaseKFACPreconditioner:
             method = ours.get('compute_method')  # None: kfac_pytorch's, whose inverses are recomputed
             writer = (f"rank {ours['rank']}'s own state of a {ours.get('world_size')}-rank job" if 'rank' in ours
                       else "another rank's own state")
-            # The core's one restore decides (Preconditioner::restore): refused where this rank's factors are
-            # missing after the first step (another rank's DP-KFAC share), exact where every rank finds this
+            # The core's one restore decides (Preconditioner::restore): parts a rank lacks taken from the ranks
+            # handed them, refused where this rank's factors are missing still after the first step (another
+            # rank's DP-KFAC share alone), exact where every rank finds this
             # method's whole second-order state, recomputed from the factors otherwise.
             per_rank_writer = (f"it is {writer}, which holds the factors of that rank's own layers only (DP-KFAC); "
                                f'to resume on rank {self._rank} of {self._world_size}, save '

@@ -300,11 +300,11 @@ class KFAC(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if loss is None and not any(p.grad is not None for _, module in self._preconditioner.layers
-                                        for p in _layer_parameters(module)):
+            if loss is None and not any(p.grad is not None and bool(p.grad.any()) for _, module in
+                                        self._preconditioner.layers for p in _layer_parameters(module)):
                 # A closure that ran no backward pass (Lightning's, when training_step returns None to skip the
-                # batch): no gradient to precondition, and the forward's captures are dropped. The base optimizer
-                # steps on whatever gradients there are, as it would without K-FAC.
+                # batch): no gradient to precondition (None, or zeroed in place), and the forward's captures are
+                # dropped. The base optimizer steps on whatever gradients there are, as it would without K-FAC.
                 self._preconditioner.reset_batch()
                 self._base.step()
                 return None

@@ -554,11 +554,16 @@ class KFACPreconditioner(BaseKFACPreconditioner):
             layers[module] = (name, capture)
         _log_plain_parameters(model, layers, {modules[i]: reasons[i] for i in range(len(modules)) if reasons[i]},
                               loglevel, self.skip_layers)
-        # Layers set aside only because they were frozen: step() says so once if one trains later (unfrozen).
-        self._frozen_aside = [(candidates[i][0], modules[i]) for i in range(len(modules))
-                              if not candidates[i][3] and i not in set(chosen) and not candidates[i][5]
-                              and not any(re.search(p, candidates[i][0]) or re.search(p, candidates[i][1])
-                                          for p in self.skip_layers)]
+        # Layers set aside only because they were frozen (the core would choose them trainable): step() says so once
+        # if one trains later (unfrozen).
+        self._frozen_aside = []
+        if any(not candidate[3] for candidate in candidates):
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                with _CoreWarnings():
+                    trainable, _ = _C.choose_layers([c[:3] + (True,) + c[4:] for c in candidates], self.skip_layers,
+                                                    type(model).__name__)
+            self._frozen_aside = [(candidates[i][0], modules[i]) for i in sorted(set(trainable) - set(chosen))]
         return layers
 
     @staticmethod

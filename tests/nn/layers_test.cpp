@@ -240,7 +240,8 @@ TEST(Layers, WeightsTiedByMemberAssignmentOrAfterTheBuildAreNamed) {
     ASSERT_EQ(kfac.layers().size(), 1u);
     EXPECT_EQ(kfac.layers()[0].name(), "mix");
   }
-  EXPECT_NE(warnings.find("layer 'head' (Linear) keeps its plain gradient: tied to 'wte'"), std::string::npos) << warnings;
+  EXPECT_NE(warnings.find("layer 'head' (Linear) keeps its plain gradient: tied to 'wte'"), std::string::npos)
+      << warnings;
 
   TinyLanguageModel later(false);
   Preconditioner kfac(later.ptr(), Options());

@@ -184,20 +184,27 @@ def test_a_closure_that_runs_no_backward_skips_the_batch_as_if_never_seen() -> N
     batch) makes step() drop the forward's captures and leave K-FAC out; the run equals one that never saw the
     batch. It used to fail ('did not run forward/backward in training mode before step()')."""
     batches = make_batches()
-    model = make_model()
-    opt = optim.KFAC(model, adamw(model))
-    for index, ids in enumerate(batches):
-        def closure(ids: torch.Tensor = ids, skip: bool = index == 2) -> torch.Tensor | None:
-            opt.zero_grad()
-            loss = loss_of(model, ids)
-            if skip:
-                return None
-            loss.backward()
-            return loss
-        assert (opt.step(closure) is None) == (index == 2)
-    assert opt.preconditioner.steps == len(batches) - 1
-    _, expected_parameters = reference_run(batches[:2] + batches[3:])
-    torch.testing.assert_close(parameters_of(model), expected_parameters, **EXACT)
+
+    def run(batches: list[torch.Tensor], skip: int, set_to_none: bool) -> optim.KFAC:
+        # Plain SGD: its step on zeroed gradients (set_to_none=False) moves nothing, as on None.
+        model = make_model()
+        opt = optim.KFAC(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for index, ids in enumerate(batches):
+            def closure(ids: torch.Tensor = ids, skipped: bool = index == skip) -> torch.Tensor | None:
+                opt.zero_grad(set_to_none=set_to_none)
+                loss = loss_of(model, ids)
+                if skipped:
+                    return None
+                loss.backward()
+                return loss
+            assert (opt.step(closure) is None) == (index == skip)
+        return opt, model
+
+    for set_to_none in (True, False):  # gradients None, or zeroed in place (an overridden optimizer_zero_grad)
+        opt, model = run(batches, 2, set_to_none)
+        assert opt.preconditioner.steps == len(batches) - 1
+        _, never = run(batches[:2] + batches[3:], -1, set_to_none)
+        torch.testing.assert_close(parameters_of(model), parameters_of(never), **EXACT)
 
 
 def test_construction_checks_and_hooks() -> None:

@@ -730,7 +730,7 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
 TEST(Restore, RanksTakeTheSameBranch) {
   DKFAC_SKIP_WITHOUT_TEST_DEVICE();
   const Options options = base_options(ComputeMethod::kEigen, false, 1.0);
-  std::vector<std::string> errors(2);
+  std::vector<std::string> errors(2), unheld(2);
   std::vector<std::vector<torch::Tensor>> eigenvalues(2);
   std::vector<int64_t> recomputed(2);
   std::vector<std::vector<std::map<std::string, torch::Tensor>>> given(2), taken(2);
@@ -750,6 +750,15 @@ TEST(Restore, RanksTakeTheSameBranch) {
     } catch (const c10::Error& e) {
       errors[rank] = e.what_without_backtrace();
     }
+    // Neither rank was handed layer 1's factors: refused on both, each naming the layer.
+    auto neither = states;
+    neither[1].erase("a_factor");
+    neither[1].erase("g_factor");
+    try {
+      kfac.restore({2, neither, ComputeMethod::kEigen, "it is another rank's share", true});
+    } catch (const c10::Error& e) {
+      unheld[rank] = e.what_without_backtrace();
+    }
     // Rank 0 was handed layer 1's factors and none of layer 2's second-order state; rank 1 the opposite.
     auto own = states;
     if (rank == 0) own[2].clear();
@@ -764,8 +773,13 @@ TEST(Restore, RanksTakeTheSameBranch) {
                                      true}).recomputed_layers;
     for (const auto& layer : kfac.layers()) eigenvalues[rank].push_back(layer.second_order().g_eigen.eigenvalues.cpu());
   });
-  EXPECT_NE(errors[0].find("fc1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("checkpoint for layer 'fc1': A factor has shape [3, 3], the model expects"),
+            std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("another rank refused this state"), std::string::npos) << errors[1];
+  for (const auto& said : unheld) {
+    EXPECT_NE(said.find("state holds no A factor of layer 'fc1', which this rank builds: it is another rank's share"),
+              std::string::npos) << said;
+  }
   for (int rank = 0; rank < 2; ++rank) {
     ASSERT_EQ(taken[rank].size(), given[rank].size());
     for (size_t i = 0; i < taken[rank].size(); ++i) {
