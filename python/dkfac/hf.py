@@ -16,7 +16,8 @@ this module imports ``transformers``; ``import dkfac`` does not.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import transformers
 
@@ -41,3 +42,27 @@ class KFACTrainer(transformers.Trainer):
             keywords = {'accumulation_steps': self.args.gradient_accumulation_steps} | self.kfac_keywords
             self.optimizer = KFAC(self.model, optimizer, **keywords)
         return self.optimizer
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under several processes (DDP), the Trainer saves rank 0's ``optimizer.state_dict()`` alone, whose K-FAC
+        half is then rank 0's own state: it lacks what the other ranks hold (DP-KFAC's factors of their layers,
+        KAISA's second-order parts, eigen_adam's moments), and a resume refused it or recomputed them. Every rank
+        gathers the whole K-FAC state here (collective), and the Trainer saves that from rank 0: it resumes exactly,
+        on any number of ranks and strategy."""
+        optimizer = self.optimizer  # accelerate's AcceleratedOptimizer around the KFAC, once prepared
+        optimizer = optimizer if isinstance(optimizer, KFAC) else getattr(optimizer, 'optimizer', None)
+        if (not isinstance(optimizer, KFAC) or self.args.world_size <= 1 or self.is_deepspeed_enabled
+                or self.is_fsdp_enabled):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        with _saving(optimizer, optimizer.state_dict(gathered=True)):
+            return super()._save_optimizer_and_scheduler(output_dir)
+
+
+@contextlib.contextmanager
+def _saving(optimizer: KFAC, state: dict[str, Any]) -> Iterator[None]:
+    """``optimizer.state_dict()`` returns `state` (computed on every rank) while the Trainer saves it."""
+    optimizer.state_dict = lambda *args, **kwargs: state  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del optimizer.state_dict

@@ -145,7 +145,10 @@ class KFAC(torch.optim.Optimizer):
     - ``param_groups``, ``state`` and ``defaults`` are the base optimizer's own objects, so LR schedulers,
       ``GradScaler.unscale_``, ``clip_grad_norm_`` over them and ``add_param_group`` act on the base.
     - ``zero_grad(set_to_none=True)`` is the base's.
-    - ``state_dict()`` is ``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``;
+    - ``state_dict()`` is ``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``, this rank's own
+      K-FAC state; with ``gathered_state_dict=True`` every layer's whole K-FAC state, gathered (collective: for
+      frameworks whose every rank calls ``state_dict()`` and whose rank 0 saves it for all, as Lightning's and
+      accelerate's checkpoints under DDP do, so that a DP-KFAC job resumes from that one file);
       ``load_state_dict`` checks both halves before changing either and refuses, naming what is missing or
       different, a dict of another layout (a plain optimizer's, a preconditioner's).
     - ``optimizer`` is the base optimizer (the attribute name accelerate and Lightning use for the wrapped
@@ -180,6 +183,7 @@ class KFAC(torch.optim.Optimizer):
         *,
         kfac_lr_follows: bool | None = None,
         graft: bool = False,
+        gathered_state_dict: bool = False,
         **preconditioner_keywords: Any,
     ) -> None:
         if isinstance(optimizer, KFAC):
@@ -193,6 +197,8 @@ class KFAC(torch.optim.Optimizer):
                             'given (SGD, Adam, AdamW, ...)')
         if not isinstance(graft, bool):
             raise TypeError(f'graft must be True or False, got {graft!r}')
+        if not isinstance(gathered_state_dict, bool):
+            raise TypeError(f'gathered_state_dict must be True or False, got {gathered_state_dict!r}')
         if kfac_lr_follows is not None and not isinstance(kfac_lr_follows, bool):
             raise TypeError(f'kfac_lr_follows must be True, False or None, got {kfac_lr_follows!r}')
         # eigen_adam: Adam's constants follow the base's groups unless given here (not for a built preconditioner).
@@ -232,6 +238,7 @@ class KFAC(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._cost = _EveryStepCost()
         self._graft = graft
+        self._gathered_state_dict = gathered_state_dict
         self._eigen_adam = bool(getattr(preconditioner, 'eigen_adam', False))
         self._adam_follows = self._eigen_adam and adam_follows
         self._adam_constants: tuple[float, float, float] | None = None
@@ -442,15 +449,20 @@ class KFAC(torch.optim.Optimizer):
                 'new dkfac.optim.KFAC for the model.', UserWarning, stacklevel=2)
 
     # --- state -------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``.
+    def state_dict(self, gathered: bool | None = None) -> dict[str, Any]:  # type: ignore[override]
+        """``{'base': base.state_dict(), 'kfac': preconditioner.state_dict(gathered=gathered)}``.
 
-        The preconditioner's half is this rank's own state (``state_dict(gathered=False)``). For DP-KFAC resumed on
-        another world size, save ``opt.preconditioner.state_dict(gathered=True)`` (collective) yourself.
+        The preconditioner's half is this rank's own state by default: it resumes on as many ranks, each loading its
+        own. ``gathered=True`` (collective: every rank calls it) holds every layer's whole K-FAC state, the same on
+        every rank, which resumes on any number of ranks and strategy: save it where one rank saves for all (a DP-KFAC
+        job resumed from rank 0's file). None: the constructor's ``gathered_state_dict``. ``dkfac.hf.KFACTrainer``
+        saves the gathered state under several processes.
         """
+        gathered = self._gathered_state_dict if gathered is None else gathered
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict: dict[str, Any] = {'base': self._base.state_dict(), 'kfac': self._preconditioner.state_dict()}
+        state_dict: dict[str, Any] = {'base': self._base.state_dict(),
+                                      'kfac': self._preconditioner.state_dict(gathered=gathered)}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -470,7 +482,14 @@ class KFAC(torch.optim.Optimizer):
                 state_dict = result
         self._check_state_dict(state_dict)
         previous = self._preconditioner.state_dict()  # fresh tensors, not views of the live state
-        self._preconditioner.load_state_dict(state_dict['kfac'])
+        try:
+            self._preconditioner.load_state_dict(state_dict['kfac'])
+        except ValueError as error:
+            if 'state_dict(gathered=True)' not in str(error):
+                raise
+            raise ValueError(f'{error}. Through dkfac.optim.KFAC: build it with gathered_state_dict=True where every '
+                             "rank calls state_dict() and rank 0 saves it for all (Lightning's and accelerate's "
+                             'checkpoints under DDP), or train with dkfac.hf.KFACTrainer') from None
         try:
             self._base.load_state_dict(state_dict['base'])
         except BaseException:

@@ -508,6 +508,21 @@ def test_each_ranks_own_dp_kfac_state_resumes_under_another_plan_as_the_gathered
                 assert torch.equal(a, b), rank
 
 
+@pytest.mark.parametrize('gathered', [True, False], ids=['gathered', 'own'])
+def test_an_optimizers_state_dict_saved_by_rank_0_for_all_resumes_with_gathered_state_dict(gathered, tmp_path):
+    """Lightning and accelerate under DDP call opt.state_dict() on every rank and save rank 0's for all. Under DP-KFAC
+    rank 0's own K-FAC state lacks the other ranks' layers: loaded on every rank it is refused, naming the way out;
+    with dkfac.optim.KFAC(..., gathered_state_dict=True) it holds every layer's state, and the job resumes from it
+    bit for bit."""
+    results = workers.run_workers('optim_worker.py', 2, {'gathered_state_dict': gathered}, tmp_path)
+    for rank, result in enumerate(results):
+        if gathered:
+            assert result['error'] == '', result['error']
+            assert all(torch.equal(a, b) for a, b in zip(result['continued'], result['resumed'])), rank
+    if not gathered:
+        assert any('build it with gathered_state_dict=True' in result['error'] for result in results), results
+
+
 def test_ranks_own_states_of_different_steps_are_refused_on_every_rank_naming_the_steps(tmp_path):
     """Each rank's own DP-KFAC state resumes as one under another plan only if they are of one save: rank 1's one
     step older is refused on both ranks, naming each rank's step count."""
