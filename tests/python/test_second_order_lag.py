@@ -27,6 +27,16 @@ def backward(model: torch.nn.Module, step: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def run(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner, steps: range) -> list[list[torch.Tensor]]:
+    """Each step's preconditioned gradients, the weights not stepped (each from the same model)."""
+    grads = []
+    for step in steps:
+        backward(model, step)
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
 def second_order(preconditioner: dkfac.KFACPreconditioner) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in state.items() if 'factor' not in k}
             for state in preconditioner._core.layer_states()]
@@ -113,14 +123,6 @@ def test_state_dict_saved_after_a_factor_update_with_an_update_in_flight_says_th
     model = make_model()
     preconditioner = dkfac.KFACPreconditioner(model, **options)
 
-    def run(model, preconditioner, steps):
-        grads = []
-        for step in steps:
-            backward(model, step)
-            preconditioner.step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        return grads
-
     run(model, preconditioner, range(saved_after + 1))
     state = preconditioner.state_dict()
     expected = run(model, preconditioner, range(saved_after + 1, saved_after + 4))
@@ -154,14 +156,6 @@ def test_a_factors_only_state_saved_after_an_inverse_step_resumes_exactly_at_lag
     options = dict(factor_update_steps=1, inv_update_steps=3, damping=0.01, second_order_lag=lag)
     model = make_model()
     preconditioner = dkfac.KFACPreconditioner(model, **options)
-
-    def run(model, preconditioner, steps):
-        grads = []
-        for step in steps:
-            backward(model, step)
-            preconditioner.step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        return grads
 
     run(model, preconditioner, range(7))  # 6 is an inverse step
     state = preconditioner.state_dict(include_second_order=False)
