@@ -38,8 +38,12 @@ class KFACTrainer(transformers.Trainer):
         optimizer = super().create_optimizer(*args, **kwargs)
         if made_here and optimizer is not None and not isinstance(optimizer, KFAC):
             # The Trainer's micro-batches per step are the preconditioner's (unless given): each factor update
-            # averages them, without a warning, and folds them in the hooks.
-            keywords = {'accumulation_steps': self.args.gradient_accumulation_steps} | self.kfac_keywords
+            # averages them, without a warning, and folds them in the hooks. Its loss scale (fp16: accelerate's
+            # GradScaler) is the preconditioner's, which divides G by it.
+            keywords = {'accumulation_steps': self.args.gradient_accumulation_steps}
+            if getattr(self.accelerator, 'scaler', None) is not None:
+                keywords['grad_scaler'] = self.accelerator.scaler
+            keywords |= self.kfac_keywords
             self.optimizer = KFAC(self.model, optimizer, **keywords)
         return self.optimizer
 

@@ -16,6 +16,7 @@ halves.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -239,6 +240,7 @@ class KFAC(torch.optim.Optimizer):
         self._cost = _EveryStepCost()
         self._graft = graft
         self._gathered_state_dict = gathered_state_dict
+        self._scaler_checked = False  # _check_loss_scale said its warning
         self._eigen_adam = bool(getattr(preconditioner, 'eigen_adam', False))
         self._adam_follows = self._eigen_adam and adam_follows
         self._adam_constants: tuple[float, float, float] | None = None
@@ -297,12 +299,31 @@ class KFAC(torch.optim.Optimizer):
         self._base.defaults = value
 
     # --- the step ----------------------------------------------------------------------------------------------
+    def _check_loss_scale(self) -> None:
+        """A torch.amp.GradScaler that steps this optimizer (scaler.step(opt)) while the preconditioner was not given
+        it: G was built from output gradients scaled by its scale, so it is scale^2 too large. Said once."""
+        if self._scaler_checked or getattr(self._preconditioner, 'grad_scaler', None) is not None:
+            return
+        frame = sys._getframe(2)
+        for _ in range(6):  # the scaler's _maybe_opt_step, then this optimizer's step wrapper
+            if frame is None:
+                return
+            if isinstance(frame.f_locals.get('self'), torch.amp.GradScaler):
+                self._scaler_checked = True
+                warnings.warn('dkfac.optim.KFAC: a torch.amp.GradScaler steps this optimizer, but the preconditioner '
+                              'was not given it: its G factors are built from the scaled output gradients, scale^2 too '
+                              'large. Pass grad_scaler=scaler to dkfac.optim.KFAC (dkfac.hf.KFACTrainer passes the '
+                              "Trainer's own)", stacklevel=3)
+                return
+            frame = frame.f_back
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Runs ``closure`` (if given) for the gradients, preconditions them, and runs the base optimizer's step.
 
         Returns the closure's loss, or None. The base optimizer's step is called without the closure: the
         gradients it steps on are the ones the preconditioner has just rewritten.
         """
+        self._check_loss_scale()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -588,6 +588,48 @@ def test_hugging_face_trainer_fp16_with_its_grad_scaler(tmp_path: object) -> Non
 
 
 @NEEDS_TRAINER
+def test_kfac_trainer_divides_g_by_the_trainers_loss_scale(tmp_path: object) -> None:
+    """fp16 through the Trainer's GradScaler (accelerate's, on CUDA; given here as on CUDA): KFACTrainer hands it to
+    the preconditioner, which divides G by the scale: the run equals, bit for bit, one whose kfac keywords pass the
+    scale explicitly. It used to be left out: G scale^2 too large (1e-4 apart after 4 steps at scale 2^12, where
+    scales 2^10 and 2^12 give runs 3e-6 apart), silently. dkfac.optim.KFAC stepped by a GradScaler it was not given
+    says so."""
+    import transformers
+
+    from dkfac.hf import KFACTrainer
+    _cpu_fp16_autocast()
+    batches = make_batches()
+
+    def run(explicit: bool) -> list[torch.Tensor]:
+        model = make_model(dtype=torch.float32)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=len(batches),
+                                              per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+                                              save_strategy='no', seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                                              fp16=True)
+        scaler = _cpu_grad_scaler(init_scale=2.0 ** 12)
+        kfac = dict(factor_update_steps=1, inv_update_steps=1, **({'grad_scaler': scaler} if explicit else {}))
+        trainer = KFACTrainer(model=model, args=args, train_dataset=_Sequence(batches), kfac=kfac)
+        if trainer.accelerator.scaler is None:  # a CPU: what accelerate makes on CUDA
+            trainer.accelerator.scaler = scaler
+            trainer.accelerator.native_amp = True
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            trainer.train()
+        return parameters_of(model)
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+    model = make_model(dtype=torch.float32)
+    opt = optim.KFAC(model, adamw(model))
+    scaler = _cpu_grad_scaler(init_scale=2.0 ** 4)
+    with torch.autocast('cpu', dtype=torch.float16):
+        loss = loss_of(model, batches[0])
+    scaler.scale(loss).backward()
+    with pytest.warns(UserWarning, match=r'a torch.amp.GradScaler steps this optimizer, but the preconditioner was '
+                                         r'not given it.*scale\^2 too large'):
+        scaler.step(opt)
+
+
+@NEEDS_TRAINER
 def test_hugging_face_trainer_checkpoint_resumes_exactly(tmp_path: object) -> None:
     """The Trainer saves optimizer.state_dict() (both halves) and loads it on resume_from_checkpoint."""
     batches = make_batches()
