@@ -240,7 +240,7 @@ class KFAC(torch.optim.Optimizer):
         self._cost = _EveryStepCost()
         self._graft = graft
         self._gathered_state_dict = gathered_state_dict
-        self._scaler_checked = False  # _check_loss_scale said its warning
+        self._scaler_checks_left = 3  # _check_loss_scale's
         self._eigen_adam = bool(getattr(preconditioner, 'eigen_adam', False))
         self._adam_follows = self._eigen_adam and adam_follows
         self._adam_constants: tuple[float, float, float] | None = None
@@ -301,15 +301,18 @@ class KFAC(torch.optim.Optimizer):
     # --- the step ----------------------------------------------------------------------------------------------
     def _check_loss_scale(self) -> None:
         """A torch.amp.GradScaler that steps this optimizer (scaler.step(opt)) while the preconditioner was not given
-        it: G was built from output gradients scaled by its scale, so it is scale^2 too large. Said once."""
-        if self._scaler_checked or getattr(self._preconditioner, 'grad_scaler', None) is not None:
+        it: G was built from output gradients scaled by its scale, so it is scale^2 too large. Said once; looked for
+        at the first steps only (a loop steps through its scaler from the start), so that later steps read no
+        frames."""
+        if self._scaler_checks_left <= 0 or getattr(self._preconditioner, 'grad_scaler', None) is not None:
             return
+        self._scaler_checks_left -= 1
         frame = sys._getframe(2)
         for _ in range(6):  # the scaler's _maybe_opt_step, then this optimizer's step wrapper
             if frame is None:
                 return
             if isinstance(frame.f_locals.get('self'), torch.amp.GradScaler):
-                self._scaler_checked = True
+                self._scaler_checks_left = 0
                 warnings.warn('dkfac.optim.KFAC: a torch.amp.GradScaler steps this optimizer, but the preconditioner '
                               'was not given it: its G factors are built from the scaled output gradients, scale^2 too '
                               'large. Pass grad_scaler=scaler to dkfac.optim.KFAC (dkfac.hf.KFACTrainer passes the '
