@@ -148,6 +148,7 @@ void Preconditioner::step(const Distributor& distributor) {
 bool Preconditioner::run_step(const Distributor& model) {
   follow_parameters();
   refuse_repeated_step();
+  refuse_weights_written_since_backward();
   check_schedules_agree();
   // The end of this step arms the captures by the next step's factor interval (arm_capture): a schedule that fails
   // (throws, or gives a value out of range) fails this step now, before anything changed, not after it is done.
@@ -211,6 +212,42 @@ void Preconditioner::refuse_repeated_step() const {
   TORCH_CHECK(!any, "step() called again on the gradients the last step() (step ", steps_ - 1,
               ") preconditioned: no backward pass wrote them since, and a second step() would precondition them "
               "twice. Call step() once after each backward pass (after all accumulation micro-batches)");
+}
+
+void Preconditioner::refuse_weights_written_since_backward() {
+  // Seen where the output gradients were captured (factor steps: the first step is one). Every rank runs the same
+  // loop, so every rank refuses alike, before anything changed.
+  // The sums a layer's first check compares (FactorCapture::watch_weight) are read in one transfer.
+  std::vector<bool> is_written(layers_.size(), false);
+  std::vector<size_t> summed;
+  std::vector<torch::Tensor> sums_differ;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    auto check = layers_[i].capture().take_weight_check();
+    is_written[i] = check.written;
+    if (check.sum_differs.defined()) {
+      summed.push_back(i);
+      const auto device = sums_differ.empty() ? check.sum_differs.device() : sums_differ[0].device();
+      sums_differ.push_back(check.sum_differs.to(device));
+    }
+  }
+  if (!sums_differ.empty()) {
+    const auto differ = torch::stack(sums_differ).cpu();
+    for (size_t k = 0; k < summed.size(); ++k) is_written[summed[k]] = is_written[summed[k]] || differ[k].item<bool>();
+  }
+  std::vector<std::string> written;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (is_written[i]) written.push_back(names_.layer(layers_[i], i));
+  }
+  if (written.empty()) return;
+  std::string list;
+  for (size_t k = 0; k < written.size() && k < 4; ++k) list += (k > 0 ? ", " : "") + written[k];
+  if (written.size() > 4) list += " and " + std::to_string(written.size() - 4) + " more";
+  TORCH_CHECK(false, "step ", steps_, " refused: the weights of ", written.size(),
+              written.size() == 1 ? " layer (" : " layers (", list,
+              ") were written in place after their backward pass and before step(): optimizer.step() ran before "
+              "the preconditioner's step() (or an optimizer steps inside the backward pass). The optimizer has already "
+              "applied the gradients this step would precondition, so K-FAC would have no effect. Call step() after "
+              "the backward pass and before optimizer.step() (dkfac.optim.KFAC does both, in that order)");
 }
 
 void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fates) {

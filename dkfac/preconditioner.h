@@ -579,6 +579,9 @@ class Preconditioner {
   void forget_failed_step();
   /// Refuses a step() whose gradients are all the ones the last step() wrote, untouched since.
   void refuse_repeated_step() const;
+  /// Refuses a step whose layers' weights were written in place since their backward pass (FactorCapture::
+  /// take_weight_check): the optimizer already applied the gradients this step would precondition.
+  void refuse_weights_written_since_backward();
   /// Remembers each gradient write_gradients() wrote (weakly: a gradient set to None may go) and its version.
   void remember_written_gradients(const std::vector<LayerFate>& fates);
   /// unused_layer_policy skip on several ranks: the ranks agree at every step which layers all can use.

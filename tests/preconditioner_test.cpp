@@ -429,6 +429,37 @@ TEST(Preconditioner, AModuleReplacedAfterTheBuildIsNamedAtTheNextStep) {
   EXPECT_FALSE(torch::allclose(plain, net->fc2->weight.grad()));
 }
 
+// optimizer.step() before step(): the optimizer has applied the gradients step() would precondition (K-FAC had no
+// effect, silently). Refused before anything changed, naming the layers, whether the hooks fold or not; a backward
+// pass after a discard_step() or in the right order trains on.
+TEST(Preconditioner, AStepAfterTheOptimizersIsRefusedNamingTheLayers) {
+  for (const bool fold : {true, false}) {
+    auto net = make_net();
+    Preconditioner kfac(net, Options().fold_in_hooks(fold));
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    zero_grad_and_backward(*net, 1);
+    sgd.step();
+    const auto plain = gradients(*net);
+    testing::expect_error<c10::Error>([&] { kfac.step(); },
+                                      {"step 0 refused: the weights of 3 layers ('conv' (Conv2d), 'fc1' (Linear), 'fc2' (Linear)) were written "
+                                       "in place "
+                                       "after their backward pass and before step(): optimizer.step() ran before",
+                                       "Call step() after the backward pass and before optimizer.step()"});
+    const auto after = gradients(*net);
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], after[i])) << i;
+    EXPECT_EQ(kfac.steps(), 0);
+    zero_grad_and_backward(*net, 2);
+    sgd.step();
+    kfac.discard_step();  // drops the batch and what its backward pass saw
+    for (int64_t seed = 3; seed < 5; ++seed) {
+      zero_grad_and_backward(*net, seed);
+      kfac.step();
+      sgd.step();
+    }
+    EXPECT_EQ(kfac.steps(), 2) << "fold " << fold;
+  }
+}
+
 // discard_step() drops the step whatever ran since the last one: a forward whose loss was not finite (no backward),
 // nothing at all, or a second discard. It used to refuse ("has a gradient, but its module's hooks saw no forward and
 // backward pass", or "did not run forward/backward ... before step()", naming step()). The next full step is taken as

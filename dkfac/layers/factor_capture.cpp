@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <sstream>
+#include <utility>
 
 namespace dkfac {
 
@@ -282,6 +283,42 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   });
   add_and_notify(false, g_batch, 0.0, std::pair{std::move(start), device::Mark::now(grad_output.device())});
   fold_if_complete(grad_output.device());
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto weight = watch_.weight ? watch_.weight->lock() : nullptr;
+  if (!weight) return;
+  watch_.version = weight->version_counter().current_version();
+  watch_.marked = false;
+  if (watch_.fingerprint) watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
+}
+
+void FactorCapture::watch_weight(const torch::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (watch_.weight && watch_.weight->lock().get() == weight.unsafeGetTensorImpl()) return;  // the same tensor
+  watch_ = WeightWatch{};
+  watch_.weight.emplace(weight.getIntrusivePtr());
+}
+
+FactorCapture::WeightCheck FactorCapture::take_weight_check() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  WeightCheck check;
+  const auto version = std::exchange(watch_.version, std::nullopt);
+  const bool marked = std::exchange(watch_.marked, false);
+  const auto sum = std::exchange(watch_.sum, torch::Tensor());
+  const auto weight = watch_.weight ? watch_.weight->lock() : nullptr;
+  if (!version || !weight) return check;
+  check.written = marked || static_cast<int64_t>(weight->version_counter().current_version()) != *version;
+  if (sum.defined()) {
+    torch::NoGradGuard no_grad;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    check.sum_differs = at::sum(torch::Tensor(weight), at::kDouble).ne(sum);
+    watch_.fingerprint = false;
+  }
+  return check;
+}
+
+void FactorCapture::mark_weight_written() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (watch_.version) watch_.marked = true;
 }
 
 void FactorCapture::set_fold(Fold fold, int64_t passes) {
@@ -446,6 +483,9 @@ void FactorCapture::clear() {
   recomputable_ = 0;
   folded_passes_ = 0;
   interleaved_ = false;
+  watch_.version.reset();
+  watch_.marked = false;
+  watch_.sum = torch::Tensor();
 }
 
 std::pair<int64_t, int64_t> FactorCapture::pending_bytes() const {

@@ -196,6 +196,25 @@ class FactorCapture {
   /// Drops anything captured.
   void clear();
 
+  /// The layer's weight, held weakly: each output gradient captured records its version, so that step() can tell a
+  /// weight written in place since the backward pass (optimizer.step() called before the preconditioner's step(),
+  /// or an optimizer stepping inside the backward pass). KfacLayer sets it at its construction and rebind. Until
+  /// the first check of a weight, the output gradients also record its sum: LibTorch's SGD writes the weight through
+  /// `data()`, which moves no version.
+  void watch_weight(const torch::Tensor& weight);
+  /// What take_weight_check finds since the last output gradient captured: `written` where the weight's version
+  /// moved or mark_weight_written said so; `sum_differs`, a bool tensor on the weight's device (read by the caller,
+  /// once for all layers), where its sum was recorded and differs now. Neither where no output gradient was
+  /// captured since the last take or clear(), or the weight is freed.
+  struct WeightCheck {
+    bool written = false;
+    torch::Tensor sum_differs;
+  };
+  WeightCheck take_weight_check();
+  /// Says the weight was written since the last output gradient captured, where one was: the Python front end's
+  /// optimizer hook, for fused optimizers, whose kernels write the weight without moving its version.
+  void mark_weight_written();
+
   /// Bytes held for the next factor update: the sums of the factors built, the inputs waiting for theirs.
   std::pair<int64_t, int64_t> pending_bytes() const;
 
@@ -251,6 +270,14 @@ class FactorCapture {
   std::atomic<torch::ScalarType> weight_dtype_{torch::kFloat32};
   GradScale grad_scale_;
   mutable std::mutex mutex_;  // forward and autograd threads may both touch the sums
+  // watch_weight: the weight, held weakly, and what the last output gradient captured since the last take saw of it
+  struct WeightWatch {
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> weight;
+    std::optional<int64_t> version;  // its version then
+    torch::Tensor sum;               // its sum then, while `fingerprint`
+    bool fingerprint = true;         // until the first take that compared a sum
+    bool marked = false;             // mark_weight_written since then
+  } watch_;
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
   std::atomic<int64_t> samples_per_pass_{0};

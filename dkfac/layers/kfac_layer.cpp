@@ -96,6 +96,7 @@ KfacLayer::KfacLayer(LayerBinding binding) : binding_(std::move(binding)) {
   g_dim_ = outputs;
   a_dim_ = b.weight.numel() / outputs + (b.bias.defined() ? 1 : 0);
   b.capture->set_weight_dtype(b.weight.scalar_type());
+  b.capture->watch_weight(b.weight);
 }
 
 void KfacLayer::set_diagonal_limit(int64_t limit) {
@@ -135,6 +136,7 @@ void KfacLayer::rebind(torch::Tensor weight, torch::Tensor bias) {
   binding_.weight = std::move(weight);
   binding_.bias = std::move(bias);
   binding_.capture->set_weight_dtype(binding_.weight.scalar_type());
+  binding_.capture->watch_weight(binding_.weight);
 }
 
 int64_t KfacLayer::captured_batches() const {

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dkfac import _C
 from dkfac.enums import AssignmentStrategy
@@ -113,6 +114,27 @@ _PRECONDITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # The preconditioners given a model_parallel_group, as (weak reference, group): two on one rank with one group are
 # warned about (an interleaved pipeline's stages each with its own: their KL sums pair the wrong stages).
 _MODEL_PARTS: list[tuple[weakref.ref, Any]] = []
+
+
+# The preconditioners an optimizer's step is checked against (_optimizer_stepped), and the hook's handle.
+_WATCHING: weakref.WeakSet = weakref.WeakSet()
+_OPTIMIZER_HOOK: list = []
+
+
+def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any torch.optim optimizer's step: where a preconditioner saw a forward pass since its last step(), so
+    that its step() has not run since that backward pass, the layers whose weights this optimizer holds are marked
+    written. Fused optimizers write the weights without moving their version counters, which the core compares
+    otherwise; the next step() refuses either way (C++ FactorCapture::mark_weight_written). A post-hook, not a pre-hook:
+    a wrapper's step (accelerate's, dkfac.optim.KFAC's) runs step() before its inner optimizer's step, so that by then
+    nothing is left to mark."""
+    for preconditioner in list(_WATCHING):
+        if not preconditioner._forward_seen[0]:
+            continue
+        held = {id(p) for group in optimizer.param_groups for p in group['params']}
+        for (weight, _), capture in zip(preconditioner._bound, preconditioner._captures):
+            if id(weight) in held:
+                capture.mark_weight_written()
 
 
 def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: weakref.ref) -> None:
@@ -898,6 +920,8 @@ class BaseKFACPreconditioner:
                 if 'the ranks built their preconditioners differently' not in str(error) or not self._global_ranks:
                     raise
                 raise RuntimeError(f'{error}{self._global_ranks}') from error
+        for index in range(len(self._distributors)):
+            self._watch_weight(index)
         if owner_placed:
             self._place_owners(process_group)
         # After process_group's own comparison (in the core), which names a difference between replicas first.
@@ -920,6 +944,9 @@ class BaseKFACPreconditioner:
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
+        _WATCHING.add(self)
+        if not _OPTIMIZER_HOOK:
+            _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_optimizer_stepped))
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
 
     def _join_tensor_parallel(self, process_group: Any, model_parallel_group: Any) -> list[bool]:
@@ -1285,6 +1312,15 @@ class BaseKFACPreconditioner:
             with _CoreWarnings():
                 self._core.rebind_layer(index, *self._distributors[index].core_tensors(weight, bias))
             self._bound[index] = (weight, bias)
+            self._watch_weight(index)
+
+    def _watch_weight(self, index: int) -> None:
+        """A sharded layer's core sees stand-ins, which the optimizer never writes: its capture watches the shard the
+        optimizer writes in place, so that a step after the optimizer's is refused (the core watches the weight
+        itself elsewhere)."""
+        if isinstance(self._distributors[index], _StandIns):
+            weight = self._bound[index][0]
+            self._captures[index].watch_weight(weight._local_tensor)
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update (with ``fold_in_hooks``, what they folded into

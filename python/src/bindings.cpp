@@ -272,6 +272,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("enabled", &FactorCapture::enabled)
       .def("capture_input", &FactorCapture::capture_input, py::call_guard<py::gil_scoped_release>())
       .def("capture_output_grad", &FactorCapture::capture_output_grad, py::call_guard<py::gil_scoped_release>())
+      .def("watch_weight", &FactorCapture::watch_weight)
+      .def("mark_weight_written", &FactorCapture::mark_weight_written)
       .def_property_readonly("a_count", &FactorCapture::a_count)
       .def_property_readonly("g_count", &FactorCapture::g_count)
       .def("pending_bytes", &FactorCapture::pending_bytes);

@@ -297,6 +297,87 @@ def test_a_second_step_on_the_same_gradients_is_refused_and_changes_nothing():
     assert preconditioner.steps == 4
 
 
+# --- optimizer.step() before step() -----------------------------------------------------------------------------
+@pytest.mark.parametrize('make', [lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+                                  lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True)],
+                         ids=['sgd', 'sgd_foreach', 'adamw_fused'])
+def test_a_step_after_the_optimizers_is_refused_naming_the_layers_and_changes_nothing(make):
+    """kfac_pytorch's loop is backward, preconditioner.step(), optimizer.step(): in the other order the optimizer has
+    applied the plain gradients before they are preconditioned, and K-FAC has no effect (silently, before)."""
+    model = mlp()
+    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=10)
+    optimizer = make(list(model.parameters()))
+    model(batch(0)).pow(2).mean().backward()
+    optimizer.step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"step 0 refused: the weights of 2 layers \('0' \(Linear\), '2' \(Linear\)\) were written in place "
+                                           r'after their backward pass and before step\(\): optimizer.step\(\) ran '
+                                           r"before the preconditioner's step\(\)"):
+        preconditioner.step()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert preconditioner.steps == 0
+    # In the right order the same preconditioner trains on, and the steps without captures (1..9) check nothing.
+    for step in range(1, 12):
+        optimizer.zero_grad()
+        model(batch(step)).pow(2).mean().backward()
+        preconditioner.step()
+        optimizer.step()
+    assert preconditioner.steps == 11
+
+
+def test_an_optimizer_stepping_inside_the_backward_pass_is_refused():
+    """torch's optimizer-in-backward pattern (a step in each parameter's post-accumulate-grad hook) applies each
+    gradient as it is made: nothing is left for K-FAC to precondition."""
+    model = mlp()
+    preconditioner = dkfac.KFACPreconditioner(model)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: optimizers[p].step())
+    model(batch(0)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r'step 0 refused: the weights of 2 layers .*or an optimizer steps inside '
+                                           r'the backward pass'):
+        preconditioner.step()
+
+
+def test_a_step_after_the_optimizers_is_refused_on_a_model_sharded_by_fsdp2(tmp_path):
+    """A sharded layer's core sees stand-ins, which the optimizer never writes: the shard it writes is watched (one
+    rank, Gloo). Steps in the right order pass."""
+    import subprocess
+    import sys
+
+    code = f'''
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import dkfac
+dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+fully_shard(net[0])
+fully_shard(net[2])
+fully_shard(net)
+preconditioner = dkfac.KFACPreconditioner(net)
+optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+for reversed_order in (False, False, False, True):
+    optimizer.zero_grad()
+    net(torch.randn(4, 5)).sum().backward()
+    if reversed_order:
+        optimizer.step()
+    try:
+        preconditioner.step()
+        print('accepted')
+    except RuntimeError as error:
+        print(str(error).split(' were written')[0])
+    if not reversed_order:
+        optimizer.step()
+dist.destroy_process_group()
+'''
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ['accepted'] * 3 + ["step 3 refused: the weights of 2 layers ('0' (FSDPLinear), '2' (FSDPLinear))"], \
+        done.stdout
+
+
 # --- a factors-only state ---------------------------------------------------------------------------------------
 def _bytes(state: dict) -> int:
     tensors = [t for entry in state['layers'].values() for t in entry.values()]
