@@ -784,6 +784,8 @@ class BaseKFACPreconditioner:
     ``loglevel`` have kfac_pytorch's meanings. Most code builds a ``KFACPreconditioner`` instead.
     """
 
+    _retired: str = ''  # why step() raises, once another preconditioner took its layers over (_take_over)
+
     def __init__(
         self,
         layers: dict[torch.nn.Module, tuple[str, Any]],
@@ -858,12 +860,13 @@ class BaseKFACPreconditioner:
             # when this preconditioner goes, or at the interpreter's exit, before torch's store does.
             weakref.finalize(self, self._communicator.stop_watchdog)
 
+        # A preconditioner still hooked to these layers (one a framework holds: Lightning's tuner, an earlier fit's
+        # optimizer) is retired once this one is built (_take_over), not refused: its step() then raises.
+        superseded: dict[int, tuple[Any, str]] = {}
         for module, (name, _) in self._layers.items():
             other = _PRECONDITIONED.get(module)
             if other is not None and other() is not None:
-                raise ValueError(f'layer {name!r} ({type(module).__name__}) is already registered with another '
-                                 f'{type(other()).__name__}: both would precondition its gradient. Build one '
-                                 'preconditioner per model (delete the other one first)')
+                superseded.setdefault(id(other()), (other(), f'{name!r} ({type(module).__name__})'))
         owner = weakref.ref(self)
         core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
         core_options.update(options, accumulation_steps=accumulation_steps,
@@ -929,6 +932,7 @@ class BaseKFACPreconditioner:
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
+        self._take_over(list(superseded.values()))
         hooks, capture_hooks = [], []
         # Set by any hooked forward pass (eager) since the last step(): an interval assigned after it does not arm the
         # captures again (the step's passes ran as armed).
@@ -943,7 +947,7 @@ class BaseKFACPreconditioner:
             hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True, with_kwargs=True))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
-        weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
+        self._release_hooks = weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
         _WATCHING.add(self)
         if not _OPTIMIZER_HOOK:
             _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_optimizer_stepped))
@@ -1167,6 +1171,8 @@ class BaseKFACPreconditioner:
         KL-clips and writes the gradients. Call after backward (after all accumulation micro-batches), with
         gradients already averaged across ranks, and before the optimizer's step().
         """
+        if self._retired:
+            raise RuntimeError(self._retired)
         self._follow_parameters()
         if getattr(self, '_frozen_aside', None):
             self._warn_of_unfrozen_layers()
@@ -1313,6 +1319,21 @@ class BaseKFACPreconditioner:
                 self._core.rebind_layer(index, *self._distributors[index].core_tensors(weight, bias))
             self._bound[index] = (weight, bias)
             self._watch_weight(index)
+
+    def _take_over(self, superseded: list[tuple[BaseKFACPreconditioner, str]]) -> None:
+        """Retires each preconditioner still hooked to a layer of this one: its hooks go, and its step() raises
+        from now on. A framework builds the new optimizer before it drops the old one (Lightning's lr_find or
+        scale_batch_size and then fit, a second fit), so refusing the new one stopped them."""
+        for other, layer in superseded:
+            other._retired = (f'this {type(other).__name__} was superseded by another built on its model (layer '
+                              f'{layer}), which now hooks its layers: step() that one (or the optimizer built '
+                              'with it)')
+            other._release_hooks()
+            if other._communicator is not None:
+                other._communicator.stop_watchdog()
+            warnings.warn(f'dkfac: layer {layer} was registered with another {type(other).__name__}, still alive '
+                          '(held by a framework: the optimizer of an earlier fit or of a tuner, say): this one takes '
+                          "its layers over, and the other's step() now raises", stacklevel=_stacklevel_outside_dkfac())
 
     def _watch_weight(self, index: int) -> None:
         """A sharded layer's core sees stand-ins, which the optimizer never writes: its capture watches the shard the

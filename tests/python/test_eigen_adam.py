@@ -125,10 +125,10 @@ def test_eigen_adam_equals_the_float64_reference_with_adamw_on_the_other_paramet
                     p.mul_(1 - lr * DECAY).add_(dp, alpha=-lr)
         other_adamw.step()
         for (name, got), want in zip(model.named_parameters(), expected.parameters()):
-            # The schedule's smaller steps leave a round-off entry of P (see EPS above) at 1e-11 (not following its
-            # betas: 1e-2).
-            torch.testing.assert_close(got, want, rtol=1e-8 if cycle_momentum else 1e-9,
-                                       atol=1e-10 if cycle_momentum else 1e-12,
+            # A round-off entry of P (see EPS above) reaches 4e-11 on the layer after the LayerNorm, steady from the
+            # second step on, on some CPUs (an AVX-512 Xeon, with or without the schedule; elsewhere 1e-12). Not
+            # following the schedule's betas: 1e-2.
+            torch.testing.assert_close(got, want, rtol=1e-8 if cycle_momentum else 1e-9, atol=1e-10,
                                        msg=lambda m, s=step, n=name: f'step {s}, {n}: {m}')
     assert len(betas_seen) == (STEPS if cycle_momentum else 1), betas_seen
     assert (opt.preconditioner.adam_beta1, opt.preconditioner.adam_beta2) == betas

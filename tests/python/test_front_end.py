@@ -613,24 +613,31 @@ def test_argument_errors_name_the_argument(kwargs, error, message):
         dkfac.KFACPreconditioner(tiny_mlp(), **kwargs)
 
 
-def test_a_second_preconditioner_on_the_same_model_is_refused_until_the_first_goes():
-    """Two preconditioners on one model both preconditioned its gradients (twice), without a word."""
+def test_a_second_preconditioner_on_the_same_model_takes_it_over_and_the_first_step_raises():
+    """Two preconditioners on one model both preconditioned its gradients (twice), without a word; then the second
+    was refused while the first lived, which stopped Lightning's lr_find or scale_batch_size followed by fit, and a
+    second fit (the framework still held the first optimizer). The newer one now takes the layers over, saying so,
+    and the older one's step() raises; a construction that fails leaves the older one as it was."""
     model = tiny_mlp()
     first = dkfac.KFACPreconditioner(model)
-    with pytest.raises(ValueError, match=r"layer '0' \(Linear\) is already registered with another "
-                                         r'KFACPreconditioner'):
-        dkfac.KFACPreconditioner(model)
     hooks = sum(len(m._forward_hooks) for m in model.modules())
-    del first
-    import gc
-    gc.collect()
-    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks - 2  # its hooks went with it
-    second = dkfac.KFACPreconditioner(model)  # now free
+    with pytest.raises(ValueError, match='damping'):
+        dkfac.KFACPreconditioner(model, damping=-1.0)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+    with pytest.warns(UserWarning, match=r"layer '0' \(Linear\) was registered with another KFACPreconditioner, "
+                                         r'still alive .* this one takes its layers over'):
+        second = dkfac.KFACPreconditioner(model)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks  # the first's hooks went
     reference_model = tiny_mlp()
     reference = dkfac.KFACPreconditioner(reference_model)
     for got, expected in zip(train(model, second, 2), train(reference_model, reference, 2)):
         for a, b in zip(got, expected):
             assert torch.equal(a, b)  # preconditioned once, as a model with one preconditioner is
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r'this KFACPreconditioner was superseded by another built on its model '
+                                           r"\(layer '0' \(Linear\)\)"):
+        first.step()
+    second.step()
 
 
 def test_input_factors_wait_for_the_backward_pass_unless_saved_tensor_hooks_are_active():

@@ -18,6 +18,7 @@ import re
 import types
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')  # configs only: nothing may be downloaded
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
@@ -647,10 +648,12 @@ NEEDS_LIGHTNING = pytest.mark.skipif(not HAS_LIGHTNING,
 
 
 def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | None = None,
-                   callbacks: list | None = None, skip: set[int] = frozenset(), **kfac: object) -> tuple:
+                   callbacks: list | None = None, skip: set[int] = frozenset(), module: Any = None,
+                   **kfac: object) -> tuple:
     """A Lightning fit of the tiny GPT-2 whose configure_optimizers returns dkfac.optim.KFAC and a per-step
     LambdaLR, clipping at 1.0: (trainer, module). With ``scaler``: precision 16-mixed through that scaler (the
-    MixedPrecision plugin takes it; the preconditioner divides G by its scale)."""
+    MixedPrecision plugin takes it; the preconditioner divides G by its scale). ``module``: an earlier run's, fitted
+    again by a new Trainer."""
     import logging
 
     import pytorch_lightning as pl
@@ -674,7 +677,7 @@ def _lightning_run(batches: list[torch.Tensor], scaler: torch.amp.GradScaler | N
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
             return {'optimizer': opt, 'lr_scheduler': {'scheduler': scheduler, 'interval': 'step'}}
 
-    module = Module()
+    module = module if module is not None else Module()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(batches)), batch_size=BATCH,
                                          shuffle=False, num_workers=0)
     plugins = [MixedPrecision('16-mixed', 'cpu', scaler=scaler)] if scaler is not None else []
@@ -699,6 +702,19 @@ def test_lightning_matches_the_hand_written_loop() -> None:
     expected, expected_parameters = reference_run(batches, clip=1.0, scheduler=True)
     torch.testing.assert_close(torch.stack(module.losses), expected, **EXACT)
     torch.testing.assert_close(parameters_of(module.model), expected_parameters, **EXACT)
+
+
+@NEEDS_LIGHTNING
+def test_lightning_fits_a_module_again_while_the_first_trainer_holds_its_optimizer() -> None:
+    """A second fit (as lr_find or scale_batch_size before fit) builds a new dkfac.optim.KFAC while the first Trainer
+    still holds the old one: the new one takes the layers over and trains; the fit used to stop at
+    configure_optimizers ('already registered with another KFACPreconditioner')."""
+    batches = make_batches()
+    first_trainer, module = _lightning_run(batches)
+    again, _ = _lightning_run(batches, module=module)
+    assert again.optimizers[0].preconditioner.steps == len(batches)
+    with pytest.raises(RuntimeError, match='superseded by another built on its model'):
+        first_trainer.optimizers[0].preconditioner.step()
 
 
 @NEEDS_LIGHTNING
