@@ -569,7 +569,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
     // A weight or bias frozen with its gradient zeroed in place (zero_grad(set_to_none=False)) still has one: frozen
     // all the same, or its preconditioned gradient (which mixes the two) would move it.
     if (captured != 0 && layer.has_gradient() && layer.trainable()) {
-      if (late.empty() && captured > 0 && captured + empty != options_.accumulation_steps()) {
+      if (!discarding && late.empty() && captured > 0 && captured + empty != options_.accumulation_steps()) {
         warn_once(i, "accumulation",
                   "ran forward and backward " + std::to_string(captured) + " times since the last factor update "
                   "but accumulation_steps is " + std::to_string(options_.accumulation_steps()) +
@@ -577,7 +577,7 @@ std::vector<Preconditioner::LayerFate> Preconditioner::check_layers(bool factor_
                       "average the " + std::to_string(captured) + " passes");
       }
       // A shared-input follower's passes are its leader's inputs: the leader warns (and dropped the late ones).
-      const auto orphans = captured > 0 && late.empty() && !layer.follows_a()
+      const auto orphans = !discarding && captured > 0 && late.empty() && !layer.follows_a()
                                ? layer.capture().a_count() - layer.capture().g_count() : 0;
       if (orphans > 0) orphan_forwards.emplace_back(i, orphans);
       continue;

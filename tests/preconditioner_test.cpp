@@ -441,9 +441,9 @@ TEST(Preconditioner, AStepAfterTheOptimizersIsRefusedNamingTheLayers) {
     sgd.step();
     const auto plain = gradients(*net);
     testing::expect_error<c10::Error>([&] { kfac.step(); },
-                                      {"step 0 refused: the weights of 3 layers ('conv' (Conv2d), 'fc1' (Linear), 'fc2' (Linear)) were written "
-                                       "in place "
-                                       "after their backward pass and before step(): optimizer.step() ran before",
+                                      {"step 0 refused: the weights of 3 layers ('conv' (Conv2d), 'fc1' (Linear), "
+                                       "'fc2' (Linear)) were written in place after their backward pass and before "
+                                       "step(): optimizer.step() ran before",
                                        "Call step() after the backward pass and before optimizer.step()"});
     const auto after = gradients(*net);
     for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], after[i])) << i;
