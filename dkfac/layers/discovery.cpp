@@ -7,10 +7,9 @@
 
 namespace dkfac {
 
-std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates,
-                                  const std::vector<std::string>& skip_layers, const std::string& model,
-                                  std::vector<std::string>* reasons) {
-  if (reasons != nullptr) reasons->assign(candidates.size(), "");
+namespace {
+
+std::vector<std::regex> skip_patterns(const std::vector<std::string>& skip_layers) {
   std::vector<std::regex> patterns;
   for (const auto& pattern : skip_layers) {
     try {
@@ -19,6 +18,25 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
       TORCH_CHECK(false, "skip_layers pattern '", pattern, "' is not a valid regular expression: ", e.what());
     }
   }
+  return patterns;
+}
+
+}  // namespace
+
+bool skip_layers_match(const std::vector<std::string>& skip_layers, const std::vector<std::string>& texts) {
+  for (const auto& pattern : skip_patterns(skip_layers)) {
+    for (const auto& text : texts) {
+      if (std::regex_search(text, pattern)) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates,
+                                  const std::vector<std::string>& skip_layers, const std::string& model,
+                                  std::vector<std::string>* reasons) {
+  if (reasons != nullptr) reasons->assign(candidates.size(), "");
+  const auto patterns = skip_patterns(skip_layers);
   std::vector<bool> used(patterns.size(), false);
   std::string listed;  // "'fc1' (Linear)" of every candidate a pattern could match
   std::vector<size_t> chosen;

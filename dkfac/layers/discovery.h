@@ -38,6 +38,11 @@ std::vector<size_t> choose_layers(const std::vector<ModuleCandidate>& candidates
                                   const std::vector<std::string>& skip_layers, const std::string& model,
                                   std::vector<std::string>* reasons = nullptr);
 
+/// Whether one of `skip_layers` (ECMAScript regular expressions, searched, as choose_layers applies them) matches
+/// one of `texts` (a module's name, kind or class name): for a front end's modules of kinds it has no factors for.
+/// An invalid pattern is an error naming it.
+bool skip_layers_match(const std::vector<std::string>& skip_layers, const std::vector<std::string>& texts);
+
 /// Options::shared_input_layers as groups: for each of `names` (the registered layers, in model order), the index
 /// of the first layer of its group (the group's leader, which holds the shared A factor), or -1 where the layer
 /// is in no group (or leads one). A pattern's first capture group marks where member names differ: the layers a

@@ -14,7 +14,6 @@ import functools
 import inspect
 import logging
 import math
-import re
 import sys
 import warnings
 import weakref
@@ -230,8 +229,8 @@ def _log_plain_parameters(model: torch.nn.Module, layers: dict[torch.nn.Module, 
                'as given): %s', sum(len(n) for n in by_reason.values()), '; '.join(lines))
     # Weight layers of kinds it has no factors for (Conv3d, ConvTranspose, Bilinear) are said aloud: a model made
     # of them would otherwise train with K-FAC on its other layers alone, with a word at the loglevel only.
-    def skipped(name: str, module: torch.nn.Module) -> bool:
-        return any(re.search(p, name) or re.search(p, type(module).__name__) for p in skip_layers)
+    def skipped(name: str, module: torch.nn.Module) -> bool:  # the core's rule: ECMAScript, not Python's re
+        return _C.skip_layers_match(list(skip_layers), [name, type(module).__name__])
 
     other_kinds = [f'{name!r} ({type(module).__name__})' for name, module in model.named_modules()
                    if isinstance(module, _OTHER_WEIGHT_KINDS) and module not in layers

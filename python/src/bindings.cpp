@@ -197,6 +197,9 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& e : layer_state_entries()) out.emplace_back(e.key, e.factor, std::string(1, e.side), e.moment());
     return out;
   });
+  m.def("skip_layers_match", &skip_layers_match, py::arg("skip_layers"), py::arg("texts"),
+        "Whether a skip_layers pattern (ECMAScript, searched) matches one of texts: the core's rule, for modules of "
+        "other kinds");
   m.def(
       "choose_layers",
       // candidates: (name, class name, kind "Linear"/"Conv2d"/"Embedding", trainable, groups, reason the front end

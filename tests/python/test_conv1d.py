@@ -144,6 +144,12 @@ def test_weight_layers_of_other_kinds_are_named_in_a_warning():
     kinds = [str(w.message) for w in said if 'kinds K-FAC does not precondition' in str(w.message)]
     assert len(kinds) == 1 and "'4' (ConvTranspose1d)" in kinds[0] and 'Conv3d' not in kinds[0], kinds
     assert said[0].filename == __file__, 'the warning names the line that built the preconditioner'
+    # Patterns are the core's ECMAScript, for these modules too: a POSIX class, which Python's re reads as a set of
+    # ':', 'd', 'g', 'i', 't' followed by ']' (and so named the Conv3d the pattern skips).
+    with pytest.warns(UserWarning) as said:
+        dkfac.KFACPreconditioner(model, skip_layers=['Conv[[:digit:]]d'])
+    kinds = [str(w.message) for w in said if 'kinds K-FAC does not precondition' in str(w.message)]
+    assert len(kinds) == 1 and 'Conv3d' not in kinds[0], kinds
 
 
 class _FusedExperts(torch.nn.Module):
