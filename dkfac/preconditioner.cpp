@@ -44,7 +44,7 @@ bool Preconditioner::is_full_decomposition_step(int64_t step) const {
          step % (interval * options_.inv_update_steps_at(step)) == 0;
 }
 
-void Preconditioner::check_schedules_agree() const {
+void Preconditioner::check_schedules_agree(const std::string& written) const {
   // The constructor compared every constant option; a schedule (a function, as every Python hyper-parameter
   // is, so that assigning preconditioner.damping works) is compared by its values, at every step, first:
   // ranks whose intervals differ would otherwise start different collectives.
@@ -72,9 +72,19 @@ void Preconditioner::check_schedules_agree() const {
   const size_t compared = mine.size();
   // And the first layer this rank's step() would refuse (unused_layer_policy error), or -1: a refusal on some ranks
   // only would leave the others waiting in the step's collectives, so every rank stops at this step with it.
+  // Whether this rank refuses the step for weights written since the backward pass (a forward on one rank only may
+  // write them: an Embedding's max_norm), and the first layer it would refuse (unused_layer_policy error), or -1: a
+  // refusal on some ranks only would leave the others waiting in the step's collectives, so every rank stops.
+  mine.push_back(written.empty() ? 0.0 : 1.0);
   mine.push_back(static_cast<double>(first_refused_layer()));
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
   const int me = communicator_->rank();
+  TORCH_CHECK(written.empty(), written);
+  for (size_t rank = 0; rank < table.size(); ++rank) {
+    TORCH_CHECK(table[rank][compared] == 0.0, "rank ", rank, " refused step ", s, ": the weights of its layers were "
+                "written in place after their backward pass and before step() (its own error says which): every rank "
+                "stops here rather than wait for it in the step's collectives");
+  }
   if (const auto mine_refused = static_cast<int64_t>(table[static_cast<size_t>(me)].back()); mine_refused >= 0) {
     // Here, not in check_layers: strategy auto's choice, which comes between, may leave this rank's layer to another.
     const auto i = static_cast<size_t>(mine_refused);
@@ -148,8 +158,9 @@ void Preconditioner::step(const Distributor& distributor) {
 bool Preconditioner::run_step(const Distributor& model) {
   follow_parameters();
   refuse_repeated_step();
-  refuse_weights_written_since_backward();
-  check_schedules_agree();
+  const auto written = weights_written_since_backward();
+  check_schedules_agree(written);
+  TORCH_CHECK(written.empty(), written);  // one process (check_schedules_agree refuses on every rank of several)
   // The end of this step arms the captures by the next step's factor interval (arm_capture): a schedule that fails
   // (throws, or gives a value out of range) fails this step now, before anything changed, not after it is done.
   (void)is_factor_step(steps_ + 1);
@@ -214,9 +225,9 @@ void Preconditioner::refuse_repeated_step() const {
               "twice. Call step() once after each backward pass (after all accumulation micro-batches)");
 }
 
-void Preconditioner::refuse_weights_written_since_backward() {
-  // Seen where the output gradients were captured (factor steps: the first step is one). Every rank runs the same
-  // loop, so every rank refuses alike, before anything changed.
+std::string Preconditioner::weights_written_since_backward() {
+  // Seen where the output gradients were captured (factor steps: the first step is one); refused before anything
+  // changed.
   // The sums a layer's first check compares (FactorCapture::watch_weight) are read in one transfer.
   std::vector<bool> is_written(layers_.size(), false);
   std::vector<size_t> summed;
@@ -238,11 +249,11 @@ void Preconditioner::refuse_weights_written_since_backward() {
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (is_written[i]) written.push_back(names_.layer(layers_[i], i));
   }
-  if (written.empty()) return;
+  if (written.empty()) return "";
   std::string list;
   for (size_t k = 0; k < written.size() && k < 4; ++k) list += (k > 0 ? ", " : "") + written[k];
   if (written.size() > 4) list += " and " + std::to_string(written.size() - 4) + " more";
-  TORCH_CHECK(false, "step ", steps_, " refused: the weights of ", written.size(),
+  return c10::str("step ", steps_, " refused: the weights of ", written.size(),
               written.size() == 1 ? " layer (" : " layers (", list,
               ") were written in place after their backward pass and before step(): optimizer.step() ran before "
               "the preconditioner's step() (or an optimizer steps inside the backward pass). The optimizer has already "

@@ -572,16 +572,17 @@ class Preconditioner {
   /// Fails on every rank, naming the hyper-parameter and the values, when the ranks' schedules (lr, damping,
   /// kl_clip, factor_decay and the two intervals) give different values at this step, or their factor intervals
   /// at the next step (which this step's end arms the captures by): one allreduce of a world x 7 table at
-  /// the start of every step() (its cost: bench/schedule_check.py).
-  void check_schedules_agree() const;
+  /// the start of every step() (its cost: bench/schedule_check.py). The same table carries whether each rank
+  /// refuses the step for `written` (weights_written_since_backward) or an unusable layer: every rank refuses then.
+  void check_schedules_agree(const std::string& written) const;
   /// After a step() that threw: drops what its forward and backward captured, so that a caller who goes on
   /// builds the next factors from the next batches alone, and arms capture for the same step again.
   void forget_failed_step();
   /// Refuses a step() whose gradients are all the ones the last step() wrote, untouched since.
   void refuse_repeated_step() const;
-  /// Refuses a step whose layers' weights were written in place since their backward pass (FactorCapture::
-  /// take_weight_check): the optimizer already applied the gradients this step would precondition.
-  void refuse_weights_written_since_backward();
+  /// The refusal of a step whose layers' weights were written in place since their backward pass (FactorCapture::
+  /// take_weight_check: the optimizer already applied the gradients this step would precondition), or "".
+  std::string weights_written_since_backward();
   /// Remembers each gradient write_gradients() wrote (weakly: a gradient set to None may go) and its version.
   void remember_written_gradients(const std::vector<LayerFate>& fates);
   /// unused_layer_policy skip on several ranks: the ranks agree at every step which layers all can use.

@@ -10,6 +10,7 @@
 
 #include "dkfac/dkfac.h"
 #include "dkfac/strategy/prediction.h"
+#include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
 namespace dkfac {
@@ -458,6 +459,27 @@ TEST(Preconditioner, AStepAfterTheOptimizersIsRefusedNamingTheLayers) {
     }
     EXPECT_EQ(kfac.steps(), 2) << "fold " << fold;
   }
+}
+
+// A rank whose weights were written before its step() (here the only one whose optimizer stepped first) refuses,
+// and the other ranks refuse with it rather than wait for it in the step's collectives.
+TEST(Preconditioner, AStepAfterTheOptimizersOnOneRankIsRefusedOnEveryRank) {
+  std::vector<std::string> errors(2);
+  testing::run_ranks(2, [&](int rank, std::shared_ptr<comm::Communicator> communicator) {
+    auto net = make_net();
+    Preconditioner kfac(net, Options(), communicator);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    zero_grad_and_backward(*net, 1 + rank);
+    if (rank == 0) sgd.step();
+    try {
+      kfac.step();
+    } catch (const c10::Error& e) {
+      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+    }
+  });
+  EXPECT_NE(errors[0].find("step 0 refused: the weights of 3 layers"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0 refused step 0: the weights of its layers were written in place after their "
+                           "backward pass"), std::string::npos) << errors[1];
 }
 
 // discard_step() drops the step whatever ran since the last one: a forward whose loss was not finite (no backward),

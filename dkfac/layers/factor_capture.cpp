@@ -288,7 +288,7 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   if (!weight) return;
   watch_.version = weight->version_counter().current_version();
   watch_.marked = false;
-  if (watch_.fingerprint) watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
+  if (watch_.fingerprint && !weight_written_in_forward_) watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
 }
 
 void FactorCapture::watch_weight(const torch::Tensor& weight) {
@@ -306,7 +306,9 @@ FactorCapture::WeightCheck FactorCapture::take_weight_check() {
   const auto sum = std::exchange(watch_.sum, torch::Tensor());
   const auto weight = watch_.weight ? watch_.weight->lock() : nullptr;
   if (!version || !weight) return check;
-  check.written = marked || static_cast<int64_t>(weight->version_counter().current_version()) != *version;
+  check.written = marked;
+  if (weight_written_in_forward_) return check;
+  check.written = check.written || static_cast<int64_t>(weight->version_counter().current_version()) != *version;
   if (sum.defined()) {
     torch::NoGradGuard no_grad;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -314,6 +316,11 @@ FactorCapture::WeightCheck FactorCapture::take_weight_check() {
     watch_.fingerprint = false;
   }
   return check;
+}
+
+void FactorCapture::set_weight_written_in_forward(bool written) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  weight_written_in_forward_ = written;
 }
 
 void FactorCapture::mark_weight_written() {

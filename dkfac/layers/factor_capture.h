@@ -214,6 +214,10 @@ class FactorCapture {
   /// Says the weight was written since the last output gradient captured, where one was: the Python front end's
   /// optimizer hook, for fused optimizers, whose kernels write the weight without moving its version.
   void mark_weight_written();
+  /// The layer's own forward writes its weight in place (an Embedding with max_norm renormalizes the rows it looks
+  /// up), so that a forward after the backward pass (an evaluation, an activation checkpoint's recomputation) moves
+  /// its version and sum: they are not compared, and only mark_weight_written says it was written.
+  void set_weight_written_in_forward(bool written);
 
   /// Bytes held for the next factor update: the sums of the factors built, the inputs waiting for theirs.
   std::pair<int64_t, int64_t> pending_bytes() const;
@@ -278,6 +282,7 @@ class FactorCapture {
     bool fingerprint = true;         // until the first take that compared a sum
     bool marked = false;             // mark_weight_written since then
   } watch_;
+  bool weight_written_in_forward_ = false;  // set_weight_written_in_forward
   bool enabled_ = false;
   std::atomic<int64_t> rows_per_sample_{1};
   std::atomic<int64_t> samples_per_pass_{0};

@@ -7,6 +7,8 @@ EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options) : torch
               ") with sparse=true: K-FAC preconditions dense gradients; use torch::nn::Embedding for a sparse "
               "embedding (its gradient then stays plain)");
   capture_ = std::make_shared<FactorCapture>(embedding_geometry(options.num_embeddings()));
+  // max_norm renormalizes the looked-up rows of the weight in place at every forward.
+  capture_->set_weight_written_in_forward(options.max_norm().has_value());
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {

@@ -137,14 +137,21 @@ def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 capture.mark_weight_written()
 
 
-def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: weakref.ref) -> None:
+def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: weakref.ref,
+             previous: dict[torch.nn.Module, weakref.ref]) -> None:
     for handle in handles:
         handle.remove()
     for hook in hooks:
         hook.release()
     for module in modules:
         if _PRECONDITIONED.get(module) is owner:
-            del _PRECONDITIONED[module]
+            # A preconditioner that goes before it took the layers over (_take_over) leaves them to the one it would
+            # have superseded, if that one still lives.
+            before = previous.get(module)
+            if before is not None and before() is not None and not before()._retired:
+                _PRECONDITIONED[module] = before
+            else:
+                del _PRECONDITIONED[module]
 
 
 # --- capture under torch.compile ------------------------------------------------------------------------------
@@ -157,14 +164,17 @@ def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: wea
 # is marked side-effectful and can only be in the backward graph. They find their capture by a number
 # (_CAPTURES), and check at run time whether it captures this step, so that one graph serves factor and
 # non-factor steps alike. Eager passes call the capture directly.
-_CAPTURES: dict[int, Any] = {}
+_CAPTURES: dict[int, tuple[Any, list[bool]]] = {}  # key -> (capture, its preconditioner's forward-seen flag)
 _capture_keys = itertools.count()
 
 
 @torch.library.custom_op('dkfac::capture_input', mutates_args=('passes',))
 def _capture_input_op(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
-    capture = _CAPTURES.get(key)
-    if capture is not None and capture.enabled:
+    capture, seen = _CAPTURES.get(key, (None, None))
+    if capture is None:
+        return
+    seen[0] = True  # as an eager pass says: a forward since step() (the optimizer hook reads it)
+    if capture.enabled:
         capture.capture_input(x)
         passes.add_(1)
 
@@ -176,7 +186,7 @@ def _(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
 
 @torch.library.custom_op('dkfac::capture_output_grad', mutates_args=())
 def _capture_output_grad_op(grad: torch.Tensor, key: int) -> None:
-    capture = _CAPTURES.get(key)
+    capture, _ = _CAPTURES.get(key, (None, None))
     if capture is not None and capture.enabled:
         capture.capture_output_grad(grad)
 
@@ -219,7 +229,7 @@ class _CaptureHook:
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
         self.seen = seen if seen is not None else [False]  # the preconditioner's: a forward pass since its step()
         if capture is not None:
-            _CAPTURES[self.key] = capture
+            _CAPTURES[self.key] = (capture, self.seen)
 
     def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
         # (kwargs, output) as registered (with_kwargs=True); (output,) for an inert hook of a model pickled with a
@@ -785,6 +795,7 @@ class BaseKFACPreconditioner:
     """
 
     _retired: str = ''  # why step() raises, once another preconditioner took its layers over (_take_over)
+    _supersedes: tuple = ()  # (weak reference, layer) of those it takes over at its first step(); a list once built
 
     def __init__(
         self,
@@ -861,12 +872,19 @@ class BaseKFACPreconditioner:
             weakref.finalize(self, self._communicator.stop_watchdog)
 
         # A preconditioner still hooked to these layers (one a framework holds: Lightning's tuner, an earlier fit's
-        # optimizer) is retired once this one is built (_take_over), not refused: its step() then raises.
-        superseded: dict[int, tuple[Any, str]] = {}
+        # optimizer) is retired at this one's first step() (_take_over), not refused: its step() then raises. Not
+        # before: a build refused later (dkfac.optim.KFAC's checks of its base optimizer) or a preconditioner built
+        # and dropped without a step (to read memory_usage(), say) leaves it as it was.
+        previous: dict[torch.nn.Module, weakref.ref] = {}
+        self._supersedes: list[tuple[weakref.ref, str]] = []
         for module, (name, _) in self._layers.items():
             other = _PRECONDITIONED.get(module)
-            if other is not None and other() is not None:
-                superseded.setdefault(id(other()), (other(), f'{name!r} ({type(module).__name__})'))
+            if other is None or other() is None:
+                continue
+            previous[module] = other
+            if all(ref() is not other() for ref, _ in self._supersedes):
+                self._supersedes.append((other, f'{name!r} ({type(module).__name__})'))
+                self._supersedes += other()._supersedes  # those it had yet to take over
         owner = weakref.ref(self)
         core_options: dict[str, Any] = {name: (lambda step, a='_' + name: _read(owner, a, step)) for name in _SCHEDULED}
         core_options.update(options, accumulation_steps=accumulation_steps,
@@ -932,7 +950,6 @@ class BaseKFACPreconditioner:
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):
             logger.log(loglevel, 'dkfac: registered %s (%s): A %s, G %s', name, type(module).__name__,
                        f'{a} diagonal' if a_diagonal else f'{a} x {a}', f'{g} diagonal' if g_diagonal else f'{g} x {g}')
-        self._take_over(list(superseded.values()))
         hooks, capture_hooks = [], []
         # Set by any hooked forward pass (eager) since the last step(): an interval assigned after it does not arm the
         # captures again (the step's passes ran as armed).
@@ -947,7 +964,8 @@ class BaseKFACPreconditioner:
             hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True, with_kwargs=True))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
-        self._release_hooks = weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner)
+        self._release_hooks = weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner,
+                                               previous)
         _WATCHING.add(self)
         if not _OPTIMIZER_HOOK:
             _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_optimizer_stepped))
@@ -1173,6 +1191,8 @@ class BaseKFACPreconditioner:
         """
         if self._retired:
             raise RuntimeError(self._retired)
+        if self._supersedes:
+            self._take_over()
         self._follow_parameters()
         if getattr(self, '_frozen_aside', None):
             self._warn_of_unfrozen_layers()
@@ -1320,11 +1340,16 @@ class BaseKFACPreconditioner:
             self._bound[index] = (weight, bias)
             self._watch_weight(index)
 
-    def _take_over(self, superseded: list[tuple[BaseKFACPreconditioner, str]]) -> None:
-        """Retires each preconditioner still hooked to a layer of this one: its hooks go, and its step() raises
-        from now on. A framework builds the new optimizer before it drops the old one (Lightning's lr_find or
-        scale_batch_size and then fit, a second fit), so refusing the new one stopped them."""
-        for other, layer in superseded:
+    def _take_over(self) -> None:
+        """At this preconditioner's first step(), retires each one still hooked to a layer of it when it was built:
+        its hooks go, and its step() raises from now on. A framework builds the new optimizer before it drops the
+        old one (Lightning's lr_find or scale_batch_size and then fit, a second fit), so refusing the new one at its
+        build stopped them."""
+        superseded, self._supersedes = self._supersedes, []
+        for ref, layer in superseded:
+            other = ref()
+            if other is None or other._retired:
+                continue
             other._retired = (f'this {type(other).__name__} was superseded by another built on its model (layer '
                               f'{layer}), which now hooks its layers: step() that one (or the optimizer built '
                               'with it)')
@@ -1332,8 +1357,9 @@ class BaseKFACPreconditioner:
             if other._communicator is not None:
                 other._communicator.stop_watchdog()
             warnings.warn(f'dkfac: layer {layer} was registered with another {type(other).__name__}, still alive '
-                          '(held by a framework: the optimizer of an earlier fit or of a tuner, say): this one takes '
-                          "its layers over, and the other's step() now raises", stacklevel=_stacklevel_outside_dkfac())
+                          '(held by a framework: the optimizer of an earlier fit or of a tuner, say): this one, '
+                          "stepped now, takes its layers over, and the other's step() raises",
+                          stacklevel=_stacklevel_outside_dkfac())
 
     def _watch_weight(self, index: int) -> None:
         """A sharded layer's core sees stand-ins, which the optimizer never writes: its capture watches the shard the
@@ -1342,6 +1368,11 @@ class BaseKFACPreconditioner:
         if isinstance(self._distributors[index], _StandIns):
             weight = self._bound[index][0]
             self._captures[index].watch_weight(weight._local_tensor)
+        # max_norm renormalizes the looked-up rows in place at every forward (an evaluation after the backward pass,
+        # an activation checkpoint's recomputation): only the optimizer hook says such a weight was written.
+        module = self._modules[index]
+        if isinstance(module, torch.nn.Embedding) and module.max_norm is not None:
+            self._captures[index].set_weight_written_in_forward(True)
 
     def reset_batch(self) -> None:
         """Drops what the hooks captured since the last factor update (with ``fold_in_hooks``, what they folded into

@@ -613,25 +613,33 @@ def test_argument_errors_name_the_argument(kwargs, error, message):
         dkfac.KFACPreconditioner(tiny_mlp(), **kwargs)
 
 
-def test_a_second_preconditioner_on_the_same_model_takes_it_over_and_the_first_step_raises():
+def test_a_second_preconditioner_on_the_same_model_takes_it_over_at_its_first_step():
     """Two preconditioners on one model both preconditioned its gradients (twice), without a word; then the second
     was refused while the first lived, which stopped Lightning's lr_find or scale_batch_size followed by fit, and a
-    second fit (the framework still held the first optimizer). The newer one now takes the layers over, saying so,
-    and the older one's step() raises; a construction that fails leaves the older one as it was."""
+    second fit (the framework still held the first optimizer). The newer one now takes the layers over at its first
+    step(), saying so, and the older one's step() raises. A build that fails, or a preconditioner built and dropped
+    without a step, leaves the older one as it was."""
+    import copy
+    import gc
+
     model = tiny_mlp()
     first = dkfac.KFACPreconditioner(model)
     hooks = sum(len(m._forward_hooks) for m in model.modules())
     with pytest.raises(ValueError, match='damping'):
         dkfac.KFACPreconditioner(model, damping=-1.0)
+    assert dkfac.KFACPreconditioner(model).memory_usage()['total'] == 0  # built, read, dropped
+    gc.collect()
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
-    with pytest.warns(UserWarning, match=r"layer '0' \(Linear\) was registered with another KFACPreconditioner, "
-                                         r'still alive .* this one takes its layers over'):
-        second = dkfac.KFACPreconditioner(model)
-    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks  # the first's hooks went
-    reference_model = tiny_mlp()
+    train(model, first, 1)  # still the model's preconditioner
+    reference_model = copy.deepcopy(model)  # the copy's hooks are inert
     reference = dkfac.KFACPreconditioner(reference_model)
-    for got, expected in zip(train(model, second, 2), train(reference_model, reference, 2)):
-        for a, b in zip(got, expected):
+    second = dkfac.KFACPreconditioner(model)
+    with pytest.warns(UserWarning, match=r"layer '0' \(Linear\) was registered with another KFACPreconditioner, "
+                                         r'still alive .* this one, stepped now, takes its layers over'):
+        got = train(model, second, 2, start=1)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks  # the first's hooks went
+    for got_step, expected_step in zip(got, train(reference_model, reference, 2, start=1)):
+        for a, b in zip(got_step, expected_step):
             assert torch.equal(a, b)  # preconditioned once, as a model with one preconditioner is
     model(torch.randn(8, 4)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match=r'this KFACPreconditioner was superseded by another built on its model '

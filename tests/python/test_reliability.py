@@ -341,6 +341,58 @@ def test_an_optimizer_stepping_inside_the_backward_pass_is_refused():
         preconditioner.step()
 
 
+def test_an_embedding_with_max_norm_written_by_a_forward_after_the_backward_pass_is_not_taken_for_the_optimizer():
+    """max_norm renormalizes the looked-up rows in place at every forward: an evaluation between backward and
+    step() moved the weight's version and the step was refused. Such a weight is told written by the optimizer
+    hook alone, which still refuses the reversed order."""
+    def run(evaluate: bool, reverse: bool) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 6, max_norm=1.0), torch.nn.Linear(6, 3))
+        preconditioner = dkfac.KFACPreconditioner(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            ids = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            model(ids).pow(2).mean().backward()
+            if evaluate:
+                with torch.no_grad():
+                    model.eval()
+                    model(torch.arange(10))
+                    model.train()
+            if reverse:
+                optimizer.step()
+            preconditioner.step()
+            if not reverse:
+                optimizer.step()
+
+    run(evaluate=True, reverse=False)
+    with pytest.raises(RuntimeError, match=r"step 0 refused: the weights of 2 layers \('0' \(Embedding\), '1' "):
+        run(evaluate=True, reverse=True)
+
+
+def test_a_compiled_model_stepped_by_a_fused_optimizer_first_is_refused_even_where_its_step_moved_nothing():
+    """A compiled forward set no flag the optimizer hook reads, and a fused optimizer moves no version counter:
+    with a first step that left the weights as they were (a warmup from lr 0, a GradScaler's skipped step), the
+    reversed order was never refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    preconditioner = dkfac.KFACPreconditioner(model)
+    compiled = torch.compile(model, backend='eager')
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: float(step))  # lr 0 at step 0
+    refused = []
+    for step in range(3):
+        optimizer.zero_grad()
+        compiled(batch(step)).pow(2).mean().backward()
+        optimizer.step()
+        scheduler.step()
+        try:
+            preconditioner.step()
+        except RuntimeError as error:
+            refused.append(str(error).split(' were written')[0])
+    assert refused[0] == "step 0 refused: the weights of 2 layers ('0' (Linear), '2' (Linear))", refused
+
+
 def test_a_step_after_the_optimizers_is_refused_on_a_model_sharded_by_fsdp2(tmp_path):
     """A sharded layer's core sees stand-ins, which the optimizer never writes: the shard it writes is watched (one
     rank, Gloo). Steps in the right order pass."""
