@@ -288,7 +288,9 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   if (!weight) return;
   watch_.version = weight->version_counter().current_version();
   watch_.marked = false;
-  if (watch_.fingerprint && !weight_written_in_forward_) watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
+  if (watch_.fingerprint && !weight_written_in_forward_) {
+    watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
+  }
 }
 
 void FactorCapture::watch_weight(const torch::Tensor& weight) {

@@ -154,14 +154,15 @@ const std::vector<std::string> kShared = {"(query|key|value)$"};
 
 // A stacked and a layer-by-layer run (`options`, and stack_layers off) on towers from `make`, in lockstep for `steps`
 // steps; `tamper(net, step)` runs on each net between its backward pass and its step, `check(step)` after both
-// steps. Every step's gradients agree to 1e-12 (NaN where NaN), and so does KL clipping's scale.
+// steps. Every step's gradients agree to `tolerance` (relative to each parameter's largest; NaN where NaN), and KL
+// clipping's scale to 1e-12.
 struct Runs {
   std::shared_ptr<Tower> stacked_net, plain_net;
   std::unique_ptr<Preconditioner> stacked, plain;
 };
 Runs run_both(const Options& options, int64_t steps, const std::function<void(Tower&, int64_t)>& tamper = nullptr,
               const std::function<void(const Runs&, int64_t)>& check = nullptr,
-              const std::function<std::shared_ptr<Tower>()>& make = make_tower) {
+              const std::function<std::shared_ptr<Tower>()>& make = make_tower, double tolerance = 1e-12) {
   Runs runs{make(), make(), nullptr, nullptr};
   runs.stacked = std::make_unique<Preconditioner>(runs.stacked_net, options);
   runs.plain = std::make_unique<Preconditioner>(runs.plain_net, Options(options).stack_layers(false));
@@ -176,7 +177,7 @@ Runs run_both(const Options& options, int64_t steps, const std::function<void(To
     const auto want = grads_of(*runs.plain_net);
     for (size_t p = 0; p < got.size(); ++p) {
       const double scale = want[p].nan_to_num(0.0).abs().max().item<double>();
-      EXPECT_TRUE(torch::allclose(got[p], want[p], 0.0, 1e-12 * scale + 1e-300, /*equal_nan=*/true))
+      EXPECT_TRUE(torch::allclose(got[p], want[p], 0.0, tolerance * scale + 1e-300, /*equal_nan=*/true))
           << "step " << step << " parameter " << p;
     }
     EXPECT_NEAR(runs.stacked->last_kl_scale(), runs.plain->last_kl_scale(), 1e-12) << "step " << step;
@@ -264,13 +265,18 @@ void expect_same_moments(const Runs& r, int64_t step) {
 
 TEST_P(StackedEigenAdam, EqualLayerByLayer) {
   const int64_t padding = GetParam().padding;
+  // Unpadded (pad_widths 1), the products at the odd widths 6 and 7 run batched kernels that round otherwise than
+  // the one-matrix ones on some CPUs (an AVX-512 Xeon: the eigen method 5e-16 apart), and Adam's first step P / (|P| + eps) multiplies
+  // a change of an entry near eps by up to 1 / (4 eps): 1.8e-11 apart there, measured.
+  const double tolerance = padding > 0 ? 1e-12 : 1e-9;
   const auto runs = run_both(Options(GetParam().options).eigen_adam(true).kl_clip(0).inv_update_steps(3), 8, nullptr,
                              [padding](const Runs& r, int64_t step) {
                                expect_same_moments(r, step);
                                EXPECT_EQ(r.stacked->stack_padding_bytes(), padding) << "step " << step;
                                EXPECT_EQ(r.stacked->memory_bytes(), r.plain->memory_bytes() + padding)
                                    << "step " << step;
-                             });
+                             },
+                             make_tower, tolerance);
   const auto& stacked = *runs.stacked;
   const auto& mix = stacked.layers()[index_of(stacked, "block1.mix")];
   EXPECT_FALSE(mix.second_order().denominator.defined());
