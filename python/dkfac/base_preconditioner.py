@@ -129,7 +129,7 @@ def _optimizer_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     a wrapper's step (accelerate's, dkfac.optim.KFAC's) runs step() before its inner optimizer's step, so that by then
     nothing is left to mark."""
     for preconditioner in list(_WATCHING):
-        if not preconditioner._forward_seen[0]:
+        if preconditioner._retired or not preconditioner._forward_seen[0]:
             continue
         held = {id(p) for group in optimizer.param_groups for p in group['params']}
         for (weight, _), capture in zip(preconditioner._bound, preconditioner._captures):
