@@ -70,11 +70,9 @@ void Preconditioner::check_schedules_agree(const std::string& written) const {
   std::vector<double> mine;
   for (const auto& v : values) mine.push_back(v.value);
   const size_t compared = mine.size();
-  // And the first layer this rank's step() would refuse (unused_layer_policy error), or -1: a refusal on some ranks
-  // only would leave the others waiting in the step's collectives, so every rank stops at this step with it.
-  // Whether this rank refuses the step for weights written since the backward pass (a forward on one rank only may
-  // write them: an Embedding's max_norm), and the first layer it would refuse (unused_layer_policy error), or -1: a
-  // refusal on some ranks only would leave the others waiting in the step's collectives, so every rank stops.
+  // And whether this rank refuses the step for weights written since the backward pass (one rank's loop may differ),
+  // and the first layer it would refuse (unused_layer_policy error), or -1: a refusal on some ranks only would leave
+  // the others waiting in the step's collectives, so every rank stops.
   mine.push_back(written.empty() ? 0.0 : 1.0);
   mine.push_back(static_cast<double>(first_refused_layer()));
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
@@ -227,8 +225,7 @@ void Preconditioner::refuse_repeated_step() const {
 
 std::string Preconditioner::weights_written_since_backward() {
   // Seen where the output gradients were captured (factor steps: the first step is one); refused before anything
-  // changed.
-  // The sums a layer's first check compares (FactorCapture::watch_weight) are read in one transfer.
+  // changed. The sums a layer's first check compares (FactorCapture::watch_weight) are read in one transfer.
   std::vector<bool> is_written(layers_.size(), false);
   std::vector<size_t> summed;
   std::vector<torch::Tensor> sums_differ;
@@ -254,11 +251,12 @@ std::string Preconditioner::weights_written_since_backward() {
   for (size_t k = 0; k < written.size() && k < 4; ++k) list += (k > 0 ? ", " : "") + written[k];
   if (written.size() > 4) list += " and " + std::to_string(written.size() - 4) + " more";
   return c10::str("step ", steps_, " refused: the weights of ", written.size(),
-              written.size() == 1 ? " layer (" : " layers (", list,
-              ") were written in place after their backward pass and before step(): optimizer.step() ran before "
-              "the preconditioner's step() (or an optimizer steps inside the backward pass). The optimizer has already "
-              "applied the gradients this step would precondition, so K-FAC would have no effect. Call step() after "
-              "the backward pass and before optimizer.step() (dkfac.optim.KFAC does both, in that order)");
+                  written.size() == 1 ? " layer (" : " layers (", list,
+                  ") were written in place after their backward pass and before step(): optimizer.step() ran before "
+                  "the preconditioner's step() (or an optimizer steps inside the backward pass). The optimizer has "
+                  "already applied the gradients this step would precondition, so K-FAC would have no effect. Call "
+                  "step() after the backward pass and before optimizer.step() (dkfac.optim.KFAC does both, in that "
+                  "order)");
 }
 
 void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fates) {
