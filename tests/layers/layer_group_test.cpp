@@ -266,8 +266,8 @@ void expect_same_moments(const Runs& r, int64_t step) {
 TEST_P(StackedEigenAdam, EqualLayerByLayer) {
   const int64_t padding = GetParam().padding;
   // Unpadded (pad_widths 1), the products at the odd widths 6 and 7 run batched kernels that round otherwise than
-  // the one-matrix ones on some CPUs (an AVX-512 Xeon: the eigen method 5e-16 apart), and Adam's first step P / (|P| + eps) multiplies
-  // a change of an entry near eps by up to 1 / (4 eps): 1.8e-11 apart there, measured.
+  // the one-matrix ones on some CPUs (an AVX-512 Xeon: the eigen method 5e-16 apart), and Adam's first step
+  // P / (|P| + eps) multiplies a change of an entry near eps by up to 1 / (4 eps): 1.8e-11 apart there, measured.
   const double tolerance = padding > 0 ? 1e-12 : 1e-9;
   const auto runs = run_both(Options(GetParam().options).eigen_adam(true).kl_clip(0).inv_update_steps(3), 8, nullptr,
                              [padding](const Runs& r, int64_t step) {
