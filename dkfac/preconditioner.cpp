@@ -225,7 +225,7 @@ void Preconditioner::refuse_repeated_step() const {
 
 std::string Preconditioner::weights_written_since_backward() {
   // Seen where the output gradients were captured (factor steps: the first step is one); refused before anything
-  // changed. The sums a layer's first check compares (FactorCapture::watch_weight) are read in one transfer.
+  // changed. The sums a layer's first checks compare (FactorCapture::watch_weight) are read in one transfer.
   std::vector<bool> is_written(layers_.size(), false);
   std::vector<size_t> summed;
   std::vector<torch::Tensor> sums_differ;

@@ -459,6 +459,17 @@ TEST(Preconditioner, AStepAfterTheOptimizersIsRefusedNamingTheLayers) {
     }
     EXPECT_EQ(kfac.steps(), 2) << "fold " << fold;
   }
+  // A first step from lr 0 (a warmup) moves nothing: LibTorch's SGD, which moves no version, is seen at the next.
+  auto net = make_net();
+  Preconditioner kfac(net, Options());
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.0));
+  zero_grad_and_backward(*net, 1);
+  sgd.step();
+  kfac.step();
+  static_cast<torch::optim::SGDOptions&>(sgd.param_groups()[0].options()).lr(0.1);
+  zero_grad_and_backward(*net, 2);
+  sgd.step();
+  testing::expect_error<c10::Error>([&] { kfac.step(); }, {"step 1 refused: the weights of 3 layers"});
 }
 
 // A rank whose weights were written before its step() (here the only one whose optimizer stepped first) refuses,

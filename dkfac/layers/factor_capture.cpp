@@ -288,7 +288,7 @@ void FactorCapture::capture_output_grad(const torch::Tensor& grad_output) {
   if (!weight) return;
   watch_.version = weight->version_counter().current_version();
   watch_.marked = false;
-  if (watch_.fingerprint && !weight_written_in_forward_) {
+  if (watch_.sums_left > 0 && !weight_written_in_forward_) {
     watch_.sum = at::sum(torch::Tensor(weight), at::kDouble);  // no_grad, outside autocast
   }
 }
@@ -315,7 +315,7 @@ FactorCapture::WeightCheck FactorCapture::take_weight_check() {
     torch::NoGradGuard no_grad;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     check.sum_differs = at::sum(torch::Tensor(weight), at::kDouble).ne(sum);
-    watch_.fingerprint = false;
+    --watch_.sums_left;
   }
   return check;
 }

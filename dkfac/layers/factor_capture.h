@@ -198,9 +198,9 @@ class FactorCapture {
 
   /// The layer's weight, held weakly: each output gradient captured records its version, so that step() can tell a
   /// weight written in place since the backward pass (optimizer.step() called before the preconditioner's step(),
-  /// or an optimizer stepping inside the backward pass). KfacLayer sets it at its construction and rebind. Until
-  /// the first check of a weight, the output gradients also record its sum: LibTorch's SGD writes the weight through
-  /// `data()`, which moves no version.
+  /// or an optimizer stepping inside the backward pass). KfacLayer sets it at its construction and rebind. For the
+  /// first three checks of a weight, the output gradients also record its sum: LibTorch's SGD writes the weight
+  /// through `data()`, which moves no version (three: a first step from lr 0 moves nothing).
   void watch_weight(const torch::Tensor& weight);
   /// What take_weight_check finds since the last output gradient captured: `written` where the weight's version
   /// moved or mark_weight_written said so; `sum_differs`, a bool tensor on the weight's device (read by the caller,
@@ -278,8 +278,8 @@ class FactorCapture {
   struct WeightWatch {
     std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> weight;
     std::optional<int64_t> version;  // its version then
-    torch::Tensor sum;               // its sum then, while `fingerprint`
-    bool fingerprint = true;         // until the first take that compared a sum
+    torch::Tensor sum;               // its sum then, while `sums_left`
+    int sums_left = 3;               // takes that compare a sum yet (a first step may move nothing: lr 0)
     bool marked = false;             // mark_weight_written since then
   } watch_;
   bool weight_written_in_forward_ = false;  // set_weight_written_in_forward
