@@ -29,6 +29,18 @@
 
 namespace dkfac {
 
+namespace {
+
+// "a, b, c, d and 2 more": the first four of `items`, for messages naming many layers.
+std::string first_four(const std::vector<std::string>& items) {
+  std::string list;
+  for (size_t k = 0; k < items.size() && k < 4; ++k) list += (k > 0 ? ", " : "") + items[k];
+  if (items.size() > 4) list += " and " + std::to_string(items.size() - 4) + " more";
+  return list;
+}
+
+}  // namespace
+
 bool Preconditioner::is_factor_step(int64_t step) const {
   return step % options_.factor_update_steps_at(step) == 0;
 }
@@ -226,32 +238,24 @@ void Preconditioner::refuse_repeated_step() const {
 std::string Preconditioner::weights_written_since_backward() {
   // Seen where the output gradients were captured (factor steps: the first step is one); refused before anything
   // changed. The sums a layer's first checks compare (FactorCapture::watch_weight) are read in one transfer.
-  std::vector<bool> is_written(layers_.size(), false);
-  std::vector<size_t> summed;
+  std::vector<FactorCapture::WeightCheck> checks;
   std::vector<torch::Tensor> sums_differ;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    auto check = layers_[i].capture().take_weight_check();
-    is_written[i] = check.written;
-    if (check.sum_differs.defined()) {
-      summed.push_back(i);
-      const auto device = sums_differ.empty() ? check.sum_differs.device() : sums_differ[0].device();
-      sums_differ.push_back(check.sum_differs.to(device));
+  for (auto& layer : layers_) {
+    checks.push_back(layer.capture().take_weight_check());
+    if (const auto& differs = checks.back().sum_differs; differs.defined()) {
+      sums_differ.push_back(differs.to(sums_differ.empty() ? differs.device() : sums_differ[0].device()));
     }
   }
-  if (!sums_differ.empty()) {
-    const auto differ = torch::stack(sums_differ).cpu();
-    for (size_t k = 0; k < summed.size(); ++k) is_written[summed[k]] = is_written[summed[k]] || differ[k].item<bool>();
-  }
+  const auto differ = sums_differ.empty() ? torch::Tensor() : torch::stack(sums_differ).cpu();
   std::vector<std::string> written;
+  int64_t summed = 0;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    if (is_written[i]) written.push_back(names_.layer(layers_[i], i));
+    const bool sum_moved = checks[i].sum_differs.defined() && differ[summed++].item<bool>();
+    if (checks[i].written || sum_moved) written.push_back(names_.layer(layers_[i], i));
   }
   if (written.empty()) return "";
-  std::string list;
-  for (size_t k = 0; k < written.size() && k < 4; ++k) list += (k > 0 ? ", " : "") + written[k];
-  if (written.size() > 4) list += " and " + std::to_string(written.size() - 4) + " more";
   return c10::str("step ", steps_, " refused: the weights of ", written.size(),
-                  written.size() == 1 ? " layer (" : " layers (", list,
+                  written.size() == 1 ? " layer (" : " layers (", first_four(written),
                   ") were written in place after their backward pass and before step(): optimizer.step() ran before "
                   "the preconditioner's step() (or an optimizer steps inside the backward pass). The optimizer has "
                   "already applied the gradients this step would precondition, so K-FAC would have no effect. Call "
@@ -1388,12 +1392,10 @@ void Preconditioner::warn_once_for_layers(const std::string& kind,
   }
   if (named.empty()) return;
   const bool same = std::all_of(named.begin(), named.end(), [&](const auto& n) { return n.second == named[0].second; });
-  std::string list;
-  for (size_t k = 0; k < named.size() && k < 4; ++k) {
-    list += (k > 0 ? ", " : "") + named[k].first + (same ? "" : ": " + std::to_string(named[k].second));
-  }
-  if (named.size() > 4) list += " and " + std::to_string(named.size() - 4) + " more";
-  TORCH_WARN("dkfac: step ", steps_, ": ", named.size(), named.size() == 1 ? " layer (" : " layers (", list, ") ran ",
+  std::vector<std::string> items;
+  for (const auto& [name, passes] : named) items.push_back(name + (same ? "" : ": " + std::to_string(passes)));
+  TORCH_WARN("dkfac: step ", steps_, ": ", named.size(), named.size() == 1 ? " layer (" : " layers (",
+             first_four(items), ") ran ",
              same ? std::to_string(named[0].second) : std::string("some"), " forward pass(es) ", message,
              " (warned once per layer)");
 }

@@ -561,28 +561,37 @@ def test_an_empty_batch_is_no_pass():
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
 
-def test_a_weight_frozen_with_its_gradient_zeroed_in_place_is_frozen():
-    """requires_grad_(False) on a weight whose gradient zero_grad(set_to_none=False) keeps as zeros: the layer was
-    preconditioned as before, its bias's gradient mixed into the weight's, and the frozen weight moved (4e-4 in 3
-    SGD steps). It is frozen as with set_to_none=True now: refused by default, its plain gradient under 'skip'."""
+def assert_frozen_at_step_2_is_never_moved(which: str, warned: str, refused: str, refused_set_to_none: bool,
+                                           **options) -> None:
+    """Layer '2''s `which` ('weight' or 'bias') frozen at step 2, with either zero_grad: under 'skip' the layer is
+    warned about (`warned`) and the frozen tensor never moves again; by default its next step, after
+    zero_grad(set_to_none=refused_set_to_none), is refused (`refused`)."""
     for set_to_none in (False, True):
-        model, preconditioner = blocks(unused_layer_policy='skip')
-        frozen = model[2].weight
+        model, preconditioner = blocks(unused_layer_policy='skip', **options)
+        frozen = getattr(model[2], which)
         before = {}
 
         def freeze(step: int) -> None:
             if step == 2:
                 frozen.requires_grad_(False)
-                before['weight'] = frozen.detach().clone()
+                before[which] = frozen.detach().clone()
 
-        with pytest.warns(UserWarning, match=r"'2'.*is frozen \(its weight has requires_grad=False\)"):
+        with pytest.warns(UserWarning, match=warned):
             loop(model, preconditioner, range(5), before=freeze, set_to_none=set_to_none)
-        assert torch.equal(frozen, before['weight'])
-    model, preconditioner = blocks()
-    loop(model, preconditioner, range(2), set_to_none=False)
-    model[2].weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"'2'.*is frozen"):
-        loop(model, preconditioner, range(2, 3), set_to_none=False)
+        assert torch.equal(frozen, before[which])
+    model, preconditioner = blocks(**options)
+    loop(model, preconditioner, range(2), set_to_none=refused_set_to_none)
+    getattr(model[2], which).requires_grad_(False)
+    with pytest.raises(RuntimeError, match=refused):
+        loop(model, preconditioner, range(2, 3), set_to_none=refused_set_to_none)
+
+
+def test_a_weight_frozen_with_its_gradient_zeroed_in_place_is_frozen():
+    """requires_grad_(False) on a weight whose gradient zero_grad(set_to_none=False) keeps as zeros: the layer was
+    preconditioned as before, its bias's gradient mixed into the weight's, and the frozen weight moved (4e-4 in 3
+    SGD steps). It is frozen as with set_to_none=True now: refused by default, its plain gradient under 'skip'."""
+    assert_frozen_at_step_2_is_never_moved('weight', warned=r"'2'.*is frozen \(its weight has requires_grad=False\)",
+                                           refused=r"'2'.*is frozen", refused_set_to_none=False)
 
 
 def test_a_layer_frozen_at_the_build_and_unfrozen_later_is_named_once():
@@ -614,24 +623,9 @@ def test_a_bias_frozen_while_its_weight_trains_is_never_moved(fold_in_hooks):
     bias, whose zeroed gradient the preconditioned one replaced, moved (6.7e-4 in 3 SGD steps), without a word; with
     set_to_none=True the refusal said the layer 'has no gradient'. It is frozen in part now: refused by default
     naming the bias, its plain gradients under 'skip' (the bias stays where it was)."""
-    for set_to_none in (False, True):
-        model, preconditioner = blocks(unused_layer_policy='skip', fold_in_hooks=fold_in_hooks)
-        frozen = model[2].bias
-        before = {}
-
-        def freeze(step: int) -> None:
-            if step == 2:
-                frozen.requires_grad_(False)
-                before['bias'] = frozen.detach().clone()
-
-        with pytest.warns(UserWarning, match=r"'2'.*is frozen in part \(its bias has requires_grad=False"):
-            loop(model, preconditioner, range(5), before=freeze, set_to_none=set_to_none)
-        assert torch.equal(frozen, before['bias'])
-    model, preconditioner = blocks(fold_in_hooks=fold_in_hooks)
-    loop(model, preconditioner, range(2), set_to_none=True)
-    model[2].bias.requires_grad_(False)
-    with pytest.raises(RuntimeError, match=r"'2'.*its bias has requires_grad=False"):
-        loop(model, preconditioner, range(2, 3), set_to_none=True)
+    assert_frozen_at_step_2_is_never_moved('bias', warned=r"'2'.*is frozen in part \(its bias has requires_grad=False",
+                                           refused=r"'2'.*its bias has requires_grad=False", refused_set_to_none=True,
+                                           fold_in_hooks=fold_in_hooks)
 
 
 @pytest.mark.parametrize('fold_in_hooks', [True, False], ids=['fold', 'no-fold'])

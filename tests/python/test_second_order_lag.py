@@ -37,6 +37,18 @@ def run(model: torch.nn.Module, preconditioner: dkfac.KFACPreconditioner, steps:
     return grads
 
 
+def resumed_run(state: dict, options: dict, steps: range, warning: str) -> tuple[list[list[torch.Tensor]], list[str]]:
+    """A fresh model and preconditioner (`options`) that load `state`, run over `steps`: their gradients, and the
+    load's warnings that contain `warning`."""
+    model = make_model()  # the weights are not stepped: each step's gradients from the same model
+    preconditioner = dkfac.KFACPreconditioner(model, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        preconditioner.load_state_dict(state)
+    said = [str(w.message) for w in caught if warning in str(w.message)]
+    return run(model, preconditioner, steps), said
+
+
 def second_order(preconditioner: dkfac.KFACPreconditioner) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in state.items() if 'factor' not in k}
             for state in preconditioner._core.layer_states()]
@@ -126,13 +138,7 @@ def test_state_dict_saved_after_a_factor_update_with_an_update_in_flight_says_th
     run(model, preconditioner, range(saved_after + 1))
     state = preconditioner.state_dict()
     expected = run(model, preconditioner, range(saved_after + 1, saved_after + 4))
-    resumed_model = make_model()  # the weights are not stepped: each step's gradients from the same model
-    resumed = dkfac.KFACPreconditioner(resumed_model, **options)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        resumed.load_state_dict(state)
-    said = [str(w.message) for w in caught if 'update in flight' in str(w.message)]
-    got = run(resumed_model, resumed, range(saved_after + 1, saved_after + 4))
+    got, said = resumed_run(state, options, range(saved_after + 1, saved_after + 4), 'update in flight')
     exact = all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
     if saved_after == 5:
         assert exact and not said
@@ -160,13 +166,7 @@ def test_a_factors_only_state_saved_after_an_inverse_step_resumes_exactly_at_lag
     run(model, preconditioner, range(7))  # 6 is an inverse step
     state = preconditioner.state_dict(include_second_order=False)
     expected = run(model, preconditioner, range(7, 11))
-    resumed_model = make_model()  # the weights are not stepped: each step's gradients from the same model
-    resumed = dkfac.KFACPreconditioner(resumed_model, **options)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        resumed.load_state_dict(state)
-    said = [str(w.message) for w in caught if 'recomputed from the loaded factors' in str(w.message)]
-    got = run(resumed_model, resumed, range(7, 11))
+    got, said = resumed_run(state, options, range(7, 11), 'recomputed from the loaded factors')
     same = [all(torch.equal(a, b) for a, b in zip(g, e)) for g, e in zip(got, expected)]
     if lag == 1:
         assert not said and all(same)
