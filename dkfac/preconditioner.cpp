@@ -89,7 +89,7 @@ void Preconditioner::check_schedules_agree(const std::string& written) const {
   mine.push_back(static_cast<double>(first_refused_layer()));
   const auto table = comm::gather_over(*communicator_, comm::kWorld, mine, comm::Purpose::kControl);
   const int me = communicator_->rank();
-  TORCH_CHECK(written.empty(), written);
+  if (!written.empty()) return;  // this rank refuses in run_step, with its own message
   for (size_t rank = 0; rank < table.size(); ++rank) {
     TORCH_CHECK(table[rank][compared] == 0.0, "rank ", rank, " refused step ", s, ": the weights of its layers were "
                 "written in place after their backward pass and before step() (its own error says which): every rank "
@@ -169,8 +169,8 @@ bool Preconditioner::run_step(const Distributor& model) {
   follow_parameters();
   refuse_repeated_step();
   const auto written = weights_written_since_backward();
-  check_schedules_agree(written);
-  TORCH_CHECK(written.empty(), written);  // one process (check_schedules_agree refuses on every rank of several)
+  check_schedules_agree(written);  // where several ranks run, the others refuse with this one
+  TORCH_CHECK(written.empty(), written);
   // The end of this step arms the captures by the next step's factor interval (arm_capture): a schedule that fails
   // (throws, or gives a value out of range) fails this step now, before anything changed, not after it is done.
   (void)is_factor_step(steps_ + 1);
