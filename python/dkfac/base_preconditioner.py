@@ -603,31 +603,39 @@ class _ReplicatedShards(_StandIns):
         return []
 
 
-class _OwnerShards(_ReplicatedShards):
+class _OwnerShards(_StandIns):
     """A layer sharded by FSDP2 or HSDP, owner placement (``sharded_placement='owner'``): before the core's step
     each rank of the layer's shard group sends its rows of the gradient to the layer's owner there (one
     ``gather``, each shard padded to ``torch.chunk``'s size as FSDP2 splits rows), which preconditions the whole
     gradient; after it, the owner sends each rank its rows back (one ``scatter``). The other ranks hold nothing of
     the layer but their rows: the core keeps its factors and second-order state with the owner
-    (strategy::LayerFlow::owner_rows)."""
+    (strategy::LayerFlow::owner_rows).
 
-    def __init__(self, replicated: _ReplicatedShards, owner: int, group: Any, me: int) -> None:
+    What the owner preconditions is what the layer's distributor under the replicated placement (`placed`) binds
+    the core to: the whole layer (_ReplicatedShards), or under tensor parallelism this rank's slice
+    (_TensorParallelSlice, block-diagonal factors), whose rows FSDP2 splits as it splits a whole layer's. A row
+    layer's bias, which every tensor-parallel rank holds, is preconditioned by the owner among place 0's ranks and
+    sent from there to the other tensor-parallel ranks once it is back."""
+
+    def __init__(self, placed: _StandIns, owner: int, group: Any, me: int) -> None:
         _Distributor.__init__(self)
-        self.stand_ins, self.shard_ranks = replicated.stand_ins, replicated.shard_ranks  # what the core is bound to
+        self.placed = placed  # the replicated placement's distributor, whose stand-ins the core is bound to
+        self.stand_ins, self.shard_ranks = placed.stand_ins, placed.shard_ranks
         self.owner, self.group, self.mine = owner, group, owner == me
         self.size = dist.get_world_size(group)
+        self.split = getattr(placed, 'split', None)
 
-    def _local(self, parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's rows of `parameter`'s gradient, and the rows of a whole chunk."""
-        return parameter.grad.to_local(), -(-parameter.grad.shape[0] // self.size)
+    def _chunk(self, stand_in: torch.Tensor) -> int:
+        """The rows of a whole chunk of what the core preconditions, as FSDP2 splits them."""
+        return -(-stand_in.shape[0] // self.size)
 
-    def _count(self, parameter: torch.Tensor, local: torch.Tensor, chunk: int) -> None:
+    def _count(self, stand_in: torch.Tensor, local: torch.Tensor, chunk: int) -> None:
         """One collective of this layer's rows: the owner receives (or sends) every other rank's real rows, another
         rank sends (or receives) its own."""
-        rows = parameter.shape[0]
+        rows = stand_in.shape[0]
         theirs = rows - min(chunk, rows - min(rows, dist.get_group_rank(self.group, self.owner) * chunk))
         self.moved[0] += 1
-        self.moved[1] += (theirs if self.mine else local.shape[0]) * parameter.shape[1:].numel() * local.element_size()
+        self.moved[1] += (theirs if self.mine else local.shape[0]) * stand_in.shape[1:].numel() * local.element_size()
 
     def start_gather(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         works = []
@@ -637,19 +645,19 @@ class _OwnerShards(_ReplicatedShards):
                 continue
             if parameter.grad is None:  # FSDP2 leaves it None on every rank alike: the core's unused-layer policy
                 continue
-            local, chunk = self._local(parameter)
+            local, chunk = parameter.grad.to_local(), self._chunk(stand_in)
             padded = local.new_zeros((chunk, *local.shape[1:]))
             padded[:local.shape[0]].copy_(local)
             chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.mine else None
             works.append(dist.gather(padded, chunks, dst=self.owner, group=self.group, async_op=True))
-            self._count(parameter, local, chunk)
-            self.received.append((stand_in, parameter.shape[0], chunks))
+            self._count(stand_in, local, chunk)
+            self.received.append((stand_in, chunks))
         return works
 
     def finish_gather(self) -> None:
-        for stand_in, rows, chunks in self.received:
+        for stand_in, chunks in self.received:
             if self.mine:
-                stand_in.grad = torch.cat(chunks)[:rows]
+                stand_in.grad = torch.cat(chunks)[:stand_in.shape[0]]
             else:  # the core reads only that the layer has a gradient here: one value, no memory
                 stand_in.grad = torch.zeros((), dtype=stand_in.dtype, device=stand_in.device).expand(stand_in.shape)
         self.received = []
@@ -660,7 +668,7 @@ class _OwnerShards(_ReplicatedShards):
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
             if stand_in is None or parameter.grad is None:
                 continue
-            local, chunk = self._local(parameter)
+            local, chunk = parameter.grad.to_local(), self._chunk(stand_in)
             chunks = None
             if self.mine:
                 whole = stand_in.grad.new_zeros((chunk * self.size, *stand_in.shape[1:]))
@@ -668,8 +676,10 @@ class _OwnerShards(_ReplicatedShards):
                 chunks = list(whole.split(chunk))
             rows = local.new_empty((chunk, *local.shape[1:]))
             works.append(dist.scatter(rows, chunks, src=self.owner, group=self.group, async_op=True))
-            self._count(parameter, local, chunk)
+            self._count(stand_in, local, chunk)
             self.returned.append((local, rows, stand_in))
+        self.row_bias = bias if self.split is not None and self.split.style == 'row' and bias is not None \
+            and bias.grad is not None else None
         return works
 
     def finish_scatter(self) -> None:
@@ -677,6 +687,13 @@ class _OwnerShards(_ReplicatedShards):
             local.copy_(rows[:local.shape[0]])
             stand_in.grad = None
         self.returned = []
+        if self.row_bias is not None:  # back on place 0's ranks: each sends its rows to its tensor-parallel peers
+            local = self.row_bias.grad.to_local()
+            self.moved[0] += 1
+            self.moved[1] += local.numel() * local.element_size() * (self.split.size - 1 if self.split.rank == 0
+                                                                      else 1)
+            dist.broadcast(local, src=self.split.root, group=self.split.group)
+            self.row_bias = None
 
 
 class _TensorParallelSlice(_StandIns):
@@ -747,24 +764,33 @@ def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distribu
     tensor parallelism (`split`), its slice (_TensorParallelSlice); plain tensors, data-parallel replication
     (_Distributor); DTensors, the owner placement where the plan gave the layer an owner (`owner`: its global rank,
     the shard group, this rank; _OwnerShards), else the replicated placement (_ReplicatedShards). A sharded layer
-    keeps the stand-ins of the distributor it `was` (the core is bound to them)."""
+    keeps the stand-ins of the distributor it `was` (the core is bound to them). Owner placement applies to a
+    sharded layer and to a slice that FSDP2 shards (_OwnerShards around the replicated placement's distributor)."""
+    if isinstance(was, _OwnerShards):
+        was = was.placed
     if split is not None:
-        return _TensorParallelSlice(weight, bias, split)
-    if not _is_sharded(weight, bias):
+        placed = was if isinstance(was, _TensorParallelSlice) else _TensorParallelSlice(weight, bias, split)
+    elif not _is_sharded(weight, bias):
         return _Distributor()
-    replicated = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
-    return replicated if owner is None else _OwnerShards(replicated, *owner)
+    else:
+        placed = was if isinstance(was, _ReplicatedShards) else _ReplicatedShards(weight, bias)
+    return placed if owner is None else _OwnerShards(placed, *owner)
 
 
-def _shard_group(parameter: torch.Tensor) -> tuple[Any, int]:
+def _shard_group(parameter: torch.Tensor, split: _TensorParallel | None = None) -> tuple[Any, int]:
     """The process group a DTensor parameter's rows are sharded over (FSDP2's Shard(0) mesh dimension), and how
-    many replicas of that sharding the mesh holds (HSDP's replicate dimension; 1 for FSDP)."""
+    many replicas of that sharding the mesh holds (HSDP's replicate dimension; 1 for FSDP). For a layer split by
+    tensor parallelism (`split`), over the mesh's dimensions before the tensor-parallel one, the last (FSDP2 shards
+    a column layer's slice with a _StridedShard(0) there)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh, placements = parameter.device_mesh, parameter.placements
-    dims = [d for d, p in enumerate(placements) if isinstance(p, Shard)]
+    if split is not None:
+        placements = placements[:-1]
+    dims = [d for d, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
     if len(dims) != 1 or placements[dims[0]].dim != 0 or not all(
-            isinstance(p, (Replicate, Shard)) for p in placements):
+            isinstance(p, (Replicate, Shard, _StridedShard)) for p in placements):
         raise ValueError(f'sharded_placement=owner needs parameters sharded by rows (Shard(0)) over one mesh '
                          f'dimension, as fully_shard does by default; got placements {placements}')
     replicas = 1
@@ -918,11 +944,13 @@ class BaseKFACPreconditioner:
                              'so the layers every tensor-parallel rank holds whole would get different owners and '
                              "different gradients on each; use 'kaisa' or 'spd', or a split the tensor-parallel size "
                              'divides')
-        if options.get('sharded_placement') == 'owner' and self._counted_elsewhere:
-            raise ValueError("sharded_placement='owner' does not place tensor-parallel slices yet: use 'replicated' "
-                             '(each slice gathered over the data-parallel ranks that shard it)')
+        if options.get('sharded_placement') == 'owner' and exact:
+            raise ValueError("sharded_placement='owner' with tensor_parallel_factors='exact': an owner preconditions "
+                             "its data-parallel group's rows of one tensor-parallel slice; use 'block_diagonal' "
+                             "factors, or the 'replicated' placement for exact ones")
         self._distributors = [_distributor(weight, bias, split=split) for (weight, bias), split
                               in zip(self._bound, self._splits)]
+        self._owners: list[tuple[int, Any, int] | None] = [None] * len(self._distributors)  # _place_owners
         # A slice's state is this rank's alone: its own name in state dicts (DCP writes each name once).
         self._state_names = [name if split is None or split.whole()
                              else f'{name} (tensor-parallel slice {split.rank} of {split.size})'
@@ -1073,7 +1101,8 @@ class BaseKFACPreconditioner:
     def _owner_grid(self, core_options: dict[str, Any], group: Any) -> None:
         """Owner placement: one grad worker per layer in each row of the grid, the rows being the mesh's shard
         groups (KAISA's grad_worker_fraction = replicas / P; DP-KFAC has one owner in a world of one row)."""
-        groups = [_shard_group(weight) for index, (weight, _) in enumerate(self._bound) if self._sharded(index)]
+        groups = [_shard_group(weight, self._splits[index]) for index, (weight, _) in enumerate(self._bound)
+                  if self._sharded(index)]
         if not groups:
             return
         replicas = groups[0][1]
@@ -1091,19 +1120,20 @@ class BaseKFACPreconditioner:
         for index, owner in enumerate(owners):
             if not self._sharded(index) or owner < 0:
                 continue
-            shard_group, _ = _shard_group(self._bound[index][0])
+            shard_group, _ = _shard_group(self._bound[index][0], self._splits[index])
             ranks = sorted(dist.get_process_group_ranks(shard_group))
             if ranks != sorted(to_global(r) for r in row):
                 raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} is sharded over ranks '
                                  f'{ranks}, but the plan places its owner in a row of ranks '
                                  f'{sorted(to_global(r) for r in row)} (strategy dp has one row of every rank: '
                                  'use kaisa on an HSDP mesh)')
+            self._owners[index] = (to_global(owner), shard_group, me)
             self._distributors[index] = _distributor(*self._bound[index], was=self._distributors[index],
-                                                     owner=(to_global(owner), shard_group, me))
+                                                     owner=self._owners[index], split=self._splits[index])
 
     def _sharded(self, index: int) -> bool:
-        """Whether layer `index` is sharded (its distributor fills stand-ins)."""
-        return isinstance(self._distributors[index], _ReplicatedShards)
+        """Whether layer `index` is sharded by FSDP2 or HSDP (a whole layer or a tensor-parallel slice)."""
+        return self._distributors[index].shard_ranks > 0
 
     @staticmethod
     def _make_communicator(group: Any, timeout: float | None) -> Any:
@@ -1326,7 +1356,7 @@ class BaseKFACPreconditioner:
                                      'ones placed otherwise (fully_shard after the preconditioner was built?); its '
                                      'plan keeps the layer as it was then: split and shard the model first, then build '
                                      'the preconditioner')
-                self._distributors[index] = _distributor(weight, bias, split=split)
+                self._distributors[index] = _distributor(weight, bias, split=split, owner=self._owners[index])
             elif sharded != self._sharded(index):
                 if self._owner_placed:
                     raise ValueError(f'sharded_placement=owner: layer {self._names[index]!r} was '

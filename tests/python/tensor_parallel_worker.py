@@ -4,14 +4,15 @@ data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its
 over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
 
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
-                                       "fsdp": false, "dcp_save": PATH, "dcp_load": PATH, "device": "cpu" | "cuda",
-                                       "backend": "gloo" | "nccl"}'
+                                       "fsdp": false, "hsdp": R, "dcp_save": PATH, "dcp_load": PATH,
+                                       "device": "cpu" | "cuda", "backend": "gloo" | "nccl", "options": {...}}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
 `sequence_parallel` the input and the residual stream are sharded on the sequence dimension (SequenceParallel on a
 LayerNorm, the split layers' layouts as torchtitan gives them) and the head is column-parallel too. With `fsdp`
-the replicas shard the split model with fully_shard (FSDP2 x TP, as torchtitan composes them).
+the replicas shard the split model with fully_shard (FSDP2 x TP, as torchtitan composes them); with `hsdp` R as
+well, HSDP x TP: R replicas of fully_shard over dp / R ranks each (the mesh's dimensions replicate, shard, tp).
 """
 import json
 import sys
@@ -97,10 +98,11 @@ def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 
 def refusals(output: str) -> None:
     """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
-    first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement of slices, a
-    model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact factors with
-    strategy auto, a replicated weight (SequenceParallel on a Linear); strategy auto, strategy dp with slices of
-    different sizes, options that differ between the tensor-parallel ranks, an empty slice (each on every rank)."""
+    first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement with exact
+    factors, a model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact
+    factors with strategy auto, a replicated weight (SequenceParallel on a Linear); strategy auto, strategy dp with
+    slices of different sizes, options that differ between the tensor-parallel ranks, an empty slice (each on every
+    rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -119,7 +121,8 @@ def refusals(output: str) -> None:
     except ValueError as error:
         errors['vocabulary'] = str(error)
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
-    for name, options in (('owner', {'sharded_placement': 'owner'}), ('model group', {'model_parallel_group': alone}),
+    for name, options in (('owner', {'sharded_placement': 'owner', 'tensor_parallel_factors': 'exact'}),
+                          ('model group', {'model_parallel_group': alone}),
                           ('factors', {'tensor_parallel_factors': 'blocks'}),
                           ('exact auto', {'tensor_parallel_factors': 'exact', 'strategy': 'auto'})):
         try:
@@ -176,13 +179,18 @@ def main() -> None:
             return
     tp, dp, kind = kwargs['tp'], kwargs['dp'], kwargs.get('model', 'mlp')
     sequence_parallel = kwargs.get('sequence_parallel', False)
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))
-    replica, tp_rank = mesh.get_local_rank('dp'), mesh.get_local_rank('tp')
+    hsdp = kwargs.get('hsdp', 0)
+    if hsdp:  # the data-parallel ranks: replicate x shard, flattened into one group for dkfac
+        mesh = init_device_mesh(device.type, (hsdp, dp // hsdp, tp), mesh_dim_names=('replicate', 'shard', 'tp'))
+        mesh['replicate', 'shard']._flatten('dp')
+    else:
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))
+    replica, tp_rank = mesh['dp'].get_local_rank(), mesh.get_local_rank('tp')
     whole = parallelize_module(model(kind).to(device), mesh['tp'], plan(kind, sequence_parallel))
-    if kwargs.get('fsdp'):
+    if kwargs.get('fsdp') or hsdp:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(whole, mesh=mesh['dp'])
+        fully_shard(whole, mesh=mesh['replicate', 'shard'] if hsdp else mesh['dp'])
     options = dict(KFAC, **kwargs.get('options', {}))
     try:
         preconditioner = dkfac.KFACPreconditioner(
@@ -205,7 +213,7 @@ def main() -> None:
         x, y = (t.to(device) for t in data(step, replica, kind))
         optimizer.zero_grad()
         loss_fn(whole(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
-        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
+        if dp > 1 and not (kwargs.get('fsdp') or hsdp):  # the replicas' mean gradient, as DDP would give it
             for p in whole.parameters():
                 local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
                 dist.all_reduce(local, group=mesh['dp'].get_group())

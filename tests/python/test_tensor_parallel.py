@@ -134,6 +134,47 @@ def test_tensor_parallel_slices_equal_the_sliced_model_in_one_process(dp, kind, 
     check(results, expected)
 
 
+@pytest.mark.parametrize('kind,sequence_parallel,strategy', [('mlp', False, 'kaisa'), ('lm', True, 'kaisa'),
+                                                              ('mlp', False, 'dp')])
+def test_owner_placement_of_the_slices_equals_the_sliced_model_in_one_process(kind, sequence_parallel, strategy,
+                                                                               tmp_path):
+    """FSDP2 x TP with sharded_placement='owner': each slice has one owner among the data-parallel ranks that shard
+    it, which gathers their rows of its gradient, holds its factors and second-order state and sends the rows back;
+    a row layer's bias goes from place 0's ranks to the other tensor-parallel ranks. The job is the replicated
+    placement's (under KAISA the one-process model written as its slices; DP-KFAC builds each slice's factors from
+    its owner's batch, under both placements). Each rank holds the state of the slices it owns alone."""
+    options = {'sharded_placement': 'owner', 'strategy': strategy}
+    for name in ('owner', 'replicated'):
+        (tmp_path / name).mkdir()
+    results = run(TP * 2, {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
+                           'options': options}, tmp_path / 'owner')
+    replicated = run(TP * 2, {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
+                              'options': {'strategy': strategy}}, tmp_path / 'replicated')
+    check(results, [[replicated[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
+    if strategy == 'kaisa':
+        check(results, reference(2, kind, sequence_parallel))
+    for owner, whole in zip(results, replicated):
+        held = [name for name, entry in owner['state']['layers'].items() if entry]  # the slices it owns
+        assert 0 < len(held) < len(owner['state']['layers']), held
+        if strategy == 'kaisa':  # where the replicated placement holds every slice's state on every rank
+            assert all(whole['state']['layers'].values())
+            assert owner['memory']['total'] < whole['memory']['total'], (owner['memory'], whole['memory'])
+
+
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_hsdp_x_tensor_parallel_equals_the_sliced_model_in_one_process(placement, tmp_path):
+    """HSDP x TP on 8 ranks: 2 replicas of fully_shard over 2 ranks each, over TP 2 (torchtitan's dp_replicate x
+    dp_shard x tp). The 4 data-parallel ranks of each tensor-parallel place average the slice's factors; under the
+    owner placement each replica's shard group has one owner per slice (KAISA's fraction 1/2)."""
+    results = run(TP * 4, {'tp': TP, 'dp': 4, 'hsdp': 2, 'model': 'lm', 'options': {'sharded_placement': placement}},
+                  tmp_path)
+    check(results, reference(4, 'lm', False))
+    if placement == 'owner':
+        for result in results:
+            held = [name for name, entry in result['state']['layers'].items() if entry]
+            assert 0 < len(held) < len(result['state']['layers']), held
+
+
 @pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [(1, 'lm', False, False), (2, 'lm', True, True)])
 def test_exact_factors_equal_the_whole_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
     """tensor_parallel_factors='exact': every rank gathers each split layer's inputs, output gradients and
@@ -165,7 +206,7 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "layer 'embed' (Embedding), split by torch.distributed.tensor.parallel, has its vocabulary sharded" \
             in result['vocabulary'], result
         assert 'skip_layers' in result['vocabulary']
-        assert "sharded_placement='owner' does not place tensor-parallel slices yet" in result['owner'], result
+        assert "sharded_placement='owner' with tensor_parallel_factors='exact'" in result['owner'], result
         assert 'model_parallel_group must hold the tensor-parallel ranks [0, 1]' in result['model group'], result
         assert "tensor_parallel_factors must be 'block_diagonal' or 'exact', got 'blocks'" in result['factors'], result
         assert "tensor_parallel_factors='exact' with strategy='auto'" in result['exact auto'], result
@@ -188,23 +229,34 @@ def test_a_pipeline_stage_without_tensor_parallel_layers_beside_one_with_them_is
                'none' in result.get('error', ''), result
 
 
-def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(tmp_path):
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_a_dcp_checkpoint_of_the_slices_loads_on_another_data_parallel_size(placement, tmp_path):
     """Each slice's state is saved under its own name (the tensor-parallel ranks' factors differ), and a job with
-    the same tensor-parallel split and another number of replicas reads each slice's exactly."""
+    the same tensor-parallel split and another number of replicas reads each slice's exactly. Saved under the owner
+    placement, each slice's state comes from the rank that owns it."""
     path = str(tmp_path / 'checkpoint')
     (tmp_path / 'save').mkdir()
     (tmp_path / 'load').mkdir()
-    saved = run(TP * 2, {'tp': TP, 'dp': 2, 'fsdp': True, 'dcp_save': path}, tmp_path / 'save')
+    saved = run(TP * 2, {'tp': TP, 'dp': 2, 'fsdp': True, 'dcp_save': path,
+                         'options': {'sharded_placement': placement}}, tmp_path / 'save')
     loaded = run(TP, {'tp': TP, 'dp': 1, 'dcp_load': path}, tmp_path / 'load')
     for result in loaded:
-        want = saved[result['tp_rank']]['state']
-        assert sorted(result['state']['layers']) == sorted(want['layers'])
-        assert f"up (tensor-parallel slice {result['tp_rank']} of 2)" in want['layers'] and 'head' in want['layers']
-        assert result['state']['steps'] == want['steps'] == worker.STEPS
-        for name, entry in want['layers'].items():
+        # What the ranks of this tensor-parallel place held: each slice's state where it is (every replica's alike
+        # under the replicated placement).
+        mine = [s['state'] for s in saved if s['tp_rank'] == result['tp_rank']]
+        layers = {name: entry for state in mine for name, entry in state['layers'].items() if entry}
+        second_order = {name: entry for state in mine for name, entry in state['dkfac']['second_order'].items()
+                        if entry}
+        assert sorted(result['state']['layers']) == sorted(layers)
+        assert f"up (tensor-parallel slice {result['tp_rank']} of 2)" in layers and 'head' in layers
+        assert placement == 'replicated' or all(len(layers) > sum(map(bool, state['layers'].values()))
+                                                for state in mine), 'each owner holds a part'
+        assert result['state']['steps'] == mine[0]['steps'] == worker.STEPS
+        for name, entry in layers.items():
             for side, tensor in entry.items():
                 assert torch.equal(result['state']['layers'][name][side], tensor), (name, side)
-        for name, entry in want['dkfac']['second_order'].items():
+        assert sorted(result['state']['dkfac']['second_order']) == sorted(second_order)
+        for name, entry in second_order.items():
             for key, tensor in entry.items():
                 assert torch.equal(result['state']['dkfac']['second_order'][name][key], tensor), (name, key)
 
