@@ -225,8 +225,12 @@ def main() -> None:
         import torch.distributed.checkpoint as dcp
 
         dcp.save({'kfac': preconditioner}, checkpoint_id=kwargs['dcp_save'])
+    element = torch.finfo(torch.float64).bits // 8
     torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(),
-                'memory': preconditioner.memory_usage()}, output)
+                'memory': preconditioner.memory_usage(),
+                'traffic': None if preconditioner._communicator is None else preconditioner._communicator.traffic(),
+                'predicted_gradient_bytes': preconditioner._core.predicted_gradient_bytes(element),
+                'predicted_memory_bytes': preconditioner._core.predicted_memory_bytes(element)}, output)
     dist.barrier()  # every rank done with every collective before the groups go
     dist.destroy_process_group()
 

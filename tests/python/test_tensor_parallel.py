@@ -153,7 +153,13 @@ def test_owner_placement_of_the_slices_equals_the_sliced_model_in_one_process(ki
     check(results, [[replicated[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
     if strategy == 'kaisa':
         check(results, reference(2, kind, sequence_parallel))
-    for owner, whole in zip(results, replicated):
+    row_bias = -(-worker.WIDTH // 2) * 8  # a rank's rows of `down`'s bias, sent on from place 0 at every step
+    for rank, (owner, whole) in enumerate(zip(results, replicated)):
+        for result in (owner, whole):  # what the plan predicts for this data-parallel rank (the slices' shapes)
+            assert result['memory']['total'] == result['predicted_memory_bytes'][rank // TP], result['memory']
+            if kind == 'mlp':  # rows FSDP2 splits evenly, as the plan models them (the lm's 11-word vocabulary not)
+                assert result['traffic']['gradients'][1] == worker.STEPS * (
+                    result['predicted_gradient_bytes'][rank // TP] + row_bias), result['traffic']
         held = [name for name, entry in owner['state']['layers'].items() if entry]  # the slices it owns
         assert 0 < len(held) < len(owner['state']['layers']), held
         if strategy == 'kaisa':  # where the replicated placement holds every slice's state on every rank
