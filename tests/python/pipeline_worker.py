@@ -4,10 +4,12 @@ KFACPreconditioner over its data-parallel group, KL clipping summed over its rep
 (model_parallel_group). Writes each step's gradients of the stage (after K-FAC, before SGD) to `output`.
 
     pipeline_worker.py OUTPUT '{"schedule": "gpipe" | "1f1b", "dp": 1 | 2, "model": "mlp" | "lm", "mismatch": false,
-                                "stage_options": {"1": {"kl_clip": null}}}'
+                                "fsdp": false, "stage_options": {"1": {"kl_clip": null}}}'
 
 The "lm" model is scenarios.TinyLanguageModel (an Embedding, a Conv1D, a LayerNorm and a Linear head: GPT-2's layer
-kinds), stage 0 its embedding and Conv1D, stage 1 its LayerNorm and head.
+kinds), stage 0 its embedding and Conv1D, stage 1 its LayerNorm and head. With `fsdp` each stage is sharded by
+fully_shard over its data-parallel ranks (pp x dp_shard, as torchtitan composes them), and the schedule reduces
+its gradients at the last micro-batch.
 """
 import json
 import sys
@@ -72,6 +74,11 @@ def main() -> None:
     replicas = [dist.new_group(list(range(s, 2 * dp, 2))) for s in range(2)]
     kind = kwargs.get('model', 'mlp')
     part = stage_of(model(kind), stage)
+    if kwargs.get('fsdp'):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(part, mesh=init_device_mesh('cpu', (dp, 2), mesh_dim_names=('dp', 'pp'))['dp'])
     accumulation = MICRO + (1 if kwargs.get('mismatch') and rank == 2 else 0)
     options = {**KFAC, **kwargs.get('stage_options', {}).get(str(stage), {})}
     try:
@@ -100,14 +107,17 @@ def main() -> None:
             pipeline.step(x)
         else:
             pipeline.step(target=y)
-        if dp > 1:  # the replicas' mean gradient, as DDP would give it
+        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
             for p in part.parameters():
                 dist.all_reduce(p.grad, group=replicas[stage])
                 p.grad /= dp
         preconditioner.step()
-        grads.append([p.grad.clone() for p in part.parameters()])
+        grads.append([p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad.clone()
+                      for p in part.parameters()])
         optimizer.step()
-    torch.save({'grads': grads, 'stage': stage, 'warnings': [str(w.message) for w in said]}, output)
+    torch.save({'grads': grads, 'stage': stage, 'warnings': [str(w.message) for w in said],
+                'sharded': [hasattr(p.grad, 'full_tensor') for p in part.parameters()],
+                'state': preconditioner.state_dict()}, output)
     dist.destroy_process_group()
 
 

@@ -55,6 +55,26 @@ def test_pipeline_stages_equal_the_whole_model_in_one_process(schedule, dp, kind
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13, msg=f'rank {rank}, step {step}')
 
 
+@pytest.mark.parametrize('placement,kind', [('replicated', 'lm'), ('owner', 'mlp'), ('owner', 'lm')])
+def test_pipeline_stages_sharded_by_fsdp2_equal_the_whole_model_in_one_process(placement, kind, tmp_path):
+    """pp 2 x dp_shard 2: each stage sharded by fully_shard over its data-parallel ranks (the schedule reduces its
+    gradients at the last micro-batch), in either placement of the sharded layers."""
+    results = run(4, {'schedule': '1f1b', 'dp': 2, 'model': kind, 'fsdp': True,
+                      'stage_options': {str(s): {'sharded_placement': placement} for s in range(2)}}, tmp_path)
+    expected = reference(2, kind)
+    for stage in range(2):  # the K-FAC state each of the stage's ranks holds: every layer's, or its own layers'
+        states = [result['state']['layers'] for result in results if result.get('stage') == stage]
+        holders = {name: sum(bool(state[name]) for state in states) for name in states[0]}
+        assert set(holders.values()) == {1 if placement == 'owner' else 2}, holders
+    for rank, result in enumerate(results):
+        assert 'error' not in result, result
+        assert all(result['sharded']), result['sharded']
+        held = worker.stage_parameters(kind, result['stage'])
+        for step in range(worker.STEPS):
+            for got, want in zip(result['grads'][step], expected[step][held], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13, msg=f'rank {rank}, step {step}')
+
+
 def reference_without_clip(dp: int, kind: str) -> list[list[torch.Tensor]]:
     kfac = worker.KFAC
     try:
