@@ -4,8 +4,9 @@ data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its
 over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
 
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
-                                       "fsdp": false, "hsdp": R, "dcp_save": PATH, "dcp_load": PATH,
-                                       "device": "cpu" | "cuda", "backend": "gloo" | "nccl", "options": {...}}'
+                                       "fsdp": false, "hsdp": R, "pipeline": false, "dcp_save": PATH,
+                                       "dcp_load": PATH, "device": "cpu" | "cuda", "backend": "gloo" | "nccl",
+                                       "options": {...}}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
@@ -13,6 +14,7 @@ holds it). "lm": the same after an Embedding whose embedding dimension is split 
 LayerNorm, the split layers' layouts as torchtitan gives them) and the head is column-parallel too. With `fsdp`
 the replicas shard the split model with fully_shard (FSDP2 x TP, as torchtitan composes them); with `hsdp` R as
 well, HSDP x TP: R replicas of fully_shard over dp / R ranks each (the mesh's dimensions replicate, shard, tp).
+With `pipeline`, pp 2 x dp x tp: tower()'s two stages (pipeline_job).
 """
 import json
 import sys
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import dkfac
 
 STEPS, BATCH, SEQ, WIDTH, HIDDEN, OUT, VOCAB = 10, 4, 6, 8, 12, 6, 11
+MICRO = 2  # the pipeline's micro-batches of a replica's batch
 KFAC = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, lr=0.1, kl_clip=0.001,
             factor_dtype='float64', inv_dtype='float64')
 
@@ -42,6 +45,25 @@ class Block(torch.nn.Module):
         h = self.embed(x) if self.embed is not None else x
         h = h + self.down(torch.tanh(self.up(self.norm(h))))
         return self.head(h)
+
+
+class Layer(torch.nn.Module):
+    """LayerNorm -> up -> tanh -> down, and a residual: a transformer block's MLP half, one per pipeline stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(self.norm(h))))
+
+
+def tower() -> torch.nn.Sequential:
+    """Two Layers and a head: stage 0 holds the first Layer, stage 1 the second and the head."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Layer(), Layer(), torch.nn.Linear(WIDTH, OUT)).double()
 
 
 def model(kind: str) -> Block:
@@ -165,6 +187,52 @@ def stage_without_tensor_parallel_layers(output: str) -> None:
         torch.save({'error': str(error)}, output)
 
 
+def pipeline_job(output: str, kwargs: dict) -> None:
+    """pp 2 x dp x tp on one DeviceMesh (torchtitan's order: pp, dp, tp): each stage of tower() split by tensor
+    parallelism (its Layer's up column-parallel, down row-parallel, the head whole), optionally sharded by
+    fully_shard over dp, run by a 1F1B schedule of MICRO micro-batches; each rank's preconditioner over its
+    data-parallel group, KL clipping summed over its replica's stages and tensor-parallel ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dp, tp = kwargs['dp'], kwargs['tp']
+    mesh = init_device_mesh('cpu', (2, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))
+    model_group = mesh['pp', 'tp']._flatten('model').get_group()
+    stage, replica, tp_rank = mesh.get_local_rank('pp'), mesh.get_local_rank('dp'), mesh.get_local_rank('tp')
+    whole = tower()
+    part = whole[:1] if stage == 0 else whole[1:]  # Sequential slices keep the names: '0', or '1' and '2'
+    parallelize_module(part, mesh['tp'], {f'{stage}.up': ColwiseParallel(), f'{stage}.down': RowwiseParallel()})
+    if kwargs.get('fsdp'):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(part, mesh=mesh['dp'])
+    preconditioner = dkfac.KFACPreconditioner(part, process_group=mesh['dp'].get_group(),
+                                              model_parallel_group=model_group, accumulation_steps=MICRO * dp,
+                                              **dict(KFAC, **kwargs.get('options', {})))
+    schedule = Schedule1F1B(PipelineStage(part, stage, 2, torch.device('cpu'), group=mesh['pp'].get_group()), MICRO,
+                            loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.1)
+    grads = []
+    for step in range(STEPS):
+        x, y = data(step, replica, 'mlp')
+        optimizer.zero_grad()
+        if stage == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
+            for p in part.parameters():
+                local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
+                dist.all_reduce(local, group=mesh['dp'].get_group())
+                local /= dp
+        preconditioner.step()
+        grads.append({name: local_gradient(p) for name, p in part.named_parameters()})
+        optimizer.step()
+    torch.save({'grads': grads, 'stage': stage, 'tp_rank': tp_rank,
+                'held': [name for name, entry in preconditioner.state_dict()['layers'].items() if entry]}, output)
+
+
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -172,9 +240,11 @@ def main() -> None:
     output, kwargs = sys.argv[1], json.loads(sys.argv[2])
     device = torch.device(kwargs.get('device', 'cpu'))
     dist.init_process_group(kwargs.get('backend', 'gloo'))
-    for mode, run in (('refusals', refusals), ('stage_without_tp', stage_without_tensor_parallel_layers)):
+    for mode, run in (('refusals', refusals), ('stage_without_tp', stage_without_tensor_parallel_layers),
+                      ('pipeline', lambda output: pipeline_job(output, kwargs))):
         if kwargs.get(mode):
             run(output)
+            dist.barrier()
             dist.destroy_process_group()
             return
     tp, dp, kind = kwargs['tp'], kwargs['dp'], kwargs.get('model', 'mlp')

@@ -15,6 +15,23 @@ run = functools.partial(workers.run_workers, 'tensor_parallel_worker.py')
 TP = 2
 
 
+def rows(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
+    """Slice k of a column-parallel Linear: its k-th block of output features (and of the bias)."""
+    part = torch.nn.Linear(module.in_features, module.out_features // TP, dtype=torch.float64)
+    part.weight.data.copy_(module.weight.data.chunk(TP, 0)[k])
+    part.bias.data.copy_(module.bias.data.chunk(TP, 0)[k])
+    return part
+
+
+def columns(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
+    """Slice k of a row-parallel Linear: its k-th block of input features, the bias with the first."""
+    part = torch.nn.Linear(module.in_features // TP, module.out_features, bias=k == 0, dtype=torch.float64)
+    part.weight.data.copy_(module.weight.data.chunk(TP, 1)[k])
+    if k == 0:
+        part.bias.data.copy_(module.bias.data)
+    return part
+
+
 class Sliced(torch.nn.Module):
     """worker.Block with each split layer as TP layers: `up` (and `embed`, and the head under sequence parallelism)
     by output features, `down` by input features with the bias on the first slice. In one process it computes what
@@ -22,19 +39,6 @@ class Sliced(torch.nn.Module):
 
     def __init__(self, whole: worker.Block, split_head: bool) -> None:
         super().__init__()
-        def rows(module: torch.nn.Module, k: int, bias: bool = True) -> torch.nn.Linear:
-            part = torch.nn.Linear(module.in_features, module.out_features // TP, dtype=torch.float64)
-            part.weight.data.copy_(module.weight.data.chunk(TP, 0)[k])
-            part.bias.data.copy_(module.bias.data.chunk(TP, 0)[k])
-            return part
-
-        def columns(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
-            part = torch.nn.Linear(module.in_features // TP, module.out_features, bias=k == 0, dtype=torch.float64)
-            part.weight.data.copy_(module.weight.data.chunk(TP, 1)[k])
-            if k == 0:
-                part.bias.data.copy_(module.bias.data)
-            return part
-
         self.embed = None
         if whole.embed is not None:
             self.embed = torch.nn.ModuleList(torch.nn.Embedding.from_pretrained(
@@ -61,6 +65,51 @@ class Sliced(torch.nn.Module):
         head = self.head[k] if isinstance(self.head, torch.nn.ModuleList) else self.head
         grads.update({'head.weight': head.weight.grad, 'head.bias': head.bias.grad})
         return grads
+
+
+class SlicedLayer(torch.nn.Module):
+    """worker.Layer with `up` and `down` written as their TP slices, as Sliced does for a Block."""
+
+    def __init__(self, whole: worker.Layer) -> None:
+        super().__init__()
+        self.norm = whole.norm
+        self.up = torch.nn.ModuleList(rows(whole.up, k) for k in range(TP))
+        self.down = torch.nn.ModuleList(columns(whole.down, k) for k in range(TP))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = torch.tanh(torch.cat([part(self.norm(h)) for part in self.up], -1))
+        return h + sum(part(c) for part, c in zip(self.down, u.chunk(TP, -1)))
+
+    def local_grads(self, k: int, prefix: str) -> dict[str, torch.Tensor]:
+        return {prefix + 'norm.weight': self.norm.weight.grad, prefix + 'norm.bias': self.norm.bias.grad,
+                prefix + 'up.weight': self.up[k].weight.grad, prefix + 'up.bias': self.up[k].bias.grad,
+                prefix + 'down.weight': self.down[k].weight.grad, prefix + 'down.bias': self.down[0].bias.grad}
+
+
+def pipeline_reference(dp: int, **options) -> list[dict[tuple[int, int], dict[str, torch.Tensor]]]:
+    """worker.tower() in one process, its Layers as their slices, over every replica's micro-batches: each step's
+    gradients as stage s's tensor-parallel rank k names its own, under (s, k)."""
+    whole = worker.tower()
+    model = torch.nn.Sequential(SlicedLayer(whole[0]), SlicedLayer(whole[1]), whole[2])
+    preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=worker.MICRO * dp,
+                                              **dict(worker.KFAC, **options))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(worker.STEPS):
+        optimizer.zero_grad()
+        for replica in range(dp):
+            x, y = worker.data(step, replica, 'mlp')
+            for xm, ym in zip(x.chunk(worker.MICRO), y.chunk(worker.MICRO)):
+                worker.loss_fn(model(xm), ym).backward()
+        for p in model.parameters():
+            p.grad /= worker.MICRO * dp
+        preconditioner.step()
+        head = {'2.weight': whole[2].weight.grad, '2.bias': whole[2].bias.grad}
+        steps.append({(s, k): {name: g.clone() for name, g in
+                               {**model[s].local_grads(k, f'{s}.'), **(head if s == 1 else {})}.items()}
+                      for s in range(2) for k in range(TP)})
+        optimizer.step()
+    return steps
 
 
 def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[list[dict[str, torch.Tensor]]]:
@@ -179,6 +228,35 @@ def test_hsdp_x_tensor_parallel_equals_the_sliced_model_in_one_process(placement
         for result in results:
             held = [name for name, entry in result['state']['layers'].items() if entry]
             assert 0 < len(held) < len(result['state']['layers']), held
+
+
+@pytest.mark.parametrize('dp,fsdp,placement', [(1, False, 'replicated'), (2, True, 'replicated'), (2, True, 'owner')])
+def test_pipeline_stages_split_by_tensor_parallelism_equal_one_process(dp, fsdp, placement, tmp_path):
+    """pp 2 x dp x tp 2 on one mesh, as torchtitan composes them (8 ranks with dp 2, each stage sharded by fully_shard
+    over dp): each rank preconditions its stage's slices over its data-parallel group, KL clipping summed over the
+    4 ranks of its replica's stages and tensor-parallel places, the head counted once. Equal to one process with the
+    split layers written as their slices over the same micro-batches."""
+    results = run(2 * dp * TP, {'pipeline': True, 'tp': TP, 'dp': dp, 'fsdp': fsdp,
+                                'options': {'sharded_placement': placement}}, tmp_path)
+    expected = pipeline_reference(dp)
+    unclipped = pipeline_reference(dp, kl_clip=None)
+    assert any(abs(expected[1][1, 0][name] - unclipped[1][1, 0][name]).max() > 1e-3 for name in expected[1][1, 0]), \
+        'KL clipping must act in this test, or a sum missing a stage, a slice or the head once would pass'
+    # How many of a stage's data-parallel ranks hold each slice's state (stage 0: up, down; stage 1: up, down, head)
+    holders: dict[tuple[int, int, str], int] = {}
+    for result in results:
+        for name in result['held']:
+            key = (result['stage'], result['tp_rank'], name)
+            holders[key] = holders.get(key, 0) + 1
+    assert len(holders) == TP * (2 + 3) and set(holders.values()) == {1 if placement == 'owner' else dp}, holders
+    for rank, result in enumerate(results):
+        assert 'error' not in result, result
+        want = [expected[step][result['stage'], result['tp_rank']] for step in range(worker.STEPS)]
+        for step in range(worker.STEPS):
+            assert sorted(result['grads'][step]) == sorted(want[step])
+            for name, got in result['grads'][step].items():
+                torch.testing.assert_close(got, want[step][name], rtol=1e-10, atol=1e-13,
+                                           msg=lambda m: f'rank {rank}, step {step}, {name}: {m}')
 
 
 @pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [(1, 'lm', False, False), (2, 'lm', True, True)])
