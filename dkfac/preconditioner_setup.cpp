@@ -298,7 +298,7 @@ void Preconditioner::group_shared_inputs() {
     else if (leader.a_dim() != layer.a_dim()) differ = c10::str("A widths ", leader.a_dim(), " and ", layer.a_dim());
     else if (a.has_bias != b.has_bias) differ = "a bias on one only (a column of A)";
     else if (a.a_diagonal != b.a_diagonal) differ = "a diagonal A on one only";
-    else if (a.vocabulary != b.vocabulary) differ = "vocabularies";
+    else if (a.vocabulary != b.vocabulary || a.vocabulary_first != b.vocabulary_first) differ = "vocabularies";
     else if (a.kind == LayerKind::kConv2d &&
              (a.conv.kernel_size != b.conv.kernel_size || a.conv.stride != b.conv.stride ||
               a.conv.padding != b.conv.padding || a.conv.dilation != b.conv.dilation ||

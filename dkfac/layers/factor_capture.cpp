@@ -67,6 +67,18 @@ void FactorCapture::set_diagonal(bool a, bool g) {
   geometry_.g_diagonal = g;
 }
 
+void FactorCapture::set_vocabulary_slice(int64_t first, int64_t rows) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(geometry_.kind == LayerKind::kEmbedding, "a vocabulary slice is for an Embedding, this capture is a ",
+              to_string(geometry_.kind));
+  TORCH_CHECK(a_count_ == 0 && g_count_ == 0 && waiting_inputs_.empty(),
+              "set_vocabulary_slice after factors were captured");
+  TORCH_CHECK(first >= 0 && rows > 0, "an Embedding slice needs rows [first, first + rows), got first ", first,
+              ", rows ", rows);
+  geometry_.vocabulary = rows;
+  geometry_.vocabulary_first = first;
+}
+
 torch::Tensor FactorCapture::in_factor_dtype(const torch::Tensor& t, bool autocast) const {
   auto dtype = t.scalar_type();
   if (factor_dtype_) {
@@ -224,7 +236,11 @@ void FactorCapture::build_a(const torch::Tensor& input, bool autocast) {
   if (geometry_.kind == LayerKind::kEmbedding) {
     // Counts divided by n, built in float32 at least (float16 counts stop at 2048) and stored in the factor dtype.
     const auto dtype = factor_dtype_.value_or(weight_dtype_.load());
-    a_batch = math::embedding_a_factor(input.detach(), geometry_.vocabulary, c10::promoteTypes(dtype, torch::kFloat));
+    const auto type = c10::promoteTypes(dtype, torch::kFloat);
+    const auto ids = input.detach();
+    a_batch = geometry_.vocabulary_first < 0
+                  ? math::embedding_a_factor(ids, geometry_.vocabulary, type)
+                  : math::embedding_a_factor_slice(ids, geometry_.vocabulary_first, geometry_.vocabulary, type);
     if (a_batch.scalar_type() != dtype) a_batch = a_batch.to(dtype);
   } else {
     auto x = in_factor_dtype(input.detach(), autocast);

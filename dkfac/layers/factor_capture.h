@@ -37,6 +37,9 @@ struct LayerGeometry {
   /// Embedding ([vocabulary, dim]). KfacLayer reads and writes its gradient transposed.
   bool transposed = false;
   int64_t vocabulary = 0;    ///< Embedding only: num_embeddings, the width of its A factor
+  /// Embedding only: where its weight is a slice of a vocabulary split over ranks (tensor parallel), the first
+  /// token of the slice, whose `vocabulary` rows it holds; -1 for a whole vocabulary.
+  int64_t vocabulary_first = -1;
   /// Factors kept as their diagonal (math/factors.h): an Embedding's A always; any factor wider than
   /// Options::diagonal_factor_dim (the preconditioner decides at construction, set_diagonal).
   bool a_diagonal = false;
@@ -83,6 +86,10 @@ class FactorCapture {
   /// Keeps the A and/or G factor diagonal from now on (an Embedding's A stays diagonal whatever `a` says).
   /// Only before anything was captured: the preconditioner calls it at construction.
   void set_diagonal(bool a, bool g);
+  /// An Embedding whose weight holds the tokens [first, first + rows) of a vocabulary split over ranks: its A
+  /// factor is those entries of the whole one (math::embedding_a_factor_slice), from the whole batch's ids.
+  /// Only before anything was captured.
+  void set_vocabulary_slice(int64_t first, int64_t rows);
   /// K-FAC-reduce (Options::kfac_approx): a Linear's input [B, ..., in] is averaged and its output gradient
   /// summed over the middle dimensions before the factors are built, one row per sample. Conv2d and Embedding
   /// captures ignore it. Before anything is captured.

@@ -90,6 +90,21 @@ torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabular
   return counts.index_add_(0, flat, torch::ones({n}, counts.options())).div_(static_cast<double>(n));
 }
 
+torch::Tensor embedding_a_factor_slice(const torch::Tensor& indices, int64_t first, int64_t rows,
+                                       torch::ScalarType dtype) {
+  TORCH_CHECK(!c10::isFloatingType(indices.scalar_type()) && !c10::isComplexType(indices.scalar_type()),
+              "Embedding input must hold integer token indices, got ", indices.scalar_type());
+  TORCH_CHECK(first >= 0 && rows > 0, "an Embedding slice needs rows [first, first + rows), got first ", first,
+              ", rows ", rows);
+  const int64_t n = indices.numel();
+  TORCH_CHECK(n > 0, "Embedding A factor of an empty batch (0 positions)");
+  const auto local = indices.reshape({-1}).to(torch::kLong) - first;
+  const auto mine = local.ge(0).logical_and_(local.lt(rows));
+  // Other ranks' tokens add 0 (at a clamped row): every position still counts in n, as over the whole vocabulary.
+  auto counts = torch::zeros({rows}, local.options().dtype(dtype));
+  return counts.index_add_(0, local.clamp(0, rows - 1), mine.to(dtype)).div_(static_cast<double>(n));
+}
+
 namespace {
 
 torch::Tensor padded_input(const torch::Tensor& input, const Conv2dGeometry& geometry) {

@@ -35,6 +35,11 @@ torch::Tensor linear_g_diagonal(const torch::Tensor& grad_output);
 /// diagonal: entry t is the fraction of the n = indices.numel() positions that hold token t, [vocabulary],
 /// in `dtype`. The indices are those the layer's forward took (which checked that they lie in [0, vocabulary)).
 torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabulary, torch::ScalarType dtype);
+/// The entries [first, first + rows) of embedding_a_factor over the whole vocabulary: an Embedding whose vocabulary
+/// is split over ranks (tensor parallel), of which this rank holds those rows. Every position counts in n; a token
+/// outside the slice counts in no entry.
+torch::Tensor embedding_a_factor_slice(const torch::Tensor& indices, int64_t first, int64_t rows,
+                                       torch::ScalarType dtype);
 
 /// How a Conv2d lays its input out into patches.
 struct Conv2dGeometry {

@@ -410,8 +410,10 @@ def _split_by_tensor_parallel(module: torch.nn.Module) -> bool:
 class _TensorParallel(NamedTuple):
     """How tensor parallelism split one layer (_tensor_parallel): 'column' (output features sharded: A is the
     same on every tensor-parallel rank, G this rank's block) or 'row' (input features sharded: A this rank's
-    block, G the same everywhere; the bias, replicated, goes with the block of tensor-parallel rank 0).
-    docs/MATH.md section 9."""
+    block, G the same everywhere; the bias, replicated, goes with the block of tensor-parallel rank 0). An
+    Embedding split by its vocabulary (RowwiseParallel, torchtitan's) is a row layer whose block of its diagonal A
+    is exact: each rank's capture counts its tokens among the whole batch's ids (FactorCapture's vocabulary
+    slice). docs/MATH.md section 9."""
     style: str
     group: Any          # the tensor-parallel process group
     rank: int           # this rank's place in it
@@ -464,10 +466,6 @@ def _tensor_parallel(name: str, module: torch.nn.Module, factors: str = 'block_d
     else:
         raise ValueError(f'{what}, has its weight placed as {placement}, which dkfac cannot precondition: leave the '
                          'layer to the optimizer (skip_layers)')
-    if style == 'row' and isinstance(module, torch.nn.Embedding):
-        raise ValueError(f"{what}, has its vocabulary sharded (RowwiseParallel): dkfac cannot precondition it yet; "
-                         "leave the layer to the optimizer (skip_layers) or shard its embedding dimension "
-                         "(ColwiseParallel)")
     exact = factors == 'exact'
     tp = mesh.ndim - 1
     # Every rank's slice, as torch.chunk splits the sharded dimension (DTensor's Shard does): the same on each rank,
@@ -730,7 +728,7 @@ class _TensorParallelSlice(_StandIns):
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
             if stand_in is None:
                 continue
-            grad = parameter.grad
+            grad = _placed_as(parameter)
             if grad is None or not self._gathers:
                 stand_in.grad = None if grad is None else grad.to_local()
                 continue
@@ -756,6 +754,17 @@ class _TensorParallelSlice(_StandIns):
         self.moved[0] += 1
         self.moved[1] += local.numel() * local.element_size() * (self.split.size - 1 if self.split.rank == 0 else 1)
         return [dist.broadcast(local, src=self.split.root, group=self.split.group, async_op=True)]
+
+
+def _placed_as(parameter: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor parameter's gradient, placed as the parameter is. torch's embedding backward leaves the gradient of
+    an Embedding split by its vocabulary (weight Shard(0)) replicated, every rank holding every token's rows: it is
+    replaced by this rank's rows (a local slice, no communication), the gradient the optimizer would take, so that
+    what dkfac writes is the whole of it and no rank keeps other ranks' rows unpreconditioned."""
+    grad = parameter.grad
+    if grad is not None and _is_dtensor(grad) and tuple(grad.placements) != tuple(parameter.placements):
+        grad = parameter.grad = grad.redistribute(grad.device_mesh, parameter.placements)
+    return grad
 
 
 def _distributor(weight: torch.Tensor, bias: torch.Tensor | None, was: _Distributor | None = None,
@@ -948,6 +957,7 @@ class BaseKFACPreconditioner:
             raise ValueError("sharded_placement='owner' with tensor_parallel_factors='exact': an owner preconditions "
                              "its data-parallel group's rows of one tensor-parallel slice; use 'block_diagonal' "
                              "factors, or the 'replicated' placement for exact ones")
+        self._slice_vocabularies()
         self._distributors = [_distributor(weight, bias, split=split) for (weight, bias), split
                               in zip(self._bound, self._splits)]
         self._owners: list[tuple[int, Any, int] | None] = [None] * len(self._distributors)  # _place_owners
@@ -998,6 +1008,19 @@ class BaseKFACPreconditioner:
         if not _OPTIMIZER_HOOK:
             _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(_optimizer_stepped))
         logger.log(loglevel, 'dkfac: %s', self._core.describe())
+
+    def _slice_vocabularies(self) -> None:
+        """An Embedding whose vocabulary tensor parallelism split (a row split, block-diagonal factors): its capture
+        counts this rank's tokens [first, first + rows) among every id the layer is given (each rank sees them
+        all), so that its diagonal A is the whole layer's block, exactly."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for module, capture, split in zip(self._modules, self._captures, self._splits):
+            if split is None or split.style != 'row' or split.exact or not isinstance(module, torch.nn.Embedding):
+                continue
+            rows, first = compute_local_shape_and_global_offset(module.weight.shape, module.weight.device_mesh,
+                                                                split.gathered)
+            capture.set_vocabulary_slice(first[0], rows[0])
 
     def _join_tensor_parallel(self, process_group: Any, model_parallel_group: Any) -> list[bool]:
         """For a model split by tensor parallelism: checks that ``process_group`` (factor reduction, the strategy)

@@ -278,6 +278,7 @@ PYBIND11_MODULE(_C, m) {
       .def("watch_weight", &FactorCapture::watch_weight)
       .def("mark_weight_written", &FactorCapture::mark_weight_written)
       .def("set_weight_written_in_forward", &FactorCapture::set_weight_written_in_forward)
+      .def("set_vocabulary_slice", &FactorCapture::set_vocabulary_slice, py::arg("first"), py::arg("rows"))
       .def_property_readonly("a_count", &FactorCapture::a_count)
       .def_property_readonly("g_count", &FactorCapture::g_count)
       .def("pending_bytes", &FactorCapture::pending_bytes);

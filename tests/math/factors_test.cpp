@@ -263,6 +263,20 @@ TEST(Factors, EmbeddingAFactorIsTheOneHotLinearsFactor) {
                                     {"Embedding input must hold integer token indices, got Double"});
 }
 
+// A slice of a vocabulary split over ranks: the whole vocabulary's entries [first, first + rows), every position
+// counted in n (a token of another slice in no entry), at either end of the vocabulary and in the middle.
+TEST(Factors, EmbeddingAFactorOfASliceIsThoseEntriesOfTheWholeOnes) {
+  const auto tokens = torch::tensor({3, 0, 3, 5, 3, 1, 6, 2}, torch::kLong).reshape({2, 4});
+  const auto whole = embedding_a_factor(tokens, 7, torch::kFloat64);
+  for (const auto& [first, rows] : std::vector<std::pair<int64_t, int64_t>>{{0, 3}, {3, 2}, {5, 2}, {0, 7}}) {
+    const auto slice = embedding_a_factor_slice(tokens, first, rows, torch::kFloat64);
+    EXPECT_TRUE(torch::equal(slice, whole.slice(0, first, first + rows))) << first << " " << rows << slice << whole;
+  }
+  EXPECT_DOUBLE_EQ(embedding_a_factor_slice(tokens, 3, 2, torch::kFloat64)[0].item<double>(), 3.0 / 8.0);
+  testing::expect_error<c10::Error>([&] { embedding_a_factor_slice(tokens, 2, 0, torch::kFloat64); },
+                                    {"an Embedding slice needs rows [first, first + rows), got first 2, rows 0"});
+}
+
 TEST(Factors, RunningAverageOfADiagonalStartsFromOnes) {
   const auto batch = torch::tensor({2.0, 4.0}, torch::kFloat64);
   EXPECT_TRUE(torch::allclose(running_average({}, batch, 0.5), torch::tensor({1.5, 2.5}, torch::kFloat64)));

@@ -4,12 +4,13 @@ data-parallel group (rank = replica * tp + tp_rank), each rank preconditions its
 over that group. Writes each step's local gradients of the model (after K-FAC, before SGD) to `output`.
 
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
-                                       "fsdp": false, "hsdp": R, "pipeline": false, "dcp_save": PATH,
-                                       "dcp_load": PATH, "device": "cpu" | "cuda", "backend": "gloo" | "nccl",
-                                       "options": {...}}'
+                                       "vocabulary_parallel": false, "fsdp": false, "hsdp": R, "pipeline": false,
+                                       "dcp_save": PATH, "dcp_load": PATH, "device": "cpu" | "cuda",
+                                       "backend": "gloo" | "nccl", "options": {...}}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
-holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel). With
+holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel), or with
+`vocabulary_parallel` its tokens (RowwiseParallel, torchtitan's split of tok_embeddings). With
 `sequence_parallel` the input and the residual stream are sharded on the sequence dimension (SequenceParallel on a
 LayerNorm, the split layers' layouts as torchtitan gives them) and the head is column-parallel too. With `fsdp`
 the replicas shard the split model with fully_shard (FSDP2 x TP, as torchtitan composes them); with `hsdp` R as
@@ -82,20 +83,23 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(output, target)
 
 
-def plan(kind: str, sequence_parallel: bool) -> dict:
+def plan(kind: str, sequence_parallel: bool, vocabulary: bool = False) -> dict:
+    """The layers' splits; the "lm" Embedding's by its embedding dimension, or with `vocabulary` by its tokens
+    (RowwiseParallel, as torchtitan splits tok_embeddings)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    output = Shard(1) if sequence_parallel else Replicate()
+    embed = (RowwiseParallel(input_layouts=Replicate(), output_layouts=output) if vocabulary
+             else ColwiseParallel(output_layouts=output))
     if not sequence_parallel:
         layers = {'up': ColwiseParallel(), 'down': RowwiseParallel()}
-        if kind == 'lm':
-            layers['embed'] = ColwiseParallel(output_layouts=Replicate())
-        return layers
-    layers = {'norm': SequenceParallel(), 'up': ColwiseParallel(input_layouts=Shard(1)),
-              'down': RowwiseParallel(output_layouts=Shard(1)),
-              'head': ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    else:
+        layers = {'norm': SequenceParallel(), 'up': ColwiseParallel(input_layouts=Shard(1)),
+                  'down': RowwiseParallel(output_layouts=Shard(1)),
+                  'head': ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
     if kind == 'lm':
-        layers['embed'] = ColwiseParallel(output_layouts=Shard(1))
+        layers['embed'] = embed
     return layers
 
 
@@ -120,8 +124,7 @@ def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 
 def refusals(output: str) -> None:
     """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
-    first forward: the layer's input is then a DTensor), a vocabulary-sharded Embedding, owner placement with exact
-    factors, a model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact
+    first forward: the layer's input is then a DTensor), owner placement with exact factors, a model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact
     factors with strategy auto, a replicated weight (SequenceParallel on a Linear); strategy auto, strategy dp with
     slices of different sizes, options that differ between the tensor-parallel ranks, an empty slice (each on every
     rank)."""
@@ -137,11 +140,6 @@ def refusals(output: str) -> None:
         whole(data(0, 0, 'mlp')[0])
     except ValueError as error:
         errors['split after'] = str(error)
-    whole = parallelize_module(model('lm'), mesh, {'embed': RowwiseParallel(), 'up': ColwiseParallel()})
-    try:
-        dkfac.KFACPreconditioner(whole)
-    except ValueError as error:
-        errors['vocabulary'] = str(error)
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     for name, options in (('owner', {'sharded_placement': 'owner', 'tensor_parallel_factors': 'exact'}),
                           ('model group', {'model_parallel_group': alone}),
@@ -256,7 +254,8 @@ def main() -> None:
     else:
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))
     replica, tp_rank = mesh['dp'].get_local_rank(), mesh.get_local_rank('tp')
-    whole = parallelize_module(model(kind).to(device), mesh['tp'], plan(kind, sequence_parallel))
+    whole = parallelize_module(model(kind).to(device), mesh['tp'],
+                               plan(kind, sequence_parallel, kwargs.get('vocabulary_parallel', False)))
     if kwargs.get('fsdp') or hsdp:
         from torch.distributed.fsdp import fully_shard
 

@@ -35,12 +35,15 @@ def columns(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
 class Sliced(torch.nn.Module):
     """worker.Block with each split layer as TP layers: `up` (and `embed`, and the head under sequence parallelism)
     by output features, `down` by input features with the bias on the first slice. In one process it computes what
-    the split model computes; K-FAC then gives each slice its own factors, the tensor-parallel job's blocks."""
+    the split model computes; K-FAC then gives each slice its own factors, the tensor-parallel job's blocks. An
+    Embedding split by its `vocabulary` stays whole: the blocks of its diagonal A are the whole A's, so its slices'
+    K-FAC is the whole layer's."""
 
-    def __init__(self, whole: worker.Block, split_head: bool) -> None:
+    def __init__(self, whole: worker.Block, split_head: bool, vocabulary: bool = False) -> None:
         super().__init__()
         self.embed = None
-        if whole.embed is not None:
+        self.whole_embed = whole.embed if vocabulary else None
+        if whole.embed is not None and not vocabulary:
             self.embed = torch.nn.ModuleList(torch.nn.Embedding.from_pretrained(
                 whole.embed.weight.data.chunk(TP, 1)[k].clone(), freeze=False) for k in range(TP))
         self.norm = whole.norm
@@ -49,7 +52,8 @@ class Sliced(torch.nn.Module):
         self.head = torch.nn.ModuleList(rows(whole.head, k) for k in range(TP)) if split_head else whole.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.cat([e(x) for e in self.embed], -1) if self.embed is not None else x
+        h = (self.whole_embed(x) if self.whole_embed is not None
+             else torch.cat([e(x) for e in self.embed], -1) if self.embed is not None else x)
         u = torch.tanh(torch.cat([part(self.norm(h)) for part in self.up], -1))
         h = h + sum(part(c) for part, c in zip(self.down, u.chunk(TP, -1)))
         return torch.cat([part(h) for part in self.head], -1) if isinstance(self.head, torch.nn.ModuleList) \
@@ -62,6 +66,8 @@ class Sliced(torch.nn.Module):
                  'down.weight': self.down[k].weight.grad, 'down.bias': self.down[0].bias.grad}
         if self.embed is not None:
             grads['embed.weight'] = self.embed[k].weight.grad
+        if self.whole_embed is not None:  # slice k's tokens, as torch.chunk (DTensor's Shard) splits them
+            grads['embed.weight'] = self.whole_embed.weight.grad.chunk(TP, 0)[k]
         head = self.head[k] if isinstance(self.head, torch.nn.ModuleList) else self.head
         grads.update({'head.weight': head.weight.grad, 'head.bias': head.bias.grad})
         return grads
@@ -112,10 +118,11 @@ def pipeline_reference(dp: int, **options) -> list[dict[tuple[int, int], dict[st
     return steps
 
 
-def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[list[dict[str, torch.Tensor]]]:
+def reference(dp: int, kind: str, sequence_parallel: bool, vocabulary: bool = False,
+              **options) -> list[list[dict[str, torch.Tensor]]]:
     """Each step's gradients of every slice k, from one process: every replica's batch one micro-batch, their
     gradients averaged (as the replicas average them), factors over all of them."""
-    model = Sliced(worker.model(kind), split_head=sequence_parallel)
+    model = Sliced(worker.model(kind), split_head=sequence_parallel, vocabulary=vocabulary)
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **dict(worker.KFAC, **options))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
@@ -131,14 +138,15 @@ def reference(dp: int, kind: str, sequence_parallel: bool, **options) -> list[li
     return steps
 
 
-def whole_reference(dp: int, kind: str, sequence_parallel: bool, tp: int = TP) -> list[list[dict[str, torch.Tensor]]]:
+def whole_reference(dp: int, kind: str, sequence_parallel: bool, tp: int = TP,
+                    vocabulary: bool = False) -> list[list[dict[str, torch.Tensor]]]:
     """As reference(), for the model itself (exact factors, or tp = 1), each step's gradients cut as slice k of
     tp holds them."""
     model = worker.model(kind)
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **worker.KFAC)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # The dimension each split parameter is cut along (None: whole on every rank).
-    cut = {'up.weight': 0, 'up.bias': 0, 'down.weight': 1, 'embed.weight': 1}
+    cut = {'up.weight': 0, 'up.bias': 0, 'down.weight': 1, 'embed.weight': 0 if vocabulary else 1}
     if sequence_parallel:
         cut.update({'head.weight': 0, 'head.bias': 0})
     steps = []
@@ -259,6 +267,20 @@ def test_pipeline_stages_split_by_tensor_parallelism_equal_one_process(dp, fsdp,
                                            msg=lambda m: f'rank {rank}, step {step}, {name}: {m}')
 
 
+@pytest.mark.parametrize('dp,sequence_parallel,fsdp,factors', [
+    (1, False, False, 'block_diagonal'), (2, True, True, 'block_diagonal'), (2, True, True, 'exact')])
+def test_an_embedding_split_by_its_vocabulary_is_preconditioned_as_the_whole_layer(dp, sequence_parallel, fsdp,
+                                                                                   factors, tmp_path):
+    """torchtitan's split of tok_embeddings (RowwiseParallel: each rank holds some tokens' rows, 6 and 5 of the 11
+    here): each rank's capture counts its tokens among the whole batch's ids, so its block of the diagonal A is the
+    whole layer's, and G (from the whole output gradient) is the same on every rank: the embedding's slices are
+    preconditioned exactly as the whole layer, the other split layers as their blocks (or, exact, all whole)."""
+    results = run(TP * dp, {'tp': TP, 'dp': dp, 'model': 'lm', 'sequence_parallel': sequence_parallel, 'fsdp': fsdp,
+                            'vocabulary_parallel': True, 'options': {'tensor_parallel_factors': factors}}, tmp_path)
+    check(results, reference(dp, 'lm', sequence_parallel, vocabulary=True) if factors == 'block_diagonal'
+          else whole_reference(dp, 'lm', sequence_parallel, vocabulary=True))
+
+
 @pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [(1, 'lm', False, False), (2, 'lm', True, True)])
 def test_exact_factors_equal_the_whole_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
     """tensor_parallel_factors='exact': every rank gathers each split layer's inputs, output gradients and
@@ -287,9 +309,6 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
     for result in run(TP, {'refusals': True}, tmp_path):
         assert "layer 'up' (Linear) takes a DTensor input" in result['split after'], result
         assert 'Build the preconditioner after parallelize_module' in result['split after']
-        assert "layer 'embed' (Embedding), split by torch.distributed.tensor.parallel, has its vocabulary sharded" \
-            in result['vocabulary'], result
-        assert 'skip_layers' in result['vocabulary']
         assert "sharded_placement='owner' with tensor_parallel_factors='exact'" in result['owner'], result
         assert 'model_parallel_group must hold the tensor-parallel ranks [0, 1]' in result['model group'], result
         assert "tensor_parallel_factors must be 'block_diagonal' or 'exact', got 'blocks'" in result['factors'], result
