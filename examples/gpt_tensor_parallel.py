@@ -1,9 +1,10 @@
 """A small GPT trained on the Python standard library's sources with FSDP2 x tensor parallel and dkfac, composed as
-torchtitan composes them: one (dp, tp) DeviceMesh; `parallelize_module` splits attention's query, key and value and
-the MLP's first layer by output features (ColwiseParallel), their output projections by input features
-(RowwiseParallel), the head by output features, with sequence parallelism between them (SequenceParallel norms,
-activations sharded on the sequence dimension); `fully_shard` shards every block and the model over dp. K-FAC
-preconditions each rank's slices (docs/PYTHON.md "Tensor parallel"), AdamW steps.
+torchtitan composes them: one (dp, tp) DeviceMesh; `parallelize_module` splits the token embedding by its vocabulary
+(RowwiseParallel), attention's query, key and value and the MLP's first layer by output features (ColwiseParallel),
+their output projections by input features (RowwiseParallel), the head by output features, with sequence
+parallelism between them (SequenceParallel norms, activations sharded on the sequence dimension); `fully_shard`
+shards every block and the model over dp. K-FAC preconditions each rank's slices (docs/PYTHON.md "Tensor
+parallel"), AdamW steps.
 
     torchrun --standalone --nproc-per-node 4 examples/gpt_tensor_parallel.py --tp 2          # dp 2 x tp 2
     torchrun --standalone --nproc-per-node 2 examples/gpt_tensor_parallel.py --tp 2 --no-kfac
@@ -88,10 +89,10 @@ class GPT(torch.nn.Module):
 
 
 def tensor_parallel(model: GPT, mesh) -> None:
-    """torchtitan's plan, but for the token embedding: dkfac preconditions an Embedding split by its embedding
-    dimension (ColwiseParallel), not one split by vocabulary (RowwiseParallel, torchtitan's choice)."""
+    """torchtitan's plan: the token embedding split by its vocabulary, whose slices dkfac preconditions exactly as
+    the whole layer (docs/MATH.md section 9.1), the blocks' projections as block-diagonal slices."""
     parallelize_module(model, mesh, {
-        'tok_embeddings': ColwiseParallel(output_layouts=Shard(1)),
+        'tok_embeddings': RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         'norm': SequenceParallel(),
         'output': ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
