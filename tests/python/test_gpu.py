@@ -388,15 +388,19 @@ def test_two_ranks_share_the_gpu_through_gloo(kwargs, tmp_path):
 # Tensor parallel on CUDA tensors (float64, against the CPU float64 reference of the sliced model): a one-rank NCCL
 # mesh (the slice is the whole layer), and two ranks sharing the GPU through Gloo (its CUDA allreduce serves the
 # column and row layers' redistributions; sequence parallelism would need a CUDA reduce-scatter, which Gloo lacks).
-@pytest.mark.parametrize('ranks,backend', [(1, 'nccl'), (2, 'gloo')])
-def test_tensor_parallel_on_cuda_matches_cpu_float64(ranks, backend, tmp_path):
+# 'vocabulary': the language model with its Embedding split by its vocabulary (a vocabulary slice's capture on CUDA).
+@pytest.mark.parametrize('ranks,backend,kind', [(1, 'nccl', 'mlp'), (2, 'gloo', 'mlp'), (2, 'gloo', 'vocabulary')])
+def test_tensor_parallel_on_cuda_matches_cpu_float64(ranks, backend, kind, tmp_path):
     import test_tensor_parallel as tp
     import workers
 
+    vocabulary = kind == 'vocabulary'
+    model = 'lm' if vocabulary else kind
     results = workers.run_workers('tensor_parallel_worker.py', ranks,
-                                  {'tp': ranks, 'dp': 1, 'device': 'cuda', 'backend': backend}, tmp_path)
+                                  {'tp': ranks, 'dp': 1, 'device': 'cuda', 'backend': backend, 'model': model,
+                                   'vocabulary_parallel': vocabulary}, tmp_path)
     if ranks == 2:
-        tp.check(results, tp.reference(1, 'mlp', False), rtol=1e-9, atol=1e-12)
+        tp.check(results, tp.reference(1, model, False, vocabulary=vocabulary), rtol=1e-9, atol=1e-12)
     else:
         tp.check(results, tp.whole_reference(1, 'mlp', False, tp=1), tp=1, rtol=1e-9, atol=1e-12)
 
