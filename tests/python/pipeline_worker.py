@@ -14,6 +14,8 @@ its gradients at the last micro-batch.
 import json
 import sys
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,22 @@ def stage_of(whole: torch.nn.Module, stage: int) -> torch.nn.Sequential:
         return (torch.nn.Sequential(whole.wte, whole.c_fc, torch.nn.Tanh()) if stage == 0
                 else torch.nn.Sequential(whole.ln, whole.head))
     return whole[:2] if stage == 0 else whole[2:]
+
+
+def schedule_step(schedule: Any, stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a 2-stage schedule: the first stage feeds the inputs, the last the targets."""
+    if stage == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y)
+
+
+def mean_over_replicas(parameters: Iterable[torch.nn.Parameter], group: Any, replicas: int) -> None:
+    """The replicas' mean gradient, as DDP would give it (a DTensor's local part for a tensor-parallel layer)."""
+    for p in parameters:
+        local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
+        dist.all_reduce(local, group=group)
+        local /= replicas
 
 
 def stage_parameters(kind: str, stage: int) -> slice:
@@ -103,14 +121,9 @@ def main() -> None:
     for step in range(STEPS):
         x, y = data(step, replica, kind)
         optimizer.zero_grad()
-        if stage == 0:
-            pipeline.step(x)
-        else:
-            pipeline.step(target=y)
-        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
-            for p in part.parameters():
-                dist.all_reduce(p.grad, group=replicas[stage])
-                p.grad /= dp
+        schedule_step(pipeline, stage, x, y)
+        if dp > 1 and not kwargs.get('fsdp'):
+            mean_over_replicas(part.parameters(), replicas[stage], dp)
         preconditioner.step()
         grads.append([p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad.clone()
                       for p in part.parameters()])

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import dkfac
+import pipeline_worker  # its schedule_step and mean_over_replicas
 
 STEPS, BATCH, SEQ, WIDTH, HIDDEN, OUT, VOCAB = 10, 4, 6, 8, 12, 6, 11
 MICRO = 2  # the pipeline's micro-batches of a replica's batch
@@ -215,15 +216,9 @@ def pipeline_job(output: str, kwargs: dict) -> None:
     for step in range(STEPS):
         x, y = data(step, replica, 'mlp')
         optimizer.zero_grad()
-        if stage == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y)
-        if dp > 1 and not kwargs.get('fsdp'):  # the replicas' mean gradient, as DDP would give it
-            for p in part.parameters():
-                local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
-                dist.all_reduce(local, group=mesh['dp'].get_group())
-                local /= dp
+        pipeline_worker.schedule_step(schedule, stage, x, y)
+        if dp > 1 and not kwargs.get('fsdp'):
+            pipeline_worker.mean_over_replicas(part.parameters(), mesh['dp'].get_group(), dp)
         preconditioner.step()
         grads.append({name: local_gradient(p) for name, p in part.named_parameters()})
         optimizer.step()
@@ -282,11 +277,8 @@ def main() -> None:
         x, y = (t.to(device) for t in data(step, replica, kind))
         optimizer.zero_grad()
         loss_fn(whole(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
-        if dp > 1 and not (kwargs.get('fsdp') or hsdp):  # the replicas' mean gradient, as DDP would give it
-            for p in whole.parameters():
-                local = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad
-                dist.all_reduce(local, group=mesh['dp'].get_group())
-                local /= dp
+        if dp > 1 and not (kwargs.get('fsdp') or hsdp):
+            pipeline_worker.mean_over_replicas(whole.parameters(), mesh['dp'].get_group(), dp)
         preconditioner.step()
         grads.append({name: local_gradient(p).cpu() for name, p in whole.named_parameters()})
         optimizer.step()
