@@ -191,25 +191,27 @@ def test_tensor_parallel_slices_equal_the_sliced_model_in_one_process(dp, kind, 
     check(results, expected)
 
 
-@pytest.mark.parametrize('kind,sequence_parallel,strategy', [('mlp', False, 'kaisa'), ('lm', True, 'kaisa'),
-                                                              ('mlp', False, 'dp')])
+@pytest.mark.parametrize('kind,sequence_parallel,strategy,vocabulary', [
+    ('mlp', False, 'kaisa', False), ('lm', True, 'kaisa', False), ('lm', True, 'kaisa', True),
+    ('mlp', False, 'dp', False)])
 def test_owner_placement_of_the_slices_equals_the_sliced_model_in_one_process(kind, sequence_parallel, strategy,
-                                                                               tmp_path):
+                                                                               vocabulary, tmp_path):
     """FSDP2 x TP with sharded_placement='owner': each slice has one owner among the data-parallel ranks that shard
     it, which gathers their rows of its gradient, holds its factors and second-order state and sends the rows back;
     a row layer's bias goes from place 0's ranks to the other tensor-parallel ranks. The job is the replicated
     placement's (under KAISA the one-process model written as its slices; DP-KFAC builds each slice's factors from
-    its owner's batch, under both placements). Each rank holds the state of the slices it owns alone."""
+    its owner's batch, under both placements). Each rank holds the state of the slices it owns alone. `vocabulary`:
+    the Embedding split by its vocabulary."""
     options = {'sharded_placement': 'owner', 'strategy': strategy}
     for name in ('owner', 'replicated'):
         (tmp_path / name).mkdir()
-    results = run(TP * 2, {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
-                           'options': options}, tmp_path / 'owner')
-    replicated = run(TP * 2, {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
-                              'options': {'strategy': strategy}}, tmp_path / 'replicated')
+    job = {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
+           'vocabulary_parallel': vocabulary}
+    results = run(TP * 2, dict(job, options=options), tmp_path / 'owner')
+    replicated = run(TP * 2, dict(job, options={'strategy': strategy}), tmp_path / 'replicated')
     check(results, [[replicated[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
     if strategy == 'kaisa':
-        check(results, reference(2, kind, sequence_parallel))
+        check(results, reference(2, kind, sequence_parallel, vocabulary=vocabulary))
     row_bias = -(-worker.WIDTH // 2) * 8  # a rank's rows of `down`'s bias, sent on from place 0 at every step
     for rank, (owner, whole) in enumerate(zip(results, replicated)):
         for result in (owner, whole):  # what the plan predicts for this data-parallel rank (the slices' shapes)
