@@ -285,6 +285,19 @@ class _CaptureHook:
         return (_CaptureHook, (None, None))
 
 
+def _register_first(module: torch.nn.Module, hook: _CaptureHook) -> Any:
+    """Registers `hook` as `module`'s first forward hook (with its keyword arguments). torch keeps the hooks in an
+    OrderedDict and prepends by moving the new one to the front, which torch.compile's guards do not see: they read
+    the dict's insertion order (dict.keys), in which the new one is last, and the guard on its attributes fails
+    (AttributeError) where the module already has hooks (torch.distributed.tensor.parallel's, or a user's). The
+    others are inserted again after it, so that both orders agree; their handles remove them by key, as before."""
+    handle = module.register_forward_hook(hook, prepend=True, with_kwargs=True)
+    hooks = module._forward_hooks
+    for key in [key for key in hooks if key != handle.id]:
+        hooks[key] = hooks.pop(key)
+    return handle
+
+
 class _CoreWarnings:
     """Re-raises the C++ core's warnings (TORCH_WARN) of the calls made inside the block with
     ``warnings.warn``, attributed to the user's line, once the core has returned (it runs with the GIL
@@ -382,7 +395,11 @@ def _shown(value: Any) -> str:
 
 
 def _is_dtensor(t: Any) -> bool:
-    return t is not None and type(t).__name__ == 'DTensor' and hasattr(t, 'full_tensor')
+    if t is None or not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)  # as torch.compile traces it, too (a type's name is not)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -711,6 +728,7 @@ class _TensorParallelSlice(_StandIns):
         self.split = split
         self.shard_ranks = split.shard_ranks  # the plan prices the data-parallel gather (not the tensor-parallel one)
         self._gathers = bool(split.shard_ranks) or split.exact
+        self._written: list[tuple[weakref.ref, int] | None] = [None, None]  # _local_part's, weight and bias
         self.stand_ins = []
         for t in (weight, bias if split.bias_here() else None):
             if t is None:
@@ -730,12 +748,23 @@ class _TensorParallelSlice(_StandIns):
                 continue
             grad = _placed_as(parameter)
             if grad is None or not self._gathers:
-                stand_in.grad = None if grad is None else grad.to_local()
+                stand_in.grad = None if grad is None else self._local_part(grad, parameter is bias)
                 continue
             stand_in.grad = grad.redistribute(grad.device_mesh, self._gathered(grad)).to_local()
             self.moved[0] += 1
             self.moved[1] += (stand_in.grad.numel() - grad.to_local().numel()) * stand_in.grad.element_size()
         return []
+
+    def _local_part(self, grad: torch.Tensor, is_bias: bool) -> torch.Tensor:
+        """The local tensor of `grad`, which the core preconditions in place. A write to the DTensor since the last
+        step() wrote it (a backward pass accumulating into it, zero_grad(set_to_none=False)) moves the DTensor's
+        version and not its local tensor's, which the core reads to tell a new gradient from the one its last
+        step() wrote (a second step() without a backward pass is refused): the local version is moved to follow."""
+        local = grad.to_local()
+        written = self._written[is_bias]
+        if written is None or written[0]() is not grad or written[1] != grad._version:
+            torch.autograd.graph.increment_version(local)
+        return local
 
     def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
         from torch.distributed.tensor import DTensor
@@ -744,6 +773,8 @@ class _TensorParallelSlice(_StandIns):
             if stand_in is None:
                 continue
             grad = parameter.grad
+            if not self._gathers and grad is not None:  # what the core wrote in place, as the DTensor's version says
+                self._written[parameter is bias] = (weakref.ref(grad), grad._version)
             if self._gathers and grad is not None and stand_in.grad is not None:  # this rank's part, no traffic
                 whole = DTensor.from_local(stand_in.grad, grad.device_mesh, self._gathered(grad), run_check=False)
                 grad.to_local().copy_(whole.redistribute(grad.device_mesh, grad.placements).to_local())
@@ -999,7 +1030,7 @@ class BaseKFACPreconditioner:
             # layer's distribute_module output hook a whole output or a sequence shard of it.
             capture_hooks.append(_CaptureHook(module, capture, name, sliced=split is not None,
                                               whole=split is not None and split.exact, seen=self._forward_seen))
-            hooks.append(module.register_forward_hook(capture_hooks[-1], prepend=True, with_kwargs=True))
+            hooks.append(_register_first(module, capture_hooks[-1]))
             _PRECONDITIONED[module] = owner
         # A preconditioner that goes leaves its modules as it found them, free for another one.
         self._release_hooks = weakref.finalize(self, _release, hooks, capture_hooks, list(self._layers), owner,

@@ -6,7 +6,8 @@ over that group. Writes each step's local gradients of the model (after K-FAC, b
     tensor_parallel_worker.py OUTPUT '{"tp": 2, "dp": 1 | 2, "model": "mlp" | "lm", "sequence_parallel": false,
                                        "vocabulary_parallel": false, "fsdp": false, "hsdp": R, "pipeline": false,
                                        "dcp_save": PATH, "dcp_load": PATH, "device": "cpu" | "cuda",
-                                       "backend": "gloo" | "nccl", "options": {...}}'
+                                       "backend": "gloo" | "nccl", "options": {...}, "zero_in_place": false,
+                                       "repeat_step": false, "compile": false}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel), or with
@@ -220,7 +221,7 @@ def pipeline_job(output: str, kwargs: dict) -> None:
         if dp > 1 and not kwargs.get('fsdp'):
             pipeline_worker.mean_over_replicas(part.parameters(), mesh['dp'].get_group(), dp)
         preconditioner.step()
-        grads.append({name: local_gradient(p) for name, p in part.named_parameters()})
+        grads.append({name: local_gradient(p).clone() for name, p in part.named_parameters()})
         optimizer.step()
     torch.save({'grads': grads, 'stage': stage, 'tp_rank': tp_rank,
                 'held': [name for name, entry in preconditioner.state_dict()['layers'].items() if entry]}, output)
@@ -272,22 +273,29 @@ def main() -> None:
         dist.destroy_process_group()
         return
     optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
+    forward = torch.compile(whole, backend='aot_eager') if kwargs.get('compile') else whole
     grads = []
     for step in range(STEPS):
         x, y = (t.to(device) for t in data(step, replica, kind))
-        optimizer.zero_grad()
-        loss_fn(whole(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
+        optimizer.zero_grad(set_to_none=not kwargs.get('zero_in_place', False))
+        loss_fn(forward(local_input(x, tp_rank, tp, sequence_parallel, kind)), y).backward()
         if dp > 1 and not (kwargs.get('fsdp') or hsdp):
             pipeline_worker.mean_over_replicas(whole.parameters(), mesh['dp'].get_group(), dp)
         preconditioner.step()
-        grads.append({name: local_gradient(p).cpu() for name, p in whole.named_parameters()})
+        grads.append({name: local_gradient(p).cpu().clone() for name, p in whole.named_parameters()})
         optimizer.step()
+    repeated = ''
+    if kwargs.get('repeat_step'):  # no backward pass since the last step(): refused
+        try:
+            preconditioner.step()
+        except RuntimeError as error:
+            repeated = str(error)
     if kwargs.get('dcp_save'):
         import torch.distributed.checkpoint as dcp
 
         dcp.save({'kfac': preconditioner}, checkpoint_id=kwargs['dcp_save'])
     element = torch.finfo(torch.float64).bits // 8
-    torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(),
+    torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(), 'repeated': repeated,
                 'memory': preconditioner.memory_usage(),
                 'traffic': None if preconditioner._communicator is None else preconditioner._communicator.traffic(),
                 'predicted_gradient_bytes': preconditioner._core.predicted_gradient_bytes(element),

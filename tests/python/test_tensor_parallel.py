@@ -296,6 +296,28 @@ def test_exact_factors_equal_the_whole_model_in_one_process(dp, kind, sequence_p
     check(results, expected)
 
 
+def test_gradients_written_in_place_are_new_gradients_and_a_repeated_step_is_still_refused(tmp_path):
+    """zero_grad(set_to_none=False) and the backward pass write each DTensor gradient in place, which moves the
+    DTensor's version and not its local tensor's (what the core preconditions): every step is taken as a new
+    gradient (it was refused as a repeated step() at step 1), equal to one process, and a step() with no backward
+    pass since the last one is still refused on every rank. Under sequence parallelism every K-FAC layer is split
+    (the head too), so no layer's plain gradient shows the step to be new."""
+    results = run(TP, {'tp': TP, 'dp': 1, 'sequence_parallel': True, 'zero_in_place': True, 'repeat_step': True},
+                  tmp_path)
+    check(results, reference(1, 'mlp', True))
+    for result in results:
+        assert 'step() called again on the gradients the last step() (step 9) preconditioned' in result['repeated']
+
+
+def test_a_compiled_tensor_parallel_model_equals_one_process(tmp_path):
+    """torch.compile (aot_eager) of the split model, its Embedding split by its vocabulary: the hooks' custom
+    operators take each DTensor's local part (a type's name is not what dynamo traces; isinstance is), and dkfac's
+    hook goes first in the modules' hook dicts in both of their orders (torch.compile's guards read the insertion
+    order, which a prepended hook does not change). It failed at the first forward on both counts."""
+    results = run(TP, {'tp': TP, 'dp': 1, 'model': 'lm', 'vocabulary_parallel': True, 'compile': True}, tmp_path)
+    check(results, reference(1, 'lm', False, vocabulary=True))
+
+
 def test_a_tensor_parallel_job_with_the_default_group_on_a_wider_world_is_refused(tmp_path):
     """process_group defaults to the world; here it holds the other tensor-parallel rank, whose factors are of
     another slice: refused, naming the ranks. With tp = world, the default means no data parallelism."""
