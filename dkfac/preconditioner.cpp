@@ -127,6 +127,12 @@ void Preconditioner::step(const Distributor& distributor) {
     std::atomic<bool>& stepping;
     ~Done() { stepping = false; }
   } done{stepping_};
+  // Strategy auto's agreement with the model's other parts (agree_strategy_over_model) sums through this step's.
+  model_sum_ = distributor.sum_over_model ? &distributor.sum_over_model : nullptr;
+  struct Forget {
+    const std::function<void(torch::Tensor&)>*& sum;
+    ~Forget() { sum = nullptr; }
+  } forget{model_sum_};
   settle_pending_guards(/*wait=*/false);  // the finished steps' warnings and counts, without waiting
   front_end_seconds_ = 0.0;
   move_gradients(distributor.gather);
@@ -274,7 +280,10 @@ void Preconditioner::remember_written_gradients(const std::vector<LayerFate>& fa
 
 void Preconditioner::discard_step() {
   warn_of_kept_folds("discard_step()");
-  if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step()) choose_strategy();
+  // Not where the model's parts must agree (agree_strategy_over_model): no sum over them here; the next step() chooses.
+  if (auto_ && auto_->choice_pending() && steps_ >= options_.start_preconditioning_step() && !model_leader_) {
+    choose_strategy();
+  }
   const bool factor_step = factor_step_as_armed();
   auto fates = check_layers(factor_step, /*discarding=*/true);  // whatever ran: nothing, a forward without backward
   if (factor_step) {

@@ -255,6 +255,12 @@ class Preconditioner {
   /// Strategy auto: the rates to choose from instead of measuring them at the first step (strategy::Rates,
   /// e.g. read from `dkfac plan --measure-rates`'s JSON, or fixed by a test). Every rank must pass the same.
   void use_rates(strategy::Rates rates);
+  /// Strategy auto where this rank's group holds one part of a model split over other ranks too (tensor-parallel
+  /// slices, pipeline stages: the ranks step()'s Distributor::sum_over_model sums over), whose parts must run one
+  /// strategy: every choice is the part whose rank is the `leader` (one rank of those) chose, agreed through that
+  /// sum. The choice is then made at a step(), never at discard_step() (which has no such sum: it runs under the
+  /// provisional plan), and a step() without the sum is refused until it is made.
+  void agree_strategy_over_model(bool leader);
   /// What executes the plan (its collectives are no-ops in one process). Shared: one held across strategy auto's
   /// replacement of the executor stays valid, describing the plan it executed.
   std::shared_ptr<const strategy::StepExecutor> executor() const { return executor_; }
@@ -646,6 +652,9 @@ class Preconditioner {
   /// Strategy auto at the first step (strategy::AutoStrategy::choose, collective), then the executor for its
   /// choice, re-placing any K-FAC state.
   void choose_strategy();
+  /// Strategy auto's agreement over the model's parts (agree_strategy_over_model) for the step() running now; empty
+  /// without one.
+  strategy::ModelAgreement model_agreement() const;
   /// Replaces the executor by one for `chosen`, re-placing every layer's K-FAC state as its plan says
   /// (collective; `has_state`: any rank holds some).
   void replace_executor(const Options& chosen, bool has_state);
@@ -733,6 +742,8 @@ class Preconditioner {
   std::shared_ptr<comm::Communicator> communicator_;  // the executor's (nullptr in one process)
   bool auto_requested_ = false;                       // the options asked for strategy auto
   std::unique_ptr<strategy::AutoStrategy> auto_;     // strategy auto on several ranks
+  std::optional<bool> model_leader_;                  // agree_strategy_over_model's: whether this rank leads
+  const std::function<void(torch::Tensor&)>* model_sum_ = nullptr;  // the running step()'s sum_over_model
   std::string strategy_choice_;                       // strategy auto in one process: why it is kaisa
   std::string choice_to_report_;                      // for take_plan_change, once
 };

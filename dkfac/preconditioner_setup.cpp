@@ -381,12 +381,36 @@ void Preconditioner::use_rates(strategy::Rates rates) {
   }
 }
 
+void Preconditioner::agree_strategy_over_model(bool leader) {
+  TORCH_CHECK(auto_requested_, "agree_strategy_over_model is for strategy auto; this preconditioner's strategy is ",
+              to_string(options_.strategy()));
+  TORCH_CHECK(!auto_ || auto_->choice_pending(), "agree_strategy_over_model after strategy auto chose");
+  model_leader_ = leader;
+}
+
+strategy::ModelAgreement Preconditioner::model_agreement() const {
+  if (!model_leader_) return {};
+  TORCH_CHECK(model_sum_ != nullptr && *model_sum_, "strategy auto agrees with the model's other parts through "
+              "step()'s sum over them (sum_over_model), which this step() was not given");
+  return [sum = model_sum_, leader = *model_leader_, device = device_](size_t value) {
+    // One sum over the model's parts: the leader's value + 1, 0 from every other rank.
+    auto t = torch::full({1}, leader ? static_cast<double>(value) + 1.0 : 0.0,
+                         torch::TensorOptions().dtype(torch::kFloat64).device(device));
+    (*sum)(t);
+    const double agreed = t.item<double>() - 1.0;
+    TORCH_CHECK(agreed >= 0.0 && agreed == std::floor(agreed), "strategy auto: the model's parts did not agree on one "
+                "leading rank (their sum gave ", agreed + 1.0, "): exactly one rank of them must lead");
+    return static_cast<size_t>(agreed);
+  };
+}
+
 void Preconditioner::choose_strategy() {
   int64_t samples = 1;
   for (const auto& layer : layers_) samples = std::max(samples, layer.capture().samples_per_pass());
   const auto dtype = options_.factor_dtype().value_or(layers_.front().weight().scalar_type());
   const Options chosen = auto_->choose(options_, strategy::layer_shapes(layers_),
-                                       samples * options_.accumulation_steps(), device_, dtype, steps_);
+                                       samples * options_.accumulation_steps(), device_, dtype, steps_,
+                                       model_agreement());
   // State loaded (or computed) under the provisional plan: every rank holds every factor there, so they
   // agree on whether there is any; it is gathered whole and placed again as the chosen plan says.
   const bool has_state = std::any_of(layers_.begin(), layers_.end(), [](const KfacLayer& l) { return l.a_factor().defined(); });
@@ -422,7 +446,8 @@ void Preconditioner::replace_executor(const Options& chosen, bool has_state) {
 }
 
 void Preconditioner::recheck_strategy() {
-  const auto switch_to = auto_->recheck(strategy::layer_shapes(layers_), executor_->plan(), options_, steps_);
+  const auto switch_to = auto_->recheck(strategy::layer_shapes(layers_), executor_->plan(), options_, steps_,
+                                        model_agreement());
   choice_to_report_ += auto_->last_report();
   if (!switch_to) return;
   replace_executor(*switch_to, /*has_state=*/true);

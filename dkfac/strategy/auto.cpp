@@ -22,7 +22,8 @@ void AutoStrategy::use_rates(Rates rates) {
 }
 
 Options AutoStrategy::choose(const Options& requested, const std::vector<assign::LayerShape>& shapes, int64_t batch,
-                             c10::Device device, c10::ScalarType dtype, int64_t step) {
+                             c10::Device device, c10::ScalarType dtype, int64_t step,
+                             const ModelAgreement& with_model) {
   TORCH_CHECK(pending_, "strategy auto chose already");
   pending_ = false;
   requested_ = requested;
@@ -31,8 +32,15 @@ Options AutoStrategy::choose(const Options& requested, const std::vector<assign:
   auto choice = choose_strategy(shapes, world, requested_, rates, requested_.memory_budget(), batch,
                                 {requested_.factor_update_steps_at(step), requested_.inv_update_steps_at(step)});
   choice.chosen = agree_on_choice(*communicator_, choice.chosen);
+  const size_t own = choice.chosen;
+  if (with_model) choice.chosen = with_model(choice.chosen);
   description_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
                  (given_rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
+  if (with_model) {
+    description_ += choice.chosen == own ? "\n  the model's other parts run it too"
+                                         : "\n  the pick of the model's leading part, which every part runs (this "
+                                           "part's was " + choice.candidates.at(own).name + ")";
+  }
   if (requested_.auto_recheck_steps() > 0) {
     recheck_ = Recheck{rates, choice.pick().name, batch, step + 1, step + requested_.auto_recheck_steps(), {}};
   }
@@ -50,7 +58,7 @@ bool AutoStrategy::recheck_due(int64_t steps_done) const { return recheck_ && st
 
 std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShape>& shapes,
                                              const StepPlan& running_plan, const Options& running,
-                                             int64_t steps_done) {
+                                             int64_t steps_done, const ModelAgreement& with_model) {
   TORCH_CHECK(recheck_due(steps_done), "strategy auto's re-check is not due at step ", steps_done);
   const Recheck check = *recheck_;
   recheck_.reset();
@@ -73,8 +81,12 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
   report << "strategy auto re-checked after " << measured.kinds.size() << " profiled steps (" << check.first_step
          << " to " << check.last_step << "): measured / predicted " << scales.describe();
   std::optional<Options> switch_to;
-  if (scales.within(kRecheckTolerance)) {
+  bool keep = scales.within(kRecheckTolerance);
+  if (with_model) keep = with_model(keep ? 1 : 0) == 1;  // the leading part's decision, whatever this one measured
+  if (keep && scales.within(kRecheckTolerance)) {
     report << "; all within " << kRecheckTolerance * 100 << "%: kept " << check.picked;
+  } else if (keep) {
+    report << "; the model's leading part kept its pick, which every part runs: kept " << check.picked;
   } else {
     auto choice = choose_strategy(shapes, communicator_->size(), requested_, scaled(check.rates, scales),
                                   requested_.memory_budget(), check.batch,
@@ -82,6 +94,7 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
                                    requested_.inv_update_steps_at(steps_done)});
     prefer_running(choice, running);
     choice.chosen = agree_on_choice(*communicator_, choice.chosen);
+    if (with_model) choice.chosen = with_model(choice.chosen);
     report << "; chose again with the rates scaled so:\n" << choice.describe();
     if (runs_as(choice.pick(), running)) {
       report << "  kept " << choice.pick().name;

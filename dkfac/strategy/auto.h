@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,10 +22,17 @@ class Communicator;
 
 namespace dkfac::strategy {
 
+/// Where the ranks of a data-parallel group hold one part of a model split over other ranks as well (tensor-parallel
+/// slices, pipeline stages), whose parts must run one strategy: returns, on every rank, the value one leading rank
+/// of the model's parts gave (the others' are ignored). Collective over those ranks. Empty: no such parts.
+using ModelAgreement = std::function<size_t(size_t)>;
+
 /// Strategy auto on several ranks, from the first choice to the re-check: it owns the rates, the choice, the
 /// profile of the steps after it, their reduction over the ranks and the re-check. The Preconditioner asks it
 /// once before a step (choose, at the first) and once after (record; recheck when due), and replaces its
 /// executor when told to. Every call that communicates is collective: every rank makes it at the same step.
+/// With a ModelAgreement, every decision (the pick, whether the re-check chooses again, its pick) is the leading
+/// part's, agreed after its own group's.
 class AutoStrategy {
  public:
   /// `communicator` spans more than one rank.
@@ -40,7 +48,7 @@ class AutoStrategy {
   /// `shapes` and `batch` samples per rank per step, agrees on rank 0's pick (collective) and returns the
   /// options to run (StrategyChoice::apply). The re-check chooses for `requested` again.
   Options choose(const Options& requested, const std::vector<assign::LayerShape>& shapes, int64_t batch,
-                 c10::Device device, c10::ScalarType dtype, int64_t step);
+                 c10::Device device, c10::ScalarType dtype, int64_t step, const ModelAgreement& with_model = {});
 
   /// True when step `step` is one the re-check profiles (its times are to be record()ed).
   bool profiles(int64_t step) const { return recheck_ && step >= recheck_->first_step && step <= recheck_->last_step; }
@@ -53,7 +61,7 @@ class AutoStrategy {
   /// is off by more than kRecheckTolerance, chooses again with the scaled rates. Returns the options to switch
   /// to from step `steps_done`, or nothing to keep running `running`.
   std::optional<Options> recheck(const std::vector<assign::LayerShape>& shapes, const StepPlan& running_plan,
-                                 const Options& running, int64_t steps_done);
+                                 const Options& running, int64_t steps_done, const ModelAgreement& with_model = {});
 
   /// The choice in words (StrategyChoice::describe and where its rates came from), followed after the re-check
   /// by what it measured and decided; "" before the choice.

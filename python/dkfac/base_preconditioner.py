@@ -965,18 +965,14 @@ class BaseKFACPreconditioner:
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
         exact = any(split is not None and split.exact for split in self._splits)
         strategy = str(options.get('strategy')).lower()
-        if exact and strategy == 'auto':
-            raise ValueError("tensor_parallel_factors='exact' with strategy='auto': the tensor-parallel ranks gather "
-                             'in the hooks of the layers their plans capture, and auto may choose differently on each '
-                             "data-parallel group; choose the strategy ('kaisa', 'spd' or 'dp')")
-        if strategy == 'auto' and any(split is not None for split in self._splits):
-            raise ValueError("strategy='auto' with tensor parallelism: each tensor-parallel rank's data-parallel group "
-                             'would choose on its own measurements, and where they chose differently (DP-KFAC builds '
-                             "each layer's factors from its owner's batch alone) the layers every tensor-parallel rank "
-                             "holds whole would be preconditioned differently on each; choose the strategy ('kaisa', "
-                             "'spd' or 'dp')")
         uneven = [name for name, split in zip(self._names, self._splits)
                   if split is not None and split.uneven and not split.exact]
+        if strategy == 'auto' and uneven:
+            raise ValueError(f"strategy='auto' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): "
+                             "auto may pick DP-KFAC, which each tensor-parallel rank's data-parallel group would place "
+                             "by its own slices' costs, so that the layers every tensor-parallel rank holds whole "
+                             "would get different owners and different gradients on each; choose 'kaisa' or 'spd', "
+                             'or a split the tensor-parallel size divides')
         if strategy == 'dp' and uneven:
             raise ValueError(f"strategy='dp' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): "
                              "each tensor-parallel rank's data-parallel group places the layers by its own "
@@ -1014,6 +1010,8 @@ class BaseKFACPreconditioner:
             self._watch_weight(index)
         if owner_placed:
             self._place_owners(process_group)
+        if strategy == 'auto' and self._counted_elsewhere:  # tensor parallelism: one pick for the model's parts
+            self._core.agree_strategy_over_model(leader=dist.get_rank(self._model_group) == 0)
         # After process_group's own comparison (in the core), which names a difference between replicas first.
         self._agree_across_model_parts(options, tensor_parallel_factors)
         for (name, module), (a, g, a_diagonal, g_diagonal) in zip(self.layers, self._core.layer_dims()):

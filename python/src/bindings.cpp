@@ -400,6 +400,7 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("gather") = py::none(), py::arg("scatter") = py::none(), py::arg("sum_over_model") = py::none(),
           py::arg("counted_elsewhere") = std::vector<bool>{})
+      .def("agree_strategy_over_model", &Preconditioner::agree_strategy_over_model, py::arg("leader"))
       .def("update_second_order", &Preconditioner::update_second_order, py::call_guard<py::gil_scoped_release>())
       .def("reset_batch", &Preconditioner::reset_batch)
       .def("layers_folded_since_step", &Preconditioner::layers_folded_since_step)

@@ -126,10 +126,9 @@ def local_gradient(p: torch.nn.Parameter) -> torch.Tensor:
 
 def refusals(output: str) -> None:
     """What dkfac refuses, naming the layer or the option: a model split after the preconditioner was built (at its
-    first forward: the layer's input is then a DTensor), owner placement with exact factors, a model_parallel_group without the tensor-parallel ranks, an unknown tensor_parallel_factors, exact
-    factors with strategy auto, a replicated weight (SequenceParallel on a Linear); strategy auto, strategy dp with
-    slices of different sizes, options that differ between the tensor-parallel ranks, an empty slice (each on every
-    rank)."""
+    first forward: the layer's input is then a DTensor), owner placement with exact factors, a model_parallel_group
+    without the tensor-parallel ranks, an unknown tensor_parallel_factors, a replicated weight (SequenceParallel on a Linear); strategy auto and dp with slices of different sizes, options
+    that differ between the tensor-parallel ranks, an empty slice (each on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -145,14 +144,16 @@ def refusals(output: str) -> None:
     alone = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
     for name, options in (('owner', {'sharded_placement': 'owner', 'tensor_parallel_factors': 'exact'}),
                           ('model group', {'model_parallel_group': alone}),
-                          ('factors', {'tensor_parallel_factors': 'blocks'}),
-                          ('exact auto', {'tensor_parallel_factors': 'exact', 'strategy': 'auto'})):
+                          ('factors', {'tensor_parallel_factors': 'blocks'})):
         try:
             dkfac.KFACPreconditioner(parallelize_module(model('mlp'), mesh, plan('mlp', False)), **options)
         except ValueError as error:
             errors[name] = str(error)
-    uneven = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))  # 3 = 2 + 1
-    for name, options, split in (('dp uneven', {'strategy': 'dp'}, uneven), ('auto', {'strategy': 'auto'}, None),
+    def uneven() -> torch.nn.Module:  # 3 = 2 + 1 features
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+    for name, options, split in (('dp uneven', {'strategy': 'dp'}, uneven()),
+                                 ('auto uneven', {'strategy': 'auto'}, uneven()),
                                  ('options', {'damping': 0.01 * (1 + dist.get_rank())}, None),
                                  ('empty slice', {}, torch.nn.Sequential(torch.nn.Linear(4, 1)))):
         parts = plan('mlp', False) if split is None else {'0': ColwiseParallel()}
@@ -296,6 +297,7 @@ def main() -> None:
         dcp.save({'kfac': preconditioner}, checkpoint_id=kwargs['dcp_save'])
     element = torch.finfo(torch.float64).bits // 8
     torch.save({'grads': grads, 'tp_rank': tp_rank, 'state': preconditioner.state_dict(), 'repeated': repeated,
+                'choice': preconditioner.strategy_choice,
                 'memory': preconditioner.memory_usage(),
                 'traffic': None if preconditioner._communicator is None else preconditioner._communicator.traffic(),
                 'predicted_gradient_bytes': preconditioner._core.predicted_gradient_bytes(element),

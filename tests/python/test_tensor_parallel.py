@@ -318,6 +318,32 @@ def test_a_compiled_tensor_parallel_model_equals_one_process(tmp_path):
     check(results, reference(1, 'lm', False, vocabulary=True))
 
 
+@pytest.mark.parametrize('factors', ['block_diagonal', 'exact'])
+def test_strategy_auto_runs_one_pick_on_every_tensor_parallel_rank(factors, tmp_path):
+    """strategy='auto' with tensor parallelism: each tensor-parallel place's data-parallel group measures and
+    chooses, and every place runs the pick of the first one (agreed over the tensor-parallel group: exactly one
+    leading rank in each), so that the layers every place holds whole get the same gradient everywhere. The job
+    equals the one-process model written as its slices under an exact pick (KAISA, SPD-KFAC), or the job given
+    DP-KFAC outright. With exact factors the hooks' gathers over the tensor-parallel ranks follow the plans, which
+    are the same on every place."""
+    options = {'strategy': 'auto', 'auto_recheck_steps': 0, 'tensor_parallel_factors': factors}  # one choice
+    (tmp_path / 'auto').mkdir()
+    results = run(TP * 2, {'tp': TP, 'dp': 2, 'options': options}, tmp_path / 'auto')
+    picks = set()
+    for result in results:
+        assert "the model's other parts run it too" in result['choice'] or \
+            "the pick of the model's leading part" in result['choice'], result['choice']
+        picks |= {line[4:34].strip() for line in result['choice'].splitlines() if line.startswith('  * ')}
+    assert len(picks) == 1, picks
+    if picks == {'dp'}:
+        (tmp_path / 'dp').mkdir()
+        dp = run(TP * 2, {'tp': TP, 'dp': 2, 'options': {'strategy': 'dp', 'tensor_parallel_factors': factors}},
+                 tmp_path / 'dp')
+        check(results, [[dp[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
+    else:
+        check(results, reference(2, 'mlp', False) if factors == 'block_diagonal' else whole_reference(2, 'mlp', False))
+
+
 def test_a_tensor_parallel_job_with_the_default_group_on_a_wider_world_is_refused(tmp_path):
     """process_group defaults to the world; here it holds the other tensor-parallel rank, whose factors are of
     another slice: refused, naming the ranks. With tp = world, the default means no data parallelism."""
@@ -336,11 +362,11 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "sharded_placement='owner' with tensor_parallel_factors='exact'" in result['owner'], result
         assert 'model_parallel_group must hold the tensor-parallel ranks [0, 1]' in result['model group'], result
         assert "tensor_parallel_factors must be 'block_diagonal' or 'exact', got 'blocks'" in result['factors'], result
-        assert "tensor_parallel_factors='exact' with strategy='auto'" in result['exact auto'], result
         assert "layer 'up' (Linear), split by torch.distributed.tensor.parallel, has its weight replicated" in \
             result['replicated'], result
         assert "strategy='dp' with tensor-parallel slices of different sizes (layer '0')" in result['dp uneven'], result
-        assert "strategy='auto' with tensor parallelism" in result['auto'], result
+        assert "strategy='auto' with tensor-parallel slices of different sizes (layer '0')" in result['auto uneven'], \
+            result
         assert ("the model's parts (ranks [0, 1], the tensor-parallel group) built their preconditioners differently: "
                 'rank 1 has damping=0.02 where rank 0 has damping=0.01') in result['options'], result
         assert "layer '0' (Linear), split by torch.distributed.tensor.parallel, is split into slices of [1, 0] " \

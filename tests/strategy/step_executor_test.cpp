@@ -722,6 +722,92 @@ TEST(StrategyAuto, ChoosesAtTheStartPreconditioningStep) {
   expect_ranks_match(got, same, 1e-12);
 }
 
+// Strategy auto where each data-parallel group holds one part of a model split over other ranks too (tensor-parallel
+// slices): two parts of 2 ranks each, given rates that pick DP-KFAC (part 0) and SPD-KFAC (part 1). Agreeing
+// through the sum over the model's parts (agree_strategy_over_model, part 0 leading), all 4 run part 0's pick from
+// the first step and train as that strategy would; without it, each part runs its own pick. A discard_step() before
+// the first step() does not choose (it has no such sum).
+TEST(StrategyAuto, TheModelsPartsRunTheLeadingPartsPick) {
+  DKFAC_SKIP_WITHOUT_TEST_DEVICE();
+  const auto method = ComputeMethod::kInverse;
+  const Options base = base_options(method, false, 1.0);
+  const std::array<Rates, 2> rates = {auto_rates(1e-9, 0.0, 0.0, method), auto_rates(1e-12, 1e-2, 1e-12, method)};
+  std::array<Options, 2> picks;
+  for (int part = 0; part < 2; ++part) {
+    picks[part] = choose_strategy(kObservedShapes, 2, base, rates[part], kNoMemoryBudget, kBatch, {1, 2}).apply(base);
+  }
+  ASSERT_EQ(picks[0].strategy(), Strategy::kDp);
+  ASSERT_EQ(picks[1].strategy(), Strategy::kSpd);
+  for (const bool agree : {true, false}) {
+    SCOPED_TRACE(agree ? "agreeing" : "each part on its own");
+    std::array<std::shared_ptr<comm::InProcessStore>, 2> data_parallel, model;  // per part; per rank in a part
+    for (auto& store : data_parallel) store = std::make_shared<comm::InProcessStore>();
+    for (auto& store : model) store = std::make_shared<comm::InProcessStore>();
+    std::array<std::array<std::vector<std::vector<torch::Tensor>>, 2>, 2> got;  // [part][rank][step]
+    std::array<std::array<StrategyOption, 2>, 2> ran{};
+    std::array<std::array<std::string, 2>, 2> said;
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(4);
+    for (int part = 0; part < 2; ++part) {
+      for (int rank = 0; rank < 2; ++rank) {
+        threads.emplace_back([&, part, rank] {
+          try {
+            auto group = comm::Communicator::connect_in_process(data_parallel[part], rank, 2, std::chrono::seconds(30),
+                                                                comm::CudaBackend::kGloo);
+            auto parts = comm::Communicator::connect_in_process(model[rank], part, 2, std::chrono::seconds(30),
+                                                                comm::CudaBackend::kGloo);
+            auto net = make_net(testing::test_device());
+            Preconditioner kfac(net, Options(base).strategy(kStrategyAuto), group);
+            kfac.use_rates(rates[part]);
+            if (agree) kfac.agree_strategy_over_model(/*leader=*/part == 0);
+            Distributor distributor;
+            distributor.sum_over_model = [&](torch::Tensor& t) {
+              parts->allreduce_sum(t, comm::kWorld, comm::Purpose::kControl).wait();
+            };
+            distributor.counted_elsewhere.assign(3, part == 1);  // part 0 counts the copies' KL terms once
+            torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+            local_loss(*net, 0, rank);  // a forward alone: discarded before any step()
+            kfac.discard_step();
+            EXPECT_EQ(kfac.strategy_choice().empty(), agree) << "discard_step() chose";
+            for (int64_t step = 0; step < kSteps; ++step) {
+              sgd.zero_grad();
+              local_loss(*net, step, rank).backward();
+              std::vector<comm::Handle> handles;
+              for (auto& p : net->parameters()) {
+                handles.push_back(group->allreduce_mean(p.mutable_grad(), comm::kWorld, comm::Purpose::kDataParallel));
+              }
+              comm::wait_all(handles);
+              kfac.step(distributor);
+              got[part][rank].push_back(grads_of(*net));
+              sgd.step();
+            }
+            ran[part][rank] = kfac.options().strategy();
+            said[part][rank] = kfac.strategy_choice();
+          } catch (...) {
+            errors[part * 2 + rank] = std::current_exception();
+          }
+        });
+      }
+    }
+    for (auto& t : threads) t.join();
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    for (int part = 0; part < 2; ++part) {
+      for (int rank = 0; rank < 2; ++rank) {
+        EXPECT_EQ(ran[part][rank], agree ? picks[0].strategy() : picks[part].strategy()) << part << " " << rank;
+      }
+    }
+    if (agree) {
+      EXPECT_NE(said[1][0].find("the pick of the model's leading part, which every part runs (this part's was spd)"),
+                std::string::npos) << said[1][0];
+      EXPECT_NE(said[0][0].find("the model's other parts run it too"), std::string::npos) << said[0][0];
+      const auto same = run_distributed(2, picks[0]);  // the copies train as DP-KFAC would (KL summed once)
+      for (int part = 0; part < 2; ++part) expect_ranks_match({got[part][0], got[part][1]}, same, 1e-12);
+    }
+  }
+}
+
 // The one restore on 2 ranks (KAISA f = 1: each builds every factor and holds every second-order state): a state
 // that one rank refuses is refused on both (the other names no layer); where one rank's state lacks a second-order
 // part of its compute method both recompute from the factors (collective: neither waits for the other), ending
