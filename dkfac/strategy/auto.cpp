@@ -94,8 +94,13 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
                                    requested_.inv_update_steps_at(steps_done)});
     prefer_running(choice, running);
     choice.chosen = agree_on_choice(*communicator_, choice.chosen);
+    const size_t own = choice.chosen;
     if (with_model) choice.chosen = with_model(choice.chosen);
     report << "; chose again with the rates scaled so:\n" << choice.describe();
+    if (choice.chosen != own) {
+      report << "  the pick of the model's leading part, which every part runs (this part's was "
+             << choice.candidates.at(own).name << ")\n";
+    }
     if (runs_as(choice.pick(), running)) {
       report << "  kept " << choice.pick().name;
     } else {

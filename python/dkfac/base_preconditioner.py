@@ -965,21 +965,25 @@ class BaseKFACPreconditioner:
         self._counted_elsewhere = self._join_tensor_parallel(process_group, model_parallel_group)
         exact = any(split is not None and split.exact for split in self._splits)
         strategy = str(options.get('strategy')).lower()
-        uneven = [name for name, split in zip(self._names, self._splits)
-                  if split is not None and split.uneven and not split.exact]
-        if strategy == 'auto' and uneven:
-            raise ValueError(f"strategy='auto' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): "
-                             "auto may pick DP-KFAC, which each tensor-parallel rank's data-parallel group would place "
-                             "by its own slices' costs, so that the layers every tensor-parallel rank holds whole "
-                             "would get different owners and different gradients on each; choose 'kaisa' or 'spd', "
-                             'or a split the tensor-parallel size divides')
-        if strategy == 'dp' and uneven:
-            raise ValueError(f"strategy='dp' with tensor-parallel slices of different sizes (layer {uneven[0]!r}): "
-                             "each tensor-parallel rank's data-parallel group places the layers by its own "
-                             "slices' costs, and DP-KFAC builds each layer's factors from its owner's batch alone, "
-                             'so the layers every tensor-parallel rank holds whole would get different owners and '
-                             "different gradients on each; use 'kaisa' or 'spd', or a split the tensor-parallel size "
-                             'divides')
+        # Slices whose shapes differ between the tensor-parallel ranks: a split the size does not divide, or a row
+        # layer's bias, which place 0's block carries. DP-KFAC (given, or picked by auto) places the layers by their
+        # costs on each rank's own group, and builds each layer's factors from its owner's batch alone: the layers
+        # every rank holds whole would get different owners, and different gradients, on each.
+        unequal = [(name, 'slices of different sizes' if split.uneven else "a row-parallel layer's bias, which "
+                    "tensor-parallel place 0's slice carries") for name, split, module
+                   in zip(self._names, self._splits, self._modules)
+                   if split is not None and not split.exact
+                   and (split.uneven or (split.style == 'row' and getattr(module, 'bias', None) is not None))]
+        if strategy in ('dp', 'auto') and unequal:
+            name, why = unequal[0]
+            raise ValueError(f"strategy={strategy!r} with tensor-parallel slices whose shapes differ between the "
+                             f"tensor-parallel ranks (layer {name!r}: {why}): "
+                             + ('auto may pick DP-KFAC, which ' if strategy == 'auto' else 'DP-KFAC ')
+                             + "places the layers by their costs on each tensor-parallel rank's data-parallel group "
+                             "and builds each layer's factors from its owner's batch alone, so the layers every "
+                             "tensor-parallel rank holds whole would get different owners and different gradients "
+                             "on each; choose 'kaisa' or 'spd', tensor_parallel_factors='exact', or slices of one "
+                             "shape (a split the tensor-parallel size divides, row-parallel layers without a bias)")
         if options.get('sharded_placement') == 'owner' and exact:
             raise ValueError("sharded_placement='owner' with tensor_parallel_factors='exact': an owner preconditions "
                              "its data-parallel group's rows of one tensor-parallel slice; use 'block_diagonal' "
@@ -1010,7 +1014,7 @@ class BaseKFACPreconditioner:
             self._watch_weight(index)
         if owner_placed:
             self._place_owners(process_group)
-        if strategy == 'auto' and self._counted_elsewhere:  # tensor parallelism: one pick for the model's parts
+        if strategy == 'auto' and self._model_group is not None:  # one pick for the model's parts
             self._core.agree_strategy_over_model(leader=dist.get_rank(self._model_group) == 0)
         # After process_group's own comparison (in the core), which names a difference between replicas first.
         self._agree_across_model_parts(options, tensor_parallel_factors)
@@ -1280,6 +1284,9 @@ class BaseKFACPreconditioner:
             self._warn_of_unfrozen_layers()
         # The distributors' gather and scatter run inside the core's step, which times and counts them.
         moves = ((lambda: self._move('gather')), (lambda: self._move('scatter'))) if self._moves_gradients() else ()
+        if moves:
+            self._refuse_repeated_step()
+        self._stepped = None
         try:
             with torch.no_grad(), _CoreWarnings():
                 self._core.step(*moves, sum_over_model=self._sum_over_model if self._model_group is not None else None,
@@ -1293,9 +1300,30 @@ class BaseKFACPreconditioner:
                 raise RuntimeError(f'{error}{self._global_ranks}') from error
             raise
         self._forward_seen[0] = False
+        self._stepped = [(weakref.ref(weight.grad), weight.grad._version) if weight.grad is not None else None
+                         for weight, _ in self._bound]
         change = self._core.take_plan_change()  # strategy='auto''s choice at the first step, SPD-KFAC's grouping
         if change:
             logger.log(self._loglevel, 'dkfac: %s', change.rstrip())
+
+    _stepped: list[tuple[weakref.ref, int] | None] | None = None  # each weight's gradient and version after step()
+
+    def _refuse_repeated_step(self) -> None:
+        """Where the core preconditions gradients gathered for it (FSDP2, HSDP, gathered tensor-parallel slices),
+        each a new tensor at every step, it cannot tell a second step() on the same gradients: refused here, as the
+        core refuses it for the gradients it preconditions in place, where no layer's gradient was written (a
+        backward pass, zero_grad) since the last step()."""
+        if self._stepped is None or all(stepped is None for stepped in self._stepped):
+            return
+        for (weight, _), stepped in zip(self._bound, self._stepped):
+            if weight.grad is None and stepped is None:
+                continue
+            if stepped is None or stepped[0]() is not weight.grad or stepped[1] != weight.grad._version:
+                return
+        raise RuntimeError(f'step() called again on the gradients the last step() (step {self.steps - 1}) '
+                           'preconditioned: no backward pass wrote them since, and a second step() would precondition '
+                           'them twice. Call step() once after each backward pass (after all accumulation '
+                           'micro-batches)')
 
     def _replaced_modules(self) -> str:
         """The registered layers whose name in the model now holds another module (an untied lm_head made anew by

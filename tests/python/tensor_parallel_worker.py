@@ -7,7 +7,7 @@ over that group. Writes each step's local gradients of the model (after K-FAC, b
                                        "vocabulary_parallel": false, "fsdp": false, "hsdp": R, "pipeline": false,
                                        "dcp_save": PATH, "dcp_load": PATH, "device": "cpu" | "cuda",
                                        "backend": "gloo" | "nccl", "options": {...}, "zero_in_place": false,
-                                       "repeat_step": false, "compile": false}'
+                                       "repeat_step": false, "compile": false, "row_bias": true}'
 
 "mlp": `up` column-parallel, `down` row-parallel (its bias replicated), `head` left whole (every tensor-parallel rank
 holds it). "lm": the same after an Embedding whose embedding dimension is split (ColwiseParallel), or with
@@ -34,14 +34,15 @@ KFAC = dict(factor_update_steps=1, inv_update_steps=2, damping=0.01, lr=0.1, kl_
 
 
 class Block(torch.nn.Module):
-    """(Embedding ->) LayerNorm -> up -> tanh -> down, a residual, and a head."""
+    """(Embedding ->) LayerNorm -> up -> tanh -> down, a residual, and a head; `down` without its bias where not
+    `row_bias` (torchtitan's Llama has none: every tensor-parallel rank's slices are then of one shape)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, row_bias: bool = True) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, WIDTH) if kind == 'lm' else None
         self.norm = torch.nn.LayerNorm(WIDTH)
         self.up = torch.nn.Linear(WIDTH, HIDDEN)
-        self.down = torch.nn.Linear(HIDDEN, WIDTH)
+        self.down = torch.nn.Linear(HIDDEN, WIDTH, bias=row_bias)
         self.head = torch.nn.Linear(WIDTH, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,9 +70,9 @@ def tower() -> torch.nn.Sequential:
     return torch.nn.Sequential(Layer(), Layer(), torch.nn.Linear(WIDTH, OUT)).double()
 
 
-def model(kind: str) -> Block:
+def model(kind: str, row_bias: bool = True) -> Block:
     torch.manual_seed(0)
-    return Block(kind).double()
+    return Block(kind, row_bias).double()
 
 
 def data(step: int, replica: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +155,7 @@ def refusals(output: str) -> None:
 
     for name, options, split in (('dp uneven', {'strategy': 'dp'}, uneven()),
                                  ('auto uneven', {'strategy': 'auto'}, uneven()),
+                                 ('dp row bias', {'strategy': 'dp'}, None),
                                  ('options', {'damping': 0.01 * (1 + dist.get_rank())}, None),
                                  ('empty slice', {}, torch.nn.Sequential(torch.nn.Linear(4, 1)))):
         parts = plan('mlp', False) if split is None else {'0': ColwiseParallel()}
@@ -251,7 +253,7 @@ def main() -> None:
     else:
         mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=('dp', 'tp'))
     replica, tp_rank = mesh['dp'].get_local_rank(), mesh.get_local_rank('tp')
-    whole = parallelize_module(model(kind).to(device), mesh['tp'],
+    whole = parallelize_module(model(kind, kwargs.get('row_bias', True)).to(device), mesh['tp'],
                                plan(kind, sequence_parallel, kwargs.get('vocabulary_parallel', False)))
     if kwargs.get('fsdp') or hsdp:
         from torch.distributed.fsdp import fully_shard

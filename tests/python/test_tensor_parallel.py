@@ -25,9 +25,10 @@ def rows(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
 
 def columns(module: torch.nn.Linear, k: int) -> torch.nn.Linear:
     """Slice k of a row-parallel Linear: its k-th block of input features, the bias with the first."""
-    part = torch.nn.Linear(module.in_features // TP, module.out_features, bias=k == 0, dtype=torch.float64)
+    part = torch.nn.Linear(module.in_features // TP, module.out_features, bias=k == 0 and module.bias is not None,
+                           dtype=torch.float64)
     part.weight.data.copy_(module.weight.data.chunk(TP, 1)[k])
-    if k == 0:
+    if part.bias is not None:
         part.bias.data.copy_(module.bias.data)
     return part
 
@@ -63,7 +64,9 @@ class Sliced(torch.nn.Module):
         """Slice k's gradients, named as the tensor-parallel rank k names its local ones."""
         grads = {'norm.weight': self.norm.weight.grad, 'norm.bias': self.norm.bias.grad,
                  'up.weight': self.up[k].weight.grad, 'up.bias': self.up[k].bias.grad,
-                 'down.weight': self.down[k].weight.grad, 'down.bias': self.down[0].bias.grad}
+                 'down.weight': self.down[k].weight.grad}
+        if self.down[0].bias is not None:
+            grads['down.bias'] = self.down[0].bias.grad
         if self.embed is not None:
             grads['embed.weight'] = self.embed[k].weight.grad
         if self.whole_embed is not None:  # slice k's tokens, as torch.chunk (DTensor's Shard) splits them
@@ -118,11 +121,11 @@ def pipeline_reference(dp: int, **options) -> list[dict[tuple[int, int], dict[st
     return steps
 
 
-def reference(dp: int, kind: str, sequence_parallel: bool, vocabulary: bool = False,
+def reference(dp: int, kind: str, sequence_parallel: bool, vocabulary: bool = False, row_bias: bool = True,
               **options) -> list[list[dict[str, torch.Tensor]]]:
     """Each step's gradients of every slice k, from one process: every replica's batch one micro-batch, their
     gradients averaged (as the replicas average them), factors over all of them."""
-    model = Sliced(worker.model(kind), split_head=sequence_parallel, vocabulary=vocabulary)
+    model = Sliced(worker.model(kind, row_bias), split_head=sequence_parallel, vocabulary=vocabulary)
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **dict(worker.KFAC, **options))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
@@ -138,11 +141,11 @@ def reference(dp: int, kind: str, sequence_parallel: bool, vocabulary: bool = Fa
     return steps
 
 
-def whole_reference(dp: int, kind: str, sequence_parallel: bool, tp: int = TP,
-                    vocabulary: bool = False) -> list[list[dict[str, torch.Tensor]]]:
+def whole_reference(dp: int, kind: str, sequence_parallel: bool, tp: int = TP, vocabulary: bool = False,
+                    row_bias: bool = True) -> list[list[dict[str, torch.Tensor]]]:
     """As reference(), for the model itself (exact factors, or tp = 1), each step's gradients cut as slice k of
     tp holds them."""
-    model = worker.model(kind)
+    model = worker.model(kind, row_bias)
     preconditioner = dkfac.KFACPreconditioner(model, accumulation_steps=dp, **worker.KFAC)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # The dimension each split parameter is cut along (None: whole on every rank).
@@ -206,13 +209,13 @@ def test_owner_placement_of_the_slices_equals_the_sliced_model_in_one_process(ki
     for name in ('owner', 'replicated'):
         (tmp_path / name).mkdir()
     job = {'tp': TP, 'dp': 2, 'model': kind, 'sequence_parallel': sequence_parallel, 'fsdp': True,
-           'vocabulary_parallel': vocabulary}
+           'vocabulary_parallel': vocabulary, 'row_bias': strategy != 'dp'}  # DP-KFAC: slices of one shape
     results = run(TP * 2, dict(job, options=options), tmp_path / 'owner')
     replicated = run(TP * 2, dict(job, options={'strategy': strategy}), tmp_path / 'replicated')
     check(results, [[replicated[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
     if strategy == 'kaisa':
         check(results, reference(2, kind, sequence_parallel, vocabulary=vocabulary))
-    row_bias = -(-worker.WIDTH // 2) * 8  # a rank's rows of `down`'s bias, sent on from place 0 at every step
+    row_bias = -(-worker.WIDTH // 2) * 8 if job['row_bias'] else 0  # a rank's rows of `down`'s bias, sent on
     for rank, (owner, whole) in enumerate(zip(results, replicated)):
         for result in (owner, whole):  # what the plan predicts for this data-parallel rank (the slices' shapes)
             assert result['memory']['total'] == result['predicted_memory_bytes'][rank // TP], result['memory']
@@ -309,6 +312,18 @@ def test_gradients_written_in_place_are_new_gradients_and_a_repeated_step_is_sti
         assert 'step() called again on the gradients the last step() (step 9) preconditioned' in result['repeated']
 
 
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_a_repeated_step_on_gathered_gradients_is_refused_on_every_rank(placement, tmp_path):
+    """Under fully_shard the core preconditions gradients gathered for it, new tensors at every step, so it cannot
+    tell a second step() on the same gradients (they were preconditioned twice): the front end refuses it, from
+    each DTensor gradient's object and version, on every rank."""
+    results = run(TP * 2, {'tp': TP, 'dp': 2, 'fsdp': True, 'zero_in_place': True, 'repeat_step': True,
+                           'options': {'sharded_placement': placement}}, tmp_path)
+    check(results, reference(2, 'mlp', False))
+    for result in results:
+        assert 'step() called again on the gradients the last step() (step 9) preconditioned' in result['repeated']
+
+
 def test_a_compiled_tensor_parallel_model_equals_one_process(tmp_path):
     """torch.compile (aot_eager) of the split model, its Embedding split by its vocabulary: the hooks' custom
     operators take each DTensor's local part (a type's name is not what dynamo traces; isinstance is), and dkfac's
@@ -327,8 +342,9 @@ def test_strategy_auto_runs_one_pick_on_every_tensor_parallel_rank(factors, tmp_
     DP-KFAC outright. With exact factors the hooks' gathers over the tensor-parallel ranks follow the plans, which
     are the same on every place."""
     options = {'strategy': 'auto', 'auto_recheck_steps': 0, 'tensor_parallel_factors': factors}  # one choice
+    row_bias = factors == 'exact'  # block-diagonal slices of one shape: no row-parallel bias (refused otherwise)
     (tmp_path / 'auto').mkdir()
-    results = run(TP * 2, {'tp': TP, 'dp': 2, 'options': options}, tmp_path / 'auto')
+    results = run(TP * 2, {'tp': TP, 'dp': 2, 'options': options, 'row_bias': row_bias}, tmp_path / 'auto')
     picks = set()
     for result in results:
         assert "the model's other parts run it too" in result['choice'] or \
@@ -337,11 +353,12 @@ def test_strategy_auto_runs_one_pick_on_every_tensor_parallel_rank(factors, tmp_
     assert len(picks) == 1, picks
     if picks == {'dp'}:
         (tmp_path / 'dp').mkdir()
-        dp = run(TP * 2, {'tp': TP, 'dp': 2, 'options': {'strategy': 'dp', 'tensor_parallel_factors': factors}},
-                 tmp_path / 'dp')
+        dp = run(TP * 2, {'tp': TP, 'dp': 2, 'options': {'strategy': 'dp', 'tensor_parallel_factors': factors},
+                          'row_bias': row_bias}, tmp_path / 'dp')
         check(results, [[dp[k]['grads'][step] for k in range(TP)] for step in range(worker.STEPS)])
     else:
-        check(results, reference(2, 'mlp', False) if factors == 'block_diagonal' else whole_reference(2, 'mlp', False))
+        check(results, reference(2, 'mlp', False, row_bias=False) if factors == 'block_diagonal'
+              else whole_reference(2, 'mlp', False))
 
 
 def test_a_tensor_parallel_job_with_the_default_group_on_a_wider_world_is_refused(tmp_path):
@@ -364,9 +381,11 @@ def test_what_cannot_be_preconditioned_is_refused_naming_the_layer(tmp_path):
         assert "tensor_parallel_factors must be 'block_diagonal' or 'exact', got 'blocks'" in result['factors'], result
         assert "layer 'up' (Linear), split by torch.distributed.tensor.parallel, has its weight replicated" in \
             result['replicated'], result
-        assert "strategy='dp' with tensor-parallel slices of different sizes (layer '0')" in result['dp uneven'], result
-        assert "strategy='auto' with tensor-parallel slices of different sizes (layer '0')" in result['auto uneven'], \
-            result
+        unequal = "with tensor-parallel slices whose shapes differ between the tensor-parallel ranks"
+        assert f"strategy='dp' {unequal} (layer '0': slices of different sizes)" in result['dp uneven'], result
+        assert f"strategy='auto' {unequal} (layer '0': slices of different sizes)" in result['auto uneven'], result
+        assert (f"strategy='dp' {unequal} (layer 'down': a row-parallel layer's bias, which tensor-parallel place "
+                "0's slice carries)") in result['dp row bias'], result
         assert ("the model's parts (ranks [0, 1], the tensor-parallel group) built their preconditioners differently: "
                 'rank 1 has damping=0.02 where rank 0 has damping=0.01') in result['options'], result
         assert "layer '0' (Linear), split by torch.distributed.tensor.parallel, is split into slices of [1, 0] " \
