@@ -205,7 +205,8 @@ def pipeline_job(output: str, kwargs: dict) -> None:
     stage, replica, tp_rank = mesh.get_local_rank('pp'), mesh.get_local_rank('dp'), mesh.get_local_rank('tp')
     whole = tower()
     part = whole[:1] if stage == 0 else whole[1:]  # Sequential slices keep the names: '0', or '1' and '2'
-    parallelize_module(part, mesh['tp'], {f'{stage}.up': ColwiseParallel(), f'{stage}.down': RowwiseParallel()})
+    if stage != kwargs.get('unsplit_stage'):  # a stage left whole holds its layers whole on each place
+        parallelize_module(part, mesh['tp'], {f'{stage}.up': ColwiseParallel(), f'{stage}.down': RowwiseParallel()})
     if kwargs.get('fsdp'):
         from torch.distributed.fsdp import fully_shard
 
@@ -226,7 +227,7 @@ def pipeline_job(output: str, kwargs: dict) -> None:
         preconditioner.step()
         grads.append({name: local_gradient(p).clone() for name, p in part.named_parameters()})
         optimizer.step()
-    torch.save({'grads': grads, 'stage': stage, 'tp_rank': tp_rank,
+    torch.save({'grads': grads, 'stage': stage, 'tp_rank': tp_rank, 'choice': preconditioner.strategy_choice,
                 'held': [name for name, entry in preconditioner.state_dict()['layers'].items() if entry]}, output)
 
 

@@ -286,6 +286,23 @@ def test_an_embedding_split_by_its_vocabulary_is_preconditioned_as_the_whole_lay
           else whole_reference(dp, 'lm', sequence_parallel, vocabulary=True))
 
 
+def test_strategy_auto_on_pipeline_stages_one_of_them_unsplit_runs_one_pick(tmp_path):
+    """pp 2 x dp 2 x tp 2, stage 1 not split by tensor parallelism (its layers whole on both places; KL clipping off,
+    as a stage without tensor-parallel layers needs) and strategy auto: every rank given model_parallel_group joins
+    the agreement (stage 1's ranks did not, and the others waited for them), runs one pick, and stage 1's layers get
+    the same gradients on both places."""
+    options = {'strategy': 'auto', 'auto_recheck_steps': 0, 'kl_clip': None, 'tensor_parallel_factors': 'exact'}
+    results = run(8, {'pipeline': True, 'tp': TP, 'dp': 2, 'unsplit_stage': 1, 'options': options}, tmp_path)
+    picks = {line[4:34].strip() for result in results for line in result['choice'].splitlines()
+             if line.startswith('  * ')}
+    assert len(picks) == 1, picks
+    for replica in range(2):
+        places = [result for result in results if result['stage'] == 1][2 * replica:2 * replica + 2]
+        for step in range(worker.STEPS):
+            for name, grad in places[0]['grads'][step].items():
+                assert torch.equal(grad, places[1]['grads'][step][name]), (replica, step, name)
+
+
 @pytest.mark.parametrize('dp,kind,sequence_parallel,fsdp', [(1, 'lm', False, False), (2, 'lm', True, True)])
 def test_exact_factors_equal_the_whole_model_in_one_process(dp, kind, sequence_parallel, fsdp, tmp_path):
     """tensor_parallel_factors='exact': every rank gathers each split layer's inputs, output gradients and
