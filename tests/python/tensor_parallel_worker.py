@@ -131,7 +131,7 @@ def refusals(output: str) -> None:
     without the tensor-parallel ranks, an unknown tensor_parallel_factors, a replicated weight (SequenceParallel on a Linear); strategy auto and dp with slices of different sizes, options
     that differ between the tensor-parallel ranks, an empty slice (each on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
     mesh = init_device_mesh('cpu', (dist.get_world_size(),), mesh_dim_names=('tp',))
     errors = {}
