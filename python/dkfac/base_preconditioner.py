@@ -658,9 +658,10 @@ class _OwnerShards(_StandIns):
         for parameter, stand_in in zip((weight, bias), self.stand_ins):
             if stand_in is None:
                 continue
-            if parameter.grad is None:  # FSDP2 leaves it None on every rank alike: the core's unused-layer policy
+            grad = _placed_as(parameter)  # as FSDP2 places it already (a vocabulary-split Embedding's too)
+            if grad is None:  # FSDP2 leaves it None on every rank alike: the core's unused-layer policy
                 continue
-            local, chunk = parameter.grad.to_local(), self._chunk(stand_in)
+            local, chunk = grad.to_local(), self._chunk(stand_in)
             padded = local.new_zeros((chunk, *local.shape[1:]))
             padded[:local.shape[0]].copy_(local)
             chunks = [torch.empty_like(padded) for _ in range(self.size)] if self.mine else None
