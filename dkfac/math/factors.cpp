@@ -78,12 +78,21 @@ torch::Tensor linear_g_diagonal(const torch::Tensor& grad_output) {
   return diagonal_covariance(grad_output.reshape({-1, grad_output.size(-1)}));
 }
 
-torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabulary, torch::ScalarType dtype) {
+namespace {
+
+// An Embedding's token indices as one row of int64 positions, checked: integers, at least one.
+torch::Tensor token_positions(const torch::Tensor& indices) {
   TORCH_CHECK(!c10::isFloatingType(indices.scalar_type()) && !c10::isComplexType(indices.scalar_type()),
               "Embedding input must hold integer token indices, got ", indices.scalar_type());
-  const int64_t n = indices.numel();
-  TORCH_CHECK(n > 0, "Embedding A factor of an empty batch (0 positions)");
-  const auto flat = indices.reshape({-1}).to(torch::kLong);
+  TORCH_CHECK(indices.numel() > 0, "Embedding A factor of an empty batch (0 positions)");
+  return indices.reshape({-1}).to(torch::kLong);
+}
+
+}  // namespace
+
+torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabulary, torch::ScalarType dtype) {
+  const auto flat = token_positions(indices);
+  const int64_t n = flat.numel();
   // One-hot rows x: sum_n x x^T / n is diagonal, entry t = (positions holding t) / n. index_add_, not
   // bincount: no wait for the device (the forward that ran on these indices has checked their range).
   auto counts = torch::zeros({vocabulary}, flat.options().dtype(dtype));
@@ -92,13 +101,10 @@ torch::Tensor embedding_a_factor(const torch::Tensor& indices, int64_t vocabular
 
 torch::Tensor embedding_a_factor_slice(const torch::Tensor& indices, int64_t first, int64_t rows,
                                        torch::ScalarType dtype) {
-  TORCH_CHECK(!c10::isFloatingType(indices.scalar_type()) && !c10::isComplexType(indices.scalar_type()),
-              "Embedding input must hold integer token indices, got ", indices.scalar_type());
   TORCH_CHECK(first >= 0 && rows > 0, "an Embedding slice needs rows [first, first + rows), got first ", first,
               ", rows ", rows);
-  const int64_t n = indices.numel();
-  TORCH_CHECK(n > 0, "Embedding A factor of an empty batch (0 positions)");
-  const auto local = indices.reshape({-1}).to(torch::kLong) - first;
+  const auto local = token_positions(indices) - first;
+  const int64_t n = local.numel();
   const auto mine = local.ge(0).logical_and_(local.lt(rows));
   // Other ranks' tokens add 0 (at a clamped row): every position still counts in n, as over the whole vocabulary.
   auto counts = torch::zeros({rows}, local.options().dtype(dtype));

@@ -10,6 +10,16 @@
 
 namespace dkfac::strategy {
 
+namespace {
+
+// Where a part runs the model's leading part's pick in place of its own (`own`): says so.
+std::string leading_pick(const StrategyChoice& choice, size_t own) {
+  return "  the pick of the model's leading part, which every part runs (this part's was " +
+         choice.candidates.at(own).name + ")";
+}
+
+}  // namespace
+
 AutoStrategy::AutoStrategy(std::shared_ptr<comm::Communicator> communicator)
     : communicator_(std::move(communicator)) {
   TORCH_CHECK(communicator_ && communicator_->size() > 1, "AutoStrategy needs several ranks");
@@ -37,9 +47,7 @@ Options AutoStrategy::choose(const Options& requested, const std::vector<assign:
   description_ = choice.describe() + "  batch " + std::to_string(batch) + " samples per rank per step, rates " +
                  (given_rates_ ? "given" : "measured now on " + std::to_string(world) + " ranks");
   if (with_model) {
-    description_ += choice.chosen == own ? "\n  the model's other parts run it too"
-                                         : "\n  the pick of the model's leading part, which every part runs (this "
-                                           "part's was " + choice.candidates.at(own).name + ")";
+    description_ += "\n" + (choice.chosen == own ? "  the model's other parts run it too" : leading_pick(choice, own));
   }
   if (requested_.auto_recheck_steps() > 0) {
     recheck_ = Recheck{rates, choice.pick().name, batch, step + 1, step + requested_.auto_recheck_steps(), {}};
@@ -81,9 +89,10 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
   report << "strategy auto re-checked after " << measured.kinds.size() << " profiled steps (" << check.first_step
          << " to " << check.last_step << "): measured / predicted " << scales.describe();
   std::optional<Options> switch_to;
-  bool keep = scales.within(kRecheckTolerance);
+  const bool within = scales.within(kRecheckTolerance);
+  bool keep = within;
   if (with_model) keep = with_model(keep ? 1 : 0) == 1;  // the leading part's decision, whatever this one measured
-  if (keep && scales.within(kRecheckTolerance)) {
+  if (keep && within) {
     report << "; all within " << kRecheckTolerance * 100 << "%: kept " << check.picked;
   } else if (keep) {
     report << "; the model's leading part kept its pick, which every part runs: kept " << check.picked;
@@ -97,10 +106,7 @@ std::optional<Options> AutoStrategy::recheck(const std::vector<assign::LayerShap
     const size_t own = choice.chosen;
     if (with_model) choice.chosen = with_model(choice.chosen);
     report << "; chose again with the rates scaled so:\n" << choice.describe();
-    if (choice.chosen != own) {
-      report << "  the pick of the model's leading part, which every part runs (this part's was "
-             << choice.candidates.at(own).name << ")\n";
-    }
+    if (choice.chosen != own) report << leading_pick(choice, own) << "\n";
     if (runs_as(choice.pick(), running)) {
       report << "  kept " << choice.pick().name;
     } else {

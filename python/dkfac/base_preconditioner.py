@@ -729,7 +729,6 @@ class _TensorParallelSlice(_StandIns):
         self.split = split
         self.shard_ranks = split.shard_ranks  # the plan prices the data-parallel gather (not the tensor-parallel one)
         self._gathers = bool(split.shard_ranks) or split.exact
-        self._written: list[tuple[weakref.ref, int] | None] = [None, None]  # _local_part's, weight and bias
         self.stand_ins = []
         for t in (weight, bias if split.bias_here() else None):
             if t is None:
@@ -749,22 +748,22 @@ class _TensorParallelSlice(_StandIns):
                 continue
             grad = _placed_as(parameter)
             if grad is None or not self._gathers:
-                stand_in.grad = None if grad is None else self._local_part(grad, parameter is bias)
+                stand_in.grad = None if grad is None else self._local_part(grad)
                 continue
             stand_in.grad = grad.redistribute(grad.device_mesh, self._gathered(grad)).to_local()
             self.moved[0] += 1
             self.moved[1] += (stand_in.grad.numel() - grad.to_local().numel()) * stand_in.grad.element_size()
         return []
 
-    def _local_part(self, grad: torch.Tensor, is_bias: bool) -> torch.Tensor:
-        """The local tensor of `grad`, which the core preconditions in place. A write to the DTensor since the last
-        step() wrote it (a backward pass accumulating into it, zero_grad(set_to_none=False)) moves the DTensor's
-        version and not its local tensor's, which the core reads to tell a new gradient from the one its last
-        step() wrote (a second step() without a backward pass is refused): the local version is moved to follow."""
+    @staticmethod
+    def _local_part(grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of `grad`, which the core preconditions in place. A write to the DTensor (a backward pass
+        accumulating into it, zero_grad(set_to_none=False)) moves the DTensor's version and not its local tensor's,
+        which the core reads to tell a new gradient from the one its last step() wrote: its version is moved at
+        every step, and a second step() without a backward pass is told from the DTensor's own version
+        (BaseKFACPreconditioner._refuse_repeated_step), as for gathered gradients."""
         local = grad.to_local()
-        written = self._written[is_bias]
-        if written is None or written[0]() is not grad or written[1] != grad._version:
-            torch.autograd.graph.increment_version(local)
+        torch.autograd.graph.increment_version(local)
         return local
 
     def start_scatter(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
@@ -774,8 +773,6 @@ class _TensorParallelSlice(_StandIns):
             if stand_in is None:
                 continue
             grad = parameter.grad
-            if not self._gathers and grad is not None:  # what the core wrote in place, as the DTensor's version says
-                self._written[parameter is bias] = (weakref.ref(grad), grad._version)
             if self._gathers and grad is not None and stand_in.grad is not None:  # this rank's part, no traffic
                 whole = DTensor.from_local(stand_in.grad, grad.device_mesh, self._gathered(grad), run_check=False)
                 grad.to_local().copy_(whole.redistribute(grad.device_mesh, grad.placements).to_local())
@@ -1310,10 +1307,11 @@ class BaseKFACPreconditioner:
     _stepped: list[tuple[weakref.ref, int] | None] | None = None  # each weight's gradient and version after step()
 
     def _refuse_repeated_step(self) -> None:
-        """Where the core preconditions gradients gathered for it (FSDP2, HSDP, gathered tensor-parallel slices),
-        each a new tensor at every step, it cannot tell a second step() on the same gradients: refused here, as the
-        core refuses it for the gradients it preconditions in place, where no layer's gradient was written (a
-        backward pass, zero_grad) since the last step()."""
+        """Where the core preconditions stand-ins of DTensor gradients (gathered for it under FSDP2 and HSDP, a new
+        tensor at every step; or a tensor-parallel slice's local tensor, whose version follows the DTensor's
+        writes only as _TensorParallelSlice._local_part moves it), it cannot tell a second step() on the same
+        gradients: refused here, as the core refuses it for the gradients it preconditions in place, where no
+        layer's gradient was written (a backward pass, zero_grad) since the last step()."""
         if self._stepped is None or all(stepped is None for stepped in self._stepped):
             return
         for (weight, _), stepped in zip(self._bound, self._stepped):
