@@ -410,11 +410,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole on every rank (exact tensor-parallel factors); else `t`."""
+    """A DTensor gathered whole on every rank (exact tensor-parallel factors); else `t`. A replicated one is its
+    local part, as is the output gradient of an Embedding split by its vocabulary as torch.compile traces it: that
+    gradient carries the output's own masked-sum placement (torch's _MaskPartial), whose mask the forward's
+    redistribution has released, so gathering it fails while tracing; its local part is the whole gradient, as the
+    Replicate one of an eager backward pass is (test_a_compiled_tensor_parallel_model_equals_one_process)."""
     if not _is_dtensor(t):
         return t
+    if all(isinstance(p, _whole_locally()) for p in t.placements):
+        return _local(t)
     with torch.no_grad():
         return _local(t.full_tensor())
+
+
+def _whole_locally() -> tuple[type, ...]:
+    """The placements whose local part is the whole tensor, to _whole."""
+    from torch.distributed.tensor import Replicate
+
+    try:  # torch 2.11's; a later torch may move or rename it: then its gradients are gathered as any other
+        from torch.distributed.tensor.placement_types import _MaskPartial
+    except ImportError:
+        return (Replicate,)
+    return (Replicate, _MaskPartial)
 
 
 def _split_by_tensor_parallel(module: torch.nn.Module) -> bool:
