@@ -163,7 +163,8 @@ def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: wea
 # also copied it into the backward graph, where its input is saved anyway: every A captured twice); the gradient's
 # is marked side-effectful and can only be in the backward graph. They find their capture by a number
 # (_CAPTURES), and check at run time whether it captures this step, so that one graph serves factor and
-# non-factor steps alike. Eager passes call the capture directly.
+# non-factor steps alike. The gradient's is called by the backward of a view of the output (_CapturedOutput),
+# which the forward hook returns. Eager passes call the capture directly.
 _CAPTURES: dict[int, tuple[Any, list[bool]]] = {}  # key -> (capture, its preconditioner's forward-seen flag)
 _capture_keys = itertools.count()
 
@@ -199,6 +200,24 @@ def _(grad: torch.Tensor, key: int) -> None:
 torch.fx.node.has_side_effect(torch.ops.dkfac.capture_output_grad.default)
 
 
+class _CapturedOutput(torch.autograd.Function):
+    """A compiled forward's view of a layer's output whose backward feeds the layer's capture the output gradient
+    (`part` of it) through dkfac::capture_output_grad. A tensor hook registered on the output from inside the
+    compiled region does the same in eager terms, but torch 2.11's Dynamo fails to compile it once a shape is
+    dynamic (a second batch size or sequence length: `Node autograd_function_apply referenced nonexistent value
+    s77`); this function is applied where the hook stands, in program order."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, key: int, part: Callable) -> torch.Tensor:
+        ctx.key, ctx.part = key, part
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        torch.ops.dkfac.capture_output_grad(ctx.part(grad), ctx.key)
+        return grad, None, None
+
+
 class _CaptureHook:
     """A registered layer's forward hook: feeds the layer's capture its input, and its output gradient through a
     tensor hook (under torch.compile, through the custom operators above).
@@ -231,7 +250,7 @@ class _CaptureHook:
         if capture is not None:
             _CAPTURES[self.key] = (capture, self.seen)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> torch.Tensor | None:
         # (kwargs, output) as registered (with_kwargs=True); (output,) for an inert hook of a model pickled with a
         # dkfac before 2026-11-30, which torch calls without the keywords.
         capture = self._capture
@@ -249,9 +268,7 @@ class _CaptureHook:
         if torch.compiler.is_compiling():
             key, part = self.key, (self._part if self.sliced else self._seen)
             torch.ops.dkfac.capture_input(part(inputs[0]), self.passes, key)
-            if output.requires_grad:
-                output.register_hook(lambda grad: torch.ops.dkfac.capture_output_grad(part(grad), key))
-            return
+            return _CapturedOutput.apply(output, key, part) if output.requires_grad else None
         self.seen[0] = True
         if not capture.enabled:
             return
