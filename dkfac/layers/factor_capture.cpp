@@ -159,7 +159,7 @@ std::string FactorCapture::input_mismatch(const FactorCapture** other) const {
   return mismatch_;
 }
 
-void FactorCapture::capture_input(const torch::Tensor& input) {
+void FactorCapture::capture_input(const torch::Tensor& input, bool at_once) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (input.numel() == 0) {  // no rows: nothing to capture (empty_passes)
@@ -206,7 +206,7 @@ void FactorCapture::capture_input(const torch::Tensor& input) {
     if (follower_) return;  // the group's first member builds the A factor they share
   }
   const bool hooked = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
-  if (geometry_.kind != LayerKind::kEmbedding && !autocast && !hooked) {
+  if (geometry_.kind != LayerKind::kEmbedding && !autocast && !hooked && !at_once) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!listener_ && waiting_inputs_.size() < kMaxWaitingInputs) {
       waiting_inputs_.push_back(input.detach());

@@ -143,8 +143,10 @@ class FactorCapture {
   /// factors (the FactorPipeline overlaps their reduction with forward and backward), and once
   /// kMaxWaitingInputs inputs wait (forward passes without a backward pass). An input whose layer gets no
   /// output gradient (an output that needs none, a layer left unused) is held until the factors are read or
-  /// cleared at step().
-  void capture_input(const torch::Tensor& input);
+  /// cleared at step(). `at_once` builds it now whatever the case: an input a compiled graph hands over (Python's
+  /// torch.compile path) lives in a buffer its memory plan may reuse once the capture returns, whatever references
+  /// it (inductor did so under activation checkpointing).
+  void capture_input(const torch::Tensor& input, bool at_once = false);
   /// The most inputs kept waiting for their backward pass (capture_input): more forward passes than this
   /// without a backward pass build their factors at once.
   static constexpr size_t kMaxWaitingInputs = 8;

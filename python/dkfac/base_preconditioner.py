@@ -176,7 +176,7 @@ def _capture_input_op(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
         return
     seen[0] = True  # as an eager pass says: a forward since step() (the optimizer hook reads it)
     if capture.enabled:
-        capture.capture_input(x)
+        capture.capture_input(x, at_once=True)  # x's buffer may be reused once this returns (inductor's plan)
         passes.add_(1)
 
 

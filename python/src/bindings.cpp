@@ -273,7 +273,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<FactorCapture, std::shared_ptr<FactorCapture>>(m, "FactorCapture")
       .def_property_readonly("enabled", &FactorCapture::enabled)
-      .def("capture_input", &FactorCapture::capture_input, py::call_guard<py::gil_scoped_release>())
+      .def("capture_input", &FactorCapture::capture_input, py::arg("input"), py::arg("at_once") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("capture_output_grad", &FactorCapture::capture_output_grad, py::call_guard<py::gil_scoped_release>())
       .def("watch_weight", &FactorCapture::watch_weight)
       .def("mark_weight_written", &FactorCapture::mark_weight_written)

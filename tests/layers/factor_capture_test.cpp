@@ -224,6 +224,16 @@ TEST(FactorCapture, InputFactorIsBuiltWhenItsGradientArrives) {
   EXPECT_TRUE(torch::equal(read.take_a(), (expected + math::linear_a_factor(x2, true)) / 2.0));
   EXPECT_EQ(read.a_count(), 0);
 
+  // at_once (a compiled graph's input, whose buffer its memory plan may reuse once the capture returns): built now,
+  // from the input as it is now, the same factor bit for bit; writing over the input afterwards changes nothing.
+  auto now = linear_capture(/*bias=*/true);
+  auto buffer = x.clone();
+  now.capture_input(buffer, /*at_once=*/true);
+  EXPECT_EQ(now.pending_bytes().first, 6 * 6 * 8) << "the factor is held, not the input";
+  buffer.fill_(7.0);
+  now.capture_output_grad(y);
+  EXPECT_TRUE(torch::equal(now.take_a(), expected));
+
   // Dropped with the rest.
   read.capture_input(x);
   read.clear();
