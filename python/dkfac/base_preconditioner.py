@@ -165,17 +165,23 @@ def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: wea
 # (_CAPTURES), and check at run time whether it captures this step, so that one graph serves factor and
 # non-factor steps alike. The gradient's is called by the backward of a view of the output (_CapturedOutput),
 # which the forward hook returns. Eager passes call the capture directly.
-_CAPTURES: dict[int, tuple[Any, list[bool]]] = {}  # key -> (capture, its preconditioner's forward-seen flag)
+# Both are kept out of CUDA graphs (torch.compile's mode='reduce-overhead'): a replay would run the kernels the
+# capture launched while being recorded, not the capture, so no factor would take the new batch, and the capture's
+# own checks (is this a factor step? which pass?) would not run. inductor runs them between its graphs.
+_NOT_IN_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
+_CAPTURES: dict[int, _CaptureHook] = {}  # key -> the hook, with its capture and its preconditioner's forward-seen flag
 _capture_keys = itertools.count()
 
 
-@torch.library.custom_op('dkfac::capture_input', mutates_args=('passes',))
+@torch.library.custom_op('dkfac::capture_input', mutates_args=('passes',), tags=_NOT_IN_CUDA_GRAPHS)
 def _capture_input_op(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
-    capture, seen = _CAPTURES.get(key, (None, None))
+    hook = _CAPTURES.get(key)
+    capture = hook._capture if hook is not None else None
     if capture is None:
         return
-    seen[0] = True  # as an eager pass says: a forward since step() (the optimizer hook reads it)
+    hook.seen[0] = True  # as an eager pass says: a forward since step() (the optimizer hook reads it)
     if capture.enabled:
+        hook.refuse_resized()  # a compiled graph runs on after a weight is resized in place: no guard sees it
         capture.capture_input(x, at_once=True)  # x's buffer may be reused once this returns (inductor's plan)
         passes.add_(1)
 
@@ -185,9 +191,10 @@ def _(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
     return None
 
 
-@torch.library.custom_op('dkfac::capture_output_grad', mutates_args=())
+@torch.library.custom_op('dkfac::capture_output_grad', mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def _capture_output_grad_op(grad: torch.Tensor, key: int) -> None:
-    capture, _ = _CAPTURES.get(key, (None, None))
+    hook = _CAPTURES.get(key)
+    capture = hook._capture if hook is not None else None
     if capture is not None and capture.enabled:
         capture.capture_output_grad(grad)
 
@@ -201,16 +208,18 @@ torch.fx.node.has_side_effect(torch.ops.dkfac.capture_output_grad.default)
 
 
 class _CapturedOutput(torch.autograd.Function):
-    """A compiled forward's view of a layer's output whose backward feeds the layer's capture the output gradient
+    """A compiled forward's layer output, passed on, whose backward feeds the layer's capture the output gradient
     (`part` of it) through dkfac::capture_output_grad. A tensor hook registered on the output from inside the
     compiled region does the same in eager terms, but torch 2.11's Dynamo fails to compile it once a shape is
     dynamic (a second batch size or sequence length: `Node autograd_function_apply referenced nonexistent value
-    s77`); this function is applied where the hook stands, in program order."""
+    s77`); this function is applied where the hook stands, in program order. It returns the output detached (the
+    same memory, no copy), not a view of it: autograd forbids writing in place to a custom function's view, which
+    the model's next operation may do (ReLU(inplace=True), `y += x`); the hook's way failed there the same way."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, key: int, part: Callable) -> torch.Tensor:
         ctx.key, ctx.part = key, part
-        return output.view_as(output)
+        return output.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -248,7 +257,7 @@ class _CaptureHook:
         self.passes = torch.zeros((), dtype=torch.int64)  # the compiled forward's captures, counted
         self.seen = seen if seen is not None else [False]  # the preconditioner's: a forward pass since its step()
         if capture is not None:
-            _CAPTURES[self.key] = (capture, self.seen)
+            _CAPTURES[self.key] = self
 
     def __call__(self, module: torch.nn.Module, args: tuple, *rest: Any) -> torch.Tensor | None:
         # (kwargs, output) as registered (with_kwargs=True); (output,) for an inert hook of a model pickled with a
@@ -272,8 +281,7 @@ class _CaptureHook:
         self.seen[0] = True
         if not capture.enabled:
             return
-        if tuple(module.weight.shape) != self._shape:
-            raise ValueError(_resized(self._name, module, self._shape))
+        self.refuse_resized()
         if self.sliced:  # a tensor-parallel layer: this rank's part of the input and of the output gradient, or all
             part = self._part
             capture.capture_input(part(inputs[0]))
@@ -289,6 +297,12 @@ class _CaptureHook:
         if output.requires_grad:  # no wrapper on the backward pass where the gradient is taken as it comes
             output.register_hook(capture.capture_output_grad if seen is _as_is
                                  else lambda grad: capture.capture_output_grad(seen(grad)))
+
+    def refuse_resized(self) -> None:
+        """Raises where the module's weight is no longer the shape it had when hooked (resized in place)."""
+        module = self._module() if self._module is not None else None
+        if module is not None and tuple(module.weight.shape) != self._shape:
+            raise ValueError(_resized(self._name, module, self._shape))
 
     def release(self) -> None:
         """Forgets the capture (the preconditioner went): a compiled graph that still calls it does nothing."""

@@ -92,13 +92,13 @@ def test_a_hooked_model_compiles_the_graphs_it_compiles_without_kfac():
     assert hooked.calls('backward', 'capture_output_grad') == 3
     assert hooked.calls('forward', 'capture_output_grad') == 0
     assert plain.calls('forward', 'capture_input') == 0
-    # The model's own operators are the same with and without K-FAC, but for one view of each layer's output
-    # (the gradient hook's tensor; a view copies nothing).
+    # The model's own operators are the same with and without K-FAC, but for one detach of each layer's output
+    # (the output passed on by _CapturedOutput; an alias, it copies nothing).
     assert hooked.operators('backward') == plain.operators('backward')
     extra = list(hooked.operators('forward'))
     for operator in plain.operators('forward'):
         extra.remove(operator)
-    assert extra == ['aten.view.default'] * 3, extra
+    assert extra == ['aten.detach.default'] * 3, extra
 
 
 @pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
@@ -229,3 +229,85 @@ def test_an_inductor_compiled_model_under_activation_checkpointing_trains_to_the
     for step, (got, expected) in enumerate(zip(compiled, eager)):
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f'step {step}')
+
+
+class WrittenInPlace(torch.nn.Module):
+    """Registered layers whose outputs the next operation writes in place: ReLU(inplace=True) (torchvision's VGG and
+    AlexNet) and an in-place residual sum (float64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(8, 8)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.second = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.first(x))
+        y = self.second(h)
+        y += h
+        return self.head(y.mul_(0.5))
+
+
+@pytest.mark.parametrize('backend', ['aot_eager', 'inductor'])
+def test_a_compiled_model_that_writes_a_layers_output_in_place_trains_to_the_eager_models_kfac_gradients(backend):
+    """The compiled capture passes each layer's output on detached, not as a view: autograd forbids an in-place write
+    to a custom function's view (`Output 0 of ApplyTemplateBackward is a view and is being modified inplace`),
+    which failed these models' compilation, as the tensor hook before it did."""
+    def train(compiled: str | None) -> list[list[torch.Tensor]]:
+        model = WrittenInPlace().double()
+        preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
+                                                  inv_dtype=torch.float64)
+        run = torch.compile(model, backend=compiled) if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for step in range(4):
+            generator = torch.Generator().manual_seed(step)
+            x = torch.randn(16, 8, generator=generator, dtype=torch.float64)
+            run(x).pow(2).mean().backward()
+            preconditioner.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        return grads
+
+    torch._dynamo.reset()
+    eager, compiled = train(None), train(backend)
+    for step, (got, expected) in enumerate(zip(compiled, eager)):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=f'step {step}')
+
+
+@pytest.mark.parametrize('backend', ['eager', 'aot_eager'])
+def test_an_embedding_resized_in_place_under_a_compiled_graph_is_refused_naming_it(backend):
+    """A weight resized in place (resize_token_embeddings' larger .data) under a graph compiled before: no guard
+    sees it, and the graph runs on. The capture's operator refuses, naming the layer, as the eager hook does; it
+    failed with a bare `IndexError: index out of range in self` from the capture."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 3))
+    preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1)
+    run = torch.compile(model, backend=backend)
+    run(torch.randint(0, 16, (2, 5))).sum().backward()
+    preconditioner.step()
+    model.zero_grad()
+    with torch.no_grad():
+        model[0].weight.data = torch.cat([model[0].weight, torch.randn(8, 4)])
+    message = r"layer '0' \(Embedding\): its weight is \[24, 4\] now, \[16, 4\] when the preconditioner was built"
+    with pytest.raises(ValueError, match=message):
+        run(torch.full((2, 5), 20)).sum().backward()
+
+
+def test_the_capture_operators_are_kept_out_of_cuda_graphs():
+    """mode='reduce-overhead' records CUDA graphs; a replay would run the kernels a capture launched while being
+    recorded, not the capture (no factor would take the new batch). Both operators carry the tag by which
+    inductor runs an operator between its CUDA graphs (its graph partitions), as torch's own check reads it."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder('x')
+    for op in (torch.ops.dkfac.capture_input.default, torch.ops.dkfac.capture_output_grad.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op.tags
+        node = graph.call_function(op, (x, x, 0) if 'input' in str(op) else (x, 0))
+        assert is_cudagraph_unsafe_fx_node(node), op
