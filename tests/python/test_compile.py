@@ -6,6 +6,8 @@ directly: Dynamo gave up on the whole forward, and a hooked model compiled nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -130,8 +132,44 @@ def test_a_compiled_model_captures_each_pass_once():
         preconditioner.step()
 
 
+def kfac_gradients(make: Callable[[], torch.nn.Module], batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], compiled: str | None,
+                   dynamic: bool | None = None) -> list[list[torch.Tensor]]:
+    """The gradients each step() left over `batches`, the model (float64, float64 second-order state) run eagerly or
+    compiled by `compiled` (factor steps every step, inverse steps every 2)."""
+    model = make().double()
+    preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
+                                              inv_dtype=torch.float64)
+    run = torch.compile(model, backend=compiled, dynamic=dynamic) if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for x, y in batches:
+        loss(run(x), y).backward()
+        preconditioner.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads
+
+
+def assert_steps_close(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]], **tolerance: float) -> None:
+    for step, (a_step, b_step) in enumerate(zip(got, expected, strict=True)):
+        for a, b in zip(a_step, b_step, strict=True):
+            torch.testing.assert_close(a, b, **tolerance, msg=f'step {step}')
+
+
+def features(shapes: list[tuple[int, ...]], outputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Float64 inputs of each shape (the last dimension the features) and class targets of the rows."""
+    batches = []
+    for step, shape in enumerate(shapes):
+        generator = torch.Generator().manual_seed(step)
+        batches.append((torch.randn(shape, generator=generator, dtype=torch.float64),
+                        torch.randint(0, outputs, shape[:-1], generator=generator)))
+    return batches
+
+
 class Sequences(torch.nn.Module):
-    """An Embedding, a Conv1d and two Linear layers over token sequences (float64)."""
+    """An Embedding, a Conv1d and two Linear layers over token sequences."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,23 +184,8 @@ class Sequences(torch.nn.Module):
         return self.head(torch.tanh(self.hidden(h)))
 
 
-def train_sequences(compiled: str | None, dynamic: bool | None) -> list[list[torch.Tensor]]:
-    """The gradients each step() left, over batches whose size and length change every step."""
-    model = Sequences().double()
-    preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=2)
-    run = torch.compile(model, backend=compiled, dynamic=dynamic) if compiled else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    grads = []
-    for step, (batch, length) in enumerate([(8, 12), (6, 12), (5, 9), (8, 7), (3, 12), (7, 5)]):
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randint(0, 50, (batch, length), generator=generator)
-        y = torch.randint(0, 5, (batch, length), generator=generator)
-        torch.nn.functional.cross_entropy(run(x).reshape(-1, 5), y.reshape(-1)).backward()
-        preconditioner.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        optimizer.step()
-        optimizer.zero_grad()
-    return grads
+def token_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
 @pytest.mark.parametrize('backend,dynamic', [('aot_eager', None), ('aot_eager', True), ('inductor', None)])
@@ -173,16 +196,17 @@ def test_a_compiled_model_given_other_shapes_each_step_trains_to_the_eager_model
     registered there, Dynamo failed to compile it once a shape was dynamic (`Node autograd_function_apply
     referenced nonexistent value s77`)."""
     torch._dynamo.reset()
-    eager = train_sequences(None, None)
-    compiled = train_sequences(backend, dynamic)
-    tolerance = {'rtol': 1e-10, 'atol': 1e-13} if backend == 'aot_eager' else {'rtol': 1e-5, 'atol': 1e-8}
-    for step, (got, expected) in enumerate(zip(compiled, eager)):
-        for a, b in zip(got, expected):
-            torch.testing.assert_close(a, b, **tolerance, msg=f'step {step}')
+    batches = [(tokens, tokens % 5) for tokens in
+               (torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(step))
+                for step, shape in enumerate([(8, 12), (6, 12), (5, 9), (8, 7), (3, 12), (7, 5)]))]
+    eager = kfac_gradients(Sequences, batches, token_loss, None)
+    compiled = kfac_gradients(Sequences, batches, token_loss, backend, dynamic)
+    assert_steps_close(compiled, eager, **({'rtol': 1e-10, 'atol': 1e-13} if backend == 'aot_eager'
+                                           else {'rtol': 1e-9, 'atol': 1e-12}))
 
 
 class Checkpointed(torch.nn.Module):
-    """Two residual blocks run under activation checkpointing (no reentrance), and a head (float64)."""
+    """Two residual blocks run under activation checkpointing (no reentrance), and a head."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -199,41 +223,22 @@ class Checkpointed(torch.nn.Module):
         return self.head(x)
 
 
-def train_checkpointed(compiled: str | None) -> list[list[torch.Tensor]]:
-    model = Checkpointed().double()
-    preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
-                                              inv_dtype=torch.float64)
-    run = torch.compile(model, backend=compiled) if compiled else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    grads = []
-    for step in range(4):
-        generator = torch.Generator().manual_seed(step)
-        x = torch.randn(8, 16, generator=generator, dtype=torch.float64)
-        y = torch.randint(0, 5, (8,), generator=generator)
-        torch.nn.functional.cross_entropy(run(x), y).backward()
-        preconditioner.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        optimizer.step()
-        optimizer.zero_grad()
-    return grads
-
-
 def test_an_inductor_compiled_model_under_activation_checkpointing_trains_to_the_eager_models_kfac_gradients():
     """Under activation checkpointing inductor's memory plan reuses a layer's input buffer once the forward is done
     with it, whatever else references it: the capture, which kept the input to build its A factor when the output
     gradient came, built it from whatever the buffer held by then (gradients 1e-2 off). A compiled graph's input is
     now built into its factor at once."""
     torch._dynamo.reset()
-    eager = train_checkpointed(None)
-    compiled = train_checkpointed('inductor')
-    for step, (got, expected) in enumerate(zip(compiled, eager)):
-        for a, b in zip(got, expected):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f'step {step}')
+    batches = features([(8, 16)] * 4, 5)
+    loss = torch.nn.functional.cross_entropy
+    eager = kfac_gradients(Checkpointed, batches, loss, None)
+    compiled = kfac_gradients(Checkpointed, batches, loss, 'inductor')
+    assert_steps_close(compiled, eager, rtol=1e-9, atol=1e-12)
 
 
 class WrittenInPlace(torch.nn.Module):
     """Registered layers whose outputs the next operation writes in place: ReLU(inplace=True) (torchvision's VGG and
-    AlexNet) and an in-place residual sum (float64)."""
+    AlexNet) and an in-place residual sum."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -255,28 +260,12 @@ def test_a_compiled_model_that_writes_a_layers_output_in_place_trains_to_the_eag
     """The compiled capture passes each layer's output on detached, not as a view: autograd forbids an in-place write
     to a custom function's view (`Output 0 of ApplyTemplateBackward is a view and is being modified inplace`),
     which failed these models' compilation, as the tensor hook before it did."""
-    def train(compiled: str | None) -> list[list[torch.Tensor]]:
-        model = WrittenInPlace().double()
-        preconditioner = dkfac.KFACPreconditioner(model, kl_clip=None, factor_update_steps=1, inv_update_steps=2,
-                                                  inv_dtype=torch.float64)
-        run = torch.compile(model, backend=compiled) if compiled else model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads = []
-        for step in range(4):
-            generator = torch.Generator().manual_seed(step)
-            x = torch.randn(16, 8, generator=generator, dtype=torch.float64)
-            run(x).pow(2).mean().backward()
-            preconditioner.step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            optimizer.step()
-            optimizer.zero_grad()
-        return grads
-
     torch._dynamo.reset()
-    eager, compiled = train(None), train(backend)
-    for step, (got, expected) in enumerate(zip(compiled, eager)):
-        for a, b in zip(got, expected):
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=f'step {step}')
+    batches = features([(16, 8)] * 4, 4)
+    loss = torch.nn.functional.cross_entropy
+    eager = kfac_gradients(WrittenInPlace, batches, loss, None)
+    compiled = kfac_gradients(WrittenInPlace, batches, loss, backend)
+    assert_steps_close(compiled, eager, rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.parametrize('backend', ['eager', 'aot_eager'])
