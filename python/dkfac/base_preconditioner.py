@@ -295,8 +295,8 @@ class _CaptureHook:
         seen = self._seen
         capture.capture_input(seen(inputs[0]))
         if output.requires_grad:  # no wrapper on the backward pass where the gradient is taken as it comes
-            output.register_hook(capture.capture_output_grad if seen is _as_is
-                                 else lambda grad: capture.capture_output_grad(seen(grad)))
+            _on_gradient(output, capture.capture_output_grad if seen is _as_is
+                         else lambda grad: capture.capture_output_grad(seen(grad)))
 
     def refuse_resized(self) -> None:
         """Raises where the module's weight is no longer the shape it had when hooked (resized in place)."""
@@ -375,6 +375,20 @@ def _resized(name: str, module: torch.nn.Module, shape: tuple[int, ...]) -> str:
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _on_gradient(output: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Calls `hook` with the gradient of a layer's `output`. An output that is the whole of another tensor viewed
+    in another shape (a Linear of a 3-D input, transformers' Conv1D: their product's rows, reshaped) takes it on
+    that tensor, reshaped as the output: a hook on the view does not fire once the next operation writes the view
+    in place (ReLU(inplace=True)), where one on its base does, with the same gradient."""
+    base = output._base if output._is_view() else None
+    if (base is not None and base.requires_grad and base.numel() == output.numel() and base.is_contiguous()
+            and output.is_contiguous() and base.data_ptr() == output.data_ptr()):
+        shape = output.shape
+        base.register_hook(lambda grad: hook(grad.reshape(shape)))
+    else:
+        output.register_hook(hook)
 
 
 def _with_height(t: torch.Tensor) -> torch.Tensor:

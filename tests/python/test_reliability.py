@@ -1132,3 +1132,30 @@ def test_a_layer_whose_class_overrides_the_stock_forward_is_set_aside_naming_why
     ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(0))  # ids past the 6 positions
     model(ids).pow(2).mean().backward()
     preconditioner.step()
+
+
+@pytest.mark.parametrize('rows', [(12,), (3, 4)], ids=['2-d', '3-d'])
+def test_a_layer_output_written_in_place_is_captured_as_one_written_out_of_place(rows):
+    """ReLU(inplace=True) after Linear layers of a 3-D input (a sequence): the Linear's output is a view of its
+    product's rows, and a hook on a view does not fire once the view is written in place; the first step refused
+    the layers (`has a gradient, but its module's hooks saw no forward and backward pass`). The gradient is taken on
+    the product's rows, reshaped: equal bit for bit to the same model with out-of-place ReLUs."""
+    def grads(inplace: bool) -> list[list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(6, 6),
+                                    torch.nn.ReLU(inplace=inplace), torch.nn.Linear(6, 3)).double()
+        preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for step in range(4):
+            x = torch.randn(*rows, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+            model(x).pow(2).mean().backward()
+            preconditioner.step()
+            out.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        return out
+
+    for got, expected in zip(grads(True), grads(False), strict=True):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
