@@ -163,8 +163,8 @@ def _release(handles: list, hooks: list[_CaptureHook], modules: list, owner: wea
 # also copied it into the backward graph, where its input is saved anyway: every A captured twice); the gradient's
 # is marked side-effectful and can only be in the backward graph. They find their capture by a number
 # (_CAPTURES), and check at run time whether it captures this step, so that one graph serves factor and
-# non-factor steps alike. The gradient's is called by the backward of a view of the output (_CapturedOutput),
-# which the forward hook returns. Eager passes call the capture directly.
+# non-factor steps alike. The gradient's is called by the backward of a function of the output (_CapturedOutput),
+# whose result the forward hook returns. Eager passes call the capture directly.
 # Both are kept out of CUDA graphs (torch.compile's mode='reduce-overhead'): a replay would run the kernels the
 # capture launched while being recorded, not the capture, so no factor would take the new batch, and the capture's
 # own checks (is this a factor step? which pass?) would not run. inductor runs them between its graphs.
@@ -175,10 +175,10 @@ _capture_keys = itertools.count()
 
 @torch.library.custom_op('dkfac::capture_input', mutates_args=('passes',), tags=_NOT_IN_CUDA_GRAPHS)
 def _capture_input_op(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
-    hook = _CAPTURES.get(key)
-    capture = hook._capture if hook is not None else None
-    if capture is None:
+    hook = _CAPTURES.get(key)  # there while its capture is (release() takes it out)
+    if hook is None:
         return
+    capture = hook._capture
     hook.seen[0] = True  # as an eager pass says: a forward since step() (the optimizer hook reads it)
     if capture.enabled:
         hook.refuse_resized()  # a compiled graph runs on after a weight is resized in place: no guard sees it
@@ -194,9 +194,8 @@ def _(x: torch.Tensor, passes: torch.Tensor, key: int) -> None:
 @torch.library.custom_op('dkfac::capture_output_grad', mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def _capture_output_grad_op(grad: torch.Tensor, key: int) -> None:
     hook = _CAPTURES.get(key)
-    capture = hook._capture if hook is not None else None
-    if capture is not None and capture.enabled:
-        capture.capture_output_grad(grad)
+    if hook is not None and hook._capture.enabled:
+        hook._capture.capture_output_grad(grad)
 
 
 @_capture_output_grad_op.register_fake
@@ -462,7 +461,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     Replicate one of an eager backward pass is (test_a_compiled_tensor_parallel_model_equals_one_process)."""
     if not _is_dtensor(t):
         return t
-    if all(isinstance(p, _whole_locally()) for p in t.placements):
+    whole_locally = _whole_locally()
+    if all(isinstance(p, whole_locally) for p in t.placements):
         return _local(t)
     with torch.no_grad():
         return _local(t.full_tensor())

@@ -1143,18 +1143,9 @@ def test_a_layer_output_written_in_place_is_captured_as_one_written_out_of_place
     def grads(inplace: bool) -> list[list[torch.Tensor]]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(inplace=inplace), torch.nn.Linear(6, 6),
-                                    torch.nn.ReLU(inplace=inplace), torch.nn.Linear(6, 3)).double()
+                                    torch.nn.ReLU(inplace=inplace), torch.nn.Linear(6, 3))
         preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for step in range(4):
-            x = torch.randn(*rows, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
-            model(x).pow(2).mean().backward()
-            preconditioner.step()
-            out.append([p.grad.clone() for p in model.parameters()])
-            optimizer.step()
-            optimizer.zero_grad()
-        return out
+        return train(model, preconditioner, 4, size=(*rows, 4))
 
     for got, expected in zip(grads(True), grads(False), strict=True):
         for a, b in zip(got, expected, strict=True):
