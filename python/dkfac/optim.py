@@ -32,6 +32,8 @@ from dkfac.preconditioner import KFACPreconditioner
 
 __all__ = ['KFAC']
 
+_KFAC_KEY = 'kfac'  # the entry of the first parameter group that holds the preconditioner's state
+
 
 def _indent(text: str, prefix: str = '  ') -> str:
     return '\n'.join(prefix + line for line in text.splitlines())
@@ -326,6 +328,9 @@ class KFAC(torch.optim.Optimizer):
         Returns the closure's loss, or None. The base optimizer's step is called without the closure: the
         gradients it steps on are the ones the preconditioner has just rewritten.
         """
+        if closure is None and self._stepped_to_make_state():
+            self._make_base_state()
+            return None
         self._check_loss_scale()
         loss = None
         if closure is not None:
@@ -355,6 +360,43 @@ class KFAC(torch.optim.Optimizer):
             return loss
         self._grafted_step()
         return loss
+
+    def _stepped_to_make_state(self) -> bool:
+        """Whether this step is torch.distributed.checkpoint.state_dict's ``_init_optim_state``: an optimizer
+        without state (a fresh one, or SGD without momentum) is stepped on zero gradients at lr 0 so that
+        ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` find the base's state entries. That is no
+        training step: K-FAC must neither count it nor precondition (no forward pass ran). Looked for only where
+        every group's lr is 0, as that function sets it."""
+        if not all(float(group.get('lr', 0.0)) == 0.0 for group in self._base.param_groups):
+            return False
+        initialiser = getattr(sys.modules.get('torch.distributed.checkpoint.state_dict'), '_init_optim_state', None)
+        code = getattr(initialiser, '__code__', None)
+        frame = sys._getframe(1)
+        for _ in range(8):  # this step's wrappers (step hooks, the profiler's), then torch's function
+            if frame is None or code is None:
+                return False
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _make_base_state(self) -> None:
+        """The base optimizer's step that makes its state entries, as torch's ``_init_optim_state`` means it. With
+        eigen_adam the base keeps no state for the preconditioned layers' parameters (their moments are the
+        preconditioner's, ``_eigen_adam_step``), so it is not given their gradients here either, and its state
+        has the entries of a checkpoint written after training steps."""
+        hidden = []
+        if self._eigen_adam:
+            for _, module in self._preconditioner.layers:
+                for p in _layer_parameters(module):
+                    if p.grad is not None:
+                        hidden.append((p, p.grad))
+                        p.grad = None
+        try:
+            self._base.step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
 
     def _grafted_step(self) -> None:
         """graft=True: each preconditioned layer moves along K-FAC's direction by the length of the step the base
@@ -474,19 +516,37 @@ class KFAC(torch.optim.Optimizer):
 
     # --- state -------------------------------------------------------------------------------------------------
     def state_dict(self, gathered: bool | None = None) -> dict[str, Any]:  # type: ignore[override]
-        """``{'base': base.state_dict(), 'kfac': preconditioner.state_dict(gathered=gathered)}``.
+        """The base optimizer's ``state_dict()``, whose first parameter group also holds the preconditioner's
+        ``state_dict(gathered=gathered)`` under ``'kfac'``.
 
-        The preconditioner's half is this rank's own state by default: it resumes on as many ranks, each loading its
-        own. ``gathered=True`` (collective: every rank calls it) holds every layer's whole K-FAC state, the same on
-        every rank, which resumes on any number of ranks and strategy: save it where one rank saves for all (a DP-KFAC
-        job resumed from rank 0's file). None: the constructor's ``gathered_state_dict``. ``dkfac.hf.KFACTrainer``
-        saves the gathered state under several processes.
+        A torch optimizer's layout (``'state'``, ``'param_groups'``), so that torch's
+        ``torch.distributed.checkpoint.state_dict`` (``get_optimizer_state_dict``, ``set_optimizer_state_dict``, as
+        Lightning's ``ModelParallelStrategy`` and accelerate's FSDP2 call them) carries both halves. The
+        preconditioner's half is this rank's own state by default: it resumes on as many ranks, each loading its own,
+        and through ``torch.distributed.checkpoint`` on any number (each entry written once, by a rank that holds it).
+        ``gathered=True`` (collective: every rank calls it) holds every layer's whole K-FAC state, the same on every
+        rank, which resumes on any number of ranks and strategy: save it where one rank saves for all (a DP-KFAC job
+        resumed from rank 0's file). None: the constructor's ``gathered_state_dict``. ``dkfac.hf.KFACTrainer`` saves
+        the gathered state under several processes.
         """
         gathered = self._gathered_state_dict if gathered is None else gathered
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict: dict[str, Any] = {'base': self._base.state_dict(),
-                                      'kfac': self._preconditioner.state_dict(gathered=gathered)}
+        state_dict = self._base.state_dict()
+        groups = state_dict['param_groups']
+        if any(_KFAC_KEY in group for group in groups):
+            raise ValueError(f"dkfac.optim.KFAC.state_dict: a parameter group of the base optimizer has a {_KFAC_KEY!r} "
+                             "entry, where this optimizer keeps the preconditioner's state; rename that entry")
+        groups[0] = {**groups[0], _KFAC_KEY: self._preconditioner.state_dict(gathered=gathered)}
+        if self._eigen_adam:
+            # The base keeps no state for the preconditioned layers' parameters (their moments are the
+            # preconditioner's): an empty entry each, so that torch's strict loading (set_optimizer_state_dict)
+            # finds one for every parameter that requires a gradient.
+            index = {id(p): i for i, p in enumerate(p for group in self._base.param_groups for p in group['params'])}
+            for _, module in self._preconditioner.layers:
+                for p in _layer_parameters(module):
+                    if id(p) in index:
+                        state_dict['state'].setdefault(index[id(p)], {})
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -496,6 +556,7 @@ class KFAC(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict()`` of a KFAC optimizer: both halves, or (on a refused dict) neither.
 
+        Also the layout earlier versions wrote, ``{'base': base.state_dict(), 'kfac': preconditioner.state_dict()}``.
         The layout and the base's parameter groups are checked first; the preconditioner's half is then loaded
         (it checks its own layers and values before changing anything), then the base's; should the base still
         refuse, the preconditioner's previous state is put back. A following ``lr`` keeps following.
@@ -504,18 +565,23 @@ class KFAC(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._check_state_dict(state_dict)
+        base, kfac = self._halves(state_dict)
         previous = self._preconditioner.state_dict()  # fresh tensors, not views of the live state
         try:
-            self._preconditioner.load_state_dict(state_dict['kfac'])
+            self._preconditioner.load_state_dict(kfac)
         except ValueError as error:
-            if 'state_dict(gathered=True)' not in str(error):
+            ours = kfac.get('dkfac') if isinstance(kfac.get('dkfac'), Mapping) else {}
+            one_ranks = not ours.get('gathered', True) and int(ours.get('world_size', 1)) > 1
+            if 'state_dict(gathered=True)' not in str(error) and not (one_ranks and 'holds no entry' in str(error)):
                 raise
-            raise ValueError(f'{error}. Through dkfac.optim.KFAC: build it with gathered_state_dict=True where every '
-                             "rank calls state_dict() and rank 0 saves it for all (Lightning's and accelerate's "
-                             'checkpoints under DDP), or train with dkfac.hf.KFACTrainer') from None
+            raise ValueError(f"{error}. Through dkfac.optim.KFAC: this is one rank's own K-FAC state of a "
+                             f"{ours.get('world_size')}-rank job; build the optimizer with gathered_state_dict=True "
+                             "where every rank calls state_dict() and rank 0 saves it for all (Lightning's and "
+                             "accelerate's checkpoints under DDP, and their full state dicts under FSDP2), save a "
+                             'sharded checkpoint (torch.distributed.checkpoint), or train with dkfac.hf.KFACTrainer'
+                             ) from None
         try:
-            self._base.load_state_dict(state_dict['base'])
+            self._base.load_state_dict(base)
         except BaseException:
             self._preconditioner.load_state_dict(previous)
             self._follow_lr()
@@ -524,45 +590,64 @@ class KFAC(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _check_state_dict(self, state_dict: Any) -> None:
-        """Refuses, naming what is missing or different, a state dict that is not a KFAC optimizer's."""
+    def _halves(self, state_dict: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the base optimizer's state dict, the preconditioner's) of a KFAC optimizer's state dict, checked;
+        refuses, naming what is missing or different, a state dict that is not a KFAC optimizer's."""
         where = 'dkfac.optim.KFAC.load_state_dict'
         if not isinstance(state_dict, Mapping):
-            raise TypeError(f"{where}: expected a dict {{'base': ..., 'kfac': ...}} (KFAC.state_dict()), got "
+            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups' (KFAC.state_dict()), got "
                             f'{type(state_dict).__name__}')
-        missing = [key for key in ('base', 'kfac') if key not in state_dict]
-        if missing:
-            keys = sorted(map(str, state_dict))
-            hint = ''
-            if {'state', 'param_groups'} <= set(state_dict):
-                hint = (" It has the layout of a torch optimizer's state_dict(): load that into the base optimizer "
-                        '(opt.optimizer.load_state_dict(...)).')
-            elif 'steps' in state_dict:
-                hint = (" It has the layout of a preconditioner's state_dict(): load that with "
-                        'opt.preconditioner.load_state_dict(...).')
-            raise ValueError(f"{where}: the state dict has no {' and no '.join(repr(k) for k in missing)} entry "
-                             "(KFAC.state_dict() holds 'base', the base optimizer's state, and 'kfac', the "
-                             f"preconditioner's); its keys are {keys}.{hint}")
-        base, kfac = state_dict['base'], state_dict['kfac']
+        if 'state' in state_dict and 'param_groups' in state_dict:
+            groups = state_dict['param_groups']
+            if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+                raise ValueError(f"{where}: state_dict['param_groups'] must be a list of parameter groups")
+            holding = [i for i, group in enumerate(groups) if _KFAC_KEY in group]
+            if not holding:
+                raise ValueError(
+                    f"{where}: the state dict has a torch optimizer's layout but no K-FAC state (KFAC.state_dict() "
+                    f"keeps it in param_groups[0][{_KFAC_KEY!r}]): a plain optimizer's state_dict(), which loads into "
+                    'the base optimizer (opt.optimizer.load_state_dict(...)), or one that '
+                    "torch.distributed.checkpoint.state_dict flattened (flatten_optimizer_state_dict=True keeps only "
+                    "the keys of the live parameter groups): checkpoint the preconditioner as its own entry then, "
+                    "dcp.save({..., 'kfac': opt.preconditioner})")
+            if len(holding) > 1:
+                raise ValueError(f'{where}: parameter groups {holding} each hold a {_KFAC_KEY!r} entry; '
+                                 'KFAC.state_dict() writes one')
+            base = {**state_dict, 'param_groups': [{k: v for k, v in group.items() if k != _KFAC_KEY}
+                                                   for group in groups]}
+            kfac = groups[holding[0]][_KFAC_KEY]
+        else:
+            missing = [key for key in ('base', 'kfac') if key not in state_dict]
+            if missing:
+                keys = sorted(map(str, state_dict))
+                hint = ''
+                if 'steps' in state_dict:
+                    hint = (" It has the layout of a preconditioner's state_dict(): load that with "
+                            'opt.preconditioner.load_state_dict(...).')
+                raise ValueError(f"{where}: the state dict has neither 'state' and 'param_groups' "
+                                 "(KFAC.state_dict()) nor 'base' and 'kfac' (the layout of earlier versions); "
+                                 f'its keys are {keys}.{hint}')
+            base, kfac = state_dict['base'], state_dict['kfac']
         for name, part, keys in (('base', base, ('state', 'param_groups')), ('kfac', kfac, ('steps',))):
             if not isinstance(part, Mapping):
-                raise TypeError(f"{where}: state_dict['{name}'] must be a dict, got {type(part).__name__}")
+                raise TypeError(f"{where}: the {name} optimizer's half must be a dict, got {type(part).__name__}")
             absent = [key for key in keys if key not in part]
             if absent:
-                raise ValueError(f"{where}: state_dict['{name}'] has no {' and no '.join(repr(k) for k in absent)} "
-                                 f"entry (its keys are {sorted(map(str, part))}); is it a KFAC optimizer's "
-                                 'state_dict()?')
+                raise ValueError(f"{where}: the {'base optimizer' if name == 'base' else 'K-FAC'} half has no "
+                                 f"{' and no '.join(repr(k) for k in absent)} entry (its keys are "
+                                 f"{sorted(map(str, part))}); is it a KFAC optimizer's state_dict()?")
         groups, saved = self._base.param_groups, base['param_groups']
         if not isinstance(saved, (list, tuple)) or not all(isinstance(g, Mapping) and 'params' in g for g in saved):
-            raise ValueError(f"{where}: state_dict['base']['param_groups'] must be a list of groups with 'params'")
+            raise ValueError(f"{where}: the base optimizer's param_groups must be a list of groups with 'params'")
         if len(saved) != len(groups):
-            raise ValueError(f"{where}: state_dict['base'] holds {len(saved)} parameter groups, the base optimizer "
+            raise ValueError(f'{where}: the state dict holds {len(saved)} parameter groups, the base optimizer '
                              f'has {len(groups)}')
         for index, (group, saved_group) in enumerate(zip(groups, saved)):
             if len(group['params']) != len(saved_group['params']):
-                raise ValueError(f"{where}: parameter group {index} of state_dict['base'] holds "
+                raise ValueError(f'{where}: parameter group {index} of the state dict holds '
                                  f"{len(saved_group['params'])} parameters, the base optimizer's holds "
                                  f"{len(group['params'])}")
+        return dict(base), kfac
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError('dkfac.optim.KFAC cannot be pickled or deep-copied (its preconditioner holds hooks and C++ '

@@ -317,7 +317,9 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     torch.save({'model': first.state_dict(), 'optimizer': first_opt.state_dict()}, buffer)
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=True)
-    assert set(checkpoint['optimizer']) == {'base', 'kfac'}
+    saved = checkpoint['optimizer']  # a torch optimizer's layout, the preconditioner's state in the first group
+    assert set(saved) == {'state', 'param_groups'} and saved['param_groups'][0]['kfac']['steps'] == 3
+    assert all('kfac' not in group for group in first_opt.optimizer.param_groups)  # the live groups are untouched
 
     second = make_model(seed=7)  # other weights: everything comes from the checkpoint
     second.load_state_dict(checkpoint['model'])
@@ -332,9 +334,20 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
     # A state dict saved with a constant K-FAC lr leaves a following optimizer following.
     fixed = make_model()
     fixed_opt = optim.KFAC(fixed, torch.optim.AdamW(fixed.parameters(), lr=0.5), lr=0.05)
-    assert fixed_opt.state_dict()['kfac']['lr'] == 0.05
+    assert fixed_opt.state_dict()['param_groups'][0]['kfac']['lr'] == 0.05
     second_opt.load_state_dict(fixed_opt.state_dict())
     assert second_opt.preconditioner.lr == base_lr(second_opt.optimizer) == 0.5
+
+    # The layout of earlier versions, {'base': ..., 'kfac': ...}, still loads.
+    current = first_opt.state_dict()  # the checkpoint's tensors are the second optimizer's state now, trained on
+    groups = current['param_groups']
+    earlier = {'base': {**current, 'param_groups': [{k: v for k, v in g.items() if k != 'kfac'} for g in groups]},
+               'kfac': groups[0]['kfac']}
+    third = make_model(seed=7)
+    third.load_state_dict(checkpoint['model'])
+    third_opt = optim.KFAC(third, adamw(third))
+    third_opt.load_state_dict(earlier)
+    _assert_same_state(third_opt.state_dict(), first_opt.state_dict())
 
 
 def _leaves(state: object, path: str = '') -> list[tuple[str, object]]:
@@ -363,15 +376,20 @@ def test_a_malformed_state_dict_is_refused_and_changes_nothing() -> None:
     good = opt.state_dict()
     before = opt.state_dict()
 
+    groups = good['param_groups']
+    plain = {**good, 'param_groups': [{k: v for k, v in g.items() if k != 'kfac'} for g in groups]}
+    kfac = groups[0]['kfac']
     cases = [
-        (good['base'], ValueError, r"no 'base' and no 'kfac' entry.*torch optimizer's state_dict"),
-        (good['kfac'], ValueError, r"no 'base' and no 'kfac' entry.*preconditioner's state_dict"),
-        ({'base': good['base']}, ValueError, r"no 'kfac' entry"),
-        ({'base': good['base'], 'kfac': {}}, ValueError, r"state_dict\['kfac'\] has no 'steps'"),
-        ({'base': {'state': {}}, 'kfac': good['kfac']}, ValueError, r"state_dict\['base'\] has no 'param_groups'"),
-        ({'base': {**good['base'], 'param_groups': good['base']['param_groups'] * 2}, 'kfac': good['kfac']},
-         ValueError, 'holds 2 parameter groups, the base optimizer has 1'),
-        ({'base': good['base'], 'kfac': {**good['kfac'], 'layers': {'nope': {'A': None, 'G': None}}}},
+        (plain, ValueError, r"a torch optimizer's layout but no K-FAC state .*opt.optimizer.load_state_dict"),
+        (kfac, ValueError, r"neither 'state' and 'param_groups'.*preconditioner's state_dict"),
+        ({'base': plain}, ValueError, r"neither 'state' and 'param_groups'"),
+        ({'base': plain, 'kfac': {}}, ValueError, r"the K-FAC half has no 'steps'"),
+        ({'base': {'state': {}}, 'kfac': kfac}, ValueError, r"the base optimizer half has no 'param_groups'"),
+        ({**good, 'param_groups': [{**groups[0], 'kfac': {}}]}, ValueError, r"the K-FAC half has no 'steps'"),
+        ({**good, 'param_groups': groups * 2}, ValueError, r"parameter groups \[0, 1\] each hold a 'kfac' entry"),
+        ({**good, 'param_groups': [*groups, {**plain['param_groups'][0], 'params': []}]}, ValueError,
+         'holds 2 parameter groups, the base optimizer has 1'),
+        ({**good, 'param_groups': [{**groups[0], 'kfac': {**kfac, 'layers': {'nope': {'A': None, 'G': None}}}}]},
          ValueError, 'K-FAC layers'),
         ([1, 2], TypeError, 'expected a dict'),
     ]
@@ -399,6 +417,70 @@ def test_a_malformed_state_dict_is_refused_and_changes_nothing() -> None:
 
 
 # --- 4. GradScaler and clipping ------------------------------------------------------------------------------
+def _optimizer(model: torch.nn.Module, base: str) -> optim.KFAC:
+    if base == 'sgd':  # no state at all: torch's state-dict API steps it at lr 0 to make its entries
+        return optim.KFAC(model, torch.optim.SGD(model.parameters(), lr=LR))
+    if base == 'eigen_adam':  # the base keeps no state for the preconditioned layers' parameters
+        return optim.KFAC(model, adamw(model), eigen_adam=True)
+    return optim.KFAC(model, adamw(model))
+
+
+@pytest.mark.parametrize('base', ['sgd', 'adamw', 'eigen_adam'])
+def test_torchs_distributed_state_dict_api_saves_and_loads_both_halves_exactly(base: str, tmp_path: object) -> None:
+    """torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict (what Lightning's
+    ModelParallelStrategy and accelerate's FSDP2 checkpoints call) with dcp.save and dcp.load: the resumed run ends
+    where the uninterrupted one does, bit for bit. Building the load's template steps a fresh optimizer at lr 0 on
+    zero gradients where it has no state (torch's _init_optim_state): that is no K-FAC step, and changes nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    batches = make_batches(5)
+    model = make_model()
+    uninterrupted = _train(model, _optimizer(model, base), batches)
+
+    first = make_model()
+    first_opt = _optimizer(first, base)
+    resumed = _train(first, first_opt, batches[:3])
+    model_state, optim_state = get_state_dict(first, first_opt)
+    assert optim_state['param_groups'][0]['kfac']['steps'] == 3
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+        dcp.save({'model': model_state, 'optim': optim_state}, checkpoint_id=str(tmp_path))
+
+        second = make_model(seed=7)
+        second_opt = _optimizer(second, base)
+        before = parameters_of(second)
+        model_state, optim_state = get_state_dict(second, second_opt)  # the template dcp.load fills
+        assert second_opt.preconditioner.steps == 0 and all(p.grad is None for p in second.parameters())
+        torch.testing.assert_close(parameters_of(second), before, **EXACT)
+        dcp.load({'model': model_state, 'optim': optim_state}, checkpoint_id=str(tmp_path))
+    set_state_dict(second, second_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert second_opt.preconditioner.steps == 3
+    resumed += _train(second, second_opt, batches[3:])
+    torch.testing.assert_close(torch.stack(resumed), torch.stack(uninterrupted), **EXACT)
+    torch.testing.assert_close(parameters_of(second), parameters_of(model), **EXACT)
+
+
+def test_a_flattened_optimizer_state_dict_is_refused_naming_what_it_dropped() -> None:
+    """flatten_optimizer_state_dict=True (torchtitan's) rebuilds the groups from the keys the live groups have, and
+    drops the preconditioner's state: the load is refused, saying so, where K-FAC would otherwise restart silently."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model = make_model()
+    opt = optim.KFAC(model, adamw(model))
+    _train(model, opt, make_batches(2))
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = get_optimizer_state_dict(model, opt, options=flat)
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"no K-FAC state .*flatten_optimizer_state_dict=True.*'kfac': "
+                                         r'opt.preconditioner'):
+        set_optimizer_state_dict(model, opt, optim_state_dict=state, options=flat)
+    _assert_same_state(opt.state_dict(), before)
+
+
 def _cpu_grad_scaler(**keywords: object) -> torch.amp.GradScaler:
     try:
         scaler = torch.amp.GradScaler('cpu', **keywords)
@@ -636,7 +718,7 @@ def test_hugging_face_trainer_checkpoint_resumes_exactly(tmp_path: object) -> No
     batches = make_batches()
     _, uninterrupted, _ = _hugging_face_run(batches, str(tmp_path / 'a'), save_strategy='steps', save_steps=2)
     checkpoint = tmp_path / 'a' / 'checkpoint-2'
-    assert set(torch.load(checkpoint / 'optimizer.pt', weights_only=True)) == {'base', 'kfac'}
+    assert 'kfac' in torch.load(checkpoint / 'optimizer.pt', weights_only=True)['param_groups'][0]
     _, resumed, opt = _hugging_face_run(batches, str(tmp_path / 'b'), resume_from_checkpoint=str(checkpoint))
     assert opt.preconditioner.steps == len(batches)  # 2 restored + 2 run
     torch.testing.assert_close(parameters_of(resumed), parameters_of(uninterrupted), **EXACT)
@@ -749,6 +831,47 @@ def test_lightning_runs_adam_in_the_eigenbasis_as_the_hand_written_loop() -> Non
     assert opt.preconditioner.eigen_adam
     torch.testing.assert_close(torch.stack(module.losses), torch.stack(losses), **EXACT)
     torch.testing.assert_close(parameters_of(module.model), parameters_of(model), **EXACT)
+
+
+LIGHTNING_CHECKPOINTS = [
+    ('kaisa-sharded', dict(), True),
+    ('dp-owner-sharded', dict(strategy='dp', sharded_placement='owner'), True),  # each rank writes its own layers
+    ('dp-full-gathered', dict(strategy='dp', gathered_state_dict=True), False),  # rank 0 saves for all
+]
+
+
+@NEEDS_LIGHTNING
+@pytest.mark.parametrize('kfac,distributed', [case[1:] for case in LIGHTNING_CHECKPOINTS],
+                         ids=[case[0] for case in LIGHTNING_CHECKPOINTS])
+def test_lightning_model_parallel_strategy_checkpoints_resume_exactly(kfac: dict, distributed: bool,
+                                                                      tmp_path: object) -> None:
+    """Lightning's ModelParallelStrategy (FSDP2) saves and loads the optimizer through torch's distributed
+    state-dict API, which raised KeyError: 'state' on KFAC's earlier layout: at 2 ranks, a fit resumed from its
+    checkpoint (sharded, or full from rank 0) ends where the uninterrupted fit does, bit for bit."""
+    from workers import run_workers
+    results = run_workers('lightning_worker.py', 2, {'dir': str(tmp_path / 'out'), 'distributed': distributed,
+                                                     'kfac': dict(kfac, factor_update_steps=1, inv_update_steps=2)},
+                          tmp_path)
+    for rank, result in enumerate(results):
+        assert result['error'] == '', f'rank {rank}: {result["error"]}'
+        assert result['steps'] == 6
+        assert all(torch.equal(a, b) for a, b in zip(result['full'], result['resumed'])), rank
+
+
+@NEEDS_LIGHTNING
+def test_lightning_full_checkpoint_of_one_ranks_dp_kfac_state_is_refused_naming_gathered_state_dict(
+        tmp_path: object) -> None:
+    """A full checkpoint is rank 0's state dict: without gathered_state_dict, DP-KFAC's rank 0 holds its own layers
+    only, and the resume is refused, saying what to build the optimizer with. (Rank 1, whose own layers are blanks
+    in the broadcast template, waits in the load's agreement and names rank 0 lost when it stops.)"""
+    from workers import run_workers
+    results = run_workers('lightning_worker.py', 2, {'dir': str(tmp_path / 'out'), 'distributed': False,
+                                                     'kfac': dict(strategy='dp', factor_update_steps=1,
+                                                                  inv_update_steps=2)}, tmp_path)
+    assert "one rank's own K-FAC state of a 2-rank job" in results[0]['error'], results[0]['error']
+    assert 'gathered_state_dict=True' in results[0]['error']
+    assert 'lost rank 0' in results[1]['error'] or 'gathered_state_dict=True' in results[1]['error'], results[1]
+    assert all(result['resumed'] is None for result in results)
 
 
 @NEEDS_LIGHTNING
