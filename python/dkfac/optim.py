@@ -580,6 +580,9 @@ class KFAC(torch.optim.Optimizer):
                              "accelerate's checkpoints under DDP, and their full state dicts under FSDP2), save a "
                              'sharded checkpoint (torch.distributed.checkpoint), or train with dkfac.hf.KFACTrainer'
                              ) from None
+        if self._eigen_adam:  # state_dict()'s empty entries of the preconditioned layers' parameters: not the base's
+            base = {**base, 'state': {key: value for key, value in base['state'].items()
+                                      if not (isinstance(value, Mapping) and not value)}}
         try:
             self._base.load_state_dict(base)
         except BaseException:
