@@ -535,8 +535,8 @@ class KFAC(torch.optim.Optimizer):
         state_dict = self._base.state_dict()
         groups = state_dict['param_groups']
         if any(_KFAC_KEY in group for group in groups):
-            raise ValueError(f"dkfac.optim.KFAC.state_dict: a parameter group of the base optimizer has a {_KFAC_KEY!r} "
-                             "entry, where this optimizer keeps the preconditioner's state; rename that entry")
+            raise ValueError(f'dkfac.optim.KFAC.state_dict: a parameter group of the base optimizer has a '
+                             f"{_KFAC_KEY!r} entry, where this optimizer keeps the preconditioner's state; rename it")
         groups[0] = {**groups[0], _KFAC_KEY: self._preconditioner.state_dict(gathered=gathered)}
         if self._eigen_adam:
             # The base keeps no state for the preconditioned layers' parameters (their moments are the
@@ -574,8 +574,9 @@ class KFAC(torch.optim.Optimizer):
             one_ranks = not ours.get('gathered', True) and int(ours.get('world_size', 1)) > 1
             if 'state_dict(gathered=True)' not in str(error) and not (one_ranks and 'holds no entry' in str(error)):
                 raise
-            raise ValueError(f"{error}. Through dkfac.optim.KFAC: this is one rank's own K-FAC state of a "
-                             f"{ours.get('world_size')}-rank job; build the optimizer with gathered_state_dict=True "
+            job = f"a {ours['world_size']}-rank job" if 'world_size' in ours else 'a job of several ranks'
+            raise ValueError(f"{error}. Through dkfac.optim.KFAC: this is one rank's own K-FAC state of {job}; "
+                             "build the optimizer with gathered_state_dict=True "
                              "where every rank calls state_dict() and rank 0 saves it for all (Lightning's and "
                              "accelerate's checkpoints under DDP, and their full state dicts under FSDP2), save a "
                              'sharded checkpoint (torch.distributed.checkpoint), or train with dkfac.hf.KFACTrainer'
