@@ -1093,6 +1093,23 @@ def test_kfac_trainer_checkpoints_under_ddp_resume_exactly(kfac: dict, tmp_path:
 
 
 @NEEDS_TRAINER
+@pytest.mark.parametrize('kfac', [dict(), dict(strategy='dp')], ids=['kaisa', 'dp'])
+def test_kfac_trainer_checkpoints_under_fsdp2_resume_exactly(kfac: dict, tmp_path: object) -> None:
+    """The Trainer's FSDP2 path (accelerate's fully_shard and its sharded checkpoint, which saves and loads the
+    optimizer through torch's distributed state-dict API and DCP) at 2 ranks: the resumed run ends where the
+    uninterrupted one does, bit for bit. Each rank writes its own K-FAC state, DP-KFAC's own layers included."""
+    from workers import run_workers
+    results = run_workers('trainer_worker.py', 2, {'dir': str(tmp_path / 'out'), 'fsdp': True,
+                                                   'kfac': dict(kfac, factor_update_steps=1, inv_update_steps=2,
+                                                                skip_layers=['wpe'])},
+                          tmp_path)
+    assert (tmp_path / 'out' / 'checkpoint-3' / 'optimizer_0').is_dir()  # accelerate's DCP checkpoint
+    for rank, result in enumerate(results):
+        assert result['sharded'] and result['error'] == '', f'rank {rank}: {result["error"]}'
+        assert all(torch.equal(a, b) for a, b in zip(result['full'], result['resumed'])), rank
+
+
+@NEEDS_TRAINER
 def test_kfac_trainer_declares_the_trainers_gradient_accumulation(tmp_path: object) -> None:
     """gradient_accumulation_steps=2: the preconditioner's accumulation_steps (it was left at 1: every layer warned
     of 2 passes where 1 was declared, and no layer folded its factors in the hooks). A kfac= keyword wins."""
