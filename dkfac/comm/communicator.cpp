@@ -481,6 +481,29 @@ Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Pu
   return h;
 }
 
+Handle Communicator::reduce_sum(torch::Tensor tensor, int root, GroupId group, Purpose phase) {
+  auto& g = impl_->groups.at(group);
+  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
+  TORCH_CHECK(tensor.is_contiguous(), "reduce needs a contiguous tensor (", to_string(phase), ")");
+  const auto it = std::find(g.members.begin(), g.members.end(), root);
+  TORCH_CHECK(it != g.members.end(), "reduce root ", root, " is not in group ", group);
+  Handle h;
+  if (g.members.size() == 1) return h;
+  count(phase, tensor);
+  c10d::ReduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.rootRank = static_cast<int64_t>(it - g.members.begin());
+  auto wire = on_the_wire(tensor, impl_->cuda_backend);
+  std::vector<torch::Tensor> tensors{wire};
+  h.impl_ = std::make_unique<Handle::Impl>();
+  h.impl_->work = g.pg->reduce(tensors, options);
+  h.impl_->diagnose = diagnosis();
+  h.impl_->what = "rank " + std::to_string(rank_) + ": reduce of " + std::to_string(tensor.numel()) + " elements (" +
+                  to_string(phase) + ") to rank " + std::to_string(root);
+  if (!wire.is_same(tensor) && root == rank_) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
+  return h;
+}
+
 std::map<std::string, Traffic> Communicator::traffic() const {
   std::lock_guard<std::mutex> lock(traffic_mutex_);
   std::map<std::string, Traffic> named;

@@ -190,6 +190,9 @@ class Communicator {
   Handle allreduce_sum(torch::Tensor tensor, GroupId group, Purpose phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
   Handle broadcast(torch::Tensor tensor, int root, GroupId group, Purpose phase);
+  /// Starts an in-place sum of `tensor` over `group` into global rank `root`'s (a reduce: half an allreduce's
+  /// bytes on a ring). Only the root's tensor holds the sum afterwards; the others' values are undefined.
+  Handle reduce_sum(torch::Tensor tensor, int root, GroupId group, Purpose phase);
 
   /// Traffic per phase since construction, keyed by to_string(phase); phases without traffic are absent.
   std::map<std::string, Traffic> traffic() const;

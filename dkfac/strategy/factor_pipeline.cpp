@@ -34,11 +34,22 @@ FactorPipeline::FactorPipeline(std::shared_ptr<comm::Communicator> communicator,
     slot_diagonal_.push_back(diagonal);
     slot_absent_.push_back(absent);
     slot_bytes_.push_back(absent ? 0 : element * comm::packed_length(n, triangles_, diagonal));
+    slot_column_.push_back(plan.factor_destination(layer_of(slot)));
+  }
+  // Owner placement's groups: every rank makes every row's and column's group, in order (Communicator::new_group).
+  row_group_ = group_id_;
+  row_size_ = plan.world_size() / plan.grad_workers();
+  if (std::any_of(slot_column_.begin(), slot_column_.end(), [](int c) { return c >= 0; }) && plan.grad_workers() > 1) {
+    const int rank = communicator_->rank();
+    for (const auto& row : plan.placement.rows()) {
+      const auto id = communicator_->new_group(row);
+      if (plan.placement.row_of(rank) == plan.placement.row_of(row.front())) row_group_ = id;
+    }
+    for (const auto& column : plan.placement.columns()) column_groups_.push_back(communicator_->new_group(column));
   }
   const auto& fusion = plan.fusion;
   if (!fusion_) {
-    const auto cap = static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024);
-    set_grouping(comm::bucket_groups(slot_bytes_, cap));
+    set_buckets(static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024));
   } else if (!fusion.empty()) {
     const int64_t total = std::accumulate(fusion.begin(), fusion.end(), int64_t{0});
     TORCH_CHECK(total == static_cast<int64_t>(2 * num_layers_), "SpdOptions::fusion group sizes sum to ", total,
@@ -60,19 +71,37 @@ FactorPipeline::~FactorPipeline() {
 }
 
 void FactorPipeline::set_grouping(const std::vector<int64_t>& sizes) {
-  grouping_ = sizes;
-  group_of_slot_.clear();
-  for (size_t g = 0; g < sizes.size(); ++g) group_of_slot_.insert(group_of_slot_.end(), sizes[g], g);
+  std::vector<std::vector<size_t>> groups;
+  size_t slot = 0;
+  for (const int64_t size : sizes) {
+    groups.emplace_back();
+    for (int64_t k = 0; k < size; ++k) groups.back().push_back(slot++);
+  }
+  set_groups(std::move(groups));
+}
+
+void FactorPipeline::set_buckets(int64_t cap_bytes) {
+  set_groups(factor_buckets(slot_bytes_, slot_column_, cap_bytes));
+}
+
+void FactorPipeline::set_groups(std::vector<std::vector<size_t>> groups) {
+  group_slots_ = std::move(groups);
+  grouping_.clear();
+  group_of_slot_.assign(2 * num_layers_, 0);
+  for (size_t g = 0; g < group_slots_.size(); ++g) {
+    grouping_.push_back(static_cast<int64_t>(group_slots_[g].size()));
+    for (const size_t s : group_slots_[g]) group_of_slot_[s] = g;
+  }
 }
 
 void FactorPipeline::arm(int64_t micro_batches) {
   std::lock_guard<std::mutex> lock(mutex_);
   micro_batches_ = micro_batches;
   groups_.clear();
-  groups_.resize(grouping_.size());
-  size_t slot = 0;
-  for (size_t g = 0; g < grouping_.size(); ++g) {
-    for (int64_t k = 0; k < grouping_[g]; ++k) groups_[g].slots.push_back(slot++);
+  groups_.resize(group_slots_.size());
+  for (size_t g = 0; g < group_slots_.size(); ++g) {
+    groups_[g].slots = group_slots_[g];
+    groups_[g].column = slot_column_[group_slots_[g].front()];
   }
   ready_tensor_.assign(2 * num_layers_, torch::Tensor());
   ready_marks_.assign(2 * num_layers_, std::nullopt);
@@ -100,7 +129,10 @@ void FactorPipeline::start(Group& group, const std::vector<torch::Tensor>& tenso
   group.started = true;
   if (tensors.empty()) return;
   group.buffer = comm::fuse(tensors);
-  group.handle = communicator_->allreduce_mean(group.buffer, group_id_, comm::Purpose::kFactors);
+  group.handle = group.column < 0
+                     ? communicator_->allreduce_mean(group.buffer, group_id_, comm::Purpose::kFactors)
+                     : communicator_->reduce_sum(group.buffer, root_of(group.column), row_group_,
+                                                 comm::Purpose::kFactors);
 }
 
 void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches) {
@@ -125,8 +157,23 @@ void FactorPipeline::collect(std::vector<std::pair<torch::Tensor, torch::Tensor>
     start(group, tensors);
   }
   for (auto& group : groups_) {
-    if (!group.buffer.defined()) continue;
-    group.handle.wait();
+    if (group.buffer.defined()) group.handle.wait();
+  }
+  // Owner placement: the sums of this rank's row are its own where it is the owner; they are summed over the owners
+  // of the column (W > 1), then divided by the world size. The other ranks keep no factor of these layers.
+  const auto mine = [this](const Group& group) {
+    return group.buffer.defined() && (group.column < 0 || root_of(group.column) == communicator_->rank());
+  };
+  std::vector<comm::Handle> columns;
+  for (auto& group : groups_) {
+    if (group.column < 0 || !mine(group) || column_groups_.empty()) continue;
+    columns.push_back(communicator_->allreduce_sum(group.buffer, column_groups_.at(static_cast<size_t>(group.column)),
+                                                   comm::Purpose::kFactors));
+  }
+  comm::wait_all(columns);
+  for (auto& group : groups_) {
+    if (!mine(group)) continue;
+    if (group.column >= 0) group.buffer.div_(communicator_->size());
     int64_t offset = 0;
     for (size_t s : group.slots) {
       if (slot_absent_[s]) continue;  // not in the buffer
@@ -184,9 +231,13 @@ void FactorPipeline::choose_grouping() {
 std::string FactorPipeline::describe() const {
   std::ostringstream out;
   if (!fusion_) {
-    out << "factor allreduce from the capture hooks in " << grouping_.size() << " bucket(s) for "
-        << slot_bytes_.size() << " factors (" << (triangles_ ? "upper triangles" : "full matrices")
-        << "), bytes per bucket [";
+    const bool owners = std::any_of(slot_column_.begin(), slot_column_.end(), [](int c) { return c >= 0; });
+    out << (owners ? "factors summed into their owners (reduce over each row" +
+                         std::string(column_groups_.empty() ? "" : ", then allreduce over the owners' column") +
+                         ") from the capture hooks in "
+                   : "factor allreduce from the capture hooks in ")
+        << grouping_.size() << " bucket(s) for " << slot_bytes_.size() << " factors ("
+        << (triangles_ ? "upper triangles" : "full matrices") << "), bytes per bucket [";
   } else {
     out << "SPD-KFAC factor fusion (alpha " << link_.alpha * 1e6 << " us, beta " << link_.beta * 1e9 << " ns/B): ";
   }
@@ -197,10 +248,9 @@ std::string FactorPipeline::describe() const {
   if (fusion_) {
     out << grouping_.size() << " collectives for " << slot_bytes_.size() << " factors, bytes per group [";
   }
-  size_t slot = 0;
-  for (size_t g = 0; g < grouping_.size(); ++g) {
+  for (size_t g = 0; g < group_slots_.size(); ++g) {
     int64_t bytes = 0;
-    for (int64_t k = 0; k < grouping_[g]; ++k) bytes += slot_bytes_[slot++];
+    for (const size_t s : group_slots_[g]) bytes += slot_bytes_[s];
     out << (g ? ", " : "") << bytes;
   }
   out << "]";

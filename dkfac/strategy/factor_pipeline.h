@@ -32,6 +32,12 @@ namespace dkfac::strategy {
 /// KAISA (FactorReduction::kHookBuckets) runs the same pipeline with kfac_pytorch's grouping instead:
 /// fixed buckets of at most StepPlan::bucket_cap_mb in ready order, no profiling. Triangles or full
 /// matrices as StepPlan::factor_triangles says.
+///
+/// Owner placement (LayerFlow::owner_rows): only a layer's owners keep its factors, one in each row of ranks (its
+/// KAISA column). Its factors are summed into the owner of each row (a reduce over the row, on the pipeline's own
+/// row group: half an allreduce's bytes on a ring), then over the column's owners (an allreduce among W ranks, at
+/// collect(); none where W = 1), and divided by the world size: the world's mean, on the owners alone. KAISA's
+/// buckets are formed per owner column, so that one collective has one root.
 class FactorPipeline {
  public:
   /// `plan.reduction` is kSpdPipeline or kHookBuckets; `options` gives accumulation_steps.
@@ -48,7 +54,8 @@ class FactorPipeline {
   /// over ranks.
   void collect(std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches);
 
-  /// Current grouping (sizes of consecutive slot groups) and whether it is still being profiled.
+  /// Current grouping (slots per group: consecutive groups, but under owner placement, where each owner column's
+  /// slots are bucketed apart) and whether it is still being profiled.
   const std::vector<int64_t>& grouping() const { return grouping_; }
   bool profiling() const { return profiled_steps_ < profile_steps_; }
   /// Seconds from the step's first ready slot to each slot's (NaN: did not fire); waits for the device.
@@ -59,13 +66,20 @@ class FactorPipeline {
  private:
   struct Group {
     std::vector<size_t> slots;
+    int column = -1;       // owner placement: the column of its layers' owners; -1: averaged over the world
     torch::Tensor buffer;  // concatenated packed triangles, reduced in place
     comm::Handle handle;
     bool started = false;
   };
 
   void on_ready(size_t slot, int64_t count);
+  /// Groups of consecutive slots of these sizes (SPD-KFAC's fusion; slots averaged over the world).
   void set_grouping(const std::vector<int64_t>& sizes);
+  /// KAISA's buckets of at most `cap_bytes` (strategy::factor_buckets: apart for each owner column).
+  void set_buckets(int64_t cap_bytes);
+  void set_groups(std::vector<std::vector<size_t>> groups);
+  /// This row's owner of `column` (the root of its groups' reduce).
+  int root_of(int column) const { return communicator_->rank() / row_size_ * row_size_ + column; }
   /// Packs the listed slots' tensors into one buffer and starts its allreduce. Caller holds mutex_.
   void start(Group& group, const std::vector<torch::Tensor>& tensors);
   void choose_grouping();
@@ -82,6 +96,10 @@ class FactorPipeline {
   std::vector<bool> slot_diagonal_;  // the factor is kept diagonal (sent as [n])
   std::vector<int64_t> slot_bytes_;  // bytes sent per slot
   std::vector<bool> slot_absent_;    // never fires: a shared-input follower's A (its leader's slot carries it)
+  std::vector<int> slot_column_;     // owner placement: the column of the slot's layer's owners, else -1
+  int row_size_ = 1;                 // P / W: ranks per row of KAISA's grid
+  comm::GroupId row_group_ = comm::kWorld;   // this rank's row (the pipeline's group where it is the world)
+  std::vector<comm::GroupId> column_groups_;  // per column, where W > 1 and some layer is owner-placed
   assign::AlphaBeta link_;
   const int64_t profile_steps_;  // StepPlan::profile_steps: 0 unless SPD-KFAC fuses by measurement
   int64_t profiled_steps_ = 0;
@@ -89,7 +107,8 @@ class FactorPipeline {
 
   std::mutex mutex_;  // listeners run on the forward and autograd threads
   int64_t micro_batches_ = 1;
-  std::vector<int64_t> grouping_;
+  std::vector<int64_t> grouping_;                 // slots per group
+  std::vector<std::vector<size_t>> group_slots_;  // each group's slots, ascending
   std::vector<size_t> group_of_slot_;
   std::vector<Group> groups_;
   std::vector<torch::Tensor> ready_tensor_;  // packed local mean per slot, this step

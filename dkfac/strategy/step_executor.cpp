@@ -98,15 +98,39 @@ void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Te
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
   const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Purpose::kFactors); };
-  for (auto& [a, g] : batches) {
-    for (torch::Tensor* t : {&a, &g}) {
+  // Owner placement (LayerFlow::owner_rows): summed into the layer's owner in each row, then over its column's owners
+  // (a group of one where W = 1), then divided by the world size, as FactorPipeline does from the hooks. The other
+  // ranks keep no factor of the layer (StepPlan::keeps_factors): their batches are left as they were.
+  struct Owned {
+    torch::Tensor* factor;
+    torch::Tensor sum;  // packed where factors travel as triangles
+  };
+  std::vector<Owned> owned;
+  const auto row = row_groups_[plan_.placement.row_of(rank_)];
+  for (size_t i = 0; i < batches.size(); ++i) {
+    for (torch::Tensor* t : {&batches[i].first, &batches[i].second}) {
       if (!t->defined()) continue;
       *t = t->contiguous();
-      handles.push_back(start(*t, plan_.factor_triangles, allreduce, finish));
+      if (!plan_.flows[i].owner_rows) {
+        handles.push_back(start(*t, plan_.factor_triangles, allreduce, finish));
+        continue;
+      }
+      const int owner = plan_.gradient_source(i, rank_);
+      auto sum = plan_.factor_triangles && t->dim() == 2 ? comm::pack_upper(*t) : *t;
+      handles.push_back(communicator_->reduce_sum(sum, owner, row, comm::Purpose::kFactors));
+      if (owner == rank_) owned.push_back({t, sum});
     }
   }
   comm::wait_all(handles);
   for (auto& f : finish) f();
+  // Every owner of the column has the same layers' sums, in the same order.
+  const auto column = column_groups_[plan_.placement.column_of(rank_)];
+  for (auto& o : owned) handles.push_back(communicator_->allreduce_sum(o.sum, column, comm::Purpose::kFactors));
+  comm::wait_all(handles);
+  for (auto& o : owned) {
+    o.sum.div_(plan_.world_size());
+    if (!o.sum.is_same(*o.factor)) *o.factor = comm::unpack_upper(o.sum, o.factor->size(0));
+  }
 }
 
 void StepExecutor::share_second_order(std::vector<KfacLayer>& layers, double damping) {

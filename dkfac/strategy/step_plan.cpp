@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "dkfac/comm/packing.h"
+
 namespace dkfac::strategy {
 namespace {
 
@@ -186,6 +188,38 @@ bool StepPlan::keeps_factors(size_t layer, int rank) const {
   return preconditions(layer, rank) || computes_a(layer, rank) || computes_g(layer, rank);
 }
 
+int StepPlan::factor_destination(size_t layer) const {
+  if (!flows.at(layer).owner_rows) return -1;
+  return placement.column_of(placement.layers.at(layer).grad_workers.front());
+}
+
+std::vector<std::vector<size_t>> factor_buckets(const std::vector<int64_t>& bytes,
+                                                const std::vector<int>& destinations, int64_t cap_bytes) {
+  TORCH_CHECK(bytes.size() == destinations.size(), "factor_buckets: ", bytes.size(), " slots' bytes but ",
+              destinations.size(), " destinations");
+  std::vector<int> seen;  // in the order of their first slot
+  for (const int d : destinations) {
+    if (std::find(seen.begin(), seen.end(), d) == seen.end()) seen.push_back(d);
+  }
+  std::vector<std::vector<size_t>> buckets;
+  for (const int d : seen) {
+    std::vector<size_t> slots;
+    std::vector<int64_t> sizes;
+    for (size_t s = 0; s < destinations.size(); ++s) {
+      if (destinations[s] != d) continue;
+      slots.push_back(s);
+      sizes.push_back(bytes[s]);
+    }
+    auto at = slots.begin();
+    for (const int64_t n : comm::bucket_groups(sizes, cap_bytes)) {
+      buckets.emplace_back(at, at + n);
+      at += n;
+    }
+  }
+  std::sort(buckets.begin(), buckets.end(), [](const auto& x, const auto& y) { return x.front() < y.front(); });
+  return buckets;
+}
+
 size_t StepPlan::sharded_layers() const {
   size_t n = 0;
   for (const auto& shape : shapes) n += shape.sharded ? 1 : 0;
@@ -268,7 +302,11 @@ std::string StepPlan::describe(bool per_layer) const {
           << (sharded_placement == ShardedPlacement::kOwner
                   ? ": each row of " + std::to_string(p / w) + " ranks gathers a layer's gradient shards to its grad "
                     "worker there, which alone keeps its factors and second order, preconditions, and scatters the "
-                    "rows back"
+                    "rows back" +
+                    (reduction == FactorReduction::kNone ? std::string()
+                     : "; the row's factors are summed into it (a reduce" +
+                           (w > 1 ? ", then an allreduce among the layer's " + std::to_string(w) + " owners"
+                                  : std::string()) + ")")
                   : ": every rank gathers each gradient (all-gather), preconditions as above, and keeps its rows")
           << "\n";
     }

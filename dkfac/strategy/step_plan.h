@@ -93,10 +93,19 @@ struct StepPlan {
   bool shares_second_order() const;
   /// The grad worker of `layer` in `rank`'s row: it broadcasts V to that row.
   int gradient_source(size_t layer, int rank) const { return placement.grad_source_for(layer, rank); }
+  /// Where `layer`'s averaged factors go: the column of its owners under owner placement (LayerFlow::owner_rows),
+  /// whose member in each row receives the row's sum (a reduce); -1 where every rank receives the average.
+  int factor_destination(size_t layer) const;
 
   /// The plan in words: job-wide choices, then (with `per_layer`) one line per layer.
   std::string describe(bool per_layer = true) const;
 };
+
+/// KAISA's factor buckets (FactorReduction::kHookBuckets): slots of at most `cap_bytes` (0: one per slot) in ready
+/// order, formed apart for each destination (StepPlan::factor_destination: one collective has one root), each
+/// bucket its slots ascending, the buckets ordered by their first slot. One destination: comm::bucket_groups.
+std::vector<std::vector<size_t>> factor_buckets(const std::vector<int64_t>& bytes,
+                                                const std::vector<int>& destinations, int64_t cap_bytes);
 
 /// Options::stack_layers where it applies: with the eigen method, where the denominator is the eigenvalues' outer
 /// product (compute_eigenvalue_outer_product) or not used (eigen_adam: the bases stacked, the moments per layer).

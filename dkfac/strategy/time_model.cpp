@@ -22,53 +22,77 @@ namespace {
 constexpr auto ms = &milliseconds;
 
 
-/// The factor allreduce's seconds per factor step on the world, grouped as the plan's reduction groups them.
+/// The factor reduction's seconds per factor step, grouped as the plan's reduction groups them.
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
 /// Groups started from the capture hooks before the last factor is ready (every bucket or SPD-KFAC group
 /// but the last) run while the ranks compute backward, at the busy link's cost (Rates::allreduce_busy).
+/// Owner placement's factors (StepPlan::factor_destination) are a reduce over each row of P / W ranks, priced as half
+/// the row's allreduce (a ring reduce sends half its bytes and takes half its steps), then an allreduce of each
+/// owner's share among the W owners of a column.
 double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::vector<double>& build_seconds) {
   const int p = plan.world_size();
   std::vector<int64_t> bytes;
+  std::vector<int> destinations;
   const size_t layers = plan.shapes.size();
   for (size_t slot = 0; slot < 2 * layers; ++slot) {
-    const auto& shape = plan.shapes[slot < layers ? slot : 2 * layers - 1 - slot];
+    const size_t layer = slot < layers ? slot : 2 * layers - 1 - slot;
+    const auto& shape = plan.shapes[layer];
     const int64_t n = slot < layers ? shape.a_dim : shape.g_dim;
     const bool diagonal = slot < layers ? shape.a_diagonal : shape.g_diagonal;
     const bool absent = slot < layers && shape.a_shared_with >= 0;  // a follower's A: its leader's is sent
     bytes.push_back(absent ? 0 : rates.element_bytes() * comm::packed_length(n, plan.factor_triangles, diagonal));
+    destinations.push_back(plan.factor_destination(layer));
   }
-  std::vector<int64_t> groups;
+  const auto consecutive = [](const std::vector<int64_t>& sizes) {
+    std::vector<std::vector<size_t>> groups;
+    size_t slot = 0;
+    for (const int64_t size : sizes) {
+      groups.emplace_back();
+      for (int64_t k = 0; k < size; ++k) groups.back().push_back(slot++);
+    }
+    return groups;
+  };
+  std::vector<std::vector<size_t>> groups;
   switch (plan.reduction) {
     case FactorReduction::kNone:
       return 0.0;
     case FactorReduction::kAllreduce:
-      groups.assign(bytes.size(), 1);
+      groups = consecutive(std::vector<int64_t>(bytes.size(), 1));
       break;
     case FactorReduction::kHookBuckets:
-      groups = comm::bucket_groups(bytes, static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024));
+      groups = factor_buckets(bytes, destinations, static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024));
       break;
     case FactorReduction::kSpdPipeline:
       if (!plan.fusion.empty()) {
-        groups = plan.fusion;
+        groups = consecutive(plan.fusion);
       } else {
         // Profiled in a job: the factors' ready times there are their build times here, in ready order.
         std::vector<double> ready(bytes.size(), 0.0);
         std::partial_sum(build_seconds.begin(), build_seconds.end(), ready.begin());
         const double alpha = rates.allreduce_seconds(p, 0.0);
         const assign::AlphaBeta link{alpha, rates.allreduce_seconds(p, 1.0) - alpha};
-        groups = assign::fuse_groups(ready, bytes, link);
+        groups = consecutive(assign::fuse_groups(ready, bytes, link));
       }
       break;
   }
   const bool from_hooks = plan.reduction != FactorReduction::kAllreduce;
+  const int row = p / plan.grad_workers();
   double seconds = 0;
-  size_t at = 0;
+  double owned_bytes = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     double group_bytes = 0;
-    for (int64_t k = 0; k < groups[g] && at < bytes.size(); ++k) group_bytes += static_cast<double>(bytes[at++]);
+    for (const size_t slot : groups[g]) group_bytes += static_cast<double>(bytes.at(slot));
     if (group_bytes == 0) continue;  // only followers' A slots: nothing is sent
     const bool during_backward = from_hooks && g + 1 < groups.size();
-    seconds += during_backward ? rates.busy_allreduce_seconds(p, group_bytes) : rates.allreduce_seconds(p, group_bytes);
+    const bool to_owner = destinations.at(groups[g].front()) >= 0;
+    const int ranks = to_owner ? row : p;
+    const double allreduce = during_backward ? rates.busy_allreduce_seconds(ranks, group_bytes)
+                                             : rates.allreduce_seconds(ranks, group_bytes);
+    seconds += to_owner ? 0.5 * allreduce : allreduce;
+    if (to_owner) owned_bytes += group_bytes;
+  }
+  if (owned_bytes > 0 && plan.grad_workers() > 1) {
+    seconds += rates.allreduce_seconds(plan.grad_workers(), owned_bytes / row);
   }
   return seconds;
 }

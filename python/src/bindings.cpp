@@ -466,6 +466,11 @@ PYBIND11_MODULE(_C, m) {
            [](const Preconditioner& p, int64_t element_bytes) {
              return predicted(p, element_bytes, &strategy::RankCost::gradient_bytes);
            })
+      // Per rank, the factor bytes the plan says it hands to collectives per factor step.
+      .def("predicted_factor_bytes",
+           [](const Preconditioner& p, int64_t element_bytes) {
+             return predicted(p, element_bytes, &strategy::RankCost::factor_bytes);
+           })
       // Per rank, the K-FAC state (factors and second-order state) the plan says it holds.
       .def("predicted_memory_bytes",
            [](const Preconditioner& p, int64_t element_bytes) {

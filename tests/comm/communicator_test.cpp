@@ -14,8 +14,37 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/multi_rank.h"
+
 namespace dkfac::comm {
 namespace {
+
+// reduce_sum puts the sum of every member's tensor into the root's, over the world and over a subgroup whose root is
+// not its first member, and counts the bytes each rank hands to it under its purpose.
+TEST(Communicator, ReduceSumsIntoTheRootAlone) {
+  constexpr int kRanks = 3;
+  std::vector<torch::Tensor> world_sums(kRanks), group_sums(kRanks);
+  std::vector<Traffic> traffic(kRanks);
+  dkfac::testing::run_ranks(kRanks, [&](int rank, std::shared_ptr<Communicator> c) {
+    const auto group = c->new_group({0, 2});
+    const auto options = torch::TensorOptions(torch::kFloat64).device(dkfac::testing::test_device());
+    auto t = torch::arange(5, options) * (rank + 1);
+    c->reduce_sum(t, /*root=*/1, kWorld, Purpose::kFactors).wait();
+    world_sums[rank] = t.cpu();
+    if (rank != 1) {
+      auto u = torch::full({3}, rank + 1.0, options);
+      c->reduce_sum(u, /*root=*/2, group, Purpose::kFactors).wait();
+      group_sums[rank] = u.cpu();
+    }
+    traffic[rank] = c->traffic().at("factors");
+  });
+  EXPECT_TRUE(torch::equal(world_sums[1], torch::arange(5, torch::kFloat64) * 6)) << world_sums[1];
+  EXPECT_TRUE(torch::equal(group_sums[2], torch::full({3}, 4.0, torch::kFloat64))) << group_sums[2];
+  for (int rank = 0; rank < kRanks; ++rank) {
+    EXPECT_EQ(traffic[rank].calls, rank == 1 ? 1 : 2) << rank;
+    EXPECT_EQ(traffic[rank].bytes, 8 * (5 + (rank == 1 ? 0 : 3))) << rank;
+  }
+}
 
 // A rank that stops answering turns into an error on the others within the configured timeout.
 TEST(Communicator, LostPeerIsAnErrorWithinTheTimeout) {

@@ -242,6 +242,7 @@ def main() -> None:
                 'memory': preconditioner.memory_usage(),
                 'traffic': preconditioner._communicator.traffic(), 'times': preconditioner.phase_times(total=True),
                 'predicted_gradient_bytes': preconditioner._core.predicted_gradient_bytes(4),
+                'predicted_factor_bytes': preconditioner._core.predicted_factor_bytes(4),
                 'choice': preconditioner.strategy_choice, 'layout': layout,
                 'warnings': [str(w.message) for w in caught]}, output)
     dist.destroy_process_group()

@@ -190,6 +190,8 @@ SHARDED_CASES = [
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner',
              eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', inv_update_steps=1, second_order_lag=1)),
+    # The factors summed into their owners at step(), not from the capture hooks.
+    (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', update_factors_in_hook=False)),
 ]
 
 
@@ -260,6 +262,25 @@ def test_sharded_gradients_move_inside_the_core_step_as_the_plan_predicts(size, 
         assert moved == STEPS * result['predicted_gradient_bytes'][rank] > 0, (rank, moved, result['plan'])
         assert calls == STEPS * tensors * (1 if placement == 'replicated' else 2), (rank, calls)
         assert result['times']['communication'] > 0
+
+
+@pytest.mark.parametrize('size,shard,in_hooks', [(2, 'fsdp', True), (4, 'hsdp', True), (4, 'hsdp', False)])
+def test_owner_placement_sums_the_factors_into_their_owners_as_the_plan_predicts(size, shard, in_hooks, tmp_path):
+    """Under owner placement only a layer's owners keep its factors, so the ranks' batch means are summed into
+    the layer's owner in each row (a reduce: half an allreduce's bytes on a ring), then among the owners of its
+    column (HSDP's replicas, W = 2), and divided by the world size, in place of an average onto every rank. The
+    'factors' traffic is what the plan predicts for each rank (under HSDP an owner's column sums come on top, which
+    an allreduce over the world did not have), from the capture hooks and at step() alike, and the plan says so.
+    That the factors are the world's mean: test_sharded_models_equal_the_single_process_reference."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'model': 'lm', 'diagonal_factor_dim': 16, 'shard': shard,
+              'sharded_placement': 'owner', 'update_factors_in_hook': in_hooks}
+    results = run_workers(size, kwargs, tmp_path)
+    for rank, result in enumerate(results):
+        moved = result['traffic']['factors'][1]
+        assert moved == STEPS * result['predicted_factor_bytes'][rank] > 0, (rank, moved, result['plan'])
+    assert "the row's factors are summed into it (a reduce" in results[0]['plan'], results[0]['plan']
+    if in_hooks:
+        assert 'factors summed into their owners' in results[0]['plan'], results[0]['plan']
 
 
 @pytest.mark.parametrize('strategy', [dict(strategy='dp'), dict(strategy='kaisa', grad_worker_fraction=0.5)])

@@ -445,6 +445,30 @@ TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
   EXPECT_NEAR(predict_time(each, r, 32, {1, 1}).ranks[0].factor_comm, 8e-3 + 1e-9 * factor_bytes, 1e-12);
 }
 
+// Owner placement on FSDP (W = 1): each owner's bucket is a reduce over the world, priced at half its allreduce; on
+// HSDP 2 x 2 (W = 2) a reduce over each row of 2, then each owner's share allreduced among the column's 2 owners.
+TEST(TimeModel, OwnerPlacementPricesAReduceToTheOwners) {
+  const Rates r = rates(0, 1e-3, 1e-9, 4);
+  auto layers = shapes();
+  for (auto& shape : layers) shape.sharded = true;
+  double factor_bytes = 0;
+  for (const auto& s : layers) factor_bytes += 4.0 * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);
+  const auto owner = Options().compute_method(ComputeMethod::kInverse).sharded_placement(ShardedPlacement::kOwner);
+  const auto fsdp = make_step_plan(layers, 4, Options(owner).grad_worker_fraction(0.0));
+  std::set<int> owners;
+  for (size_t i = 0; i < layers.size(); ++i) owners.insert(fsdp.factor_destination(i));
+  const auto buckets = static_cast<double>(owners.size());  // one bucket per owner: the cap is larger than all
+  EXPECT_NEAR(predict_time(fsdp, r, 32, {1, 1}).ranks[0].factor_comm, 0.5 * (buckets * 1e-3 + 1e-9 * factor_bytes),
+              1e-12);
+  const auto hsdp = make_step_plan(layers, 4, Options(owner).grad_worker_fraction(0.5));
+  std::set<int> columns;
+  for (size_t i = 0; i < layers.size(); ++i) columns.insert(hsdp.factor_destination(i));
+  // On 2 of 4 ranks a ring allreduce's alpha scales by 1/3 and its beta by (1/2) / (3/4).
+  const double row = 0.5 * (static_cast<double>(columns.size()) * 1e-3 / 3 + 1e-9 * factor_bytes * 2 / 3);
+  const double column = 1e-3 / 3 + 1e-9 * (factor_bytes / 2) * 2 / 3;
+  EXPECT_NEAR(predict_time(hsdp, r, 32, {1, 1}).ranks[0].factor_comm, row + column, 1e-12);
+}
+
 TEST(TimeModel, CollectivesStartedDuringBackwardCostTheBusyLink) {
   // Link only; a collective started while the ranks compute costs ten times as much. The factors' ready
   // order is A in layer order, then G in reverse layer order.

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include "dkfac/comm/packing.h"
 #include "dkfac/strategy/prediction.h"
 
 namespace dkfac::strategy {
@@ -162,6 +165,57 @@ TEST(StepPlan, OwnerPlacementOnHsdpHasOneOwnerPerReplica) {
     }
     EXPECT_EQ(keepers, 2) << "layer " << i;
   }
+}
+
+// Owner placement sends each layer's factors to its owners alone: factor_destination names the owners' column,
+// KAISA's buckets are formed apart for each one (a collective has one root), and an owner's column sums (HSDP, W = 2)
+// add to what it hands to collectives; FSDP (W = 1) has none.
+TEST(StepPlan, OwnerPlacementSumsEachLayersFactorsIntoItsOwners) {
+  for (const double fraction : {0.0, 0.5}) {
+    const auto options = Options().grad_worker_fraction(fraction).sharded_placement(ShardedPlacement::kOwner);
+    const auto plan = make_step_plan(sharded(kLayers), 4, options);
+    const auto replicated = make_step_plan(sharded(kLayers), 4, Options().grad_worker_fraction(fraction));
+    std::vector<int> destinations;
+    std::vector<int64_t> bytes;
+    for (size_t slot = 0; slot < 2 * kLayers.size(); ++slot) {
+      const size_t i = slot < kLayers.size() ? slot : 2 * kLayers.size() - 1 - slot;
+      EXPECT_EQ(plan.factor_destination(i), plan.placement.column_of(plan.placement.layers[i].grad_workers[0]));
+      EXPECT_EQ(replicated.factor_destination(i), -1);
+      destinations.push_back(plan.factor_destination(i));
+      bytes.push_back(100);
+    }
+    const auto buckets = factor_buckets(bytes, destinations, /*cap_bytes=*/250);
+    std::vector<size_t> seen;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      EXPECT_LE(buckets[b].size(), 2u) << "at most 250 bytes";
+      if (b > 0) EXPECT_LT(buckets[b - 1].front(), buckets[b].front()) << "ordered by their first slot";
+      for (const size_t slot : buckets[b]) {
+        EXPECT_EQ(destinations[slot], destinations[buckets[b].front()]) << "one root per bucket";
+        seen.push_back(slot);
+      }
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen.size(), 2 * kLayers.size());
+    EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "each slot once";
+    const auto cost = predict(plan, 4, 1);
+    const auto kept = predict(replicated, 4, 1);
+    for (int rank = 0; rank < 4; ++rank) {
+      int64_t column_sums = 0;  // the layers it owns, again, where W > 1
+      for (size_t i = 0; i < kLayers.size() && plan.grad_workers() > 1; ++i) {
+        const auto& l = kLayers[i];
+        if (plan.preconditions(i, rank)) column_sums += 4 * (l.a_dim * l.a_dim + l.g_dim * l.g_dim);
+      }
+      EXPECT_EQ(cost[rank].factor_bytes, kept[rank].factor_bytes + column_sums) << fraction << " rank " << rank;
+    }
+    EXPECT_NE(plan.describe().find("the row's factors are summed into it (a reduce"), std::string::npos)
+        << plan.describe();
+  }
+  // One destination: kfac_pytorch's buckets (comm::bucket_groups).
+  const std::vector<int64_t> bytes = {100, 200, 50, 300, 10};
+  const auto one = factor_buckets(bytes, std::vector<int>(bytes.size(), -1), 300);
+  std::vector<int64_t> sizes;
+  for (const auto& bucket : one) sizes.push_back(static_cast<int64_t>(bucket.size()));
+  EXPECT_EQ(sizes, comm::bucket_groups(bytes, 300));
 }
 
 // Replicated placement on HSDP 2 x 2: each sharded gradient is all-gathered over its shard group of 2, which the
