@@ -190,8 +190,9 @@ class Communicator {
   Handle allreduce_sum(torch::Tensor tensor, GroupId group, Purpose phase);
   /// Starts a broadcast of `tensor` from global rank `root` to `group`.
   Handle broadcast(torch::Tensor tensor, int root, GroupId group, Purpose phase);
-  /// Starts an in-place sum of `tensor` over `group` into global rank `root`'s (a reduce: half an allreduce's
-  /// bytes on a ring). Only the root's tensor holds the sum afterwards; the others' values are undefined.
+  /// Starts an in-place sum of `tensor` over `group` into global rank `root`'s (a reduce: on a ring of P ranks N bytes
+  /// sent per rank, an allreduce's 2 (P - 1) / P N). Only the root's tensor holds the sum afterwards; the others'
+  /// values are undefined.
   Handle reduce_sum(torch::Tensor tensor, int root, GroupId group, Purpose phase);
 
   /// Traffic per phase since construction, keyed by to_string(phase); phases without traffic are absent.

@@ -33,11 +33,12 @@ namespace dkfac::strategy {
 /// fixed buckets of at most StepPlan::bucket_cap_mb in ready order, no profiling. Triangles or full
 /// matrices as StepPlan::factor_triangles says.
 ///
-/// Owner placement (LayerFlow::owner_rows): only a layer's owners keep its factors, one in each row of ranks (its
-/// KAISA column). Its factors are summed into the owner of each row (a reduce over the row, on the pipeline's own
-/// row group: half an allreduce's bytes on a ring), then over the column's owners (an allreduce among W ranks, at
-/// collect(); none where W = 1), and divided by the world size: the world's mean, on the owners alone. KAISA's
-/// buckets are formed per owner column, so that one collective has one root.
+/// Owner placement (StepPlan::factor_destination: rows of 3 ranks or more): only a layer's owners keep its factors,
+/// one in each row of ranks (its KAISA column). Its factors are summed into the owner of each row (a reduce over the
+/// row, on the pipeline's own row group: N bytes per rank on a ring, against an allreduce's 2 (P - 1) / P N), then
+/// over the column's owners (an allreduce among W ranks, at collect(); none where W = 1), and divided by the world
+/// size: the world's mean, on the owners alone. KAISA's buckets are formed per owner column, so that one collective
+/// has one root.
 class FactorPipeline {
  public:
   /// `plan.reduction` is kSpdPipeline or kHookBuckets; `options` gives accumulation_steps.

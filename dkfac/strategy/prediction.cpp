@@ -49,7 +49,9 @@ std::vector<RankCost> predict(const StepPlan& plan, int64_t element_bytes, int64
         const int64_t sent = e * ((own_a ? factor_entries(a, da) : 0) + factor_entries(g, dg));
         r.factor_bytes += sent;
         // Owner placement: an owner's row sum goes on to the column's other owners (an allreduce among W ranks).
-        if (flow.owner_rows && plan.grad_workers() > 1 && plan.preconditions(i, rank)) r.factor_bytes += sent;
+        if (plan.factor_destination(i) >= 0 && plan.grad_workers() > 1 && plan.preconditions(i, rank)) {
+          r.factor_bytes += sent;
+        }
       }
       if (plan.builds_factors(i, rank)) {
         const double rows = static_cast<double>(batch_size * shape.rows_per_sample);

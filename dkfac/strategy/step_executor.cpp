@@ -98,7 +98,7 @@ void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Te
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
   const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Purpose::kFactors); };
-  // Owner placement (LayerFlow::owner_rows): summed into the layer's owner in each row, then over its column's owners
+  // Owner placement (StepPlan::factor_destination): summed into the layer's owner in each row, then over its column's owners
   // (a group of one where W = 1), then divided by the world size, as FactorPipeline does from the hooks. The other
   // ranks keep no factor of the layer (StepPlan::keeps_factors): their batches are left as they were.
   struct Owned {
@@ -111,7 +111,7 @@ void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Te
     for (torch::Tensor* t : {&batches[i].first, &batches[i].second}) {
       if (!t->defined()) continue;
       *t = t->contiguous();
-      if (!plan_.flows[i].owner_rows) {
+      if (plan_.factor_destination(i) < 0) {
         handles.push_back(start(*t, plan_.factor_triangles, allreduce, finish));
         continue;
       }

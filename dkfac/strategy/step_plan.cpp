@@ -189,7 +189,9 @@ bool StepPlan::keeps_factors(size_t layer, int rank) const {
 }
 
 int StepPlan::factor_destination(size_t layer) const {
-  if (!flows.at(layer).owner_rows) return -1;
+  // A row of 2: a reduce moves an allreduce's bytes (N per rank on a ring either way), and Gloo's took 1.1-1.2x
+  // its time on 16-64 MiB here (bench/reduce_vs_allreduce.py): the owners take the world's average then.
+  if (!flows.at(layer).owner_rows || world_size() / grad_workers() < kFewestRanksToReduce) return -1;
   return placement.column_of(placement.layers.at(layer).grad_workers.front());
 }
 
@@ -303,7 +305,7 @@ std::string StepPlan::describe(bool per_layer) const {
                   ? ": each row of " + std::to_string(p / w) + " ranks gathers a layer's gradient shards to its grad "
                     "worker there, which alone keeps its factors and second order, preconditions, and scatters the "
                     "rows back" +
-                    (reduction == FactorReduction::kNone ? std::string()
+                    (reduction == FactorReduction::kNone || p / w < kFewestRanksToReduce ? std::string()
                      : "; the row's factors are summed into it (a reduce" +
                            (w > 1 ? ", then an allreduce among the layer's " + std::to_string(w) + " owners"
                                   : std::string()) + ")")

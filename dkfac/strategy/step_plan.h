@@ -93,13 +93,18 @@ struct StepPlan {
   bool shares_second_order() const;
   /// The grad worker of `layer` in `rank`'s row: it broadcasts V to that row.
   int gradient_source(size_t layer, int rank) const { return placement.grad_source_for(layer, rank); }
-  /// Where `layer`'s averaged factors go: the column of its owners under owner placement (LayerFlow::owner_rows),
-  /// whose member in each row receives the row's sum (a reduce); -1 where every rank receives the average.
+  /// Where `layer`'s averaged factors go: the column of its owners under owner placement (LayerFlow::owner_rows)
+  /// with rows of at least kFewestRanksToReduce ranks, whose member in each row receives the row's sum (a reduce);
+  /// -1 where every rank receives the average (an allreduce over the world).
   int factor_destination(size_t layer) const;
 
   /// The plan in words: job-wide choices, then (with `per_layer`) one line per layer.
   std::string describe(bool per_layer = true) const;
 };
+
+/// Owner placement reduces factors to their owners over rows of at least this many ranks: on a ring a reduce sends
+/// N bytes per rank, an allreduce 2 (P - 1) / P N, the same at P = 2.
+inline constexpr int kFewestRanksToReduce = 3;
 
 /// KAISA's factor buckets (FactorReduction::kHookBuckets): slots of at most `cap_bytes` (0: one per slot) in ready
 /// order, formed apart for each destination (StepPlan::factor_destination: one collective has one root), each

@@ -26,9 +26,9 @@ constexpr auto ms = &milliseconds;
 /// `build_seconds` per slot (A in layer order, then G in reverse layer order: the pipeline's ready order).
 /// Groups started from the capture hooks before the last factor is ready (every bucket or SPD-KFAC group
 /// but the last) run while the ranks compute backward, at the busy link's cost (Rates::allreduce_busy).
-/// Owner placement's factors (StepPlan::factor_destination) are a reduce over each row of P / W ranks, priced as half
-/// the row's allreduce (a ring reduce sends half its bytes and takes half its steps), then an allreduce of each
-/// owner's share among the W owners of a column.
+/// Owner placement's factors (StepPlan::factor_destination) are a reduce over each row of k = P / W ranks, priced as
+/// a ring's: half the row's allreduce start-ups, and its bytes term times k / (2 (k - 1)) (a reduce sends N bytes per
+/// rank, an allreduce 2 (k - 1) / k N); then an allreduce of each owner's share among the W owners of a column.
 double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::vector<double>& build_seconds) {
   const int p = plan.world_size();
   std::vector<int64_t> bytes;
@@ -86,10 +86,16 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
     const bool during_backward = from_hooks && g + 1 < groups.size();
     const bool to_owner = destinations.at(groups[g].front()) >= 0;
     const int ranks = to_owner ? row : p;
-    const double allreduce = during_backward ? rates.busy_allreduce_seconds(ranks, group_bytes)
-                                             : rates.allreduce_seconds(ranks, group_bytes);
-    seconds += to_owner ? 0.5 * allreduce : allreduce;
-    if (to_owner) owned_bytes += group_bytes;
+    const auto allreduce = [&](double b) {
+      return during_backward ? rates.busy_allreduce_seconds(ranks, b) : rates.allreduce_seconds(ranks, b);
+    };
+    if (!to_owner) {
+      seconds += allreduce(group_bytes);
+      continue;
+    }
+    const double start_ups = allreduce(0.0);
+    seconds += 0.5 * start_ups + (allreduce(group_bytes) - start_ups) * row / (2.0 * (row - 1));
+    owned_bytes += group_bytes;
   }
   if (owned_bytes > 0 && plan.grad_workers() > 1) {
     seconds += rates.allreduce_seconds(plan.grad_workers(), owned_bytes / row);

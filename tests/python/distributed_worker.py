@@ -65,12 +65,13 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
 def sharded(model: torch.nn.Module, how: str, size: int, device: torch.device,
             param_dtype: str | None = None) -> torch.nn.Module:
     """``model`` under FSDP2: every leaf with parameters sharded on its own, then the root; 'hsdp' on a
-    (size / 2) x 2 mesh, replicated over the first dimension and sharded over the second. With `param_dtype`,
+    (size / 2) x 2 mesh ('hsdp3': (size / 3) x 3), replicated over the first dimension and sharded over the second. With `param_dtype`,
     FSDP2's MixedPrecisionPolicy computes in that dtype and reduces gradients in float32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
-    shape, names = ((size,), ('shard',)) if how == 'fsdp' else ((size // 2, 2), ('replicate', 'shard'))
+    shards = 3 if how == 'hsdp3' else 2
+    shape, names = ((size,), ('shard',)) if how == 'fsdp' else ((size // shards, shards), ('replicate', 'shard'))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     policy = {} if param_dtype is None else {'mp_policy': MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)}
@@ -98,7 +99,7 @@ def main() -> None:
     # {'step': k, 'layer': i}: the i-th Linear's weight frozen from step k on (its bias trained), gradients zeroed in
     # place (zero_grad(set_to_none=False)) at every step
     freeze = kwargs.pop('freeze_weight_at', None)
-    sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh) or 'hsdp' (2-D: replicate x shard): FSDP2, not DDP
+    sharding = kwargs.pop('shard', None)  # 'fsdp' (1-D mesh), 'hsdp' or 'hsdp3' (2-D: replicate x shard): FSDP2
     shard_after = kwargs.pop('shard_after', False)  # fully_shard once the preconditioner is built
     dcp_save, dcp_load = kwargs.pop('dcp_save', None), kwargs.pop('dcp_load', None)
     param_dtype = kwargs.pop('param_dtype', None)  # FSDP2's MixedPrecisionPolicy(param_dtype=...)

@@ -189,9 +189,10 @@ SHARDED_CASES = [
     (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', compute_method='inverse')),
     (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner',
              eigen_adam=True, kl_clip=None, adam_eps=1e-4, inv_dtype='float64')),
-    (2, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', inv_update_steps=1, second_order_lag=1)),
-    # The factors summed into their owners at step(), not from the capture hooks.
-    (4, dict(shard='hsdp', strategy='kaisa', sharded_placement='owner', update_factors_in_hook=False)),
+    (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', inv_update_steps=1, second_order_lag=1)),
+    # The factors summed into their owners (rows of 3 or more), at step() and from the capture hooks under HSDP 2 x 3.
+    (4, dict(shard='fsdp', strategy='kaisa', sharded_placement='owner', update_factors_in_hook=False)),
+    (6, dict(shard='hsdp3', strategy='kaisa', sharded_placement='owner', model='lm', diagonal_factor_dim=16)),
 ]
 
 
@@ -264,23 +265,27 @@ def test_sharded_gradients_move_inside_the_core_step_as_the_plan_predicts(size, 
         assert result['times']['communication'] > 0
 
 
-@pytest.mark.parametrize('size,shard,in_hooks', [(2, 'fsdp', True), (4, 'hsdp', True), (4, 'hsdp', False)])
+@pytest.mark.parametrize('size,shard,in_hooks', [(4, 'fsdp', True), (4, 'fsdp', False), (6, 'hsdp3', True),
+                                                 (4, 'hsdp', True)])
 def test_owner_placement_sums_the_factors_into_their_owners_as_the_plan_predicts(size, shard, in_hooks, tmp_path):
-    """Under owner placement only a layer's owners keep its factors, so the ranks' batch means are summed into
-    the layer's owner in each row (a reduce: half an allreduce's bytes on a ring), then among the owners of its
-    column (HSDP's replicas, W = 2), and divided by the world size, in place of an average onto every rank. The
-    'factors' traffic is what the plan predicts for each rank (under HSDP an owner's column sums come on top, which
-    an allreduce over the world did not have), from the capture hooks and at step() alike, and the plan says so.
-    That the factors are the world's mean: test_sharded_models_equal_the_single_process_reference."""
+    """Under owner placement only a layer's owners keep its factors, so where a row (shard group) has 3 ranks or
+    more the ranks' batch means are summed into the layer's owner in each row (a reduce: N bytes per rank on a ring,
+    an allreduce's 2 (P - 1) / P N), then among the owners of its column (HSDP's replicas, W = 2), and divided by the
+    world size, in place of an average onto every rank. The 'factors' traffic is what the plan predicts for each rank
+    (under HSDP an owner's column sums come on top, which an allreduce over the world did not have), from the capture
+    hooks and at step() alike, and the plan says so; rows of 2 keep the allreduce. That the factors are the world's
+    mean: test_sharded_models_equal_the_single_process_reference."""
     kwargs = {**COMMON, 'strategy': 'kaisa', 'model': 'lm', 'diagonal_factor_dim': 16, 'shard': shard,
               'sharded_placement': 'owner', 'update_factors_in_hook': in_hooks}
     results = run_workers(size, kwargs, tmp_path)
     for rank, result in enumerate(results):
         moved = result['traffic']['factors'][1]
         assert moved == STEPS * result['predicted_factor_bytes'][rank] > 0, (rank, moved, result['plan'])
-    assert "the row's factors are summed into it (a reduce" in results[0]['plan'], results[0]['plan']
-    if in_hooks:
-        assert 'factors summed into their owners' in results[0]['plan'], results[0]['plan']
+    reduces = shard != 'hsdp'
+    assert ("the row's factors are summed into it (a reduce" in results[0]['plan']) == reduces, results[0]['plan']
+    assert ('factors summed into their owners' in results[0]['plan']) == (reduces and in_hooks), results[0]['plan']
+    if shard == 'hsdp3':
+        assert 'then an allreduce among the layer\'s 2 owners' in results[0]['plan'], results[0]['plan']
 
 
 @pytest.mark.parametrize('strategy', [dict(strategy='dp'), dict(strategy='kaisa', grad_worker_fraction=0.5)])

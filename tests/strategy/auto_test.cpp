@@ -445,28 +445,33 @@ TEST(TimeModel, CommunicationFollowsThePlansCollectives) {
   EXPECT_NEAR(predict_time(each, r, 32, {1, 1}).ranks[0].factor_comm, 8e-3 + 1e-9 * factor_bytes, 1e-12);
 }
 
-// Owner placement on FSDP (W = 1): each owner's bucket is a reduce over the world, priced at half its allreduce; on
-// HSDP 2 x 2 (W = 2) a reduce over each row of 2, then each owner's share allreduced among the column's 2 owners.
+// Owner placement on FSDP (W = 1, rows of 4): each owner's bucket is a reduce over the world, priced as a ring's (half
+// the allreduce's start-ups, N bytes where it sends 2 (P - 1) / P N); on HSDP 2 x 3 (W = 2, rows of 3) a reduce over
+// each row, then each owner's share allreduced among the column's 2 owners; rows of 2 keep the world's allreduce.
 TEST(TimeModel, OwnerPlacementPricesAReduceToTheOwners) {
-  const Rates r = rates(0, 1e-3, 1e-9, 4);
   auto layers = shapes();
   for (auto& shape : layers) shape.sharded = true;
   double factor_bytes = 0;
   for (const auto& s : layers) factor_bytes += 4.0 * (s.a_dim * s.a_dim + s.g_dim * s.g_dim);
   const auto owner = Options().compute_method(ComputeMethod::kInverse).sharded_placement(ShardedPlacement::kOwner);
+  const auto destinations = [&](const StepPlan& plan) {
+    std::set<int> seen;
+    for (size_t i = 0; i < layers.size(); ++i) seen.insert(plan.factor_destination(i));
+    return static_cast<double>(seen.size());  // one bucket each: the cap is larger than all the factors
+  };
   const auto fsdp = make_step_plan(layers, 4, Options(owner).grad_worker_fraction(0.0));
-  std::set<int> owners;
-  for (size_t i = 0; i < layers.size(); ++i) owners.insert(fsdp.factor_destination(i));
-  const auto buckets = static_cast<double>(owners.size());  // one bucket per owner: the cap is larger than all
-  EXPECT_NEAR(predict_time(fsdp, r, 32, {1, 1}).ranks[0].factor_comm, 0.5 * (buckets * 1e-3 + 1e-9 * factor_bytes),
-              1e-12);
-  const auto hsdp = make_step_plan(layers, 4, Options(owner).grad_worker_fraction(0.5));
-  std::set<int> columns;
-  for (size_t i = 0; i < layers.size(); ++i) columns.insert(hsdp.factor_destination(i));
-  // On 2 of 4 ranks a ring allreduce's alpha scales by 1/3 and its beta by (1/2) / (3/4).
-  const double row = 0.5 * (static_cast<double>(columns.size()) * 1e-3 / 3 + 1e-9 * factor_bytes * 2 / 3);
-  const double column = 1e-3 / 3 + 1e-9 * (factor_bytes / 2) * 2 / 3;
-  EXPECT_NEAR(predict_time(hsdp, r, 32, {1, 1}).ranks[0].factor_comm, row + column, 1e-12);
+  EXPECT_NEAR(predict_time(fsdp, rates(0, 1e-3, 1e-9, 4), 32, {1, 1}).ranks[0].factor_comm,
+              0.5 * destinations(fsdp) * 1e-3 + 1e-9 * factor_bytes * 4 / 6, 1e-12);
+  // On k of P = 6 ranks a ring allreduce's start-ups scale by (k - 1) / 5 and its bytes by ((k - 1) / k) / (5 / 6).
+  const auto hsdp = make_step_plan(layers, 6, Options(owner).grad_worker_fraction(1.0 / 3));
+  ASSERT_EQ(hsdp.grad_workers(), 2);
+  const double row = 0.5 * destinations(hsdp) * 1e-3 * 2 / 5 + 1e-9 * factor_bytes * 0.8 * 3 / 4;
+  const double column = 1e-3 / 5 + 1e-9 * (factor_bytes / 3) * 0.6;
+  EXPECT_NEAR(predict_time(hsdp, rates(0, 1e-3, 1e-9, 6), 32, {1, 1}).ranks[0].factor_comm, row + column, 1e-12);
+  const auto rows_of_two = make_step_plan(layers, 4, Options(owner).grad_worker_fraction(0.5));
+  EXPECT_EQ(destinations(rows_of_two), 1.0);
+  EXPECT_NEAR(predict_time(rows_of_two, rates(0, 1e-3, 1e-9, 4), 32, {1, 1}).ranks[0].factor_comm,
+              1e-3 + 1e-9 * factor_bytes, 1e-12);
 }
 
 TEST(TimeModel, CollectivesStartedDuringBackwardCostTheBusyLink) {

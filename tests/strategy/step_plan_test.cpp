@@ -167,19 +167,22 @@ TEST(StepPlan, OwnerPlacementOnHsdpHasOneOwnerPerReplica) {
   }
 }
 
-// Owner placement sends each layer's factors to its owners alone: factor_destination names the owners' column,
-// KAISA's buckets are formed apart for each one (a collective has one root), and an owner's column sums (HSDP, W = 2)
-// add to what it hands to collectives; FSDP (W = 1) has none.
+// Owner placement sends each layer's factors to its owners alone where rows have 3 ranks or more: factor_destination
+// names the owners' column, KAISA's buckets are formed apart for each one (a collective has one root), and an owner's
+// column sums (HSDP 2 x 3, W = 2) add to what it hands to collectives; FSDP (W = 1) has none. Rows of 2 (HSDP 2 x 2)
+// keep the world's allreduce.
 TEST(StepPlan, OwnerPlacementSumsEachLayersFactorsIntoItsOwners) {
-  for (const double fraction : {0.0, 0.5}) {
+  for (const auto& [world, fraction] : std::vector<std::pair<int, double>>{{4, 0.0}, {6, 1.0 / 3}, {4, 0.5}}) {
     const auto options = Options().grad_worker_fraction(fraction).sharded_placement(ShardedPlacement::kOwner);
-    const auto plan = make_step_plan(sharded(kLayers), 4, options);
-    const auto replicated = make_step_plan(sharded(kLayers), 4, Options().grad_worker_fraction(fraction));
+    const auto plan = make_step_plan(sharded(kLayers), world, options);
+    const auto replicated = make_step_plan(sharded(kLayers), world, Options().grad_worker_fraction(fraction));
+    const bool reduces = world / plan.grad_workers() >= 3;
     std::vector<int> destinations;
     std::vector<int64_t> bytes;
     for (size_t slot = 0; slot < 2 * kLayers.size(); ++slot) {
       const size_t i = slot < kLayers.size() ? slot : 2 * kLayers.size() - 1 - slot;
-      EXPECT_EQ(plan.factor_destination(i), plan.placement.column_of(plan.placement.layers[i].grad_workers[0]));
+      EXPECT_EQ(plan.factor_destination(i),
+                reduces ? plan.placement.column_of(plan.placement.layers[i].grad_workers[0]) : -1);
       EXPECT_EQ(replicated.factor_destination(i), -1);
       destinations.push_back(plan.factor_destination(i));
       bytes.push_back(100);
@@ -199,15 +202,15 @@ TEST(StepPlan, OwnerPlacementSumsEachLayersFactorsIntoItsOwners) {
     EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "each slot once";
     const auto cost = predict(plan, 4, 1);
     const auto kept = predict(replicated, 4, 1);
-    for (int rank = 0; rank < 4; ++rank) {
+    for (int rank = 0; rank < world; ++rank) {
       int64_t column_sums = 0;  // the layers it owns, again, where W > 1
-      for (size_t i = 0; i < kLayers.size() && plan.grad_workers() > 1; ++i) {
+      for (size_t i = 0; i < kLayers.size() && reduces && plan.grad_workers() > 1; ++i) {
         const auto& l = kLayers[i];
         if (plan.preconditions(i, rank)) column_sums += 4 * (l.a_dim * l.a_dim + l.g_dim * l.g_dim);
       }
-      EXPECT_EQ(cost[rank].factor_bytes, kept[rank].factor_bytes + column_sums) << fraction << " rank " << rank;
+      EXPECT_EQ(cost[rank].factor_bytes, kept[rank].factor_bytes + column_sums) << world << " rank " << rank;
     }
-    EXPECT_NE(plan.describe().find("the row's factors are summed into it (a reduce"), std::string::npos)
+    EXPECT_EQ(plan.describe().find("the row's factors are summed into it (a reduce") != std::string::npos, reduces)
         << plan.describe();
   }
   // One destination: kfac_pytorch's buckets (comm::bucket_groups).
