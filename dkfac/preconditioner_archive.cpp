@@ -399,9 +399,12 @@ StateRestore Preconditioner::restore(SavedState saved) {
       unfit = e.what_without_backtrace();
     }
   }
-  if (distributed && !comm::all_true(*communicator_, refusal.empty() && unfit.empty())) {
+  if (distributed) {
+    // Every rank stops together; one whose own state passed names the first rank that refused, and why.
+    const auto first = comm::first_refusal(*communicator_, refusal.empty() ? unfit : refusal);
     TORCH_CHECK(unfit.empty(), unfit);
-    TORCH_CHECK_VALUE(!refusal.empty(), "another rank refused this state (its error names the layer)");
+    TORCH_CHECK_VALUE(first.empty() || !refusal.empty(), "the state given to ", first.substr(0, first.find(':')),
+                      " was refused there, so nothing was loaded on any rank: ", first);
   }
   TORCH_CHECK_VALUE(refusal.empty(), refusal);
   TORCH_CHECK(unfit.empty(), unfit);

@@ -58,6 +58,17 @@ std::string broadcast_text(Communicator& communicator, GroupId group, int root, 
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(n));
 }
 
+std::string first_refusal(Communicator& communicator, const std::string& refusal, Purpose phase) {
+  if (communicator.size() < 2) return refusal.empty() ? "" : "rank 0: " + refusal;
+  const auto refused = gather_over(communicator, kWorld, {refusal.empty() ? 0.0 : 1.0}, phase);
+  for (size_t r = 0; r < refused.size(); ++r) {
+    if (refused[r][0] == 0.0) continue;
+    const int rank = communicator.members(kWorld).at(r);
+    return "rank " + std::to_string(rank) + ": " + broadcast_text(communicator, kWorld, rank, refusal, phase);
+  }
+  return "";
+}
+
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
                              Purpose phase) {
   const auto& members = communicator.members(group);

@@ -23,6 +23,13 @@ std::string broadcast_text(Communicator& communicator, GroupId group, int root, 
 std::string first_difference(Communicator& communicator, GroupId group, const std::vector<std::string>& lines,
                              Purpose phase = Purpose::kSetup);
 
+/// The lowest rank of the world whose `refusal` is not empty, and that refusal, as "rank 2: <refusal>", on every
+/// rank; "" where no rank refused. For a check that one rank may fail before a collective every rank takes (a state
+/// dict's validation before its restore): every rank stops together, naming the cause, where the others would wait
+/// for the refusing rank in that collective until it was named lost. One allreduce of world size numbers, and two
+/// broadcasts where some rank refused. Collective over the world (counted under `phase`).
+std::string first_refusal(Communicator& communicator, const std::string& refusal, Purpose phase = Purpose::kControl);
+
 /// True when `flag` is true on every rank of the world: one tiny allreduce (counted under `phase`), so that every
 /// rank takes the same branch. Collective over the world.
 bool all_true(Communicator& communicator, bool flag, Purpose phase = Purpose::kControl);

@@ -1686,6 +1686,41 @@ class BaseKFACPreconditioner:
         Layers pair by name, or, for a dict saved from the model under other torch wrappers
         (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), by name without their parts.
         """
+        try:
+            checked, refusal = self._checked_state(state_dict, compute_inverses), None
+        except Exception as error:  # any refusal: agreed below, then raised as it was
+            checked, refusal = None, error
+        if self._communicator is not None:
+            # The restore below is collective: a dict refused on one rank stops every rank now, named, where the
+            # others would wait for it there until it was named lost.
+            said = '' if refusal is None else f'{type(refusal).__name__}: {refusal}'
+            first = self._communicator.first_refusal(said)
+            if first and refusal is None:
+                raise ValueError(f'state_dict: the state dict given to {first.split(":")[0]} was refused there, so '
+                                 f'nothing was loaded on any rank (load_state_dict is collective): {first}')
+        if refusal is not None:
+            raise refusal
+        steps, states, method, per_rank_writer, unheld, hyper = checked
+        with _CoreWarnings():
+            if 'layers' in state_dict:
+                self._core.restore(steps, states, method, per_rank_writer, compute_inverses, unheld)
+            else:  # no layer state to restore: the step count only, each layer keeping its own
+                self._core.load_layer_states(steps, self._core.layer_states())
+        changed = [f'{name} {_shown(getattr(self, "_" + name))} -> {value}' for name, value in hyper.items()
+                   if callable(getattr(self, '_' + name)) or getattr(self, '_' + name) != value]
+        if changed:  # kfac_pytorch's load_state_dict takes them too, without a word
+            warnings.warn('dkfac: state_dict: its hyper-parameters replace this preconditioner\'s: ' +
+                          ', '.join(changed) + '. To keep this run\'s, assign them after the load '
+                          '(preconditioner.damping = ...)',
+                          stacklevel=2)
+        for name, value in hyper.items():
+            setattr(self, '_' + name, value)
+
+    def _checked_state(self, state_dict: dict[str, Any], compute_inverses: bool) -> tuple[Any, ...]:
+        """load_state_dict's checks of this rank's dict, which change nothing: (steps, the layers' states, the
+        compute method, the per-rank writer's message, the entries not held, the hyper-parameters), or raises
+        naming what is wrong."""
+        states, method, per_rank_writer, unheld = [], None, '', []
         if 'steps' not in state_dict:
             raise KeyError("state_dict has no 'steps' entry; is it a K-FAC preconditioner's state_dict()?")
         steps = int(state_dict['steps'])
@@ -1726,34 +1761,21 @@ class BaseKFACPreconditioner:
                                'torch.distributed.checkpoint')
         elif compute_inverses:
             warnings.warn('state_dict holds no layer factors, so the second-order state cannot be computed; '
-                          'skipping it', stacklevel=2)
+                          'skipping it', stacklevel=3)
         # Checked first, applied only once the core took the layers: a refused state dict changes nothing.
         hyper = {name: state_dict[name] for name in _SCHEDULED if name in state_dict}
         if hyper.get('kl_clip', 0.0) is None:
             hyper['kl_clip'] = 0.0  # as the constructor: None turns KL clipping off
         if getattr(self, 'eigen_adam', False) and hyper.get('kl_clip'):
             warnings.warn(f"state_dict: its kl_clip={hyper['kl_clip']} is not loaded: this preconditioner runs "
-                          'eigen_adam, whose step KL clipping does not apply to (kl_clip stays 0)', stacklevel=2)
+                          'eigen_adam, whose step KL clipping does not apply to (kl_clip stays 0)', stacklevel=3)
             del hyper['kl_clip']
         try:
             hyper = {name: _hyper_value(name, value) for name, value in hyper.items()}
             _C.option_values(hyper)  # the constructor's checks (dkfac/options.h), naming the option
         except (TypeError, RuntimeError, ValueError) as error:
             raise ValueError(f'state_dict: {error}') from None
-        with _CoreWarnings():
-            if 'layers' in state_dict:
-                self._core.restore(steps, states, method, per_rank_writer, compute_inverses, unheld)
-            else:  # no layer state to restore: the step count only, each layer keeping its own
-                self._core.load_layer_states(steps, self._core.layer_states())
-        changed = [f'{name} {_shown(getattr(self, "_" + name))} -> {value}' for name, value in hyper.items()
-                   if callable(getattr(self, '_' + name)) or getattr(self, '_' + name) != value]
-        if changed:  # kfac_pytorch's load_state_dict takes them too, without a word
-            warnings.warn('dkfac: state_dict: its hyper-parameters replace this preconditioner\'s: ' +
-                          ', '.join(changed) + '. To keep this run\'s, assign them after the load '
-                          '(preconditioner.damping = ...)',
-                          stacklevel=2)
-        for name, value in hyper.items():
-            setattr(self, '_' + name, value)
+        return steps, states, method, per_rank_writer, unheld, hyper
 
     def _saved_names(self, saved: Any) -> dict[str, str]:
         """{this preconditioner's name of a layer: its key in a state dict's ``layers``}: the same name, or, where

@@ -315,6 +315,10 @@ PYBIND11_MODULE(_C, m) {
           "all_true",
           [](comm::Communicator& c, bool flag) { return comm::all_true(c, flag); },
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "first_refusal",
+          [](comm::Communicator& c, const std::string& refusal) { return comm::first_refusal(c, refusal); },
+          py::arg("refusal"), py::call_guard<py::gil_scoped_release>())
       .def("stop_watchdog", &comm::Communicator::stop_watchdog, py::call_guard<py::gil_scoped_release>())
       .def("diagnose_failure", &comm::Communicator::diagnose_failure, py::call_guard<py::gil_scoped_release>())
       .def("silent_ranks",

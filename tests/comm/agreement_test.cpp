@@ -45,6 +45,20 @@ TEST(FirstDifference, EveryRankNamesTheLowestDifferingRankAndItsLine) {
   }
 }
 
+// Every rank learns the lowest refusing rank's refusal (ranks 1 and 3 refuse here), or "" where none refused.
+TEST(FirstRefusal, EveryRankNamesTheLowestRefusingRankAndItsReason) {
+  std::vector<std::string> refusals(4), none(4);
+  run_ranks(4, [&](int rank, std::shared_ptr<Communicator> communicator) {
+    refusals[rank] = first_refusal(*communicator, rank % 2 == 1 ? "no entry for layer 'fc" + std::to_string(rank) +
+                                                                      "'" : "");
+    none[rank] = first_refusal(*communicator, "");
+  });
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(refusals[rank], "rank 1: no entry for layer 'fc1'") << rank;
+    EXPECT_EQ(none[rank], "") << rank;
+  }
+}
+
 TEST(FirstDifference, NamesAnExtraOrMissingLine) {
   auto extra = run(2, [](int rank) {
     std::vector<std::string> lines{"a", "b"};

@@ -91,6 +91,9 @@ def main() -> None:
     # (with 'stale': rank 1's own state is one step older, and the error each rank raises is saved instead)
     resume_as = kwargs.pop('resume_as', None)
     stale = resume_as is not None and resume_as.pop('stale', False)
+    # (with 'broken_on': r, rank r's own state lacks its first layer's entry, which its checks refuse before any
+    # collective)
+    broken_on = None if resume_as is None else resume_as.pop('broken_on', None)
     device = torch.device(kwargs.pop('device', 'cpu'))
     kind = kwargs.pop('model', 'cnn')  # a scenarios.make_model kind
     dist.init_process_group(kwargs.pop('backend', 'gloo'))
@@ -223,6 +226,8 @@ def main() -> None:
         x, y = scenarios.batch('cnn', STEPS, size=GLOBAL_BATCH)
         twins = {}
         for name, state in (('own', older if stale and rank == 1 else own), ('gathered', gathered)):
+            if name == 'own' and broken_on == rank:
+                state = {**state, 'layers': dict(list(state['layers'].items())[1:])}
             twin = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model.module))
             twin_preconditioner = dkfac.KFACPreconditioner(twin, **{**kwargs, **resume_as})
             try:

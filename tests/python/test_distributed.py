@@ -546,8 +546,10 @@ def test_an_optimizers_state_dict_saved_by_rank_0_for_all_resumes_with_gathered_
             assert result['error'] == '', result['error']
             assert all(torch.equal(a, b) for a, b in zip(result['continued'], result['resumed'])), rank
     if not gathered:
+        # Refused on every rank, each naming the way out (a rank whose own dict passed its checks names the rank that
+        # refused, and why), not waiting in the restore's collective for that rank until it is named lost.
         named = 'build the optimizer with gathered_state_dict=True'
-        assert any(named in result['error'] for result in results), results
+        assert all(named in result['error'] for result in results), [result['error'] for result in results]
 
 
 def test_ranks_own_states_of_different_steps_are_refused_on_every_rank_naming_the_steps(tmp_path):
@@ -559,6 +561,22 @@ def test_ranks_own_states_of_different_steps_are_refused_on_every_rank_naming_th
     for result in results:
         said = result['resumed_as']['own']['refused']
         assert f'rank 0: {STEPS}, rank 1: {STEPS - 1}' in said and 'saved at one step' in said, said
+        assert 'grads' in result['resumed_as']['gathered']
+
+
+def test_a_state_dict_refused_by_one_ranks_checks_is_refused_on_every_rank_naming_it(tmp_path):
+    """load_state_dict is collective (the restore that follows its checks): a dict that one rank's own checks refuse
+    (rank 1's lacks a layer's entry) stops every rank at once, each naming rank 1 and its reason, where rank 0 used to
+    wait in the restore until rank 1 was named lost; nothing is loaded, and the job goes on: the gathered state then
+    loads and steps on both ranks."""
+    kwargs = {**COMMON, 'strategy': 'kaisa', 'grad_worker_fraction': 0.5,
+              'resume_as': dict(strategy='kaisa', grad_worker_fraction=0.5, broken_on=1)}
+    results = run_workers(2, kwargs, tmp_path)
+    refusals = [result['resumed_as']['own']['refused'] for result in results]
+    assert refusals[1].startswith("state_dict holds no entry for K-FAC layer 'module.0'"), refusals[1]
+    assert refusals[0] == ("state_dict: the state dict given to rank 1 was refused there, so nothing was loaded on "
+                           f'any rank (load_state_dict is collective): rank 1: ValueError: {refusals[1]}'), refusals
+    for result in results:
         assert 'grads' in result['resumed_as']['gathered']
 
 
