@@ -460,47 +460,44 @@ Handle Communicator::allreduce_mean(torch::Tensor tensor, GroupId group, Purpose
 }
 
 Handle Communicator::broadcast(torch::Tensor tensor, int root, GroupId group, Purpose phase) {
-  auto& g = impl_->groups.at(group);
-  TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
-  TORCH_CHECK(tensor.is_contiguous(), "broadcast needs a contiguous tensor (", to_string(phase), ")");
-  const auto it = std::find(g.members.begin(), g.members.end(), root);
-  TORCH_CHECK(it != g.members.end(), "broadcast root ", root, " is not in group ", group);
-  Handle h;
-  if (g.members.size() == 1) return h;
-  count(phase, tensor);
-  c10d::BroadcastOptions options;
-  options.rootRank = static_cast<int64_t>(it - g.members.begin());
-  auto wire = on_the_wire(tensor, impl_->cuda_backend);
-  std::vector<torch::Tensor> tensors{wire};
-  h.impl_ = std::make_unique<Handle::Impl>();
-  h.impl_->work = g.pg->broadcast(tensors, options);
-  h.impl_->diagnose = diagnosis();
-  h.impl_->what = "rank " + std::to_string(rank_) + ": broadcast of " + std::to_string(tensor.numel()) + " elements (" + to_string(phase) + ") from rank " +
-                  std::to_string(root);
-  if (!wire.is_same(tensor)) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
-  return h;
+  return rooted(std::move(tensor), root, group, phase, /*reduce=*/false);
 }
 
 Handle Communicator::reduce_sum(torch::Tensor tensor, int root, GroupId group, Purpose phase) {
+  return rooted(std::move(tensor), root, group, phase, /*reduce=*/true);
+}
+
+Handle Communicator::rooted(torch::Tensor tensor, int root, GroupId group, Purpose phase, bool reduce) {
+  const char* kind = reduce ? "reduce" : "broadcast";
   auto& g = impl_->groups.at(group);
   TORCH_CHECK(g.pg, "rank ", rank_, " is not in group ", group, " (", to_string(phase), ")");
-  TORCH_CHECK(tensor.is_contiguous(), "reduce needs a contiguous tensor (", to_string(phase), ")");
+  TORCH_CHECK(tensor.is_contiguous(), kind, " needs a contiguous tensor (", to_string(phase), ")");
   const auto it = std::find(g.members.begin(), g.members.end(), root);
-  TORCH_CHECK(it != g.members.end(), "reduce root ", root, " is not in group ", group);
+  TORCH_CHECK(it != g.members.end(), kind, " root ", root, " is not in group ", group);
   Handle h;
   if (g.members.size() == 1) return h;
   count(phase, tensor);
-  c10d::ReduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  options.rootRank = static_cast<int64_t>(it - g.members.begin());
+  const auto index = static_cast<int64_t>(it - g.members.begin());
   auto wire = on_the_wire(tensor, impl_->cuda_backend);
   std::vector<torch::Tensor> tensors{wire};
   h.impl_ = std::make_unique<Handle::Impl>();
-  h.impl_->work = g.pg->reduce(tensors, options);
+  if (reduce) {
+    c10d::ReduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    options.rootRank = index;
+    h.impl_->work = g.pg->reduce(tensors, options);
+  } else {
+    c10d::BroadcastOptions options;
+    options.rootRank = index;
+    h.impl_->work = g.pg->broadcast(tensors, options);
+  }
   h.impl_->diagnose = diagnosis();
-  h.impl_->what = "rank " + std::to_string(rank_) + ": reduce of " + std::to_string(tensor.numel()) + " elements (" +
-                  to_string(phase) + ") to rank " + std::to_string(root);
-  if (!wire.is_same(tensor) && root == rank_) h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
+  h.impl_->what = "rank " + std::to_string(rank_) + ": " + kind + " of " + std::to_string(tensor.numel()) +
+                  " elements (" + to_string(phase) + (reduce ? ") to rank " : ") from rank ") + std::to_string(root);
+  // A reduce leaves its sum in the root's tensor alone.
+  if (!wire.is_same(tensor) && (!reduce || root == rank_)) {
+    h.impl_->after = [tensor, wire]() mutable { tensor.copy_(wire); };
+  }
   return h;
 }
 

@@ -226,6 +226,8 @@ class Communicator {
   struct Impl;
   Communicator(std::unique_ptr<Impl> impl, int rank, int size, bool watchdog = true);
   void count(Purpose phase, const torch::Tensor& tensor);
+  /// broadcast from `root` (`reduce` false) or reduce_sum into it (true): one body.
+  Handle rooted(torch::Tensor tensor, int root, GroupId group, Purpose phase, bool reduce);
 
   std::unique_ptr<Impl> impl_;
   int rank_;
