@@ -98,9 +98,9 @@ void StepExecutor::reduce_factors(std::vector<std::pair<torch::Tensor, torch::Te
   std::vector<comm::Handle> handles;
   std::vector<std::function<void()>> finish;
   const auto allreduce = [this](torch::Tensor t) { return communicator_->allreduce_mean(t, comm::kWorld, comm::Purpose::kFactors); };
-  // Owner placement (StepPlan::factor_destination): summed into the layer's owner in each row, then over its column's owners
-  // (a group of one where W = 1), then divided by the world size, as FactorPipeline does from the hooks. The other
-  // ranks keep no factor of the layer (StepPlan::keeps_factors): their batches are left as they were.
+  // Owner placement (StepPlan::factor_destination): summed into the layer's owner in each row, then over its
+  // column's owners (a group of one where W = 1), then divided by the world size, as FactorPipeline does from the
+  // hooks. The other ranks keep no factor of the layer (StepPlan::keeps_factors): their batches are left as they were.
   struct Owned {
     torch::Tensor* factor;
     torch::Tensor sum;  // packed where factors travel as triangles

@@ -1684,7 +1684,8 @@ class BaseKFACPreconditioner:
         part a rank keeps but was not handed comes from the rank that was); a dict that lacks factors this rank's
         plan builds and no rank was handed (another rank's DP-KFAC state alone) is refused, on every rank alike.
         In a job of several ranks every rank calls it (it is collective): a dict one rank's checks refuse is refused
-        on every rank at once, the others naming that rank and its reason, and nothing is loaded. Layers pair by name, or, for a dict saved from the model under other torch wrappers
+        on every rank at once, the others naming that rank and its reason, and nothing is loaded. Layers pair by
+        name, or, for a dict saved from the model under other torch wrappers
         (``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``), by name without their parts.
         """
         try:

@@ -65,8 +65,8 @@ def full(t: torch.Tensor | None) -> torch.Tensor | None:
 def sharded(model: torch.nn.Module, how: str, size: int, device: torch.device,
             param_dtype: str | None = None) -> torch.nn.Module:
     """``model`` under FSDP2: every leaf with parameters sharded on its own, then the root; 'hsdp' on a
-    (size / 2) x 2 mesh ('hsdp3': (size / 3) x 3), replicated over the first dimension and sharded over the second. With `param_dtype`,
-    FSDP2's MixedPrecisionPolicy computes in that dtype and reduces gradients in float32."""
+    (size / 2) x 2 mesh ('hsdp3': (size / 3) x 3), replicated over the first dimension and sharded over the second.
+    With `param_dtype`, FSDP2's MixedPrecisionPolicy computes in that dtype and reduces gradients in float32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
 
