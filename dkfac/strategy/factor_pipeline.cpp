@@ -70,15 +70,7 @@ FactorPipeline::~FactorPipeline() {
   for (auto* capture : captures_) capture->set_listener(nullptr);
 }
 
-void FactorPipeline::set_grouping(const std::vector<int64_t>& sizes) {
-  std::vector<std::vector<size_t>> groups;
-  size_t slot = 0;
-  for (const int64_t size : sizes) {
-    groups.emplace_back();
-    for (int64_t k = 0; k < size; ++k) groups.back().push_back(slot++);
-  }
-  set_groups(std::move(groups));
-}
+void FactorPipeline::set_grouping(const std::vector<int64_t>& sizes) { set_groups(consecutive_groups(sizes)); }
 
 void FactorPipeline::set_buckets(int64_t cap_bytes) {
   set_groups(factor_buckets(slot_bytes_, slot_column_, cap_bytes));

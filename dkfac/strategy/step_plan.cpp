@@ -195,6 +195,16 @@ int StepPlan::factor_destination(size_t layer) const {
   return placement.column_of(placement.layers.at(layer).grad_workers.front());
 }
 
+std::vector<std::vector<size_t>> consecutive_groups(const std::vector<int64_t>& sizes) {
+  std::vector<std::vector<size_t>> groups;
+  size_t slot = 0;
+  for (const int64_t size : sizes) {
+    groups.emplace_back();
+    for (int64_t k = 0; k < size; ++k) groups.back().push_back(slot++);
+  }
+  return groups;
+}
+
 std::vector<std::vector<size_t>> factor_buckets(const std::vector<int64_t>& bytes,
                                                 const std::vector<int>& destinations, int64_t cap_bytes) {
   TORCH_CHECK(bytes.size() == destinations.size(), "factor_buckets: ", bytes.size(), " slots' bytes but ",

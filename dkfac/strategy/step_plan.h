@@ -106,6 +106,9 @@ struct StepPlan {
 /// N bytes per rank, an allreduce 2 (P - 1) / P N, the same at P = 2.
 inline constexpr int kFewestRanksToReduce = 3;
 
+/// Groups of consecutive slots of these sizes, as slot lists (SPD-KFAC's fusion, one factor per collective).
+std::vector<std::vector<size_t>> consecutive_groups(const std::vector<int64_t>& sizes);
+
 /// KAISA's factor buckets (FactorReduction::kHookBuckets): slots of at most `cap_bytes` (0: one per slot) in ready
 /// order, formed apart for each destination (StepPlan::factor_destination: one collective has one root), each
 /// bucket its slots ascending, the buckets ordered by their first slot. One destination: comm::bucket_groups.

@@ -43,35 +43,26 @@ double factor_comm_seconds(const StepPlan& plan, const Rates& rates, const std::
     bytes.push_back(absent ? 0 : rates.element_bytes() * comm::packed_length(n, plan.factor_triangles, diagonal));
     destinations.push_back(plan.factor_destination(layer));
   }
-  const auto consecutive = [](const std::vector<int64_t>& sizes) {
-    std::vector<std::vector<size_t>> groups;
-    size_t slot = 0;
-    for (const int64_t size : sizes) {
-      groups.emplace_back();
-      for (int64_t k = 0; k < size; ++k) groups.back().push_back(slot++);
-    }
-    return groups;
-  };
   std::vector<std::vector<size_t>> groups;
   switch (plan.reduction) {
     case FactorReduction::kNone:
       return 0.0;
     case FactorReduction::kAllreduce:
-      groups = consecutive(std::vector<int64_t>(bytes.size(), 1));
+      groups = consecutive_groups(std::vector<int64_t>(bytes.size(), 1));
       break;
     case FactorReduction::kHookBuckets:
       groups = factor_buckets(bytes, destinations, static_cast<int64_t>(plan.bucket_cap_mb * 1024 * 1024));
       break;
     case FactorReduction::kSpdPipeline:
       if (!plan.fusion.empty()) {
-        groups = consecutive(plan.fusion);
+        groups = consecutive_groups(plan.fusion);
       } else {
         // Profiled in a job: the factors' ready times there are their build times here, in ready order.
         std::vector<double> ready(bytes.size(), 0.0);
         std::partial_sum(build_seconds.begin(), build_seconds.end(), ready.begin());
         const double alpha = rates.allreduce_seconds(p, 0.0);
         const assign::AlphaBeta link{alpha, rates.allreduce_seconds(p, 1.0) - alpha};
-        groups = consecutive(assign::fuse_groups(ready, bytes, link));
+        groups = consecutive_groups(assign::fuse_groups(ready, bytes, link));
       }
       break;
   }
