@@ -15,6 +15,7 @@
 #include "dkfac/nn/embedding.h"
 #include "dkfac/nn/kfac_module.h"
 #include "dkfac/nn/linear.h"
+#include "dkfac/optim/kfac.h"
 #include "dkfac/options.h"
 #include "dkfac/parallel/data_parallel.h"
 #include "dkfac/preconditioner.h"

@@ -264,6 +264,8 @@ class Preconditioner {
   /// What executes the plan (its collectives are no-ops in one process). Shared: one held across strategy auto's
   /// replacement of the executor stays valid, describing the plan it executed.
   std::shared_ptr<const strategy::StepExecutor> executor() const { return executor_; }
+  /// The ranks it was built over (nullptr in one process).
+  const std::shared_ptr<comm::Communicator>& communicator() const { return communicator_; }
   /// The preconditioned layers, in model order.
   const std::vector<KfacLayer>& layers() const { return layers_; }
   /// Layer `index` now preconditions `weight` and `bias` (KfacLayer::rebind): a front end calls it when the

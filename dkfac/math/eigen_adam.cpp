@@ -109,4 +109,18 @@ EigenAdamMoments rotate_moments(const EigenAdamMoments& moments, const EigenFact
           torch::where(finite, moments.steps, torch::zeros_like(moments.steps))};
 }
 
+void apply_decoupled_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& directions,
+                          double lr, double weight_decay) {
+  TORCH_CHECK(params.size() == directions.size(), "apply_decoupled_step: ", params.size(), " parameters but ",
+              directions.size(), " directions");
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].defined() && directions[i].defined() && params[i].sizes() == directions[i].sizes(),
+                "apply_decoupled_step: parameter ", i, " and its direction differ in shape or are undefined");
+  }
+  if (params.empty()) return;
+  torch::NoGradGuard no_grad;
+  if (weight_decay != 0.0) at::_foreach_mul_(params, 1.0 - lr * weight_decay);
+  at::_foreach_add_(params, directions, -lr);
+}
+
 }  // namespace dkfac::math

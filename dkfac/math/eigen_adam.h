@@ -62,4 +62,12 @@ torch::Tensor eigen_adam_step_stacked(const torch::Tensor& qa, const torch::Tens
 EigenAdamMoments rotate_moments(const EigenAdamMoments& moments, const EigenFactor& from_a, const EigenFactor& from_g,
                                 const EigenFactor& to_a, const EigenFactor& to_g);
 
+/// AdamW's update with the steps `directions` (eigen_adam's, which the preconditioner writes into the gradients),
+/// weight decay decoupled: each parameter p becomes p (1 - lr weight_decay) - lr d, in place, outside autograd, with
+/// one foreach kernel per operation (the same values as p.mul_ and p.add_ one by one). Both front ends' optimizers
+/// apply it to each param group's preconditioned parameters (docs/MATH.md section 8). `params` and `directions` pair
+/// up, each pair of one shape, dtype and device.
+void apply_decoupled_step(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& directions,
+                          double lr, double weight_decay);
+
 }  // namespace dkfac::math

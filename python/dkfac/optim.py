@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dkfac import _C
 from dkfac.base_preconditioner import _is_dtensor
 from dkfac.base_preconditioner import BaseKFACPreconditioner
 from dkfac.preconditioner import KFACPreconditioner
@@ -37,6 +38,11 @@ _KFAC_KEY = 'kfac'  # the entry of the first parameter group that holds the prec
 
 def _indent(text: str, prefix: str = '  ') -> str:
     return '\n'.join(prefix + line for line in text.splitlines())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: written in place, the DTensor is), else the tensor."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def _layer_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -455,15 +461,11 @@ class KFAC(torch.optim.Optimizer):
                 p.grad = d
         with torch.no_grad():
             for group in self._base.param_groups:
-                lr = float(group['lr'])
-                decay = float(group.get('weight_decay', 0.0))
                 stepped = [p for p in group['params'] if id(p) in directions]
-                if not stepped:
-                    continue
-                # One foreach call per group and operation: the same kernels as p.mul_ and p.add_ per parameter.
-                if decay != 0.0:
-                    torch._foreach_mul_(stepped, 1.0 - lr * decay)
-                torch._foreach_add_(stepped, [p.grad for p in stepped], alpha=-lr)
+                if stepped:  # the core's update, as the C++ dkfac::optim::KFAC applies it: element-wise, so a
+                    # sharded parameter (FSDP2, tensor parallel) is updated shard by shard with its gradient's shard
+                    _C.apply_decoupled_step([_local(p) for p in stepped], [_local(p.grad) for p in stepped],
+                                            float(group['lr']), float(group.get('weight_decay', 0.0)))
 
     def _follow_adam_constants(self) -> None:
         """eigen_adam runs one Adam over every preconditioned layer, in the core, with the betas and eps of the base's

@@ -21,6 +21,7 @@
 #include "dkfac/comm/agreement.h"
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
+#include "dkfac/math/eigen_adam.h"
 #include "dkfac/math/second_order.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/strategy/prediction.h"
@@ -190,6 +191,10 @@ PYBIND11_MODULE(_C, m) {
     auto e = math::refresh_eigenbasis(factor, {eigenvectors, eigenvalues});
     return std::make_pair(e.eigenvectors, e.eigenvalues);
   }, py::call_guard<py::gil_scoped_release>());
+  // AdamW's decoupled update with eigen_adam's steps (dkfac/math/eigen_adam.h), which dkfac.optim.KFAC applies as
+  // the C++ dkfac::optim::KFAC does.
+  m.def("apply_decoupled_step", &math::apply_decoupled_step, py::arg("params"), py::arg("directions"), py::arg("lr"),
+        py::arg("weight_decay"), py::call_guard<py::gil_scoped_release>());
   m.def("layer_state_entries", [] {
     // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g', whether
     // one of Adam's moments (eigen_adam).

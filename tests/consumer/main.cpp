@@ -30,11 +30,26 @@ int main() {
     (step == 0 ? first : last) = loss.item<double>();
   }
   std::cout << "dkfac " << DKFAC_VERSION_STRING << " consumer: loss " << first << " -> " << last << "\n";
+  // The same loop through dkfac::optim::KFAC (its lr, SGD's 0.1, is the Options' default): the same losses.
+  torch::manual_seed(0);
+  auto again = std::make_shared<Net>();
+  dkfac::optim::KFAC opt(again, std::make_shared<torch::optim::SGD>(again->parameters(), torch::optim::SGDOptions(0.1)),
+                         dkfac::Options().damping(3e-3));
+  double opt_last = 0;
+  for (int step = 0; step < 5; ++step) {
+    opt_last = opt.step([&] {
+                    opt.zero_grad();
+                    auto loss = torch::nn::functional::cross_entropy(again->forward(x), y);
+                    loss.backward();
+                    return loss;
+                  }).item<double>();
+  }
   // The same model's plan on 4 ranks under DP-KFAC, and its predicted cost, without running it.
   std::vector<dkfac::assign::LayerShape> shapes;
   for (const auto& layer : kfac.layers()) shapes.push_back({layer.name(), layer.a_dim(), layer.g_dim()});
   const auto plan = dkfac::strategy::make_step_plan(shapes, 4, dkfac::Options().strategy(dkfac::Strategy::kDp));
   const auto cost = dkfac::strategy::predict(plan, 4, 8);
   std::cout << kfac.plan().describe(false) << plan.describe();
-  return last < first && cost.size() == 4 && cost[0].factor_bytes == 0 ? 0 : 1;
+  std::cout << "through dkfac::optim::KFAC: loss " << opt_last << " at step 5\n";
+  return last < first && cost.size() == 4 && cost[0].factor_bytes == 0 && opt_last == last ? 0 : 1;
 }

@@ -1,6 +1,7 @@
 // The C++ API's run of the Python tests' "cnn" scenario, for test_cpp_api.py: reads the initial weights,
 // the batches and the K-FAC settings that Python wrote with torch.save, trains with dkfac::nn modules and
-// dkfac::Preconditioner, and writes every step's preconditioned gradients with torch::pickle_save.
+// dkfac::Preconditioner, and writes every step's preconditioned gradients with torch::pickle_save; or, for the
+// "optim_*" methods, with dkfac::optim::KFAC, and writes the parameters after every step.
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -47,6 +48,47 @@ int main(int argc, char** argv) {
     auto params = model->parameters();
     for (size_t i = 0; i < params.size(); ++i) params[i].copy_(weights.get(i).toTensor());
   }
+  auto inputs = spec.at("inputs").toList();
+  auto targets = spec.at("targets").toList();
+  auto loss_at = [&](size_t step) {
+    return torch::nn::functional::cross_entropy(model->forward(inputs.get(step).toTensor()),
+                                                targets.get(step).toTensor());
+  };
+  c10::List<torch::Tensor> out_tensors;
+  auto write = [&] {
+    auto out = torch::pickle_save(c10::IValue(out_tensors));
+    std::ofstream(argv[2], std::ios::binary).write(out.data(), static_cast<std::streamsize>(out.size()));
+  };
+  if (name == "optim_sgd" || name == "optim_eigen_adam") {
+    // dkfac::optim::KFAC against Python's dkfac.optim.KFAC: SGD with momentum and an lr set before each step (as a
+    // scheduler sets it; KL clipping follows it), or AdamW with eigen_adam (Adam's betas from the base); the
+    // parameters after each step.
+    const bool adam = name == "optim_eigen_adam";
+    std::shared_ptr<torch::optim::Optimizer> base;
+    if (adam) {
+      base = std::make_shared<torch::optim::AdamW>(
+          model->parameters(), torch::optim::AdamWOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.1));
+    } else {
+      base = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    }
+    dkfac::optim::KFAC opt(model, base, dkfac::Options()
+                                            .factor_update_steps(spec.at("factor_update_steps").toInt())
+                                            .inv_update_steps(spec.at("inv_update_steps").toInt())
+                                            .damping(spec.at("damping").toDouble())
+                                            .kl_clip(adam ? 0.0 : 0.001)
+                                            .eigen_adam(adam)
+                                            .inv_dtype(torch::kFloat32));
+    const auto lrs = spec.at("lrs").toTensor();  // float64, one per step
+    for (size_t step = 0; step < inputs.size(); ++step) {
+      opt.base().param_groups()[0].options().set_lr(lrs[static_cast<int64_t>(step)].item<double>());
+      opt.zero_grad();
+      loss_at(step).backward();
+      opt.step();
+      for (const auto& p : model->parameters()) out_tensors.push_back(p.detach().clone());
+    }
+    write();
+    return 0;
+  }
   torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
   dkfac::Preconditioner kfac(model, dkfac::Options()
                                         .factor_update_steps(spec.at("factor_update_steps").toInt())
@@ -59,19 +101,13 @@ int main(int argc, char** argv) {
                                         .eigh_interval(name == "eigen_refresh" ? 2 : 1)
                                         .second_order_lag(name == "eigen_lag" ? 1 : 0)
                                         .inv_dtype(torch::kFloat32));
-  auto inputs = spec.at("inputs").toList();
-  auto targets = spec.at("targets").toList();
-  c10::List<torch::Tensor> grads;
   for (size_t step = 0; step < inputs.size(); ++step) {
     sgd.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(model->forward(inputs.get(step).toTensor()),
-                                                     targets.get(step).toTensor());
-    loss.backward();
+    loss_at(step).backward();
     kfac.step();
-    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    for (const auto& p : model->parameters()) out_tensors.push_back(p.grad().clone());
     sgd.step();
   }
-  auto out = torch::pickle_save(c10::IValue(grads));
-  std::ofstream(argv[2], std::ios::binary).write(out.data(), static_cast<std::streamsize>(out.size()));
+  write();
   return 0;
 }

@@ -1130,3 +1130,22 @@ def test_kfac_trainer_declares_the_trainers_gradient_accumulation(tmp_path: obje
         assert p._accumulation_steps == declared and p.steps == 2
         accumulation = [w for w in caught if 'accumulation_steps is' in str(w.message)]
         assert bool(accumulation) == (declared == 1), [str(w.message) for w in accumulation]
+
+
+@pytest.mark.parametrize('placement', ['replicated', 'owner'])
+def test_eigen_adam_updates_fsdp2_shards_as_one_process_updates_the_whole(placement: str, tmp_path: object) -> None:
+    """eigen_adam through dkfac.optim.KFAC on a model sharded by FSDP2 (2 ranks, each on half of every batch):
+    AdamW's decoupled update (the core's apply_decoupled_step) is applied to each parameter's shard with its
+    gradient's shard, and the whole parameters after each step equal one process's on the whole batches, to the
+    rounding that eigen_adam's per-entry step is sensitive to (tolerance as test_distributed.py's)."""
+    import optim_fsdp_worker
+    from workers import run_workers
+    reference = optim_fsdp_worker.train(optim_fsdp_worker.make_model())
+    results = run_workers('optim_fsdp_worker.py', 2, {'placement': placement}, tmp_path)
+    start = list(optim_fsdp_worker.make_model().parameters())
+    for rank, result in enumerate(results):
+        for step, (got, want) in enumerate(zip(result['parameters'], reference)):
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert (a - b).norm() <= 1e-3 * b.norm() + 1e-8, \
+                    f'rank {rank}, step {step}, parameter {i}: {(a - b).norm()} from one process'
+    assert all(not torch.equal(a, b) for a, b in zip(reference[-1], start))  # every parameter moved
