@@ -15,6 +15,7 @@
 
 #include "dkfac/comm/agreement.h"
 #include "dkfac/math/eigen_adam.h"
+#include "dkfac/math/graft.h"
 
 namespace dkfac::optim {
 
@@ -71,15 +72,16 @@ Options lr_following(Options options, const std::shared_ptr<torch::optim::Optimi
 
 KFAC::KFAC(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<torch::optim::Optimizer> base, Options options,
            std::shared_ptr<comm::Communicator> communicator, KFACOptions kfac_options)
-    : base_(checked(std::move(base))), adam_follows_(options.eigen_adam()) {
+    : base_(checked(std::move(base))), graft_(kfac_options.graft()), adam_follows_(options.eigen_adam()) {
   if (kfac_options.kfac_lr_follows()) options = lr_following(std::move(options), base_);
   preconditioner_ = std::make_shared<Preconditioner>(std::move(model), std::move(options), std::move(communicator));
   check_base();
   follow_adam_constants();
 }
 
-KFAC::KFAC(std::shared_ptr<Preconditioner> preconditioner, std::shared_ptr<torch::optim::Optimizer> base)
-    : preconditioner_(std::move(preconditioner)), base_(checked(std::move(base))) {
+KFAC::KFAC(std::shared_ptr<Preconditioner> preconditioner, std::shared_ptr<torch::optim::Optimizer> base,
+           KFACOptions kfac_options)
+    : preconditioner_(std::move(preconditioner)), base_(checked(std::move(base))), graft_(kfac_options.graft()) {
   TORCH_CHECK(preconditioner_ != nullptr, "dkfac::optim::KFAC: the preconditioner is null");
   check_base();
 }
@@ -89,6 +91,8 @@ void KFAC::check_base() const {
               "dkfac::optim::KFAC: torch::optim::LBFGS re-evaluates its closure inside step(), and those gradients "
               "would not be preconditioned; wrap an optimizer that steps on the gradients it is given (SGD, Adam, "
               "AdamW, ...)");
+  TORCH_CHECK(!(graft_ && preconditioner_->options().eigen_adam()), "dkfac::optim::KFAC: graft takes the length of the "
+              "base optimizer's step; eigen_adam's step is Adam's own, with its own length: use one of them");
   check_adam_groups();
   std::set<const c10::TensorImpl*> optimized;
   for (const auto& group : base_->param_groups()) {
@@ -155,6 +159,8 @@ torch::Tensor KFAC::step(const std::function<torch::Tensor()>& closure) {
     base_->step();
   } else if (preconditioner_->options().eigen_adam()) {
     eigen_adam_step();
+  } else if (graft_) {
+    grafted_step();
   } else {
     preconditioner_->step();
     base_->step();
@@ -231,6 +237,35 @@ void KFAC::eigen_adam_step() {
     const auto adam = adam_group(group.options());
     math::apply_decoupled_step(stepped, directions, group.options().get_lr(), adam ? adam->weight_decay : 0.0);
   }
+}
+
+void KFAC::grafted_step() {
+  std::vector<std::vector<torch::Tensor>> blocks, plain;  // each layer's weight and bias with a gradient
+  for (const auto& layer : preconditioner_->layers()) {
+    blocks.emplace_back();
+    plain.emplace_back();
+    for (const auto& p : {layer.weight(), layer.bias()}) {
+      if (p.defined() && p.grad().defined()) {
+        blocks.back().push_back(p);
+        plain.back().push_back(p.grad().clone());
+      }
+    }
+  }
+  preconditioner_->step();
+  std::vector<std::vector<torch::Tensor>> directions(blocks.size()), before(blocks.size());
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < blocks.size(); ++k) {
+      for (size_t i = 0; i < blocks[k].size(); ++i) {
+        auto& p = blocks[k][i];
+        directions[k].push_back(p.grad().clone());
+        before[k].push_back(p.detach().clone());
+        p.mutable_grad().copy_(plain[k][i]);  // the base steps on the plain gradients
+      }
+    }
+  }
+  base_->step();
+  for (size_t k = 0; k < blocks.size(); ++k) math::graft_block(blocks[k], before[k], directions[k]);
 }
 
 void KFAC::save(torch::serialize::OutputArchive& archive) const {

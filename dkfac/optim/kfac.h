@@ -17,12 +17,17 @@
 /// K-FAC as one optimizer for LibTorch training loops: the C++ counterpart of Python's `dkfac.optim.KFAC`.
 namespace dkfac::optim {
 
-/// How dkfac::optim::KFAC ties a preconditioner it builds to its base optimizer.
+/// How dkfac::optim::KFAC ties its preconditioner to its base optimizer.
 struct KFACOptions {
   /// The preconditioner's `lr` (K-FAC uses it only in KL clipping, where it should be the lr the step applies) is
   /// the base optimizer's `param_groups()[0]` lr, read at each step(): a LibTorch LR scheduler stepping the base is
-  /// followed. false: the Options' own lr (a value or a schedule).
+  /// followed. false: the Options' own lr (a value or a schedule). For a preconditioner KFAC builds (one built
+  /// beforehand keeps its own lr).
   TORCH_ARG(bool, kfac_lr_follows) = true;
+  /// Each preconditioned layer moves along K-FAC's direction by the length of the base's own step on its plain
+  /// gradient (math::graft_block; the base's lr, moments and weight decay as without K-FAC); the other parameters
+  /// take the base's step. The gradients left are the plain ones. Not with eigen_adam.
+  TORCH_ARG(bool, graft) = false;
 };
 
 /// A base optimizer (torch::optim::SGD, AdamW, ...) whose step() first preconditions the gradients with K-FAC:
@@ -53,7 +58,8 @@ class KFAC {
        Options options = Options(), std::shared_ptr<comm::Communicator> communicator = nullptr,
        KFACOptions kfac_options = KFACOptions());
   /// Uses a built preconditioner, with its own lr (and, with eigen_adam, its own Adam constants).
-  KFAC(std::shared_ptr<Preconditioner> preconditioner, std::shared_ptr<torch::optim::Optimizer> base);
+  KFAC(std::shared_ptr<Preconditioner> preconditioner, std::shared_ptr<torch::optim::Optimizer> base,
+       KFACOptions kfac_options = KFACOptions());
 
   /// Runs `closure` when given (grad mode on: the forward and backward that make the gradients), then the
   /// preconditioner's step and the base's step (without the closure). Returns the closure's loss, or an undefined
@@ -80,6 +86,8 @@ class KFAC {
   std::vector<torch::Tensor> preconditioned_parameters() const;
   // eigen_adam: the preconditioner's step, the base's on the other parameters, then AdamW's update of these.
   void eigen_adam_step();
+  // KFACOptions::graft: the base's step on the plain gradients, each layer's put along K-FAC's direction.
+  void grafted_step();
   // eigen_adam: the base's betas and eps, where its groups hold preconditioned layers, given to the preconditioner.
   void follow_adam_constants();
   // The base's kind: at construction (with the layers it optimizes).
@@ -89,6 +97,7 @@ class KFAC {
 
   std::shared_ptr<Preconditioner> preconditioner_;
   std::shared_ptr<torch::optim::Optimizer> base_;
+  bool graft_ = false;
   bool adam_follows_ = false;
   std::optional<std::tuple<double, double, double>> adam_constants_;  // last given to the preconditioner
 };

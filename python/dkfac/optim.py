@@ -423,19 +423,8 @@ class KFAC(torch.optim.Optimizer):
                 for p, g in zip(block, gradients):
                     p.grad.copy_(g)
         self._base.step()
-        with torch.no_grad():
-            for block, start, direction in zip(blocks, before, directions):
-                if not block:
-                    continue
-                step = torch.sqrt(sum((p.detach() - p0).double().pow(2).sum() for p, p0 in zip(block, start)))
-                length = torch.sqrt(sum(d.double().pow(2).sum() for d in direction))
-                # Where K-FAC's direction is 0 or not finite (its guard kept the plain gradient: d is finite then),
-                # the base's own step stands.
-                usable = (length > 0) & torch.isfinite(length)
-                scale = torch.where(usable, step / torch.where(usable, length, torch.ones_like(length)),
-                                    torch.zeros_like(step))
-                for p, p0, d in zip(block, start, direction):
-                    p.copy_(torch.where(usable, (p0.double() - scale * d.double()).to(p.dtype), p.detach()))
+        for block, start, direction in zip(blocks, before, directions):
+            _C.graft_block(block, start, direction)  # the core's, as the C++ dkfac::optim::KFAC applies it
 
     def _eigen_adam_step(self) -> None:
         """eigen_adam: the preconditioner has replaced each preconditioned layer's gradient by Adam's step in its

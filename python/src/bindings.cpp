@@ -22,6 +22,7 @@
 #include "dkfac/comm/communicator.h"
 #include "dkfac/layers/discovery.h"
 #include "dkfac/math/eigen_adam.h"
+#include "dkfac/math/graft.h"
 #include "dkfac/math/second_order.h"
 #include "dkfac/preconditioner.h"
 #include "dkfac/strategy/prediction.h"
@@ -195,6 +196,10 @@ PYBIND11_MODULE(_C, m) {
   // the C++ dkfac::optim::KFAC does.
   m.def("apply_decoupled_step", &math::apply_decoupled_step, py::arg("params"), py::arg("directions"), py::arg("lr"),
         py::arg("weight_decay"), py::call_guard<py::gil_scoped_release>());
+  // Grafting's update of one layer's block (dkfac/math/graft.h), which dkfac.optim.KFAC(graft=True) applies as the
+  // C++ dkfac::optim::KFAC does.
+  m.def("graft_block", &math::graft_block, py::arg("block"), py::arg("start"), py::arg("direction"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("layer_state_entries", [] {
     // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g', whether
     // one of Adam's moments (eigen_adam).

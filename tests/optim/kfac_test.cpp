@@ -175,6 +175,55 @@ TEST(OptimKfac, EigenAdamFollowsTheBasesBetasAndRefusesGroupsThatDisagree) {
                {"param groups 0 and 1 hold preconditioned layers with (beta1, beta2, eps)", "one group"});
 }
 
+// Grafting against its definition, from two plain runs of the same step: a preconditioner alone gives K-FAC's
+// direction d, the base alone on the plain gradients its step p1 - p0; each layer (weight and bias together) is at
+// p0 - |p1 - p0| / |d| d, the LayerNorm at the base's p1, and the gradients left are the plain ones.
+TEST(OptimKfac, GraftingMovesEachLayerAlongKfacsDirectionByTheBasesStepLength) {
+  auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto grafted = make_net(), directions_net = make_net(), plain_net = make_net();
+  optim::KFAC opt(grafted, std::make_shared<torch::optim::AdamW>(grafted->parameters(), adamw), kfac_options(),
+                  nullptr, optim::KFACOptions().graft(true));
+  Preconditioner kfac(directions_net, kfac_options());
+  torch::optim::AdamW plain(plain_net->parameters(), adamw);
+  for (int64_t step = 0; step < 3; ++step) {
+    for (auto* net : {grafted.get(), directions_net.get(), plain_net.get()}) {
+      net->zero_grad();
+      loss_at(*net, step).backward();
+    }
+    const auto start = parameters_of(*plain_net);
+    std::vector<torch::Tensor> plain_grads, directions;
+    for (const auto& p : grafted->parameters()) plain_grads.push_back(p.grad().clone());
+    kfac.step();
+    for (const auto& p : directions_net->parameters()) directions.push_back(p.grad().clone());
+    plain.step();
+    opt.step();
+    auto expected = parameters_of(*plain_net);  // p1
+    for (const auto& block : {std::vector<size_t>{0, 1}, std::vector<size_t>{4, 5}}) {  // fc1, fc2; 2, 3: the norm
+      torch::Tensor moved = torch::zeros({}, torch::kFloat64), length = torch::zeros({}, torch::kFloat64);
+      for (const auto k : block) {
+        moved += (expected[k] - start[k]).pow(2).sum();
+        length += directions[k].pow(2).sum();
+      }
+      for (const auto k : block) expected[k] = start[k] - moved.sqrt() / length.sqrt() * directions[k];
+    }
+    const auto got = parameters_of(*grafted);
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_TRUE(testing::tensors_near(got[k], expected[k], 1e-12)) << "step " << step << " parameter " << k;
+      EXPECT_TRUE(torch::equal(grafted->parameters()[k].grad(), plain_grads[k])) << "the plain gradient " << k;
+    }
+    torch::NoGradGuard no_grad;  // the plain runs go on from the grafted parameters
+    for (auto* net : {directions_net.get(), plain_net.get()}) {
+      auto params = net->parameters();
+      for (size_t k = 0; k < params.size(); ++k) params[k].copy_(grafted->parameters()[k]);
+    }
+  }
+  expect_error([&] {
+    auto net = make_net();
+    optim::KFAC(net, std::make_shared<torch::optim::AdamW>(net->parameters()), Options().kl_clip(0).eigen_adam(true),
+                nullptr, optim::KFACOptions().graft(true));
+  }, {"graft takes the length of the base optimizer's step", "use one of them"});
+}
+
 TEST(OptimKfac, RefusesBasesItCannotWrapNamingWhy) {
   auto net = make_net();
   auto eigen_adam = Options().kl_clip(0).eigen_adam(true);

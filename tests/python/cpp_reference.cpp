@@ -59,13 +59,14 @@ int main(int argc, char** argv) {
     auto out = torch::pickle_save(c10::IValue(out_tensors));
     std::ofstream(argv[2], std::ios::binary).write(out.data(), static_cast<std::streamsize>(out.size()));
   };
-  if (name == "optim_sgd" || name == "optim_eigen_adam") {
+  if (name == "optim_sgd" || name == "optim_eigen_adam" || name == "optim_graft") {
     // dkfac::optim::KFAC against Python's dkfac.optim.KFAC: SGD with momentum and an lr set before each step (as a
-    // scheduler sets it; KL clipping follows it), or AdamW with eigen_adam (Adam's betas from the base); the
-    // parameters after each step.
+    // scheduler sets it; KL clipping follows it), AdamW with eigen_adam (Adam's betas from the base), or AdamW
+    // grafted; the parameters after each step.
     const bool adam = name == "optim_eigen_adam";
+    const bool graft = name == "optim_graft";  // AdamW's step length along K-FAC's direction
     std::shared_ptr<torch::optim::Optimizer> base;
-    if (adam) {
+    if (adam || graft) {
       base = std::make_shared<torch::optim::AdamW>(
           model->parameters(), torch::optim::AdamWOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.1));
     } else {
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
                                             .damping(spec.at("damping").toDouble())
                                             .kl_clip(adam ? 0.0 : 0.001)
                                             .eigen_adam(adam)
-                                            .inv_dtype(torch::kFloat32));
+                                            .inv_dtype(torch::kFloat32),
+                           nullptr, dkfac::optim::KFACOptions().graft(graft));
     const auto lrs = spec.at("lrs").toTensor();  // float64, one per step
     for (size_t step = 0; step < inputs.size(); ++step) {
       opt.base().param_groups()[0].options().set_lr(lrs[static_cast<int64_t>(step)].item<double>());
