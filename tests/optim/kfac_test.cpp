@@ -52,7 +52,7 @@ void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::
   }
 }
 
-Options kfac_options() { return Options().factor_update_steps(1).inv_update_steps(2).damping(0.01).kl_clip(0.01); }
+Options kfac_options() { return Options().factor_update_steps(1).inv_update_steps(2).damping(0.01).kl_clip(1e-6); }
 
 // The lr a scheduler would set before step `step`.
 double lr_at(int64_t step) { return step < 2 ? 0.1 : 0.02; }

@@ -61,12 +61,13 @@ int main(int argc, char** argv) {
   };
   if (name == "optim_sgd" || name == "optim_eigen_adam" || name == "optim_graft") {
     // dkfac::optim::KFAC against Python's dkfac.optim.KFAC: SGD with momentum and an lr set before each step (as a
-    // scheduler sets it; KL clipping follows it), AdamW with eigen_adam (Adam's betas from the base), or AdamW
-    // grafted; the parameters after each step.
+    // scheduler sets it; KL clipping follows it), the same SGD grafted (LibTorch's SGD and torch's take the same
+    // steps; their AdamWs differ by rounding), or AdamW with eigen_adam (Adam's betas from the base, AdamW stepping
+    // no parameter of this model); the parameters after each step.
     const bool adam = name == "optim_eigen_adam";
     const bool graft = name == "optim_graft";  // AdamW's step length along K-FAC's direction
     std::shared_ptr<torch::optim::Optimizer> base;
-    if (adam || graft) {
+    if (adam) {
       base = std::make_shared<torch::optim::AdamW>(
           model->parameters(), torch::optim::AdamWOptions(3e-3).betas({0.8, 0.95}).weight_decay(0.1));
     } else {
