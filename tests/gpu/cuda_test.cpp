@@ -303,5 +303,82 @@ TEST(OnCudaEigenAdam, StepsAndRotationMatchTheCpu) {
   }
 }
 
+// dkfac::optim::KFAC on CUDA: grafting (graft_block's norms and selection, decided on the device) against the CPU
+// float64 run, each parameter's displacement from its start after every step, to float32 round-off through the
+// damped preconditioner; eigen_adam's AdamW update (apply_decoupled_step's foreach kernels) against the update
+// spelled out on the same device. Not eigen_adam across devices: early on the running factors are close to the
+// identity they start from, so each eigensolver picks its own basis and Adam's per-entry step differs with it
+// (docs/MATH.md 8.4: measured here, 0.4-3.5 relative between float32 and float64 on one CPU).
+TEST(OnCudaOptimKfac, GraftingAndEigenAdamsUpdateOnTheDevice) {
+  DKFAC_REQUIRE_CUDA();
+  const c10::Device cuda(c10::kCUDA, 0);
+  auto fresh = [](c10::Device device, torch::Dtype dtype) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<Net>();
+    net->to(torch::kFloat64);
+    net->to(device, dtype);
+    return net;
+  };
+  // Each parameter's displacement after each step, `step` running one training step on the batch it is given.
+  auto displacements = [](Net& net, c10::Device device, torch::Dtype dtype,
+                          const std::function<void(const torch::Tensor&, const torch::Tensor&)>& step) {
+    std::vector<torch::Tensor> start;
+    for (const auto& p : net.parameters()) start.push_back(p.detach().clone());
+    std::vector<std::vector<torch::Tensor>> out;
+    for (int64_t k = 0; k < kSteps; ++k) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(100 + k);
+      step(torch::randn({16, 3, 8, 8}, g, torch::kFloat64).to(device, dtype),
+           torch::randint(0, 10, {16}, g, torch::kLong).to(device));
+      std::vector<torch::Tensor> moved;
+      auto params = net.parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        moved.push_back((params[i].detach() - start[i]).to(torch::kCPU, torch::kFloat64));
+      }
+      out.push_back(moved);
+    }
+    return out;
+  };
+  auto grafted = [&](c10::Device device, torch::Dtype dtype) {
+    auto net = fresh(device, dtype);
+    optim::KFAC opt(net, std::make_shared<torch::optim::SGD>(net->parameters(),
+                                                             torch::optim::SGDOptions(0.05).momentum(0.9)),
+                    Options().damping(0.01).kl_clip(1e-2).inv_update_steps(2), nullptr,
+                    optim::KFACOptions().graft(true));
+    return displacements(*net, device, dtype, [&](const torch::Tensor& x, const torch::Tensor& y) {
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      opt.step();
+    });
+  };
+  expect_close(grafted(cuda, torch::kFloat32), grafted(c10::kCPU, torch::kFloat64), 1e-4, "grafted SGD");
+
+  const double lr = 1e-2, wd = 0.1;
+  const auto options = Options().damping(0.01).kl_clip(0).inv_update_steps(2).eigen_adam(true);
+  auto net = fresh(cuda, torch::kFloat32);
+  optim::KFAC opt(net, std::make_shared<torch::optim::AdamW>(net->parameters(),
+                                                             torch::optim::AdamWOptions(lr).weight_decay(wd)),
+                  options);
+  const auto through_optimizer = displacements(*net, cuda, torch::kFloat32, [&](const torch::Tensor& x,
+                                                                               const torch::Tensor& y) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    opt.step();
+  });
+  auto ref = fresh(cuda, torch::kFloat32);  // every parameter is a K-FAC layer's: AdamW would step none
+  Preconditioner kfac(ref, Options(options).adam_beta1(0.9).adam_beta2(0.999).adam_eps(1e-8));
+  const auto spelled_out = displacements(*ref, cuda, torch::kFloat32, [&](const torch::Tensor& x,
+                                                                         const torch::Tensor& y) {
+    ref->zero_grad();
+    torch::nn::functional::cross_entropy(ref->forward(x), y).backward();
+    kfac.step();
+    torch::NoGradGuard no_grad;
+    for (auto& p : ref->parameters()) {
+      p.mul_(1.0 - lr * wd);
+      p.add_(p.grad(), -lr);
+    }
+  });
+  expect_close(through_optimizer, spelled_out, 1e-6, "eigen_adam through the optimizer against spelled out");
+}
+
 }  // namespace
 }  // namespace dkfac
