@@ -196,7 +196,7 @@ TEST(TrainFlags, ChoicesParseIntoEnumsAndABadOneNamesTheFlagAndTheChoices) {
   EXPECT_EQ(error_of({"--model", "nosuch"}), "--model must be one of mlp, cnn, resnet20, autoencoder, got 'nosuch'");
   EXPECT_EQ(error_of({"--dataset", "imagenet"}),
             "--dataset must be one of fashion-mnist, mnist, cifar10, synthetic, got 'imagenet'");
-  EXPECT_EQ(error_of({"--optimizer", "lamb"}), "--optimizer must be one of sgd, adam, got 'lamb'");
+  EXPECT_EQ(error_of({"--optimizer", "lamb"}), "--optimizer must be one of sgd, adam, adamw, got 'lamb'");
   EXPECT_EQ(error_of({"--lr-schedule", "linear"}), "--lr-schedule must be one of constant, step, cosine, got 'linear'");
   EXPECT_EQ(error_of({"--compute-method", "svd"}), "--compute-method must be one of eigen, inverse, got 'svd'");
   EXPECT_EQ(error_of({"--factor-dtype", "half"}),
@@ -249,6 +249,36 @@ TEST(TrainFlags, DeviceAndBackendParseTheirChoicesAndRefuseNcclOnTheCpu) {
   const auto options = train::to_json(gloo);
   EXPECT_EQ(options.at("device"), "cuda");
   EXPECT_EQ(options.at("backend"), "gloo");
+}
+
+// --eigen-adam and --graft step through dkfac::optim::KFAC: --eigen-adam sets the library's eigen_adam, turns KL
+// clipping off and takes the eigen method unless --kl-clip or --compute-method is given, needs --optimizer adamw,
+// and neither goes with the other or with --no-kfac.
+TEST(TrainFlags, EigenAdamAndGraftNeedWhatTheyStepThrough) {
+  Parsed adam({"--optimizer", "adamw", "--eigen-adam"});
+  EXPECT_EQ(adam.config.optimizer, train::Optimizer::kAdamW);
+  EXPECT_TRUE(adam.config.kfac_options.eigen_adam());
+  EXPECT_EQ(adam.config.kfac_options.kl_clip_at(0), 0.0);
+  EXPECT_EQ(adam.config.kfac_options.compute_method(), ComputeMethod::kEigen);  // this command's default: inverse
+  EXPECT_EQ(Parsed({}).config.kfac_options.compute_method(), ComputeMethod::kInverse);
+  EXPECT_NE(error_of({"--optimizer", "adamw", "--eigen-adam", "--compute-method", "inverse"}).find("compute_method"),
+            std::string::npos);
+  EXPECT_EQ(train::to_json(adam.config)["eigen-adam"], true);
+  Parsed clipped({"--optimizer", "adamw", "--eigen-adam", "--kl-clip", "none"});
+  EXPECT_EQ(clipped.config.kfac_options.kl_clip_at(0), 0.0);
+  EXPECT_NE(error_of({"--optimizer", "adamw", "--eigen-adam", "--kl-clip", "0.01"}).find("kl_clip"),
+            std::string::npos) << error_of({"--optimizer", "adamw", "--eigen-adam", "--kl-clip", "0.01"});
+  EXPECT_NE(error_of({"--eigen-adam"}).find("--eigen-adam is AdamW's update in the K-FAC eigenbasis: it needs "
+                                            "--optimizer adamw, got --optimizer sgd"), std::string::npos)
+      << error_of({"--eigen-adam"});
+  EXPECT_NE(error_of({"--optimizer", "adamw", "--eigen-adam", "--no-kfac"}).find("--no-kfac turns K-FAC off"),
+            std::string::npos);
+  Parsed grafted({"--graft"});
+  EXPECT_TRUE(grafted.config.graft);
+  EXPECT_FALSE(Parsed({}).config.graft);
+  EXPECT_NE(error_of({"--optimizer", "adamw", "--eigen-adam", "--graft"}).find("--graft takes the length"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--graft", "--no-kfac"}).find("--no-kfac turns K-FAC off"), std::string::npos);
 }
 
 }  // namespace

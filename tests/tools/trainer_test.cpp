@@ -104,6 +104,46 @@ TEST_F(TrainerTest, ResumeContinuesTheSameTrajectory) {
   }
 }
 
+// --eigen-adam (AdamW in the K-FAC eigenbasis) and --graft step through dkfac::optim::KFAC: each run differs from
+// plain AdamW (K-FAC acted) and lowers the loss, and resumes on the same trajectory (Adam's moments in the eigenbasis
+// are K-FAC state, saved with it).
+TEST_F(TrainerTest, EigenAdamAndGraftingTrainAndResumeOnTheSameTrajectory) {
+  auto base = config();
+  base.optimizer = Optimizer::kAdamW;
+  base.lr = 3e-3;
+  base.weight_decay = 0.01;
+  base.max_steps = 16;
+  auto plain = base;
+  plain.kfac = false;
+  const auto adamw = Trainer(plain).run().step_losses;
+  for (const bool eigen_adam : {true, false}) {
+    auto c = base;
+    if (eigen_adam) {
+      c.kfac_options.eigen_adam(true).kl_clip(0).compute_method(ComputeMethod::kEigen);
+    } else {
+      c.graft = true;
+    }
+    const std::string what = eigen_adam ? "eigen_adam" : "graft";
+    const auto straight = Trainer(c).run().step_losses;
+    ASSERT_EQ(straight.size(), 16u);
+    EXPECT_EQ(straight.front(), adamw.front()) << what << ": same model before the first step";
+    EXPECT_NE(straight.back(), adamw.back()) << what << ": K-FAC did not act";
+    EXPECT_LT(straight.back(), straight.front()) << what;
+
+    c.checkpoint_dir = (dir_ / what).string();
+    c.max_steps = 8;
+    const auto first = Trainer(c).run().step_losses;
+    c.max_steps = 16;
+    c.resume = true;
+    const auto second = Trainer(c).run().step_losses;
+    ASSERT_EQ(second.size(), 8u);
+    for (size_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(first[i], straight[i]) << what << ": step " << i;
+      EXPECT_EQ(second[i], straight[8 + i]) << what << ": step " << 8 + i;
+    }
+  }
+}
+
 // A resume names the options that changed since the checkpoint; a changed --seed (each epoch's order of
 // examples) is refused before anything is loaded, unless --allow-seed-change.
 TEST_F(TrainerTest, ResumeNamesChangedOptionsAndRefusesANewSeed) {
@@ -414,7 +454,8 @@ TEST(TrainConfigTest, ChoicesParseTheirNamesAndNameFlagAndChoicesOtherwise) {
          "--model must be one of mlp, cnn, resnet20, autoencoder, got 'vgg'");
   expect([] { parse_choice<Dataset>("--dataset", "imagenet"); },
          "--dataset must be one of fashion-mnist, mnist, cifar10, synthetic, got 'imagenet'");
-  expect([] { parse_choice<Optimizer>("--optimizer", "lamb"); }, "--optimizer must be one of sgd, adam, got 'lamb'");
+  expect([] { parse_choice<Optimizer>("--optimizer", "lamb"); },
+         "--optimizer must be one of sgd, adam, adamw, got 'lamb'");
   expect([] { parse_choice<LrSchedule>("--lr-schedule", "linear"); },
          "--lr-schedule must be one of constant, step, cosine, got 'linear'");
   expect([] { parse_choice<NanPolicy>("--on-nan-loss", "ignore"); },

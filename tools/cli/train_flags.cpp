@@ -175,7 +175,7 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
   // --- Model
   add_choice(app, "--model", c.model, "mlp | cnn | resnet20 | autoencoder")->group(kModelGroup);
   // --- Optimizer
-  add_choice(app, "--optimizer", c.optimizer, "sgd | adam")->group(kOptimizerGroup);
+  add_choice(app, "--optimizer", c.optimizer, "sgd | adam | adamw")->group(kOptimizerGroup);
   app.add_option("--lr", c.lr, "base learning rate (> 0)")->capture_default_str()->group(kOptimizerGroup);
   app.add_option("--momentum", c.momentum, "SGD momentum, in [0, 1)")->capture_default_str()->group(kOptimizerGroup);
   app.add_option("--weight-decay", c.weight_decay, "L2 weight decay (>= 0)")
@@ -339,6 +339,24 @@ void add_train_options(CLI::App& app, dkfac::train::TrainConfig& c) {
     }
     set_option(c, "strategy", std::string("kaisa"), "--kfac-strategy");
     set_option(c, "grad_worker_fraction", fraction, "--kfac-strategy");
+  });
+  // Through dkfac::optim::KFAC (docs/CPP.md): Adam in the K-FAC eigenbasis, and grafting. --eigen-adam turns KL
+  // clipping off unless it is given (the library refuses it with eigen_adam: it bounds a natural-gradient step), and
+  // takes the eigen method unless --compute-method is given (this command's default is inverse).
+  static const std::string eigen_adam_help =
+      "Adam in the K-FAC eigenbasis, with AdamW's update (--optimizer adamw): each K-FAC layer's step is Adam's on "
+      "its gradient rotated into the eigenbasis of its factors (docs/MATH.md section 8); KL clipping off and "
+      "--compute-method eigen unless given";
+  auto* eigen_adam = app.add_flag("--eigen-adam", eigen_adam_help)->group(kOptimizerGroup);
+  static const std::string graft_help =
+      "each K-FAC layer moves along K-FAC's direction by the length of the optimizer's own step on its plain "
+      "gradient (grafting; not with --eigen-adam)";
+  app.add_flag("--graft", c.graft, graft_help)->group(kOptimizerGroup);
+  resolvers->push_back([&app, &c, eigen_adam] {
+    if (eigen_adam->count() == 0) return;
+    set_option(c, "eigen_adam", true, "--eigen-adam");
+    if (app.count("--kl-clip") + app.count("--kfac-kl-clip") == 0) set_option(c, "kl_clip", 0.0, "--eigen-adam");
+    if (app.count("--compute-method") == 0) c.kfac_options.compute_method(ComputeMethod::kEigen);
   });
   // Aliases first, then every range check, naming the flag as typed: all before any worker starts.
   app.parse_complete_callback([resolvers, given, &c] {

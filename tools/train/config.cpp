@@ -38,7 +38,8 @@ const std::vector<std::pair<std::string, Dataset>>& choices<Dataset>() {
 template <>
 const std::vector<std::pair<std::string, Optimizer>>& choices<Optimizer>() {
   static const std::vector<std::pair<std::string, Optimizer>> all = {{"sgd", Optimizer::kSgd},
-                                                                     {"adam", Optimizer::kAdam}};
+                                                                     {"adam", Optimizer::kAdam},
+                                                                     {"adamw", Optimizer::kAdamW}};
   return all;
 }
 template <>
@@ -140,6 +141,15 @@ void TrainConfig::validate() const {
   TORCH_CHECK(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096] (0: LibTorch's default), got ",
               threads);
   kfac_options.validate();  // each flag was checked against its declaration when it was parsed
+  if (kfac_options.eigen_adam()) {
+    TORCH_CHECK(optimizer == Optimizer::kAdamW, "--eigen-adam is AdamW's update in the K-FAC eigenbasis: it needs "
+                "--optimizer adamw, got --optimizer ", to_string(optimizer));
+    TORCH_CHECK(kfac, "--eigen-adam is K-FAC's (Adam in its eigenbasis); --no-kfac turns K-FAC off: give one");
+  }
+  TORCH_CHECK(!graft || kfac, "--graft moves K-FAC's layers along K-FAC's direction; --no-kfac turns K-FAC off: "
+              "give one");
+  TORCH_CHECK(!(graft && kfac_options.eigen_adam()), "--graft takes the length of the optimizer's own step and "
+              "--eigen-adam's step is Adam's own, with its own length: give one");
   TORCH_CHECK(kfac_rates.empty() || !kfac_options.strategy(), "--kfac-rates are for --strategy "
               "auto, but --strategy is ", to_string(kfac_options.strategy()));
   TORCH_CHECK(checkpoint_every_epochs >= 1, "--checkpoint-every-epochs must be >= 1, got ", checkpoint_every_epochs);
@@ -199,6 +209,7 @@ nlohmann::json to_json(const TrainConfig& c) {
           {"accumulation-steps", c.accumulation_steps},
           {"epochs", c.epochs}, {"max-steps", c.max_steps}, {"lr-schedule", to_string(c.lr_schedule)},
           {"warmup-epochs", c.warmup_epochs}, {"seed", c.seed}, {"kfac", c.kfac}, {"kl-clip-follows-lr", c.kl_clip_follows_lr},
+          {"eigen-adam", c.kfac_options.eigen_adam()}, {"graft", c.graft},
           {"checkpoint-dir", c.checkpoint_dir},
           {"checkpoint-every-epochs", c.checkpoint_every_epochs}, {"checkpoint-every-steps", c.checkpoint_every_steps},
           {"on-nan-loss", to_string(c.on_nan_loss)}, {"max-skipped-steps", c.max_skipped_steps},

@@ -23,7 +23,7 @@ enum class Model { kMlp, kCnn, kResnet20, kAutoencoder };
 /// --dataset (data::dataset_names(), in that order).
 enum class Dataset { kFashionMnist, kMnist, kCifar10, kSynthetic };
 /// --optimizer.
-enum class Optimizer { kSgd, kAdam };
+enum class Optimizer { kSgd, kAdam, kAdamW };
 /// --lr-schedule: constant, step (x0.1 at 50% and 75% of the epochs), cosine.
 enum class LrSchedule { kConstant, kStep, kCosine };
 /// --on-nan-loss: stop with an error, or skip the step.
@@ -83,6 +83,10 @@ struct TrainConfig {
   comm::CudaBackend backend = comm::CudaBackend::kAuto;
   bool kfac = true;
   bool kl_clip_follows_lr = true;  // scale the KL bound by (lr / base lr)^2 so schedules shrink K-FAC steps
+  // --graft: each K-FAC layer moves along K-FAC's direction by the length of the optimizer's own step on its plain
+  // gradient (dkfac::optim::KFACOptions::graft). Adam in the K-FAC eigenbasis is kfac_options.eigen_adam
+  // (--eigen-adam, with --optimizer adamw). Both step through dkfac::optim::KFAC.
+  bool graft = false;
   /// The K-FAC options, every one a flag of its own (option_table()); `lr` and `accumulation_steps` follow the
   /// optimizer's. The recipe docs/PERFORMANCE.md measures: damping 0.3, factors every 10 steps, inverses every 100 (inverse:
   /// the same accuracy as eigen on the cnn, in half the preconditioning time).

@@ -154,8 +154,9 @@ struct Trainer::State {
   data::Dataset dataset;
   models::Task task = models::Task::kClassification;
   torch::nn::Sequential model{nullptr};
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::unique_ptr<Preconditioner> kfac;
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  std::shared_ptr<Preconditioner> kfac;
+  std::unique_ptr<optim::KFAC> kfac_optimizer;  // --eigen-adam, --graft: K-FAC and the optimizer step as one
   std::unique_ptr<parallel::DataParallel> data_parallel;  // DDP's reducer: gradient averaging overlapped with backward
   MetricsWriter metrics;                      // rank 0's metrics file (disabled elsewhere)
   std::unique_ptr<Checkpointer> checkpointer;  // null without --checkpoint-dir
@@ -202,9 +203,12 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
     s.optimizer = std::make_unique<torch::optim::SGD>(
         s.model->parameters(),
         torch::optim::SGDOptions(config_.lr).momentum(config_.momentum).weight_decay(config_.weight_decay));
-  } else {
+  } else if (config_.optimizer == Optimizer::kAdam) {
     s.optimizer = std::make_unique<torch::optim::Adam>(
         s.model->parameters(), torch::optim::AdamOptions(config_.lr).weight_decay(config_.weight_decay));
+  } else {
+    s.optimizer = std::make_unique<torch::optim::AdamW>(
+        s.model->parameters(), torch::optim::AdamWOptions(config_.lr).weight_decay(config_.weight_decay));
   }
   if (config_.kfac) {
     State* state = state_.get();
@@ -222,8 +226,13 @@ Trainer::Trainer(TrainConfig config, std::shared_ptr<comm::Communicator> communi
         .accumulation_steps(config_.accumulation_steps);
     // A skipped step leaves the factors as they were: nothing folded in the hooks before the loss is checked.
     if (config_.on_nan_loss == NanPolicy::kSkip) options.fold_in_hooks(false);
-    s.kfac = std::make_unique<Preconditioner>(s.model.ptr(), options, communicator_);
+    s.kfac = std::make_shared<Preconditioner>(s.model.ptr(), options, communicator_);
     if (!config_.kfac_rates.empty()) s.kfac->use_rates(read_rates(config_.kfac_rates, "--kfac-rates"));
+    // Its own lr (the schedule above) and Adam's constants (AdamW's defaults, as the Options'), and the same
+    // objects the checkpoints save.
+    if (options.eigen_adam() || config_.graft) {
+      s.kfac_optimizer = std::make_unique<optim::KFAC>(s.kfac, s.optimizer, optim::KFACOptions().graft(config_.graft));
+    }
   }
   s.terminal = ::isatty(::fileno(stdout)) != 0;
   if (s.kfac && rank_ == 0) {
@@ -266,11 +275,7 @@ double Trainer::learning_rate(int64_t epoch, int64_t step_in_epoch) const {
 void Trainer::set_learning_rate(double lr) {
   state_->current_lr = lr;
   for (auto& group : state_->optimizer->param_groups()) {
-    if (config_.optimizer == Optimizer::kSgd) {
-      static_cast<torch::optim::SGDOptions&>(group.options()).lr(lr);
-    } else {
-      static_cast<torch::optim::AdamOptions&>(group.options()).lr(lr);
-    }
+    group.options().set_lr(lr);
   }
 }
 
@@ -545,12 +550,21 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
     s.optimizer->zero_grad();
     return std::nullopt;
   }
-  if (s.kfac) {
-    naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
+  if (s.kfac_optimizer) {
+    naming_out_of_memory(
+        [&] {
+          return std::string("K-FAC's step() and the optimizer (") + to_string(config_.optimizer) + ") in " + step;
+        },
+        [&] { s.kfac_optimizer->step(); });
     if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
+  } else {
+    if (s.kfac) {
+      naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
+      if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
+    }
+    naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
+                         [&] { s.optimizer->step(); });
   }
-  naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
-                       [&] { s.optimizer->step(); });
   if (config_.global_batch_size > 0 && communicator_ && world_ > 1) {
     // The loss over the global batch, the same whatever the number of ranks that share it.
     return global_mean(loss.item<double>(), 1);
@@ -688,7 +702,11 @@ std::string Trainer::run_header() const {
   std::ostringstream out;
   out << "train: model " << to_string(config_.model) << ", dataset " << s.dataset.name << " ("
       << s.dataset.train.size() << " train, " << s.dataset.test.size() << " test), "
-      << (config_.kfac ? "K-FAC + " : "") << to_string(config_.optimizer) << ", batch " << config_.batch_size
+      << (!config_.kfac                         ? ""
+          : config_.kfac_options.eigen_adam() ? "K-FAC (Adam in its eigenbasis) + "
+          : config_.graft                     ? "K-FAC (grafted) + "
+                                              : "K-FAC + ")
+      << to_string(config_.optimizer) << ", batch " << config_.batch_size
       << (world_ > 1 ? " per rank" : "") << ", " << config_.epochs << " epochs, " << threads_ << ", device "
       << device_.str()
       << (device_.is_cuda() && communicator_
