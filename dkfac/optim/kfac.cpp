@@ -153,13 +153,12 @@ torch::Tensor KFAC::step(const std::function<torch::Tensor()>& closure) {
     torch::AutoGradMode grad_mode(true);
     loss = closure();
   }
-  if (preconditioner_->steps() < preconditioner_->options().start_preconditioning_step()) {
-    // The preconditioner builds its factors and leaves every gradient plain: the base's own step on all of them.
-    preconditioner_->step();
-    base_->step();
-  } else if (preconditioner_->options().eigen_adam()) {
+  // Before start_preconditioning_step the preconditioner builds its factors and leaves every gradient plain: the
+  // base's own step on all of them, as below.
+  const bool preconditions = preconditioner_->steps() >= preconditioner_->options().start_preconditioning_step();
+  if (preconditions && preconditioner_->options().eigen_adam()) {
     eigen_adam_step();
-  } else if (graft_) {
+  } else if (preconditions && graft_) {
     grafted_step();
   } else {
     preconditioner_->step();
@@ -201,22 +200,25 @@ void KFAC::eigen_adam_step() {
   check_adam_groups();  // groups added since (Optimizer::add_param_group) are held to the same rules
   follow_adam_constants();
   preconditioner_->step();
-  std::set<const c10::TensorImpl*> taken;
-  for (const auto& p : preconditioned_parameters()) {
-    if (p.grad().defined()) taken.insert(p.unsafeGetTensorImpl());
-  }
-  // The base steps the other parameters: the preconditioned ones have no gradient during its step.
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> hidden;
-  for (auto& group : base_->param_groups()) {
-    for (auto& p : group.params()) {
-      if (taken.count(p.unsafeGetTensorImpl()) > 0 && p.grad().defined()) {
-        hidden.emplace_back(p, p.grad());
+  std::set<const c10::TensorImpl*> preconditioned;
+  for (const auto& p : preconditioned_parameters()) preconditioned.insert(p.unsafeGetTensorImpl());
+  // Each group's preconditioned parameters with a step, and those steps; taken out of the gradients, so that the
+  // base steps the other parameters alone.
+  auto& groups = base_->param_groups();
+  std::vector<std::vector<torch::Tensor>> stepped(groups.size()), directions(groups.size());
+  for (size_t k = 0; k < groups.size(); ++k) {
+    for (auto& p : groups[k].params()) {
+      if (preconditioned.count(p.unsafeGetTensorImpl()) > 0 && p.grad().defined()) {
+        stepped[k].push_back(p);
+        directions[k].push_back(p.grad());
         p.mutable_grad() = torch::Tensor();
       }
     }
   }
   auto restore = [&] {
-    for (auto& [p, d] : hidden) p.mutable_grad() = d;
+    for (size_t k = 0; k < groups.size(); ++k) {
+      for (size_t i = 0; i < stepped[k].size(); ++i) stepped[k][i].mutable_grad() = directions[k][i];
+    }
   };
   try {
     base_->step();
@@ -225,17 +227,11 @@ void KFAC::eigen_adam_step() {
     throw;
   }
   restore();
-  for (auto& group : base_->param_groups()) {
-    std::vector<torch::Tensor> stepped, directions;
-    for (const auto& p : group.params()) {
-      if (taken.count(p.unsafeGetTensorImpl()) > 0) {
-        stepped.push_back(p);
-        directions.push_back(p.grad());
-      }
-    }
-    if (stepped.empty()) continue;
-    const auto adam = adam_group(group.options());
-    math::apply_decoupled_step(stepped, directions, group.options().get_lr(), adam ? adam->weight_decay : 0.0);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    if (stepped[k].empty()) continue;
+    const auto adam = adam_group(groups[k].options());
+    math::apply_decoupled_step(stepped[k], directions[k], groups[k].options().get_lr(),
+                               adam ? adam->weight_decay : 0.0);
   }
 }
 

@@ -82,7 +82,7 @@ class KFAC {
   void load(torch::serialize::InputArchive& archive);
 
  private:
-  // The parameters of the preconditioned layers with a gradient now (weights and biases).
+  // The parameters of the preconditioned layers (weights, and biases where they have one).
   std::vector<torch::Tensor> preconditioned_parameters() const;
   // eigen_adam: the preconditioner's step, the base's on the other parameters, then AdamW's update of these.
   void eigen_adam_step();

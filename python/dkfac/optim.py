@@ -28,6 +28,7 @@ import torch
 
 from dkfac import _C
 from dkfac.base_preconditioner import _is_dtensor
+from dkfac.base_preconditioner import _local
 from dkfac.base_preconditioner import BaseKFACPreconditioner
 from dkfac.preconditioner import KFACPreconditioner
 
@@ -38,11 +39,6 @@ _KFAC_KEY = 'kfac'  # the entry of the first parameter group that holds the prec
 
 def _indent(text: str, prefix: str = '  ') -> str:
     return '\n'.join(prefix + line for line in text.splitlines())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its storage: written in place, the DTensor is), else the tensor."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def _layer_parameters(module: torch.nn.Module) -> list[torch.Tensor]:

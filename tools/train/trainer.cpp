@@ -556,14 +556,13 @@ std::optional<double> Trainer::train_step(const Position& at, const torch::Tenso
           return std::string("K-FAC's step() and the optimizer (") + to_string(config_.optimizer) + ") in " + step;
         },
         [&] { s.kfac_optimizer->step(); });
-    if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
   } else {
-    if (s.kfac) {
-      naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
-      if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
-    }
+    if (s.kfac) naming_out_of_memory([&] { return "K-FAC's step() in " + step; }, [&] { s.kfac->step(); });
     naming_out_of_memory([&] { return std::string("the optimizer (") + to_string(config_.optimizer) + ") in " + step; },
                          [&] { s.optimizer->step(); });
+  }
+  if (s.kfac) {
+    if (const auto change = s.kfac->take_plan_change(); !change.empty()) log() << change << std::endl;
   }
   if (config_.global_batch_size > 0 && communicator_ && world_ > 1) {
     // The loss over the global batch, the same whatever the number of ranks that share it.
