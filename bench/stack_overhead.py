@@ -4,7 +4,9 @@ A resnet20-shaped stack of 3x3 convolutions (widths 16, 32, 64; 19 convolutions 
 batch 32 of 32x32 images, intervals of 10^6 (no factor or second-order update: the step preconditions and writes
 the gradients). The two preconditioners run in lockstep in one process, alternating which goes first, and each
 step's `precondition` and `apply` phase times are taken (median and p90). Then `--profiled` steps of each run under
-torch's profiler, and the ops' self time per step is summed: what the ops cost, against the phases' wall time.
+torch's profiler, and the ops' self time per step is summed: what the ops cost, against the phases' wall time. The
+floor: the preconditioning products' FLOPs (eigen: 4 g a (g + a) a layer, inverse: 2 g a (g + a); unpadded) at this
+machine's float32 GEMM rate, measured in the same run (the median of 7 products of 1024^3 at these threads).
 
   PYTHONPATH=build/python .venv/bin/python bench/stack_overhead.py [--steps 60] [--profiled 20] [--threads 1]
 """
@@ -15,6 +17,7 @@ import argparse
 import os
 import platform
 import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -58,6 +61,18 @@ def main() -> None:
         preconditioner = dkfac.KFACPreconditioner(model, factor_update_steps=10**6, inv_update_steps=10**6,
                                                   stack_layers=stacked, compute_method=args.method)
         runs[stacked] = (model, optimizer, preconditioner)
+    layers = [m for m in runs[True][0].modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    shapes = [(m.weight.shape[0], m.weight[0].numel() + (m.bias is not None)) for m in layers]  # (g, a)
+    flops = sum((4 if args.method == 'eigen' else 2) * g * a * (g + a) for g, a in shapes)
+    left, right = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        torch.mm(left, right)
+        times.append(time.perf_counter() - start)
+    rate = 2 * 1024**3 / statistics.median(times[1:])
+    print(f'floor: {flops / 1e6:.1f} MFLOP of products a step at {rate / 1e9:.1f} GFLOP/s (float32 GEMM, 1024^3) = '
+          f'{1e3 * flops / rate:.2f} ms')
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(32, 3, 32, 32, generator=generator)
     y = torch.randint(0, 10, (32,), generator=generator)
