@@ -14,7 +14,8 @@
 #     installed), imports from the venv, preconditions a step, reports itself (python -m dkfac.env), and passes
 #     the Python suite (tests/python, DKFAC_TEST_INSTALLED: the build tree is off sys.path and conftest.py stops
 #     unless dkfac comes from the venv): everything but the multi-process files (test_distributed.py,
-#     test_tensor_parallel.py, test_pipeline.py, test_example.py), plus one case of each kind from them;
+#     test_tensor_parallel.py, test_pipeline.py, test_example.py) and the repeated framework runs (test_compile.py,
+#     test_optim.py's distributed checkpoints), plus one case of each kind from them;
 #     DKFAC_PIP_INSTALL_FULL_SUITE=1 runs all of tests/python (docs/STATUS.md has a run). Its `dkfac` command
 #     runs `plan` and a two-step `train` with no LD_LIBRARY_PATH, refuses --nproc 2 naming the gloo headers it
 #     was built without, and still starts once the venv is moved (its run path to torch is relative).
@@ -253,11 +254,18 @@ mkdir "$tmp/testdeps"
 LINK_DISTS_HAVE="$site" link_dists "$tmp/testdeps" pytest torchvision transformers accelerate pytorch-lightning
 py="$src/tests/python"
 # The multi-process tests that `python` and `python_distributed` run against the build tree run here once per kind:
-# two KAISA-subgroup runs, one tensor-parallel and one pipeline case, and the single-process example.
+# two KAISA-subgroup runs, one tensor-parallel and one pipeline case, and the single-process example. So do the
+# framework runs of `python_transformers` that repeat one kind many times (torch.compile's backends and shapes, the
+# Trainer's and Lightning's distributed checkpoints: the package's same Python files, 2-11 s each): one case each.
 once="(test_equals_single_process_reference and (4-kaisa-0.5 or 2-kaisa-0.5-inverse))"
 once+=" or test_one_tensor_parallel_rank_is_the_model_itself"
 once+=" or (test_pipeline_stages_equal_the_whole_model_in_one_process and 1f1b-1-mlp) or test_single_process_with_dkfac"
-suite=("$py" -k "not (test_distributed.py or test_tensor_parallel.py or test_pipeline.py or test_example.py) or $once")
+once+=" or test_a_compiled_model_trains_to_the_eager_models_kfac_gradients[inductor]"
+once+=" or test_kfac_trainer_checkpoints_under_ddp_resume_exactly[dp]"
+once+=" or test_lightning_model_parallel_strategy_checkpoints_resume_exactly[dp-owner-sharded]"
+repeated="test_distributed.py or test_tensor_parallel.py or test_pipeline.py or test_example.py or test_compile.py"
+repeated+=" or test_kfac_trainer_checkpoints_under or test_lightning_model_parallel_strategy"
+suite=("$py" -k "not ($repeated) or $once")
 if [[ ${DKFAC_PIP_INSTALL_FULL_SUITE:-0} == 1 ]]; then suite=("$py"); echo "(DKFAC_PIP_INSTALL_FULL_SUITE=1: all of tests/python)"; fi
 started=$(date +%s)
 rc=0
