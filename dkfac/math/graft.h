@@ -18,4 +18,15 @@ namespace dkfac::math {
 void graft_block(const std::vector<torch::Tensor>& block, const std::vector<torch::Tensor>& start,
                  const std::vector<torch::Tensor>& direction);
 
+/// graft_block's first half: row i of the result (float64, [block.size(), 2], on the parameters' device) is
+/// (|p1 - p0|^2, |d|^2) of parameter i. Where the parameters are shards of whole ones (a model sharded by FSDP2),
+/// each row is summed over the ranks holding that parameter's other shards before graft_apply, so that the norms
+/// are the whole block's.
+torch::Tensor graft_sums(const std::vector<torch::Tensor>& block, const std::vector<torch::Tensor>& start,
+                         const std::vector<torch::Tensor>& direction);
+/// graft_block's second half: the block put at p0 - (|p1 - p0| / |d|) d, the norms the square roots of the column
+/// sums of `sums` (graft_sums' rows).
+void graft_apply(const std::vector<torch::Tensor>& block, const std::vector<torch::Tensor>& start,
+                 const std::vector<torch::Tensor>& direction, const torch::Tensor& sums);
+
 }  // namespace dkfac::math

@@ -136,7 +136,9 @@ class KFAC(torch.optim.Optimizer):
       (None without a closure). Step pre- and post-hooks registered on this optimizer run around all of it.
     - ``graft=True``: each preconditioned layer moves along K-FAC's direction by the length of the base
       optimizer's own step on its plain gradient (the base's lr, moments and weight decay carry over unchanged, as
-      in Distributed Shampoo's grafting); the other parameters take the base's step. Not with FSDP2-sharded layers.
+      in Distributed Shampoo's grafting); the other parameters take the base's step. Under FSDP2 or HSDP the
+      norms are the whole layer's (its shards' sums added over their ranks). Not with layers split by tensor
+      parallelism.
     - ``eigen_adam=True`` (a preconditioner keyword, Options::eigen_adam): Adam in the K-FAC eigenbasis. The
       base must be ``torch.optim.AdamW`` (or ``Adam`` without weight decay): its ``betas`` and ``eps`` become the
       preconditioner's ``adam_beta1``, ``adam_beta2`` and ``adam_eps`` unless given, read at every step (a
@@ -254,10 +256,12 @@ class KFAC(torch.optim.Optimizer):
             if graft:
                 raise ValueError('dkfac.optim.KFAC: graft=True takes the length of the base optimizer\'s step; '
                                  "eigen_adam's step is Adam's own, with its own length: use one of them")
-        if graft and any(_is_dtensor(p) for _, module in preconditioner.layers for p in _layer_parameters(module)):
-            raise ValueError('dkfac.optim.KFAC: graft=True with layers sharded by FSDP2 or split by tensor parallelism '
-                             '(DTensor parameters) is not supported yet; graft a model that is not sharded, or use '
-                             'graft=False')
+        split = [name for (name, _), s in zip(preconditioner.layers, getattr(preconditioner, '_splits', ()))
+                 if s is not None]
+        if graft and split:
+            raise ValueError(f'dkfac.optim.KFAC: graft=True with layers split by tensor parallelism ({split[0]!r}'
+                             f'{f" and {len(split) - 1} more" if len(split) > 1 else ""}) is not supported yet (a '
+                             'model sharded by FSDP2 or HSDP alone is); use graft=False')
         self._patch_step_function()  # step() runs the step pre/post hooks, as every torch optimizer's
         self._check_layers_are_optimized()
         self._follow_lr()
@@ -419,8 +423,33 @@ class KFAC(torch.optim.Optimizer):
                 for p, g in zip(block, gradients):
                     p.grad.copy_(g)
         self._base.step()
-        for block, start, direction in zip(blocks, before, directions):
-            _C.graft_block(block, start, direction)  # the core's, as the C++ dkfac::optim::KFAC applies it
+        if not any(_is_dtensor(p) for block in blocks for p in block):
+            for block, start, direction in zip(blocks, before, directions):
+                _C.graft_block(block, start, direction)  # the core's, as the C++ dkfac::optim::KFAC applies it
+            return
+        # Shards of a model sharded by FSDP2 or HSDP: each parameter's sums over its own shard, summed over the mesh
+        # dimensions it is sharded on (not those it is replicated on), so that the norms are the whole layer's; then
+        # the core's update of each shard. One allreduce per mesh dimension, for every layer together.
+        parts = [([_local(p) for p in block], [_local(t) for t in start], [_local(d) for d in direction])
+                 for block, start, direction in zip(blocks, before, directions)]
+        sums = [_C.graft_sums(*part) if part[0] else None for part in parts]
+        rows: dict[tuple, list[tuple[int, int]]] = {}
+        for k, block in enumerate(blocks):
+            for i, p in enumerate(block):
+                if _is_dtensor(p):
+                    dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+                    if dims:
+                        rows.setdefault((id(p.device_mesh), dims), []).append((k, i))
+        for (_, dims), where in rows.items():
+            mesh = blocks[where[0][0]][where[0][1]].device_mesh
+            together = torch.stack([sums[k][i] for k, i in where])
+            for d in dims:
+                torch.distributed.all_reduce(together, group=mesh.get_group(d))
+            for (k, i), row in zip(where, together):
+                sums[k][i] = row
+        for part, block_sums in zip(parts, sums):
+            if block_sums is not None:
+                _C.graft_apply(*part, block_sums)
 
     def _eigen_adam_step(self) -> None:
         """eigen_adam: the preconditioner has replaced each preconditioned layer's gradient by Adam's step in its

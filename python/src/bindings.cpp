@@ -200,6 +200,11 @@ PYBIND11_MODULE(_C, m) {
   // C++ dkfac::optim::KFAC does.
   m.def("graft_block", &math::graft_block, py::arg("block"), py::arg("start"), py::arg("direction"),
         py::call_guard<py::gil_scoped_release>());
+  // Its two halves, for a block of shards (FSDP2): the sums, reduced over the shards' ranks, then the update.
+  m.def("graft_sums", &math::graft_sums, py::arg("block"), py::arg("start"), py::arg("direction"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("graft_apply", &math::graft_apply, py::arg("block"), py::arg("start"), py::arg("direction"), py::arg("sums"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("layer_state_entries", [] {
     // KfacLayer::state()'s entries (dkfac/layers/kfac_layer.h): key, whether a factor, side 'a' or 'g', whether
     // one of Adam's moments (eigen_adam).

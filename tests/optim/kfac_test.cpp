@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include "dkfac/dkfac.h"
+#include "dkfac/math/graft.h"
 #include "tests/multi_rank.h"
 #include "tests/test_util.h"
 
@@ -222,6 +223,40 @@ TEST(OptimKfac, GraftingMovesEachLayerAlongKfacsDirectionByTheBasesStepLength) {
     optim::KFAC(net, std::make_shared<torch::optim::AdamW>(net->parameters()), Options().kl_clip(0).eigen_adam(true),
                 nullptr, optim::KFACOptions().graft(true));
   }, {"graft takes the length of the base optimizer's step", "use one of them"});
+}
+
+TEST(OptimKfac, GraftingsSumsOverShardsAddUpToTheWholeBlocks) {
+  // A block split into row shards, as FSDP2 shards a layer: each shard's graft_sums, added, then graft_apply on each
+  // shard, put the shards where graft_block puts the whole block (Python's dkfac.optim.KFAC adds them over ranks).
+  torch::manual_seed(3);
+  const auto weight = torch::randn({5, 4}, torch::kFloat64), bias = torch::randn({5}, torch::kFloat64);
+  const auto start_w = weight + 0.1 * torch::randn({5, 4}, torch::kFloat64), start_b = bias - 0.2;
+  const auto dir_w = torch::randn({5, 4}, torch::kFloat64), dir_b = torch::randn({5}, torch::kFloat64);
+  auto whole_w = weight.clone(), whole_b = bias.clone();
+  math::graft_block({whole_w, whole_b}, {start_w, start_b}, {dir_w, dir_b});
+  auto split_w = weight.clone(), split_b = bias.clone();
+  std::vector<std::vector<torch::Tensor>> shards, starts, directions;
+  for (const auto& [from, rows] : {std::make_pair(0, 3), std::make_pair(3, 2)}) {
+    shards.push_back({split_w.narrow(0, from, rows), split_b.narrow(0, from, rows)});
+    starts.push_back({start_w.narrow(0, from, rows), start_b.narrow(0, from, rows)});
+    directions.push_back({dir_w.narrow(0, from, rows), dir_b.narrow(0, from, rows)});
+  }
+  const auto sums = math::graft_sums(shards[0], starts[0], directions[0]) +
+                    math::graft_sums(shards[1], starts[1], directions[1]);
+  for (size_t k = 0; k < shards.size(); ++k) math::graft_apply(shards[k], starts[k], directions[k], sums);
+  EXPECT_TRUE(testing::tensors_near(split_w, whole_w, 1e-14));
+  EXPECT_TRUE(testing::tensors_near(split_b, whole_b, 1e-14));
+  EXPECT_FALSE(torch::allclose(whole_w, weight));  // the block moved
+  // graft_block is its two halves, bit for bit; a shard's own sums alone put it elsewhere.
+  auto halves_w = weight.clone(), halves_b = bias.clone();
+  math::graft_apply({halves_w, halves_b}, {start_w, start_b}, {dir_w, dir_b},
+                    math::graft_sums({halves_w, halves_b}, {start_w, start_b}, {dir_w, dir_b}));
+  EXPECT_TRUE(torch::equal(halves_w, whole_w) && torch::equal(halves_b, whole_b));
+  auto alone = weight.narrow(0, 0, 3).clone();
+  math::graft_block({alone}, {start_w.narrow(0, 0, 3)}, {dir_w.narrow(0, 0, 3)});
+  EXPECT_FALSE(torch::allclose(alone, whole_w.narrow(0, 0, 3)));
+  expect_error([&] { math::graft_apply({halves_w}, {start_w}, {dir_w}, torch::zeros({2, 2}, torch::kFloat64)); },
+               {"graft_apply: the sums are", "one row of two per parameter"});
 }
 
 TEST(OptimKfac, RefusesBasesItCannotWrapNamingWhy) {
