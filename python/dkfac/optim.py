@@ -423,25 +423,21 @@ class KFAC(torch.optim.Optimizer):
                 for p, g in zip(block, gradients):
                     p.grad.copy_(g)
         self._base.step()
-        if not any(_is_dtensor(p) for block in blocks for p in block):
-            for block, start, direction in zip(blocks, before, directions):
-                _C.graft_block(block, start, direction)  # the core's, as the C++ dkfac::optim::KFAC applies it
-            return
-        # Shards of a model sharded by FSDP2 or HSDP: each parameter's sums over its own shard, summed over the mesh
-        # dimensions it is sharded on (not those it is replicated on), so that the norms are the whole layer's; then
-        # the core's update of each shard. One allreduce per mesh dimension, for every layer together.
+        # The core's update (as the C++ dkfac::optim::KFAC applies it) in its two halves: each parameter's sums, then
+        # the block's update. A parameter sharded by FSDP2 or HSDP has its sums over its own shard added over the mesh
+        # dimensions it is sharded on (not those it is replicated on), so that the norms are the whole layer's: one
+        # allreduce per mesh dimension, for every layer together.
         parts = [([_local(p) for p in block], [_local(t) for t in start], [_local(d) for d in direction])
                  for block, start, direction in zip(blocks, before, directions)]
         sums = [_C.graft_sums(*part) if part[0] else None for part in parts]
         rows: dict[tuple, list[tuple[int, int]]] = {}
         for k, block in enumerate(blocks):
             for i, p in enumerate(block):
-                if _is_dtensor(p):
-                    dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
-                    if dims:
-                        rows.setdefault((id(p.device_mesh), dims), []).append((k, i))
-        for (_, dims), where in rows.items():
-            mesh = blocks[where[0][0]][where[0][1]].device_mesh
+                dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard()) \
+                    if _is_dtensor(p) else ()
+                if dims:
+                    rows.setdefault((p.device_mesh, dims), []).append((k, i))
+        for (mesh, dims), where in rows.items():
             together = torch.stack([sums[k][i] for k, i in where])
             for d in dims:
                 torch.distributed.all_reduce(together, group=mesh.get_group(d))
